@@ -1,0 +1,216 @@
+"""The Adapter protocol: everything trimvlm needs to know about one model family, and nothing more.
+
+An adapter turns (images, prompts) into a `Prepared` batch and a `LiveSeq`, gives the rotary embeddings for
+any position ids, runs one decoder layer, and owns the final norm and LM head. The runner, the methods and the
+evaluation never look at model classes; they talk to this protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from trimvlm.errors import InputError
+from trimvlm.runtime.sequence import LiveSeq
+
+ATTENTION = "full_attention"
+LINEAR = "linear_attention"
+
+
+@dataclass
+class Prepared:
+    """A left-padded batch, with the tensors the model's own forward takes (`model_inputs`)."""
+
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S] long
+    model_inputs: dict  # everything else the model's forward needs (pixel_values, grids, ...)
+    n_images: list[int] = field(default_factory=list)
+
+    @property
+    def batch(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def load_images(images) -> list[list[Image.Image]]:
+    """Normalise per-sample image lists: a sample may be None, one image, a path, or a list of those."""
+    out = []
+    for sample in images:
+        if sample is None:
+            sample = []
+        elif not isinstance(sample, list | tuple):
+            sample = [sample]
+        out.append([_open(x) for x in sample])
+    return out
+
+
+def _open(x) -> Image.Image:
+    if isinstance(x, Image.Image):
+        return x.convert("RGB")
+    path = Path(x)
+    if not path.exists():
+        raise InputError(f"image file not found: {path}")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except Exception as e:  # PIL raises several types for unreadable files
+        raise InputError(
+            f"image unreadable: {path} is not an image file PIL can open ({type(e).__name__})"
+        ) from e
+
+
+class Adapter:
+    """Base class. Subclasses set `family` and implement the abstract parts."""
+
+    family: str = ""
+    rope_axes: int = 1
+
+    def __init__(self, model, tokenizer, image_processor, folder: Path | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.folder = folder
+        self.prompt_template = "{prompt}"
+        self.use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+        if folder is not None and (folder / "trimvlm.json").exists():
+            meta = json.loads((folder / "trimvlm.json").read_text())
+            self.prompt_template = meta.get("prompt_template", self.prompt_template)
+            self.use_chat_template = False
+        self._linear_macs = [self._count_linear_macs(layer) for layer in self.layers]
+
+    # ---- to implement per family ----
+    @property
+    def text_config(self):
+        raise NotImplementedError
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    def prepare(self, images, prompts: list[str]) -> Prepared:
+        raise NotImplementedError
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        raise NotImplementedError
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor):
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    # ---- shared behaviour ----
+    @property
+    def layer_types(self) -> list[str]:
+        types = getattr(self.text_config, "layer_types", None)
+        return list(types) if types else [ATTENTION] * len(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def attn_configs(self) -> list:
+        """Configs whose `_attn_implementation` the decoder's attention modules read."""
+        return [self.model.config, self.text_config]
+
+    def run_layer(self, i: int, hidden, position_embeddings, mask, cache, ctx, pad_mask2d=None):
+        return self.layers[i](
+            hidden, position_embeddings=position_embeddings, attention_mask=mask, cache=cache, trimvlm_ctx=ctx
+        )
+
+    def after_layer(self, i: int, seq: LiveSeq, hidden: torch.Tensor) -> torch.Tensor:
+        """Family-specific additions after layer i (Qwen3-VL deepstack). Default: nothing."""
+        return hidden
+
+    def text_positions(self, next_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """Position ids [A, B, n] of n text tokens following a sample whose next position is next_pos [B]."""
+        pos = next_pos[:, None] + torch.arange(n, device=next_pos.device)[None]
+        return pos[None].expand(self.rope_axes, -1, -1)
+
+    def render_prompt(self, prompt: str, n_images: int, image_block) -> str:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError("empty prompt: give a non-empty question or instruction")
+        images = "".join(image_block(k) for k in range(n_images))
+        if self.use_chat_template:
+            content = [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+            return self._expand_chat_images(text, image_block)
+        return images + self.prompt_template.format(prompt=prompt, question=prompt)
+
+    def _expand_chat_images(self, text: str, image_block) -> str:
+        raise NotImplementedError
+
+    def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pad = self.tokenizer.pad_token_id
+        pad = 0 if pad is None else pad
+        s = max(len(r) for r in rows)
+        ids = torch.full((len(rows), s), pad, dtype=torch.long)
+        att = torch.zeros((len(rows), s), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, s - len(r) :] = torch.tensor(r, dtype=torch.long)
+            att[b, s - len(r) :] = 1
+        return ids, att
+
+    def sequence_from(
+        self, prepared: Prepared, embeds, positions, visual, image_id, grids, starts, adds=None
+    ):
+        valid = prepared.attention_mask.bool()
+        b, s = valid.shape
+        source = torch.arange(s)[None].expand(b, s).masked_fill(~valid, -1)
+        return LiveSeq(
+            hidden=embeds,
+            positions=positions,
+            valid=valid,
+            visual=visual & valid,
+            source=source,
+            image_id=image_id,
+            adds=adds or {},
+            grids=grids,
+            image_start=starts,
+            size=torch.ones(b, s, dtype=torch.long),
+        )
+
+    # ---- cost accounting (matmul FLOPs of what ran) ----
+    @staticmethod
+    def _count_linear_macs(layer: torch.nn.Module) -> int:
+        return sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+    def layer_flops(self, i: int, batch: int, q: int, k: int) -> int:
+        """Matmul FLOPs of layer i for `batch` rows of q queries over k keys (2 per multiply-add)."""
+        cfg = self.text_config
+        flops = 2 * batch * q * self._linear_macs[i]
+        if self.layer_types[i] == ATTENTION:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            flops += 4 * batch * cfg.num_attention_heads * q * k * head_dim
+        else:
+            flops += self.linear_layer_core_flops(i, batch, q)
+        return flops
+
+    def linear_layer_core_flops(self, i: int, batch: int, q: int) -> int:
+        return 0
+
+    def head_flops(self, batch: int, q: int) -> int:
+        cfg = self.text_config
+        return 2 * batch * q * cfg.hidden_size * cfg.vocab_size
+
+    def info(self) -> dict:
+        cfg = self.text_config
+        return {
+            "family": self.family,
+            "layers": self.num_layers,
+            "layer_types": self.layer_types,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+        }

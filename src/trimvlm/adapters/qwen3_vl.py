@@ -1,0 +1,148 @@
+"""Qwen3-VL: M-RoPE (3 axes), vision tower with deepstack features added after the first decoder layers."""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.runtime.sequence import LiveSeq
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+class QwenVLAdapterMixin:
+    """Shared by the Qwen-VL families: image block, M-RoPE positions from the model's own rule."""
+
+    rope_axes = 3
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def layers(self):
+        return self.inner.language_model.layers
+
+    @property
+    def merge(self) -> int:
+        return self.model.config.vision_config.spatial_merge_size
+
+    def _image_tokens(self, grid) -> int:
+        return int(grid.prod().item()) // (self.merge**2)
+
+    def _expand_chat_images(self, text, image_block):
+        unit = VISION_START + IMAGE_PAD + VISION_END
+        parts = text.split(unit)
+        out = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            out += image_block(k) + rest
+        return out
+
+    def prepare(self, images, prompts) -> Prepared:
+        per_sample = load_images(images)
+        if len(per_sample) != len(prompts):
+            from trimvlm.errors import InputError
+
+            raise InputError(
+                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
+            )
+        flat = [im for ims in per_sample for im in ims]
+        model_inputs = {}
+        grids = torch.zeros(0, 3, dtype=torch.long)
+        if flat:
+            proc = self.image_processor(images=flat, return_tensors="pt")
+            model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
+            grids = proc["image_grid_thw"]
+            model_inputs["image_grid_thw"] = grids
+        rows, k0 = [], 0
+        for ims, prompt in zip(per_sample, prompts, strict=True):
+            counts = [self._image_tokens(grids[k0 + k]) for k in range(len(ims))]
+            text = self.render_prompt(
+                prompt, len(ims), lambda k, c=counts: VISION_START + IMAGE_PAD * c[k] + VISION_END
+            )
+            rows.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            k0 += len(ims)
+        ids, att = self.pad_batch(rows)
+        image_pad_id = self.model.config.image_token_id
+        model_inputs["mm_token_type_ids"] = (ids == image_pad_id).to(torch.int32)
+        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+
+    def _layout(self, prepared: Prepared):
+        """Per sample: grids (h, w) in merged tokens and the start index of each image's tokens."""
+        grid_thw = prepared.model_inputs.get("image_grid_thw")
+        visual = prepared.input_ids == self.model.config.image_token_id
+        grids, starts, k = [], [], 0
+        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        for b in range(prepared.batch):
+            g, st = [], []
+            idx = torch.nonzero(visual[b]).flatten().tolist()
+            pos = 0
+            for j in range(prepared.n_images[b]):
+                t, h, w = (int(x) for x in grid_thw[k])
+                n = t * h * w // self.merge**2
+                g.append((h // self.merge, w // self.merge))
+                st.append(idx[pos])
+                image_id[b, idx[pos] : idx[pos] + n] = j
+                pos += n
+                k += 1
+            grids.append(g)
+            starts.append(st)
+        return visual, image_id, grids, starts
+
+    def positions(self, prepared: Prepared) -> torch.Tensor:
+        ids, att = prepared.input_ids, prepared.attention_mask
+        if "image_grid_thw" not in prepared.model_inputs:
+            pos = (att.cumsum(-1) - 1).clamp(min=0)
+            return pos[None].expand(3, -1, -1).clone()
+        pos, _ = self.inner.get_rope_index(
+            ids,
+            mm_token_type_ids=prepared.model_inputs["mm_token_type_ids"],
+            image_grid_thw=prepared.model_inputs["image_grid_thw"],
+            attention_mask=att,
+        )
+        return pos
+
+    def rotary(self, hidden, positions):
+        return self.inner.language_model.rotary_emb(hidden, positions)
+
+    def final_norm(self, hidden):
+        return self.inner.language_model.norm(hidden)
+
+    def lm_head(self, hidden):
+        return self.model.lm_head(hidden)
+
+
+class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):
+    family = "qwen3_vl"
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self._layout(prepared)
+        adds = {}
+        if "pixel_values" in prepared.model_inputs:
+            out = self.inner.get_image_features(
+                prepared.model_inputs["pixel_values"],
+                prepared.model_inputs["image_grid_thw"],
+                return_dict=True,
+            )
+            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
+            embeds = embeds.masked_scatter(visual[..., None], feats)
+            deep = []
+            for layer_feats in out.deepstack_features:
+                t = torch.zeros_like(embeds)
+                t[visual] = torch.cat(layer_feats, dim=0).to(embeds.dtype)
+                deep.append(t)
+            adds["deepstack"] = deep
+        return self.sequence_from(
+            prepared, embeds, self.positions(prepared), visual, image_id, grids, starts, adds
+        )
+
+    def after_layer(self, i, seq, hidden):
+        deep = seq.adds.get("deepstack")
+        if deep and i < len(deep):
+            return hidden + deep[i] * seq.visual[..., None].to(hidden.dtype)
+        return hidden

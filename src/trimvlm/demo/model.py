@@ -1,0 +1,143 @@
+"""The tiny demo VLM: a real `Qwen3VLForConditionalGeneration` built from a small config.
+
+`build_config` sizes it, `build_model` instantiates it with the demo tokenizer's special-token ids, and
+`save_checkpoint` writes a folder that transformers' own `from_pretrained` (model, tokenizer, image
+processor) and `trimvlm.load` both read: fp32 safetensors, config, generation config, tokenizer, image
+processor and `trimvlm.json` (prompt template and recorded accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from trimvlm.demo import task
+from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
+
+PATCH = 8
+MERGE = 2
+TEMPORAL = 2
+VISUAL_TOKENS = (task.IMAGE_SIZE // (PATCH * MERGE)) ** 2  # 64
+
+
+def build_image_processor() -> Qwen2VLImageProcessorPil:
+    n = task.IMAGE_SIZE * task.IMAGE_SIZE
+    return Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=n, max_pixels=n
+    )
+
+
+def build_config(
+    tokenizer=None,
+    hidden: int = 128,
+    layers: int = 6,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    vision_hidden: int = 64,
+    vision_depth: int = 2,
+) -> Qwen3VLConfig:
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    ids = tok.convert_tokens_to_ids
+    half = head_dim // 2
+    hw = (half * 5) // 16  # same proportions as Qwen3-VL's [24, 20, 20] for head_dim 128
+    mrope = [half - 2 * hw, hw, hw]
+    text_config = {
+        "vocab_size": len(tok),
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": mrope,
+            "mrope_interleaved": True,
+        },
+        "pad_token_id": ids(PAD),
+        "eos_token_id": ids(EOS),
+    }
+    grid = task.IMAGE_SIZE // PATCH
+    vision_config = {
+        "depth": vision_depth,
+        "hidden_size": vision_hidden,
+        "intermediate_size": vision_hidden * 4,
+        "num_heads": max(1, vision_hidden // 32),
+        "in_channels": 3,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL,
+        "out_hidden_size": hidden,
+        "num_position_embeddings": grid * grid,
+        "deepstack_visual_indexes": list(range(min(2, vision_depth))),
+    }
+    return Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids(IMAGE_PAD),
+        video_token_id=ids(VIDEO_PAD),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(config: Qwen3VLConfig | None = None, seed: int = 0) -> Qwen3VLForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config if config is not None else build_config())
+    model.generation_config = generation_config(model.config)
+    return model
+
+
+def generation_config(config: Qwen3VLConfig) -> GenerationConfig:
+    tc = config.text_config
+    return GenerationConfig(
+        eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id, do_sample=False, max_new_tokens=16
+    )
+
+
+def trimvlm_meta(extra: dict | None = None) -> dict:
+    meta = {
+        "prompt_template": task.PROMPT_TEMPLATE,
+        "image_first": True,
+        "image_size": task.IMAGE_SIZE,
+        "visual_tokens": VISUAL_TOKENS,
+        "kinds": task.KINDS,
+        "task": "demo",
+    }
+    meta.update(extra or {})
+    return meta
+
+
+def save_checkpoint(model, folder: str | Path, meta: dict | None = None, tokenizer=None) -> Path:
+    """Write the checkpoint folder atomically: into a temporary sibling, then swapped into place."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok = tokenizer if tokenizer is not None else build_tokenizer()
+        tok.save_pretrained(tmp)
+        build_image_processor().save_pretrained(tmp)
+        (tmp / "trimvlm.json").write_text(json.dumps(trimvlm_meta(meta), indent=2) + "\n")
+        old = None
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder

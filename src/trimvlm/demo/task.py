@@ -1,0 +1,380 @@
+"""The synthetic demo task: grid scenes with coloured shapes and a short drawn string.
+
+A scene is an 8x8 grid of 16-pixel cells (a 128x128 RGB image). With Qwen3-VL's patch size 8 and spatial
+merge size 2, one merged visual token covers exactly one cell, so an image is 64 visual tokens. Most cells
+are uniform grey background (some with a faint repeated stripe pattern); a few cells hold a coloured shape,
+and one row holds a short string of glyphs (black on white, one glyph per cell).
+
+Every answer is computed from the scene description (`Scene`), never from the pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from trimvlm.errors import InputError
+
+GRID = 8
+CELL = 16
+IMAGE_SIZE = GRID * CELL
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (50, 80, 225),
+    "yellow": (235, 210, 40),
+    "purple": (150, 60, 190),
+}
+COLOR_NAMES = list(COLORS)
+BACKGROUND = "grey"
+BACKGROUND_RGB = (128, 128, 128)
+STRIPE_RGB = (142, 142, 142)
+SHAPES = ["square", "circle", "triangle"]
+GLYPH_CHARS = list("0123456789ABCDEF")
+OPTION_LETTERS = ["A", "B", "C", "D"]
+MAX_OBJECTS = 7
+
+# 5x7 bitmaps, one string per row, '#' = ink.
+_GLYPHS: dict[str, list[str]] = {
+    "0": [".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."],
+    "1": ["..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."],
+    "2": [".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"],
+    "3": ["####.", "....#", "....#", ".###.", "....#", "....#", "####."],
+    "4": ["...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."],
+    "5": ["#####", "#....", "####.", "....#", "....#", "#...#", ".###."],
+    "6": ["..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."],
+    "7": ["#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."],
+    "8": [".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."],
+    "9": [".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."],
+    "A": ["..#..", ".#.#.", "#...#", "#...#", "#####", "#...#", "#...#"],
+    "B": ["####.", "#...#", "#...#", "####.", "#...#", "#...#", "####."],
+    "C": [".###.", "#...#", "#....", "#....", "#....", "#...#", ".###."],
+    "D": ["###..", "#..#.", "#...#", "#...#", "#...#", "#..#.", "###.."],
+    "E": ["#####", "#....", "#....", "####.", "#....", "#....", "#####"],
+    "F": ["#####", "#....", "#....", "####.", "#....", "#....", "#...."],
+}
+
+KINDS: dict[str, str] = {
+    "exist": "prefill",
+    "mc": "prefill",
+    "color": "prefill",
+    "count": "prefill",
+    "list": "full",
+    "read": "full",
+}
+# Training-only auxiliary kind: every object with explicit coordinates, in raster order.
+AUX_KINDS: dict[str, str] = {"describe": "full"}
+
+PROMPT_TEMPLATE = "{question} <ans>"
+
+SPLITS = {"train": 1, "val": 2, "test": 3}
+
+
+@dataclass
+class Obj:
+    row: int
+    col: int
+    color: str
+    shape: str
+
+
+@dataclass
+class Scene:
+    objects: list[Obj]
+    text: str  # glyph characters, e.g. "7A3"
+    text_row: int
+    text_col: int  # first cell of the string
+    stripes: list[tuple[int, int]] = field(default_factory=list)  # background cells with the stripe pattern
+
+    def text_cells(self) -> list[tuple[int, int]]:
+        return [(self.text_row, self.text_col + i) for i in range(len(self.text))]
+
+    def object_at(self, row: int, col: int) -> Obj | None:
+        for o in self.objects:
+            if o.row == row and o.col == col:
+                return o
+        return None
+
+
+@dataclass
+class QA:
+    kind: str
+    probe: str  # "prefill" | "full"
+    question: str
+    answer: str
+    options: list[str] | None
+    candidates: list[str]
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    image: Image.Image
+    scene: Scene
+    qas: list[QA]
+
+
+# --------------------------------------------------------------------------------------------- scenes
+
+
+def make_scene(rng: np.random.Generator) -> Scene:
+    n_text = int(rng.integers(3, 5))
+    text = "".join(GLYPH_CHARS[int(i)] for i in rng.integers(0, len(GLYPH_CHARS), n_text))
+    text_row = int(rng.integers(0, GRID))
+    text_col = int(rng.integers(0, GRID - n_text + 1))
+    taken = {(text_row, text_col + i) for i in range(n_text)}
+    free = [(r, c) for r in range(GRID) for c in range(GRID) if (r, c) not in taken]
+    n_obj = int(rng.integers(3, MAX_OBJECTS + 1))
+    picks = rng.choice(len(free), size=n_obj, replace=False)
+    objects = []
+    for p in sorted(int(x) for x in picks):
+        r, c = free[p]
+        objects.append(
+            Obj(
+                r, c, COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))], SHAPES[int(rng.integers(len(SHAPES)))]
+            )
+        )
+    occupied = taken | {(o.row, o.col) for o in objects}
+    stripes: list[tuple[int, int]] = []
+    if rng.random() < 0.6:  # a rectangular patch of repeated stripe texture on empty background
+        r0, c0 = (int(x) for x in rng.integers(0, GRID - 1, 2))
+        h, w = (int(x) for x in rng.integers(2, 5, 2))
+        stripes = [
+            (r, c)
+            for r in range(r0, min(GRID, r0 + h))
+            for c in range(c0, min(GRID, c0 + w))
+            if (r, c) not in occupied
+        ]
+    return Scene(objects=objects, text=text, text_row=text_row, text_col=text_col, stripes=stripes)
+
+
+def render(scene: Scene) -> Image.Image:
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND_RGB)
+    d = ImageDraw.Draw(img)
+    for r, c in scene.stripes:
+        x, y = c * CELL, r * CELL
+        for k in range(0, CELL, 4):
+            d.line([(x, y + k), (x + CELL - 1, y + k)], fill=STRIPE_RGB)
+    for o in scene.objects:
+        x, y = o.col * CELL, o.row * CELL
+        rgb = COLORS[o.color]
+        if o.shape == "square":
+            d.rectangle([x + 3, y + 3, x + 12, y + 12], fill=rgb)
+        elif o.shape == "circle":
+            d.ellipse([x + 2, y + 2, x + 13, y + 13], fill=rgb)
+        else:
+            d.polygon([(x + 8, y + 2), (x + 14, y + 13), (x + 1, y + 13)], fill=rgb)
+    for i, ch in enumerate(scene.text):
+        x, y = (scene.text_col + i) * CELL, scene.text_row * CELL
+        d.rectangle([x, y, x + CELL - 1, y + CELL - 1], fill=(245, 245, 245))
+        for gy, line in enumerate(_GLYPHS[ch]):
+            for gx, px in enumerate(line):
+                if px == "#":
+                    d.rectangle(
+                        [x + 3 + 2 * gx, y + 1 + 2 * gy, x + 4 + 2 * gx, y + 2 + 2 * gy], fill=(0, 0, 0)
+                    )
+    return img
+
+
+# --------------------------------------------------------------------------------------------- answers
+
+
+def _row_items(scene: Scene, axis: str, index: int) -> list[str]:
+    if axis == "row":
+        objs = sorted((o for o in scene.objects if o.row == index), key=lambda o: o.col)
+    else:
+        objs = sorted((o for o in scene.objects if o.col == index), key=lambda o: o.row)
+    return [o.color for o in objs]
+
+
+def answer_for(scene: Scene, kind: str, params: dict) -> str:
+    """Recompute the answer of a question from the scene description alone."""
+    if kind == "exist":
+        hit = any(o.color == params["color"] and o.shape == params["shape"] for o in scene.objects)
+        return "yes" if hit else "no"
+    if kind == "mc":
+        present = {(o.color, o.shape) for o in scene.objects}
+        hits = [i for i, (c, s) in enumerate(params["options"]) if (c, s) in present]
+        if len(hits) != 1:
+            raise ValueError("a multiple-choice question must have exactly one present option")
+        return OPTION_LETTERS[hits[0]]
+    if kind == "color":
+        o = scene.object_at(params["row"], params["col"])
+        return o.color if o is not None else BACKGROUND
+    if kind == "count":
+        return str(sum(o.color == params["color"] for o in scene.objects))
+    if kind == "list":
+        items = _row_items(scene, params["axis"], params["index"])
+        return " ".join(items) if items else "none"
+    if kind == "read":
+        return " ".join(scene.text)
+    if kind == "describe":
+        objs = sorted(scene.objects, key=lambda o: (o.row, o.col))
+        return " ".join(f"r{o.row} c{o.col} {o.color} {o.shape}" for o in objs)
+    raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
+
+
+def _question_text(kind: str, params: dict) -> str:
+    if kind == "exist":
+        return f"is there a {params['color']} {params['shape']} ?"
+    if kind == "mc":
+        opts = " ".join(f"{L} {c} {s}" for L, (c, s) in zip(OPTION_LETTERS, params["options"], strict=True))
+        return f"which is present ? {opts}"
+    if kind == "color":
+        return f"color at r{params['row']} c{params['col']} ?"
+    if kind == "count":
+        return f"how many {params['color']} ?"
+    if kind == "list":
+        prefix = "r" if params["axis"] == "row" else "c"
+        return f"list {params['axis']} {prefix}{params['index']} ?"
+    if kind == "read":
+        return "read text ?"
+    if kind == "describe":
+        return "describe ?"
+    raise InputError(f"unknown question kind {kind!r}")
+
+
+def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
+    present = {(o.color, o.shape) for o in scene.objects}
+    all_pairs = [(c, s) for c in COLOR_NAMES for s in SHAPES]
+    absent = [p for p in all_pairs if p not in present]
+    if kind == "exist":
+        pool = sorted(present) if (rng.random() < 0.5 and present) else absent
+        c, s = pool[int(rng.integers(len(pool)))]
+        return {"color": c, "shape": s}
+    if kind == "mc":
+        right = sorted(present)[int(rng.integers(len(present)))]
+        wrong_idx = rng.choice(len(absent), size=3, replace=False)
+        opts = [absent[int(i)] for i in wrong_idx]
+        opts.insert(int(rng.integers(4)), right)
+        return {"options": opts}
+    if kind == "color":
+        text_cells = set(scene.text_cells())
+        if rng.random() < 0.7:
+            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            return {"row": o.row, "col": o.col}
+        occupied = text_cells | {(o.row, o.col) for o in scene.objects}
+        empty = [(r, c) for r in range(GRID) for c in range(GRID) if (r, c) not in occupied]
+        r, c = empty[int(rng.integers(len(empty)))]
+        return {"row": r, "col": c}
+    if kind == "count":
+        colors = sorted({o.color for o in scene.objects})
+        pool = colors if rng.random() < 0.8 else COLOR_NAMES
+        return {"color": pool[int(rng.integers(len(pool)))]}
+    if kind == "list":
+        axis = "row" if rng.random() < 0.5 else "col"
+        if rng.random() < 0.85:
+            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            index = o.row if axis == "row" else o.col
+        else:
+            index = int(rng.integers(GRID))
+        return {"axis": axis, "index": index}
+    return {}
+
+
+def _candidates(scene: Scene, kind: str, answer: str, rng: np.random.Generator) -> list[str]:
+    if kind == "exist":
+        return ["yes", "no"]
+    if kind == "mc":
+        return list(OPTION_LETTERS)
+    if kind == "color":
+        return COLOR_NAMES + [BACKGROUND]
+    if kind == "count":
+        return [str(i) for i in range(MAX_OBJECTS + 1)]
+    # multi-token kinds: the right answer and up to 3 near misses
+    cands = [answer]
+    words = answer.split()
+    vocab = COLOR_NAMES if kind == "list" else GLYPH_CHARS
+    for _ in range(30):
+        if len(cands) >= 4:
+            break
+        if kind == "list" and (answer == "none" or rng.random() < 0.25):
+            alt = (
+                [vocab[int(rng.integers(len(vocab)))] for _ in range(int(rng.integers(1, 3)))]
+                if answer == "none"
+                else words[:-1] or ["none"]
+            )
+        else:
+            alt = list(words)
+            j = int(rng.integers(len(alt)))
+            alt[j] = vocab[int(rng.integers(len(vocab)))]
+        s = " ".join(alt)
+        if s not in cands:
+            cands.append(s)
+    order = rng.permutation(len(cands))
+    return [cands[int(i)] for i in order]
+
+
+def make_qa(scene: Scene, kind: str, rng: np.random.Generator) -> QA:
+    params = _draw_params(scene, kind, rng)
+    answer = answer_for(scene, kind, params)
+    options = None
+    if kind == "mc":
+        options = [f"{c} {s}" for c, s in params["options"]]
+    probe = KINDS.get(kind) or AUX_KINDS[kind]
+    return QA(
+        kind=kind,
+        probe=probe,
+        question=_question_text(kind, params),
+        answer=answer,
+        options=options,
+        candidates=_candidates(scene, kind, answer, rng),
+        params=params,
+    )
+
+
+def make_sample(rng: np.random.Generator, per_kind: dict[str, int] | None = None) -> Sample:
+    """One scene, its image and questions: one per kind in `KINDS` unless `per_kind` says otherwise."""
+    scene = make_scene(rng)
+    counts = per_kind if per_kind is not None else {k: 1 for k in KINDS}
+    qas = [make_qa(scene, kind, rng) for kind, n in counts.items() for _ in range(n)]
+    return Sample(image=render(scene), scene=scene, qas=qas)
+
+
+def split_rng(split: str, seed: int = 0) -> np.random.Generator:
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r}; allowed: {sorted(SPLITS)}")
+    return np.random.default_rng([SPLITS[split], int(seed), 20240601])
+
+
+def generate_split(split: str, n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples of `split` ("train", "val", "test"); splits draw from disjoint seed streams."""
+    rng = split_rng(split, seed)
+    if n < 0:
+        raise InputError(f"n must be >= 0, got {n}")
+    return [make_sample(rng) for _ in range(n)]
+
+
+def format_prompt(question: str) -> str:
+    return PROMPT_TEMPLATE.format(question=question)
+
+
+def vocabulary_words() -> list[str]:
+    """Every word the task can produce, in a fixed order."""
+    words = [
+        "?",
+        "<ans>",
+        "is",
+        "there",
+        "a",
+        "which",
+        "present",
+        "color",
+        "at",
+        "how",
+        "many",
+        "list",
+        "row",
+    ]
+    words += ["col", "read", "text", "describe", "yes", "no", "none", BACKGROUND]
+    words += COLOR_NAMES + SHAPES
+    words += [f"r{i}" for i in range(GRID)] + [f"c{i}" for i in range(GRID)]
+    words += [str(i) for i in range(10)] + [ch for ch in GLYPH_CHARS if not ch.isdigit()]
+    out: list[str] = []
+    for w in words + OPTION_LETTERS:
+        if w not in out:
+            out.append(w)
+    return out

@@ -1,0 +1,74 @@
+"""`trimvlm.load`: a local checkpoint folder (or "demo") -> a VLM with the right adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trimvlm.adapters import ADAPTERS, adapter_for
+from trimvlm.errors import CheckpointError
+
+DEMO_DIR = Path(__file__).parent / "demo" / "checkpoints"
+DEMO_MODELS = {"demo": "qwen3vl", "demo-qwen3vl": "qwen3vl", "demo-qwen35": "qwen35"}
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    key = str(path_or_id)
+    if key in DEMO_MODELS:
+        folder = DEMO_DIR / DEMO_MODELS[key]
+        if not (folder / "config.json").exists():
+            raise CheckpointError(f"the demo checkpoint {key!r} is not shipped in this install ({folder})")
+        return folder
+    folder = Path(key).expanduser()
+    if folder.is_dir():
+        return folder
+    cached = _hub_snapshot(key)
+    if cached is not None:
+        return cached
+    raise CheckpointError(
+        f"checkpoint not found: {key!r} is neither a local folder nor a model in the local hub cache "
+        "(no model hub is reachable here; download the checkpoint and pass its folder)"
+    )
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        return None
+
+
+def read_model_type(folder: Path) -> str:
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise CheckpointError(f"{folder} is not a checkpoint folder: it has no config.json")
+    try:
+        data = json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg} is not valid JSON: {e}") from e
+    model_type = data.get("model_type")
+    if not model_type:
+        raise CheckpointError(f"{cfg} has no model_type; supported families: {', '.join(sorted(ADAPTERS))}")
+    return model_type
+
+
+def load_adapter(path_or_id, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    folder = resolve(path_or_id)
+    adapter_cls = adapter_for(read_model_type(folder))
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        image_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+    except OSError as e:
+        raise CheckpointError(
+            f"{folder} is not a complete checkpoint (model, tokenizer, image processor): {e}"
+        ) from e
+    return adapter_cls(model, tokenizer, image_processor, folder=folder)

@@ -1,0 +1,137 @@
+"""The attention function trimvlm runs transformers' attention modules with.
+
+Registered under its own name in transformers' `AttentionInterface` (adding a name, replacing nothing), and
+selected only while the runner drives a model (`use_trimvlm_attention`), so a user's other code sees the model
+unchanged. Without a context it is transformers' own SDPA path. With one it can
+- attend to a shared prefix cache plus each branch's own keys, merging the two parts exactly (log-sum-exp),
+  so N branches read one prefix without copying it;
+- record the attention rows a method asks for (FastV's last-query row, SnapKV's window, H2O's column sums),
+  computing only those query rows, never switching the model to eager attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "trimvlm_sdpa"
+
+
+@dataclass
+class AttentionProbe:
+    """Ask for the attention probabilities of some query rows in given layers (mean over heads).
+
+    rows: [B, R] long indices into the current chunk's queries (R rows per sample; -1 = ignore).
+    The result per layer is [B, R, K] (softmax over the keys of that layer, heads averaged), and with
+    `per_head` True [B, H, R, K].
+    """
+
+    layers: set[int]
+    rows: torch.Tensor
+    per_head: bool = False
+    results: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionContext:
+    prefix_layers: dict | None = None  # layer_idx -> LayerKV of a shared prefix
+    prefix_owner: torch.Tensor | None = None  # [B] prefix row of each branch
+    prefix_mask: torch.Tensor | None = None  # [B, 1, Q, Kp] bool
+    probe: AttentionProbe | None = None
+
+
+def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+    b, h, q, d = query.shape
+    return query.reshape(b, n_kv, (h // n_kv) * q, d)
+
+
+def _expand_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    # [B, 1, Q, K] -> [B, 1, G*Q, K] in the same order as _grouped (group-major, then query)
+    b, one, q, k = mask.shape
+    return mask[:, :, None].expand(b, one, groups, q, k).reshape(b, one, groups * q, k)
+
+
+def _scores(query, key, scaling):
+    n_kv = key.shape[1]
+    return torch.matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
+
+
+def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling, prefix=None):
+    rows = probe.rows.clamp(min=0)
+    b, h, _, d = query.shape
+    q_rows = query.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], d))
+    m_rows = mask.gather(2, rows[:, None, :, None].expand(b, 1, rows.shape[1], mask.shape[-1]))
+    s = _scores(q_rows, key, scaling).float()
+    g = h // key.shape[1]
+    s = s.masked_fill(~_expand_mask(m_rows, g), float("-inf"))
+    p = torch.softmax(s, dim=-1).reshape(b, h, rows.shape[1], -1)
+    probe.results[layer_idx] = p if probe.per_head else p.mean(1)
+
+
+def trimvlm_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    trimvlm_ctx: AttentionContext | None = None,
+    **kwargs,
+):
+    ctx = trimvlm_ctx
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer_idx = getattr(module, "layer_idx", None)
+    if ctx is not None and ctx.probe is not None and layer_idx in ctx.probe.layers:
+        _record_probe(ctx.probe, layer_idx, query, key, attention_mask, scaling)
+    if ctx is None or ctx.prefix_layers is None or layer_idx not in ctx.prefix_layers:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=False,
+            **kwargs,
+        )
+    # shared prefix + own keys, one softmax over both, prefix never copied (broadcast when it has one row)
+    pre = ctx.prefix_layers[layer_idx]
+    owner = ctx.prefix_owner
+    pk, pv = pre.key, pre.value
+    if pk.shape[0] != 1:
+        pk, pv = pk.index_select(0, owner), pv.index_select(0, owner)
+    b, h, q, d = query.shape
+    n_kv = key.shape[1]
+    g = h // n_kv
+    s_pre = _scores(query, pk, scaling).float()
+    s_own = _scores(query, key, scaling).float()
+    s_pre = s_pre.masked_fill(~_expand_mask(ctx.prefix_mask, g), float("-inf"))
+    s_own = s_own.masked_fill(~_expand_mask(attention_mask, g), float("-inf"))
+    p = torch.softmax(torch.cat([s_pre, s_own], dim=-1), dim=-1).to(query.dtype)
+    kp = pk.shape[2]
+    out = torch.matmul(p[..., :kp], pv) + torch.matmul(p[..., kp:], value)  # [B, Hk, G*Q, d]
+    out = out.reshape(b, h, q, d).transpose(1, 2).contiguous()
+    return out, None
+
+
+AttentionInterface.register(NAME, trimvlm_attention)
+
+
+@contextlib.contextmanager
+def use_trimvlm_attention(configs):
+    """Select trimvlm's attention on these configs for the duration of a run, then restore them."""
+    saved = [(c, c._attn_implementation) for c in configs]
+    try:
+        for c, _ in saved:
+            c._attn_implementation = NAME
+        yield
+    finally:
+        for c, impl in saved:
+            c._attn_implementation = impl

@@ -1,0 +1,117 @@
+"""Cost meter: exact matmul FLOPs of what ran (per layer, per phase), KV bytes held, wall time, peak memory.
+
+FLOPs count 2 per multiply-add of every matmul that executed (linear layers, attention scores and values,
+LM head), on the shapes that actually ran, padding included; norms and element-wise ops are not counted (they
+are < 1% of a decoder layer). The vision tower's FLOPs are measured by torch's FlopCounterMode.
+Peak memory: on CUDA the allocator's peak; on CPU the growth of the process's peak resident set (ru_maxrss)
+during the run, which is 0 when the run fit in memory the process had already touched: read it as a lower
+bound, and compare KV bytes for the cache itself.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Costs:
+    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # phase -> FLOPs
+    layer_flops: dict[str, dict[int, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )
+    kv_bytes: int = 0  # attention KV held at the end of prefill (after any eviction)
+    state_bytes: int = 0  # recurrent (Gated DeltaNet) states held
+    kv_bytes_peak: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    peak_memory_bytes: int = 0
+    peak_memory_kind: str = ""
+    layers_run: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def prefill_flops(self) -> int:
+        return self.flops["prefill"] + self.flops.get("vision", 0)
+
+    @property
+    def decode_flops(self) -> int:
+        return self.flops.get("decode", 0)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "flops": dict(self.flops),
+            "prefill_flops": self.prefill_flops,
+            "decode_flops": self.decode_flops,
+            "total_flops": self.total_flops,
+            "layer_flops": {k: dict(v) for k, v in self.layer_flops.items()},
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_peak": self.kv_bytes_peak,
+            "state_bytes": self.state_bytes,
+            "seconds": dict(self.seconds),
+            "latency_s": sum(self.seconds.values()),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_kind": self.peak_memory_kind,
+            "layers_run": dict(self.layers_run),
+        }
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Meter:
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.costs = Costs()
+        self.device = torch.device(device)
+        self._rss0 = 0
+
+    def add_layer(self, phase: str, layer: int, flops: int) -> None:
+        self.costs.flops[phase] += flops
+        self.costs.layer_flops[phase][layer] += flops
+        self.costs.layers_run[phase] += 1
+
+    def add(self, phase: str, flops: int) -> None:
+        self.costs.flops[phase] += flops
+
+    def kv(self, cache) -> None:
+        self.costs.kv_bytes = cache.attention_bytes()
+        self.costs.state_bytes = cache.state_bytes()
+        self.costs.kv_bytes_peak = max(self.costs.kv_bytes_peak, self.costs.kv_bytes)
+
+    def timer(self, phase: str):
+        meter = self
+
+        class _T:
+            def __enter__(self):
+                if meter.device.type == "cuda":
+                    torch.cuda.synchronize(meter.device)
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if meter.device.type == "cuda":
+                    torch.cuda.synchronize(meter.device)
+                meter.costs.seconds[phase] += time.perf_counter() - self.t0
+
+        return _T()
+
+    def start_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._rss0 = torch.cuda.memory_allocated(self.device)
+        else:
+            self._rss0 = _maxrss_bytes()
+
+    def stop_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.costs.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device) - self._rss0
+            self.costs.peak_memory_kind = "cuda_allocator_peak_over_start"
+        else:
+            self.costs.peak_memory_bytes = _maxrss_bytes() - self._rss0
+            self.costs.peak_memory_kind = "cpu_peak_rss_growth"

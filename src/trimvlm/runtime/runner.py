@@ -1,0 +1,201 @@
+"""The layer loop: trimvlm drives the unmodified transformers decoder layers itself.
+
+`prefill` embeds the batch, runs every decoder layer not in the skip set (a skipped layer is not executed),
+calls the token hook before each layer (L = 0 is before the first layer) so a reducer can gather the live
+sequence to a subset, and writes a `KVCache`. `step` runs a chunk of new tokens (decode, or candidate
+branches) against that cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
+from trimvlm.runtime.cache import KVCache
+from trimvlm.runtime.masks import chunk_mask, prefix_mask
+from trimvlm.runtime.meter import Meter
+from trimvlm.runtime.sequence import LiveSeq
+
+# hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
+TokenHook = Callable[[int, LiveSeq, "Runner"], LiveSeq]
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # [B, V] at each sample's last token, or [B, S, V] with all_logits
+    seq: LiveSeq  # the live sequence after the last layer (hidden = final-normed states)
+    cache: KVCache
+    next_pos: torch.Tensor  # [B] position id of the next token (original, never the shrunk length)
+
+
+class Runner:
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    def check_layers(self, layers, what: str = "layer") -> None:
+        from trimvlm.errors import RecipeError
+
+        for i in layers:
+            if not 0 <= int(i) < self.num_layers:
+                raise RecipeError(
+                    f"{what} index {i} out of range: this model has layers 0..{self.num_layers - 1}"
+                )
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        prepared,
+        *,
+        hook: TokenHook | None = None,
+        skip: frozenset[int] | set[int] = frozenset(),
+        meter: Meter | None = None,
+        all_logits: bool = False,
+        ctx: AttentionContext | None = None,
+    ) -> PrefillOutput:
+        meter = meter or Meter()
+        self.check_layers(skip, "skipped layer")
+        with meter.timer("vision"):
+            with FlopCounterMode(display=False) as fc:
+                seq = self.adapter.embed(prepared)
+        meter.add("vision", fc.get_total_flops())
+        next_pos = _next_positions(seq)
+        cache = KVCache(self.num_layers)
+        with meter.timer("prefill"):
+            seq = self.run(seq, cache, phase="prefill", hook=hook, skip=skip, meter=meter, ctx=ctx)
+            logits = self._logits(seq, meter, "prefill", all_logits)
+        meter.kv(cache)
+        return PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
+
+    def run(
+        self,
+        seq: LiveSeq,
+        cache: KVCache,
+        *,
+        phase: str,
+        hook: TokenHook | None = None,
+        skip=frozenset(),
+        meter: Meter | None = None,
+        ctx: AttentionContext | None = None,
+        within: torch.Tensor | None = None,
+    ) -> LiveSeq:
+        """Run the decoder layers over the chunk `seq`, appending to `cache`. Returns the final-normed seq."""
+        ad = self.adapter
+        pos_emb = ad.rotary(seq.hidden, seq.positions)
+        masks: dict[int, torch.Tensor] = {}
+        cache.begin_chunk(seq.valid, seq.visual, seq.source)
+        if cache.prefix is not None:
+            ctx = ctx or AttentionContext()
+            ctx.prefix_layers = cache.prefix.layers
+            ctx.prefix_owner = cache.prefix.owner
+        hidden = seq.hidden
+        with use_trimvlm_attention(ad.attn_configs):
+            for i in range(self.num_layers):
+                if hook is not None:
+                    cur = seq.with_hidden(hidden)
+                    new = hook(i, cur, self)
+                    if new is not None and new is not cur:
+                        seq, hidden = new, new.hidden
+                        pos_emb = ad.rotary(hidden, seq.positions)
+                        masks.clear()
+                        cache.begin_chunk(seq.valid, seq.visual, seq.source)
+                if i in skip:
+                    hidden = ad.after_layer(i, seq, hidden)
+                    continue
+                past = cache.past_valid(i)
+                key = id(past)
+                if key not in masks:
+                    masks[key] = chunk_mask(past, seq.valid, within)
+                k_len = seq.length + (0 if past is None else past.shape[1])
+                if ctx is not None and ctx.prefix_layers is not None and i in ctx.prefix_layers:
+                    pv = ctx.prefix_layers[i].valid
+                    ctx.prefix_mask = prefix_mask(pv, ctx.prefix_owner, seq.length)
+                    k_len += pv.shape[1]
+                hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
+                hidden = ad.after_layer(i, seq, hidden)
+                if meter is not None:
+                    meter.add_layer(phase, i, ad.layer_flops(i, seq.batch, seq.length, k_len))
+        if hook is not None:
+            new = hook(self.num_layers, seq.with_hidden(hidden), self)
+            if new is not None:
+                seq, hidden = new, new.hidden
+        return seq.with_hidden(ad.final_norm(hidden))
+
+    def _logits(self, seq: LiveSeq, meter: Meter | None, phase: str, all_logits: bool) -> torch.Tensor:
+        h = seq.hidden if all_logits else seq.hidden[:, -1]
+        if meter is not None:
+            meter.add(phase, self.adapter.head_flops(seq.batch, seq.length if all_logits else 1))
+        return self.adapter.lm_head(h).float()
+
+    @torch.no_grad()
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        valid: torch.Tensor | None = None,
+        within: torch.Tensor | None = None,
+        skip=frozenset(),
+        meter: Meter | None = None,
+        phase: str = "decode",
+        all_logits: bool = False,
+        ctx: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache; return logits."""
+        b, q = tokens.shape
+        valid = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
+        seq = LiveSeq(
+            hidden=self.adapter.embed_tokens(tokens),
+            positions=positions,
+            valid=valid,
+            visual=torch.zeros(b, q, dtype=torch.bool),
+            source=torch.full((b, q), -1, dtype=torch.long),
+            image_id=torch.full((b, q), -1, dtype=torch.long),
+        )
+        seq = self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
+        return self._logits(seq, meter, phase, all_logits)
+
+
+def _next_positions(seq: LiveSeq) -> torch.Tensor:
+    pos = seq.positions.masked_fill(~seq.valid[None], -1)
+    return pos.amax(dim=(0, 2)) + 1
+
+
+@torch.no_grad()
+def branch(
+    runner: Runner,
+    prefix: PrefillOutput,
+    owner: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    within: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    skip=frozenset(),
+    meter: Meter | None = None,
+) -> torch.Tensor:
+    """Run N continuations `tokens` [N, Q] as one batch, branch n reading prefix row owner[n] of the shared,
+    uncopied prefix cache. Returns logits [N, Q, V]. The prefix cache is left unchanged."""
+    cache = prefix.cache.share_prefix(owner)
+    if positions is None:
+        start = prefix.next_pos.index_select(0, owner)
+        positions = runner.adapter.text_positions(start, tokens.shape[1])
+    return runner.step(
+        tokens,
+        positions,
+        cache,
+        valid=valid,
+        within=within,
+        skip=skip,
+        meter=meter,
+        phase="branch",
+        all_logits=True,
+    )

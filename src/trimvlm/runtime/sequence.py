@@ -1,0 +1,81 @@
+"""The live sequence the runner carries between decoder layers.
+
+Every per-position tensor is aligned on the sequence axis S, left-padded (pads first, so the last column is
+every sample's newest token). Gathering a subset of positions keeps each token's original position ids, so a
+token dropped after layer L leaves the others exactly where RoPE put them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class LiveSeq:
+    hidden: torch.Tensor  # [B, S, D]
+    positions: torch.Tensor  # [A, B, S] rope position ids (A = 3 for M-RoPE, 1 otherwise)
+    valid: torch.Tensor  # [B, S] bool, False on padding
+    visual: torch.Tensor  # [B, S] bool, True on image tokens
+    source: torch.Tensor  # [B, S] long, index of the token in the original prefill sequence (-1 on padding)
+    image_id: torch.Tensor  # [B, S] long, which image of the sample a visual token came from (-1 for text)
+    # Per-position tensors a family adds to the hidden states after given layers (Qwen3-VL deepstack):
+    # name -> list of [B, S, D], gathered together with the sequence.
+    adds: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Visual-token patch grids per sample: list of (grid_h, grid_w) per image (positions of tokens in the grid
+    # are recovered from `source` minus the image's first index, kept in `image_start`).
+    grids: list[list[tuple[int, int]]] = field(default_factory=list)
+    image_start: list[list[int]] = field(default_factory=list)
+    # Tokens merged into each live token (1 if none); used by size-weighted merges.
+    size: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.hidden.shape[1]
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(1)
+
+    def gather(self, keep: torch.Tensor) -> LiveSeq:
+        """Keep positions where `keep` [B, S] is True, compacted to the right (left padding), order kept."""
+        if keep.shape != self.valid.shape:
+            raise ValueError(f"keep mask shape {tuple(keep.shape)} != sequence {tuple(self.valid.shape)}")
+        keep = keep & self.valid
+        new_len = int(keep.sum(1).max().item()) if keep.numel() else 0
+        # stable sort puts dropped positions first and kept ones after, in their original order
+        order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.length - new_len :]
+        return self.index_select(order, keep.gather(1, order))
+
+    def index_select(self, order: torch.Tensor, new_valid: torch.Tensor) -> LiveSeq:
+        """Take columns `order` [B, S'] of every per-position tensor; `new_valid` marks real entries."""
+        b_idx = torch.arange(self.batch, device=order.device)[:, None]
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "hidden":
+                out[f.name] = v[b_idx, order]
+            elif f.name == "positions":
+                out[f.name] = v[:, b_idx, order]
+            elif f.name in ("visual", "source", "image_id", "size"):
+                out[f.name] = None if v is None else v[b_idx, order]
+            elif f.name == "valid":
+                out[f.name] = new_valid
+            elif f.name == "adds":
+                out[f.name] = {k: [t[b_idx, order] for t in ts] for k, ts in v.items()}
+            else:
+                out[f.name] = v
+        seq = LiveSeq(**out)
+        seq.visual = seq.visual & new_valid
+        seq.source = seq.source.masked_fill(~new_valid, -1)
+        seq.image_id = seq.image_id.masked_fill(~new_valid, -1)
+        return seq
+
+    def with_hidden(self, hidden: torch.Tensor) -> LiveSeq:
+        seq = LiveSeq(**{f.name: getattr(self, f.name) for f in fields(self)})
+        seq.hidden = hidden
+        return seq

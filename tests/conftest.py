@@ -1,0 +1,48 @@
+import importlib.util
+
+import pytest
+import torch
+
+from trimvlm.testing import FAMILIES, random_image, tiny_checkpoint
+
+AVAILABLE = [f for f in FAMILIES if importlib.util.find_spec(f"trimvlm.testing.tiny_{f}") is not None]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    made = {}
+
+    def get(family: str, **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = tiny_checkpoint(family, tmp_path_factory.mktemp(family), **kw)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tiny_dir):
+    from trimvlm.loading import load_adapter
+
+    made = {}
+
+    def get(family: str, **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = load_adapter(tiny_dir(family, **kw))
+        return made[key]
+
+    return get
+
+
+def ragged_batch():
+    """Three samples with different image sizes and prompt lengths."""
+    images = [[random_image(1, (64, 64))], [random_image(2, (96, 64))], [random_image(3, (64, 128))]]
+    prompts = ["what is the colour", "how many red circle are there in the image", "describe"]
+    return images, prompts
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
