@@ -60,7 +60,9 @@ def read_model_type(folder: Path) -> str:
 
 def load_adapter(path_or_id, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     folder = resolve(path_or_id)
     adapter_cls = adapter_for(read_model_type(folder))
     try:

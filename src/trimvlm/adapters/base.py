@@ -205,9 +205,20 @@ class Adapter:
         cfg = self.text_config
         return 2 * batch * q * cfg.hidden_size * cfg.vocab_size
 
+    def visual_tokens(self, width: int, height: int) -> int:
+        """LLM visual tokens one image of this size becomes (measured through `prepare`)."""
+        blank = Image.new("RGB", (width, height), (128, 128, 128))
+        return int((self.prepare([[blank]], ["x"]).input_ids == self.image_token_id).sum())
+
+    @property
+    def image_token_id(self) -> int:
+        cfg = self.model.config
+        return getattr(cfg, "image_token_id", None) or cfg.image_token_index
+
     def info(self) -> dict:
         cfg = self.text_config
         return {
+            "visual_tokens_per_image (128x128, 448x448)": [self.visual_tokens(128, 128), self.visual_tokens(448, 448)],
             "family": self.family,
             "layers": self.num_layers,
             "layer_types": self.layer_types,

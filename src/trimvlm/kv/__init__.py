@@ -1,0 +1,1 @@
+"""kv methods register themselves in trimvlm.registry (one file per method)."""

@@ -83,9 +83,23 @@ class KVCache:
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.states.get(layer_idx, {}).get("recurrent")
 
-    def update_conv_state(self, new_conv_state, layer_idx, *args, **kwargs):
-        self.states.setdefault(layer_idx, {})["conv"] = new_conv_state
-        return new_conv_state
+    def update_conv_state(self, new_conv_state, layer_idx, *args, conv_kernel_size=None, **kwargs):
+        """`new_conv_state` [B, C, Q] holds the chunk's conv inputs. Returns them with the cached left context
+        prepended (the previous `conv_kernel_size` inputs; zeros on the first chunk when it is shorter than the
+        kernel), the causal conv's input; keeps the last `conv_kernel_size` inputs as the new state, in a new
+        tensor. (The model's single-token decode instead writes the held conv state in place; a branch cache holds
+        its own copies of the prefix states, so a prefix is never changed.)"""
+        st = self.states.setdefault(layer_idx, {})
+        old = st.get("conv")
+        if old is None:
+            full = new_conv_state
+            if conv_kernel_size is not None and full.shape[-1] < conv_kernel_size:
+                full = torch.nn.functional.pad(full, (conv_kernel_size - full.shape[-1], 0))
+        else:
+            full = torch.cat([old.to(new_conv_state.dtype), new_conv_state], dim=-1)
+        keep = conv_kernel_size if conv_kernel_size is not None else full.shape[-1]
+        st["conv"] = full[..., -keep:].clone(memory_format=torch.contiguous_format)
+        return full
 
     def update_recurrent_state(self, new_state, layer_idx, *args, **kwargs):
         self.states.setdefault(layer_idx, {})["recurrent"] = new_state
@@ -93,6 +107,30 @@ class KVCache:
 
     def is_recording_past(self, layer_idx) -> bool:
         return self._recording
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        if layer_idx is None:
+            return bool(self.states) and all(st.get("recurrent") is not None for st in self.states.values())
+        return self.states.get(layer_idx, {}).get("recurrent") is not None
+
+    def state_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
+        """A cache holding copies of rows `rows` of one recurrent layer's states, to run a subset of the batch
+        (rows whose chunks hold different numbers of valid tokens); write back with `put_state_rows`."""
+        sub = KVCache(self.num_layers)
+        sub.states[layer_idx] = {
+            k: v.index_select(0, rows) for k, v in self.states.get(layer_idx, {}).items() if v is not None
+        }
+        return sub
+
+    def put_state_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
+        """Take rows `rows` of one recurrent layer's states from `sub` (out of place: new tensors)."""
+        st = self.states.setdefault(layer_idx, {})
+        for k, v in sub.states.get(layer_idx, {}).items():
+            old = st.get(k)
+            if old is None:
+                batch = self._pending[0].shape[0]
+                old = torch.zeros((batch, *v.shape[1:]), dtype=v.dtype, device=v.device)
+            st[k] = old.index_copy(0, rows, v.to(old.dtype))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length(layer_idx)

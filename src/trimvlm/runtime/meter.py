@@ -115,3 +115,16 @@ class Meter:
         else:
             self.costs.peak_memory_bytes = _maxrss_bytes() - self._rss0
             self.costs.peak_memory_kind = "cpu_peak_rss_growth"
+
+
+def flop_counter():
+    """torch's FlopCounterMode, also counting the CPU fused SDPA kernel (which torch's table lacks): 4·B·H·Q·K·d,
+    the same rule torch uses for the CUDA SDPA kernels. Local to this counter; nothing global changes."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
+
+    def cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs):
+        return sdpa_flop(query, key, value)
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    mapping = {op: cpu_sdpa} if op is not None else {}
+    return FlopCounterMode(display=False, custom_mapping=mapping)

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.masks import chunk_mask, prefix_mask
-from trimvlm.runtime.meter import Meter
+from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.runtime.sequence import LiveSeq
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
@@ -63,7 +62,7 @@ class Runner:
         meter = meter or Meter()
         self.check_layers(skip, "skipped layer")
         with meter.timer("vision"):
-            with FlopCounterMode(display=False) as fc:
+            with flop_counter() as fc:
                 seq = self.adapter.embed(prepared)
         meter.add("vision", fc.get_total_flops())
         next_pos = _next_positions(seq)

@@ -1,0 +1,1 @@
+"""tokens methods register themselves in trimvlm.registry (one file per method)."""

@@ -1,0 +1,132 @@
+"""The `trimvlm` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from trimvlm.errors import TrimVLMError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Cheaper VLM inference, honestly measured."
+)
+console = Console()
+
+
+def _fail(e: TrimVLMError):
+    console.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"),
+    image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
+    prompt: str = typer.Option(..., help="question or instruction"),
+    max_new_tokens: int = typer.Option(32, help="maximum new tokens"),
+    recipe: str = typer.Option("", help="e.g. tokens=density:keep=0.25:layer=3"),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json", help="print the result and its costs as JSON"),
+):
+    """Generate an answer for one image + prompt."""
+    import trimvlm
+
+    try:
+        vlm = trimvlm.load(model)
+        res = vlm.generate(
+            [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, seed=seed,
+        )  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps({"text": res.texts[0], "tokens": res.tokens[0], "recipe": res.recipe,
+                          "costs": res.costs.as_dict()}, indent=2))  # fmt: skip
+        return
+    console.print(res.texts[0])
+    c = res.costs
+    console.print(
+        f"[dim]prefill {c.prefill_flops / 1e9:.3f} GFLOP, decode {c.decode_flops / 1e9:.3f} GFLOP, "
+        f"KV {c.kv_bytes / 1024:.1f} KiB, {sum(c.seconds.values()) * 1e3:.0f} ms[/]"
+    )
+
+
+@app.command()
+def info(model: str = typer.Option(..., help="checkpoint folder, or 'demo'")):
+    """Family, layers and their types, visual tokens per image."""
+    import trimvlm
+
+    try:
+        vlm = trimvlm.load(model)
+    except TrimVLMError as e:
+        _fail(e)
+    data = vlm.info()
+    table = Table(title=f"{model}")
+    table.add_column("field")
+    table.add_column("value")
+    for k, v in data.items():
+        table.add_row(k, ", ".join(map(str, v)) if isinstance(v, list) else str(v))
+    console.print(table)
+
+
+@app.command()
+def demo(
+    limit: int = typer.Option(300, help="test items"),
+    json_out: Path = typer.Option(Path("trimvlm-demo.json"), "--json"),
+    plot: Path = typer.Option(Path("trimvlm-demo.png")),
+):
+    """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
+    from trimvlm.cli_eval import demo_command
+
+    try:
+        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot))
+    except TrimVLMError as e:
+        _fail(e)
+
+
+@app.command("eval")
+def eval_(
+    model: str = typer.Option("demo"),
+    task: str = typer.Option("demo"),
+    recipes: Path | None = typer.Option(None, help="YAML/JSON recipe file"),
+    limit: int = typer.Option(200),
+    json_out: Path = typer.Option(Path("trimvlm-eval.json"), "--json"),
+    plot: Path = typer.Option(Path("trimvlm-eval.png")),
+    batch_size: int = typer.Option(16),
+    seed: int = typer.Option(0),
+):
+    """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs."""
+    from trimvlm.cli_eval import eval_command
+
+    try:
+        eval_command(
+            model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed
+        )
+    except TrimVLMError as e:
+        _fail(e)
+
+
+@app.command("train-demo")
+def train_demo(
+    out: Path = typer.Option(Path("runs/demo-qwen3vl")),
+    steps: int = typer.Option(6000),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(True),
+):
+    """Train the tiny demo model from scratch on the demo task (seeded, resumable)."""
+    from trimvlm.demo.train import train_demo as _train
+
+    try:
+        _train(out_dir=str(out), steps=steps, seed=seed, resume=resume)
+    except TrimVLMError as e:
+        _fail(e)
+
+
+if __name__ == "__main__":
+    app()

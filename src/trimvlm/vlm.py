@@ -1,0 +1,107 @@
+"""The public object: a loaded model with its adapter and runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trimvlm.errors import InputError
+from trimvlm.plan import make_plan
+from trimvlm.runtime.generate import Sampling, generate
+from trimvlm.runtime.meter import Costs
+from trimvlm.runtime.runner import Runner
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    tokens: list[list[int]]
+    costs: Costs
+    recipe: str
+
+    def as_dict(self) -> dict:
+        return {
+            "texts": self.texts,
+            "tokens": self.tokens,
+            "recipe": self.recipe,
+            "costs": self.costs.as_dict(),
+        }
+
+
+class VLM:
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.runner = Runner(adapter)
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+    @property
+    def tokenizer(self):
+        return self.adapter.tokenizer
+
+    def stop_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(self.adapter.model.generation_config, "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif gen_eos:
+            ids.update(gen_eos)
+        return sorted(i for i in ids if i is not None)
+
+    def prepare(self, images, prompts):
+        if isinstance(prompts, str):
+            prompts, images = [prompts], [images]
+        if not prompts:
+            raise InputError("no prompts given")
+        return self.adapter.prepare(images, list(prompts))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        images,
+        prompts,
+        *,
+        recipe=None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> GenerationResult:
+        """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        plan = make_plan(recipe, self.runner)
+        prepared = self.prepare(images, prompts)
+        pad = self.tokenizer.pad_token_id
+        out = generate(
+            self.runner,
+            prepared,
+            max_new_tokens=max_new_tokens,
+            stop_ids=self.stop_ids(),
+            pad_id=0 if pad is None else pad,
+            sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+            hook=plan.hook,
+            skip_prefill=plan.skip_prefill,
+            skip_decode=plan.skip_decode,
+            after_prefill=plan.after_prefill,
+        )
+        stops = set(self.stop_ids())
+        toks = []
+        for b in range(prepared.batch):
+            row = out.tokens[b, : int(out.lengths[b])].tolist()
+            toks.append([t for t in row if t not in stops])
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]
+        return GenerationResult(texts=texts, tokens=toks, costs=out.costs, recipe=plan.recipe.label())
+
+    def info(self) -> dict:
+        return self.adapter.info()
+
+
+def load(path_or_id, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VLM:
+    """Load a supported checkpoint folder (or "demo", the shipped demo model) as a VLM."""
+    from trimvlm.loading import load_adapter
+
+    return VLM(load_adapter(path_or_id, dtype=dtype, device=device))

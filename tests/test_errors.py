@@ -1,0 +1,75 @@
+"""Bad input gets a clear TrimVLMError naming the problem."""
+
+import json
+
+import pytest
+
+import trimvlm
+from trimvlm.errors import CheckpointError, InputError, RecipeError, UnsupportedModelError
+from trimvlm.recipe import parse_recipe
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        trimvlm.load(tmp_path / "nope")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        trimvlm.load(tmp_path)
+
+
+def test_unknown_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="unsupported model family 'gpt2'.*qwen3_vl"):
+        trimvlm.load(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from trimvlm.testing import tiny_checkpoint
+
+    return trimvlm.load(tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("q")))
+
+
+def test_image_that_is_not_an_image(vlm, tmp_path):
+    bad = tmp_path / "x.png"
+    bad.write_text("not an image")
+    with pytest.raises(InputError, match="image unreadable"):
+        vlm.generate(str(bad), "what is the colour")
+
+
+def test_image_missing(vlm, tmp_path):
+    with pytest.raises(InputError, match="image file not found"):
+        vlm.generate(str(tmp_path / "none.png"), "what is the colour")
+
+
+def test_empty_prompt(vlm):
+    with pytest.raises(InputError, match="empty prompt"):
+        vlm.generate(None, "   ")
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_max_tokens_not_positive(vlm, n):
+    with pytest.raises(InputError, match="max_new_tokens must be a positive integer"):
+        vlm.generate(None, "what is", max_new_tokens=n)
+
+
+def test_recipe_errors():
+    with pytest.raises(RecipeError, match="unknown recipe axis 'colour'"):
+        parse_recipe("colour=red")
+    with pytest.raises(RecipeError, match="unknown tokens method 'nosuch'"):
+        parse_recipe("tokens=nosuch:keep=0.5").build()
+    with pytest.raises(RecipeError, match="not of the form option=value"):
+        parse_recipe("tokens=density:keep")
+
+
+def test_cli_reports_errors_without_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from trimvlm.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert res.exit_code == 2
+    assert "checkpoint not found" in res.output
+    assert "Traceback" not in res.output
