@@ -8,8 +8,8 @@ from trimvlm.testing import random_image
 
 
 def hand_count(cfg, batch, q, k, layers):
-    d, h, kv, hd, m, v = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                          cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+    d, h, kv, hd, m = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.intermediate_size)  # fmt: skip
     linear = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * m
     per_layer = 2 * batch * q * linear + 4 * batch * h * q * k * hd
     return layers * per_layer

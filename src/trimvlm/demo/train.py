@@ -35,11 +35,11 @@ from trimvlm.demo.model import (
 )
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
-TRAIN_TURNS = {"exist": 2, "mc": 1, "color": 4, "count": 2, "list": 2, "read": 1}
-P_DESCRIBE = 0.5
+TRAIN_TURNS = {"exist": 1, "mc": 1, "color": 3, "count": 1, "list": 2, "read": 1}
+P_DESCRIBE = 0.4
 P_SINGLE_TURN = 0.2
 VAL_IMAGES = 48
-PAD_MULTIPLE = 64
+PAD_MULTIPLE = 32
 TEST_IMAGES = 100
 
 
