@@ -15,6 +15,7 @@ class Plan:
     after_prefill: object | None = None  # (PrefillOutput) -> None
     skip_prefill: frozenset[int] = field(default_factory=frozenset)
     skip_decode: frozenset[int] = field(default_factory=frozenset)
+    probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
 
 
 def make_plan(recipe, runner) -> Plan:
@@ -25,9 +26,12 @@ def make_plan(recipe, runner) -> Plan:
     if reducer is not None:
         reducer.check(runner)
         plan.hook = reducer.hook(runner)
+        plan.probe = reducer.probe(runner)
     policy = methods.get("kv")
     if policy is not None:
         plan.after_prefill = policy.bind(runner, reducer)
+        wanted = policy.probe(runner)
+        plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
     depth = methods.get("depth")
     if depth is not None:
         plan.skip_prefill, plan.skip_decode = depth.skips(runner)

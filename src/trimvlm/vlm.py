@@ -87,6 +87,7 @@ class VLM:
             skip_prefill=plan.skip_prefill,
             skip_decode=plan.skip_decode,
             after_prefill=plan.after_prefill,
+            probe=plan.probe,
         )
         stops = set(self.stop_ids())
         toks = []

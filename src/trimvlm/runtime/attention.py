@@ -23,17 +23,29 @@ NAME = "trimvlm_sdpa"
 
 @dataclass
 class AttentionProbe:
-    """Ask for the attention probabilities of some query rows in given layers (mean over heads).
+    """Record attention probabilities of the last `last` query rows of a chunk in the given layers.
 
-    rows: [B, R] long indices into the current chunk's queries (R rows per sample; -1 = ignore).
-    The result per layer is [B, R, K] (softmax over the keys of that layer, heads averaged), and with
-    `per_head` True [B, H, R, K].
+    Only those rows are computed (an extra [B, H, last, K] score block), never the full matrix. Results per
+    layer: `results[i]` = [B, last, K] softmax over layer i's keys, heads averaged (or [B, H, last, K] with
+    `per_head`); `row_valid[i]` = [B, last] which of those rows are real tokens (False on padding), and
+    `key_valid[i]` = [B, K]. `layers` None means every attention layer.
     """
 
-    layers: set[int]
-    rows: torch.Tensor
+    last: int = 1
+    layers: set[int] | None = None
     per_head: bool = False
     results: dict[int, torch.Tensor] = field(default_factory=dict)
+    row_valid: dict[int, torch.Tensor] = field(default_factory=dict)
+    chunk_valid: torch.Tensor | None = None  # set by the runner for the current chunk
+
+    def wants(self, layer_idx) -> bool:
+        return self.layers is None or layer_idx in self.layers
+
+    def merge(self, other: AttentionProbe | None) -> AttentionProbe:
+        if other is None:
+            return self
+        layers = None if self.layers is None or other.layers is None else self.layers | other.layers
+        return AttentionProbe(max(self.last, other.last), layers, self.per_head or other.per_head)
 
 
 @dataclass
@@ -60,16 +72,17 @@ def _scores(query, key, scaling):
     return torch.matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
 
 
-def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling, prefix=None):
-    rows = probe.rows.clamp(min=0)
-    b, h, _, d = query.shape
-    q_rows = query.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], d))
-    m_rows = mask.gather(2, rows[:, None, :, None].expand(b, 1, rows.shape[1], mask.shape[-1]))
-    s = _scores(q_rows, key, scaling).float()
+def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
+    b, h, q, d = query.shape
+    n = min(probe.last, q)
+    m_rows = mask[:, :, q - n :, :]
+    s = _scores(query[:, :, q - n :], key, scaling).float()
     g = h // key.shape[1]
     s = s.masked_fill(~_expand_mask(m_rows, g), float("-inf"))
-    p = torch.softmax(s, dim=-1).reshape(b, h, rows.shape[1], -1)
+    p = torch.softmax(s, dim=-1).reshape(b, h, n, -1)
     probe.results[layer_idx] = p if probe.per_head else p.mean(1)
+    if probe.chunk_valid is not None:
+        probe.row_valid[layer_idx] = probe.chunk_valid[:, q - n :]
 
 
 def trimvlm_attention(
@@ -87,7 +100,7 @@ def trimvlm_attention(
     ctx = trimvlm_ctx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer_idx = getattr(module, "layer_idx", None)
-    if ctx is not None and ctx.probe is not None and layer_idx in ctx.probe.layers:
+    if ctx is not None and ctx.probe is not None and ctx.probe.wants(layer_idx):
         _record_probe(ctx.probe, layer_idx, query, key, attention_mask, scaling)
     if ctx is None or ctx.prefix_layers is None or layer_idx not in ctx.prefix_layers:
         return sdpa_attention_forward(

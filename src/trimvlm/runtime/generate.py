@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.runner import PrefillOutput, Runner
 
@@ -64,14 +65,17 @@ def generate(
     skip_decode=frozenset(),
     after_prefill: Callable[[PrefillOutput], None] | None = None,
     meter: Meter | None = None,
+    probe=None,
 ) -> GenerationOutput:
+    """`probe` (an AttentionProbe) records prefill attention rows for methods that score by attention."""
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     sampling = sampling or Sampling()
     meter = meter or Meter()
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
     meter.start_memory()
-    out = runner.prefill(prepared, hook=hook, skip=skip_prefill, meter=meter)
+    ctx = AttentionContext(probe=probe) if probe is not None else None
+    out = runner.prefill(prepared, hook=hook, skip=skip_prefill, meter=meter, ctx=ctx)
     if after_prefill is not None:
         with meter.timer("prefill"):
             after_prefill(out)

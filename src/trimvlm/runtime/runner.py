@@ -117,6 +117,8 @@ class Runner:
                     pv = ctx.prefix_layers[i].valid
                     ctx.prefix_mask = prefix_mask(pv, ctx.prefix_owner, seq.length)
                     k_len += pv.shape[1]
+                if ctx is not None and ctx.probe is not None:
+                    ctx.probe.chunk_valid = seq.valid
                 hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 hidden = ad.after_layer(i, seq, hidden)
                 if meter is not None:
