@@ -1,0 +1,154 @@
+"""LLaVA: a CLIP or SigLIP vision tower, a projector, a Llama-style text model with 1-D RoPE.
+
+Each image becomes a run of `<image>` tokens, one per vision patch (the CLS token of CLIP is dropped by the
+"default" feature strategy and kept by "full"). Position ids are the running count of valid tokens, as
+transformers' `generate` computes them for a left-padded batch (`attention_mask.cumsum(-1) - 1`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.errors import InputError
+from trimvlm.runtime.sequence import LiveSeq
+
+IMAGE = "<image>"
+
+
+class LlavaAdapter(Adapter):
+    family = "llava"
+    rope_axes = 1
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def layers(self):
+        return self.inner.language_model.layers
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+    @property
+    def patch_size(self) -> int:
+        return self.model.config.vision_config.patch_size
+
+    @property
+    def has_cls(self) -> bool:
+        """Whether the vision tower puts a CLS token before the patches (CLIP does, SigLIP does not)."""
+        embeddings = getattr(self.inner.vision_tower, "embeddings", None)
+        return getattr(embeddings, "class_embedding", None) is not None
+
+    @property
+    def grid_offset(self) -> int:
+        """Index of patch (0, 0) relative to an image's first token: 1 when a CLS token is kept ("full"
+        strategy on CLIP), -1 when the "default" strategy drops a patch (a tower without CLS), else 0."""
+        full = self.model.config.vision_feature_select_strategy == "full"
+        if self.has_cls:
+            return int(full)
+        return 0 if full else -1
+
+    def _grid(self, pixel_values: torch.Tensor) -> tuple[int, int]:
+        """(h, w) patches of the images in this batch (the processor gives every image the same size)."""
+        h, w = pixel_values.shape[-2:]
+        return h // self.patch_size, w // self.patch_size
+
+    def _image_tokens(self, grid: tuple[int, int]) -> int:
+        h, w = grid
+        return h * w + self.grid_offset
+
+    def _expand_chat_images(self, text, image_block):
+        parts = text.split(IMAGE)
+        out = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            out += image_block(k) + rest
+        return out
+
+    def _tokenize(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and ids[:1] != [bos]:
+            ids = [bos] + ids
+        return ids
+
+    def prepare(self, images, prompts) -> Prepared:
+        per_sample = load_images(images)
+        if len(per_sample) != len(prompts):
+            raise InputError(
+                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
+            )
+        flat = [im for ims in per_sample for im in ims]
+        model_inputs = {}
+        count = 0
+        if flat:
+            pixel_values = self.image_processor(images=flat, return_tensors="pt")["pixel_values"]
+            model_inputs["pixel_values"] = pixel_values.to(self.model.dtype)
+            count = self._image_tokens(self._grid(pixel_values))
+        rows = []
+        for ims, prompt in zip(per_sample, prompts, strict=True):
+            text = self.render_prompt(prompt, len(ims), lambda k: IMAGE * count)
+            rows.append(self._tokenize(text))
+        ids, att = self.pad_batch(rows)
+        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+
+    def _layout(self, prepared: Prepared):
+        """Per sample: grids (h, w) in patches and where each image's patch (0, 0) lies (`image_start`): its
+        patch (r, c) is at image_start + r * w + c."""
+        visual = prepared.input_ids == self.image_token_id
+        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        grids, starts = [], []
+        pixel_values = prepared.model_inputs.get("pixel_values")
+        grid = self._grid(pixel_values) if pixel_values is not None else (0, 0)
+        n = self._image_tokens(grid) if pixel_values is not None else 0
+        for b in range(prepared.batch):
+            idx = torch.nonzero(visual[b]).flatten().tolist()
+            if len(idx) != n * prepared.n_images[b]:
+                raise InputError(
+                    f"sample {b} has {len(idx)} {IMAGE} tokens for {prepared.n_images[b]} image(s) of {n} "
+                    f"tokens each; do not write {IMAGE} in a prompt, pass the images instead"
+                )
+            g, st = [], []
+            for j in range(prepared.n_images[b]):
+                first = idx[j * n]
+                image_id[b, first : first + n] = j
+                g.append(grid)
+                st.append(first + self.grid_offset)
+            grids.append(g)
+            starts.append(st)
+        return visual, image_id, grids, starts
+
+    def positions(self, prepared: Prepared) -> torch.Tensor:
+        att = prepared.attention_mask
+        pos = (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
+        return pos[None]
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self._layout(prepared)
+        if "pixel_values" in prepared.model_inputs:
+            cfg = self.model.config
+            out = self.inner.get_image_features(
+                pixel_values=prepared.model_inputs["pixel_values"],
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            feats = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
+            embeds = embeds.masked_scatter(visual[..., None], feats)
+        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
+
+    def rotary(self, hidden, positions):
+        return self.inner.language_model.rotary_emb(hidden, positions[0])
+
+    def final_norm(self, hidden):
+        return self.inner.language_model.norm(hidden)
+
+    def lm_head(self, hidden):
+        return self.model.lm_head(hidden)

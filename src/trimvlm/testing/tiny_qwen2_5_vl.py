@@ -1,0 +1,33 @@
+"""Tiny random Qwen2.5-VL: window attention in the vision tower (windows of 2x2 merged tokens), the last
+vision block with full attention. `deepstack` is ignored (Qwen2.5-VL has none)."""
+
+
+def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    patch, merge = 8, 2
+    half = hidden // heads // 2  # rotary frequencies per head, split over (t, h, w)
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+            bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2,
+            patch_size=patch, spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=hidden,
+            window_size=2 * merge * patch, fullatt_block_indexes=[1], tokens_per_second=2,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
+    )
+    return Qwen2_5_VLForConditionalGeneration(cfg), proc
