@@ -1,0 +1,97 @@
+"""Runner overhead: trimvlm's layer loop vs the model's own forward and generate, as time ratios.
+
+Tiny Qwen3-VL (hidden 256, 8 layers, 256 visual tokens per image), batch 1 and 8, median of interleaved
+runs in one process. Prints a table and writes JSON.
+
+    python benchmarks/runner_overhead.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from trimvlm.loading import load_adapter
+from trimvlm.runtime.generate import generate
+from trimvlm.runtime.runner import Runner
+from trimvlm.testing import random_image, tiny_checkpoint
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="runner_overhead.json")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=256, layers=8, heads=8, kv_heads=4,
+                             vision_hidden=64)  # fmt: skip
+    adapter = load_adapter(folder)
+    runner = Runner(adapter)
+    model = adapter.model
+    tok = adapter.tokenizer
+    rows = []
+    for batch in (1, 8):
+        images = [[random_image(i, (256, 256))] for i in range(batch)]  # 256 px / 8 / 2 -> 16x16 = 256 tokens
+        prep = adapter.prepare(images, ["what is the colour of the square"] * batch)
+        inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
+
+        def ours_fwd():
+            runner.prefill(prep, all_logits=True)
+
+        def ref_fwd():
+            with torch.no_grad():
+                model(**inputs)
+
+        def ours_gen():
+            generate(runner, prep, max_new_tokens=args.new_tokens, stop_ids=[], pad_id=tok.pad_token_id)
+
+        def ref_gen():
+            with torch.no_grad():
+                model.generate(**inputs, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                               do_sample=False, pad_token_id=tok.pad_token_id)  # fmt: skip
+
+        for fn in (ours_fwd, ref_fwd, ours_gen, ref_gen):  # warm-up
+            fn()
+        t = {"ours_fwd": [], "ref_fwd": [], "ours_gen": [], "ref_gen": []}
+        for r in range(args.repeats):
+            order = [("ours_fwd", ours_fwd), ("ref_fwd", ref_fwd), ("ours_gen", ours_gen), ("ref_gen", ref_gen)]
+            if r % 2:
+                order = order[1::-1] + order[:1:-1]
+            for name, fn in order:
+                t[name].append(timed(fn))
+        med = {k: statistics.median(v) for k, v in t.items()}
+        rows.append({
+            "batch": batch, "seq_len": prep.input_ids.shape[1], **{f"{k}_s": v for k, v in med.items()},
+            "forward_ratio": med["ours_fwd"] / med["ref_fwd"], "generate_ratio": med["ours_gen"] / med["ref_gen"],
+        })  # fmt: skip
+    table = Table(title="trimvlm runner vs the model's own forward / generate (median, interleaved)")
+    for col in ("batch", "seq", "ours fwd ms", "model fwd ms", "fwd ratio", "ours gen ms", "model gen ms", "gen ratio"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch"]), str(r["seq_len"]), f"{r['ours_fwd_s'] * 1e3:.1f}", f"{r['ref_fwd_s'] * 1e3:.1f}",
+                      f"{r['forward_ratio']:.3f}", f"{r['ours_gen_s'] * 1e3:.1f}", f"{r['ref_gen_s'] * 1e3:.1f}",
+                      f"{r['generate_ratio']:.3f}")  # fmt: skip
+    Console().print(table)
+    out = {"benchmark": "runner_overhead", "threads": args.threads, "repeats": args.repeats,
+           "torch": torch.__version__, "rows": rows}  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

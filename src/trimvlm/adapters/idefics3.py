@@ -1,0 +1,161 @@
+"""Idefics3 and SmolVLM: SigLIP-style vision tower, pixel-shuffle connector, Llama text model (1-D RoPE).
+
+An image is one global tile, or (with image splitting) rows x cols tiles followed by the global tile. Every tile
+is a square of `image_seq_len` LLM tokens, laid out row-major on a (side, side) grid after the pixel shuffle, so
+each tile is its own grid: `grids`, `image_start` and `image_id` count tiles, in prompt order.
+
+Prompt format of one image, as the transformers processors write it:
+    no split: <fake_token_around_image><global-img><image>*N<fake_token_around_image>
+    split:    per row: (<fake_token_around_image><row_i_col_j><image>*N) per column, then "\\n";
+              then "\\n<fake_token_around_image><global-img><image>*N<fake_token_around_image>"
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.errors import InputError
+from trimvlm.runtime.sequence import LiveSeq
+
+IMAGE, FAKE, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
+
+
+def _as_list(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+class Idefics3Adapter(Adapter):
+    family = "idefics3"
+    rope_axes = 1
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    @property
+    def text_model(self):
+        return self.inner.text_model
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def layers(self):
+        return self.text_model.layers
+
+    # ---- image layout ----
+    @property
+    def tile_side(self) -> int:
+        """LLM tokens along each side of one tile: patches per side divided by the pixel-shuffle factor."""
+        vc = self.model.config.vision_config
+        return vc.image_size // vc.patch_size // self.model.config.scale_factor
+
+    @property
+    def image_seq_len(self) -> int:
+        return self.tile_side**2
+
+    def image_block(self, rows: int, cols: int) -> str:
+        tile = IMAGE * self.image_seq_len
+        glob = FAKE + GLOBAL + tile + FAKE
+        if rows == 0 and cols == 0:
+            return glob
+        text = ""
+        for i in range(rows):
+            for j in range(cols):
+                text += f"{FAKE}<row_{i + 1}_col_{j + 1}>{tile}"
+            text += "\n"
+        return text + "\n" + glob
+
+    def _expand_chat_images(self, text, image_block):
+        parts = text.split(IMAGE)
+        out = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            out += image_block(k) + rest
+        return out
+
+    # ---- inputs ----
+    def prepare(self, images, prompts) -> Prepared:
+        per_sample = load_images(images)
+        if len(per_sample) != len(prompts):
+            raise InputError(
+                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
+            )
+        model_inputs = {}
+        rows = [[0] * len(ims) for ims in per_sample]
+        cols = [[0] * len(ims) for ims in per_sample]
+        if any(per_sample):
+            proc = self.image_processor(images=per_sample, return_row_col_info=True, return_tensors="pt")
+            model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
+            if proc.get("pixel_attention_mask") is not None:
+                model_inputs["pixel_attention_mask"] = proc["pixel_attention_mask"]
+            rows = [_as_list(r) for r in _as_list(proc["rows"])]
+            cols = [_as_list(c) for c in _as_list(proc["cols"])]
+        id_rows = []
+        for b, (ims, prompt) in enumerate(zip(per_sample, prompts, strict=True)):
+            r, c = rows[b], cols[b]
+            text = self.render_prompt(prompt, len(ims), lambda k, r=r, c=c: self.image_block(r[k], c[k]))
+            ids = self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"]
+            id_rows.append(ids)
+        ids, att = self.pad_batch(id_rows)
+        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+
+    def _layout(self, prepared: Prepared):
+        """Per sample: one (side, side) grid per tile, the start index of each tile's tokens, tile ids."""
+        visual = prepared.input_ids == self.model.config.image_token_id
+        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        n = self.image_seq_len
+        grids, starts = [], []
+        for b in range(prepared.batch):
+            idx = torch.nonzero(visual[b]).flatten()
+            if idx.numel() % n:
+                raise InputError(
+                    f"sample {b} has {idx.numel()} image tokens, not a multiple of the {n} tokens of one tile"
+                )
+            count = idx.numel() // n
+            grids.append([(self.tile_side, self.tile_side)] * count)
+            starts.append([int(idx[t * n]) for t in range(count)])
+            for t in range(count):
+                image_id[b, idx[t * n : (t + 1) * n]] = t
+        return visual, image_id, grids, starts
+
+    def positions(self, prepared: Prepared) -> torch.Tensor:
+        """[1, B, S]: count of real tokens before each one, as transformers' generate computes them for
+        left-padded input (its plain forward counts padding too; RoPE only sees differences, so the logits of
+        real tokens are the same)."""
+        pos = (prepared.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return pos[None]
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self._layout(prepared)
+        if "pixel_values" in prepared.model_inputs:
+            out = self.inner.get_image_features(
+                prepared.model_inputs["pixel_values"],
+                prepared.model_inputs.get("pixel_attention_mask"),
+                return_dict=True,
+            )
+            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
+            if feats.shape[0] != int(visual.sum()):
+                raise InputError(
+                    f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
+                )
+            embeds = embeds.masked_scatter(visual[..., None], feats)
+        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
+
+    # ---- text model ----
+    def rotary(self, hidden, positions):
+        return self.text_model.rotary_emb(hidden, positions[0])
+
+    def final_norm(self, hidden):
+        return self.text_model.norm(hidden)
+
+    def lm_head(self, hidden):
+        return self.model.lm_head(hidden)
+
+
+class SmolVLMAdapter(Idefics3Adapter):
+    """SmolVLM: the Idefics3 architecture and image prompt format (its video input is not supported)."""
+
+    family = "smolvlm"

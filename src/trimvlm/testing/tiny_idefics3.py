@@ -1,0 +1,50 @@
+"""Tiny random Idefics3 (SigLIP-style vision tower, pixel shuffle connector, Llama text model).
+
+Each image is one global tile (no splitting) of 32x32 pixels, 4x4-pixel patches, pixel shuffle by 2: 16 LLM
+tokens per image on a 4x4 grid. `deepstack` is ignored (Idefics3 has none).
+"""
+
+TILE, PATCH, SCALE = 32, 4, 2
+
+
+def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smolvlm: bool = False):
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+
+    if smolvlm:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+            SmolVLMImageProcessorPil as Processor,
+        )
+
+        config_cls, model_cls = SmolVLMConfig, SmolVLMForConditionalGeneration
+    else:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (
+            Idefics3ImageProcessorPil as Processor,
+        )
+
+        config_cls, model_cls = Idefics3Config, Idefics3ForConditionalGeneration
+
+    cfg = config_cls(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=hidden // heads, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=2,
+            num_attention_heads=2, image_size=TILE, patch_size=PATCH,
+        ),
+        scale_factor=SCALE,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    proc = Processor(
+        do_image_splitting=False, size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE}
+    )
+    return model_cls(cfg), proc
