@@ -1,0 +1,119 @@
+"""Qwen3.5: the Qwen-VL front end (M-RoPE, vision tower without deepstack) over a hybrid text stack of
+Gated DeltaNet (linear attention) layers and gated full-attention layers.
+
+Padding in the recurrent layers. The model zeroes padded positions before a Gated DeltaNet layer (its 2-D
+padding mask, `create_recurrent_attention_mask`). For left padding over a fresh state that is exact: zero inputs
+give zero conv outputs, so zero keys and values, and a zero state stays zero however much it decays; the real
+tokens then see the same zero left context as an unpadded run. Anywhere else a zeroed position is *not* absent:
+inside the sequence the causal conv of the next tokens reads its zeros instead of the real tokens before it,
+its own conv output is not zero, and every position decays the state. trimvlm's meaning of an invalid
+position is "absent" (as it is for attention layers), so a linear layer here
+- moves each row's valid tokens to the right end, in order (left-padded form), and back afterwards;
+- on a fresh state (prefill) runs the batch with the 2-D mask, exactly what the model does with left padding;
+- continuing from a cached state with padding in the chunk (branches or steps of different lengths), runs each
+  group of rows that has the same number of valid tokens on those tokens only, from the rows' states, so padding
+  neither decays a state nor enters a conv window.
+Dropping tokens mid-model (gather) and masking them (valid = False) therefore give the same states and logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from trimvlm.adapters.base import LINEAR, Adapter, Prepared
+from trimvlm.adapters.qwen3_vl import QwenVLAdapterMixin
+from trimvlm.runtime.sequence import LiveSeq
+
+
+class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
+    family = "qwen3_5"
+
+    def __init__(self, model, tokenizer, image_processor, folder=None):
+        super().__init__(model, _as_saved(tokenizer, folder), image_processor, folder=folder)
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self._layout(prepared)
+        if "pixel_values" in prepared.model_inputs:
+            out = self.inner.get_image_features(
+                prepared.model_inputs["pixel_values"],
+                prepared.model_inputs["image_grid_thw"],
+                return_dict=True,
+            )
+            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
+            embeds = embeds.masked_scatter(visual[..., None], feats)
+        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
+
+    def run_layer(self, i, hidden, position_embeddings, mask, cache, ctx, pad_mask2d=None):
+        if self.layer_types[i] != LINEAR:
+            return super().run_layer(i, hidden, position_embeddings, mask, cache, ctx, pad_mask2d)
+        return self._run_linear(i, hidden, position_embeddings, cache, pad_mask2d)
+
+    def _call(self, i, hidden, position_embeddings, cache, mask2d=None):
+        return self.layers[i](
+            hidden, position_embeddings=position_embeddings, attention_mask=mask2d, cache=cache
+        )
+
+    def _run_linear(self, i, hidden, position_embeddings, cache, valid):
+        if valid is None or bool(valid.all()):
+            return self._call(i, hidden, position_embeddings, cache)
+        b, q = valid.shape
+        n = valid.sum(1)
+        rows = torch.arange(b, device=hidden.device)[:, None]
+        left = torch.arange(q, device=valid.device)[None] >= (q - n)[:, None]  # valid tokens at the right end
+        order = None
+        if not torch.equal(valid, left):
+            # stable sort: invalid positions first, valid ones after them in their order
+            order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
+            hidden = hidden[rows, order]
+        fresh = cache is None or (cache.get_recurrent_state(i) is None and cache.get_conv_state(i) is None)
+        if fresh:
+            out = self._call(i, hidden, position_embeddings, cache, left.to(torch.long))
+        else:
+            out = hidden.clone()  # rows' invalid positions keep their input (never read)
+            for m in n.unique().tolist():
+                if m == 0:
+                    continue
+                sel = torch.nonzero(n == m).flatten()
+                sub = cache.state_rows(i, sel)
+                out[sel, q - m :] = self._call(i, hidden[sel, q - m :], position_embeddings, sub)
+                cache.put_state_rows(i, sel, sub)
+        if order is not None:
+            back = torch.empty_like(out)
+            back[rows, order] = out
+            out = back
+        return out
+
+    def linear_layer_core_flops(self, i: int, batch: int, q: int) -> int:
+        # Gated delta rule, counted in its recurrent form per token and per value head h, with the state
+        # S_h of size d_k x d_v: read the old memory k^T S (d_k d_v MACs), write the rank-1 correction
+        # S += k (beta (v - k^T S))^T (d_k d_v MACs), read out q^T S (d_k d_v MACs): 3 d_k d_v MACs (the decay
+        # exp(g) S is element-wise, not counted). Plus the depthwise causal conv over the q, k, v channels:
+        # conv_dim * kernel MACs per token. FLOPs = 2 per MAC:
+        #   2 * batch * q * (3 * H_v * d_k * d_v + (2 * H_k * d_k + H_v * d_v) * kernel)
+        # (The chunked kernel spends the same order of work; this counts the algorithm, not one kernel.)
+        cfg = self.text_config
+        h_k, h_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        d_k, d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * h_k * d_k + h_v * d_v
+        return 2 * batch * q * (3 * h_v * d_k * d_v + conv_dim * cfg.linear_conv_kernel_dim)
+
+
+def _as_saved(tokenizer, folder):
+    """transformers' AutoTokenizer builds its byte-level BPE `Qwen3_5Tokenizer` for every `qwen3_5` checkpoint,
+    whatever `tokenizer_config.json` names, from the saved vocabulary. A checkpoint whose `tokenizer.json` holds
+    another model (the word-level tokenizers of the tiny and demo checkpoints) then tokenizes wrongly (a word
+    becomes bytes without merges). Such a tokenizer is reloaded as saved."""
+    if folder is None or not (folder / "tokenizer.json").exists():
+        return tokenizer
+    try:
+        kind = json.loads((folder / "tokenizer.json").read_text())["model"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return tokenizer
+    if kind == "BPE":
+        return tokenizer
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder)

@@ -1,0 +1,38 @@
+"""Tiny random Qwen3.5: hybrid text stack, three Gated DeltaNet (linear attention) layers then one gated
+full-attention layer, repeated (`full_attention_interval` = 4, as the real checkpoints). Qwen3.5's vision
+tower has no deepstack features, so `deepstack` is accepted for a uniform signature and ignored."""
+
+
+def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    head_dim = hidden // heads
+    rotary = 0.5  # partial rotary factor: M-RoPE rotates the first head_dim * rotary dims
+    n_freq = int(head_dim * rotary) // 2
+    linear_heads = max(1, heads // 2)
+    cfg = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=4096, full_attention_interval=4,
+            linear_conv_kernel_dim=4, linear_num_key_heads=linear_heads, linear_num_value_heads=2 * linear_heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
+                             "mrope_section": [n_freq - 2 * (n_freq // 4), n_freq // 4, n_freq // 4],
+                             "mrope_interleaved": True},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2, patch_size=8,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
+    )
+    return Qwen3_5ForConditionalGeneration(cfg), proc
