@@ -16,6 +16,7 @@ ADAPTERS = {
     "idefics3": "idefics3:Idefics3Adapter",
     "smolvlm": "idefics3:SmolVLMAdapter",
     "qwen3_5": "qwen3_5:Qwen35Adapter",
+    "internvl": "internvl:InternVLAdapter",
 }
 
 

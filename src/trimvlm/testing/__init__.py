@@ -45,7 +45,7 @@ def random_image(seed: int, size=(64, 64)) -> Image.Image:
     return Image.fromarray(arr)
 
 
-FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava", "idefics3", "qwen3_5")
+FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava", "idefics3", "qwen3_5", "internvl")
 
 
 def builder(family: str):

@@ -1,0 +1,172 @@
+"""InternVL (transformers' native `internvl`): InternViT vision tower, pixel-shuffle MLP projector, a Qwen2,
+Qwen3 or Llama text model with 1-D RoPE.
+
+The image processor (GotOcr2) resizes an image to one tile or, with `crop_to_patches`, cuts it into
+cols x rows tiles (row-major) followed by a thumbnail tile of the whole image. Every tile passes through the
+vision tower alone; its patches (CLS token dropped by the "default" strategy) are pixel-shuffled by
+`downsample_ratio`, giving a (side, side) grid of LLM tokens in row-major order. So each tile is its own grid:
+`grids`, `image_start` and `image_id` count tiles, in prompt order.
+
+Prompt format of one image, as `InternVLProcessor` writes it:
+    <img><IMG_CONTEXT> * (image_seq_length * tiles)</img>
+The chat template marks each image with one context token, which the processor replaces by that block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.errors import InputError
+from trimvlm.runtime.sequence import LiveSeq
+
+START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
+
+
+def _pair(x) -> tuple[int, int]:
+    return (int(x[0]), int(x[1])) if isinstance(x, list | tuple) else (int(x), int(x))
+
+
+class InternVLAdapter(Adapter):
+    family = "internvl"
+    rope_axes = 1
+    # InternVLProcessor asks the image processor for tiles by default; a processor with max_patches=1 never tiles
+    crop_to_patches = True
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    @property
+    def text_model(self):
+        return self.inner.language_model
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def layers(self):
+        return self.text_model.layers
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+    # ---- image layout ----
+    @property
+    def context_token(self) -> str:
+        return getattr(self.tokenizer, "context_image_token", None) or self.tokenizer.convert_ids_to_tokens(
+            self.image_token_id
+        )
+
+    @property
+    def start_token(self) -> str:
+        return getattr(self.tokenizer, "start_image_token", None) or START
+
+    @property
+    def end_token(self) -> str:
+        return getattr(self.tokenizer, "end_image_token", None) or END
+
+    def tile_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) LLM tokens of one tile of height x width pixels: patches per side times `downsample_ratio`."""
+        ph, pw = _pair(self.model.config.vision_config.patch_size)
+        ratio = self.model.config.downsample_ratio
+        return int(height // ph * ratio), int(width // pw * ratio)
+
+    def image_block(self, tokens: int) -> str:
+        return self.start_token + self.context_token * tokens + self.end_token
+
+    def _expand_chat_images(self, text, image_block):
+        parts = text.split(self.context_token)
+        out = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            out += image_block(k) + rest
+        return out
+
+    # ---- inputs ----
+    def prepare(self, images, prompts) -> Prepared:
+        per_sample = load_images(images)
+        if len(per_sample) != len(prompts):
+            raise InputError(
+                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
+            )
+        flat = [im for ims in per_sample for im in ims]
+        model_inputs = {}
+        tiles, per_tile = [], 0
+        if flat:
+            proc = self.image_processor(
+                images=flat, crop_to_patches=self.crop_to_patches, return_tensors="pt"
+            )
+            pixel_values = proc["pixel_values"]
+            model_inputs["pixel_values"] = pixel_values.to(self.model.dtype)
+            tiles = [int(n) for n in proc["num_patches"]]
+            h, w = self.tile_grid(*pixel_values.shape[-2:])
+            per_tile = h * w
+        id_rows, k0 = [], 0
+        for ims, prompt in zip(per_sample, prompts, strict=True):
+            counts = tiles[k0 : k0 + len(ims)]
+            k0 += len(ims)
+            text = self.render_prompt(prompt, len(ims), lambda k, c=counts: self.image_block(per_tile * c[k]))
+            id_rows.append(self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"])
+        ids, att = self.pad_batch(id_rows)
+        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+
+    def _layout(self, prepared: Prepared):
+        """Per sample: one (h, w) grid per tile, the index of each tile's first token, tile ids."""
+        visual = prepared.input_ids == self.image_token_id
+        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        pixel_values = prepared.model_inputs.get("pixel_values")
+        grid = self.tile_grid(*pixel_values.shape[-2:]) if pixel_values is not None else (0, 0)
+        n = grid[0] * grid[1]
+        grids, starts = [], []
+        for b in range(prepared.batch):
+            idx = torch.nonzero(visual[b]).flatten()
+            if idx.numel() and (n == 0 or idx.numel() % n):
+                raise InputError(
+                    f"sample {b} has {idx.numel()} {self.context_token} tokens, not a multiple of the {n} "
+                    f"tokens of one tile; do not write {self.context_token} in a prompt, pass the images instead"
+                )
+            count = idx.numel() // n if n else 0
+            grids.append([grid] * count)
+            starts.append([int(idx[t * n]) for t in range(count)])
+            for t in range(count):
+                image_id[b, idx[t * n : (t + 1) * n]] = t
+        return visual, image_id, grids, starts
+
+    def positions(self, prepared: Prepared) -> torch.Tensor:
+        """[1, B, S]: count of real tokens before each one, as transformers' generate computes them for
+        left-padded input (its plain forward counts padding too; RoPE only sees differences, so the logits of
+        real tokens are the same)."""
+        att = prepared.attention_mask
+        pos = (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
+        return pos[None]
+
+    def embed(self, prepared: Prepared) -> LiveSeq:
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self._layout(prepared)
+        if "pixel_values" in prepared.model_inputs:
+            cfg = self.model.config
+            out = self.inner.get_image_features(
+                pixel_values=prepared.model_inputs["pixel_values"],
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            )
+            feats = out.pooler_output.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
+            if feats.shape[0] != int(visual.sum()):
+                raise InputError(
+                    f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
+                )
+            embeds = embeds.masked_scatter(visual[..., None], feats)
+        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
+
+    # ---- text model ----
+    def rotary(self, hidden, positions):
+        return self.text_model.rotary_emb(hidden, positions[0])
+
+    def final_norm(self, hidden):
+        return self.text_model.norm(hidden)
+
+    def lm_head(self, hidden):
+        return self.model.lm_head(hidden)
