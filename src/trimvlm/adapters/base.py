@@ -81,28 +81,39 @@ class Adapter:
             self.use_chat_template = False
         self._linear_macs = [self._count_linear_macs(layer) for layer in self.layers]
 
-    # ---- to implement per family ----
+    # ---- the model's parts; the defaults fit transformers' `XForConditionalGeneration` layout ----
+    @property
+    def inner(self):
+        """The multimodal model under the LM head (`model.model`)."""
+        return self.model.model
+
+    @property
+    def text_model(self):
+        """The decoder stack: has `.layers`, `.norm`, `.rotary_emb`."""
+        return self.inner.language_model
+
     @property
     def text_config(self):
-        raise NotImplementedError
+        return self.model.config.text_config
 
     @property
     def layers(self) -> list[torch.nn.Module]:
-        raise NotImplementedError
+        return self.text_model.layers
 
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor):
+        return self.text_model.rotary_emb(hidden, positions if self.rope_axes > 1 else positions[0])
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.text_model.norm(hidden)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden)
+
+    # ---- to implement per family ----
     def prepare(self, images, prompts: list[str]) -> Prepared:
         raise NotImplementedError
 
     def embed(self, prepared: Prepared) -> LiveSeq:
-        raise NotImplementedError
-
-    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor):
-        raise NotImplementedError
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -182,6 +193,24 @@ class Adapter:
             size=torch.ones(b, s, dtype=torch.long),
         )
 
+    @staticmethod
+    def running_positions(prepared: Prepared) -> torch.Tensor:
+        """[1, B, S] 1-D position ids: the count of real tokens before each one, as transformers' `generate`
+        computes them for a left-padded batch (its plain forward counts padding too; RoPE only sees
+        differences, so the logits of real tokens are the same)."""
+        att = prepared.attention_mask
+        return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)[None]
+
+    @staticmethod
+    def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Write the image features, in order, at the visual positions of the text embeddings."""
+        feats = feats.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
+        if feats.shape[0] != int(visual.sum()):
+            raise InputError(
+                f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
+            )
+        return embeds.masked_scatter(visual[..., None], feats)
+
     # ---- cost accounting (matmul FLOPs of what ran) ----
     @staticmethod
     def _count_linear_macs(layer: torch.nn.Module) -> int:
@@ -218,7 +247,10 @@ class Adapter:
     def info(self) -> dict:
         cfg = self.text_config
         return {
-            "visual_tokens_per_image (128x128, 448x448)": [self.visual_tokens(128, 128), self.visual_tokens(448, 448)],
+            "visual_tokens_per_image (128x128, 448x448)": [
+                self.visual_tokens(128, 128),
+                self.visual_tokens(448, 448),
+            ],
             "family": self.family,
             "layers": self.num_layers,
             "layer_types": self.layer_types,

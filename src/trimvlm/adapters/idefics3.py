@@ -30,20 +30,8 @@ class Idefics3Adapter(Adapter):
     rope_axes = 1
 
     @property
-    def inner(self):
-        return self.model.model
-
-    @property
     def text_model(self):
         return self.inner.text_model
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def layers(self):
-        return self.text_model.layers
 
     # ---- image layout ----
     @property
@@ -120,13 +108,6 @@ class Idefics3Adapter(Adapter):
                 image_id[b, idx[t * n : (t + 1) * n]] = t
         return visual, image_id, grids, starts
 
-    def positions(self, prepared: Prepared) -> torch.Tensor:
-        """[1, B, S]: count of real tokens before each one, as transformers' generate computes them for
-        left-padded input (its plain forward counts padding too; RoPE only sees differences, so the logits of
-        real tokens are the same)."""
-        pos = (prepared.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return pos[None]
-
     def embed(self, prepared: Prepared) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
@@ -136,23 +117,9 @@ class Idefics3Adapter(Adapter):
                 prepared.model_inputs.get("pixel_attention_mask"),
                 return_dict=True,
             )
-            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
-            if feats.shape[0] != int(visual.sum()):
-                raise InputError(
-                    f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
-                )
-            embeds = embeds.masked_scatter(visual[..., None], feats)
-        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
-
-    # ---- text model ----
-    def rotary(self, hidden, positions):
-        return self.text_model.rotary_emb(hidden, positions[0])
-
-    def final_norm(self, hidden):
-        return self.text_model.norm(hidden)
-
-    def lm_head(self, hidden):
-        return self.model.lm_head(hidden)
+            embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
+        positions = self.running_positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
 
 
 class SmolVLMAdapter(Idefics3Adapter):

@@ -34,22 +34,6 @@ class InternVLAdapter(Adapter):
     crop_to_patches = True
 
     @property
-    def inner(self):
-        return self.model.model
-
-    @property
-    def text_model(self):
-        return self.inner.language_model
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def layers(self):
-        return self.text_model.layers
-
-    @property
     def image_token_id(self) -> int:
         return self.model.config.image_token_id
 
@@ -134,14 +118,6 @@ class InternVLAdapter(Adapter):
                 image_id[b, idx[t * n : (t + 1) * n]] = t
         return visual, image_id, grids, starts
 
-    def positions(self, prepared: Prepared) -> torch.Tensor:
-        """[1, B, S]: count of real tokens before each one, as transformers' generate computes them for
-        left-padded input (its plain forward counts padding too; RoPE only sees differences, so the logits of
-        real tokens are the same)."""
-        att = prepared.attention_mask
-        pos = (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
-        return pos[None]
-
     def embed(self, prepared: Prepared) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
@@ -153,20 +129,6 @@ class InternVLAdapter(Adapter):
                 vision_feature_select_strategy=cfg.vision_feature_select_strategy,
                 return_dict=True,
             )
-            feats = out.pooler_output.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
-            if feats.shape[0] != int(visual.sum()):
-                raise InputError(
-                    f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
-                )
-            embeds = embeds.masked_scatter(visual[..., None], feats)
-        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
-
-    # ---- text model ----
-    def rotary(self, hidden, positions):
-        return self.text_model.rotary_emb(hidden, positions[0])
-
-    def final_norm(self, hidden):
-        return self.text_model.norm(hidden)
-
-    def lm_head(self, hidden):
-        return self.model.lm_head(hidden)
+            embeds = self.merge_features(embeds, visual, out.pooler_output)
+        positions = self.running_positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)

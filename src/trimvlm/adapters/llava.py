@@ -21,18 +21,6 @@ class LlavaAdapter(Adapter):
     rope_axes = 1
 
     @property
-    def inner(self):
-        return self.model.model
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def layers(self):
-        return self.inner.language_model.layers
-
-    @property
     def image_token_id(self) -> int:
         return self.model.config.image_token_id
 
@@ -124,11 +112,6 @@ class LlavaAdapter(Adapter):
             starts.append(st)
         return visual, image_id, grids, starts
 
-    def positions(self, prepared: Prepared) -> torch.Tensor:
-        att = prepared.attention_mask
-        pos = (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
-        return pos[None]
-
     def embed(self, prepared: Prepared) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
@@ -140,15 +123,6 @@ class LlavaAdapter(Adapter):
                 vision_feature_select_strategy=cfg.vision_feature_select_strategy,
                 return_dict=True,
             )
-            feats = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
-            embeds = embeds.masked_scatter(visual[..., None], feats)
-        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
-
-    def rotary(self, hidden, positions):
-        return self.inner.language_model.rotary_emb(hidden, positions[0])
-
-    def final_norm(self, hidden):
-        return self.inner.language_model.norm(hidden)
-
-    def lm_head(self, hidden):
-        return self.model.lm_head(hidden)
+            embeds = self.merge_features(embeds, visual, torch.cat(list(out.pooler_output), dim=0))
+        positions = self.running_positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)

@@ -22,9 +22,8 @@ import json
 
 import torch
 
-from trimvlm.adapters.base import LINEAR, Adapter, Prepared
+from trimvlm.adapters.base import LINEAR, Adapter
 from trimvlm.adapters.qwen3_vl import QwenVLAdapterMixin
-from trimvlm.runtime.sequence import LiveSeq
 
 
 class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
@@ -32,19 +31,6 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
 
     def __init__(self, model, tokenizer, image_processor, folder=None):
         super().__init__(model, _as_saved(tokenizer, folder), image_processor, folder=folder)
-
-    def embed(self, prepared: Prepared) -> LiveSeq:
-        embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self._layout(prepared)
-        if "pixel_values" in prepared.model_inputs:
-            out = self.inner.get_image_features(
-                prepared.model_inputs["pixel_values"],
-                prepared.model_inputs["image_grid_thw"],
-                return_dict=True,
-            )
-            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
-            embeds = embeds.masked_scatter(visual[..., None], feats)
-        return self.sequence_from(prepared, embeds, self.positions(prepared), visual, image_id, grids, starts)
 
     def run_layer(self, i, hidden, position_embeddings, mask, cache, ctx, pad_mask2d=None):
         if self.layer_types[i] != LINEAR:

@@ -16,18 +16,6 @@ class QwenVLAdapterMixin:
     rope_axes = 3
 
     @property
-    def inner(self):
-        return self.model.model
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def layers(self):
-        return self.inner.language_model.layers
-
-    @property
     def merge(self) -> int:
         return self.model.config.vision_config.spatial_merge_size
 
@@ -106,19 +94,6 @@ class QwenVLAdapterMixin:
         )
         return pos
 
-    def rotary(self, hidden, positions):
-        return self.inner.language_model.rotary_emb(hidden, positions)
-
-    def final_norm(self, hidden):
-        return self.inner.language_model.norm(hidden)
-
-    def lm_head(self, hidden):
-        return self.model.lm_head(hidden)
-
-
-class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):
-    family = "qwen3_vl"
-
     def embed(self, prepared: Prepared) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
@@ -129,17 +104,26 @@ class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):
                 prepared.model_inputs["image_grid_thw"],
                 return_dict=True,
             )
-            feats = torch.cat(out.pooler_output, dim=0).to(embeds.dtype)
-            embeds = embeds.masked_scatter(visual[..., None], feats)
-            deep = []
-            for layer_feats in out.deepstack_features:
-                t = torch.zeros_like(embeds)
-                t[visual] = torch.cat(layer_feats, dim=0).to(embeds.dtype)
-                deep.append(t)
-            adds["deepstack"] = deep
-        return self.sequence_from(
-            prepared, embeds, self.positions(prepared), visual, image_id, grids, starts, adds
-        )
+            embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
+            adds = self.vision_adds(out, embeds, visual)
+        positions = self.positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts, adds)
+
+    def vision_adds(self, out, embeds, visual) -> dict:
+        """Per-position tensors the family adds after given layers (none for Qwen2.5-VL and Qwen3.5)."""
+        return {}
+
+
+class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):
+    family = "qwen3_vl"
+
+    def vision_adds(self, out, embeds, visual) -> dict:
+        deep = []
+        for layer_feats in out.deepstack_features:
+            t = torch.zeros_like(embeds)
+            t[visual] = torch.cat(layer_feats, dim=0).to(embeds.dtype)
+            deep.append(t)
+        return {"deepstack": deep}
 
     def after_layer(self, i, seq, hidden):
         deep = seq.adds.get("deepstack")
