@@ -1,1 +1,12 @@
-"""kv methods register themselves in trimvlm.registry (one file per method)."""
+"""Decode-phase visual-KV eviction policies; each registers itself in trimvlm.registry (one file per policy).
+
+    kv=density:keep=0.25    kv=h2o:keep=0.25    kv=snapkv:keep=0.25    kv=streamingllm:keep=0.25
+    kv=random:keep=0.25:seed=0
+
+See `trimvlm.kv.base` for the interface and docs/kv.md for the policies and their options.
+"""
+
+from trimvlm.kv import density, h2o, random, snapkv, streamingllm  # noqa: F401
+from trimvlm.kv.base import KVPolicy, LayerView, mask_out, top_k_mask, visual_budget
+
+__all__ = ["KVPolicy", "LayerView", "mask_out", "top_k_mask", "visual_budget"]

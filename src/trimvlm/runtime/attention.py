@@ -42,10 +42,35 @@ class AttentionProbe:
         return self.layers is None or layer_idx in self.layers
 
     def merge(self, other: AttentionProbe | None) -> AttentionProbe:
+        """One probe recording for both: every recorded layer is forwarded to both originals, each cut to
+        the rows (and head averaging) it asked for, so each method keeps reading its own `results`."""
         if other is None:
             return self
         layers = None if self.layers is None or other.layers is None else self.layers | other.layers
-        return AttentionProbe(max(self.last, other.last), layers, self.per_head or other.per_head)
+        merged = AttentionProbe(max(self.last, other.last), layers, self.per_head or other.per_head)
+        merged.results = _Fanout("results", [self, other])
+        merged.row_valid = _Fanout("row_valid", [self, other])
+        return merged
+
+
+class _Fanout(dict):
+    def __init__(self, kind: str, targets: list[AttentionProbe]):
+        super().__init__()
+        self.kind = kind
+        self.targets = targets
+
+    def __setitem__(self, layer, value):
+        super().__setitem__(layer, value)
+        for t in self.targets:
+            if not t.wants(layer):
+                continue
+            if self.kind == "row_valid":
+                t.row_valid[layer] = value[:, -t.last :]
+                continue
+            v = value[..., -t.last :, :]  # rows are independent softmaxes: the last n of more rows are exact
+            if v.dim() == 4 and not t.per_head:
+                v = v.mean(1)
+            t.results[layer] = v
 
 
 @dataclass

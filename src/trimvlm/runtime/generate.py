@@ -97,6 +97,6 @@ def generate(
             positions = runner.adapter.text_positions(pos, 1)
             logits = runner.step(tok[:, None], positions, out.cache, skip=skip_decode, meter=meter)
             pos += 1
-    meter.kv(out.cache)
+    meter.kv_end(out.cache)
     meter.stop_memory()
     return GenerationOutput(torch.stack(tokens, 1), lengths, out.logits, meter.costs)

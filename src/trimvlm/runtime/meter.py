@@ -24,9 +24,9 @@ class Costs:
     layer_flops: dict[str, dict[int, int]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(int))
     )
-    kv_bytes: int = 0  # attention KV held at the end of prefill (after any eviction)
+    kv_bytes: int = 0  # attention KV held at the prefill/decode boundary (after any eviction)
     state_bytes: int = 0  # recurrent (Gated DeltaNet) states held
-    kv_bytes_peak: int = 0
+    kv_bytes_peak: int = 0  # attention KV held at the end of decoding (the boundary's plus generated tokens)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     peak_memory_bytes: int = 0
     peak_memory_kind: str = ""
@@ -81,9 +81,14 @@ class Meter:
         self.costs.flops[phase] += flops
 
     def kv(self, cache) -> None:
+        """Record the cache at the prefill/decode boundary."""
         self.costs.kv_bytes = cache.attention_bytes()
         self.costs.state_bytes = cache.state_bytes()
         self.costs.kv_bytes_peak = max(self.costs.kv_bytes_peak, self.costs.kv_bytes)
+
+    def kv_end(self, cache) -> None:
+        """Record the cache after decoding (it only grows during decode, so this is its peak)."""
+        self.costs.kv_bytes_peak = max(self.costs.kv_bytes_peak, cache.attention_bytes())
 
     def timer(self, phase: str):
         meter = self

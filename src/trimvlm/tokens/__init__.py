@@ -1,1 +1,6 @@
-"""tokens methods register themselves in trimvlm.registry (one file per method)."""
+"""Prefill visual-token reducers (`tokens=` in a recipe). Importing this package registers every method in
+trimvlm.registry: density (TwinPrune), divprune, fastv, tome, dart, prumerge, random. See docs/tokens.md."""
+
+from trimvlm.tokens import dart, density, divprune, fastv, prumerge, random, tome  # noqa: F401
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView  # noqa: F401
+from trimvlm.tokens.density import spatial_density  # noqa: F401

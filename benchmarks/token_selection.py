@@ -1,0 +1,305 @@
+"""Token-selection cost of every prefill reducer: time and peak memory of selection (+ merge) vs N.
+
+Synthetic visual tokens (an h x w grid of smooth random features plus noise, d features) for
+N in {576, 1024, 2304, 4096}, keep 20%, batch 1 and 8; each method runs its real `reduce` path (view, selection,
+merge, gather) on a visual-only live sequence. Attention-scored methods (fastv, prumerge) get a random
+last-query attention row. Reports the median time, the peak of tensor bytes allocated during the call (a
+dispatch-level tracker: works on any device; the inputs are not counted), and per method the fitted exponent
+of time and memory vs N (least squares on log-log). A memory exponent near 1 means no N x N matrix.
+
+Density's farthest-point loop is compared with two references of the same rule, at batch 1 (each image of a
+batch would run once more): `naive` builds the full N x N distance matrix and, one Python step per pick, takes
+the min over the rows of every token picked so far (the straightforward form, as DivPrune's reference code
+does), and `incremental` builds the full matrix and keeps a running min (one row per pick). Identical picks are
+checked. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
+selects (`merge=false`); assigning every dropped token to its nearest kept token is O(N * K * d) in any method.
+
+    python benchmarks/token_selection.py --json sel.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+import weakref
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from trimvlm.recipe import parse_recipe
+from trimvlm.runtime.attention import AttentionProbe
+from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.tokens.base import make_view
+from trimvlm.tokens.density import farthest_point, masked_minmax, view_density
+
+METHODS = [
+    "density",
+    "density:merge=false",
+    "density:select=topk",
+    "density:select=topk:merge=false",
+    "divprune",
+    "fastv",
+    "tome",
+    "dart",
+    "prumerge",
+    "random",
+]
+SIDES = {576: 24, 1024: 32, 2304: 48, 4096: 64}
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created inside the mode and still alive (views/inputs not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cur = self.peak = 0
+        self.live: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.cur -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = st.nbytes()
+                    self.cur += st.nbytes()
+                    self.peak = max(self.peak, self.cur)
+                    weakref.finalize(t, self._free, key)
+        return out
+
+
+class _Runner:
+    num_layers = 32
+
+
+def features(batch: int, side: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randn(batch, d, max(2, side // 4), max(2, side // 4), generator=g)
+    up = F.interpolate(low, size=(side, side), mode="bilinear", align_corners=False)
+    x = up.permute(0, 2, 3, 1).reshape(batch, side * side, d)
+    return x + 0.3 * torch.randn(x.shape, generator=g)
+
+
+def visual_seq(x: torch.Tensor, side: int) -> LiveSeq:
+    b, n, _ = x.shape
+    ar = torch.arange(n)
+    return LiveSeq(
+        hidden=x,
+        positions=ar[None, None].expand(3, b, n).clone(),
+        valid=torch.ones(b, n, dtype=torch.bool),
+        visual=torch.ones(b, n, dtype=torch.bool),
+        source=ar[None].expand(b, n).clone(),
+        image_id=torch.zeros(b, n, dtype=torch.long),
+        grids=[[(side, side)] for _ in range(b)],
+        image_start=[[0] for _ in range(b)],
+        size=torch.ones(b, n, dtype=torch.long),
+    )
+
+
+def reducer_for(method: str, keep: float, seq: LiveSeq):
+    """The reducer, and a call that runs its real `reduce` (re-arming the attention row the reducer consumes)."""
+    attention = method.split(":")[0] in ("fastv", "prumerge")
+    layer = 1 if attention else 0
+    red = parse_recipe(f"tokens={method}:keep={keep}:layer={layer}").build()["tokens"]
+    att = None
+    if attention:
+        red._probe = AttentionProbe(last=1, layers={0})
+        logits = torch.randn(seq.batch, 1, seq.length, generator=torch.Generator().manual_seed(1))
+        att = torch.softmax(logits * 3, dim=-1)
+
+    def call():
+        if att is not None:
+            red._probe.results[0] = att
+        return red.reduce(seq, _Runner())
+
+    return red, call
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def ref_naive(x: torch.Tensor, k: int, tilt: torch.Tensor, first: int) -> list[int]:
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    dist = 1.0 - xn @ xn.T
+    picks = [first]
+    for _ in range(1, k):
+        mind = dist[picks].min(0).values
+        score = mind + tilt
+        score[picks] = float("-inf")
+        picks.append(int(score.argmax()))
+    return picks
+
+
+def ref_incremental(x: torch.Tensor, k: int, tilt: torch.Tensor, first: int) -> list[int]:
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    dist = 1.0 - xn @ xn.T
+    picks = [first]
+    mind = dist[first].clone()
+    taken = torch.zeros(x.shape[0], dtype=torch.bool)
+    taken[first] = True
+    for _ in range(1, k):
+        s = int((mind + tilt).masked_fill(taken, float("-inf")).argmax())
+        picks.append(s)
+        taken[s] = True
+        mind = torch.minimum(mind, dist[s])
+    return picks
+
+
+def exponent(ns, ys) -> float:
+    ok = [(n, y) for n, y in zip(ns, ys, strict=True) if y > 0]
+    if len(ok) < 2:
+        return float("nan")
+    a, _ = np.polyfit(np.log([n for n, _ in ok]), np.log([y for _, y in ok]), 1)
+    return float(a)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="token_selection.json")
+    ap.add_argument("--ns", type=int, nargs="+", default=list(SIDES))
+    ap.add_argument("--dims", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--keep", type=float, default=0.2)
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="d=1024 only, 1 repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.dims, args.repeats = [1024], 1
+    torch.set_num_threads(args.threads)
+    console = Console(width=170)
+    rows, refs = [], []
+    for d in args.dims:
+        for batch in args.batches:
+            for n in args.ns:
+                side = SIDES.get(n) or int(math.isqrt(n))
+                x = features(batch, side, d, seed=n + d)
+                seq = visual_seq(x, side)
+                for method in args.methods:
+                    _, call = reducer_for(method, args.keep, seq)
+                    t = median_time(call, args.repeats)
+                    with LiveBytes() as mem:
+                        call()
+                    rows.append(
+                        dict(method=method, d=d, batch=batch, n=side * side, seconds=t, peak_bytes=mem.peak,
+                             feature_bytes=x.numel() * 4, nxn_bytes=batch * (side * side) ** 2 * 4)
+                    )  # fmt: skip
+                    console.log(
+                        f"d={d} B={batch} N={side * side} {method}: {t * 1e3:.1f} ms, {mem.peak / 2**20:.1f} MiB"
+                    )
+            if args.no_reference or batch != 1:
+                continue
+            for n in args.ns:
+                side = SIDES.get(n) or int(math.isqrt(n))
+                x = features(1, side, d, seed=n + d)
+                view = make_view(visual_seq(x, side), args.keep, 0)
+                rt = masked_minmax(view_density(view, 3), view.mask)
+                tilt, first, k = rt[0], int(rt[0].argmax()), int(view.k[0])
+                xn = F.normalize(x, dim=-1, eps=1e-12)
+
+                def ours(xn=xn, view=view, rt=rt):
+                    return farthest_point(xn, view.mask, view.k, rt, rt.argmax(1))[0][0].tolist()
+
+                t_ours = median_time(ours, args.repeats)
+                picks = ours()
+                t0 = time.perf_counter()
+                p_inc = ref_incremental(x[0], k, tilt, first)
+                t_inc = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                p_naive = ref_naive(x[0], k, tilt, first)
+                t_naive = time.perf_counter() - t0
+                same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
+                refs.append(
+                    dict(d=d, n=side * side, k=k, ours_s=t_ours, naive_s=t_naive, incremental_s=t_inc,
+                         speedup_vs_naive=t_naive / t_ours, speedup_vs_incremental=t_inc / t_ours,
+                         identical_picks=picks == p_naive == p_inc, first_divergence=same if picks != p_naive else None)
+                )  # fmt: skip
+                console.log(
+                    f"FPS d={d} N={side * side}: ours {t_ours:.3f}s naive {t_naive:.3f}s inc {t_inc:.3f}s"
+                )
+
+    fits = []
+    for d in args.dims:
+        for batch in args.batches:
+            for method in args.methods:
+                sel = [r for r in rows if r["method"] == method and r["d"] == d and r["batch"] == batch]
+                ns = [r["n"] for r in sel]
+                fits.append(
+                    dict(method=method, d=d, batch=batch, time_exponent=exponent(ns, [r["seconds"] for r in sel]),
+                         memory_exponent=exponent(ns, [r["peak_bytes"] for r in sel]))
+                )  # fmt: skip
+
+    for d in args.dims:
+        for batch in args.batches:
+            table = Table(
+                title=f"selection + merge, keep {args.keep:.0%}, d={d}, batch {batch}: ms (peak MiB)"
+            )
+            table.add_column("method", no_wrap=True)
+            for n in args.ns:
+                table.add_column(f"N={n}", justify="right")
+            table.add_column("time exp", justify="right")
+            table.add_column("mem exp", justify="right")
+            for method in args.methods:
+                cells = []
+                for n in args.ns:
+                    r = next(
+                        r for r in rows if (r["method"], r["d"], r["batch"], r["n"]) == (method, d, batch, n)
+                    )
+                    cells.append(f"{r['seconds'] * 1e3:.1f} ({r['peak_bytes'] / 2**20:.1f})")
+                f = next(f for f in fits if (f["method"], f["d"], f["batch"]) == (method, d, batch))
+                table.add_row(method, *cells, f"{f['time_exponent']:.2f}", f"{f['memory_exponent']:.2f}")
+            nxn = [f"{batch * n * n * 4 / 2**20:.0f}" for n in args.ns]
+            table.add_row("(N x N fp32 matrix, MiB)", *nxn, "", "", style="dim")
+            console.print(table)
+    if refs:
+        table = Table(title="density farthest-point loop vs references of the same rule (batch 1, keep 20%)")
+        for c in (
+            "d",
+            "N",
+            "K",
+            "ours s",
+            "naive s",
+            "incremental s",
+            "x vs naive",
+            "x vs incr.",
+            "same picks",
+        ):
+            table.add_column(c, justify="right")
+        for r in refs:
+            table.add_row(
+                str(r["d"]), str(r["n"]), str(r["k"]), f"{r['ours_s']:.3f}", f"{r['naive_s']:.3f}",
+                f"{r['incremental_s']:.3f}", f"{r['speedup_vs_naive']:.1f}", f"{r['speedup_vs_incremental']:.1f}",
+                "yes" if r["identical_picks"] else f"first {r['first_divergence']}",
+            )  # fmt: skip
+        console.print(table)
+    meta = dict(
+        keep=args.keep, threads=args.threads, repeats=args.repeats, device="cpu", torch=torch.__version__
+    )
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, fits=fits, fps_vs_reference=refs), f, indent=1)
+    console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

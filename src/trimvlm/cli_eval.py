@@ -1,0 +1,133 @@
+"""The main jobs behind `trimvlm demo` and `trimvlm eval` (the typer CLI in cli.py calls these).
+
+Inputs are checked before any model loads: a bad limit, an unknown task, a recipe file that does not parse
+or names an unknown method each raise a TrimVLMError that says what was wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trimvlm.errors import CheckpointError, RecipeError, TrimVLMError
+from trimvlm.evals.report import plot_pareto, print_report, result_dict, write_json
+from trimvlm.evals.run import normalize_recipes, run_eval
+from trimvlm.evals.tasks import check_limit, get_task
+from trimvlm.recipe import load_recipes, parse_recipe
+
+# Shown side by side with the baseline by `trimvlm demo` once their methods exist (codes as in the paper:
+# L3_50 = prune 50% of visual tokens at layer 3, D75 = drop 75% of visual KV at the prefill/decode boundary).
+DEMO_RECIPES: list[dict] = [
+    {"name": "L3_50", "tokens": "density:keep=0.5:layer=3"},
+    {"name": "D75", "kv": "density:keep=0.25"},
+    {"name": "L3_50_D75", "tokens": "density:keep=0.5:layer=3", "kv": "density:keep=0.25"},
+]
+DEMO_LIMIT = 300
+DEMO_BATCH_SIZE = 64  # 50 items of a kind in one call: per-call and per-step overheads dominate tiny models
+
+
+def _console(console):
+    if console is not None:
+        return console
+    from rich.console import Console
+
+    return Console()
+
+
+def available_demo_recipes(console=None) -> list:
+    """The DEMO_RECIPES whose methods are implemented in this install (the others are named and skipped)."""
+    out, skipped = [], []
+    for spec in DEMO_RECIPES:
+        try:
+            r = parse_recipe(spec)
+            r.build()
+            out.append(r)
+        except RecipeError:
+            skipped.append(spec["name"])
+    if skipped and console is not None:
+        console.print(f"[dim]not shown (methods not available in this install): {', '.join(skipped)}[/dim]")
+    return out
+
+
+def _finish(result, json_out, plot_out, console) -> dict:
+    print_report(result, console=console)
+    if json_out:
+        console.print(f"wrote {write_json(result, json_out)}")
+    if plot_out:
+        console.print(f"wrote {plot_pareto(result, plot_out)}")
+    return result_dict(result)
+
+
+def demo_command(
+    limit: int = DEMO_LIMIT,
+    json_out: str | Path | None = "trimvlm-demo.json",
+    png_out: str | Path | None = "trimvlm-demo.png",
+    recipes: list | None = None,
+    batch_size: int = DEMO_BATCH_SIZE,
+    seed: int = 0,
+    progress: bool = True,
+    console=None,
+) -> dict:
+    """Load the shipped demo model, run the baseline (and the demo recipes available) on `limit` test items
+    of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
+    import trimvlm
+    from trimvlm.loading import resolve
+
+    console = _console(console)
+    limit = check_limit(limit)
+    task = get_task("demo", limit=limit, seed=seed)
+    chosen = normalize_recipes(recipes if recipes is not None else available_demo_recipes(console))
+    try:
+        resolve("demo")
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}; `trimvlm demo` needs the trained demo model: train it with `trimvlm train-demo`, or "
+            "reinstall a trimvlm release that ships it"
+        ) from None
+    vlm = trimvlm.load("demo")
+    result = run_eval(vlm, task, chosen, batch_size=batch_size, seed=seed, progress=progress, console=console)
+    return _finish(result, json_out, png_out, console)
+
+
+def eval_command(
+    model: str | Path,
+    task: str | Path = "demo",
+    recipes_file: str | Path | None = None,
+    limit: int | None = None,
+    json_out: str | Path | None = None,
+    plot_out: str | Path | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    progress: bool = True,
+    console=None,
+) -> dict:
+    """Run the recipes of `recipes_file` (YAML/JSON; the baseline is always added, first) over `task`
+    ("demo", a registered task, or PATH.jsonl) with `model` (a checkpoint folder or "demo").
+    Prints the tables, writes the JSON / Pareto PNG when paths are given. Returns the JSON's content."""
+    import trimvlm
+
+    console = _console(console)
+    limit = check_limit(limit)
+    the_task = get_task(task, limit=limit, seed=seed)
+    if recipes_file is not None:
+        try:
+            recipes = load_recipes(recipes_file)
+        except TrimVLMError:
+            raise
+        except Exception as e:  # e.g. pydantic validation of a malformed entry
+            raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
+    else:
+        recipes = []
+    chosen = normalize_recipes(recipes)
+    vlm = trimvlm.load(model)
+    result = run_eval(
+        vlm,
+        the_task,
+        chosen,
+        batch_size=batch_size,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        console=console,
+    )
+    return _finish(result, json_out, plot_out, console)

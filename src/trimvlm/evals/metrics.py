@@ -1,0 +1,268 @@
+"""Answer metrics and prediction mismatch.
+
+Every metric scores one prediction against one record (a number in [0, 1]), gives a canonical form of a
+prediction (what "the same answer" means for that metric, used for mismatch against the baseline), and may add
+task-level numbers (`summary`, e.g. F1 for yes/no).
+
+- `exact`: normalised exact match, max over the references. Normalisation is the usual one of SQuAD/VQA
+  scoring: lowercase, punctuation removed, the articles a/an/the removed, whitespace collapsed.
+- `exact_strict`: exact match after collapsing whitespace only (case and every word kept). For answers where
+  the usual normalisation destroys information, e.g. a read-out string "7 A 3" (the glyph "A" is an article).
+- `option`: multiple-choice accuracy. The prediction is mapped to an option by its leading letter ("B",
+  "(B)", "B.", "B) text") or by the option's text; the reference is a letter or an option's text.
+- `yesno`: yes/no accuracy; `summary` adds F1, precision and recall with "yes" as the positive class, and the
+  share of "yes" predictions (as POPE reports them).
+- `anls`: Average Normalized Levenshtein Similarity (DocVQA/ST-VQA): per reference
+  s = 1 - NL if NL < 0.5 else 0, with NL = edit_distance / max(len(pred), len(ref)) on lowercased,
+  whitespace-collapsed strings; the item's score is the max over its references.
+
+`mismatch_pct(preds, base_preds, metric)`: the share (in %) of items whose prediction differs, in the metric's
+canonical form, from the uncompressed model's prediction on the same item.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from trimvlm.errors import InputError
+
+OPTION_LETTERS = string.ascii_uppercase
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def collapse(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop punctuation, drop the articles a/an/the, collapse whitespace (SQuAD/VQA style)."""
+    text = str(text).lower()
+    text = "".join(" " if ch in _PUNCT else ch for ch in text)
+    text = _ARTICLES.sub(" ", text)
+    return collapse(text)
+
+
+def _refs(references: str | Sequence[str]) -> list[str]:
+    return [references] if isinstance(references, str) else list(references)
+
+
+def exact_match(prediction: str, references: str | Sequence[str]) -> float:
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(r) for r in _refs(references)))
+
+
+def exact_strict(prediction: str, references: str | Sequence[str]) -> float:
+    p = collapse(prediction)
+    return float(any(p == collapse(r) for r in _refs(references)))
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance (insert, delete, substitute; each costs 1)."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def anls(prediction: str, references: str | Sequence[str], threshold: float = 0.5) -> float:
+    """ANLS of one prediction: max over references of (1 - NL if NL < threshold else 0)."""
+    p = collapse(prediction).lower()
+    best = 0.0
+    for r in _refs(references):
+        r = collapse(r).lower()
+        longest = max(len(p), len(r))
+        nl = levenshtein(p, r) / longest if longest else 0.0
+        best = max(best, 1.0 - nl if nl < threshold else 0.0)
+    return best
+
+
+def option_index(prediction: str, options: Sequence[str]) -> int | None:
+    """Which option a prediction names: by a leading letter ("B", "(B)", "B.", "B) text") or by its text."""
+    raw = str(prediction).strip()
+    n = len(options)
+    m = re.match(r"^\(?([A-Za-z])(?:[).:,]|\s|$)", raw)
+    if m:
+        letter = m.group(1)
+        k = OPTION_LETTERS.find(letter.upper())
+        # a lowercase leading "a" followed by more words is the article, not option A
+        bare = collapse(raw.strip(string.punctuation + " ")) == letter
+        if 0 <= k < n and (letter.isupper() or bare):
+            return k
+    norm = normalize_answer(raw)
+    for k, opt in enumerate(options):
+        if norm and norm == normalize_answer(opt):
+            return k
+    return None
+
+
+def yes_no(prediction: str) -> str | None:
+    """'yes' / 'no' from a prediction: its first word, else any yes / no / not in it (POPE's rule), else None."""
+    words = normalize_answer(prediction).split()
+    if not words:
+        return None
+    if words[0] in ("yes", "no"):
+        return words[0]
+    if "yes" in words:
+        return "yes"
+    if "no" in words or "not" in words:
+        return "no"
+    return None
+
+
+def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[str, float]:
+    """Accuracy, precision, recall and F1 with 'yes' as the positive class; yes_ratio = share of 'yes' answers.
+
+    A prediction that is neither yes nor no counts as wrong and as not-yes."""
+    if len(predictions) != len(golds):
+        raise InputError(f"{len(predictions)} predictions for {len(golds)} references")
+    tp = sum(p == "yes" and g == "yes" for p, g in zip(predictions, golds, strict=True))
+    fp = sum(p == "yes" and g != "yes" for p, g in zip(predictions, golds, strict=True))
+    fn = sum(p != "yes" and g == "yes" for p, g in zip(predictions, golds, strict=True))
+    correct = sum(p == g for p, g in zip(predictions, golds, strict=True))
+    n = len(golds)
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {
+        "accuracy": correct / n if n else 0.0,
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "yes_ratio": sum(p == "yes" for p in predictions) / n if n else 0.0,
+    }
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+
+class Metric:
+    """One metric: `score` an item, the `canonical` form of a prediction, task-level `summary` numbers."""
+
+    name: str = ""
+
+    def score(self, prediction: str, answers: Sequence[str], options: Sequence[str] | None = None) -> float:
+        raise NotImplementedError
+
+    def canonical(self, prediction: str, options: Sequence[str] | None = None) -> Hashable:
+        return normalize_answer(prediction)
+
+    def summary(
+        self,
+        predictions: Sequence[str],
+        answers: Sequence[Sequence[str]],
+        options: Sequence[Sequence[str] | None],
+    ) -> dict[str, float]:
+        return {}
+
+
+class ExactMatch(Metric):
+    name = "exact"
+
+    def score(self, prediction, answers, options=None):
+        return exact_match(prediction, answers)
+
+
+class ExactStrict(Metric):
+    name = "exact_strict"
+
+    def score(self, prediction, answers, options=None):
+        return exact_strict(prediction, answers)
+
+    def canonical(self, prediction, options=None):
+        return collapse(prediction)
+
+
+class OptionAccuracy(Metric):
+    name = "option"
+
+    def gold(self, answers: Sequence[str], options: Sequence[str]) -> int:
+        for a in answers:
+            k = option_index(a, options)
+            if k is not None:
+                return k
+        raise InputError(f"reference answer {list(answers)!r} names none of the options {list(options)!r}")
+
+    def score(self, prediction, answers, options=None):
+        if not options:
+            raise InputError("metric 'option' needs the item's options; this item has none")
+        return float(option_index(prediction, options) == self.gold(answers, options))
+
+    def canonical(self, prediction, options=None):
+        k = option_index(prediction, options or [])
+        return k if k is not None else normalize_answer(prediction)
+
+
+class YesNoAccuracy(Metric):
+    name = "yesno"
+
+    def score(self, prediction, answers, options=None):
+        golds = {yes_no(a) for a in answers}
+        p = yes_no(prediction)
+        return float(p is not None and p in golds)
+
+    def canonical(self, prediction, options=None):
+        p = yes_no(prediction)
+        return p if p is not None else normalize_answer(prediction)
+
+    def summary(self, predictions, answers, options):
+        golds = [yes_no(a[0]) or "" for a in answers]
+        s = yes_no_f1([yes_no(p) for p in predictions], golds)
+        return {k: v for k, v in s.items() if k != "accuracy"}
+
+
+class ANLS(Metric):
+    name = "anls"
+
+    def score(self, prediction, answers, options=None):
+        return anls(prediction, answers)
+
+    def canonical(self, prediction, options=None):
+        return collapse(prediction).lower()
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m for m in (ExactMatch(), ExactStrict(), OptionAccuracy(), YesNoAccuracy(), ANLS())
+}
+
+
+def get_metric(name: str) -> Metric:
+    metric = METRICS.get(str(name))
+    if metric is None:
+        raise InputError(f"unknown metric {name!r}; known metrics: {', '.join(sorted(METRICS))}")
+    return metric
+
+
+def register_metric(metric: Metric) -> Metric:
+    """Add a metric instance under its `name` (for benchmarks with their own scoring)."""
+    if not metric.name:
+        raise InputError("a metric needs a non-empty name")
+    METRICS[metric.name] = metric
+    return metric
+
+
+def mismatch_pct(
+    predictions: Sequence[str],
+    baseline: Sequence[str],
+    metric: str | Metric = "exact",
+    options: Sequence[Sequence[str] | None] | None = None,
+) -> float:
+    """% of items whose prediction differs (in the metric's canonical form) from the baseline's prediction."""
+    if len(predictions) != len(baseline):
+        raise InputError(f"{len(predictions)} predictions for {len(baseline)} baseline predictions")
+    if not predictions:
+        return 0.0
+    m = get_metric(metric) if isinstance(metric, str) else metric
+    opts: Sequence[Any] = options if options is not None else [None] * len(predictions)
+    diff = sum(
+        m.canonical(p, o) != m.canonical(b, o) for p, b, o in zip(predictions, baseline, opts, strict=True)
+    )
+    return 100.0 * diff / len(predictions)

@@ -1,0 +1,225 @@
+"""Reports of an `EvalResult`: rich tables in the terminal, a JSON file with every number, a Pareto PNG."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+from trimvlm.evals.run import EvalResult
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import trimvlm
+
+    return {
+        "trimvlm": trimvlm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def result_dict(result: EvalResult) -> dict:
+    return {"versions": versions(), **result.to_dict()}
+
+
+def write_json(result: EvalResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result_dict(result), indent=1) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------- table
+
+
+def human(x: float | None, unit: str = "") -> str:
+    """1234567 -> '1.23M' (decimal prefixes); None -> '-'."""
+    if x is None:
+        return "-"
+    for div, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{p}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def print_report(result: EvalResult, console=None) -> None:
+    """Tables: accuracy / mismatch vs baseline per kind and probe kind; costs per item; cost ratios."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    labels = result.labels
+    groups = [r for r in result.rows if r["recipe"] == labels[0]]
+    summaries = [g for g in groups if g["group_type"] != "kind"]
+
+    tables = [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else [])
+    for title, first in tables:
+        t = Table(title=f"{result.task.name}: {title}", title_justify="left")
+        t.add_column("kind", no_wrap=True)
+        t.add_column("probe", no_wrap=True)
+        t.add_column("metric", no_wrap=True)
+        t.add_column("n", justify="right")
+        for label in labels[first:]:
+            t.add_column(escape(label), justify="right")
+        for n, g in enumerate(groups):
+            if g["group_type"] != "kind" and n > 0 and groups[n - 1]["group_type"] == "kind":
+                t.add_section()
+            rows = [result.row(label, g["group"]) for label in labels[first:]]
+            if first == 0:
+                cells = [f"{100 * r['accuracy']:.1f}" for r in rows]
+            else:
+                cells = [f"{r['mismatch_pct']:.1f}" for r in rows]
+            kind = g["group"] if g["group_type"] == "kind" else "all"
+            probe = "both" if g["group_type"] == "all" else g["probe"]
+            style = "bold" if g["group_type"] != "kind" else None
+            t.add_row(kind, probe, g["metric"], str(g["n"]), *cells, style=style)
+            if first == 0 and all("f1" in r for r in rows):
+                t.add_row(f"{kind} F1", "", "", "", *(f"{100 * r['f1']:.1f}" for r in rows), style="dim")
+        console.print(t)
+
+    cost = Table(title="costs per item", title_justify="left")
+    for col in ("recipe", "probe", "prefill FLOPs", "decode FLOPs", "KV bytes", "latency ms", "peak mem"):
+        cost.add_column(
+            col, justify="left" if col in ("recipe", "probe") else "right", no_wrap=col in ("recipe", "probe")
+        )
+    for label in labels:
+        for g in summaries:
+            row = result.row(label, g["group"])
+            per = row["costs"]["per_item"]
+            cost.add_row(
+                escape(label),
+                g["group"],
+                human(per["prefill_flops"]),
+                human(per["decode_flops"]),
+                human(per["kv_bytes"], "B"),
+                f"{1000 * per['latency_s']:.2f}",
+                human(row["costs"]["max"]["peak_memory_bytes"], "B"),
+                style="bold" if g["group_type"] == "all" else None,
+            )
+        if len(summaries) > 1:
+            cost.add_section()
+    console.print(cost)
+
+    if len(labels) > 1:
+        keys = ("prefill_flops", "decode_flops", "total_flops", "kv_bytes", "latency_s", "peak_memory_bytes")
+        ratio = Table(title="cost / baseline (same items, interleaved)", title_justify="left")
+        for col in (
+            "recipe",
+            "probe",
+            "prefill FLOPs",
+            "decode FLOPs",
+            "FLOPs",
+            "KV bytes",
+            "latency",
+            "peak mem",
+        ):
+            ratio.add_column(
+                col,
+                justify="left" if col in ("recipe", "probe") else "right",
+                no_wrap=col in ("recipe", "probe"),
+            )
+        for label in labels[1:]:
+            for g in summaries:
+                row = result.row(label, g["group"])
+                ratio.add_row(
+                    escape(label),
+                    g["group"],
+                    *(_ratio(row["ratio"][k]) for k in keys),
+                    style="bold" if g["group_type"] == "all" else None,
+                )
+            if len(summaries) > 1:
+                ratio.add_section()
+        console.print(ratio)
+    mem_kind = groups[-1]["costs"]["peak_memory_kind"]
+    if mem_kind == "cpu_peak_rss_growth":
+        console.print(
+            "[dim]peak mem on CPU: growth of the process's peak RSS during a call, a lower bound "
+            "(0 when the call fit in memory already touched); compare KV bytes for the cache itself.[/dim]"
+        )
+
+
+# --------------------------------------------------------------------------------------------- plot
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the non-dominated points (lower cost x, higher accuracy y), sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+MARKERS = ["*", "o", "s", "^", "D", "v", "P", "X", "<", ">"]
+PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items"}
+
+
+def plot_pareto(result: EvalResult, path: str | Path) -> Path:
+    """Accuracy vs total-FLOPs ratio and vs KV-bytes ratio, one point per recipe (the same colour and marker
+    in every panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line;
+    one row of panels per probe kind (prefill / full)."""
+    from matplotlib.figure import (
+        Figure,
+    )  # a bare Figure renders PNG with Agg; pyplot's global state untouched
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probes = [
+        r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"
+    ]
+    axes_spec = (("total_flops", "FLOPs / baseline"), ("kv_bytes", "KV bytes / baseline"))
+    fig = Figure(figsize=(11.5, 3.8 * max(1, len(probes))), layout="constrained")
+    grid = fig.subplots(max(1, len(probes)), 2, squeeze=False)
+    colors = [f"C{k % 10}" for k in range(len(result.labels))]
+    for i, probe in enumerate(probes):
+        for j, (key, xlabel) in enumerate(axes_spec):
+            ax = grid[i][j]
+            pts, shown = [], []
+            for k, label in enumerate(result.labels):
+                row = result.row(label, probe)
+                x = row["ratio"][key]
+                if x is None:  # the baseline spent nothing of this kind either
+                    x = 1.0 if k == 0 else float("nan")
+                y = 100 * row["accuracy"]
+                ax.scatter(
+                    [x],
+                    [y],
+                    s=140 if k == 0 else 60,
+                    marker=MARKERS[k % len(MARKERS)],
+                    color=colors[k],
+                    alpha=0.85,
+                    zorder=3 + k,
+                    label=label,
+                )
+                if x == x:
+                    pts.append((x, y))
+                    shown.append(y)
+            front = [pts[n] for n in pareto_front(pts)]
+            if len(front) > 1:
+                ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", alpha=0.5)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("accuracy (%)")
+            ax.set_title(
+                f"{PROBE_TITLES.get(probe, probe)} ({result.row(result.labels[0], probe)['n']})", fontsize=10
+            )
+            ax.grid(alpha=0.3)
+            ax.set_xlim(left=0, right=max(1.1, ax.get_xlim()[1]))
+            if shown:
+                ax.set_ylim(max(-2.0, min(shown) - 8), min(102.0, max(shown) + 8))
+    handles, names = grid[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right upper", fontsize=8, title="recipe")
+    fig.suptitle(f"trimvlm eval: {result.task.name}, accuracy vs cost (Pareto front in grey)")
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,193 @@
+"""Decode-phase visual-KV eviction: one interface for every policy.
+
+One shot at the prefill/decode boundary, in every attention layer that holds a cache, per sample:
+
+    N_post = the sample's visual entries in that layer (after any prefill reduction)
+    k      = ceil(N_post * keep)          (keep = 0, "Dall", drops every visual entry)
+    keep the k visual entries with the highest `scores`; text entries are never evicted.
+
+Evicted entries are physically freed (`KVCache.gather`: the tensors shrink to the longest kept row of the
+batch). Surviving keys keep the RoPE rotation they were written with, and decoding goes on at the true position
+counter (`PrefillOutput.next_pos`), so an eviction is exactly "these keys are masked out" for every later token.
+Recurrent (Gated DeltaNet) states hold no per-token entries and are left untouched.
+
+A policy is a small dataclass that implements `scores(view) -> [B, K]` (higher = keep; only the visual, valid
+entries are compared) and, if it scores by attention, asks for prefill attention rows with `rows_wanted`.
+Ties are broken by cache order (earlier entry first), so a sample's selection does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from trimvlm.errors import TrimVLMError
+from trimvlm.runtime.attention import AttentionProbe
+from trimvlm.runtime.cache import KVCache, LayerKV
+
+
+@dataclass
+class LayerView:
+    """What a policy sees of one attention layer at the prefill/decode boundary."""
+
+    layer: int
+    entry: LayerKV  # the layer's cache entries: key/value [B, Hk, K, hd], valid/visual/source [B, K]
+    candidates: torch.Tensor  # [B, K] bool: visual & valid, the only entries that may be evicted
+    budget: torch.Tensor  # [B] long: visual entries kept per sample, ceil(N_post * keep)
+    prefill: object  # the PrefillOutput (seq: grids, image starts; next_pos; logits)
+    attention: torch.Tensor | None = None  # [B, n, K] (or [B, H, n, K]) prefill attention rows, if asked
+    row_valid: torch.Tensor | None = None  # [B, n]: which of those rows are real tokens
+    reducer: object | None = None  # the recipe's prefill token reducer, or None
+
+
+def visual_budget(n_post: torch.Tensor, keep: float) -> torch.Tensor:
+    """ceil(N_post * keep) per sample (a 1e-9 slack keeps float products like 0.1 * 30 from rounding up)."""
+    return torch.ceil(n_post.double() * keep - 1e-9).clamp(min=0).long()
+
+
+@dataclass
+class KVPolicy:
+    """Base of every KV policy. Options: `keep` in [0, 1] (fraction of each layer's visual entries kept;
+    0 = drop all visual KV, 1 = exact no-op) and `seed` (for policies with a random choice)."""
+
+    keep: float = 0.25
+    seed: int = 0
+    _probe: AttentionProbe | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int | float) or not 0 <= self.keep <= 1:
+            raise ValueError(
+                f"keep must be a number in [0, 1] (0 drops every visual entry), got {self.keep!r}"
+            )
+        self.keep = float(self.keep)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    # ---- what a policy implements ----
+    def scores(self, view: LayerView) -> torch.Tensor:
+        """[B, K] score per entry; higher = kept. Only `view.candidates` entries are compared."""
+        raise NotImplementedError
+
+    @property
+    def rows_wanted(self) -> int:
+        """Prefill attention rows (last query tokens) this policy scores with; 0 = none."""
+        return 0
+
+    @property
+    def per_head(self) -> bool:
+        return False
+
+    # ---- the plan's side ----
+    @property
+    def is_noop(self) -> bool:
+        return self.keep >= 1.0
+
+    def probe(self, runner=None) -> AttentionProbe | None:
+        """The attention probe the prefill must record for this policy (None if it needs none)."""
+        if self.is_noop or self.keep == 0 or self.rows_wanted <= 0:
+            self._probe = None
+            return None
+        self._probe = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
+        return self._probe
+
+    def bind(self, runner=None, reducer=None):
+        """The after-prefill step: decide and evict, in place on `PrefillOutput.cache`."""
+        if self.is_noop:
+            return _noop
+
+        def after_prefill(out) -> None:
+            self.evict(out.cache, self.select(out, reducer))
+
+        return after_prefill
+
+    # ---- the mechanics ----
+    def select(self, out, reducer=None) -> dict[int, torch.Tensor]:
+        """layer -> keep mask [B, K] over that layer's cache entries (True = keep; text always True)."""
+        masks = {}
+        for i in sorted(out.cache.layers):
+            entry = out.cache.layers[i]
+            cand = entry.visual & entry.valid
+            budget = visual_budget(cand.sum(1), self.keep)
+            if self.is_noop:
+                chosen = cand
+            elif self.keep == 0:
+                chosen = torch.zeros_like(cand)
+            else:
+                view = LayerView(i, entry, cand, budget, out, reducer=reducer)
+                if self.rows_wanted > 0:
+                    view.attention, view.row_valid = self._attention_rows(i, entry)
+                chosen = top_k_mask(self.scores(view), cand, budget)
+            masks[i] = entry.valid & (~entry.visual | chosen)
+        return masks
+
+    def _attention_rows(self, layer: int, entry: LayerKV):
+        probe = self._probe
+        if probe is None or layer not in probe.results:
+            name = getattr(self, "name", type(self).__name__)
+            raise TrimVLMError(
+                f"kv={name} scores by prefill attention, but none was recorded for layer {layer}: pass "
+                "`probe=policy.probe(runner)` (or the plan's probe) to the prefill"
+            )
+        att = probe.results[layer]
+        if att.shape[-1] != entry.key.shape[2]:
+            raise TrimVLMError(
+                f"recorded attention of layer {layer} covers {att.shape[-1]} keys but the cache holds "
+                f"{entry.key.shape[2]}: the probe is from another prefill"
+            )
+        rv = probe.row_valid.get(layer)
+        if rv is None:
+            rv = torch.ones(att.shape[0], att.shape[-2], dtype=torch.bool, device=att.device)
+        return att, rv
+
+    @staticmethod
+    def evict(cache: KVCache, masks: dict[int, torch.Tensor]) -> None:
+        """Physically keep only the masked entries in each layer; layers left with equal metadata share it
+        again (so the decode builds one attention mask for them)."""
+        for i, keep in masks.items():
+            cache.gather(i, keep)
+        shared: list[LayerKV] = []
+        for i in masks:
+            e = cache.layers[i]
+            for s in shared:
+                if (
+                    s.valid.shape == e.valid.shape
+                    and torch.equal(s.valid, e.valid)
+                    and torch.equal(s.source, e.source)
+                    and torch.equal(s.visual, e.visual)
+                ):
+                    e.valid, e.visual, e.source = s.valid, s.visual, s.source
+                    break
+            else:
+                shared.append(e)
+
+
+def _noop(out) -> None:
+    return None
+
+
+def top_k_mask(scores: torch.Tensor, cand: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool: per row the `budget[b]` candidates with the highest score (ties: earlier entry first)."""
+    s = torch.nan_to_num(scores.float(), nan=-math.inf).masked_fill(~cand, -math.inf)
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices
+    k = s.shape[1]
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=s.device).expand_as(order))
+    return cand & (rank < budget[:, None])
+
+
+def mask_out(cache: KVCache, masks: dict[int, torch.Tensor]) -> None:
+    """The reference for an eviction: mark the evicted entries invalid instead of removing them (new tensors,
+    since layers may share their metadata)."""
+    for i, keep in masks.items():
+        e = cache.layers[i]
+        e.valid = e.valid & keep
+        e.visual = e.visual & keep
+
+
+def order_in_span(cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index from the start, index from the end) of each candidate among its row's candidates (0-based)."""
+    c = cand.long()
+    from_start = c.cumsum(1) - 1
+    from_end = c.flip(1).cumsum(1).flip(1) - 1
+    return from_start, from_end

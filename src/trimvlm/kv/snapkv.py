@@ -1,0 +1,87 @@
+"""SnapKV on the visual span: score each visual entry by the attention it receives from the last `window`
+prefill queries (the observation window), summed over those queries, pooled along the key axis with a 1-D
+kernel, per layer. REFERENCES.md section 3.
+
+Pooling runs over the cache order with every non-visual entry zeroed, so text attention (sinks, the prompt) does
+not bleed into the visual span. `pool=avg` (SnapKV's and kvpress's default) counts the padding in the kernel, so
+an entry next to padding scores the same in a batch as alone.
+
+Per-head variant (`per_head=true`): each query head scores and ranks the entries on its own, and an entry's rank
+is its best rank over the heads (ties: higher best-head score). The cache keeps one set of entries per layer for
+all heads, so "top-k per head" becomes the largest union of the per-head top-m sets that fits the budget.
+Always-keeping the observation window is moot here: the window holds the prompt's last tokens, and text is never
+evicted (visual tokens inside the window compete like the others, so keep = 0 still drops them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trimvlm.kv.base import KVPolicy, LayerView
+from trimvlm.registry import register
+
+
+@register("kv", "snapkv")
+@dataclass
+class SnapKV(KVPolicy):
+    """Options: `window` (observation queries, default 32), `kernel` (odd pooling width, default 5; 1 = none),
+    `pool` (`avg` or `max`), `per_head` (bool), `keep`."""
+
+    window: int = 32
+    kernel: int = 5
+    pool: str = "avg"
+    per_head: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if (
+            isinstance(self.kernel, bool)
+            or not isinstance(self.kernel, int)
+            or self.kernel < 1
+            or self.kernel % 2 == 0
+        ):
+            raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
+        if self.pool not in ("avg", "max"):
+            raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"per_head must be true or false, got {self.per_head!r}")
+
+    @property
+    def rows_wanted(self) -> int:
+        return self.window
+
+    def _pooled(self, s: torch.Tensor) -> torch.Tensor:
+        # s [..., K] -> pooled along K with a same-length 1-D kernel
+        if self.kernel == 1:
+            return s
+        shape = s.shape
+        x = s.reshape(-1, 1, shape[-1])
+        p = self.kernel // 2
+        if self.pool == "avg":
+            x = F.avg_pool1d(x, self.kernel, stride=1, padding=p, count_include_pad=True)
+        else:
+            x = F.max_pool1d(x, self.kernel, stride=1, padding=p)
+        return x.reshape(shape)
+
+    def scores(self, view: LayerView):
+        att, rv = view.attention.float(), view.row_valid
+        cand = view.candidates
+        if att.dim() == 3:  # [B, n, K], heads averaged
+            s = (att * rv[..., None]).sum(1).masked_fill(~cand, 0.0)
+            return self._pooled(s)
+        # per head: [B, H, n, K]
+        s = (att * rv[:, None, :, None]).sum(2).masked_fill(~cand[:, None], 0.0)
+        s = self._pooled(s)  # [B, H, K]
+        k = s.shape[-1]
+        ranked = s.masked_fill(~cand[:, None], -float("inf"))
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(k).expand_as(order))
+        best_rank = rank.amin(1).float()  # [B, K]
+        best = s.amax(1)
+        tie = best / (best.amax(1, keepdim=True) + 1e-30) * 0.5  # in [0, 0.5]: only breaks rank ties
+        return -best_rank + tie

@@ -1,0 +1,29 @@
+"""StreamingLLM on the visual span: keep the first `sinks` visual entries (attention sinks) and the most recent
+ones. REFERENCES.md section 3; one shot at the prefill/decode boundary, original positions kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
+from trimvlm.registry import register
+
+
+@register("kv", "streamingllm")
+@dataclass
+class StreamingLLMKV(KVPolicy):
+    """Options: `sinks` (first visual entries always kept first, default 4), `keep`."""
+
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+
+    def scores(self, view: LayerView):
+        from_start, _ = order_in_span(view.candidates)
+        k = view.candidates.shape[1]
+        recency = from_start.float()  # later entry = more recent = higher
+        sink = from_start < self.sinks
+        return recency.masked_fill(sink, 0.0) + sink.float() * (2 * k - from_start.float())

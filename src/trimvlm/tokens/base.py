@@ -1,0 +1,397 @@
+"""Prefill visual-token reduction: the interface every `tokens=` method shares.
+
+A reducer is a small dataclass registered with `@register("tokens", name)`; its fields are the recipe options.
+Before decoder layer `layer` (L = 0: before the first layer) the runner's hook hands the live sequence to
+`TokenReducer.reduce`, which
+
+1. cuts the batch into one *unit* per image (several images per sample, each with its own patch grid; a sample
+   without images is untouched) and pads the units to a common length N into a `VisualView`;
+2. asks the method's `choose(view)` which tokens each unit keeps: exactly K = ceil(N_image * keep) per image;
+3. merges, when the method asks for it, every dropped token into a kept token of the same image (by default
+   the most cosine-similar kept one): kept = mean (or size-weighted mean, using `LiveSeq.size`) of itself and
+   the tokens assigned to it, and `size` becomes the number of original tokens it represents;
+4. physically gathers the live sequence (`LiveSeq.gather`): hidden states, all M-RoPE position axes (original
+   positions kept), masks, and so the KV that layers >= L write, all shrink.
+
+Qwen3-VL deepstack: the per-position features the adapter adds after the first layers (`seq.adds`) are sliced
+by the same gather, and when tokens are merged they are merged with the same groups and weights. Because the
+merge is linear, merging before a deepstack add equals adding first and merging after, so a reduction at any
+layer, inside the deepstack layers or not, stays consistent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.runtime.sequence import LiveSeq
+
+
+@dataclass
+class VisualView:
+    """Every image of the batch as one row ("unit"), padded to a common length N (pads: `mask` False)."""
+
+    features: torch.Tensor  # [U, N, D] hidden states entering layer L, grid (row-major) order, 0 on pads
+    mask: torch.Tensor  # [U, N] bool, real tokens
+    n: torch.Tensor  # [U] real tokens per unit
+    k: torch.Tensor  # [U] tokens to keep per unit (1 <= k <= n)
+    grid: torch.Tensor  # [U, 2] (h, w) of each image's patch grid in LLM tokens
+    cells: torch.Tensor  # [U, N] flat grid cell r * w + c of each token (-1 on pads)
+    sample: torch.Tensor  # [U] sample of the batch the unit belongs to
+    image: torch.Tensor  # [U] index of the image within its sample
+    cols: torch.Tensor  # [U, N] column of each token in the live sequence (0 on pads)
+    source: torch.Tensor  # [U, N] index of each token in the original prefill sequence (0 on pads)
+    batch: int  # samples in the batch
+    size: torch.Tensor  # [U, N] original tokens each live token already represents (1 if none merged)
+    layer: int
+    attention: torch.Tensor | None = None  # [U, N] attention from the last query at layer L-1, when asked
+
+
+@dataclass
+class Selection:
+    """What a method decides for each unit of a `VisualView`."""
+
+    keep: torch.Tensor  # [U, N] bool, exactly view.k True per unit, only on real tokens
+    assign: torch.Tensor | None = None  # [U, N] long: the kept token each token merges into (None: nearest)
+    weight: torch.Tensor | None = None  # [U, N] merge weights (None: 1, or `size` when size-weighted)
+
+
+@dataclass
+class TokenReducer:
+    """Base of every prefill visual-token reducer. Options shared by all methods:
+
+    keep: fraction of each image's visual tokens kept, in (0, 1]; or `prune` = 1 - keep, in [0, 1). Exactly
+        one of the two. K = ceil(N * keep) per image.
+    layer: decoder layer L before which tokens are reduced, 0..num_layers-1 (None: the method's default,
+        clamped to the model's depth).
+    merge: merge dropped tokens into the most similar kept token instead of discarding them.
+    size_weighted: merged value = size-weighted mean (sizes from earlier merges) instead of the plain mean.
+    """
+
+    keep: float | None = None
+    prune: float | None = None
+    layer: int | None = None
+    merge: bool = False
+    size_weighted: bool = False
+
+    name: ClassVar[str] = "?"
+    default_layer: ClassVar[int] = 0
+    min_layer: ClassVar[int] = 0
+    _probe: object = field(default=None, init=False, repr=False, compare=False)
+
+    # ---- options -------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        if (self.keep is None) == (self.prune is None):
+            raise ValueError("give exactly one of keep (in (0, 1]) or prune (in [0, 1), prune = 1 - keep)")
+        if self.keep is not None:
+            _number("keep", self.keep)
+            if not 0 < self.keep <= 1:
+                raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+        else:
+            _number("prune", self.prune)
+            if not 0 <= self.prune < 1:
+                raise ValueError(f"prune must be in [0, 1), got {self.prune}")
+        if self.layer is not None:
+            if isinstance(self.layer, bool) or not isinstance(self.layer, int):
+                raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
+            if self.layer < self.min_layer:
+                raise ValueError(f"layer must be >= {self.min_layer}{self._layer_why()}, got {self.layer}")
+        for f in ("merge", "size_weighted"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")
+
+    @property
+    def ratio(self) -> float:
+        """The kept fraction."""
+        return float(self.keep) if self.keep is not None else 1.0 - float(self.prune)
+
+    def _layer_why(self) -> str:
+        return ""
+
+    def at(self, runner) -> int:
+        """The layer L this reducer acts before, on this model."""
+        if self.layer is not None:
+            return self.layer
+        return max(self.min_layer, min(self.default_layer, runner.num_layers - 1))
+
+    def check(self, runner) -> None:
+        """Raise RecipeError when the options do not fit this model."""
+        n = runner.num_layers
+        lay = self.at(runner)
+        if not self.min_layer <= lay < n:
+            raise RecipeError(
+                f"tokens={self.name}: layer {lay} out of range; allowed {self.min_layer}..{n - 1} "
+                f"(this model has {n} decoder layers){self._layer_why()}"
+            )
+        if self.wants_attention(runner):
+            from trimvlm.adapters.base import ATTENTION
+
+            types = list(runner.adapter.layer_types)
+            if types[lay - 1] != ATTENTION:
+                ok = [i + 1 for i, t in enumerate(types) if t == ATTENTION and i + 1 < n]
+                raise RecipeError(
+                    f"tokens={self.name}: layer {lay} reads the attention of layer {lay - 1}, which is a "
+                    f"{types[lay - 1]} layer without attention weights; allowed layers on this model: {ok}"
+                )
+
+    # ---- what the runner calls -----------------------------------------------------------------------
+    def probe(self, runner):
+        """The AttentionProbe the prefill must record for this method, or None."""
+        return None
+
+    def hook(self, runner):
+        """The runner hook `(layer_idx, seq, runner) -> seq` that reduces before layer L."""
+        lay = self.at(runner)
+
+        def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
+            return self.reduce(seq, run) if i == lay else seq
+
+        return _hook
+
+    def choose(self, view: VisualView) -> Selection:  # pragma: no cover - every method overrides it
+        raise NotImplementedError
+
+    def wants_attention(self, runner) -> bool:
+        return False
+
+    # ---- the shared mechanics ------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce(self, seq: LiveSeq, runner) -> LiveSeq:
+        lay = self.at(runner)
+        view = make_view(seq, self.ratio, lay)
+        if view is None or bool((view.k == view.n).all()):
+            return seq  # nothing visual, or keep everything: exactly the same sequence
+        if self.wants_attention(runner):
+            view.attention = self._attention(view, seq, lay)
+        sel = self.choose(view)
+        keep = sel.keep & view.mask
+        if not torch.equal(keep.sum(1), view.k):
+            raise TrimVLMError(
+                f"tokens={self.name} kept {keep.sum(1).tolist()} tokens, expected {view.k.tolist()}"
+            )
+        drop = view.mask & ~keep
+        keep_seq = seq.valid.clone()
+        keep_seq[view.sample[:, None].expand_as(drop)[drop], view.cols[drop]] = False
+        out = seq.gather(keep_seq)
+        if self.merge and bool(drop.any()):
+            assign = sel.assign
+            if assign is None:
+                assign = nearest_kept(view.features, view.mask, keep)
+            weight = sel.weight
+            if weight is None:
+                weight = view.size.float() if self.size_weighted else torch.ones(view.size.shape)
+            merge_dropped(seq, out, keep_seq, view, keep, assign, weight.to(view.mask.device))
+        return out
+
+    def _attention(self, view: VisualView, seq: LiveSeq, lay: int) -> torch.Tensor:
+        probe = self._probe
+        # taken out of the probe, so a later prefill can never read this one's row
+        res = None if probe is None else probe.results.pop(lay - 1, None)
+        if res is None:
+            raise TrimVLMError(
+                f"tokens={self.name} needs the attention of layer {lay - 1} recorded during prefill: pass "
+                f"reducer.probe(runner) to the prefill (AttentionContext(probe=...)), and do not skip that layer"
+            )
+        att = res[:, -1, :]  # [B, K] the last query row, heads averaged
+        if att.shape[1] != seq.length:
+            raise TrimVLMError(
+                f"tokens={self.name}: attention of layer {lay - 1} covers {att.shape[1]} keys but the live "
+                f"sequence has {seq.length}; the sequence changed between layer {lay - 1} and {lay}"
+            )
+        out = att[view.sample[:, None], view.cols].float()
+        return out.masked_fill(~view.mask, 0.0)
+
+    def _last_query_probe(self, runner):
+        """AttentionProbe(last=1, layers={L-1}), remembered so the hook can read what it recorded."""
+        from trimvlm.runtime.attention import AttentionProbe
+
+        self._probe = AttentionProbe(last=1, layers={self.at(runner) - 1})
+        return self._probe
+
+    def options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def _number(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+
+
+def kept_count(n: int, keep: float) -> int:
+    """K = ceil(n * keep), at least 1, at most n (robust to 1 - prune rounding, e.g. 1 - 0.8)."""
+    return max(1, min(n, math.ceil(n * keep - 1e-9)))
+
+
+# ---- view ------------------------------------------------------------------------------------------------
+def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
+    """Pad every image of the batch into one row; None when the batch has no visual tokens."""
+    rows = []
+    for b in range(seq.batch):
+        grids = seq.grids[b] if b < len(seq.grids) else []
+        for j, (h, w) in enumerate(grids):
+            cols = torch.nonzero(seq.visual[b] & (seq.image_id[b] == j)).flatten()
+            if cols.numel() == 0:
+                continue
+            cells = seq.source[b, cols] - int(seq.image_start[b][j])
+            order = torch.argsort(cells, stable=True)
+            rows.append((b, j, h, w, cols[order], cells[order]))
+    if not rows:
+        return None
+    u, nmax = len(rows), max(r[4].numel() for r in rows)
+    dev = seq.hidden.device
+    cols = torch.zeros(u, nmax, dtype=torch.long, device=dev)
+    cells = torch.full((u, nmax), -1, dtype=torch.long, device=dev)
+    mask = torch.zeros(u, nmax, dtype=torch.bool, device=dev)
+    for i, (_, _, _, _, c, g) in enumerate(rows):
+        cols[i, : c.numel()] = c
+        cells[i, : c.numel()] = g
+        mask[i, : c.numel()] = True
+    sample = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
+    n = mask.sum(1)
+    k = torch.tensor([kept_count(int(x), keep) for x in n.tolist()], dtype=torch.long, device=dev)
+    feats = _unit_features(seq.hidden, rows, nmax)
+    size = seq.size if seq.size is not None else torch.ones(seq.valid.shape, dtype=torch.long, device=dev)
+    return VisualView(
+        features=feats,
+        mask=mask,
+        n=n,
+        k=k,
+        grid=torch.tensor([[r[2], r[3]] for r in rows], dtype=torch.long, device=dev),
+        cells=cells,
+        sample=sample,
+        image=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
+        cols=cols,
+        source=seq.source[sample[:, None], cols].masked_fill(~mask, 0),
+        batch=seq.batch,
+        size=size[sample[:, None], cols].masked_fill(~mask, 0),
+        layer=layer,
+    )
+
+
+def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:
+    """[U, nmax, D] features of each unit, zero on pads. An image's tokens are one contiguous run of columns
+    in practice: then slices are copied (a single unit that fills its row is returned as a view); otherwise
+    advanced indexing."""
+    spans = [(b, int(c[0]), c.numel()) for b, _, _, _, c, _ in rows]
+    if all(int(c[-1]) - int(c[0]) + 1 == c.numel() for *_, c, _ in rows):
+        if len(rows) == 1 and spans[0][2] == nmax:
+            b, c0, n = spans[0]
+            return hidden[b : b + 1, c0 : c0 + n]
+        out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
+        for i, (b, c0, n) in enumerate(spans):
+            out[i, :n] = hidden[b, c0 : c0 + n]
+        return out
+    out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
+    for i, (b, _, _, _, c, _) in enumerate(rows):
+        out[i, : c.numel()] = hidden[b, c]
+    return out
+
+
+# ---- selection helpers -------------------------------------------------------------------------------------
+def topk_mask(scores: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[U, N] bool: the k[u] highest scores of each row among `mask` (ties: lower index first)."""
+    s = scores.float().masked_fill(~mask, float("-inf"))
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices
+    rank_ok = torch.arange(s.shape[1], device=s.device)[None] < k[:, None]
+    return torch.zeros_like(mask).scatter(1, order, rank_ok) & mask
+
+
+def nearest_kept(
+    features: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, chunk: int = 256
+) -> torch.Tensor:
+    """[U, N] long: for every token the index of its most cosine-similar kept token of the same unit (a kept
+    token maps to itself). Computed in row chunks: memory O(chunk * K), never an N x N matrix."""
+    u, n, _ = features.shape
+    dt = torch.promote_types(features.dtype, torch.float32)
+    xn = F.normalize(features.to(dt), dim=-1, eps=1e-12)
+    kmax = int(keep.sum(1).max())
+    kidx = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :kmax]  # [U, K]
+    kval = keep.gather(1, kidx)
+    xk = xn.gather(1, kidx[..., None].expand(-1, -1, xn.shape[-1]))
+    out = torch.empty(u, n, dtype=torch.long, device=features.device)
+    for s in range(0, n, chunk):
+        sim = torch.bmm(xn[:, s : s + chunk], xk.transpose(1, 2))
+        sim = sim.masked_fill(~kval[:, None], float("-inf"))
+        out[:, s : s + chunk] = kidx.gather(1, sim.argmax(-1))
+    ar = torch.arange(n, device=features.device)[None].expand(u, n)
+    return torch.where(keep, ar, torch.where(mask, out, ar))
+
+
+def merge_groups(
+    x: torch.Tensor, keep: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted mean of each kept token and the tokens assigned to it.
+
+    x [U, N, D]; keep, mask [U, N] bool; assign [U, N] long (target index of each dropped token; ignored for
+    kept ones, which are their own target); weight [U, N]. Returns (merged [U, N, D] in float32 or better,
+    equal to x bit for bit wherever no token was merged in, and `members` [U, N] long: how many real tokens
+    each kept token now groups)."""
+    n = x.shape[1]
+    ar = torch.arange(n, device=x.device)[None].expand_as(keep)
+    tgt = torch.where(keep | ~mask, ar, assign)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(dt) * mask.to(dt)
+    num = torch.zeros(x.shape, dtype=dt, device=x.device).scatter_add_(
+        1, tgt[..., None].expand_as(x), x.to(dt) * w[..., None]
+    )
+    den = torch.zeros(keep.shape, dtype=dt, device=x.device).scatter_add_(1, tgt, w)
+    members = torch.zeros_like(tgt).scatter_add_(1, tgt, mask.long())
+    merged = num / den.clamp(min=torch.finfo(dt).tiny)[..., None]
+    use = (keep & (members > 1))[..., None]
+    return torch.where(use, merged, x.to(dt)), members
+
+
+def merge_dropped(
+    seq: LiveSeq,
+    out: LiveSeq,
+    keep_seq: torch.Tensor,
+    view: VisualView,
+    keep: torch.Tensor,
+    assign: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    """Merge, in place in the gathered sequence `out`, every dropped token of `view` into its kept target
+    `assign` (an index into the view's row): kept = (w_i x_i + sum_j w_j x_j) / (w_i + sum_j w_j) over the
+    dropped tokens j assigned to it, for the hidden states and every `adds` tensor (same groups and weights);
+    `out.size` grows by the sizes merged in. Tokens that receive nothing are left bit for bit as they were.
+    Works on the compacted rows only (memory O(dropped * D)), no [N, D] scratch per tensor."""
+    drop = view.mask & ~keep
+    rows = view.sample[:, None].expand_as(drop)
+    d_rows, d_cols = rows[drop], view.cols[drop]
+    t_cols = view.cols.gather(1, assign)[drop]  # target column in the original sequence
+    new_len = out.length
+    cnt = keep_seq.long().cumsum(1)
+    newcol = cnt - 1 + (new_len - cnt[:, -1:])  # column of every kept position after gather
+    flat_t = d_rows * new_len + newcol[d_rows, t_cols]
+    recv, inv = torch.unique(flat_t, return_inverse=True)
+    r_rows, r_cols = recv // new_len, recv % new_len
+    # the weight of each receiving kept token itself
+    k_rows, k_cols = rows[keep], view.cols[keep]
+    w_self = torch.zeros(out.batch * new_len, dtype=weight.dtype, device=weight.device)
+    w_self[k_rows * new_len + newcol[k_rows, k_cols]] = weight[keep]
+    w_self = w_self[recv]
+    w_drop = weight[drop]
+    w_sum = w_self + torch.zeros_like(w_self).index_add_(0, inv, w_drop)
+
+    def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
+        dt = torch.promote_types(src.dtype, torch.float32)
+        acc = torch.zeros(recv.numel(), src.shape[-1], dtype=dt, device=src.device)
+        acc.index_add_(0, inv, src[d_rows, d_cols].to(dt) * w_drop[:, None].to(dt))
+        mine = dst[r_rows, r_cols].to(dt) * w_self[:, None].to(dt)
+        dst[r_rows, r_cols] = ((mine + acc) / w_sum[:, None].to(dt)).to(dst.dtype)
+
+    fold(seq.hidden, out.hidden)
+    for name, ts in seq.adds.items():
+        for src, dst in zip(ts, out.adds[name], strict=True):
+            fold(src, dst)
+    if out.size is None:
+        out.size = torch.ones(out.valid.shape, dtype=torch.long, device=out.valid.device)
+    src_size = seq.size if seq.size is not None else torch.ones_like(seq.source)
+    add = torch.zeros(recv.numel(), dtype=out.size.dtype, device=out.size.device)
+    add.index_add_(0, inv, src_size[d_rows, d_cols].to(out.size.dtype))
+    out.size[r_rows, r_cols] += add
