@@ -50,17 +50,17 @@ def main():
         prep = adapter.prepare(images, ["what is the colour of the square"] * batch)
         inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
 
-        def ours_fwd():
+        def ours_fwd(prep=prep):
             runner.prefill(prep, all_logits=True)
 
-        def ref_fwd():
+        def ref_fwd(inputs=inputs):
             with torch.no_grad():
                 model(**inputs)
 
-        def ours_gen():
+        def ours_gen(prep=prep):
             generate(runner, prep, max_new_tokens=args.new_tokens, stop_ids=[], pad_id=tok.pad_token_id)
 
-        def ref_gen():
+        def ref_gen(inputs=inputs):
             with torch.no_grad():
                 model.generate(**inputs, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                do_sample=False, pad_token_id=tok.pad_token_id)  # fmt: skip

@@ -130,6 +130,9 @@ def save_checkpoint(model, folder: str | Path, meta: dict | None = None, tokeniz
         tok.save_pretrained(tmp)
         build_image_processor().save_pretrained(tmp)
         (tmp / "trimvlm.json").write_text(json.dumps(trimvlm_meta(meta), indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped folder is readable by all
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         old = None
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{os.getpid()}"

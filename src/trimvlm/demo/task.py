@@ -65,8 +65,9 @@ KINDS: dict[str, str] = {
     "list": "full",
     "read": "full",
 }
-# Training-only auxiliary kind: every object with explicit coordinates, in raster order.
-AUX_KINDS: dict[str, str] = {"describe": "full"}
+# Training-only auxiliary kinds: every object with explicit coordinates, in raster order ("describe"), and
+# the coordinates of every object of a colour (and shape), in raster order ("where").
+AUX_KINDS: dict[str, str] = {"describe": "full", "where": "full"}
 
 PROMPT_TEMPLATE = "{question} <ans>"
 
@@ -214,6 +215,16 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
     if kind == "describe":
         objs = sorted(scene.objects, key=lambda o: (o.row, o.col))
         return " ".join(f"r{o.row} c{o.col} {o.color} {o.shape}" for o in objs)
+    if kind == "where":
+        objs = sorted(
+            (
+                o
+                for o in scene.objects
+                if o.color == params["color"] and params.get("shape") in (None, o.shape)
+            ),
+            key=lambda o: (o.row, o.col),
+        )
+        return " ".join(f"r{o.row} c{o.col}" for o in objs) or "none"
     raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
 
 
@@ -234,6 +245,9 @@ def _question_text(kind: str, params: dict) -> str:
         return "read text ?"
     if kind == "describe":
         return "describe ?"
+    if kind == "where":
+        what = params["color"] if params.get("shape") is None else f"{params['color']} {params['shape']}"
+        return f"describe {what} ?"
     raise InputError(f"unknown question kind {kind!r}")
 
 
@@ -272,6 +286,13 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
         else:
             index = int(rng.integers(GRID))
         return {"axis": axis, "index": index}
+    if kind == "where":
+        if rng.random() < 0.7:
+            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            color, shape = o.color, o.shape
+        else:
+            color, shape = COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))], SHAPES[int(rng.integers(len(SHAPES)))]
+        return {"color": color, "shape": shape if rng.random() < 0.5 else None}
     return {}
 
 
@@ -284,6 +305,8 @@ def _candidates(scene: Scene, kind: str, answer: str, rng: np.random.Generator) 
         return COLOR_NAMES + [BACKGROUND]
     if kind == "count":
         return [str(i) for i in range(MAX_OBJECTS + 1)]
+    if kind in AUX_KINDS:
+        return [answer]
     # multi-token kinds: the right answer and up to 3 near misses
     cands = [answer]
     words = answer.split()

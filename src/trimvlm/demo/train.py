@@ -35,9 +35,10 @@ from trimvlm.demo.model import (
 )
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
-TRAIN_TURNS = {"exist": 1, "mc": 1, "color": 3, "count": 1, "list": 2, "read": 1}
+TRAIN_TURNS = {"exist": 2, "mc": 1, "color": 3, "count": 2, "list": 2, "read": 1}
 P_DESCRIBE = 0.4
 P_SINGLE_TURN = 0.2
+WHERE_TURNS = 2
 VAL_IMAGES = 48
 PAD_MULTIPLE = 32
 TEST_IMAGES = 100
@@ -64,13 +65,18 @@ class Encoder:
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
         seqs, labs = [], []
         for s in samples:
-            qas = [q for q in s.qas if q.kind != "describe"]
-            order = rng.permutation(len(qas))
-            turns = [qas[int(i)] for i in order]
+            seen: set[str] = set()
+            qas, aux = [], []
+            for q in s.qas:  # drop repeated questions: a repeat could copy the earlier answer
+                if q.question in seen:
+                    continue
+                seen.add(q.question)
+                (aux if q.kind in task.AUX_KINDS else qas).append(q)
+            turns = [qas[int(i)] for i in rng.permutation(len(qas))]
             if rng.random() < P_SINGLE_TURN:
                 turns = turns[:1]
-            else:
-                turns += [q for q in s.qas if q.kind == "describe"]
+            else:  # auxiliary turns last, so that no question can copy its answer from them
+                turns += [aux[int(i)] for i in rng.permutation(len(aux))]
             ids = list(self.prefix)
             lab = [-100] * len(ids)
             for q in turns:
@@ -83,6 +89,21 @@ class Encoder:
         batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
         return batch
+
+    def cell_targets(self, samples) -> dict[str, torch.Tensor]:
+        """Per visual token (raster order of cells): its content word, shape word, row word, column word."""
+        g = task.GRID
+        content = torch.full((len(samples), g * g), self.vocab[task.BACKGROUND], dtype=torch.long)
+        shape = torch.full((len(samples), g * g), -100, dtype=torch.long)
+        for i, s in enumerate(samples):
+            for o in s.scene.objects:
+                content[i, o.row * g + o.col] = self.vocab[o.color]
+                shape[i, o.row * g + o.col] = self.vocab[o.shape]
+            for (r, c), ch in zip(s.scene.text_cells(), s.scene.text, strict=True):
+                content[i, r * g + c] = self.vocab[ch]
+        rows = torch.tensor([self.vocab[f"r{k // g}"] for k in range(g * g)]).expand(len(samples), -1)
+        cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
+        return {"content": content, "shape": shape, "row": rows, "col": cols}
 
     def prompt_batch(self, items) -> dict:
         """items: list of (image, question); left-padded for generation."""
@@ -113,12 +134,51 @@ class Encoder:
         return out
 
 
+class VisualFold:
+    """Keeps the visual tokens centred and at text-embedding scale while training, inside the stock weights.
+
+    From scratch, the vision merger's outputs grow a large component shared by every visual token (norm ~75
+    against ~0.4 for text embeddings after 600 steps) and the decoder does not learn to look tokens up. After
+    each optimizer step this folds a per-dimension affine map y' = a * (y - mean) into the last linear layer
+    of the merger and of each deepstack merger (rows of W scaled by a, bias set to a * (b - mean)), using the
+    statistics of the batch just seen; a only shrinks (<= 1). The model stays a plain Qwen3-VL.
+    """
+
+    def __init__(self, model, target_norm: float = 1.0):
+        visual = model.model.visual
+        self.mods = [visual.merger, *visual.deepstack_merger_list]
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.target = target_norm / math.sqrt(visual.merger.linear_fc2.out_features)
+        for i, mod in enumerate(self.mods):
+            mod.register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def hook(_mod, _inp, out):
+            if torch.is_grad_enabled():
+                y = out.detach().reshape(-1, out.shape[-1])
+                self.stats[i] = (y.mean(0), y.std(0))
+
+        return hook
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for i, mod in enumerate(self.mods):
+            if i not in self.stats:
+                continue
+            mean, std = self.stats.pop(i)
+            a = (self.target / std.clamp_min(1e-8)).clamp(max=1.0)
+            fc2 = mod.linear_fc2
+            fc2.weight.mul_(a[:, None])
+            fc2.bias.copy_(a * (fc2.bias - mean))
+
+
 def train_samples(rng: np.random.Generator, n: int) -> list[task.Sample]:
     out = []
     for _ in range(n):
         s = task.make_sample(rng, per_kind=TRAIN_TURNS)
         if rng.random() < P_DESCRIBE:
             s.qas.append(task.make_qa(s.scene, "describe", rng))
+        s.qas += [task.make_qa(s.scene, "where", rng) for _ in range(WHERE_TURNS)]
         out.append(s)
     return out
 
@@ -148,6 +208,32 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
     return {k: float(np.mean(v)) if v else 0.0 for k, v in correct.items()}
 
 
+AUX_POSITION_LAYER = 2
+
+
+def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Training-only dense supervision of the visual tokens through the model's own LM head.
+
+    The logits at visual positions are never used to generate, so they are free to name the cell under
+    each token (colour or glyph or "grey", and the shape); the hidden state after decoder layer
+    `AUX_POSITION_LAYER`, read through the final norm and LM head, names the token's row and column words.
+    This gives the vision tower a direct signal and puts the content and the coordinates of each cell in
+    words the decoder already uses for questions and answers.
+    """
+    ce = torch.nn.functional.cross_entropy
+    n = targets["content"].shape[1]
+    vis = slice(1, 1 + n)  # right after <|vision_start|>
+    logits = out.logits[:, vis].float()
+    v = logits.shape[-1]
+    loss = ce(logits.reshape(-1, v), targets["content"].reshape(-1))
+    loss = loss + 0.5 * ce(logits.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
+    lm = model.model.language_model
+    mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, vis])).float()
+    loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["row"].reshape(-1))
+    loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["col"].reshape(-1))
+    return loss
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -169,6 +255,8 @@ def train_demo(
     warmup: int = 300,
     model_kwargs: dict | None = None,
     progress: bool = True,
+    fold_visual: bool = True,
+    aux_weight: float = 0.5,
 ) -> Path:
     from tqdm import tqdm
 
@@ -190,6 +278,7 @@ def train_demo(
         lr=lr,
         betas=(0.9, 0.98),
     )
+    fold = VisualFold(model) if fold_visual else None
     rng = task.split_rng("train", seed)
     torch.manual_seed(seed)
     step, best = 0, -1.0
@@ -240,12 +329,19 @@ def train_demo(
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
-        batch = enc.train_batch(train_samples(rng, batch_size), rng)
-        loss = model(**batch).loss
+        samples = train_samples(rng, batch_size)
+        batch = enc.train_batch(samples, rng)
+        if aux_weight > 0:
+            out = model(**batch, output_hidden_states=True)
+            loss = out.loss + aux_weight * aux_cell_loss(model, out, enc.cell_targets(samples))
+        else:
+            loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if fold is not None:
+            fold.apply()
         step += 1
         losses.append(loss.item())
         bar.update(1)
@@ -308,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", default=None, help="folder for train_state.pt and train_log.jsonl")
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument(
+        "--aux-weight", type=float, default=0.5, help="weight of the per-cell auxiliary loss (0 = off)"
+    )
     ap.add_argument("--model", default="{}", help='JSON of build_config kwargs, e.g. {"hidden": 192}')
     a = ap.parse_args(argv)
     train_demo(
@@ -321,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         work_dir=a.work,
         eval_every=a.eval_every,
         model_kwargs=json.loads(a.model),
+        aux_weight=a.aux_weight,
     )
 
 
