@@ -100,6 +100,8 @@ def _scores(query, key, scaling):
 def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
     b, h, q, d = query.shape
     n = min(probe.last, q)
+    if mask is None:  # a plain causal chunk over no past
+        mask = torch.ones(q, key.shape[2], dtype=torch.bool, device=query.device).tril()[None, None]
     m_rows = mask[:, :, q - n :, :]
     s = _scores(query[:, :, q - n :], key, scaling).float()
     g = h // key.shape[1]
@@ -136,7 +138,7 @@ def trimvlm_attention(
             attention_mask,
             dropout=dropout,
             scaling=scaling,
-            is_causal=False,
+            is_causal=None if attention_mask is None else False,  # None: a plain causal chunk
             **kwargs,
         )
     # shared prefix + own keys, one softmax over both, prefix never copied (broadcast when it has one row)
