@@ -291,7 +291,10 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
             o = scene.objects[int(rng.integers(len(scene.objects)))]
             color, shape = o.color, o.shape
         else:
-            color, shape = COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))], SHAPES[int(rng.integers(len(SHAPES)))]
+            color, shape = (
+                COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))],
+                SHAPES[int(rng.integers(len(SHAPES)))],
+            )
         return {"color": color, "shape": shape if rng.random() < 0.5 else None}
     return {}
 

@@ -6,7 +6,7 @@ that every kind also appears right after the image, as in evaluation; an auxilia
 object with explicit coordinates, "r1 c3 red square ...") comes last when present, so no question can copy
 its answer from it. Some sequences are cut to one turn, the exact evaluation format.
 
-The best model by the worst per-kind validation accuracy is written atomically to `out_dir` (the shipped
+The best model by validation skill (accuracy above the majority answer; worst kind + mean) is written atomically to `out_dir` (the shipped
 checkpoint folder) with its test accuracy per kind; optimizer, step and RNG states live in `work_dir` and
 let a stopped run resume where it left off.
 
@@ -35,7 +35,7 @@ from trimvlm.demo.model import (
 )
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
-TRAIN_TURNS = {"exist": 2, "mc": 1, "color": 3, "count": 2, "list": 2, "read": 1}
+TRAIN_TURNS = {"exist": 3, "mc": 2, "color": 2, "count": 3, "list": 2, "read": 1}
 P_DESCRIBE = 0.4
 P_SINGLE_TURN = 0.2
 WHERE_TURNS = 2
@@ -234,6 +234,29 @@ def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
+BEST_METRIC = "skill-min+mean"
+
+
+def majority_baseline(samples) -> dict[str, float]:
+    """Per kind, the accuracy of always giving the most frequent answer."""
+    answers: dict[str, list[str]] = {k: [] for k in task.KINDS}
+    for s in samples:
+        for q in s.qas:
+            if q.kind in answers:
+                answers[q.kind].append(q.answer)
+    return {k: max(v.count(a) for a in set(v)) / len(v) if v else 0.0 for k, v in answers.items()}
+
+
+def selection_score(acc: dict[str, float], base: dict[str, float]) -> float:
+    """Worst + mean skill over kinds, skill = accuracy above the majority answer's, scaled to [0, 1].
+
+    A kind still answered with one constant word scores 0 whichever word it is, so its flips between
+    "yes" and "no" do not decide which checkpoint is kept.
+    """
+    skill = [max(0.0, acc[k] - base[k]) / max(1e-9, 1 - base[k]) for k in acc]
+    return min(skill) + float(np.mean(skill))
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -289,10 +312,13 @@ def train_demo(
         rng.bit_generator.state = st["np_rng"]
         torch.set_rng_state(st["torch_rng"])
         step, best = st["step"], st["best"]
+        if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
+            best = -1.0
         print(f"resumed from {state_path} at step {step} (best min-kind val acc {best:.3f})", flush=True)
 
     enc = Encoder()
     val = task.generate_split("val", VAL_IMAGES, seed=0)
+    val_base = majority_baseline(val)
     test = task.generate_split("test", TEST_IMAGES, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters; training steps {step}..{steps}", flush=True)
@@ -307,6 +333,7 @@ def train_demo(
                 "torch_rng": torch.get_rng_state(),
                 "step": step,
                 "best": best,
+                "best_metric": BEST_METRIC,
                 "model_kwargs": model_kwargs or {},
             },
             tmp,
@@ -359,8 +386,8 @@ def train_demo(
             losses = []
         if step % eval_every == 0 or step == steps:
             acc = evaluate(model, enc, val)
-            score = min(acc.values())
-            rec = {"step": step, "val": acc, "val_min": score}
+            score = selection_score(acc, val_base)
+            rec = {"step": step, "val": acc, "val_score": score}
             improved = score > best
             if improved:
                 best = score
