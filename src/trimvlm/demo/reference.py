@@ -1,0 +1,75 @@
+"""The shipped demo checkpoint's reference accuracy, measured by transformers' own `generate`.
+
+`record_reference(folder)` scores the first `items` questions of the demo task (seed 0, test split) with the
+model's own greedy `generate` — not trimvlm's runner — and writes the result into the checkpoint's
+`trimvlm.json` under `reference`. The test suite then checks that trimvlm's runner and harness, on the same
+items, land within 2 points of it: the shipped model and the shipped code agree.
+
+    python -m trimvlm.demo.reference [--folder PATH] [--items 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from trimvlm.evals.metrics import get_metric
+from trimvlm.evals.tasks import demo_task
+
+
+def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 50) -> dict:
+    from trimvlm.loading import load_adapter
+
+    adapter = load_adapter(folder)
+    model, tok = adapter.model, adapter.tokenizer
+    task = demo_task(limit=items, seed=0)
+    scores: dict[str, list[float]] = {}
+    groups: dict[tuple[str, str], list] = {}
+    for r in task.records:
+        groups.setdefault((r.probe, r.kind), []).append(r)
+    for (probe, kind), recs in groups.items():
+        n_new = task.new_tokens(probe, kind)
+        for i in range(0, len(recs), batch_size):
+            chunk = recs[i : i + batch_size]
+            prep = adapter.prepare([r.images for r in chunk], [r.prompt_text() for r in chunk])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs,
+                    max_new_tokens=n_new, do_sample=False, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )[:, prep.input_ids.shape[1] :]  # fmt: skip
+            for r, row in zip(chunk, out.tolist(), strict=True):
+                text = tok.decode([t for t in row if t not in (tok.eos_token_id, tok.pad_token_id)],
+                                  skip_special_tokens=True).strip()  # fmt: skip
+                scores.setdefault(kind, []).append(get_metric(r.metric).score(text, r.answers, r.options))
+    by_kind = {k: sum(v) / len(v) for k, v in scores.items()}
+    overall = sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values())
+    return {"items": items, "seed": 0, "split": "test", "measured_with": "transformers generate (greedy)",
+            "overall": overall, "by_kind": by_kind}  # fmt: skip
+
+
+def record_reference(folder: str | Path, items: int = 200) -> dict:
+    folder = Path(folder)
+    ref = reference_accuracy(folder, items)
+    meta_path = folder / "trimvlm.json"
+    meta = json.loads(meta_path.read_text())
+    meta["reference"] = ref
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return ref
+
+
+def main() -> None:
+    from trimvlm.loading import resolve
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--folder", default=None)
+    ap.add_argument("--items", type=int, default=200)
+    args = ap.parse_args()
+    print(json.dumps(record_reference(args.folder or resolve("demo"), args.items), indent=2))
+
+
+if __name__ == "__main__":
+    main()
