@@ -35,8 +35,11 @@ class Prepared:
         return self.input_ids.shape[0]
 
 
-def load_images(images) -> list[list[Image.Image]]:
-    """Normalise per-sample image lists: a sample may be None, one image, a path, or a list of those."""
+def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
+    """Normalise per-sample image lists: a sample may be None, one image, a path, or a list of those.
+    With `n_prompts`, there must be one image list per prompt."""
+    if n_prompts is not None and len(images) != n_prompts:
+        raise InputError(f"got {len(images)} image lists for {n_prompts} prompts; give one per prompt")
     out = []
     for sample in images:
         if sample is None:
@@ -160,8 +163,15 @@ class Adapter:
             return self._expand_chat_images(text, image_block)
         return images + self.prompt_template.format(prompt=prompt, question=prompt)
 
+    # what a chat template writes for one image; each occurrence becomes that image's full block
+    chat_image_marker: str = ""
+
     def _expand_chat_images(self, text: str, image_block) -> str:
-        raise NotImplementedError
+        parts = text.split(self.chat_image_marker)
+        out = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            out += image_block(k) + rest
+        return out
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pad = self.tokenizer.pad_token_id

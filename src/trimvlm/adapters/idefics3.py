@@ -28,6 +28,7 @@ def _as_list(x) -> list:
 class Idefics3Adapter(Adapter):
     family = "idefics3"
     rope_axes = 1
+    chat_image_marker = IMAGE
 
     @property
     def text_model(self):
@@ -56,20 +57,9 @@ class Idefics3Adapter(Adapter):
             text += "\n"
         return text + "\n" + glob
 
-    def _expand_chat_images(self, text, image_block):
-        parts = text.split(IMAGE)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
-
     # ---- inputs ----
     def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images)
-        if len(per_sample) != len(prompts):
-            raise InputError(
-                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
-            )
+        per_sample = load_images(images, len(prompts))
         model_inputs = {}
         rows = [[0] * len(ims) for ims in per_sample]
         cols = [[0] * len(ims) for ims in per_sample]

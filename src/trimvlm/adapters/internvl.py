@@ -39,6 +39,10 @@ class InternVLAdapter(Adapter):
 
     # ---- image layout ----
     @property
+    def chat_image_marker(self) -> str:
+        return self.context_token
+
+    @property
     def context_token(self) -> str:
         return getattr(self.tokenizer, "context_image_token", None) or self.tokenizer.convert_ids_to_tokens(
             self.image_token_id
@@ -61,20 +65,9 @@ class InternVLAdapter(Adapter):
     def image_block(self, tokens: int) -> str:
         return self.start_token + self.context_token * tokens + self.end_token
 
-    def _expand_chat_images(self, text, image_block):
-        parts = text.split(self.context_token)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
-
     # ---- inputs ----
     def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images)
-        if len(per_sample) != len(prompts):
-            raise InputError(
-                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
-            )
+        per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
         model_inputs = {}
         tiles, per_tile = [], 0

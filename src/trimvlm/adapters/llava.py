@@ -19,6 +19,7 @@ IMAGE = "<image>"
 class LlavaAdapter(Adapter):
     family = "llava"
     rope_axes = 1
+    chat_image_marker = IMAGE
 
     @property
     def image_token_id(self) -> int:
@@ -52,13 +53,6 @@ class LlavaAdapter(Adapter):
         h, w = grid
         return h * w + self.grid_offset
 
-    def _expand_chat_images(self, text, image_block):
-        parts = text.split(IMAGE)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
-
     def _tokenize(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         bos = self.tokenizer.bos_token_id
@@ -67,11 +61,7 @@ class LlavaAdapter(Adapter):
         return ids
 
     def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images)
-        if len(per_sample) != len(prompts):
-            raise InputError(
-                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
-            )
+        per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
         model_inputs = {}
         count = 0

@@ -14,6 +14,7 @@ class QwenVLAdapterMixin:
     """Shared by the Qwen-VL families: image block, M-RoPE positions from the model's own rule."""
 
     rope_axes = 3
+    chat_image_marker = VISION_START + IMAGE_PAD + VISION_END
 
     @property
     def merge(self) -> int:
@@ -22,22 +23,8 @@ class QwenVLAdapterMixin:
     def _image_tokens(self, grid) -> int:
         return int(grid.prod().item()) // (self.merge**2)
 
-    def _expand_chat_images(self, text, image_block):
-        unit = VISION_START + IMAGE_PAD + VISION_END
-        parts = text.split(unit)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
-
     def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images)
-        if len(per_sample) != len(prompts):
-            from trimvlm.errors import InputError
-
-            raise InputError(
-                f"got {len(per_sample)} image lists for {len(prompts)} prompts; give one per prompt"
-            )
+        per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
         model_inputs = {}
         grids = torch.zeros(0, 3, dtype=torch.long)

@@ -1,10 +1,11 @@
 """Tiny random Qwen2.5-VL: window attention in the vision tower (windows of 2x2 merged tokens), the last
 vision block with full attention. `deepstack` is ignored (Qwen2.5-VL has none)."""
 
+from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     patch, merge = 8, 2
     half = hidden // heads // 2  # rotary frequencies per head, split over (t, h, w)
@@ -21,13 +22,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             patch_size=patch, spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=hidden,
             window_size=2 * merge * patch, fullatt_block_indexes=[1], tokens_per_second=2,
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **qwen_vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
-    )
+    proc = qwen_image_processor(patch, merge)
     return Qwen2_5_VLForConditionalGeneration(cfg), proc

@@ -2,10 +2,11 @@
 full-attention layer, repeated (`full_attention_interval` = 4, as the real checkpoints). Qwen3.5's vision
 tower has no deepstack features, so `deepstack` is accepted for a uniform signature and ignored."""
 
+from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     head_dim = hidden // heads
     rotary = 0.5  # partial rotary factor: M-RoPE rotates the first head_dim * rotary dims
@@ -26,13 +27,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2, patch_size=8,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **qwen_vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
-    )
+    proc = qwen_image_processor(8, 2)
     return Qwen3_5ForConditionalGeneration(cfg), proc

@@ -1,9 +1,10 @@
 """Tiny random Qwen3-VL (deepstack in the first `deepstack` layers)."""
 
+from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     head_dim = hidden // heads
     cfg = Qwen3VLConfig(
@@ -20,13 +21,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
             deepstack_visual_indexes=list(range(deepstack)),
         ),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        **qwen_vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
-    )
+    proc = qwen_image_processor(8, 2)
     return Qwen3VLForConditionalGeneration(cfg), proc
