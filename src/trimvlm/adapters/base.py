@@ -212,6 +212,27 @@ class Adapter:
         return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)[None]
 
     @staticmethod
+    def tile_layout(visual: torch.Tensor, grid: tuple[int, int], token: str):
+        """Families whose images are runs of equal tiles (Idefics3, InternVL): per sample, one `grid` per
+        tile, the index of each tile's first token, and tile ids [B, S] (-1 on text)."""
+        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        n = grid[0] * grid[1]
+        grids, starts = [], []
+        for b in range(visual.shape[0]):
+            idx = torch.nonzero(visual[b]).flatten()
+            if idx.numel() and (n == 0 or idx.numel() % n):
+                raise InputError(
+                    f"sample {b} has {idx.numel()} {token} tokens, not a multiple of the {n} tokens of one "
+                    f"tile; do not write {token} in a prompt, pass the images instead"
+                )
+            count = idx.numel() // n if n else 0
+            grids.append([grid] * count)
+            starts.append([int(idx[t * n]) for t in range(count)])
+            for t in range(count):
+                image_id[b, idx[t * n : (t + 1) * n]] = t
+        return image_id, grids, starts
+
+    @staticmethod
     def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """Write the image features, in order, at the visual positions of the text embeddings."""
         feats = feats.reshape(-1, embeds.shape[-1]).to(embeds.dtype)

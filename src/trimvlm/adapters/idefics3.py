@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from trimvlm.adapters.base import Adapter, Prepared, load_images
-from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 
 IMAGE, FAKE, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
@@ -81,21 +80,8 @@ class Idefics3Adapter(Adapter):
 
     def _layout(self, prepared: Prepared):
         """Per sample: one (side, side) grid per tile, the start index of each tile's tokens, tile ids."""
-        visual = prepared.input_ids == self.model.config.image_token_id
-        image_id = torch.full(visual.shape, -1, dtype=torch.long)
-        n = self.image_seq_len
-        grids, starts = [], []
-        for b in range(prepared.batch):
-            idx = torch.nonzero(visual[b]).flatten()
-            if idx.numel() % n:
-                raise InputError(
-                    f"sample {b} has {idx.numel()} image tokens, not a multiple of the {n} tokens of one tile"
-                )
-            count = idx.numel() // n
-            grids.append([(self.tile_side, self.tile_side)] * count)
-            starts.append([int(idx[t * n]) for t in range(count)])
-            for t in range(count):
-                image_id[b, idx[t * n : (t + 1) * n]] = t
+        visual = prepared.input_ids == self.image_token_id
+        image_id, grids, starts = self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
         return visual, image_id, grids, starts
 
     def embed(self, prepared: Prepared) -> LiveSeq:

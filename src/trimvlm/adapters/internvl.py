@@ -14,10 +14,7 @@ The chat template marks each image with one context token, which the processor r
 
 from __future__ import annotations
 
-import torch
-
 from trimvlm.adapters.base import Adapter, Prepared, load_images
-from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
@@ -32,10 +29,6 @@ class InternVLAdapter(Adapter):
     rope_axes = 1
     # InternVLProcessor asks the image processor for tiles by default; a processor with max_patches=1 never tiles
     crop_to_patches = True
-
-    @property
-    def image_token_id(self) -> int:
-        return self.model.config.image_token_id
 
     # ---- image layout ----
     @property
@@ -92,23 +85,9 @@ class InternVLAdapter(Adapter):
     def _layout(self, prepared: Prepared):
         """Per sample: one (h, w) grid per tile, the index of each tile's first token, tile ids."""
         visual = prepared.input_ids == self.image_token_id
-        image_id = torch.full(visual.shape, -1, dtype=torch.long)
         pixel_values = prepared.model_inputs.get("pixel_values")
         grid = self.tile_grid(*pixel_values.shape[-2:]) if pixel_values is not None else (0, 0)
-        n = grid[0] * grid[1]
-        grids, starts = [], []
-        for b in range(prepared.batch):
-            idx = torch.nonzero(visual[b]).flatten()
-            if idx.numel() and (n == 0 or idx.numel() % n):
-                raise InputError(
-                    f"sample {b} has {idx.numel()} {self.context_token} tokens, not a multiple of the {n} "
-                    f"tokens of one tile; do not write {self.context_token} in a prompt, pass the images instead"
-                )
-            count = idx.numel() // n if n else 0
-            grids.append([grid] * count)
-            starts.append([int(idx[t * n]) for t in range(count)])
-            for t in range(count):
-                image_id[b, idx[t * n : (t + 1) * n]] = t
+        image_id, grids, starts = self.tile_layout(visual, grid, self.context_token)
         return visual, image_id, grids, starts
 
     def embed(self, prepared: Prepared) -> LiveSeq:

@@ -22,10 +22,6 @@ class LlavaAdapter(Adapter):
     chat_image_marker = IMAGE
 
     @property
-    def image_token_id(self) -> int:
-        return self.model.config.image_token_id
-
-    @property
     def patch_size(self) -> int:
         return self.model.config.vision_config.patch_size
 
