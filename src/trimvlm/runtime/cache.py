@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.runtime.sequence import compact_order
+
 
 @dataclass
 class LayerKV:
@@ -140,9 +142,7 @@ class KVCache:
         """Physically keep entries where `keep` [B, K] is True (compacted right, order kept) in one layer."""
         entry = self.layers[layer_idx]
         keep = keep & entry.valid
-        k_len = entry.key.shape[2]
-        new_len = int(keep.sum(1).max().item())
-        order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, k_len - new_len :]
+        order = compact_order(keep)
         b = torch.arange(order.shape[0], device=order.device)[:, None]
         idx = order[:, None, :, None].expand(-1, entry.key.shape[1], -1, entry.key.shape[3])
         new_valid = keep.gather(1, order)

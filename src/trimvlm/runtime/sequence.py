@@ -12,6 +12,14 @@ from dataclasses import dataclass, field, fields
 import torch
 
 
+def compact_order(keep: torch.Tensor) -> torch.Tensor:
+    """[B, S'] column indices that take the True entries of `keep` [B, S], in order, right-aligned (left
+    padding), S' = the largest count of a row. Pad columns come first and point at dropped entries."""
+    new_len = int(keep.sum(1).max().item()) if keep.numel() else 0
+    # stable sort puts dropped positions first and kept ones after, in their original order
+    return torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, keep.shape[1] - new_len :]
+
+
 @dataclass
 class LiveSeq:
     hidden: torch.Tensor  # [B, S, D]
@@ -46,9 +54,7 @@ class LiveSeq:
         if keep.shape != self.valid.shape:
             raise ValueError(f"keep mask shape {tuple(keep.shape)} != sequence {tuple(self.valid.shape)}")
         keep = keep & self.valid
-        new_len = int(keep.sum(1).max().item()) if keep.numel() else 0
-        # stable sort puts dropped positions first and kept ones after, in their original order
-        order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, self.length - new_len :]
+        order = compact_order(keep)
         return self.index_select(order, keep.gather(1, order))
 
     def index_select(self, order: torch.Tensor, new_valid: torch.Tensor) -> LiveSeq:
