@@ -36,6 +36,11 @@ def test_answers_recomputed_from_scene():
         assert {q.kind for q in s.qas} == set(task.KINDS)
         for q in s.qas:
             assert q.answer == task.answer_for(s.scene, q.kind, q.params)
+            ev = task.evidence_cells(s.scene, q.kind, q.params)
+            if q.kind == "count":
+                assert len(ev) == int(q.answer)
+            if q.kind in ("exist", "mc"):
+                assert bool(ev) == (q.answer != "no")
             assert q.answer in q.candidates
             assert 2 <= len(q.candidates) == len(set(q.candidates))
 
@@ -63,6 +68,14 @@ def test_answers_by_hand():
     assert task.answer_for(scene, "list", {"axis": "col", "index": 1}) == "red red"
     assert task.answer_for(scene, "list", {"axis": "row", "index": 7}) == "none"
     assert task.answer_for(scene, "read", {}) == "A 7"
+    cells = task.evidence_cells
+    assert cells(scene, "exist", {"color": "red", "shape": "circle"}) == [(3, 1)]
+    assert cells(scene, "exist", {"color": "blue", "shape": "square"}) == []
+    assert cells(scene, "mc", {"options": opts}) == [(0, 5)]
+    assert cells(scene, "count", {"color": "red"}) == [(0, 1), (3, 1)]
+    assert cells(scene, "list", {"axis": "col", "index": 1}) == [(0, 1), (3, 1)]
+    assert cells(scene, "color", {"row": 2, "col": 2}) == [(2, 2)]
+    assert cells(scene, "read", {}) == [(6, 2), (6, 3)]
 
 
 def test_probe_types_and_tokens():

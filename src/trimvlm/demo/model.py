@@ -1,6 +1,8 @@
-"""The tiny demo VLM: a real `Qwen3VLForConditionalGeneration` built from a small config.
+"""The tiny demo VLMs: a real `Qwen3VLForConditionalGeneration` (family "qwen3_vl", deepstack) and a real
+`Qwen3_5ForConditionalGeneration` (family "qwen3_5": Gated DeltaNet linear-attention layers alternating with
+gated full-attention layers), built from small configs.
 
-`build_config` sizes it, `build_model` instantiates it with the demo tokenizer's special-token ids, and
+`build_config` sizes one, `build_model` instantiates it with the demo tokenizer's special-token ids, and
 `save_checkpoint` writes a folder that transformers' own `from_pretrained` (model, tokenizer, image
 processor) and `trimvlm.load` both read: fp32 safetensors, config, generation config, tokenizer, image
 processor and `trimvlm.json` (prompt template and recorded accuracy).
@@ -15,7 +17,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    PretrainedConfig,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trimvlm.demo import task
@@ -34,19 +43,32 @@ def build_image_processor() -> Qwen2VLImageProcessorPil:
     )
 
 
+FAMILIES = {"qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration)}  # fmt: skip
+# The hybrid alternates one Gated DeltaNet layer and one full-attention layer (the released Qwen3.5 models use
+# three to one); with 8 layers it keeps four full-attention layers for the visual search.
+HYBRID_FULL_ATTENTION_INTERVAL = 2
+
+
 def build_config(
     tokenizer=None,
+    family: str = "qwen3_vl",
     hidden: int = 128,
-    layers: int = 6,
+    layers: int | None = None,
     heads: int = 4,
     kv_heads: int = 2,
     head_dim: int = 32,
     vision_hidden: int = 64,
     vision_depth: int = 2,
-) -> Qwen3VLConfig:
+) -> PretrainedConfig:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown demo model family {family!r}; allowed: {sorted(FAMILIES)}")
+    hybrid = family == "qwen3_5"
+    layers = layers if layers is not None else (8 if hybrid else 6)
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     ids = tok.convert_tokens_to_ids
-    half = head_dim // 2
+    rotary = 0.5 if hybrid else 1.0  # Qwen3.5 rotates part of each head (partial_rotary_factor)
+    half = int(head_dim * rotary) // 2
     hw = (half * 5) // 16  # same proportions as Qwen3-VL's [24, 20, 20] for head_dim 128
     mrope = [half - 2 * hw, hw, hw]
     text_config = {
@@ -67,6 +89,16 @@ def build_config(
         "pad_token_id": ids(PAD),
         "eos_token_id": ids(EOS),
     }
+    if hybrid:
+        text_config["rope_parameters"]["partial_rotary_factor"] = rotary
+        text_config.update(
+            full_attention_interval=HYBRID_FULL_ATTENTION_INTERVAL,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=kv_heads,
+            linear_num_value_heads=heads,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+        )
     grid = task.IMAGE_SIZE // PATCH
     vision_config = {
         "depth": vision_depth,
@@ -79,9 +111,10 @@ def build_config(
         "temporal_patch_size": TEMPORAL,
         "out_hidden_size": hidden,
         "num_position_embeddings": grid * grid,
-        "deepstack_visual_indexes": list(range(min(2, vision_depth))),
     }
-    return Qwen3VLConfig(
+    if not hybrid:  # Qwen3.5's vision tower has no deepstack mergers
+        vision_config["deepstack_visual_indexes"] = list(range(min(2, vision_depth)))
+    return FAMILIES[family][0](
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids(IMAGE_PAD),
@@ -92,14 +125,16 @@ def build_config(
     )
 
 
-def build_model(config: Qwen3VLConfig | None = None, seed: int = 0) -> Qwen3VLForConditionalGeneration:
+def build_model(config: PretrainedConfig | None = None, seed: int = 0):
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config if config is not None else build_config())
+    config = config if config is not None else build_config()
+    model_cls = next(m for c, m in FAMILIES.values() if isinstance(config, c))
+    model = model_cls(config)
     model.generation_config = generation_config(model.config)
     return model
 
 
-def generation_config(config: Qwen3VLConfig) -> GenerationConfig:
+def generation_config(config: PretrainedConfig) -> GenerationConfig:
     tc = config.text_config
     return GenerationConfig(
         eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id, do_sample=False, max_new_tokens=16

@@ -228,6 +228,33 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
     raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
 
 
+def evidence_cells(scene: Scene, kind: str, params: dict) -> list[tuple[int, int]]:
+    """The cells a reader must look at to answer, from the scene description (empty: nothing matches)."""
+    if kind == "exist":
+        return [(o.row, o.col) for o in scene.objects if (o.color, o.shape) == (params["color"], params["shape"])]
+    if kind == "mc":
+        wanted = {tuple(p) for p in params["options"]}
+        return [(o.row, o.col) for o in scene.objects if (o.color, o.shape) in wanted]
+    if kind == "color":
+        return [(params["row"], params["col"])]
+    if kind == "count":
+        return [(o.row, o.col) for o in scene.objects if o.color == params["color"]]
+    if kind == "list":
+        on_line = (lambda o: o.row) if params["axis"] == "row" else (lambda o: o.col)
+        return [(o.row, o.col) for o in scene.objects if on_line(o) == params["index"]]
+    if kind == "read":
+        return scene.text_cells()
+    if kind == "where":
+        return [
+            (o.row, o.col)
+            for o in scene.objects
+            if o.color == params["color"] and params.get("shape") in (None, o.shape)
+        ]
+    if kind == "describe":
+        return [(o.row, o.col) for o in scene.objects]
+    raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
+
+
 def _question_text(kind: str, params: dict) -> str:
     if kind == "exist":
         return f"is there a {params['color']} {params['shape']} ?"

@@ -35,8 +35,8 @@ from trimvlm.demo.model import (
 )
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
-TRAIN_TURNS = {"exist": 3, "mc": 2, "color": 2, "count": 3, "list": 2, "read": 1}
-P_DESCRIBE = 0.4
+TRAIN_TURNS = {"exist": 5, "mc": 3, "color": 2, "count": 4, "list": 2, "read": 1}
+P_DESCRIBE = 0.25
 P_SINGLE_TURN = 0.2
 WHERE_TURNS = 2
 VAL_IMAGES = 48
@@ -63,7 +63,8 @@ class Encoder:
         return out["pixel_values"], out["image_grid_thw"]
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        seqs, labs = [], []
+        """Padded training inputs; "looks" lists (row, answer position, evidence key positions) per turn."""
+        seqs, labs, looks = [], [], []
         for s in samples:
             seen: set[str] = set()
             qas, aux = [], []
@@ -82,12 +83,17 @@ class Encoder:
             for q in turns:
                 prompt = self.words(task.format_prompt(q.question))
                 ans = self.words(q.answer) + [self.eos]
-                ids += prompt + ans
+                ids += prompt
+                if q.kind in ATTENTION_KINDS:  # the position that predicts the first answer word
+                    cells = task.evidence_cells(s.scene, q.kind, q.params)
+                    looks.append((len(seqs), len(ids) - 1, [1 + r * task.GRID + c for r, c in cells]))
+                ids += ans
                 lab += [-100] * len(prompt) + ans
             seqs.append(ids)
             labs.append(lab)
         batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
+        batch["looks"] = looks
         return batch
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
@@ -146,7 +152,7 @@ class VisualFold:
 
     def __init__(self, model, target_norm: float = 1.0):
         visual = model.model.visual
-        self.mods = [visual.merger, *visual.deepstack_merger_list]
+        self.mods = [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.target = target_norm / math.sqrt(visual.merger.linear_fc2.out_features)
         for i, mod in enumerate(self.mods):
@@ -209,6 +215,46 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
 
 
 AUX_POSITION_LAYER = 2
+ATTENTION_KINDS = ("exist", "mc", "color", "count", "list", "read")
+ATTENTION_LAYER = 2
+ATTENTION_HEAD = 0
+
+
+class AttentionTeacher:
+    """Training-only supervision of where one attention head looks when the answer is predicted.
+
+    Existence, multiple choice and counting need a search over all 64 visual tokens; trained on answers
+    alone the tiny decoder stays at answer frequency on them. This loss tells head `ATTENTION_HEAD` of decoder
+    layer `ATTENTION_LAYER`, at the position that predicts the first answer word, to spread its attention
+    evenly over the question's evidence cells (`task.evidence_cells`, from the scene description) plus the
+    <|vision_start|> token as a sink: with nothing matching it rests on the sink, and the share that reaches
+    the matches tells how many there are. The attention weights come from the stock eager attention
+    through a forward hook; the model stays a plain Qwen3-VL and is used without this at inference.
+    """
+
+    def __init__(self, model, layer: int = ATTENTION_LAYER, head: int = ATTENTION_HEAD):
+        model.set_attn_implementation("eager")
+        self.head = head
+        self.weights: torch.Tensor | None = None
+        types = getattr(model.config.text_config, "layer_types", None)
+        if types is not None:  # hybrid stack: the first full-attention layer from `layer` on
+            layer = next(i for i in range(layer, len(types)) if types[i] == "full_attention")
+        attn = model.model.language_model.layers[layer].self_attn
+        attn.register_forward_hook(self._hook)
+
+    def _hook(self, _mod, _inp, out):
+        if torch.is_grad_enabled():
+            self.weights = out[1]
+
+    def loss(self, looks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        w, self.weights = self.weights, None
+        if w is None or not looks:
+            return torch.zeros(())
+        terms = []
+        for b, p, keys in looks:
+            logp = w[b, self.head, p].clamp_min(1e-9).log()
+            terms.append(-logp[[0, *keys]].mean())
+        return torch.stack(terms).mean()
 
 
 def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -280,6 +326,7 @@ def train_demo(
     progress: bool = True,
     fold_visual: bool = True,
     aux_weight: float = 0.5,
+    attention_weight: float = 0.5,
 ) -> Path:
     from tqdm import tqdm
 
@@ -302,6 +349,7 @@ def train_demo(
         betas=(0.9, 0.98),
     )
     fold = VisualFold(model) if fold_visual else None
+    teacher = AttentionTeacher(model) if attention_weight > 0 else None
     rng = task.split_rng("train", seed)
     torch.manual_seed(seed)
     step, best = 0, -1.0
@@ -312,6 +360,8 @@ def train_demo(
         rng.bit_generator.state = st["np_rng"]
         torch.set_rng_state(st["torch_rng"])
         step, best = st["step"], st["best"]
+        if not out_dir.exists():  # a new output folder: its first evaluation is saved
+            best = -1.0
         if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
             best = -1.0
         print(f"resumed from {state_path} at step {step} (best min-kind val acc {best:.3f})", flush=True)
@@ -352,17 +402,23 @@ def train_demo(
         desc="train-demo",
     )
     losses: list[float] = []
+    att_losses: list[float] = []
     t_last = time.time()
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         samples = train_samples(rng, batch_size)
         batch = enc.train_batch(samples, rng)
+        looks = batch.pop("looks")
         if aux_weight > 0:
             out = model(**batch, output_hidden_states=True)
             loss = out.loss + aux_weight * aux_cell_loss(model, out, enc.cell_targets(samples))
         else:
             loss = model(**batch).loss
+        if teacher is not None:
+            att = teacher.loss(looks)
+            att_losses.append(att.item())
+            loss = loss + attention_weight * att
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -381,6 +437,9 @@ def train_demo(
                 "lr": opt.param_groups[0]["lr"],
                 "s_per_step": dt,
             }
+            if att_losses:
+                rec["attention_loss"] = float(np.mean(att_losses))
+                att_losses = []
             log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}")
             losses = []
@@ -434,6 +493,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--aux-weight", type=float, default=0.5, help="weight of the per-cell auxiliary loss (0 = off)"
     )
+    ap.add_argument(
+        "--attention-weight", type=float, default=0.5, help="weight of the evidence-attention loss (0 = off)"
+    )
+    ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"], help="demo architecture")
     ap.add_argument("--model", default="{}", help='JSON of build_config kwargs, e.g. {"hidden": 192}')
     a = ap.parse_args(argv)
     train_demo(
@@ -446,8 +509,9 @@ def main(argv: list[str] | None = None) -> None:
         threads=a.threads,
         work_dir=a.work,
         eval_every=a.eval_every,
-        model_kwargs=json.loads(a.model),
+        model_kwargs={"family": a.family, **json.loads(a.model)},
         aux_weight=a.aux_weight,
+        attention_weight=a.attention_weight,
     )
 
 
