@@ -1,33 +1,47 @@
-"""The shipped demo checkpoint: loads offline through trimvlm and transformers, and trimvlm's runner + harness
-reproduce the accuracy transformers' own generate recorded for it (within 2 points, same 200 items)."""
+"""The shipped demo checkpoints: load offline through trimvlm and transformers, and trimvlm's runner + harness
+reproduce the accuracy transformers' own generate recorded for each (within 2 points, same 200 items)."""
 
 import json
 
 import pytest
 
 import trimvlm
-from trimvlm.loading import DEMO_DIR
+from trimvlm.loading import DEMO_DIR, DEMO_MODELS
 
-FOLDER = DEMO_DIR / "qwen3vl"
-pytestmark = pytest.mark.skipif(not (FOLDER / "config.json").exists(), reason="demo checkpoint not shipped")
+SHIPPED = {
+    "demo": "Qwen3VLForConditionalGeneration",
+    "demo-qwen35": "Qwen3_5ForConditionalGeneration",
+}
+CASES = [
+    pytest.param(name, cls, marks=pytest.mark.skipif(
+        not (DEMO_DIR / DEMO_MODELS[name] / "config.json").exists(), reason=f"{name} checkpoint not shipped"))
+    for name, cls in SHIPPED.items()
+]  # fmt: skip
 
 
-def test_loads_through_transformers_from_pretrained():
+def test_the_main_demo_checkpoint_is_shipped():
+    assert (DEMO_DIR / DEMO_MODELS["demo"] / "config.json").exists()
+
+
+@pytest.mark.parametrize("name,cls", CASES)
+def test_loads_through_transformers_from_pretrained(name, cls):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    model = AutoModelForImageTextToText.from_pretrained(FOLDER)
-    tok = AutoTokenizer.from_pretrained(FOLDER)
-    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    folder = DEMO_DIR / DEMO_MODELS[name]
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert type(model).__name__ == cls
     assert model.config.text_config.num_hidden_layers >= 6
     assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
 
 
-def test_runner_reproduces_the_recorded_accuracy():
+@pytest.mark.parametrize("name,cls", CASES)
+def test_runner_reproduces_the_recorded_accuracy(name, cls):
     from trimvlm.evals.run import run_eval
     from trimvlm.evals.tasks import demo_task
 
-    ref = json.loads((FOLDER / "trimvlm.json").read_text())["reference"]
-    vlm = trimvlm.load("demo")
+    ref = json.loads((DEMO_DIR / DEMO_MODELS[name] / "trimvlm.json").read_text())["reference"]
+    vlm = trimvlm.load(name)
     assert vlm.adapter.visual_tokens(128, 128) >= 64
     task = demo_task(limit=ref["items"], seed=ref["seed"])
     res = run_eval(vlm, task, [None], limit=ref["items"], batch_size=50, seed=0, progress=False, warmup=False)

@@ -114,16 +114,23 @@ def eval_(
 
 @app.command("train-demo")
 def train_demo(
-    out: Path = typer.Option(Path("runs/demo-qwen3vl")),
+    out: Path = typer.Option(Path("runs/demo-qwen3vl"), help="checkpoint folder the best model is written to"),
     steps: int = typer.Option(6000),
     seed: int = typer.Option(0),
     resume: bool = typer.Option(True),
+    family: str = typer.Option("qwen3_vl", help="qwen3_vl (deepstack) or qwen3_5 (Gated DeltaNet hybrid)"),
+    batch_size: int = typer.Option(16),
+    threads: int = typer.Option(1),
+    init_from: Path = typer.Option(None, help="checkpoint folder to copy matching weights from"),
 ):
-    """Train the tiny demo model from scratch on the demo task (seeded, resumable)."""
+    """Train a tiny demo model from scratch on the demo task (seeded, resumable)."""
     from trimvlm.demo.train import train_demo as _train
 
     try:
-        _train(out_dir=str(out), steps=steps, seed=seed, resume=resume)
+        _train(
+            out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
+            model_kwargs={"family": family}, init_from=init_from,
+        )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

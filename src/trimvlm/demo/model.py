@@ -28,6 +28,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trimvlm.demo import task
+from trimvlm.errors import InputError
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
 
 PATCH = 8
@@ -62,7 +63,7 @@ def build_config(
     vision_depth: int = 2,
 ) -> PretrainedConfig:
     if family not in FAMILIES:
-        raise ValueError(f"unknown demo model family {family!r}; allowed: {sorted(FAMILIES)}")
+        raise InputError(f"unknown demo model family {family!r}; allowed: {sorted(FAMILIES)}")
     hybrid = family == "qwen3_5"
     layers = layers if layers is not None else (8 if hybrid else 6)
     tok = tokenizer if tokenizer is not None else build_tokenizer()

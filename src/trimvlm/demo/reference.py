@@ -5,7 +5,7 @@ model's own greedy `generate` — not trimvlm's runner — and writes the result
 `trimvlm.json` under `reference`. The test suite then checks that trimvlm's runner and harness, on the same
 items, land within 2 points of it: the shipped model and the shipped code agree.
 
-    python -m trimvlm.demo.reference [--folder PATH] [--items 200]
+    python -m trimvlm.demo.reference [--model demo|demo-qwen35 | --folder PATH] [--items 200]
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def main() -> None:
     from trimvlm.loading import resolve
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--folder", default=None)
+    ap.add_argument("--folder", default=None, help="checkpoint folder (default: the shipped --model)")
+    ap.add_argument("--model", default="demo", help="shipped demo model: demo or demo-qwen35")
     ap.add_argument("--items", type=int, default=200)
     args = ap.parse_args()
-    print(json.dumps(record_reference(args.folder or resolve("demo"), args.items), indent=2))
+    print(json.dumps(record_reference(args.folder or resolve(args.model), args.items), indent=2))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class Encoder:
         self.eos = self.vocab[EOS]
         self.image_pad = self.vocab[IMAGE_PAD]
         self.prefix = [self.vocab[VISION_START]] + [self.image_pad] * VISUAL_TOKENS + [self.vocab[VISION_END]]
+        attributes = task.COLOR_NAMES + task.SHAPES + [f"{a}{i}" for a in "rc" for i in range(task.GRID)]
+        self.attribute_ids = {self.vocab[w] for w in attributes}
 
     def words(self, text: str) -> list[int]:
         return [self.vocab[w] for w in text.split()]
@@ -63,7 +65,8 @@ class Encoder:
         return out["pixel_values"], out["image_grid_thw"]
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        """Padded training inputs; "looks" lists (row, answer position, evidence key positions) per turn."""
+        """Padded training inputs; "looks" lists, per turn, (row, answer position, evidence key positions,
+        positions of the question's attribute words)."""
         seqs, labs, looks = [], [], []
         for s in samples:
             seen: set[str] = set()
@@ -83,10 +86,12 @@ class Encoder:
             for q in turns:
                 prompt = self.words(task.format_prompt(q.question))
                 ans = self.words(q.answer) + [self.eos]
+                start = len(ids)
                 ids += prompt
                 if q.kind in ATTENTION_KINDS:  # the position that predicts the first answer word
                     cells = task.evidence_cells(s.scene, q.kind, q.params)
-                    looks.append((len(seqs), len(ids) - 1, [1 + r * task.GRID + c for r, c in cells]))
+                    words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
+                    looks.append((len(seqs), len(ids) - 1, [1 + r * task.GRID + c for r, c in cells], words))
                 ids += ans
                 lab += [-100] * len(prompt) + ans
             seqs.append(ids)
@@ -216,44 +221,68 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
 
 AUX_POSITION_LAYER = 2
 ATTENTION_KINDS = ("exist", "mc", "color", "count", "list", "read")
-ATTENTION_LAYER = 2
+ATTENTION_LAYERS = (2, 3, 4)
+WORD_LAYERS = (1,)  # the first hop: the answer position gathers the question's attribute words
+MID_CONTENT = True
 ATTENTION_HEAD = 0
 
 
 class AttentionTeacher:
-    """Training-only supervision of where one attention head looks when the answer is predicted.
+    """Training-only supervision of where attention looks when the answer is predicted.
 
     Existence, multiple choice and counting need a search over all 64 visual tokens; trained on answers
-    alone the tiny decoder stays at answer frequency on them. This loss tells head `ATTENTION_HEAD` of decoder
-    layer `ATTENTION_LAYER`, at the position that predicts the first answer word, to spread its attention
+    alone the tiny decoder stays at answer frequency on them. This loss tells head `head` of each decoder
+    layer in `layers`, at the position that predicts the first answer word, to spread its attention
     evenly over the question's evidence cells (`task.evidence_cells`, from the scene description) plus the
     <|vision_start|> token as a sink: with nothing matching it rests on the sink, and the share that reaches
     the matches tells how many there are. The attention weights come from the stock eager attention
-    through a forward hook; the model stays a plain Qwen3-VL and is used without this at inference.
+    through forward hooks; the model stays a plain transformers model and is used without this at inference.
+    In a hybrid stack each layer index moves to the next full-attention layer.
     """
 
-    def __init__(self, model, layer: int = ATTENTION_LAYER, head: int = ATTENTION_HEAD):
+    def __init__(
+        self,
+        model,
+        layers: tuple[int, ...] = ATTENTION_LAYERS,
+        word_layers: tuple[int, ...] = WORD_LAYERS,
+        head: int = ATTENTION_HEAD,
+    ):
         model.set_attn_implementation("eager")
         self.head = head
-        self.weights: torch.Tensor | None = None
+        self.weights: dict[int, torch.Tensor] = {}
         types = getattr(model.config.text_config, "layer_types", None)
-        if types is not None:  # hybrid stack: the first full-attention layer from `layer` on
-            layer = next(i for i in range(layer, len(types)) if types[i] == "full_attention")
-        attn = model.model.language_model.layers[layer].self_attn
-        attn.register_forward_hook(self._hook)
+        if types is not None:
+            full = [i for i, t in enumerate(types) if t == "full_attention"]
+            layers = tuple(next((i for i in full if i >= layer), full[-1]) for layer in layers)
+            word_layers = tuple(next((i for i in full if i >= layer), full[-1]) for layer in word_layers)
+        self.layers, self.word_layers = set(layers), set(word_layers) - set(layers)
+        for layer in sorted(self.layers | self.word_layers):
+            model.model.language_model.layers[layer].self_attn.register_forward_hook(self._hook(layer))
 
-    def _hook(self, _mod, _inp, out):
-        if torch.is_grad_enabled():
-            self.weights = out[1]
+    def _hook(self, layer: int):
+        def hook(_mod, _inp, out):
+            if torch.is_grad_enabled():
+                self.weights[layer] = out[1]
 
-    def loss(self, looks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        w, self.weights = self.weights, None
-        if w is None or not looks:
+        return hook
+
+    def loss(self, looks: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+        weights, self.weights = self.weights, {}
+        if not weights or not looks:
             return torch.zeros(())
+        rows = torch.tensor([look[0] for look in looks])
+        pos = torch.tensor([look[1] for look in looks])
+        n = next(iter(weights.values())).shape[-1]
+        cells, words = torch.zeros(len(looks), n), torch.zeros(len(looks), n)
+        for i, (_, _, keys, attr) in enumerate(looks):
+            cells[i, [0, *keys]] = 1.0 / (1 + len(keys))
+            if attr:
+                words[i, attr] = 1.0 / len(attr)
         terms = []
-        for b, p, keys in looks:
-            logp = w[b, self.head, p].clamp_min(1e-9).log()
-            terms.append(-logp[[0, *keys]].mean())
+        for layer, w in weights.items():
+            target = cells if layer in self.layers else words
+            ce = -(target * w[rows, self.head, pos].clamp_min(1e-9).log()).sum(-1)
+            terms.append(ce.sum() / target.sum())
         return torch.stack(terms).mean()
 
 
@@ -277,6 +306,9 @@ def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, vis])).float()
     loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["row"].reshape(-1))
     loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["col"].reshape(-1))
+    if MID_CONTENT:  # name the content there too, where the search by colour and shape reads its keys
+        loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["content"].reshape(-1))
+        loss = loss + 0.25 * ce(mid.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
     return loss
 
 
@@ -303,6 +335,26 @@ def selection_score(acc: dict[str, float], base: dict[str, float]) -> float:
     return min(skill) + float(np.mean(skill))
 
 
+def warm_start(model, folder: str | Path) -> int:
+    """Copy every parameter of the checkpoint in `folder` whose name and shape match; returns how many.
+
+    Used to start the hybrid demo model from the trained Qwen3-VL one: vision tower, merger, embeddings,
+    LM head, norms and MLPs carry over; the token mixers (Gated DeltaNet, gated attention) start fresh.
+    Qwen3.5's RMSNorm scales by (1 + w) and starts at w = 0 where Qwen3-VL's scales by w: such a fresh
+    all-zero norm weight takes the source weight minus one.
+    """
+    from safetensors.torch import load_file
+
+    src = load_file(str(Path(folder) / "model.safetensors"))
+    own = model.state_dict()
+    hits = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+    for k, v in hits.items():
+        if "norm" in k and v.ndim == 1 and not own[k].any():
+            hits[k] = v - 1.0
+    model.load_state_dict(hits, strict=False)
+    return len(hits)
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -325,6 +377,7 @@ def train_demo(
     model_kwargs: dict | None = None,
     progress: bool = True,
     fold_visual: bool = True,
+    init_from: str | Path | None = None,
     aux_weight: float = 0.5,
     attention_weight: float = 0.5,
 ) -> Path:
@@ -340,6 +393,8 @@ def train_demo(
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, **(model_kwargs or {}))
     model = build_model(config, seed=seed)
+    if init_from is not None and not (resume and state_path.exists()):
+        print(f"warm start: {warm_start(model, init_from)} tensors from {init_from}", flush=True)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
@@ -496,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--attention-weight", type=float, default=0.5, help="weight of the evidence-attention loss (0 = off)"
     )
+    ap.add_argument("--init-from", default=None, help="checkpoint folder to copy matching weights from")
     ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"], help="demo architecture")
     ap.add_argument("--model", default="{}", help='JSON of build_config kwargs, e.g. {"hidden": 192}')
     a = ap.parse_args(argv)
@@ -512,6 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         model_kwargs={"family": a.family, **json.loads(a.model)},
         aux_weight=a.aux_weight,
         attention_weight=a.attention_weight,
+        init_from=a.init_from,
     )
 
 
