@@ -66,7 +66,7 @@ class Encoder:
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
         """Padded training inputs; "looks" lists, per turn, (row, answer position, evidence key positions,
-        positions of the question's attribute words)."""
+        positions of the question's attribute words, positions of the right option's letter and words)."""
         seqs, labs, looks = [], [], []
         for s in samples:
             seen: set[str] = set()
@@ -91,7 +91,12 @@ class Encoder:
                 if q.kind in ATTENTION_KINDS:  # the position that predicts the first answer word
                     cells = task.evidence_cells(s.scene, q.kind, q.params)
                     words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
-                    looks.append((len(seqs), len(ids) - 1, [1 + r * task.GRID + c for r, c in cells], words))
+                    option = []  # multiple choice: the right option's letter and its two words
+                    if q.kind == "mc":
+                        at = start + prompt.index(self.vocab[q.answer])
+                        option = [at, at + 1, at + 2]
+                    cell_keys = [1 + r * task.GRID + c for r, c in cells]
+                    looks.append((len(seqs), len(ids) - 1, cell_keys, words, option))
                 ids += ans
                 lab += [-100] * len(prompt) + ans
             seqs.append(ids)
@@ -223,6 +228,7 @@ AUX_POSITION_LAYER = 2
 ATTENTION_KINDS = ("exist", "mc", "color", "count", "list", "read")
 ATTENTION_LAYERS = (2, 3, 4)
 WORD_LAYERS = (1,)  # the first hop: the answer position gathers the question's attribute words
+OPTION_LAYERS = (5,)  # the last hop (multiple choice): back to the option that was found
 MID_CONTENT = True
 ATTENTION_HEAD = 0
 
@@ -245,18 +251,22 @@ class AttentionTeacher:
         model,
         layers: tuple[int, ...] = ATTENTION_LAYERS,
         word_layers: tuple[int, ...] = WORD_LAYERS,
+        option_layers: tuple[int, ...] = OPTION_LAYERS,
         head: int = ATTENTION_HEAD,
     ):
         model.set_attn_implementation("eager")
         self.head = head
         self.weights: dict[int, torch.Tensor] = {}
         types = getattr(model.config.text_config, "layer_types", None)
-        if types is not None:
-            full = [i for i, t in enumerate(types) if t == "full_attention"]
-            layers = tuple(next((i for i in full if i >= layer), full[-1]) for layer in layers)
-            word_layers = tuple(next((i for i in full if i >= layer), full[-1]) for layer in word_layers)
-        self.layers, self.word_layers = set(layers), set(word_layers) - set(layers)
-        for layer in sorted(self.layers | self.word_layers):
+        full = [i for i, t in enumerate(types) if t == "full_attention"] if types is not None else None
+
+        def place(ls):  # in a hybrid stack, the next full-attention layer
+            return set(ls) if full is None else {next((i for i in full if i >= x), full[-1]) for x in ls}
+
+        self.roles = {layer: "cells" for layer in place(layers)}  # where two roles meet, the later one wins
+        self.roles.update({layer: "words" for layer in place(word_layers)})
+        self.roles.update({layer: "option" for layer in place(option_layers)})
+        for layer in sorted(self.roles):
             model.model.language_model.layers[layer].self_attn.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
@@ -266,23 +276,25 @@ class AttentionTeacher:
 
         return hook
 
-    def loss(self, looks: list[tuple[int, int, list[int], list[int]]]) -> torch.Tensor:
+    def loss(self, looks: list[tuple[int, int, list[int], list[int], list[int]]]) -> torch.Tensor:
         weights, self.weights = self.weights, {}
         if not weights or not looks:
             return torch.zeros(())
         rows = torch.tensor([look[0] for look in looks])
         pos = torch.tensor([look[1] for look in looks])
         n = next(iter(weights.values())).shape[-1]
-        cells, words = torch.zeros(len(looks), n), torch.zeros(len(looks), n)
-        for i, (_, _, keys, attr) in enumerate(looks):
-            cells[i, [0, *keys]] = 1.0 / (1 + len(keys))
-            if attr:
-                words[i, attr] = 1.0 / len(attr)
+        targets = {role: torch.zeros(len(looks), n) for role in ("cells", "words", "option")}
+        for i, (_, _, keys, attr, option) in enumerate(looks):
+            targets["cells"][i, [0, *keys]] = 1.0 / (1 + len(keys))
+            for role, where in (("words", attr), ("option", option)):
+                if where:
+                    targets[role][i, where] = 1.0 / len(where)
         terms = []
         for layer, w in weights.items():
-            target = cells if layer in self.layers else words
-            ce = -(target * w[rows, self.head, pos].clamp_min(1e-9).log()).sum(-1)
-            terms.append(ce.sum() / target.sum())
+            target = targets[self.roles[layer]]
+            if target.sum() > 0:
+                ce = -(target * w[rows, self.head, pos].clamp_min(1e-9).log()).sum(-1)
+                terms.append(ce.sum() / target.sum())
         return torch.stack(terms).mean()
 
 
