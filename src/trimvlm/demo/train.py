@@ -66,8 +66,9 @@ class Encoder:
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
         """Padded training inputs; "looks" lists, per turn, (row, answer position, evidence key positions,
-        positions of the question's attribute words, positions of the right option's letter and words)."""
-        seqs, labs, looks = [], [], []
+        positions of the question's attribute words, positions of the right option's letter and words);
+        "asks" lists (row, answer position, pair class) of the existence questions."""
+        seqs, labs, looks, asks = [], [], [], []
         for s in samples:
             seen: set[str] = set()
             qas, aux = [], []
@@ -95,6 +96,8 @@ class Encoder:
                     if q.kind == "mc":
                         at = start + prompt.index(self.vocab[q.answer])
                         option = [at, at + 1, at + 2]
+                    if q.kind == "exist":
+                        asks.append((len(seqs), len(ids) - 1, pair_class(q.params["color"], q.params["shape"])))
                     cell_keys = [1 + r * task.GRID + c for r, c in cells]
                     looks.append((len(seqs), len(ids) - 1, cell_keys, words, option))
                 ids += ans
@@ -104,10 +107,12 @@ class Encoder:
         batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
         batch["looks"] = looks
+        batch["asks"] = asks
         return batch
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
-        """Per visual token (raster order of cells): its content word, shape word, row word, column word."""
+        """Per visual token (raster order of cells): its content word, shape word, row word, column word and
+        (colour, shape) pair class."""
         g = task.GRID
         content = torch.full((len(samples), g * g), self.vocab[task.BACKGROUND], dtype=torch.long)
         shape = torch.full((len(samples), g * g), -100, dtype=torch.long)
@@ -117,9 +122,13 @@ class Encoder:
                 shape[i, o.row * g + o.col] = self.vocab[o.shape]
             for (r, c), ch in zip(s.scene.text_cells(), s.scene.text, strict=True):
                 content[i, r * g + c] = self.vocab[ch]
+        pair = torch.full((len(samples), g * g), NO_PAIR, dtype=torch.long)
+        for i, s in enumerate(samples):
+            for o in s.scene.objects:
+                pair[i, o.row * g + o.col] = pair_class(o.color, o.shape)
         rows = torch.tensor([self.vocab[f"r{k // g}"] for k in range(g * g)]).expand(len(samples), -1)
         cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
-        return {"content": content, "shape": shape, "row": rows, "col": cols}
+        return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair}
 
     def prompt_batch(self, items) -> dict:
         """items: list of (image, question); left-padded for generation."""
@@ -298,6 +307,39 @@ class AttentionTeacher:
         return torch.stack(terms).mean()
 
 
+NO_PAIR = len(task.COLOR_NAMES) * len(task.SHAPES)
+
+
+def pair_class(color: str, shape: str) -> int:
+    return task.COLOR_NAMES.index(color) * len(task.SHAPES) + task.SHAPES.index(shape)
+
+
+class PairProbe(torch.nn.Module):
+    """Training-only linear read-out of the (colour, shape) pair, shared by keys and queries.
+
+    Existence and multiple choice match a conjunction; with colour and shape as separate features a red
+    square and a blue circle each half-match "red circle" and the search stays blurred. This probe reads the
+    hidden state after decoder layer `AUX_POSITION_LAYER` (where the search reads its keys and query) and
+    must name the pair both at each object's visual token and at the answer position of an existence
+    question (the pair asked for), so one direction per pair is written on both sides. It has its own
+    optimizer and is never saved into the checkpoint.
+    """
+
+    def __init__(self, hidden: int, lr: float):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, NO_PAIR + 1)
+        self.opt = torch.optim.AdamW(self.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def loss(self, model, out, pair: torch.Tensor, asks: list[tuple[int, int, int]]) -> torch.Tensor:
+        h = model.model.language_model.norm(out.hidden_states[AUX_POSITION_LAYER])
+        ce = torch.nn.functional.cross_entropy
+        loss = ce(self.linear(h[:, 1 : 1 + pair.shape[1]]).reshape(-1, NO_PAIR + 1), pair.reshape(-1))
+        if asks:
+            rows, pos, cls = (torch.tensor(x) for x in zip(*asks, strict=True))
+            loss = loss + ce(self.linear(h[rows, pos]), cls)
+        return loss
+
+
 def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Training-only dense supervision of the visual tokens through the model's own LM head.
 
@@ -392,6 +434,7 @@ def train_demo(
     init_from: str | Path | None = None,
     aux_weight: float = 0.5,
     attention_weight: float = 0.5,
+    pair_probe: bool = True,
 ) -> Path:
     from tqdm import tqdm
 
@@ -417,6 +460,7 @@ def train_demo(
     )
     fold = VisualFold(model) if fold_visual else None
     teacher = AttentionTeacher(model) if attention_weight > 0 else None
+    probe = PairProbe(config.text_config.hidden_size, lr) if pair_probe and aux_weight > 0 else None
     rng = task.split_rng("train", seed)
     torch.manual_seed(seed)
     step, best = 0, -1.0
@@ -427,6 +471,9 @@ def train_demo(
         rng.bit_generator.state = st["np_rng"]
         torch.set_rng_state(st["torch_rng"])
         step, best = st["step"], st["best"]
+        if probe is not None and "pair_probe" in st:
+            probe.load_state_dict(st["pair_probe"])
+            probe.opt.load_state_dict(st["pair_probe_opt"])
         if not out_dir.exists():  # a new output folder: its first evaluation is saved
             best = -1.0
         if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
@@ -452,6 +499,11 @@ def train_demo(
                 "best": best,
                 "best_metric": BEST_METRIC,
                 "model_kwargs": model_kwargs or {},
+                **(
+                    {"pair_probe": probe.state_dict(), "pair_probe_opt": probe.opt.state_dict()}
+                    if probe is not None
+                    else {}
+                ),
             },
             tmp,
         )
@@ -476,10 +528,13 @@ def train_demo(
             g["lr"] = lr_at(step, steps, lr, warmup)
         samples = train_samples(rng, batch_size)
         batch = enc.train_batch(samples, rng)
-        looks = batch.pop("looks")
+        looks, asks = batch.pop("looks"), batch.pop("asks")
         if aux_weight > 0:
             out = model(**batch, output_hidden_states=True)
-            loss = out.loss + aux_weight * aux_cell_loss(model, out, enc.cell_targets(samples))
+            targets = enc.cell_targets(samples)
+            loss = out.loss + aux_weight * aux_cell_loss(model, out, targets)
+            if probe is not None:
+                loss = loss + aux_weight * probe.loss(model, out, targets["pair"], asks)
         else:
             loss = model(**batch).loss
         if teacher is not None:
@@ -487,9 +542,15 @@ def train_demo(
             att_losses.append(att.item())
             loss = loss + attention_weight * att
         opt.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if probe is not None:
+            for g in probe.opt.param_groups:
+                g["lr"] = opt.param_groups[0]["lr"]
+            probe.opt.step()
         if fold is not None:
             fold.apply()
         step += 1
