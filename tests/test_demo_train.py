@@ -26,6 +26,7 @@ def test_teacher_targets_point_at_the_evidence():
     enc = tr.Encoder()
     id2w = {i: w for w, i in enc.vocab.items()}
     sample = _scene_sample()
+    opts = sample.qas[1].params["options"]
     rng = np.random.default_rng(0)
     for _ in range(8):  # turn order is shuffled: check every look whatever the order
         batch = enc.train_batch([sample], rng)
@@ -40,8 +41,10 @@ def test_teacher_targets_point_at_the_evidence():
             else:  # existence: red circle at r3 c1
                 assert keys == [1 + 3 * 8 + 1]
                 assert [id2w[ids[i]] for i in words] == ["red", "circle"]
-        for b, p, cls in batch["asks"]:
-            assert id2w[ids[p]] == "<ans>" and cls == tr.pair_class("red", "circle")
+        for b, p, classes in batch["asks"]:
+            assert id2w[ids[p]] == "<ans>"
+            want = [tr.pair_class(*o) for o in opts] if len(classes) == 4 else [tr.pair_class("red", "circle")]
+            assert classes == want
         assert all(ids[k] == enc.image_pad for _, _, keys, _, _ in batch["looks"] for k in keys)
 
 

@@ -67,7 +67,7 @@ class Encoder:
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
         """Padded training inputs; "looks" lists, per turn, (row, answer position, evidence key positions,
         positions of the question's attribute words, positions of the right option's letter and words);
-        "asks" lists (row, answer position, pair class) of the existence questions."""
+        "asks" lists (row, answer position, pair classes asked for) of existence and multiple-choice questions."""
         seqs, labs, looks, asks = [], [], [], []
         for s in samples:
             seen: set[str] = set()
@@ -96,8 +96,9 @@ class Encoder:
                     if q.kind == "mc":
                         at = start + prompt.index(self.vocab[q.answer])
                         option = [at, at + 1, at + 2]
-                    if q.kind == "exist":
-                        asks.append((len(seqs), len(ids) - 1, pair_class(q.params["color"], q.params["shape"])))
+                    if q.kind in ("exist", "mc"):
+                        pairs = q.params["options"] if q.kind == "mc" else [(q.params["color"], q.params["shape"])]
+                        asks.append((len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
                     cell_keys = [1 + r * task.GRID + c for r, c in cells]
                     looks.append((len(seqs), len(ids) - 1, cell_keys, words, option))
                 ids += ans
@@ -321,7 +322,8 @@ class PairProbe(torch.nn.Module):
     square and a blue circle each half-match "red circle" and the search stays blurred. This probe reads the
     hidden state after decoder layer `AUX_POSITION_LAYER` (where the search reads its keys and query) and
     must name the pair both at each object's visual token and at the answer position of an existence
-    question (the pair asked for), so one direction per pair is written on both sides. It has its own
+    question (the pair asked for; for multiple choice, evenly the four option pairs), so one direction per
+    pair is written on both sides. It has its own
     optimizer and is never saved into the checkpoint.
     """
 
@@ -330,13 +332,17 @@ class PairProbe(torch.nn.Module):
         self.linear = torch.nn.Linear(hidden, NO_PAIR + 1)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
 
-    def loss(self, model, out, pair: torch.Tensor, asks: list[tuple[int, int, int]]) -> torch.Tensor:
+    def loss(self, model, out, pair: torch.Tensor, asks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         h = model.model.language_model.norm(out.hidden_states[AUX_POSITION_LAYER])
         ce = torch.nn.functional.cross_entropy
         loss = ce(self.linear(h[:, 1 : 1 + pair.shape[1]]).reshape(-1, NO_PAIR + 1), pair.reshape(-1))
         if asks:
-            rows, pos, cls = (torch.tensor(x) for x in zip(*asks, strict=True))
-            loss = loss + ce(self.linear(h[rows, pos]), cls)
+            rows = torch.tensor([a[0] for a in asks])
+            pos = torch.tensor([a[1] for a in asks])
+            target = torch.zeros(len(asks), NO_PAIR + 1)
+            for i, (_, _, classes) in enumerate(asks):
+                target[i, classes] = 1.0 / len(classes)
+            loss = loss + ce(self.linear(h[rows, pos]), target)
         return loss
 
 
