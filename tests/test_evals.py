@@ -366,9 +366,14 @@ def test_eval_command_end_to_end(tiny_dir, tmp_path):
         max_new_tokens=2,
         progress=False,
         console=Console(file=open(tmp_path / "log.txt", "w")),  # noqa: SIM115
+        markdown_out=tmp_path / "o.md",
     )
     assert [r["label"] for r in data["recipes"]] == ["baseline", "copy"]
     assert (tmp_path / "o.json").exists() and (tmp_path / "o.png").exists()
+    md = (tmp_path / "o.md").read_text().splitlines()
+    assert md[0].startswith("| recipe |") and "mismatch %" in md[0] and len(md) == 4
+    cells = [c.strip() for c in md[3].strip("|").split("|")]
+    assert cells[0] == "copy" and cells[-3] == "1.00x" and cells[-1] == "1.00x"  # prefill FLOPs, KV bytes
     by = defaultdict(dict)
     for row in data["results"]:
         by[row["recipe"]][row["group"]] = row

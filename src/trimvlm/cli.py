@@ -100,14 +100,16 @@ def eval_(
     plot: Path = typer.Option(Path("trimvlm-eval.png")),
     batch_size: int = typer.Option(16),
     seed: int = typer.Option(0),
+    markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
 ):
     """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs."""
     from trimvlm.cli_eval import eval_command
 
     try:
         eval_command(
-            model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed
-        )
+            model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
+            markdown_out=str(markdown) if markdown else None,
+        )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

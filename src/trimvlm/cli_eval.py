@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trimvlm.errors import CheckpointError, RecipeError, TrimVLMError
-from trimvlm.evals.report import plot_pareto, print_report, result_dict, write_json
+from trimvlm.evals.report import plot_pareto, print_report, result_dict, write_json, write_markdown
 from trimvlm.evals.run import normalize_recipes, run_eval
 from trimvlm.evals.tasks import check_limit, get_task
 from trimvlm.recipe import load_recipes, parse_recipe
@@ -48,12 +48,14 @@ def available_demo_recipes(console=None) -> list:
     return out
 
 
-def _finish(result, json_out, plot_out, console) -> dict:
+def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
     print_report(result, console=console)
     if json_out:
         console.print(f"wrote {write_json(result, json_out)}")
     if plot_out:
         console.print(f"wrote {plot_pareto(result, plot_out)}")
+    if markdown_out:
+        console.print(f"wrote {write_markdown(result, markdown_out)}")
     return result_dict(result)
 
 
@@ -100,10 +102,12 @@ def eval_command(
     max_new_tokens: int | None = None,
     progress: bool = True,
     console=None,
+    markdown_out: str | Path | None = None,
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON; the baseline is always added, first) over `task`
     ("demo", a registered task, or PATH.jsonl) with `model` (a checkpoint folder or "demo").
-    Prints the tables, writes the JSON / Pareto PNG when paths are given. Returns the JSON's content."""
+    Prints the tables, writes the JSON / Pareto PNG / Markdown summary when paths are given. Returns the
+    JSON's content."""
     import trimvlm
 
     console = _console(console)
@@ -130,4 +134,4 @@ def eval_command(
         progress=progress,
         console=console,
     )
-    return _finish(result, json_out, plot_out, console)
+    return _finish(result, json_out, plot_out, console, markdown_out)

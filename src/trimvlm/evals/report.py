@@ -148,6 +148,35 @@ def print_report(result: EvalResult, console=None) -> None:
         )
 
 
+# --------------------------------------------------------------------------------------------- markdown
+
+
+def markdown_summary(result: EvalResult) -> str:
+    """One Markdown row per recipe: accuracy and mismatch % per probe type, cost ratios to the baseline."""
+    probes = [g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"]
+    head = ["recipe"]
+    for p in probes:
+        head += [f"{p} acc", f"{p} mismatch %"]
+    head += ["prefill FLOPs", "decode FLOPs", "KV bytes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in result.labels:
+        cells = [label]
+        for p in probes:
+            row = result.row(label, p)
+            cells += [f"{100 * row['accuracy']:.1f}", f"{row['mismatch_pct']:.1f}"]
+        ratio = result.row(label, "all")["ratio"]
+        cells += [_ratio(ratio[k]) for k in ("prefill_flops", "decode_flops", "kv_bytes")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(result: EvalResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown_summary(result))
+    return path
+
+
 # --------------------------------------------------------------------------------------------- plot
 
 
