@@ -69,7 +69,12 @@ def main():
             fn()
         t = {"ours_fwd": [], "ref_fwd": [], "ours_gen": [], "ref_gen": []}
         for r in range(args.repeats):
-            order = [("ours_fwd", ours_fwd), ("ref_fwd", ref_fwd), ("ours_gen", ours_gen), ("ref_gen", ref_gen)]
+            order = [
+                ("ours_fwd", ours_fwd),
+                ("ref_fwd", ref_fwd),
+                ("ours_gen", ours_gen),
+                ("ref_gen", ref_gen),
+            ]
             if r % 2:
                 order = order[1::-1] + order[:1:-1]
             for name, fn in order:
@@ -80,7 +85,16 @@ def main():
             "forward_ratio": med["ours_fwd"] / med["ref_fwd"], "generate_ratio": med["ours_gen"] / med["ref_gen"],
         })  # fmt: skip
     table = Table(title="trimvlm runner vs the model's own forward / generate (median, interleaved)")
-    for col in ("batch", "seq", "ours fwd ms", "model fwd ms", "fwd ratio", "ours gen ms", "model gen ms", "gen ratio"):
+    for col in (
+        "batch",
+        "seq",
+        "ours fwd ms",
+        "model fwd ms",
+        "fwd ratio",
+        "ours gen ms",
+        "model gen ms",
+        "gen ratio",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["batch"]), str(r["seq_len"]), f"{r['ours_fwd_s'] * 1e3:.1f}", f"{r['ref_fwd_s'] * 1e3:.1f}",

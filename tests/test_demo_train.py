@@ -41,9 +41,11 @@ def test_teacher_targets_point_at_the_evidence():
             else:  # existence: red circle at r3 c1
                 assert keys == [1 + 3 * 8 + 1]
                 assert [id2w[ids[i]] for i in words] == ["red", "circle"]
-        for b, p, classes in batch["asks"]:
+        for _, p, classes in batch["asks"]:
             assert id2w[ids[p]] == "<ans>"
-            want = [tr.pair_class(*o) for o in opts] if len(classes) == 4 else [tr.pair_class("red", "circle")]
+            want = (
+                [tr.pair_class(*o) for o in opts] if len(classes) == 4 else [tr.pair_class("red", "circle")]
+            )
             assert classes == want
         assert all(ids[k] == enc.image_pad for _, _, keys, _, _ in batch["looks"] for k in keys)
 

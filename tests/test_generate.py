@@ -10,7 +10,9 @@ from trimvlm.runtime.runner import Runner
 def _run(adapter, sampling, stop_ids=(), n=8):
     images, prompts = ragged_batch()
     prep = adapter.prepare(images, prompts)
-    return generate(Runner(adapter), prep, max_new_tokens=n, stop_ids=list(stop_ids), pad_id=0, sampling=sampling)
+    return generate(
+        Runner(adapter), prep, max_new_tokens=n, stop_ids=list(stop_ids), pad_id=0, sampling=sampling
+    )
 
 
 def test_sampling_is_seeded(tiny_adapter):

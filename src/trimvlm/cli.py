@@ -116,7 +116,9 @@ def eval_(
 
 @app.command("train-demo")
 def train_demo(
-    out: Path = typer.Option(Path("runs/demo-qwen3vl"), help="checkpoint folder the best model is written to"),
+    out: Path = typer.Option(
+        Path("runs/demo-qwen3vl"), help="checkpoint folder the best model is written to"
+    ),
     steps: int = typer.Option(6000),
     seed: int = typer.Option(0),
     resume: bool = typer.Option(True),

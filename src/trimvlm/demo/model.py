@@ -28,8 +28,8 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trimvlm.demo import task
-from trimvlm.errors import InputError
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
+from trimvlm.errors import InputError
 
 PATCH = 8
 MERGE = 2

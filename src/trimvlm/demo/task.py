@@ -231,7 +231,9 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
 def evidence_cells(scene: Scene, kind: str, params: dict) -> list[tuple[int, int]]:
     """The cells a reader must look at to answer, from the scene description (empty: nothing matches)."""
     if kind == "exist":
-        return [(o.row, o.col) for o in scene.objects if (o.color, o.shape) == (params["color"], params["shape"])]
+        return [
+            (o.row, o.col) for o in scene.objects if (o.color, o.shape) == (params["color"], params["shape"])
+        ]
     if kind == "mc":
         wanted = {tuple(p) for p in params["options"]}
         return [(o.row, o.col) for o in scene.objects if (o.color, o.shape) in wanted]

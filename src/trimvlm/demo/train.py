@@ -97,7 +97,11 @@ class Encoder:
                         at = start + prompt.index(self.vocab[q.answer])
                         option = [at, at + 1, at + 2]
                     if q.kind in ("exist", "mc"):
-                        pairs = q.params["options"] if q.kind == "mc" else [(q.params["color"], q.params["shape"])]
+                        pairs = (
+                            q.params["options"]
+                            if q.kind == "mc"
+                            else [(q.params["color"], q.params["shape"])]
+                        )
                         asks.append((len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
                     cell_keys = [1 + r * task.GRID + c for r, c in cells]
                     looks.append((len(seqs), len(ids) - 1, cell_keys, words, option))

@@ -153,7 +153,9 @@ def print_report(result: EvalResult, console=None) -> None:
 
 def markdown_summary(result: EvalResult) -> str:
     """One Markdown row per recipe: accuracy and mismatch % per probe type, cost ratios to the baseline."""
-    probes = [g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"]
+    probes = [
+        g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"
+    ]
     head = ["recipe"]
     for p in probes:
         head += [f"{p} acc", f"{p} mismatch %"]
