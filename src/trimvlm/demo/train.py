@@ -1,16 +1,20 @@
-"""Train the tiny demo Qwen3-VL from scratch on the demo task (seeded, resumable, CPU friendly).
+"""Train a tiny demo VLM (Qwen3-VL, or the Qwen3.5 hybrid) on the demo task (seeded, resumable, CPU friendly).
 
 Each training sequence is one image followed by several question/answer turns (the image is encoded once and
 many answers are supervised; the loss is on answer tokens and their end token only). Turns are shuffled so
-that every kind also appears right after the image, as in evaluation; an auxiliary "describe ?" turn (every
-object with explicit coordinates, "r1 c3 red square ...") comes last when present, so no question can copy
-its answer from it. Some sequences are cut to one turn, the exact evaluation format.
+that every kind also appears right after the image, as in evaluation; auxiliary "describe" turns come last,
+so no question can copy its answer from them. Some sequences are cut to one turn, the exact evaluation format.
 
-The best model by validation skill (accuracy above the majority answer; worst kind + mean) is written atomically to `out_dir` (the shipped
-checkpoint folder) with its test accuracy per kind; optimizer, step and RNG states live in `work_dir` and
-let a stopped run resume where it left off.
+Training-only scaffolds, none of which is in the saved model (docs/demo.md says what each one bought):
+the per-cell auxiliary loss through the LM head (`aux_cell_loss`), the attention teacher that tells chosen
+heads where to look when an answer is predicted (`AttentionTeacher`), the (colour, shape) pair probe
+(`PairProbe`) and the visual fold (`VisualFold`).
 
-    python -m trimvlm.demo.train --out src/trimvlm/demo/checkpoints/qwen3vl --steps 12000
+The best model by validation skill (accuracy above the majority answer; worst kind + mean) is written
+atomically to `out_dir` (the shipped checkpoint folder) with its test accuracy per kind; optimizer, step and
+RNG states live in `work_dir` and let a stopped run resume where it left off.
+
+    python -m trimvlm.demo.train --out src/trimvlm/demo/checkpoints/qwen3vl --steps 9000 --batch-size 16 --threads 1
 """
 
 from __future__ import annotations
@@ -327,8 +331,7 @@ class PairProbe(torch.nn.Module):
     hidden state after decoder layer `AUX_POSITION_LAYER` (where the search reads its keys and query) and
     must name the pair both at each object's visual token and at the answer position of an existence
     question (the pair asked for; for multiple choice, evenly the four option pairs), so one direction per
-    pair is written on both sides. It has its own
-    optimizer and is never saved into the checkpoint.
+    pair is written on both sides. It has its own optimizer and is never saved into the checkpoint.
     """
 
     def __init__(self, hidden: int, lr: float):
@@ -443,7 +446,7 @@ def train_demo(
     fold_visual: bool = True,
     init_from: str | Path | None = None,
     aux_weight: float = 0.5,
-    attention_weight: float = 0.5,
+    attention_weight: float = 1.0,
     pair_probe: bool = True,
 ) -> Path:
     from tqdm import tqdm
@@ -632,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
         "--aux-weight", type=float, default=0.5, help="weight of the per-cell auxiliary loss (0 = off)"
     )
     ap.add_argument(
-        "--attention-weight", type=float, default=0.5, help="weight of the evidence-attention loss (0 = off)"
+        "--attention-weight", type=float, default=1.0, help="weight of the attention-teacher loss (0 = off)"
     )
     ap.add_argument("--init-from", default=None, help="checkpoint folder to copy matching weights from")
     ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"], help="demo architecture")
