@@ -125,16 +125,14 @@ class Encoder:
         g = task.GRID
         content = torch.full((len(samples), g * g), self.vocab[task.BACKGROUND], dtype=torch.long)
         shape = torch.full((len(samples), g * g), -100, dtype=torch.long)
+        pair = torch.full((len(samples), g * g), NO_PAIR, dtype=torch.long)
         for i, s in enumerate(samples):
             for o in s.scene.objects:
                 content[i, o.row * g + o.col] = self.vocab[o.color]
                 shape[i, o.row * g + o.col] = self.vocab[o.shape]
+                pair[i, o.row * g + o.col] = pair_class(o.color, o.shape)
             for (r, c), ch in zip(s.scene.text_cells(), s.scene.text, strict=True):
                 content[i, r * g + c] = self.vocab[ch]
-        pair = torch.full((len(samples), g * g), NO_PAIR, dtype=torch.long)
-        for i, s in enumerate(samples):
-            for o in s.scene.objects:
-                pair[i, o.row * g + o.col] = pair_class(o.color, o.shape)
         rows = torch.tensor([self.vocab[f"r{k // g}"] for k in range(g * g)]).expand(len(samples), -1)
         cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
         return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair}
@@ -251,6 +249,15 @@ MID_CONTENT = True
 ATTENTION_HEAD = 0
 
 
+def uniform_rows(columns: list[list[int]], n: int) -> torch.Tensor:
+    """[len(columns), n]: row i spreads 1 evenly over the listed columns (an empty list leaves a zero row)."""
+    out = torch.zeros(len(columns), n)
+    for i, cols in enumerate(columns):
+        if cols:
+            out[i, cols] = 1.0 / len(cols)
+    return out
+
+
 class AttentionTeacher:
     """Training-only supervision of where attention looks when the answer is predicted.
 
@@ -301,12 +308,11 @@ class AttentionTeacher:
         rows = torch.tensor([look[0] for look in looks])
         pos = torch.tensor([look[1] for look in looks])
         n = next(iter(weights.values())).shape[-1]
-        targets = {role: torch.zeros(len(looks), n) for role in ("cells", "words", "option")}
-        for i, (_, _, keys, attr, option) in enumerate(looks):
-            targets["cells"][i, [0, *keys]] = 1.0 / (1 + len(keys))
-            for role, where in (("words", attr), ("option", option)):
-                if where:
-                    targets[role][i, where] = 1.0 / len(where)
+        targets = {
+            "cells": uniform_rows([[0, *look[2]] for look in looks], n),  # <|vision_start|> is the sink
+            "words": uniform_rows([look[3] for look in looks], n),
+            "option": uniform_rows([look[4] for look in looks], n),
+        }
         terms = []
         for layer, w in weights.items():
             target = targets[self.roles[layer]]
@@ -346,10 +352,7 @@ class PairProbe(torch.nn.Module):
         if asks:
             rows = torch.tensor([a[0] for a in asks])
             pos = torch.tensor([a[1] for a in asks])
-            target = torch.zeros(len(asks), NO_PAIR + 1)
-            for i, (_, _, classes) in enumerate(asks):
-                target[i, classes] = 1.0 / len(classes)
-            loss = loss + ce(self.linear(h[rows, pos]), target)
+            loss = loss + ce(self.linear(h[rows, pos]), uniform_rows([a[2] for a in asks], NO_PAIR + 1))
         return loss
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.metrics import get_metric
 from trimvlm.evals.tasks import PROBES, Task, check_limit, get_task
+from trimvlm.options import is_int
 from trimvlm.recipe import Recipe, parse_recipe
 
 COST_KEYS = ("prefill_flops", "decode_flops", "total_flops", "kv_bytes", "latency_s", "wall_s")
@@ -181,7 +182,7 @@ def run_eval(
     console=None,
 ) -> EvalResult:
     """Run every recipe (baseline first) over the task's items, interleaved batch by batch."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+    if not is_int(batch_size) or batch_size <= 0:
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
     if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

@@ -41,6 +41,7 @@ from typing import Any
 
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
+from trimvlm.options import is_int
 
 PROBES = ("prefill", "full")
 OPTION_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -134,7 +135,7 @@ def register_task(name: str):
 def check_limit(limit) -> int | None:
     if limit is None:
         return None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+    if not is_int(limit) or limit <= 0:
         raise InputError(f"limit must be a positive number of items (or omitted for all), got {limit!r}")
     return limit
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trimvlm.errors import TrimVLMError
+from trimvlm.options import is_number, require_int
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
 
@@ -57,13 +58,12 @@ class KVPolicy:
     _probe: AttentionProbe | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int | float) or not 0 <= self.keep <= 1:
+        if not is_number(self.keep) or not 0 <= self.keep <= 1:
             raise ValueError(
                 f"keep must be a number in [0, 1] (0 drops every visual entry), got {self.keep!r}"
             )
         self.keep = float(self.keep)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        require_int("seed", self.seed)
 
     # ---- what a policy implements ----
     def scores(self, view: LayerView) -> torch.Tensor:

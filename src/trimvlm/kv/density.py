@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.kv.base import KVPolicy, LayerView
+from trimvlm.options import require_bool, require_int
 from trimvlm.registry import register
 
 
@@ -41,17 +42,10 @@ class DensityKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if (
-            isinstance(self.window, bool)
-            or not isinstance(self.window, int)
-            or self.window < 1
-            or not self.window % 2
-        ):
-            raise ValueError(f"window must be an odd integer >= 1, got {self.window!r}")
+        require_int("window", self.window, minimum=1, odd=True)
         if self.features not in ("values", "keys"):
             raise ValueError(f"features must be 'values' or 'keys', got {self.features!r}")
-        if not isinstance(self.reuse, bool):
-            raise ValueError(f"reuse must be true or false, got {self.reuse!r}")
+        require_bool("reuse", self.reuse)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         reused = self.reused_rho(view)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
+from trimvlm.options import is_number, require_int
 from trimvlm.registry import register
 
 
@@ -28,13 +29,8 @@ class H2OKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"rows must be an integer >= 1, got {self.rows!r}")
-        if (
-            isinstance(self.recent, bool)
-            or not isinstance(self.recent, int | float)
-            or not 0 <= self.recent <= 1
-        ):
+        require_int("rows", self.rows, minimum=1)
+        if not is_number(self.recent) or not 0 <= self.recent <= 1:
             raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
 
     @property

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.kv.base import KVPolicy, LayerView
+from trimvlm.options import require_bool, require_int
 from trimvlm.registry import register
 
 
@@ -37,19 +38,11 @@ class SnapKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
-        if (
-            isinstance(self.kernel, bool)
-            or not isinstance(self.kernel, int)
-            or self.kernel < 1
-            or self.kernel % 2 == 0
-        ):
-            raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
+        require_int("window", self.window, minimum=1)
+        require_int("kernel", self.kernel, minimum=1, odd=True)
         if self.pool not in ("avg", "max"):
             raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
-        if not isinstance(self.per_head, bool):
-            raise ValueError(f"per_head must be true or false, got {self.per_head!r}")
+        require_bool("per_head", self.per_head)
 
     @property
     def rows_wanted(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
+from trimvlm.options import require_int
 from trimvlm.registry import register
 
 
@@ -18,8 +19,7 @@ class StreamingLLMKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        require_int("sinks", self.sinks, minimum=0)
 
     def scores(self, view: LayerView):
         from_start, _ = order_in_span(view.candidates)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.options import is_int, is_number, require_bool
 from trimvlm.runtime.sequence import LiveSeq
 
 
@@ -97,13 +98,12 @@ class TokenReducer:
             if not 0 <= self.prune < 1:
                 raise ValueError(f"prune must be in [0, 1), got {self.prune}")
         if self.layer is not None:
-            if isinstance(self.layer, bool) or not isinstance(self.layer, int):
+            if not is_int(self.layer):
                 raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
             if self.layer < self.min_layer:
                 raise ValueError(f"layer must be >= {self.min_layer}{self._layer_why()}, got {self.layer}")
         for f in ("merge", "size_weighted"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")
+            require_bool(f, getattr(self, f))
 
     @property
     def ratio(self) -> float:
@@ -218,7 +218,7 @@ class TokenReducer:
 
 
 def _number(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if not is_number(v) or not math.isfinite(v):
         raise ValueError(f"{name} must be a number, got {v!r}")
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trimvlm.options import require_int
 from trimvlm.registry import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, topk_mask
 
@@ -24,8 +25,7 @@ class DART(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.pivots, bool) or not isinstance(self.pivots, int) or self.pivots < 1:
-            raise ValueError(f"pivots must be an integer >= 1, got {self.pivots!r}")
+        require_int("pivots", self.pivots, minimum=1)
         if self.norm not in (1, 2) or isinstance(self.norm, bool):
             raise ValueError(f"norm must be 1 or 2, got {self.norm!r}")
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trimvlm.options import is_number, require_int
 from trimvlm.registry import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, topk_mask
 
@@ -271,21 +272,11 @@ class Density(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            isinstance(self.beta, bool)
-            or not isinstance(self.beta, int | float)
-            or not math.isfinite(self.beta)
-        ):
+        if not is_number(self.beta) or not math.isfinite(self.beta):
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if (
-            isinstance(self.window, bool)
-            or not isinstance(self.window, int)
-            or self.window < 1
-            or self.window % 2 == 0
-        ):
-            raise ValueError(f"window must be an odd integer >= 1 (3, 5, ...), got {self.window!r}")
+        require_int("window", self.window, minimum=1, odd=True, hint=" (3, 5, ...)")
         if self.select not in ("fps", "topk"):
             raise ValueError(f"select must be one of fps, topk; got {self.select!r}")
         self.last_rho = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.options import require_int
 from trimvlm.registry import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, topk_mask
 
@@ -21,8 +22,7 @@ class Random(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        require_int("seed", self.seed)
 
     def choose(self, view: VisualView) -> Selection:
         scores = torch.zeros(view.mask.shape, dtype=torch.float32)
