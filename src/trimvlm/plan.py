@@ -15,6 +15,7 @@ class Plan:
     after_prefill: object | None = None  # (PrefillOutput) -> None
     skip_prefill: frozenset[int] = field(default_factory=frozenset)
     skip_decode: frozenset[int] = field(default_factory=frozenset)
+    skip_branch: frozenset[int] = field(default_factory=frozenset)  # candidate branches (scoring)
     probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
 
 
@@ -34,5 +35,10 @@ def make_plan(recipe, runner) -> Plan:
         plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
     depth = methods.get("depth")
     if depth is not None:
-        plan.skip_prefill, plan.skip_decode = depth.skips(runner)
+        skips = depth.skips(runner)
+        plan.skip_prefill, plan.skip_decode, plan.skip_branch = (
+            skips["prefill"],
+            skips["decode"],
+            skips["branch"],
+        )
     return plan

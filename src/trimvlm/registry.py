@@ -20,6 +20,7 @@ def register(axis: str, name: str):
 
 def _load_methods() -> None:
     # importing the packages registers their methods
+    import trimvlm.depth  # noqa: F401
     import trimvlm.kv  # noqa: F401
     import trimvlm.tokens  # noqa: F401
 

@@ -97,6 +97,42 @@ class VLM:
         texts = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]
         return GenerationResult(texts=texts, tokens=toks, costs=out.costs, recipe=plan.recipe.label())
 
+    @property
+    def head(self):
+        """The decision head saved next to the checkpoint (None when there is none), loaded once."""
+        if not hasattr(self, "_head"):
+            from trimvlm.scoring.head import DecisionHead
+
+            self._head = DecisionHead.load(self.adapter.folder)
+        return self._head
+
+    @head.setter
+    def head(self, value) -> None:
+        self._head = value
+
+    @torch.no_grad()
+    def score(
+        self,
+        images,
+        question,
+        candidates=None,
+        *,
+        readout: str = "loglik",
+        executor: str = "auto",
+        recipe=None,
+        binary=False,
+    ):
+        """Score candidates against image(s) + question, prefix encoded once. One request (question a string)
+        or a batch (lists of questions, image entries and candidate lists; or a list of `ScoreRequest`).
+        Returns a `ScoreBatch`: per request the candidate logits in the original order, probabilities, the
+        chosen candidate, per-candidate log-likelihood (sum, mean, count, is-greedy), the abstention logit
+        (head readout), and the costs."""
+        from trimvlm.scoring.engine import score_requests
+        from trimvlm.scoring.request import as_requests
+
+        requests = as_requests(images, question, candidates, binary)
+        return score_requests(self, requests, readout=readout, executor=executor, recipe=recipe)
+
     def info(self) -> dict:
         return self.adapter.info()
 

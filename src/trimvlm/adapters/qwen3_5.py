@@ -14,6 +14,12 @@ position is "absent" (as it is for attention layers), so a linear layer here
   group of rows that has the same number of valid tokens on those tokens only, from the rows' states, so padding
   neither decays a state nor enters a conv window.
 Dropping tokens mid-model (gather) and masking them (valid = False) therefore give the same states and logits.
+
+Branches (candidate scoring) read the prefix's states as read-only broadcast views: rows that start from
+different prefixes run in separate calls, so no per-branch copy of a prefix state is made. A candidate tree
+(`cache.tree`, a `TreeSchedule`) cannot go through a recurrent scan as one sequence: its chains run as the
+schedule's calls, each row from its parent chain's final state (or the prefix's), and only chains with children
+keep their final states.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from trimvlm.adapters.base import LINEAR, Adapter
 from trimvlm.adapters.qwen3_vl import QwenVLAdapterMixin
+from trimvlm.runtime.cache import KVCache
 
 
 class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
@@ -43,9 +50,14 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         )
 
     def _run_linear(self, i, hidden, position_embeddings, cache, valid):
-        if valid is None or bool(valid.all()):
+        if cache is not None and cache.tree is not None:
+            return self._run_tree_linear(i, hidden, cache)
+        groups = None if cache is None else cache.state_groups(i)
+        one_group = groups is None or bool((groups == groups[0]).all())
+        if (valid is None or bool(valid.all())) and one_group:
             return self._call(i, hidden, position_embeddings, cache)
-        b, q = valid.shape
+        b, q = hidden.shape[:2]
+        valid = torch.ones(b, q, dtype=torch.bool, device=hidden.device) if valid is None else valid
         n = valid.sum(1)
         rows = torch.arange(b, device=hidden.device)[:, None]
         left = torch.arange(q, device=valid.device)[None] >= (q - n)[:, None]  # valid tokens at the right end
@@ -54,23 +66,44 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
             # stable sort: invalid positions first, valid ones after them in their order
             order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
             hidden = hidden[rows, order]
-        fresh = cache is None or (cache.get_recurrent_state(i) is None and cache.get_conv_state(i) is None)
-        if fresh:
+        if cache is None or not cache.has_state(i):  # a fresh state: what the model does with left padding
             out = self._call(i, hidden, position_embeddings, cache, left.to(torch.long))
         else:
             out = hidden.clone()  # rows' invalid positions keep their input (never read)
-            for m in n.unique().tolist():
-                if m == 0:
-                    continue
-                sel = torch.nonzero(n == m).flatten()
-                sub = cache.state_rows(i, sel)
+            # rows with the same count of valid tokens (and the same shared start state) run together
+            # (every group's start states are taken before any group's final states are written back)
+            key = n if groups is None else n * (int(groups.max()) + 1) + groups
+            sels = [torch.nonzero(key == k).flatten() for k in key.unique().tolist()]
+            runs = [(sel, int(n[sel[0]]), cache.state_rows(i, sel)) for sel in sels if int(n[sel[0]]) > 0]
+            for sel, m, sub in runs:
                 out[sel, q - m :] = self._call(i, hidden[sel, q - m :], position_embeddings, sub)
+            for sel, _, sub in runs:
                 cache.put_state_rows(i, sel, sub)
         if order is not None:
             back = torch.empty_like(out)
             back[rows, order] = out
             out = back
         return out
+
+    def _run_tree_linear(self, i, hidden, cache):
+        """Run the schedule's chains (flat node indices into [B * M]) in dependency order."""
+        b, m, d = hidden.shape
+        flat = hidden.reshape(b * m, d)
+        out = flat.clone()  # padding nodes keep their input (never read)
+        finals: dict[int, dict[str, torch.Tensor]] = {}  # chain id -> its final states (one row each)
+        for call in cache.tree.calls:
+            x = flat[call.nodes.clamp(min=0)]
+            sub = KVCache.branching(
+                [], {i: _start_states(i, call, cache, finals)}, _start_rows(call), keep_final_states=call.keep,
+                num_layers=cache.num_layers,
+            )  # fmt: skip
+            y = self._call(i, x, None, sub)
+            real = call.nodes >= 0
+            out[call.nodes[real]] = y[real]
+            if call.keep:
+                for r, chain in enumerate(call.chain.tolist()):
+                    finals[chain] = {k: v[r : r + 1] for k, v in sub.states[i].items()}
+        return out.view(b, m, d)
 
     def linear_layer_core_flops(self, i: int, batch: int, q: int) -> int:
         # Gated delta rule, counted in its recurrent form per token and per value head h, with the state
@@ -85,6 +118,24 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         d_k, d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim = 2 * h_k * d_k + h_v * d_v
         return 2 * batch * q * (3 * h_v * d_k * d_v + conv_dim * cfg.linear_conv_kernel_dim)
+
+
+def _start_states(i, call, cache, finals) -> dict[str, torch.Tensor]:
+    """The table of start states of a call's rows: the prefix's own tensors (rows = requests) when the chains
+    hang off the prefix, else one row per distinct parent chain."""
+    if bool((call.parent < 0).all()):
+        return cache.prefix.states[i]
+    if bool((call.parent < 0).any()):
+        raise ValueError("a tree call mixes chains that start at the prefix and chains that continue others")
+    parents = call.parent.unique().tolist()
+    return {k: torch.cat([finals[p][k] for p in parents]) for k in finals[parents[0]]}
+
+
+def _start_rows(call) -> torch.Tensor:
+    if bool((call.parent < 0).all()):
+        return call.owner
+    parents = call.parent.unique()
+    return torch.searchsorted(parents, call.parent)
 
 
 def _as_saved(tokenizer, folder):

@@ -18,6 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from trimvlm.runtime.cache import owner_runs
+
 NAME = "trimvlm_sdpa"
 
 
@@ -75,10 +77,16 @@ class _Fanout(dict):
 
 @dataclass
 class AttentionContext:
-    prefix_layers: dict | None = None  # layer_idx -> LayerKV of a shared prefix
-    prefix_owner: torch.Tensor | None = None  # [B] prefix row of each branch
-    prefix_mask: torch.Tensor | None = None  # [B, 1, Q, Kp] bool
+    shared: list | None = None  # SharedPart list (cache.py): read-only KV attended before the branch's own
+    shared_masks: list | None = None  # per part holding the current layer, [B, 1, Q, Kp] (set by the runner)
     probe: AttentionProbe | None = None
+    tree: object | None = None  # a TreeSchedule: rows are trie chains that also attend to their ancestors
+
+    def layer_parts(self, layer_idx) -> list:
+        return [p for p in self.shared or [] if layer_idx in p.layers]
+
+    def shares(self, layer_idx) -> bool:
+        return self.tree is not None or bool(self.layer_parts(layer_idx))
 
 
 def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -129,7 +137,7 @@ def trimvlm_attention(
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is not None and ctx.probe is not None and ctx.probe.wants(layer_idx):
         _record_probe(ctx.probe, layer_idx, query, key, attention_mask, scaling)
-    if ctx is None or ctx.prefix_layers is None or layer_idx not in ctx.prefix_layers:
+    if ctx is None or not ctx.shares(layer_idx):
         return sdpa_attention_forward(
             module,
             query,
@@ -141,24 +149,55 @@ def trimvlm_attention(
             is_causal=None if attention_mask is None else False,  # None: a plain causal chunk
             **kwargs,
         )
-    # shared prefix + own keys, one softmax over both, prefix never copied (broadcast when it has one row)
-    pre = ctx.prefix_layers[layer_idx]
-    owner = ctx.prefix_owner
-    pk, pv = pre.key, pre.value
-    if pk.shape[0] != 1:
-        pk, pv = pk.index_select(0, owner), pv.index_select(0, owner)
+    # shared parts + own keys, one softmax over all of them; a shared part is never copied per branch
     b, h, q, d = query.shape
-    n_kv = key.shape[1]
-    g = h // n_kv
-    s_pre = _scores(query, pk, scaling).float()
+    g = h // key.shape[1]
+    parts = ctx.layer_parts(layer_idx)
+    parts = [(p.layers[layer_idx], p.owner, m) for p, m in zip(parts, ctx.shared_masks, strict=True)]
+    scores = []
+    for kv, owner, mask in parts:
+        s_part = _shared_matmul(query, kv.key, owner, lambda qq, kk: _scores(qq, kk, scaling).float())
+        scores.append(s_part.masked_fill(~_expand_mask(mask, g), float("-inf")))
+    if ctx.tree is not None:  # each chain's ancestors, whose keys this same call computed
+        ka, va = _ancestor_kv(key, ctx.tree.ancestors), _ancestor_kv(value, ctx.tree.ancestors)
+        am = ctx.tree.ancestor_valid[:, None, None, :].expand(b, 1, q, ka.shape[2])
+        scores.append(_scores(query, ka, scaling).float().masked_fill(~_expand_mask(am, g), float("-inf")))
+        parts.append((None, None, None))
     s_own = _scores(query, key, scaling).float()
-    s_pre = s_pre.masked_fill(~_expand_mask(ctx.prefix_mask, g), float("-inf"))
-    s_own = s_own.masked_fill(~_expand_mask(attention_mask, g), float("-inf"))
-    p = torch.softmax(torch.cat([s_pre, s_own], dim=-1), dim=-1).to(query.dtype)
-    kp = pk.shape[2]
-    out = torch.matmul(p[..., :kp], pv) + torch.matmul(p[..., kp:], value)  # [B, Hk, G*Q, d]
+    scores.append(s_own.masked_fill(~_expand_mask(attention_mask, g), float("-inf")))
+    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(query.dtype)
+    out, start = None, 0
+    for kv, owner, _ in parts:
+        if kv is None:
+            kp = ka.shape[2]
+            term = torch.matmul(p[..., start : start + kp], va)
+        else:
+            kp = kv.key.shape[2]
+            term = _shared_matmul(p[..., start : start + kp], kv.value, owner, torch.matmul)
+        out = term if out is None else out + term
+        start += kp
+    own = torch.matmul(p[..., start:], value)
+    out = own if out is None else out + own  # [B, Hk, G*Q, d]
     out = out.reshape(b, h, q, d).transpose(1, 2).contiguous()
     return out, None
+
+
+def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[C, Hk, L, d] keys or values of the chunk -> [C, Hk, A, d] those of each row's ancestor nodes."""
+    c, hk, length, d = x.shape
+    flat = x.transpose(1, 2).reshape(c * length, hk, d)
+    return flat[idx.clamp(min=0)].transpose(1, 2)
+
+
+def _shared_matmul(x: torch.Tensor, shared: torch.Tensor, owner: torch.Tensor, fn) -> torch.Tensor:
+    """fn(x[rows], shared[row]) for each run of branches reading one row of `shared` [P, Hk, K, d]: the shared
+    row broadcasts over its branches, so no per-branch copy is made (branches are grouped by owner)."""
+    if shared.shape[0] == 1:
+        return fn(x, shared)
+    runs = owner_runs(owner)
+    if len(runs) == 1:
+        return fn(x, shared[runs[0][2] : runs[0][2] + 1])
+    return torch.cat([fn(x[a:e], shared[o : o + 1]) for a, e, o in runs])
 
 
 AttentionInterface.register(NAME, trimvlm_attention)

@@ -25,12 +25,46 @@ class LayerKV:
 
 
 @dataclass
-class SharedPrefix:
-    """A read-only prefix cache that `batch` branches attend to; `owner[b]` is the prefix row of branch b."""
+class SharedPart:
+    """Read-only attention KV that a batch of branches attends to: branch b reads row `owner[b]`."""
 
     layers: dict[int, LayerKV]
-    states: dict[int, dict[str, torch.Tensor]]
     owner: torch.Tensor  # [B] long
+
+
+@dataclass
+class SharedPrefix:
+    """What a batch of branches reads and never writes: one or more KV parts, attended in order before the
+    branch's own keys (a request's prefix, then e.g. the path of a parent trie segment), and the recurrent
+    states every branch starts from (`states`, branch b reading row `state_owner[b]`)."""
+
+    parts: list[SharedPart]
+    states: dict[int, dict[str, torch.Tensor]]
+    state_owner: torch.Tensor  # [B] long
+
+    @property
+    def owner(self) -> torch.Tensor:
+        return self.parts[0].owner
+
+
+def owner_runs(owner: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, end, row) of each maximal run of equal entries of `owner` [B]."""
+    vals = owner.tolist()
+    runs, a = [], 0
+    for b in range(1, len(vals) + 1):
+        if b == len(vals) or vals[b] != vals[a]:
+            runs.append((a, b, vals[a]))
+            a = b
+    return runs
+
+
+def shared_rows(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Rows `owner` of `t`: a broadcast view (no copy) when every branch reads the same row; a copy only when
+    one call holds branches of different rows (callers group rows by owner to avoid it)."""
+    first = int(owner[0])
+    if bool((owner == first).all()):
+        return t[first : first + 1].expand(len(owner), *t.shape[1:])
+    return t.index_select(0, owner)
 
 
 class KVCache:
@@ -42,6 +76,12 @@ class KVCache:
         self._pending = None  # the chunk being written: (valid, visual, source) [B, Q]
         self._meta_memo: dict[tuple[int, str], torch.Tensor] = {}
         self._recording = False
+        # False for leaf branches: their final conv/recurrent states have no reader, so they are never stored
+        self.keep_final_states = True
+        self.tree = (
+            None  # a TreeSchedule when the chunk is a candidate tree (recurrent layers run its chains)
+        )
+        self.keep_kv = True  # False for leaf branches: their own keys/values have no later reader
 
     # ---- the runner's side ----
     def begin_chunk(self, valid: torch.Tensor, visual: torch.Tensor, source: torch.Tensor) -> None:
@@ -58,6 +98,8 @@ class KVCache:
 
     # ---- transformers' attention modules call this ----
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not self.keep_kv:
+            return key_states, value_states
         valid, visual, source = self._pending
         entry = self.layers.get(layer_idx)
         if entry is None:
@@ -79,11 +121,18 @@ class KVCache:
         return self._meta_memo[key]
 
     # ---- Gated DeltaNet (linear attention) state accessors, as transformers' hybrid caches name them ----
+    def _state(self, layer_idx, name):
+        own = self.states.get(layer_idx, {}).get(name)
+        if own is not None or self.prefix is None:
+            return own
+        shared = self.prefix.states.get(layer_idx, {}).get(name)
+        return None if shared is None else shared_rows(shared, self.prefix.state_owner)
+
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.states.get(layer_idx, {}).get("conv")
+        return self._state(layer_idx, "conv")
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.states.get(layer_idx, {}).get("recurrent")
+        return self._state(layer_idx, "recurrent")
 
     def update_conv_state(self, new_conv_state, layer_idx, *args, conv_kernel_size=None, **kwargs):
         """`new_conv_state` [B, C, Q] holds the chunk's conv inputs. Returns them with the cached left context
@@ -91,41 +140,67 @@ class KVCache:
         kernel), the causal conv's input; keeps the last `conv_kernel_size` inputs as the new state, in a new
         tensor. (The model's single-token decode instead writes the held conv state in place; a branch cache holds
         its own copies of the prefix states, so a prefix is never changed.)"""
-        st = self.states.setdefault(layer_idx, {})
-        old = st.get("conv")
+        old = self.get_conv_state(layer_idx)
         if old is None:
             full = new_conv_state
             if conv_kernel_size is not None and full.shape[-1] < conv_kernel_size:
                 full = torch.nn.functional.pad(full, (conv_kernel_size - full.shape[-1], 0))
         else:
             full = torch.cat([old.to(new_conv_state.dtype), new_conv_state], dim=-1)
-        keep = conv_kernel_size if conv_kernel_size is not None else full.shape[-1]
-        st["conv"] = full[..., -keep:].clone(memory_format=torch.contiguous_format)
+        if self.keep_final_states:
+            keep = conv_kernel_size if conv_kernel_size is not None else full.shape[-1]
+            st = self.states.setdefault(layer_idx, {})
+            st["conv"] = full[..., -keep:].clone(memory_format=torch.contiguous_format)
         return full
 
     def update_recurrent_state(self, new_state, layer_idx, *args, **kwargs):
-        self.states.setdefault(layer_idx, {})["recurrent"] = new_state
+        if self.keep_final_states:
+            self.states.setdefault(layer_idx, {})["recurrent"] = new_state
         return new_state
 
     def is_recording_past(self, layer_idx) -> bool:
-        return self._recording
+        # a branch reads shared states as broadcast views: the model's in-place single-token conv update
+        # must not run on them, so branches always take the out-of-place path
+        return self._recording or self.prefix is not None
 
     def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
         if layer_idx is None:
-            return bool(self.states) and all(st.get("recurrent") is not None for st in self.states.values())
-        return self.states.get(layer_idx, {}).get("recurrent") is not None
+            layers = set(self.states) | (set(self.prefix.states) if self.prefix is not None else set())
+            return bool(layers) and all(self.get_recurrent_state(i) is not None for i in layers)
+        return self.get_recurrent_state(layer_idx) is not None
+
+    def has_state(self, layer_idx: int) -> bool:
+        """Whether a recurrent layer continues from a state (its own, or a shared prefix's)."""
+        if self.states.get(layer_idx):
+            return True
+        return self.prefix is not None and bool(self.prefix.states.get(layer_idx))
+
+    def state_groups(self, layer_idx: int) -> torch.Tensor | None:
+        """[B] the shared state row each branch starts from, while this layer's states are still the shared
+        ones (rows of different groups must run in separate calls to stay uncopied); None otherwise."""
+        if self.prefix is None or self.states.get(layer_idx):
+            return None
+        return self.prefix.state_owner if layer_idx in self.prefix.states else None
 
     def state_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
-        """A cache holding copies of rows `rows` of one recurrent layer's states, to run a subset of the batch
-        (rows whose chunks hold different numbers of valid tokens); write back with `put_state_rows`."""
+        """A cache holding rows `rows` of one recurrent layer's states, to run a subset of the batch (rows
+        whose chunks hold different numbers of valid tokens); write back with `put_state_rows`. Own states are
+        copied; shared (prefix) states are handed on as a read-only broadcast view when the rows share one."""
         sub = KVCache(self.num_layers)
-        sub.states[layer_idx] = {
-            k: v.index_select(0, rows) for k, v in self.states.get(layer_idx, {}).items() if v is not None
-        }
+        own = self.states.get(layer_idx)
+        if own or self.prefix is None:
+            sub.states[layer_idx] = {
+                k: v.index_select(0, rows) for k, v in (own or {}).items() if v is not None
+            }
+        else:
+            sub.prefix = SharedPrefix([], self.prefix.states, self.prefix.state_owner.index_select(0, rows))
+        sub.keep_final_states = self.keep_final_states
         return sub
 
     def put_state_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
         """Take rows `rows` of one recurrent layer's states from `sub` (out of place: new tensors)."""
+        if not self.keep_final_states:
+            return
         st = self.states.setdefault(layer_idx, {})
         for k, v in sub.states.get(layer_idx, {}).items():
             old = st.get(k)
@@ -154,21 +229,38 @@ class KVCache:
             source=entry.source[b, order].masked_fill(~new_valid, -1),
         )
 
-    def share_prefix(self, owner: torch.Tensor) -> KVCache:
-        """A new cache for len(owner) branches that reads this cache as a shared, uncopied prefix."""
-        branch = KVCache(self.num_layers)
-        branch.prefix = SharedPrefix(layers=self.layers, states=self.states, owner=owner)
-        # recurrent layers start each branch from the prefix state: the branch gets a read-only view and
-        # writes its own working state on first update (the prefix's tensors are never written).
-        for layer_idx, st in self.states.items():
-            branch.states[layer_idx] = {k: v.index_select(0, owner) for k, v in st.items()}
+    def share_prefix(self, owner: torch.Tensor, *, keep_final_states: bool = True) -> KVCache:
+        """A new cache for len(owner) branches that reads this cache as a shared, uncopied prefix: attention
+        reads its KV rows `owner`, recurrent layers start from its states as read-only broadcast views (each
+        branch's working state is the kernel's own output; the prefix's tensors are never written)."""
+        return KVCache.branching(
+            [SharedPart(self.layers, owner)], self.states, owner, keep_final_states=keep_final_states,
+            num_layers=self.num_layers,
+        )  # fmt: skip
+
+    @staticmethod
+    def branching(parts, states, state_owner, *, keep_final_states: bool, num_layers: int) -> KVCache:
+        """A branch cache over shared `parts` (attended in order) starting from shared `states`."""
+        branch = KVCache(num_layers)
+        branch.prefix = SharedPrefix(parts=list(parts), states=states, state_owner=state_owner)
+        branch.keep_final_states = keep_final_states
         return branch
+
+    def copy_rows(self, rows: torch.Tensor) -> KVCache:
+        """An independent cache holding copies of rows `rows` (KV entries and recurrent states)."""
+        out = KVCache(self.num_layers)
+        for i, e in self.layers.items():
+            out.layers[i] = LayerKV(
+                *(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual, e.source))
+            )
+        out.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
+        return out
 
     # ---- accounting ----
     def attention_bytes(self) -> int:
         own = sum(e.key.nbytes + e.value.nbytes for e in self.layers.values())
         if self.prefix is not None:
-            own += sum(e.key.nbytes + e.value.nbytes for e in self.prefix.layers.values())
+            own += sum(e.key.nbytes + e.value.nbytes for p in self.prefix.parts for e in p.layers.values())
         return own
 
     def state_bytes(self) -> int:

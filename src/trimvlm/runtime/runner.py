@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.adapters.base import ATTENTION
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.masks import chunk_mask, prefix_mask
@@ -109,10 +110,10 @@ class Runner:
         pos_emb = ad.rotary(seq.hidden, seq.positions)
         masks: dict[int, torch.Tensor] = {}
         cache.begin_chunk(seq.valid, seq.visual, seq.source)
-        if cache.prefix is not None:
+        if (cache.prefix is not None and cache.prefix.parts) or cache.tree is not None:
             ctx = ctx or AttentionContext()
-            ctx.prefix_layers = cache.prefix.layers
-            ctx.prefix_owner = cache.prefix.owner
+            ctx.shared = cache.prefix.parts if cache.prefix is not None else None
+            ctx.tree = cache.tree
         hidden = seq.hidden
         with use_trimvlm_attention(ad.attn_configs):
             for i in range(self.num_layers):
@@ -134,16 +135,20 @@ class Runner:
                     plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
                     masks[key] = None if plain else chunk_mask(past, seq.valid, within)
                 k_len = seq.length + (0 if past is None else past.shape[1])
-                if ctx is not None and ctx.prefix_layers is not None and i in ctx.prefix_layers:
-                    pv = ctx.prefix_layers[i].valid
-                    ctx.prefix_mask = prefix_mask(pv, ctx.prefix_owner, seq.length)
-                    k_len += pv.shape[1]
+                if ctx is not None and ctx.shares(i):
+                    parts = ctx.layer_parts(i)
+                    ctx.shared_masks = [prefix_mask(p.layers[i].valid, p.owner, seq.length) for p in parts]
+                    k_len += sum(p.layers[i].valid.shape[1] for p in parts)
+                    k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
                 hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 hidden = ad.after_layer(i, seq, hidden)
                 if meter is not None:
-                    meter.add_layer(phase, i, ad.layer_flops(i, seq.batch, seq.length, k_len))
+                    rows, q = seq.batch, seq.length
+                    if cache.tree is not None and ad.layer_types[i] != ATTENTION:
+                        rows, q = 1, cache.tree.tokens_run  # a tree's recurrent layers ran its chains
+                    meter.add_layer(phase, i, ad.layer_flops(i, rows, q, k_len))
         if hook is not None:
             new = hook(self.num_layers, seq.with_hidden(hidden), self)
             if new is not None:
@@ -172,6 +177,26 @@ class Runner:
         ctx: AttentionContext | None = None,
     ) -> torch.Tensor:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache; return logits."""
+        seq = self.step_hidden(
+            tokens, positions, cache, valid=valid, within=within, skip=skip, meter=meter, phase=phase, ctx=ctx
+        )
+        return self._logits(seq, meter, phase, all_logits)
+
+    @torch.no_grad()
+    def step_hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        valid: torch.Tensor | None = None,
+        within: torch.Tensor | None = None,
+        skip=frozenset(),
+        meter: Meter | None = None,
+        phase: str = "decode",
+        ctx: AttentionContext | None = None,
+    ) -> LiveSeq:
+        """`step` without the LM head: the final-normed live sequence of the new tokens."""
         b, q = tokens.shape
         valid = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
         seq = LiveSeq(
@@ -182,8 +207,7 @@ class Runner:
             source=torch.full((b, q), -1, dtype=torch.long),
             image_id=torch.full((b, q), -1, dtype=torch.long),
         )
-        seq = self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
-        return self._logits(seq, meter, phase, all_logits)
+        return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
 
 
 def _next_positions(seq: LiveSeq) -> torch.Tensor:

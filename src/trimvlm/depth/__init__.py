@@ -1,0 +1,3 @@
+"""Layer plans (`depth=` in a recipe): which decoder blocks to skip, and in which phase (scope)."""
+
+from trimvlm.depth import ranking  # noqa: F401  (registers the methods)

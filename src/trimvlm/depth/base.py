@@ -1,0 +1,35 @@
+"""A depth method names layers to skip and the scope they are skipped in: `all`, `prefill`, `decode` or
+`candidates` (scoring branches only; the prefix always runs every layer). A skipped block is not executed and
+writes no KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trimvlm.errors import RecipeError
+
+SCOPES = {
+    "all": ("prefill", "decode", "branch"),
+    "prefill": ("prefill",),
+    "decode": ("decode",),
+    "candidates": ("branch",),
+}
+
+
+@dataclass
+class DepthMethod:
+    scope: str = "all"
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise RecipeError(f"depth scope {self.scope!r} unknown; allowed: {', '.join(SCOPES)}")
+
+    def layers(self, runner) -> frozenset[int]:
+        raise NotImplementedError
+
+    def skips(self, runner) -> dict[str, frozenset[int]]:
+        layers = self.layers(runner)
+        runner.check_layers(layers, "skipped layer")
+        return {
+            p: (layers if p in SCOPES[self.scope] else frozenset()) for p in ("prefill", "decode", "branch")
+        }

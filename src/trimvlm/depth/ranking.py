@@ -1,0 +1,53 @@
+"""`depth=ranking:file=rank.json:budget=K:scope=candidates`: skip the first K layers of a saved ranking
+(`trimvlm calibrate` writes one: layers ordered by decision sensitivity J_l, least sensitive first)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trimvlm.depth.base import DepthMethod
+from trimvlm.errors import RecipeError
+from trimvlm.options import require_int
+from trimvlm.registry import register
+
+
+@dataclass
+class Ranking(DepthMethod):
+    file: str = ""
+    budget: int = 0
+    scope: str = "candidates"
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_int("budget", self.budget, minimum=0)
+        if not self.file:
+            raise RecipeError("depth=ranking needs file=PATH (a ranking written by `trimvlm calibrate`)")
+
+    def load(self) -> dict:
+        path = Path(self.file)
+        if not path.exists():
+            raise RecipeError(f"ranking file not found: {path}")
+        try:
+            data = json.loads(path.read_text())
+            order = [int(i) for i in data["order"]]
+            num_layers = int(data["num_layers"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RecipeError(f"{path} is not a ranking file (needs 'order' and 'num_layers'): {e}") from e
+        return {"order": order, "num_layers": num_layers}
+
+    def layers(self, runner) -> frozenset[int]:
+        data = self.load()
+        n = runner.num_layers
+        if data["num_layers"] != n:
+            raise RecipeError(
+                f"ranking {self.file} was computed for a model with {data['num_layers']} layers; this model "
+                f"has {n}: calibrate this model (`trimvlm calibrate`)"
+            )
+        if self.budget >= n:
+            raise RecipeError(f"budget {self.budget} must be below the layer count {n} (0..{n - 1})")
+        return frozenset(data["order"][: self.budget])
+
+
+register("depth", "ranking")(Ranking)

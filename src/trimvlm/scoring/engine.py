@@ -1,0 +1,128 @@
+"""score(): encode every request's prefix once (full backbone, or what the recipe's prefill methods leave),
+run the candidates with the chosen executor, read them out."""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.errors import InputError
+from trimvlm.plan import make_plan
+from trimvlm.runtime.attention import AttentionContext
+from trimvlm.runtime.meter import Meter
+from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES
+from trimvlm.scoring.executors.common import Work
+from trimvlm.scoring.layout import Layout, check_length
+from trimvlm.scoring.readout import Features, features
+from trimvlm.scoring.request import READOUTS, CandidateScore, ScoreBatch, ScoreRequest, ScoreResult
+from trimvlm.scoring.trie import build_forest
+
+
+def check_choice(executor: str, readout: str, head) -> None:
+    if executor not in NAMES:
+        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    if readout not in READOUTS:
+        raise InputError(f"unknown readout {readout!r}; allowed: {', '.join(READOUTS)}")
+    if readout == "head" and head is None:
+        raise InputError(
+            "readout 'head' needs a trained decision head next to the checkpoint (decision_head.safetensors); "
+            "train one with `trimvlm train-head`, or use readout 'loglik'"
+        )
+
+
+@torch.no_grad()
+def run_scoring(vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None):
+    """Prefill + candidates. Returns (Work, node states, Features, the executor that ran)."""
+    runner, ad = vlm.runner, vlm.adapter
+    for i, r in enumerate(requests):
+        r.check(i)
+    if executor not in NAMES:
+        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    layout = Layout.for_adapter(ad)
+    suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
+    plan = make_plan(recipe, runner)
+    meter = meter or Meter()
+    prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
+    ctx = AttentionContext(probe=plan.probe) if plan.probe is not None else None
+    pre = runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
+    if plan.after_prefill is not None:
+        with meter.timer("prefill"):
+            plan.after_prefill(pre)
+        meter.kv(pre.cache)
+    starts = pre.next_pos.tolist()
+    for r, sfx in enumerate(suffixes):
+        for k, s in enumerate(sfx):
+            check_length(layout, starts[r], s, r, k)
+    if executor == "auto":
+        from trimvlm.scoring.executors.auto import choose
+
+        executor = choose(build_forest(suffixes, starts, merge=True), ad)
+    forest = build_forest(suffixes, starts, merge=executor in MERGED)
+    work = Work(runner=runner, prefix=pre, forest=forest, skip=plan.skip_branch, meter=meter)
+    with meter.timer("branch"):
+        states = EXECUTORS[executor](work)
+        feats = features(work, states, layout.first_counted)
+    work.plan = plan
+    return work, states, feats, executor
+
+
+def score_requests(
+    vlm, requests: list[ScoreRequest], *, readout="loglik", executor="auto", recipe=None
+) -> ScoreBatch:
+    head = vlm.head
+    check_choice(executor, readout, head)
+    meter = Meter()
+    meter.start_memory()
+    work, _, feats, ran = run_scoring(vlm, requests, executor=executor, recipe=recipe, meter=meter)
+    with meter.timer("branch"):
+        results = read(requests, feats, readout, head, meter)
+    meter.stop_memory()
+    logical = work.forest.logical_tokens
+    return ScoreBatch(
+        results=results,
+        costs=meter.costs,
+        readout=readout,
+        executor=ran,
+        recipe=work.plan.recipe.label(),
+        tokens={"logical": logical, "executed": work.forest.num_nodes},
+    )
+
+
+def head_logits(head, feats: Features, r: int):
+    logits, abstain = head(feats.z_q[r][None], feats.u[r][None], feats.feats[r][None])
+    return logits[0], abstain[0]
+
+
+def read(requests, feats: Features, readout: str, head, meter) -> list[ScoreResult]:
+    results = []
+    for r, req in enumerate(requests):
+        abstain = abstain_p = binary_p = None
+        if readout == "head":
+            meter.add("method", head.flops(len(req.candidates)))
+            logits, ab = head_logits(head, feats, r)
+            if req.binary:
+                binary_p = float(torch.sigmoid(logits[0]))
+                probs = torch.tensor([binary_p])
+                chosen = 0 if binary_p >= 0.5 else -1
+            else:
+                p = torch.softmax(torch.cat([logits, ab[None]]), 0)
+                probs, abstain, abstain_p = p[:-1], float(ab), float(p[-1])
+                top = int(p.argmax())
+                chosen = -1 if top == len(req.candidates) else top
+        else:
+            logits = feats.sums[r]
+            probs = torch.softmax(logits, 0)
+            chosen = int(logits.argmax())
+        cands = [
+            CandidateScore(
+                text=req.candidates[k],
+                logit=float(logits[k]),
+                prob=float(probs[k]),
+                loglik_sum=float(feats.sums[r][k]),
+                loglik_mean=float(feats.means[r][k]),
+                n_tokens=int(feats.counts[r][k]),
+                is_greedy=bool(feats.greedy[r][k]),
+            )
+            for k in range(len(req.candidates))
+        ]
+        results.append(ScoreResult(req.question, cands, chosen, abstain, abstain_p, binary_p))
+    return results
