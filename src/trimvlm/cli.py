@@ -139,5 +139,71 @@ def train_demo(
         _fail(e)
 
 
+@app.command()
+def score(
+    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"),
+    image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
+    question: str = typer.Option(..., help="the question the candidates answer"),
+    candidate: list[str] = typer.Option([], help="a candidate answer (repeat for each)"),
+    readout: str = typer.Option("loglik", help="loglik | head"),
+    executor: str = typer.Option("auto", help="auto | independent | batched | segments | tree"),
+    recipe: str = typer.Option("", help="e.g. depth=ranking:file=rank.json:budget=2:scope=candidates"),
+    binary: bool = typer.Option(False, help="one candidate statement, answered as P(true) (head readout)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the scores and costs as JSON here"),
+):
+    """Score candidate answers for one image + question (the prefix is encoded once)."""
+    import trimvlm
+    from trimvlm.cli_score import print_scores
+
+    try:
+        vlm = trimvlm.load(model)
+        res = vlm.score(
+            [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
+            recipe=recipe or None, binary=binary,
+        )  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+    print_scores(res, console)
+    if json_out is not None:
+        json_out.write_text(json.dumps(res.as_dict(), indent=2) + "\n")
+        console.print(f"[dim]wrote {json_out}[/]")
+
+
+@app.command("train-head")
+def train_head(
+    model: str = typer.Option("demo", help="checkpoint folder, or 'demo' / 'demo-qwen35'"),
+    out: Path | None = typer.Option(None, help="folder to write the head to (default: the checkpoint's)"),
+    steps: int = typer.Option(2000, help="optimizer steps over the cached features"),
+    items: int = typer.Option(1200, help="training questions drawn from the demo task's train split"),
+    seed: int = typer.Option(0),
+):
+    """Train the decision head on the demo task's candidate questions (backbone frozen, seeded)."""
+    from trimvlm.scoring.train_head import train_head_command
+
+    try:
+        train_head_command(model=model, out=out, steps=steps, items=items, seed=seed, console=console)
+    except TrimVLMError as e:
+        _fail(e)
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option("demo", help="checkpoint folder, or 'demo'"),
+    task: str = typer.Option("demo", help="task whose candidate questions calibrate (labels are not used)"),
+    n: int = typer.Option(32, help="calibration inputs"),
+    readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
+    seed: int = typer.Option(0),
+    json_out: Path = typer.Option(Path("rank.json"), "--json", help="where the ranking is written"),
+):
+    """Decision-guided layer ranking (FastJEV's J_l) for `depth=ranking:file=...:scope=candidates`."""
+    from trimvlm.scoring.calibrate import calibrate_command
+
+    try:
+        calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
+                          console=console)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 if __name__ == "__main__":
     app()

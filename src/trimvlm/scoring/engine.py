@@ -30,8 +30,11 @@ def check_choice(executor: str, readout: str, head) -> None:
 
 
 @torch.no_grad()
-def run_scoring(vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None):
-    """Prefill + candidates. Returns (Work, node states, Features, the executor that ran)."""
+def run_scoring(
+    vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None, skip_branch=None
+):
+    """Prefill + candidates. Returns (Work, node states, Features, the executor that ran). `skip_branch`
+    overrides the recipe's candidate-branch skip set (calibration skips one layer at a time)."""
     runner, ad = vlm.runner, vlm.adapter
     for i, r in enumerate(requests):
         r.check(i)
@@ -57,7 +60,9 @@ def run_scoring(vlm, requests: list[ScoreRequest], *, executor: str = "auto", re
 
         executor = choose(build_forest(suffixes, starts, merge=True), ad)
     forest = build_forest(suffixes, starts, merge=executor in MERGED)
-    work = Work(runner=runner, prefix=pre, forest=forest, skip=plan.skip_branch, meter=meter)
+    skip = plan.skip_branch if skip_branch is None else frozenset(skip_branch)
+    runner.check_layers(skip, "skipped layer")
+    work = Work(runner=runner, prefix=pre, forest=forest, skip=skip, meter=meter)
     with meter.timer("branch"):
         states = EXECUTORS[executor](work)
         feats = features(work, states, layout.first_counted)
