@@ -114,24 +114,29 @@ class VLM:
     def score(
         self,
         images,
-        question,
+        question=None,
         candidates=None,
         *,
         readout: str = "loglik",
         executor: str = "auto",
         recipe=None,
         binary=False,
+        track_memory: bool = False,
     ):
         """Score candidates against image(s) + question, prefix encoded once. One request (question a string)
-        or a batch (lists of questions, image entries and candidate lists; or a list of `ScoreRequest`).
+        or a batch (lists of questions, image entries and candidate lists; or `ScoreRequest`s as the first
+        argument).
         Returns a `ScoreBatch`: per request the candidate logits in the original order, probabilities, the
         chosen candidate, per-candidate log-likelihood (sum, mean, count, is-greedy), the abstention logit
-        (head readout), and the costs."""
+        (head readout), and the costs (peak memory measured on the tensors with `track_memory`, which slows
+        the call)."""
         from trimvlm.scoring.engine import score_requests
         from trimvlm.scoring.request import as_requests
 
         requests = as_requests(images, question, candidates, binary)
-        return score_requests(self, requests, readout=readout, executor=executor, recipe=recipe)
+        return score_requests(
+            self, requests, readout=readout, executor=executor, recipe=recipe, track_memory=track_memory
+        )
 
     def info(self) -> dict:
         return self.adapter.info()

@@ -30,6 +30,7 @@ class Costs:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     peak_memory_bytes: int = 0
     peak_memory_kind: str = ""
+    peak_memory_phase: dict[str, int] = field(default_factory=dict)  # phase -> its peak over its start
     layers_run: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     @property
@@ -58,6 +59,7 @@ class Costs:
             "latency_s": sum(self.seconds.values()),
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_memory_kind": self.peak_memory_kind,
+            "peak_memory_phase": dict(self.peak_memory_phase),
             "layers_run": dict(self.layers_run),
         }
 
@@ -67,10 +69,16 @@ def _maxrss_bytes() -> int:
 
 
 class Meter:
-    def __init__(self, device: torch.device | str = "cpu"):
+    """`track_tensors`: measure peak memory on the tensors allocated between start_memory and stop_memory
+    (`runtime.memory.TensorMemory`, any device) instead of the allocator / RSS; it slows every operation, so use
+    it in runs that are not timed."""
+
+    def __init__(self, device: torch.device | str = "cpu", track_tensors: bool = False):
         self.costs = Costs()
         self.device = torch.device(device)
         self._rss0 = 0
+        self.track_tensors = track_tensors
+        self._tracker = None
 
     def add_layer(self, phase: str, layer: int, flops: int) -> None:
         self.costs.flops[phase] += flops
@@ -107,13 +115,43 @@ class Meter:
         return _T()
 
     def start_memory(self) -> None:
+        if self.track_tensors:
+            from trimvlm.runtime.memory import TensorMemory
+
+            self._tracker = TensorMemory().__enter__()
+            return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._rss0 = torch.cuda.memory_allocated(self.device)
         else:
             self._rss0 = _maxrss_bytes()
 
+    def phase_memory(self, phase: str):
+        """Context: with tensor tracking, record the peak of this phase over the live bytes at its start."""
+        import contextlib
+
+        meter = self
+
+        @contextlib.contextmanager
+        def _section():
+            if meter._tracker is None:
+                yield
+                return
+            meter._tracker.start_section()
+            try:
+                yield
+            finally:
+                meter.costs.peak_memory_phase[phase] = meter._tracker.end_section()
+
+        return _section()
+
     def stop_memory(self) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self.costs.peak_memory_bytes = self._tracker.peak
+            self.costs.peak_memory_kind = "tensor_peak_over_start"
+            self._tracker = None
+            return
         if self.device.type == "cuda":
             self.costs.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device) - self._rss0
             self.costs.peak_memory_kind = "cuda_allocator_peak_over_start"

@@ -3,6 +3,8 @@ run the candidates with the chosen executor, read them out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from trimvlm.errors import InputError
@@ -29,17 +31,27 @@ def check_choice(executor: str, readout: str, head) -> None:
         )
 
 
+@dataclass
+class Prefilled:
+    """Every request's prefix, encoded once (full backbone, or what the recipe's prefill methods leave), with
+    what the candidate branches need. Branch runs only read it, so one `Prefilled` serves many of them
+    (calibration runs the branches once per skipped layer off the same prefixes)."""
+
+    requests: list[ScoreRequest]
+    layout: Layout
+    suffixes: list[list[list[int]]]  # [request][candidate] -> suffix token ids (markers included)
+    plan: object  # trimvlm.plan.Plan
+    prefix: object  # trimvlm.runtime.runner.PrefillOutput
+    starts: list[int]  # per request: the position of every suffix's first token
+    meter: Meter
+
+
 @torch.no_grad()
-def run_scoring(
-    vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None, skip_branch=None
-):
-    """Prefill + candidates. Returns (Work, node states, Features, the executor that ran). `skip_branch`
-    overrides the recipe's candidate-branch skip set (calibration skips one layer at a time)."""
+def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=None) -> Prefilled:
+    """Check the requests and encode their prefixes once (prefill + the recipe's prefill/decode-boundary step)."""
     runner, ad = vlm.runner, vlm.adapter
     for i, r in enumerate(requests):
         r.check(i)
-    if executor not in NAMES:
-        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
     layout = Layout.for_adapter(ad)
     suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
     plan = make_plan(recipe, runner)
@@ -55,32 +67,60 @@ def run_scoring(
     for r, sfx in enumerate(suffixes):
         for k, s in enumerate(sfx):
             check_length(layout, starts[r], s, r, k)
+    return Prefilled(list(requests), layout, suffixes, plan, pre, starts, meter)
+
+
+@torch.no_grad()
+def run_branches(vlm, prefilled: Prefilled, *, executor: str = "auto", skip_branch=None, meter=None):
+    """The candidate branches off already encoded prefixes (never written). Returns (Work, node states,
+    Features, the executor that ran). `skip_branch` overrides the recipe's candidate-branch skip set; `meter`
+    defaults to the prefill's."""
+    runner, ad = vlm.runner, vlm.adapter
+    if executor not in NAMES:
+        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    meter = meter or prefilled.meter
+    suffixes, starts = prefilled.suffixes, prefilled.starts
     if executor == "auto":
         from trimvlm.scoring.executors.auto import choose
 
         executor = choose(build_forest(suffixes, starts, merge=True), ad)
     forest = build_forest(suffixes, starts, merge=executor in MERGED)
-    skip = plan.skip_branch if skip_branch is None else frozenset(skip_branch)
+    plan = prefilled.plan
+    skip = plan.skip_branch if skip_branch is None else frozenset(int(i) for i in skip_branch)
     runner.check_layers(skip, "skipped layer")
-    work = Work(runner=runner, prefix=pre, forest=forest, skip=skip, meter=meter)
-    with meter.timer("branch"):
+    work = Work(runner=runner, prefix=prefilled.prefix, forest=forest, skip=skip, meter=meter)
+    with meter.timer("branch"), meter.phase_memory("branch"):
         states = EXECUTORS[executor](work)
-        feats = features(work, states, layout.first_counted)
+        feats = features(work, states, prefilled.layout.first_counted)
     work.plan = plan
     return work, states, feats, executor
 
 
+@torch.no_grad()
+def run_scoring(
+    vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None, skip_branch=None
+):
+    """Prefill + candidates. Returns (Work, node states, Features, the executor that ran). `skip_branch`
+    overrides the recipe's candidate-branch skip set (calibration skips one layer at a time)."""
+    if executor not in NAMES:
+        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    prefilled = prefill_requests(vlm, requests, recipe=recipe, meter=meter)
+    return run_branches(vlm, prefilled, executor=executor, skip_branch=skip_branch)
+
+
 def score_requests(
-    vlm, requests: list[ScoreRequest], *, readout="loglik", executor="auto", recipe=None
+    vlm, requests: list[ScoreRequest], *, readout="loglik", executor="auto", recipe=None, track_memory=False
 ) -> ScoreBatch:
     head = vlm.head
     check_choice(executor, readout, head)
-    meter = Meter()
+    meter = Meter(device=vlm.adapter.model.device, track_tensors=track_memory)
     meter.start_memory()
     work, _, feats, ran = run_scoring(vlm, requests, executor=executor, recipe=recipe, meter=meter)
     with meter.timer("branch"):
         results = read(requests, feats, readout, head, meter)
     meter.stop_memory()
+    if meter.costs.peak_memory_kind == "cpu_peak_rss_growth":  # not a measurement of this call (issue 10)
+        meter.costs.peak_memory_bytes, meter.costs.peak_memory_kind = 0, "not measured (track_memory=True)"
     logical = work.forest.logical_tokens
     return ScoreBatch(
         results=results,

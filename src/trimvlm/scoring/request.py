@@ -101,10 +101,10 @@ class ScoreBatch:
 def as_requests(images, question, candidates, binary=False) -> list[ScoreRequest]:
     """One request (question a string) or a batch (question a list of strings, images and candidates lists
     of the same length)."""
-    if isinstance(question, ScoreRequest):
-        return [question]
-    if isinstance(question, list | tuple) and question and isinstance(question[0], ScoreRequest):
-        return list(question)
+    if isinstance(images, ScoreRequest):
+        return [images]
+    if isinstance(images, list | tuple) and images and all(isinstance(r, ScoreRequest) for r in images):
+        return list(images)
     if isinstance(question, str):
         return [ScoreRequest(images, question, candidates, binary)]
     if not isinstance(question, list | tuple) or not question:
