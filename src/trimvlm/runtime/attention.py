@@ -78,7 +78,6 @@ class _Fanout(dict):
 @dataclass
 class AttentionContext:
     shared: list | None = None  # SharedPart list (cache.py): read-only KV attended before the branch's own
-    shared_masks: list | None = None  # per part holding the current layer, [B, 1, Q, Kp] (set by the runner)
     probe: AttentionProbe | None = None
     tree: object | None = None  # a TreeSchedule: rows are trie chains that also attend to their ancestors
 
@@ -149,37 +148,48 @@ def trimvlm_attention(
             is_causal=None if attention_mask is None else False,  # None: a plain causal chunk
             **kwargs,
         )
-    # shared parts + own keys, one softmax over all of them; a shared part is never copied per branch
+    # shared parts + own keys: one exact softmax over all of them, computed part by part with each part's
+    # log-sum-exp and merged; a shared part is never copied per branch
     b, h, q, d = query.shape
-    g = h // key.shape[1]
-    parts = ctx.layer_parts(layer_idx)
-    parts = [(p.layers[layer_idx], p.owner, m) for p, m in zip(parts, ctx.shared_masks, strict=True)]
-    scores = []
-    for kv, owner, mask in parts:
-        s_part = _shared_matmul(query, kv.key, owner, lambda qq, kk: _scores(qq, kk, scaling).float())
-        scores.append(s_part.masked_fill(~_expand_mask(mask, g), float("-inf")))
+    n_kv = key.shape[1]
+    outs = []  # (out [B, H, Q, d], lse [B, H, Q]) per part
+    for part in ctx.layer_parts(layer_idx):
+        kv = part.layers[layer_idx]
+        outs.append(_shared_part(query, kv, part.owner, scaling))
     if ctx.tree is not None:  # each chain's ancestors, whose keys this same call computed
-        ka, va = _ancestor_kv(key, ctx.tree.ancestors), _ancestor_kv(value, ctx.tree.ancestors)
-        am = ctx.tree.ancestor_valid[:, None, None, :].expand(b, 1, q, ka.shape[2])
-        scores.append(_scores(query, ka, scaling).float().masked_fill(~_expand_mask(am, g), float("-inf")))
-        parts.append((None, None, None))
-    s_own = _scores(query, key, scaling).float()
-    scores.append(s_own.masked_fill(~_expand_mask(attention_mask, g), float("-inf")))
-    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(query.dtype)
-    out, start = None, 0
-    for kv, owner, _ in parts:
-        if kv is None:
-            kp = ka.shape[2]
-            term = torch.matmul(p[..., start : start + kp], va)
-        else:
-            kp = kv.key.shape[2]
-            term = _shared_matmul(p[..., start : start + kp], kv.value, owner, torch.matmul)
-        out = term if out is None else out + term
-        start += kp
-    own = torch.matmul(p[..., start:], value)
-    out = own if out is None else out + own  # [B, Hk, G*Q, d]
-    out = out.reshape(b, h, q, d).transpose(1, 2).contiguous()
-    return out, None
+        anc = ctx.tree.ancestor_valid
+        if anc.shape[1]:
+            ka, va = _ancestor_kv(key, ctx.tree.ancestors), _ancestor_kv(value, ctx.tree.ancestors)
+            o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)
+            o, lse = _ungrouped(o, h), lse.reshape(b, h, q)
+            lse = lse.masked_fill(~anc.any(1)[:, None, None], float("-inf"))  # chains without ancestors
+            outs.append((o, lse))
+    g = h // n_kv
+    own = _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), attention_mask, scaling)
+    outs.append(own)
+    lse_all = torch.logsumexp(torch.stack([lse for _, lse in outs]), dim=0)
+    out = sum(o.float() * torch.exp(lse - lse_all)[..., None] for o, lse in outs)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _attend(query, key, value, mask, scaling):
+    """(softmax(q k^T * scaling, masked) v, its log-sum-exp) for one part: [B, H, Q, d], [B, H, Q]. `mask`
+    is bool, broadcastable to [B, 1, Q, K]; every row must see at least one key (callers mask the rest)."""
+    add = None
+    if mask is not None:
+        add = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, float("-inf")
+        )
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=add, scale=scaling
+        )
+        return out, lse.float()
+    s = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    if add is not None:
+        s = s + add.float()
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]).to(value.dtype), value), lse
 
 
 def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -189,15 +199,29 @@ def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return flat[idx.clamp(min=0)].transpose(1, 2)
 
 
-def _shared_matmul(x: torch.Tensor, shared: torch.Tensor, owner: torch.Tensor, fn) -> torch.Tensor:
-    """fn(x[rows], shared[row]) for each run of branches reading one row of `shared` [P, Hk, K, d]: the shared
-    row broadcasts over its branches, so no per-branch copy is made (branches are grouped by owner)."""
-    if shared.shape[0] == 1:
-        return fn(x, shared)
-    runs = owner_runs(owner)
-    if len(runs) == 1:
-        return fn(x, shared[runs[0][2] : runs[0][2] + 1])
-    return torch.cat([fn(x[a:e], shared[o : o + 1]) for a, e, o in runs])
+def _ungrouped(x: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, Hk, G*Q, d] (grouped by kv head) -> [B, H, Q, d]."""
+    b, n_kv, gq, d = x.shape
+    return x.reshape(b, h, gq // (h // n_kv), d)
+
+
+def _shared_part(query, kv, owner, scaling):
+    """Attention of branches to one shared part: the branches that read one row are folded into the query
+    axis of one call against that row's keys (no per-branch copy of the part)."""
+    b, h, q, d = query.shape
+    n_kv = kv.key.shape[1]
+    grouped = _grouped(query, n_kv)  # [B, Hk, G*Q, d]
+    outs, lses = [], []
+    for a, e, o in owner_runs(owner) if kv.key.shape[0] > 1 else [(0, b, 0)]:
+        n = e - a
+        qf = grouped[a:e].transpose(0, 1).reshape(1, n_kv, n * grouped.shape[2], d)
+        mask = kv.valid[o][None, None, None, :]
+        out, lse = _attend(qf, kv.key[o : o + 1], kv.value[o : o + 1], mask, scaling)
+        outs.append(out.reshape(n_kv, n, -1, d).transpose(0, 1))
+        lses.append(lse.reshape(n_kv, n, -1).transpose(0, 1))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses) if len(lses) > 1 else lses[0]
+    return _ungrouped(out, h), lse.reshape(b, h, q)
 
 
 AttentionInterface.register(NAME, trimvlm_attention)

@@ -23,13 +23,3 @@ def chunk_mask(
         return own[:, None]
     past = past_valid[:, None, :].expand(b, q, past_valid.shape[1])
     return torch.cat([past, own], dim=-1)[:, None]
-
-
-def prefix_mask(prefix_valid: torch.Tensor, owner: torch.Tensor, q: int) -> torch.Tensor:
-    """[B, 1, Q, Kp]: branch b sees the valid entries of its prefix row owner[b]."""
-    pv = (
-        prefix_valid.index_select(0, owner)
-        if prefix_valid.shape[0] != 1
-        else prefix_valid.expand(len(owner), -1)
-    )
-    return pv[:, None, None, :].expand(len(owner), 1, q, pv.shape[1])

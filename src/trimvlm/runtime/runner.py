@@ -16,7 +16,7 @@ import torch
 from trimvlm.adapters.base import ATTENTION
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
-from trimvlm.runtime.masks import chunk_mask, prefix_mask
+from trimvlm.runtime.masks import chunk_mask
 from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -136,9 +136,7 @@ class Runner:
                     masks[key] = None if plain else chunk_mask(past, seq.valid, within)
                 k_len = seq.length + (0 if past is None else past.shape[1])
                 if ctx is not None and ctx.shares(i):
-                    parts = ctx.layer_parts(i)
-                    ctx.shared_masks = [prefix_mask(p.layers[i].valid, p.owner, seq.length) for p in parts]
-                    k_len += sum(p.layers[i].valid.shape[1] for p in parts)
+                    k_len += sum(p.layers[i].valid.shape[1] for p in ctx.layer_parts(i))
                     k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid

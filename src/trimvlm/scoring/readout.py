@@ -39,14 +39,14 @@ def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torc
     f = work.forest
     ad = work.runner.adapter
     n = f.num_nodes
-    lp = torch.zeros(n)
+    lp = torch.zeros(n, dtype=torch.float64)  # sums of many log-probs: accumulate in double
     greedy = torch.zeros(n, dtype=torch.bool)
     parent = torch.tensor(f.parent, dtype=torch.long)
     token = torch.tensor(f.token, dtype=torch.long)
     first = parent < 0
     if bool(first.any()):  # predicted by the prefix's last token: the prefill logits
         rows = torch.tensor(f.request, dtype=torch.long)[first]
-        lsm = torch.log_softmax(work.prefix.logits.float(), dim=-1)
+        lsm = torch.log_softmax(work.prefix.logits.double(), dim=-1)
         lp[first] = lsm[rows, token[first]]
         greedy[first] = lsm[rows].argmax(-1) == token[first]
     predictors = sorted({p for p in f.parent if p >= 0})
@@ -56,7 +56,7 @@ def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torc
     for a in range(0, len(predictors), CHUNK):
         rows = torch.tensor(predictors[a : a + CHUNK], dtype=torch.long)
         work.meter.add("branch", ad.head_flops(1, len(rows)))
-        lsm = torch.log_softmax(ad.lm_head(states[rows]).float(), dim=-1)
+        lsm = torch.log_softmax(ad.lm_head(states[rows]).double(), dim=-1)
         sel = (child_slot >= a) & (child_slot < a + len(rows))
         local = child_slot[sel] - a
         lp[sel] = lsm[local, token[sel]]
@@ -67,12 +67,12 @@ def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torc
 def features(work: Work, states: torch.Tensor, first_counted: int) -> Features:
     f = work.forest
     lp, greedy = token_logprobs(work, states)
-    prefix_lsm = torch.log_softmax(work.prefix.logits.float(), dim=-1)
+    prefix_lsm = torch.log_softmax(work.prefix.logits.double(), dim=-1)
     out = Features([], [], [], [], [], [], [])
     for r, paths in enumerate(f.paths):
         scored = [torch.tensor(p[first_counted:], dtype=torch.long) for p in paths]
         sums = torch.stack([lp[s].sum() for s in scored])
-        counts = torch.tensor([len(s) for s in scored], dtype=torch.float32)
+        counts = torch.tensor([len(s) for s in scored], dtype=torch.float64)
         means = sums / counts
         first_tok = torch.tensor([f.token[p[first_counted]] for p in paths], dtype=torch.long)
         first_lp = prefix_lsm[r, first_tok]

@@ -1,0 +1,207 @@
+"""FastJEV's workload scan (its section 4.5) on tiny models: every candidate executor on artificial candidate
+sets, candidates {4, 8, 16, 64} x suffix tokens {8, 32, 128} x shared content {0, 25, 50, 75%} x branching
+{flat, two-level} = 96 conditions per model (a tiny Qwen3-VL and the tiny Qwen3.5 hybrid).
+
+Shared content is the fraction of each candidate's tokens held in common, boundary markers excluded. Flat: all
+candidates start with the same shared run, then their own tokens. Two-level: half of the shared run is common
+to all, the other half common within groups of four candidates, then their own tokens.
+
+Per condition and executor: full-request latency (prefix encoding + candidates + readout; the median of
+`--rounds` interleaved rounds after a warm-up, order shuffled by a fixed seed each round), candidate-phase
+latency, candidate-phase peak tensor memory (a separate, untimed run with the tensor tracker), logical vs
+executed candidate tokens, and the largest score difference to `independent`. Times are ratios within one
+process; absolute CPU times mean little.
+
+    .venv/bin/python benchmarks/scoring_scan.py --json scan.json [--quick] [--models qwen3_vl,qwen3_5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from trimvlm.loading import load_adapter
+from trimvlm.testing import WORDS, random_image, tiny_checkpoint
+from trimvlm.vlm import VLM
+
+EXECUTORS = ["independent", "batched", "segments", "tree", "auto"]
+CANDIDATES = [4, 8, 16, 64]
+LENGTHS = [8, 32, 128]
+SHARING = [0.0, 0.25, 0.5, 0.75]
+BRANCHING = ["flat", "two-level"]
+GROUP = 4
+CONTENT = WORDS[20:]  # colour / shape / number words: no special tokens
+
+
+def candidates(n: int, length: int, share: float, branching: str, seed: int) -> list[str]:
+    """n candidates of `length` content tokens (the close marker is added by the layout)."""
+    rng = random.Random(seed)
+
+    def words(k):
+        return [rng.choice(CONTENT) for _ in range(k)]
+
+    shared = round(share * length)
+    top = words(shared if branching == "flat" else shared // 2)
+    groups = {}
+    out = []
+    for i in range(n):
+        toks = list(top)
+        if branching == "two-level":
+            g = i // GROUP
+            groups.setdefault(g, words(shared - shared // 2))
+            toks += groups[g]
+        toks += words(length - len(toks))
+        out.append(" ".join(toks))
+    return out
+
+
+def one_run(vlm, image, cands, executor, track=False):
+    t0 = time.perf_counter()
+    res = vlm.score(image, "what is the colour", cands, executor=executor, track_memory=track)
+    return time.perf_counter() - t0, res
+
+
+def scan_model(family: str, args) -> list[dict]:
+    torch.manual_seed(0)
+    folder = tiny_checkpoint(family, tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers)
+    vlm = VLM(load_adapter(folder))
+    image = random_image(0, (128, 128))
+    grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
+    if args.quick:
+        grid = [g for g in grid if g[0] in (4, 64) and g[1] in (8, 128) and g[2] in (0.0, 0.75)]
+    rows = []
+    order_rng = random.Random(1)
+    for k, (n, length, share, branching) in enumerate(grid):
+        cands = candidates(n, length, share, branching, seed=k)
+        one_run(vlm, image, cands, "batched")  # warm-up
+        times = {e: [] for e in EXECUTORS}
+        branch = {e: [] for e in EXECUTORS}
+        results = {}
+        for _ in range(args.rounds):
+            order = list(EXECUTORS)
+            order_rng.shuffle(order)
+            for e in order:
+                dt, res = one_run(vlm, image, cands, e)
+                times[e].append(dt)
+                branch[e].append(res.costs.seconds.get("branch", 0.0))
+                results[e] = res
+        ref = results["independent"]
+        row = {
+            "model": family,
+            "candidates": n,
+            "suffix_tokens": length,
+            "shared": share,
+            "branching": branching,
+            "logical_tokens": ref.tokens["logical"],
+            "unique_tokens": results["tree"].tokens["executed"],
+            "auto_chose": results["auto"].executor,
+        }
+        for e in EXECUTORS:
+            err = max(
+                abs(a - b)
+                for ra, rb in zip(ref.results, results[e].results, strict=True)
+                for a, b in zip(ra.logits, rb.logits, strict=True)
+            )
+            _, mem = one_run(vlm, image, cands, e, track=True)
+            row[e] = {
+                "latency_s": statistics.median(times[e]),
+                "branch_s": statistics.median(branch[e]),
+                "peak_branch_bytes": mem.costs.peak_memory_phase.get("branch", 0),
+                "branch_flops": results[e].costs.flops.get("branch", 0),
+                "max_score_error": err,
+            }
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(r) -> str:
+    b, t, i = r["batched"], r["tree"], r["independent"]
+    return (
+        f"{r['model']:9s} N={r['candidates']:3d} T={r['suffix_tokens']:3d} share={r['shared']:.2f} "
+        f"{r['branching']:9s} tokens {r['logical_tokens']:5d}->{r['unique_tokens']:5d}  "
+        f"tree/batched {t['latency_s'] / b['latency_s']:.2f}x  independent/tree "
+        f"{i['latency_s'] / t['latency_s']:.2f}x  segments/batched {r['segments']['latency_s'] / b['latency_s']:.2f}x"
+        f"  mem batched/indep {b['peak_branch_bytes'] / max(1, i['peak_branch_bytes']):.2f}  "
+        f"err {max(r[e]['max_score_error'] for e in EXECUTORS):.1e}  auto={r['auto_chose']}"
+    )
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for model in sorted({r["model"] for r in rows}):
+        rs = [r for r in rows if r["model"] == model]
+        ratio = [r["tree"]["latency_s"] / r["batched"]["latency_s"] for r in rs]
+        overlap = [r["logical_tokens"] / r["unique_tokens"] for r in rs]
+        speedup = [1 / x for x in ratio]
+        heavy = [r for r in rs if r["candidates"] == 64 and r["suffix_tokens"] == 128 and r["shared"] == 0.75]
+        out[model] = {
+            "conditions": len(rs),
+            "tree_within_1.05x_batched": sum(x <= 1.05 for x in ratio),
+            "tree_faster_than_batched": sum(x < 1.0 for x in ratio),
+            "segments_faster_than_batched": sum(
+                r["segments"]["latency_s"] < r["batched"]["latency_s"] for r in rs
+            ),
+            "batched_peak_below_independent": sum(
+                r["batched"]["peak_branch_bytes"] < r["independent"]["peak_branch_bytes"] for r in rs
+            ),
+            "auto_within_1.05x_best": sum(
+                r["auto"]["latency_s"] <= 1.05 * min(r["batched"]["latency_s"], r["tree"]["latency_s"])
+                for r in rs
+            ),
+            "max_score_error": max(r[e]["max_score_error"] for r in rs for e in EXECUTORS),
+            "corr_speedup_vs_token_ratio": _corr(speedup, overlap),
+            "mean_speedup_over_token_ratio": statistics.mean(
+                s / o for s, o in zip(speedup, overlap, strict=True)
+            ),
+            "heavy_64x128x75": [
+                {
+                    "branching": r["branching"],
+                    "tokens": f"{r['logical_tokens']} -> {r['unique_tokens']}",
+                    "independent_over_tree": r["independent"]["latency_s"] / r["tree"]["latency_s"],
+                    "batched_over_tree": r["batched"]["latency_s"] / r["tree"]["latency_s"],
+                    "tree_peak_over_batched": r["tree"]["peak_branch_bytes"]
+                    / r["batched"]["peak_branch_bytes"],
+                }
+                for r in heavy
+            ],
+        }
+    return out
+
+
+def _corr(x, y) -> float:
+    mx, my = statistics.mean(x), statistics.mean(y)
+    sx = sum((a - mx) ** 2 for a in x) ** 0.5
+    sy = sum((b - my) ** 2 for b in y) ** 0.5
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / (sx * sy) if sx and sy else 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default="scan.json")
+    p.add_argument("--models", default="qwen3_vl,qwen3_5")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="16 corner conditions per model")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for family in args.models.split(","):
+        rows += scan_model(family, args)
+    result = {"settings": vars(args), "summary": summary(rows), "rows": rows}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
