@@ -196,7 +196,7 @@ def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """[C, Hk, L, d] keys or values of the chunk -> [C, Hk, A, d] those of each row's ancestor nodes."""
     c, hk, length, d = x.shape
     flat = x.transpose(1, 2).reshape(c * length, hk, d)
-    return flat[idx.clamp(min=0)].transpose(1, 2)
+    return flat.index_select(0, idx.clamp(min=0).flatten()).view(*idx.shape, hk, d).transpose(1, 2)
 
 
 def _ungrouped(x: torch.Tensor, h: int) -> torch.Tensor:

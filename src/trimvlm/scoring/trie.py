@@ -89,13 +89,14 @@ def build_forest(suffixes: list[list[list[int]]], starts: list[int], *, merge: b
     return f
 
 
-def _cut_chains(f: Forest) -> None:
+def _cut_chains(f: Forest, max_len: int | None = None) -> None:
     n = f.num_nodes
     kids: list[list[int]] = [[] for _ in range(n)]
     for node, p in enumerate(f.parent):
         if p >= 0:
             kids[p].append(node)
     ends = {path[-1] for req in f.paths for path in req if path}
+    f.chains = []
     f.chain_of = [-1] * n
     f.index_in_chain = [-1] * n
     for node in range(n):  # parents first: a chain starts where its parent's chain ended
@@ -103,6 +104,7 @@ def _cut_chains(f: Forest) -> None:
         if p >= 0 and f.chain_of[p] >= 0:
             c = f.chains[f.chain_of[p]]
             continues = c.nodes[-1] == p and len(kids[p]) == 1 and p not in ends
+            continues = continues and (max_len is None or len(c.nodes) < max_len)
             if continues:
                 f.chain_of[node], f.index_in_chain[node] = f.chain_of[p], len(c.nodes)
                 c.nodes.append(node)
@@ -114,6 +116,31 @@ def _cut_chains(f: Forest) -> None:
         if parent_chain >= 0:
             f.chains[parent_chain].children.append(cid)
         f.chain_of[node], f.index_in_chain[node] = cid, 0
+
+
+def recut(f: Forest, max_len: int) -> Forest:
+    """The same forest with chains also cut every `max_len` nodes (a long shared run becomes a few pieces, so a
+    [chains, width] layout wastes little padding on it)."""
+    g = Forest(f.request, f.parent, f.token, f.depth, f.paths, f.starts)
+    _cut_chains(g, max_len)
+    return g
+
+
+def packed_width(f: Forest) -> int:
+    """The chain width for a [pieces, width] layout: the one that minimises padded slots plus the ancestor
+    entries every piece gathers (a narrow width wastes no padding but makes many pieces, each gathering its whole
+    history; a wide one pads short leaves to the longest run). Ties: the wider one."""
+    depth0 = [f.depth[c.nodes[0]] for c in f.chains]
+    lengths = [len(c.nodes) for c in f.chains]
+    best = None
+    for w in sorted(set(lengths), reverse=True):
+        cost = 0
+        for n, a in zip(lengths, depth0, strict=True):
+            pieces = -(-n // w)
+            cost += pieces * w + sum(a + k * w for k in range(pieces))
+        if best is None or cost < best[0]:
+            best = (cost, w)
+    return best[1]
 
 
 def chain_ancestors(f: Forest, chain: int) -> list[int]:

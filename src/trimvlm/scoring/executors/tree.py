@@ -1,7 +1,8 @@
 """`tree`: every unique trie node once per executed layer, in as few calls as the trie allows.
 
 The chunk is all chains of all requests, one row per chain ([C, L], left-padded), each node at its original
-position. An attention layer is one call: a node attends to its request's prefix (a shared part, never
+position; chains longer than the width that packs the layout best are cut into pieces (a long shared run next
+to short leaves would otherwise pad every leaf row to its length). An attention layer is one call: a node attends to its request's prefix (a shared part, never
 copied), to its chain's ancestor nodes (their keys are computed by this same call and gathered per chain) and
 causally to its own chain, which is exactly the history it has in a separate evaluation. A recurrent layer
 cannot scan a tree, so it runs the chains level by level from their parents' final states: one call per level
@@ -17,7 +18,7 @@ import torch
 
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors.common import Work, run_rows
-from trimvlm.scoring.trie import Forest, chain_ancestors, rows_tensor
+from trimvlm.scoring.trie import Forest, chain_ancestors, packed_width, recut, rows_tensor
 
 
 def order_chains(f: Forest) -> list[int]:
@@ -59,6 +60,7 @@ def schedule(f: Forest, order: list[int]) -> TreeSchedule:
 
 def run(work: Work) -> torch.Tensor:
     f = work.forest
+    f = recut(f, packed_width(f))  # long chains in pieces: little padding in the [chains, width] layout
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
     order = order_chains(f)
     owner = torch.tensor([f.chains[c].request for c in order], dtype=torch.long)
