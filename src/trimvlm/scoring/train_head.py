@@ -1,0 +1,443 @@
+"""`trimvlm train-head`: train the decision head of a checkpoint on the demo task's candidate questions.
+
+The backbone is frozen: every item's features (z_q, u_i, the six language-model features) are extracted once,
+without gradients, by the `batched` executor, and cached; only the head is trained on the cache (AdamW,
+cross-entropy over [candidate logits, abstain]). Candidate lists of different lengths are padded to the longest
+one and the padding is masked out of the softmax, so a request with N candidates is exactly the engine's
+softmax over [logit_1 .. logit_N, abstain].
+
+Abstention: for a fraction of the items with three or more candidates the right answer is removed (at least
+two candidates stay) and the target becomes "abstain". The head is selected by validation accuracy (val split,
+the same construction), and saved next to the checkpoint with its test-split figures: accuracy per kind with
+the head and with the log-likelihood readout on the same items, and how often it abstains, with the answer
+present and with it removed.
+
+Everything is seeded: the training split, the abstention picks and the mini-batch order come from numpy
+generators seeded with `seed`, the head's initialisation from a forked torch generator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trimvlm.errors import InputError
+from trimvlm.scoring.head import DecisionHead
+from trimvlm.scoring.readout import N_FEATURES
+from trimvlm.scoring.request import ScoreRequest
+
+TEST_IMAGES = 100  # the demo task's standard test items: 100 images, one question per kind
+VAL_IMAGES = 50
+ABSTAIN_FRACTION = 0.15
+EXTRACT_BATCH = 32
+
+
+@dataclass
+class Item:
+    """One scoring question with its target: the right candidate's index, or None when it was removed (the
+    head should abstain)."""
+
+    image: object
+    question: str
+    candidates: list[str]
+    answer: str
+    kind: str
+    target: int | None
+
+    @property
+    def request(self) -> ScoreRequest:
+        return ScoreRequest([self.image], self.question, list(self.candidates))
+
+
+@dataclass
+class Settings:
+    steps: int = 2000
+    items: int = 1200
+    seed: int = 0
+    width: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 1e-2
+    batch_size: int = 128
+    eval_every: int = 50
+    dropout: float = 0.3  # on the cached z_q and u while training
+    abstain_fraction: float = ABSTAIN_FRACTION
+    val_images: int = VAL_IMAGES
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Cached:
+    """Padded features of M items: z_q [M, D], u [M, N, D], feats [M, N, F], mask [M, N] (real candidates),
+    target [M] (N = abstain), sums [M, N] (log-likelihood readout, -inf on padding), kinds [M]."""
+
+    z_q: torch.Tensor
+    u: torch.Tensor
+    feats: torch.Tensor
+    mask: torch.Tensor
+    target: torch.Tensor
+    sums: torch.Tensor
+    kinds: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def subset(self, idx) -> Cached:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return Cached(
+            self.z_q[idx],
+            self.u[idx],
+            self.feats[idx],
+            self.mask[idx],
+            self.target[idx],
+            self.sums[idx],
+            [self.kinds[int(i)] for i in idx],
+        )
+
+    @property
+    def abstains(self) -> torch.Tensor:
+        """[M] bool: items whose right answer was removed."""
+        return self.target == self.mask.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------- items
+
+
+def make_items(
+    samples, abstain_fraction: float, rng: np.random.Generator, limit: int | None = None
+) -> list[Item]:
+    """Every QA of every sample (up to `limit`); a fraction of those with >= 3 candidates lose their answer."""
+    items = []
+    for s in samples:
+        for qa in s.qas:
+            if qa.answer not in qa.candidates:
+                raise InputError(f"demo item {qa.question!r}: its answer {qa.answer!r} is not a candidate")
+            items.append(
+                Item(
+                    s.image,
+                    qa.question,
+                    list(qa.candidates),
+                    qa.answer,
+                    qa.kind,
+                    qa.candidates.index(qa.answer),
+                )
+            )
+    items = items[:limit] if limit is not None else items
+    eligible = [i for i, it in enumerate(items) if len(it.candidates) >= 3]
+    n_abstain = min(len(eligible), round(abstain_fraction * len(items)))
+    if n_abstain:
+        for i in rng.choice(len(eligible), size=n_abstain, replace=False):
+            items[eligible[int(i)]] = without_answer(items[eligible[int(i)]])
+    return items
+
+
+def without_answer(item: Item) -> Item:
+    """The same question with its right answer removed: the head should abstain."""
+    cands = [c for c in item.candidates if c != item.answer]
+    return Item(item.image, item.question, cands, item.answer, item.kind, None)
+
+
+# ----------------------------------------------------------------------------------------- features
+
+
+def extract(
+    vlm, items: list[Item], *, batch_size: int = EXTRACT_BATCH, progress=None, label="features"
+) -> Cached:
+    """Run the frozen backbone once over the items (batched executor, no gradients) and pad their features."""
+    from trimvlm.scoring.engine import run_scoring
+
+    task = progress.add_task(label, total=len(items)) if progress is not None else None
+    z_q, u, feats, sums = [], [], [], []
+    with torch.no_grad():
+        for a in range(0, len(items), batch_size):
+            chunk = items[a : a + batch_size]
+            _, _, f, _ = run_scoring(vlm, [it.request for it in chunk], executor="batched")
+            z_q += f.z_q
+            u += f.u
+            feats += f.feats
+            sums += f.sums
+            if progress is not None:
+                progress.advance(task, len(chunk))
+    return pad(items, z_q, u, feats, sums)
+
+
+def pad(items: list[Item], z_q, u, feats, sums) -> Cached:
+    m = len(items)
+    n = max(len(it.candidates) for it in items)
+    d = z_q[0].shape[-1]
+    out = Cached(
+        z_q=torch.stack([z.float() for z in z_q]),
+        u=torch.zeros(m, n, d),
+        feats=torch.zeros(m, n, N_FEATURES),
+        mask=torch.zeros(m, n, dtype=torch.bool),
+        target=torch.empty(m, dtype=torch.long),
+        sums=torch.full((m, n), -math.inf),
+        kinds=[it.kind for it in items],
+    )
+    for r, it in enumerate(items):
+        k = len(it.candidates)
+        out.u[r, :k] = u[r].float()
+        out.feats[r, :k] = feats[r].float()
+        out.mask[r, :k] = True
+        out.sums[r, :k] = sums[r].float()
+        out.target[r] = n if it.target is None else it.target
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- head
+
+
+def scores(head: DecisionHead, c: Cached) -> torch.Tensor:
+    """[M, N + 1] logits over [candidates (padding at -inf), abstain]."""
+    logits, abstain = head(c.z_q, c.u, c.feats)
+    logits = logits.masked_fill(~c.mask, -math.inf)
+    return torch.cat([logits, abstain[:, None]], dim=1)
+
+
+def loss_of(head: DecisionHead, c: Cached) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(scores(head, c), c.target)
+
+
+def predictions(head: DecisionHead, c: Cached) -> torch.Tensor:
+    """[M] chosen column: a candidate index, or N (the padded width) for abstain."""
+    with torch.no_grad():
+        return scores(head, c).argmax(1)
+
+
+def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> dict:
+    """Accuracy per kind (and "all") of predictions against the targets (abstain items included)."""
+    ok = (pred == c.target).tolist()
+    out = {}
+    for kind in kinds or sorted(set(c.kinds)):
+        hits = [o for o, k in zip(ok, c.kinds, strict=True) if k == kind]
+        if hits:
+            out[kind] = sum(hits) / len(hits)
+    out["all"] = sum(ok) / max(1, len(ok))
+    return out
+
+
+def train(
+    hidden_size: int, train_set: Cached, val_set: Cached, settings: Settings, *, progress=None
+) -> tuple[DecisionHead, dict]:
+    """AdamW (cosine schedule, input dropout on z_q and u) on the cached features; returns the head of the
+    best validation step (accuracy, then loss) and its history. Bitwise reproducible for a given seed, thread count and torch build."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        head = DecisionHead(hidden_size, settings.width)
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
+    rng = np.random.default_rng([settings.seed, 7])
+    gen = torch.Generator().manual_seed(settings.seed)
+    m = len(train_set)
+    bs = min(settings.batch_size, m)
+    order, at = rng.permutation(m), 0
+    best = (-1.0, math.inf, 0)
+    best_state = {k: v.clone() for k, v in head.state_dict().items()}
+    history = []
+    task = progress.add_task("train head", total=settings.steps) if progress is not None else None
+    for step in range(1, settings.steps + 1):
+        if at + bs > m:
+            order, at = rng.permutation(m), 0
+        batch = train_set.subset(order[at : at + bs])
+        at += bs
+        if settings.dropout > 0:
+            batch = _dropped(batch, settings.dropout, gen)
+        loss = loss_of(head, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % settings.eval_every == 0 or step == settings.steps:
+            head.eval()
+            with torch.no_grad():
+                v_loss = float(loss_of(head, val_set))
+                v_acc = accuracy(predictions(head, val_set), val_set)["all"]
+            head.train()
+            history.append(
+                {"step": step, "train_loss": float(loss.detach()), "val_loss": v_loss, "val_accuracy": v_acc}
+            )
+            if (v_acc, -v_loss) > (best[0], -best[1]):
+                best = (v_acc, v_loss, step)
+                best_state = {k: v.clone() for k, v in head.state_dict().items()}
+        if progress is not None:
+            progress.update(task, advance=1, description=f"train head (val acc {best[0]:.3f} @ {best[2]})")
+    head.load_state_dict(best_state)
+    return head.eval(), {
+        "best_step": best[2],
+        "best_val_accuracy": best[0],
+        "best_val_loss": best[1],
+        "history": history,
+    }
+
+
+def _dropped(c: Cached, p: float, gen: torch.Generator) -> Cached:
+    """Inverted dropout on the representations (z_q, u) of a training batch; the LM features stay."""
+
+    def drop(x):
+        keep = torch.rand(x.shape, generator=gen) >= p
+        return x * keep / (1 - p)
+
+    return Cached(drop(c.z_q), drop(c.u), c.feats, c.mask, c.target, c.sums, c.kinds)
+
+
+# ----------------------------------------------------------------------------------------- evaluation
+
+
+def test_report(head: DecisionHead, full: Cached, removed: Cached, kinds: list[str]) -> dict:
+    """Head vs log-likelihood accuracy per kind on the test items; abstention with and without the answer."""
+    n_full, n_removed = full.mask.shape[1], removed.mask.shape[1]
+    pred = predictions(head, full)
+    loglik = full.sums.argmax(1)
+    head_acc = accuracy(pred, full, kinds)
+    loglik_acc = accuracy(loglik, full, kinds)
+    abst = (pred == n_full).tolist()
+    abst_removed = (predictions(head, removed) == n_removed).tolist()
+
+    def rate(flags, ks, kind=None):
+        sel = [f for f, k in zip(flags, ks, strict=True) if kind is None or k == kind]
+        return sum(sel) / len(sel) if sel else None
+
+    return {
+        "test_accuracy": head_acc,
+        "test_accuracy_loglik": loglik_acc,
+        "test_abstention": {
+            "answer_present": {
+                "rate": rate(abst, full.kinds),
+                "by_kind": {k: rate(abst, full.kinds, k) for k in kinds},
+            },
+            "answer_removed": {
+                "rate": rate(abst_removed, removed.kinds),
+                "items": len(removed),
+                "by_kind": {k: rate(abst_removed, removed.kinds, k) for k in kinds if k in removed.kinds},
+            },
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+    )
+
+
+def _check(steps: int, items: int, out) -> None:
+    if not isinstance(steps, int) or steps < 1:
+        raise InputError(f"--steps must be a positive integer, got {steps!r}")
+    if not isinstance(items, int) or items < 12:
+        raise InputError(f"--items must be an integer >= 12 (two images' questions), got {items!r}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"--out {out} is a file; give a folder to write the decision head to")
+
+
+def train_head_command(model, out, steps: int, items: int, seed: int, console=None) -> dict:
+    """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta."""
+    import trimvlm
+    from trimvlm.demo.task import KINDS, generate_split
+
+    _check(steps, items, out)
+    vlm = trimvlm.load(model)
+    folder = Path(out) if out is not None else vlm.adapter.folder
+    if folder is None:
+        raise InputError(f"model {model!r} has no checkpoint folder to write the head to; pass --out")
+    settings = Settings(steps=steps, items=items, seed=seed)
+    kinds = list(KINDS)
+    rng = np.random.default_rng([seed, 20250101])
+    n_images = math.ceil(items / len(kinds))
+    train_items = make_items(
+        generate_split("train", n_images, seed=seed), settings.abstain_fraction, rng, items
+    )
+    val_items = make_items(generate_split("val", settings.val_images), settings.abstain_fraction, rng)
+    test_items = make_items(generate_split("test", TEST_IMAGES), 0.0, rng)
+    removed_items = [without_answer(it) for it in test_items if len(it.candidates) >= 3]
+
+    t0 = time.perf_counter()
+    with _progress(console) as progress:
+        train_set = extract(vlm, train_items, progress=progress, label="features: train")
+        val_set = extract(vlm, val_items, progress=progress, label="features: val")
+        test_set = extract(vlm, test_items, progress=progress, label="features: test")
+        removed_set = extract(vlm, removed_items, progress=progress, label="features: test, answer removed")
+        t1 = time.perf_counter()
+        head, fit = train(
+            vlm.adapter.text_config.hidden_size, train_set, val_set, settings, progress=progress
+        )
+    t2 = time.perf_counter()
+    val_pred = predictions(head, val_set)
+    meta = {
+        "task": "demo",
+        "model": str(model),
+        "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
+        **test_report(head, test_set, removed_set, kinds),
+        "val_accuracy": accuracy(val_pred, val_set, kinds),
+        "val_abstain_accuracy": _abstain_accuracy(val_pred, val_set),
+        "train": {
+            **settings.as_dict(),
+            "split": "train",
+            "train_items": len(train_set),
+            "train_abstain_items": int(train_set.abstains.sum()),
+            "val_items": len(val_set),
+            "executor": "batched",
+            "extract_batch": EXTRACT_BATCH,
+            "best_step": fit["best_step"],
+            "best_val_accuracy": fit["best_val_accuracy"],
+            "seconds_features": round(t1 - t0, 1),
+            "seconds_train": round(t2 - t1, 1),
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    head.save(folder, meta=meta)
+    if vlm.adapter.folder is not None and folder.resolve() == Path(vlm.adapter.folder).resolve():
+        vlm.head = head
+    if console is not None:
+        _print_summary(console, folder, meta, kinds)
+    return meta
+
+
+def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
+    sel = c.abstains
+    return float((pred[sel] == c.target[sel]).float().mean()) if bool(sel.any()) else None
+
+
+def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
+    from rich.table import Table
+
+    ab = meta["test_abstention"]
+    table = Table(title=f"decision head -> {folder}")
+    table.add_column("kind")
+    table.add_column("head", justify="right")
+    table.add_column("loglik", justify="right")
+    table.add_column("abstains (answer present)", justify="right")
+    table.add_column("abstains (answer removed)", justify="right")
+    for k in [*kinds, "all"]:
+        present = ab["answer_present"]["by_kind"].get(k) if k != "all" else ab["answer_present"]["rate"]
+        removed = ab["answer_removed"]["by_kind"].get(k) if k != "all" else ab["answer_removed"]["rate"]
+        table.add_row(
+            k,
+            f"{meta['test_accuracy'][k]:.1%}",
+            f"{meta['test_accuracy_loglik'][k]:.1%}",
+            "-" if present is None else f"{present:.1%}",
+            "-" if removed is None else f"{removed:.1%}",
+        )
+    console.print(table)
+    t = meta["train"]
+    console.print(
+        f"best step {t['best_step']} (val accuracy {t['best_val_accuracy']:.3f}); features {t['seconds_features']} s, "
+        f"training {t['seconds_train']} s"
+    )
