@@ -233,8 +233,12 @@ def test_executors_equal_independent_with_skipped_candidate_layers(vlms, family)
     for ex in ["independent", "batched", "segments", "tree"]:
         _, _, feats, _ = run_branches(vlm, pre, executor=ex, skip_branch={1})
         got[ex] = [r.logits for r in read(reqs, feats, "loglik", None, pre.meter)]
-    full = [r.logits for r in read(reqs, run_branches(vlm, pre, executor="tree")[2], "loglik", None, pre.meter)]
+    full = [
+        r.logits for r in read(reqs, run_branches(vlm, pre, executor="tree")[2], "loglik", None, pre.meter)
+    ]
     for ex, logits in got.items():
         for a, b in zip(got["independent"], logits, strict=True):
             assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL, ex
-    assert any(abs(x - y) > 1e-3 for a, b in zip(full, got["tree"], strict=True) for x, y in zip(a, b))
+    assert any(
+        abs(x - y) > 1e-3 for a, b in zip(full, got["tree"], strict=True) for x, y in zip(a, b, strict=True)
+    )

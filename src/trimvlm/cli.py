@@ -101,14 +101,16 @@ def eval_(
     batch_size: int = typer.Option(16),
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
+    readout: str = typer.Option("auto", help="candidate tasks (demo-candidates) only: auto | loglik | head"),
 ):
-    """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs."""
+    """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs. Candidate tasks
+    (demo-candidates): accuracy, retention and agreement vs the unpruned model, branch FLOPs, latency."""
     from trimvlm.cli_eval import eval_command
 
     try:
         eval_command(
             model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
-            markdown_out=str(markdown) if markdown else None,
+            markdown_out=str(markdown) if markdown else None, readout=readout,
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)

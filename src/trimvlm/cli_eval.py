@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trimvlm.errors import CheckpointError, RecipeError, TrimVLMError
+from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals.report import plot_pareto, print_report, result_dict, write_json, write_markdown
 from trimvlm.evals.run import normalize_recipes, run_eval
+from trimvlm.evals.scoring_eval import candidate_eval_command, is_candidate_task
 from trimvlm.evals.tasks import check_limit, get_task
 from trimvlm.recipe import load_recipes, parse_recipe
 
@@ -90,6 +91,17 @@ def demo_command(
     return _finish(result, json_out, png_out, console)
 
 
+def _recipes_from(recipes_file) -> list:
+    if recipes_file is None:
+        return []
+    try:
+        return load_recipes(recipes_file)
+    except TrimVLMError:
+        raise
+    except Exception as e:  # e.g. pydantic validation of a malformed entry
+        raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
+
+
 def eval_command(
     model: str | Path,
     task: str | Path = "demo",
@@ -103,26 +115,28 @@ def eval_command(
     progress: bool = True,
     console=None,
     markdown_out: str | Path | None = None,
+    readout: str = "auto",
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON; the baseline is always added, first) over `task`
     ("demo", a registered task, or PATH.jsonl) with `model` (a checkpoint folder or "demo").
     Prints the tables, writes the JSON / Pareto PNG / Markdown summary when paths are given. Returns the
-    JSON's content."""
+    JSON's content. A candidate task ("demo-candidates") scores candidates instead of generating
+    (trimvlm.evals.scoring_eval; `readout` applies to it only: auto | loglik | head)."""
     import trimvlm
 
     console = _console(console)
     limit = check_limit(limit)
+    if is_candidate_task(task):  # candidate scoring (FastJEV's protocol): its own run loop and reports
+        if max_new_tokens is not None:
+            raise InputError(
+                f"max_new_tokens does not apply to the candidate task {task!r} (nothing is generated)"
+            )
+        return candidate_eval_command(
+            model, str(task), _recipes_from(recipes_file), limit, json_out, plot_out, batch_size, seed,
+            readout=readout, progress=progress, console=console, markdown_out=markdown_out,
+        )  # fmt: skip
     the_task = get_task(task, limit=limit, seed=seed)
-    if recipes_file is not None:
-        try:
-            recipes = load_recipes(recipes_file)
-        except TrimVLMError:
-            raise
-        except Exception as e:  # e.g. pydantic validation of a malformed entry
-            raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
-    else:
-        recipes = []
-    chosen = normalize_recipes(recipes)
+    chosen = normalize_recipes(_recipes_from(recipes_file))
     vlm = trimvlm.load(model)
     result = run_eval(
         vlm,

@@ -33,3 +33,9 @@ class DepthMethod:
         return {
             p: (layers if p in SCOPES[self.scope] else frozenset()) for p in ("prefill", "decode", "branch")
         }
+
+
+def check_budget(budget: int, num_layers: int) -> None:
+    """A budget skips `budget` blocks; at least one block must run, so it must be below the layer count."""
+    if budget >= num_layers:
+        raise RecipeError(f"budget {budget} must be below the layer count {num_layers} (0..{num_layers - 1})")

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trimvlm.depth.base import DepthMethod
+from trimvlm.depth.base import DepthMethod, check_budget
 from trimvlm.errors import RecipeError
 from trimvlm.options import require_int
 from trimvlm.registry import register
@@ -45,9 +45,14 @@ class Ranking(DepthMethod):
                 f"ranking {self.file} was computed for a model with {data['num_layers']} layers; this model "
                 f"has {n}: calibrate this model (`trimvlm calibrate`)"
             )
-        if self.budget >= n:
-            raise RecipeError(f"budget {self.budget} must be below the layer count {n} (0..{n - 1})")
-        return frozenset(data["order"][: self.budget])
+        check_budget(self.budget, n)
+        order = data["order"]
+        if len(set(order)) != len(order) or not all(0 <= i < n for i in order) or len(order) < self.budget:
+            raise RecipeError(
+                f"ranking {self.file}: 'order' must list at least {self.budget} distinct layers of 0..{n - 1}, "
+                f"got {order}"
+            )
+        return frozenset(order[: self.budget])
 
 
 register("depth", "ranking")(Ranking)

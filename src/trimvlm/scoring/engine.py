@@ -133,7 +133,8 @@ def score_requests(
 
 
 def head_logits(head, feats: Features, r: int):
-    logits, abstain = head(feats.z_q[r][None], feats.u[r][None], feats.feats[r][None])
+    dtype = next(head.parameters()).dtype  # LM features are accumulated in double; the head has its own dtype
+    logits, abstain = head(*(t[r][None].to(dtype) for t in (feats.z_q, feats.u, feats.feats)))
     return logits[0], abstain[0]
 
 

@@ -1,0 +1,40 @@
+"""`depth=random:budget=K:seed=S:scope=candidates`: skip K blocks drawn at random (seeded), any block allowed.
+
+The draw is a seeded permutation of all L layers and the first K are skipped, so the sets are nested across
+budgets (budget K+1 skips budget K's layers and one more), like a ranking: a random ranking to compare the
+calibrated one with. The permutation depends only on the seed and the layer count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from trimvlm.depth.base import DepthMethod, check_budget
+from trimvlm.options import require_int
+from trimvlm.registry import register
+
+
+def random_order(num_layers: int, seed: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng([int(seed), 7411]).permutation(num_layers)]
+
+
+@dataclass
+class RandomDepth(DepthMethod):
+    budget: int = 0
+    seed: int = 0
+    scope: str = "candidates"
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_int("budget", self.budget, minimum=0)
+        require_int("seed", self.seed, minimum=0)
+
+    def layers(self, runner) -> frozenset[int]:
+        n = runner.num_layers
+        check_budget(self.budget, n)
+        return frozenset(random_order(n, self.seed)[: self.budget])
+
+
+register("depth", "random")(RandomDepth)
