@@ -28,10 +28,7 @@ def result_dict(result: EvalResult) -> dict:
 
 
 def write_json(result: EvalResult, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result_dict(result), indent=1) + "\n")
-    return path
+    return write_text(json.dumps(result_dict(result), indent=1) + "\n", path)
 
 
 # --------------------------------------------------------------------------------------------- table
@@ -172,11 +169,15 @@ def markdown_summary(result: EvalResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(result: EvalResult, path: str | Path) -> Path:
+def write_text(text: str, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown_summary(result))
+    path.write_text(text)
     return path
+
+
+def write_markdown(result: EvalResult, path: str | Path) -> Path:
+    return write_text(markdown_summary(result), path)
 
 
 # --------------------------------------------------------------------------------------------- plot

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trimvlm.errors import InputError
-from trimvlm.evals.report import MARKERS, _ratio, pareto_front, versions
+from trimvlm.evals.report import MARKERS, _ratio, pareto_front, versions, write_text
 from trimvlm.evals.run import _model_info, _progress, normalize_recipes
 from trimvlm.evals.tasks import DEMO_DEFAULT_ITEMS, check_limit
 from trimvlm.options import is_int
@@ -429,10 +429,7 @@ def candidate_markdown(result: CandidateEvalResult) -> str:
 
 
 def write_candidate_markdown(result: CandidateEvalResult, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(candidate_markdown(result))
-    return path
+    return write_text(candidate_markdown(result), path)
 
 
 def plot_candidates(result: CandidateEvalResult, path: str | Path) -> Path:
@@ -492,10 +489,7 @@ def plot_candidates(result: CandidateEvalResult, path: str | Path) -> Path:
 
 
 def write_candidate_json(result: CandidateEvalResult, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"versions": versions(), **result.to_dict()}, indent=1) + "\n")
-    return path
+    return write_text(json.dumps({"versions": versions(), **result.to_dict()}, indent=1) + "\n", path)
 
 
 def candidate_eval_command(

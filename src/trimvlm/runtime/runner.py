@@ -160,25 +160,11 @@ class Runner:
         return self.adapter.lm_head(h).float()
 
     @torch.no_grad()
-    def step(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        *,
-        valid: torch.Tensor | None = None,
-        within: torch.Tensor | None = None,
-        skip=frozenset(),
-        meter: Meter | None = None,
-        phase: str = "decode",
-        all_logits: bool = False,
-        ctx: AttentionContext | None = None,
-    ) -> torch.Tensor:
-        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache; return logits."""
-        seq = self.step_hidden(
-            tokens, positions, cache, valid=valid, within=within, skip=skip, meter=meter, phase=phase, ctx=ctx
-        )
-        return self._logits(seq, meter, phase, all_logits)
+    def step(self, tokens, positions, cache, *, all_logits: bool = False, **kw) -> torch.Tensor:
+        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache; return logits (the options
+        of `step_hidden`)."""
+        seq = self.step_hidden(tokens, positions, cache, **kw)
+        return self._logits(seq, kw.get("meter"), kw.get("phase", "decode"), all_logits)
 
     @torch.no_grad()
     def step_hidden(
@@ -194,7 +180,8 @@ class Runner:
         phase: str = "decode",
         ctx: AttentionContext | None = None,
     ) -> LiveSeq:
-        """`step` without the LM head: the final-normed live sequence of the new tokens."""
+        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
+        `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence."""
         b, q = tokens.shape
         valid = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
         seq = LiveSeq(
