@@ -90,6 +90,16 @@ def small_cache(demo_vlms):
     return vlm, th.extract(vlm, train), th.extract(vlm, val), train
 
 
+@pytest.fixture(scope="module")
+def small_binary(demo_vlms):
+    torch.set_num_threads(1)
+    vlm = demo_vlms["demo"]
+    rng = np.random.default_rng(1)
+    train = th.make_binary_items(generate_split("train", 4), rng)
+    val = th.make_binary_items(generate_split("val", 2), rng)
+    return th.extract(vlm, train), th.extract(vlm, val), train
+
+
 def test_items_and_cache(small_cache):
     vlm, train, _, items = small_cache
     removed = [it for it in items if it.target is None]
@@ -121,6 +131,39 @@ def test_training_is_seeded(small_cache):
         fresh = DecisionHead(d, 64)
     with torch.no_grad():
         assert float(th.loss_of(runs[0], train)) < float(th.loss_of(fresh, train))
+
+
+def test_binary_items_and_training(small_cache, small_binary):
+    vlm, train, val, _ = small_cache
+    b_train, b_val, items = small_binary
+    assert [it.kind for it in items] == ["exist", "color"] * 4 and all(it.binary for it in items)
+    for it in items:
+        assert len(it.candidates) == 1 and it.request.binary
+        assert it.target == int(it.candidates[0] == it.answer)
+        if it.kind == "exist":
+            assert it.candidates[0] == "yes"
+    # features of a binary request: N = 1, as the readout sees it; never an abstention item
+    assert b_train.mask.shape[1] == 1 and b_train.binary.all() and not b_train.abstains.any()
+    assert not train.binary.any()
+    d = vlm.adapter.text_config.hidden_size
+    s = th.Settings(steps=30, eval_every=10, batch_size=8, binary_batch_size=4, seed=0)
+    runs = [th.train(d, train, val, s, binary_train=b_train, binary_val=b_val) for _ in range(2)]
+    (a, fit), (b, _) = runs
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    assert all("val_binary_accuracy" in h for h in fit["history"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        fresh = DecisionHead(d, 64)
+    with torch.no_grad():
+        assert float(th.loss_of(a, b_train)) < float(th.loss_of(fresh, b_train))
+    pred = th.predictions(a, b_train)
+    assert set(pred.tolist()) <= {0, 1}
+    # without binary sets the choice stream is the one it always was
+    plain, _ = th.train(d, train, val, s)
+    zero, _ = th.train(
+        d, train, val, th.Settings(**{**s.as_dict(), "binary_weight": 0.0}), binary_train=b_train
+    )
+    assert all(torch.equal(plain.state_dict()[k], zero.state_dict()[k]) for k in plain.state_dict())
 
 
 @pytest.mark.parametrize("name", DEMOS)
@@ -156,6 +199,64 @@ def test_shipped_head(name, demo_vlms):
     present = [r.abstain_prob for (_, q), r in zip(qas, first, strict=True) if len(q.candidates) >= 3]
     removed = [r.abstain_prob for r in out.results]
     assert np.mean(removed) > np.mean(present) + 0.5
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_shipped_head_binary(name, demo_vlms):
+    """Binary requests (one statement, P(true) = sigmoid(logit)): trained and measured (>= 95% per kind on
+    the test split); here a handful of test items, the right and a wrong colour for each colour question."""
+    vlm = demo_vlms[name]
+    meta = json.loads((vlm.adapter.folder / CONFIG).read_text())
+    assert set(meta["test_binary_accuracy"]) == {*th.BINARY_KINDS, "all"}
+    assert min(meta["test_binary_accuracy"].values()) >= 0.95, meta["test_binary_accuracy"]
+    asks = []  # (image, question, statement, true?)
+    for s in generate_split("test", 6):
+        for q in s.qas:
+            if q.kind == "exist":
+                asks.append((s.image, q.question, "yes", q.answer == "yes"))
+            elif q.kind == "color":
+                wrong = next(c for c in q.candidates if c != q.answer)
+                asks += [(s.image, q.question, q.answer, True), (s.image, q.question, wrong, False)]
+    truth = [t for *_, t in asks]
+    assert any(truth) and not all(truth)
+    out = vlm.score(
+        [[img] for img, *_ in asks],
+        [q for _, q, *_ in asks],
+        [[c] for _, _, c, _ in asks],
+        readout="head",
+        binary=True,
+    )
+    probs = [r.binary_prob for r in out.results]
+    assert all(0 <= p <= 1 for p in probs)
+    for r, p in zip(out.results, probs, strict=True):
+        assert r.abstain_prob is None and r.chosen == (0 if p >= 0.5 else -1)
+        assert r.candidates[0].prob == pytest.approx(p)
+    right = [(p >= 0.5) == t for p, t in zip(probs, truth, strict=True)]
+    assert sum(right) / len(right) >= 0.85, list(zip(probs, truth, strict=True))
+    p_true = np.mean([p for p, t in zip(probs, truth, strict=True) if t])
+    p_false = np.mean([p for p, t in zip(probs, truth, strict=True) if not t])
+    assert p_true - p_false > 0.5
+    # the training features of a binary item are what the readout sees (N = 1)
+    items = [th.Item(img, q, [c], "", "x", int(t), binary=True) for img, q, c, t in asks[:4]]
+    with torch.no_grad():
+        cached = torch.sigmoid(th.scores(vlm.head, th.extract(vlm, items))[:, 0])
+    assert torch.allclose(cached, torch.tensor(probs[:4]), atol=1e-3)
+
+
+@pytest.mark.parametrize("readout", ["head", "loglik"])
+def test_binary_request_needs_one_candidate(readout, demo_vlms):
+    vlm = demo_vlms["demo"]
+    img = generate_split("test", 1)[0].image
+    with pytest.raises(InputError, match="a binary request has exactly one candidate statement"):
+        vlm.score(img, "is there a red circle ?", ["yes", "no"], readout=readout, binary=True)
+    with pytest.raises(InputError, match="request 1: a binary request has exactly one candidate statement"):
+        vlm.score(
+            [img, img],
+            ["is there a red circle ?", "color at r0 c0 ?"],
+            [["yes"], ["red", "blue"]],
+            readout=readout,
+            binary=True,
+        )
 
 
 def test_head_readout_needs_a_head(tiny_adapter):

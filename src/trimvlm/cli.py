@@ -178,12 +178,15 @@ def train_head(
     steps: int = typer.Option(2000, help="optimizer steps over the cached features"),
     items: int = typer.Option(1200, help="training questions drawn from the demo task's train split"),
     seed: int = typer.Option(0),
+    threads: int = typer.Option(1, help="torch threads (the same seed and threads give the same weights)"),
 ):
     """Train the decision head on the demo task's candidate questions (backbone frozen, seeded)."""
     from trimvlm.scoring.train_head import train_head_command
 
     try:
-        train_head_command(model=model, out=out, steps=steps, items=items, seed=seed, console=console)
+        train_head_command(
+            model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads
+        )
     except TrimVLMError as e:
         _fail(e)
 

@@ -6,11 +6,18 @@ cross-entropy over [candidate logits, abstain]). Candidate lists of different le
 one and the padding is masked out of the softmax, so a request with N candidates is exactly the engine's
 softmax over [logit_1 .. logit_N, abstain].
 
+Binary requests (one candidate statement, answered as P(true) = sigmoid(logit), the [logit, 0] form): from the
+same images' `exist` questions (statement "yes", true when the answer is yes) and `color` questions (one colour
+statement, the right one half of the time), extracted as requests of their own (N = 1, exactly what the readout
+sees at inference). Their binary cross-entropy, weighted by `binary_weight`, is added to the choice loss; each
+step draws a choice batch and a binary batch from separate seeded streams.
+
 Abstention: for a fraction of the items with three or more candidates the right answer is removed (at least
 two candidates stay) and the target becomes "abstain". The head is selected by validation accuracy (val split,
 the same construction), and saved next to the checkpoint with its test-split figures: accuracy per kind with
 the head and with the log-likelihood readout on the same items, and how often it abstains, with the answer
-present and with it removed.
+present and with it removed, and the binary accuracy (P(true) >= 0.5) per binary kind. Validation selects on
+the pooled accuracy of every validation request (choice and binary alike), then on the summed loss.
 
 Everything is seeded: the training split, the abstention picks and the mini-batch order come from numpy
 generators seeded with `seed`, the head's initialisation from a forked torch generator.
@@ -35,12 +42,14 @@ TEST_IMAGES = 100  # the demo task's standard test items: 100 images, one questi
 VAL_IMAGES = 50
 ABSTAIN_FRACTION = 0.15
 EXTRACT_BATCH = 32
+BINARY_KINDS = ("exist", "color")  # demo kinds that also become binary requests (one candidate statement)
+BINARY_WEIGHT = 0.5
 
 
 @dataclass
 class Item:
     """One scoring question with its target: the right candidate's index, or None when it was removed (the
-    head should abstain)."""
+    head should abstain). A binary item has one candidate statement and target 1 (true) or 0 (false)."""
 
     image: object
     question: str
@@ -48,10 +57,11 @@ class Item:
     answer: str
     kind: str
     target: int | None
+    binary: bool = False
 
     @property
     def request(self) -> ScoreRequest:
-        return ScoreRequest([self.image], self.question, list(self.candidates))
+        return ScoreRequest([self.image], self.question, list(self.candidates), self.binary)
 
 
 @dataclass
@@ -67,6 +77,8 @@ class Settings:
     dropout: float = 0.3  # on the cached z_q and u while training
     abstain_fraction: float = ABSTAIN_FRACTION
     val_images: int = VAL_IMAGES
+    binary_weight: float = BINARY_WEIGHT  # of the binary cross-entropy, added to the choice loss
+    binary_batch_size: int = 64
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -75,7 +87,8 @@ class Settings:
 @dataclass
 class Cached:
     """Padded features of M items: z_q [M, D], u [M, N, D], feats [M, N, F], mask [M, N] (real candidates),
-    target [M] (N = abstain), sums [M, N] (log-likelihood readout, -inf on padding), kinds [M]."""
+    target [M] (N = abstain; a binary row: 1 true, 0 false), sums [M, N] (log-likelihood readout, -inf on
+    padding), kinds [M], binary [M] (bool: binary requests, read as sigmoid(logit_0))."""
 
     z_q: torch.Tensor
     u: torch.Tensor
@@ -84,6 +97,11 @@ class Cached:
     target: torch.Tensor
     sums: torch.Tensor
     kinds: list[str] = field(default_factory=list)
+    binary: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.binary is None:
+            self.binary = torch.zeros(len(self.target), dtype=torch.bool)
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -98,12 +116,13 @@ class Cached:
             self.target[idx],
             self.sums[idx],
             [self.kinds[int(i)] for i in idx],
+            self.binary[idx],
         )
 
     @property
     def abstains(self) -> torch.Tensor:
         """[M] bool: items whose right answer was removed."""
-        return self.target == self.mask.shape[1]
+        return (self.target == self.mask.shape[1]) & ~self.binary
 
 
 # ----------------------------------------------------------------------------------------------- items
@@ -143,6 +162,24 @@ def without_answer(item: Item) -> Item:
     return Item(item.image, item.question, cands, item.answer, item.kind, None)
 
 
+def make_binary_items(samples, rng: np.random.Generator, kinds=BINARY_KINDS) -> list[Item]:
+    """One binary request per QA of a binary kind: `exist` asks the statement "yes" (true when the answer is
+    yes); other kinds ask one candidate, the right one with probability 1/2, else a wrong one at random."""
+    items = []
+    for s in samples:
+        for qa in s.qas:
+            if qa.kind not in kinds:
+                continue
+            if qa.kind == "exist":
+                statement = "yes"
+            else:
+                wrong = [c for c in qa.candidates if c != qa.answer]
+                statement = qa.answer if rng.random() < 0.5 else wrong[int(rng.integers(len(wrong)))]
+            target = int(statement == qa.answer)
+            items.append(Item(s.image, qa.question, [statement], qa.answer, qa.kind, target, binary=True))
+    return items
+
+
 # ----------------------------------------------------------------------------------------- features
 
 
@@ -179,6 +216,7 @@ def pad(items: list[Item], z_q, u, feats, sums) -> Cached:
         target=torch.empty(m, dtype=torch.long),
         sums=torch.full((m, n), -math.inf),
         kinds=[it.kind for it in items],
+        binary=torch.tensor([it.binary for it in items], dtype=torch.bool),
     )
     for r, it in enumerate(items):
         k = len(it.candidates)
@@ -200,14 +238,30 @@ def scores(head: DecisionHead, c: Cached) -> torch.Tensor:
     return torch.cat([logits, abstain[:, None]], dim=1)
 
 
-def loss_of(head: DecisionHead, c: Cached) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(scores(head, c), c.target)
+def loss_of(head: DecisionHead, c: Cached, binary_weight: float = 1.0) -> torch.Tensor:
+    """Cross-entropy over [candidates, abstain] on the choice rows, plus `binary_weight` x the binary
+    cross-entropy of sigmoid(logit_0) on the binary rows (each a mean over its own rows)."""
+    s = scores(head, c)
+    choice, binary = ~c.binary, c.binary
+    loss = s.new_zeros(())
+    if bool(choice.any()):
+        loss = loss + torch.nn.functional.cross_entropy(s[choice], c.target[choice])
+    if bool(binary.any()):
+        loss = loss + binary_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+            s[binary, 0], c.target[binary].to(s.dtype)
+        )
+    return loss
 
 
 def predictions(head: DecisionHead, c: Cached) -> torch.Tensor:
-    """[M] chosen column: a candidate index, or N (the padded width) for abstain."""
+    """[M] chosen column: a candidate index, or N (the padded width) for abstain; a binary row: 1 when
+    P(true) = sigmoid(logit_0) >= 0.5 (the readout's threshold), else 0."""
     with torch.no_grad():
-        return scores(head, c).argmax(1)
+        s = scores(head, c)
+        pred = s.argmax(1)
+        if bool(c.binary.any()):
+            pred[c.binary] = (torch.sigmoid(s[c.binary, 0]) >= 0.5).long()
+        return pred
 
 
 def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> dict:
@@ -223,10 +277,20 @@ def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> d
 
 
 def train(
-    hidden_size: int, train_set: Cached, val_set: Cached, settings: Settings, *, progress=None
+    hidden_size: int,
+    train_set: Cached,
+    val_set: Cached,
+    settings: Settings,
+    *,
+    binary_train: Cached | None = None,
+    binary_val: Cached | None = None,
+    progress=None,
 ) -> tuple[DecisionHead, dict]:
     """AdamW (cosine schedule, input dropout on z_q and u) on the cached features; returns the head of the
-    best validation step (accuracy, then loss) and its history. Bitwise reproducible for a given seed, thread count and torch build."""
+    best validation step (pooled accuracy of the choice and binary validation requests, then the summed loss)
+    and its history. Each step: a choice batch, plus a binary batch when `binary_train` is given (its own
+    seeded order and dropout stream, so the choice stream is the same with or without it). Bitwise
+    reproducible for a given seed, thread count and torch build."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         head = DecisionHead(hidden_size, settings.width)
@@ -238,6 +302,14 @@ def train(
     m = len(train_set)
     bs = min(settings.batch_size, m)
     order, at = rng.permutation(m), 0
+    use_binary = binary_train is not None and len(binary_train) > 0 and settings.binary_weight > 0
+    if use_binary:
+        rng_b = np.random.default_rng([settings.seed, 8])
+        gen_b = torch.Generator().manual_seed(int(rng_b.integers(2**62)))
+        m_b = len(binary_train)
+        bs_b = min(settings.binary_batch_size, m_b)
+        order_b, at_b = rng_b.permutation(m_b), 0
+    val_binary = binary_val if binary_val is not None and len(binary_val) > 0 else None
     best = (-1.0, math.inf, 0)
     best_state = {k: v.clone() for k, v in head.state_dict().items()}
     history = []
@@ -250,6 +322,14 @@ def train(
         if settings.dropout > 0:
             batch = _dropped(batch, settings.dropout, gen)
         loss = loss_of(head, batch)
+        if use_binary:
+            if at_b + bs_b > m_b:
+                order_b, at_b = rng_b.permutation(m_b), 0
+            batch_b = binary_train.subset(order_b[at_b : at_b + bs_b])
+            at_b += bs_b
+            if settings.dropout > 0:
+                batch_b = _dropped(batch_b, settings.dropout, gen_b)
+            loss = loss + loss_of(head, batch_b, settings.binary_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -258,11 +338,20 @@ def train(
             head.eval()
             with torch.no_grad():
                 v_loss = float(loss_of(head, val_set))
-                v_acc = accuracy(predictions(head, val_set), val_set)["all"]
+                hits, total = int((predictions(head, val_set) == val_set.target).sum()), len(val_set)
+                entry = {
+                    "step": step,
+                    "train_loss": float(loss.detach()),
+                    "val_choice_accuracy": hits / total,
+                }
+                if val_binary is not None:  # pooled: every validation request counts once
+                    v_loss += float(loss_of(head, val_binary, settings.binary_weight))
+                    b_hits = int((predictions(head, val_binary) == val_binary.target).sum())
+                    entry["val_binary_accuracy"] = b_hits / len(val_binary)
+                    hits, total = hits + b_hits, total + len(val_binary)
+                v_acc = hits / total
             head.train()
-            history.append(
-                {"step": step, "train_loss": float(loss.detach()), "val_loss": v_loss, "val_accuracy": v_acc}
-            )
+            history.append({**entry, "val_loss": v_loss, "val_accuracy": v_acc})
             if (v_acc, -v_loss) > (best[0], -best[1]):
                 best = (v_acc, v_loss, step)
                 best_state = {k: v.clone() for k, v in head.state_dict().items()}
@@ -284,14 +373,32 @@ def _dropped(c: Cached, p: float, gen: torch.Generator) -> Cached:
         keep = torch.rand(x.shape, generator=gen) >= p
         return x * keep / (1 - p)
 
-    return Cached(drop(c.z_q), drop(c.u), c.feats, c.mask, c.target, c.sums, c.kinds)
+    return Cached(drop(c.z_q), drop(c.u), c.feats, c.mask, c.target, c.sums, c.kinds, c.binary)
 
 
 # ----------------------------------------------------------------------------------------- evaluation
 
 
-def test_report(head: DecisionHead, full: Cached, removed: Cached, kinds: list[str]) -> dict:
-    """Head vs log-likelihood accuracy per kind on the test items; abstention with and without the answer."""
+def binary_report(head: DecisionHead, c: Cached, kinds=BINARY_KINDS) -> dict:
+    """Binary accuracy (P(true) >= 0.5) per kind and overall, with each kind's count and share of true items."""
+    pred = predictions(head, c)
+    return {
+        "accuracy": accuracy(pred, c, [k for k in kinds if k in c.kinds]),
+        "items": {k: c.kinds.count(k) for k in kinds if k in c.kinds},
+        "true_fraction": {
+            k: sum(int(t) for t, x in zip(c.target.tolist(), c.kinds, strict=True) if x == k)
+            / c.kinds.count(k)
+            for k in kinds
+            if k in c.kinds
+        },
+    }
+
+
+def test_report(
+    head: DecisionHead, full: Cached, removed: Cached, kinds: list[str], binary: Cached | None = None
+) -> dict:
+    """Head vs log-likelihood accuracy per kind on the test items; abstention with and without the answer;
+    binary accuracy per binary kind."""
     n_full, n_removed = full.mask.shape[1], removed.mask.shape[1]
     pred = predictions(head, full)
     loglik = full.sums.argmax(1)
@@ -318,6 +425,15 @@ def test_report(head: DecisionHead, full: Cached, removed: Cached, kinds: list[s
                 "by_kind": {k: rate(abst_removed, removed.kinds, k) for k in kinds if k in removed.kinds},
             },
         },
+        **({} if binary is None else _binary_meta("test", binary_report(head, binary))),
+    }
+
+
+def _binary_meta(split: str, rep: dict) -> dict:
+    return {
+        f"{split}_binary_accuracy": rep["accuracy"],
+        f"{split}_binary_items": rep["items"],
+        f"{split}_binary_true_fraction": rep["true_fraction"],
     }
 
 
@@ -346,12 +462,16 @@ def _check(steps: int, items: int, out) -> None:
         raise InputError(f"--out {out} is a file; give a folder to write the decision head to")
 
 
-def train_head_command(model, out, steps: int, items: int, seed: int, console=None) -> dict:
-    """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta."""
+def train_head_command(model, out, steps: int, items: int, seed: int, console=None, threads: int = 1) -> dict:
+    """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta.
+    The same seed and thread count give bitwise-equal weights (the shipped heads: one thread)."""
     import trimvlm
     from trimvlm.demo.task import KINDS, generate_split
 
     _check(steps, items, out)
+    if not isinstance(threads, int) or threads < 1:
+        raise InputError(f"threads must be a positive integer, got {threads!r}")
+    torch.set_num_threads(threads)
     vlm = trimvlm.load(model)
     folder = Path(out) if out is not None else vlm.adapter.folder
     if folder is None:
@@ -360,12 +480,15 @@ def train_head_command(model, out, steps: int, items: int, seed: int, console=No
     kinds = list(KINDS)
     rng = np.random.default_rng([seed, 20250101])
     n_images = math.ceil(items / len(kinds))
-    train_items = make_items(
-        generate_split("train", n_images, seed=seed), settings.abstain_fraction, rng, items
-    )
+    train_samples = generate_split("train", n_images, seed=seed)
+    train_items = make_items(train_samples, settings.abstain_fraction, rng, items)
     val_items = make_items(generate_split("val", settings.val_images), settings.abstain_fraction, rng)
     test_items = make_items(generate_split("test", TEST_IMAGES), 0.0, rng)
     removed_items = [without_answer(it) for it in test_items if len(it.candidates) >= 3]
+    rng_b = np.random.default_rng([seed, 20250102])  # its own stream: the choice items stay as they were
+    bin_train = make_binary_items(train_samples, rng_b)
+    bin_val = make_binary_items(generate_split("val", settings.val_images), rng_b)
+    bin_test = make_binary_items(generate_split("test", TEST_IMAGES), rng_b)
 
     t0 = time.perf_counter()
     with _progress(console) as progress:
@@ -373,9 +496,18 @@ def train_head_command(model, out, steps: int, items: int, seed: int, console=No
         val_set = extract(vlm, val_items, progress=progress, label="features: val")
         test_set = extract(vlm, test_items, progress=progress, label="features: test")
         removed_set = extract(vlm, removed_items, progress=progress, label="features: test, answer removed")
+        bin_train_set = extract(vlm, bin_train, progress=progress, label="features: binary train")
+        bin_val_set = extract(vlm, bin_val, progress=progress, label="features: binary val")
+        bin_test_set = extract(vlm, bin_test, progress=progress, label="features: binary test")
         t1 = time.perf_counter()
         head, fit = train(
-            vlm.adapter.text_config.hidden_size, train_set, val_set, settings, progress=progress
+            vlm.adapter.text_config.hidden_size,
+            train_set,
+            val_set,
+            settings,
+            binary_train=bin_train_set,
+            binary_val=bin_val_set,
+            progress=progress,
         )
     t2 = time.perf_counter()
     val_pred = predictions(head, val_set)
@@ -383,15 +515,19 @@ def train_head_command(model, out, steps: int, items: int, seed: int, console=No
         "task": "demo",
         "model": str(model),
         "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
-        **test_report(head, test_set, removed_set, kinds),
+        **test_report(head, test_set, removed_set, kinds, bin_test_set),
         "val_accuracy": accuracy(val_pred, val_set, kinds),
         "val_abstain_accuracy": _abstain_accuracy(val_pred, val_set),
+        "val_binary_accuracy": binary_report(head, bin_val_set)["accuracy"],
         "train": {
             **settings.as_dict(),
             "split": "train",
             "train_items": len(train_set),
             "train_abstain_items": int(train_set.abstains.sum()),
             "val_items": len(val_set),
+            "binary_kinds": list(BINARY_KINDS),
+            "binary_train_items": len(bin_train_set),
+            "binary_val_items": len(bin_val_set),
             "executor": "batched",
             "extract_batch": EXTRACT_BATCH,
             "best_step": fit["best_step"],
@@ -436,6 +572,9 @@ def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
             "-" if removed is None else f"{removed:.1%}",
         )
     console.print(table)
+    if "test_binary_accuracy" in meta:
+        b = meta["test_binary_accuracy"]
+        console.print("binary accuracy (P(true) >= 0.5): " + ", ".join(f"{k} {v:.1%}" for k, v in b.items()))
     t = meta["train"]
     console.print(
         f"best step {t['best_step']} (val accuracy {t['best_val_accuracy']:.3f}); features {t['seconds_features']} s, "
