@@ -101,7 +101,8 @@ def scan_model(family: str, args) -> list[dict]:
             "shared": share,
             "branching": branching,
             "logical_tokens": ref.tokens["logical"],
-            "unique_tokens": results["tree"].tokens["executed"],
+            "unique_tokens": results["tree"].tokens["unique"],
+            "tree_executed_tokens": results["tree"].tokens["executed"],
             "auto_chose": results["auto"].executor,
         }
         for e in EXECUTORS:

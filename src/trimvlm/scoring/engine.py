@@ -128,7 +128,7 @@ def score_requests(
         readout=readout,
         executor=ran,
         recipe=work.plan.recipe.label(),
-        tokens={"logical": logical, "executed": work.forest.num_nodes},
+        tokens={"logical": logical, "unique": work.forest.num_nodes, "executed": work.executed},
     )
 
 

@@ -79,7 +79,9 @@ class ScoreBatch:
     readout: str
     executor: str  # the executor that ran (what `auto` chose)
     recipe: str
-    tokens: dict = field(default_factory=dict)  # logical vs unique candidate tokens
+    # candidate tokens: logical (every candidate's own), unique (trie nodes), executed (what the executor ran:
+    # `tree` may run a short shared run again inside each child's row when that is cheaper)
+    tokens: dict = field(default_factory=dict)
 
     def __getitem__(self, i: int) -> ScoreResult:
         return self.results[i]

@@ -89,14 +89,13 @@ def build_forest(suffixes: list[list[list[int]]], starts: list[int], *, merge: b
     return f
 
 
-def _cut_chains(f: Forest, max_len: int | None = None) -> None:
+def _cut_chains(f: Forest) -> None:
     n = f.num_nodes
     kids: list[list[int]] = [[] for _ in range(n)]
     for node, p in enumerate(f.parent):
         if p >= 0:
             kids[p].append(node)
     ends = {path[-1] for req in f.paths for path in req if path}
-    f.chains = []
     f.chain_of = [-1] * n
     f.index_in_chain = [-1] * n
     for node in range(n):  # parents first: a chain starts where its parent's chain ended
@@ -104,7 +103,6 @@ def _cut_chains(f: Forest, max_len: int | None = None) -> None:
         if p >= 0 and f.chain_of[p] >= 0:
             c = f.chains[f.chain_of[p]]
             continues = c.nodes[-1] == p and len(kids[p]) == 1 and p not in ends
-            continues = continues and (max_len is None or len(c.nodes) < max_len)
             if continues:
                 f.chain_of[node], f.index_in_chain[node] = f.chain_of[p], len(c.nodes)
                 c.nodes.append(node)
@@ -118,49 +116,11 @@ def _cut_chains(f: Forest, max_len: int | None = None) -> None:
         f.chain_of[node], f.index_in_chain[node] = cid, 0
 
 
-def recut(f: Forest, max_len: int) -> Forest:
-    """The same forest with chains also cut every `max_len` nodes (a long shared run becomes a few pieces, so a
-    [chains, width] layout wastes little padding on it)."""
-    g = Forest(f.request, f.parent, f.token, f.depth, f.paths, f.starts)
-    _cut_chains(g, max_len)
-    return g
-
-
-def packed_width(f: Forest) -> int:
-    """The chain width for a [pieces, width] layout: the one that minimises padded slots plus the ancestor
-    entries every piece gathers (a narrow width wastes no padding but makes many pieces, each gathering its whole
-    history; a wide one pads short leaves to the longest run). Ties: the wider one."""
-    depth0 = [f.depth[c.nodes[0]] for c in f.chains]
-    lengths = [len(c.nodes) for c in f.chains]
-    best = None
-    for w in sorted(set(lengths), reverse=True):
-        cost = 0
-        for n, a in zip(lengths, depth0, strict=True):
-            pieces = -(-n // w)
-            cost += pieces * w + sum(a + k * w for k in range(pieces))
-        if best is None or cost < best[0]:
-            best = (cost, w)
-    return best[1]
-
-
-def chain_ancestors(f: Forest, chain: int) -> list[int]:
-    """Node ids of every ancestor of the chain's first node, root first."""
-    out: list[int] = []
-    p = f.parent[f.chains[chain].nodes[0]]
-    while p >= 0:
-        out.append(p)
-        p = f.parent[p]
-    return out[::-1]
-
-
 def rows_tensor(rows: list[list[int]], pad: int = -1, left: bool = True) -> torch.Tensor:
     """A padded [R, T] long tensor of ragged rows (left padding by default, the runner's convention)."""
     t = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), t), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            if left:
-                out[i, t - len(r) :] = torch.tensor(r, dtype=torch.long)
-            else:
-                out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
+    if left:
+        padded = [[pad] * (t - len(r)) + list(r) for r in rows]
+    else:
+        padded = [list(r) + [pad] * (t - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long).reshape(len(rows), t)

@@ -21,6 +21,7 @@ class Work:
     forest: Forest
     skip: frozenset[int]
     meter: Meter
+    executed: int | None = None  # candidate tokens the executor ran (default: one per forest node)
 
     def new_states(self, dim: int) -> torch.Tensor:
         """[num_nodes, D] final-normed hidden state of every node, filled by the executor."""
@@ -49,6 +50,7 @@ def run_rows(work: Work, rows: list[list[int]], cache: KVCache, out: torch.Tenso
         tokens, positions, cache, valid=valid, skip=work.skip, meter=work.meter, phase="branch", **kw
     )
     out[nodes[valid]] = seq.hidden[valid].to(out.dtype)
+    work.executed = (work.executed or 0) + int(valid.sum())
     return nodes
 
 

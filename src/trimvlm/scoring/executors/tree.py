@@ -1,13 +1,14 @@
-"""`tree`: every unique trie node once per executed layer, in as few calls as the trie allows.
+"""`tree`: every unique trie node once per executed layer (up to the nodes the layout chooses to run twice),
+in as few calls as the trie allows.
 
-The chunk is all chains of all requests, one row per chain ([C, L], left-padded), each node at its original
-position; chains longer than the width that packs the layout best are cut into pieces (a long shared run next
-to short leaves would otherwise pad every leaf row to its length). An attention layer is one call: a node attends to its request's prefix (a shared part, never
-copied), to its chain's ancestor nodes (their keys are computed by this same call and gathered per chain) and
-causally to its own chain, which is exactly the history it has in a separate evaluation. A recurrent layer
-cannot scan a tree, so it runs the chains level by level from their parents' final states: one call per level
-for the leaves (right-padded: padding after a chain's end changes nothing before it) and one per chain length
-for chains with children (their final states are kept and must not see padding).
+The chunk is all rows of all requests ([R, W], left-padded; `tree_layout` decides the rows: trie chains, short
+shared chains absorbed into their children, long ones cut into pieces), each node at its original position.
+An attention layer is one call: a node attends to its request's prefix (a shared part, never copied), to its
+row's ancestor nodes (their keys are computed by this same call and gathered per row) and causally within its
+row, which is exactly the history it has in a separate evaluation. A recurrent layer cannot scan a tree, so it
+runs the rows level by level from their parents' final states: one call per level for the leaves
+(right-padded: padding after a row's end changes nothing before it) and one per length for rows with children
+(their final states are kept and must not see padding).
 """
 
 from __future__ import annotations
@@ -18,39 +19,41 @@ import torch
 
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors.common import Work, run_rows
-from trimvlm.scoring.trie import Forest, chain_ancestors, packed_width, recut, rows_tensor
+from trimvlm.scoring.executors.tree_layout import Piece, plan_pieces
+from trimvlm.scoring.trie import rows_tensor
 
 
-def order_chains(f: Forest) -> list[int]:
-    """Chains grouped by request (so prefix rows are contiguous runs), levels in order inside a request."""
-    return sorted(range(len(f.chains)), key=lambda c: (f.chains[c].request, f.chains[c].level, c))
+def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
+    """`order`: piece ids in row order. Flat indices are into the [R * W] left-padded layout."""
+    width = max(len(pieces[p].nodes) for p in order)
+    row_of = {p: r for r, p in enumerate(order)}
 
+    def flat(p: int) -> list[int]:
+        n = len(pieces[p].nodes)
+        base = row_of[p] * width + width - n
+        return list(range(base, base + n))
 
-def schedule(f: Forest, order: list[int]) -> TreeSchedule:
-    width = max(len(f.chains[c].nodes) for c in order)
-    flat = {}  # node -> flat index in the [C * L] layout (left padding)
-    for r, cid in enumerate(order):
-        nodes = f.chains[cid].nodes
-        for j, node in enumerate(nodes):
-            flat[node] = r * width + (width - len(nodes)) + j
-    ancestors = rows_tensor([[flat[a] for a in chain_ancestors(f, cid)] for cid in order])
+    anc: dict[int, list[int]] = {}
+    for p in sorted(order, key=lambda p: pieces[p].level):  # parents first
+        parent = pieces[p].parent
+        anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
+    ancestors = rows_tensor([anc[p] for p in order])
     calls, tokens = [], 0
-    for level in range(f.levels()):
+    for level in range(1 + max(pieces[p].level for p in order)):
         leaves, inner = [], defaultdict(list)
-        for cid in order:
-            c = f.chains[cid]
-            if c.level == level:
-                (inner[len(c.nodes)] if c.children else leaves).append(cid)
+        for p in order:
+            if pieces[p].level == level:
+                (inner[len(pieces[p].nodes)] if pieces[p].children else leaves).append(p)
         for group, keep in [(leaves, False)] + [(g, True) for g in inner.values()]:
             if not group:
                 continue
-            nodes = rows_tensor([[flat[n] for n in f.chains[c].nodes] for c in group], left=False)
+            nodes = rows_tensor([flat(p) for p in group], left=False)
             calls.append(
                 RecurrentCall(
                     nodes=nodes,
                     chain=torch.tensor(group, dtype=torch.long),
-                    parent=torch.tensor([f.chains[c].parent for c in group], dtype=torch.long),
-                    owner=torch.tensor([f.chains[c].request for c in group], dtype=torch.long),
+                    parent=torch.tensor([pieces[p].parent for p in group], dtype=torch.long),
+                    owner=torch.tensor([pieces[p].request for p in group], dtype=torch.long),
                     keep=keep,
                 )
             )
@@ -59,13 +62,13 @@ def schedule(f: Forest, order: list[int]) -> TreeSchedule:
 
 
 def run(work: Work) -> torch.Tensor:
-    f = work.forest
-    f = recut(f, packed_width(f))  # long chains in pieces: little padding in the [chains, width] layout
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
-    order = order_chains(f)
-    owner = torch.tensor([f.chains[c].request for c in order], dtype=torch.long)
+    pieces = plan_pieces(work.forest)
+    # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
+    order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
+    owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long)
     cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
     cache.keep_kv = False
-    cache.tree = schedule(f, order)
-    run_rows(work, [f.chains[c].nodes for c in order], cache, out)
+    cache.tree = schedule(pieces, order)
+    run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out
