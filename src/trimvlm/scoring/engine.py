@@ -19,9 +19,13 @@ from trimvlm.scoring.request import READOUTS, CandidateScore, ScoreBatch, ScoreR
 from trimvlm.scoring.trie import build_forest
 
 
-def check_choice(executor: str, readout: str, head) -> None:
+def check_executor(executor: str) -> None:
     if executor not in NAMES:
         raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+
+
+def check_choice(executor: str, readout: str, head) -> None:
+    check_executor(executor)
     if readout not in READOUTS:
         raise InputError(f"unknown readout {readout!r}; allowed: {', '.join(READOUTS)}")
     if readout == "head" and head is None:
@@ -76,23 +80,24 @@ def run_branches(vlm, prefilled: Prefilled, *, executor: str = "auto", skip_bran
     Features, the executor that ran). `skip_branch` overrides the recipe's candidate-branch skip set; `meter`
     defaults to the prefill's."""
     runner, ad = vlm.runner, vlm.adapter
-    if executor not in NAMES:
-        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    check_executor(executor)
     meter = meter or prefilled.meter
     suffixes, starts = prefilled.suffixes, prefilled.starts
+    forest = None
     if executor == "auto":
         from trimvlm.scoring.executors.auto import choose
 
-        executor = choose(build_forest(suffixes, starts, merge=True), ad)
-    forest = build_forest(suffixes, starts, merge=executor in MERGED)
+        merged = build_forest(suffixes, starts, merge=True)
+        executor = choose(merged, ad)
+        forest = merged if executor in MERGED else None
+    forest = forest or build_forest(suffixes, starts, merge=executor in MERGED)
     plan = prefilled.plan
     skip = plan.skip_branch if skip_branch is None else frozenset(int(i) for i in skip_branch)
     runner.check_layers(skip, "skipped layer")
-    work = Work(runner=runner, prefix=prefilled.prefix, forest=forest, skip=skip, meter=meter)
+    work = Work(runner=runner, prefix=prefilled.prefix, forest=forest, skip=skip, meter=meter, plan=plan)
     with meter.timer("branch"), meter.phase_memory("branch"):
         states = EXECUTORS[executor](work)
         feats = features(work, states, prefilled.layout.first_counted)
-    work.plan = plan
     return work, states, feats, executor
 
 
@@ -102,8 +107,7 @@ def run_scoring(
 ):
     """Prefill + candidates. Returns (Work, node states, Features, the executor that ran). `skip_branch`
     overrides the recipe's candidate-branch skip set (calibration skips one layer at a time)."""
-    if executor not in NAMES:
-        raise InputError(f"unknown executor {executor!r}; allowed: {', '.join(NAMES)}")
+    check_executor(executor)  # before the prefix is encoded
     prefilled = prefill_requests(vlm, requests, recipe=recipe, meter=meter)
     return run_branches(vlm, prefilled, executor=executor, skip_branch=skip_branch)
 

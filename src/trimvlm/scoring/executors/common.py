@@ -21,7 +21,8 @@ class Work:
     forest: Forest
     skip: frozenset[int]
     meter: Meter
-    executed: int | None = None  # candidate tokens the executor ran (default: one per forest node)
+    plan: object = None  # the trimvlm.plan.Plan the prefix was encoded with
+    executed: int | None = None  # candidate tokens the executor ran (set by run_rows)
 
     def new_states(self, dim: int) -> torch.Tensor:
         """[num_nodes, D] final-normed hidden state of every node, filled by the executor."""
