@@ -11,7 +11,7 @@ from trimvlm.scoring.trie import build_forest
 from trimvlm.testing import WORDS, random_image
 from trimvlm.vlm import VLM
 
-EXECUTORS = ["batched", "segments", "tree", "auto"]
+EXECUTORS = ["batched", "segments", "tree", "auto", "tree-merged"]
 TOL = 1e-4
 
 CASES = {
@@ -25,6 +25,25 @@ CASES = {
     # a batch of requests with different candidate counts and prefix lengths
     "batch": [["red", "red circle", "blue"], ["two three four", "two three five", "one"], ["yes"]],
 }
+
+
+@pytest.fixture(autouse=True)
+def _merged_tree_option(monkeypatch):
+    """`tree-merged` = the tree executor with its cost rule off: always the merged trie layout (ancestors,
+    pieces, recurrent levels), so the small cases here exercise that machinery too."""
+    from trimvlm.scoring.executors import EXECUTORS as RUN
+    from trimvlm.scoring.executors import NAMES, tree, tree_layout
+
+    def merged(work):
+        with monkeypatch.context() as m:
+            m.setattr(tree_layout, "CALL_COST", 0)
+            m.setattr(tree_layout, "MIN_SHARED", 0.0)
+            return tree.run(work)
+
+    monkeypatch.setitem(RUN, "tree-merged", merged)
+    monkeypatch.setattr("trimvlm.scoring.executors.NAMES", (*NAMES, "tree-merged"))
+    monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
+    monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +79,8 @@ def test_executors_equal_independent(vlms, family, case):
     for ex in EXECUTORS:
         got = vlm.score(reqs, readout="loglik", executor=ex)
         assert _max_diff(ref, got) <= TOL, (family, case, ex)
+        if ex == "tree-merged" and case in ("nested", "duplicates_prefixes", "batch"):
+            assert got.tokens["executed"] < got.tokens["logical"]  # the trie really merged
         for ra, rb in zip(ref.results, got.results, strict=True):
             assert ra.chosen == rb.chosen
             assert [c.n_tokens for c in ra.candidates] == [c.n_tokens for c in rb.candidates]
@@ -162,7 +183,8 @@ def test_batched_copies_no_prefix(vlms, family):
 
 def test_tree_runs_fewer_tokens_and_flops(vlms):
     vlm = vlms("qwen3_vl")
-    cands = [f"red circle {w}" for w in WORDS[20:36]]
+    shared = " ".join(WORDS[20:32])  # 12 shared tokens x 16 candidates: far more than one extra call saves
+    cands = [f"{shared} {w}" for w in WORDS[32:48]]
     b = vlm.score(random_image(1), "what is the colour", cands, executor="batched")
     t = vlm.score(random_image(1), "what is the colour", cands, executor="tree")
     assert t.tokens["executed"] < b.tokens["executed"] == b.tokens["logical"]
@@ -230,7 +252,7 @@ def test_executors_equal_independent_with_skipped_candidate_layers(vlms, family)
     reqs = _requests(CASES["nested"] + CASES["batch"][:1])
     pre = prefill_requests(vlm, reqs)
     got = {}
-    for ex in ["independent", "batched", "segments", "tree"]:
+    for ex in ["independent", "batched", "segments", "tree", "tree-merged"]:
         _, _, feats, _ = run_branches(vlm, pre, executor=ex, skip_branch={1})
         got[ex] = [r.logits for r in read(reqs, feats, "loglik", None, pre.meter)]
     full = [

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 
+from trimvlm.adapters.base import ATTENTION
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors.common import Work, run_rows
 from trimvlm.scoring.executors.tree_layout import Piece, plan_pieces
@@ -63,7 +64,9 @@ def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
 
 def run(work: Work) -> torch.Tensor:
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
-    pieces = plan_pieces(work.forest)
+    types = work.runner.adapter.layer_types
+    recurrent = sum(t != ATTENTION for i, t in enumerate(types) if i not in work.skip) / max(1, len(types))
+    pieces = plan_pieces(work.forest, recurrent_share=recurrent)
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long)

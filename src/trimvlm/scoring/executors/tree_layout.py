@@ -20,6 +20,10 @@ from trimvlm.scoring.trie import Forest
 
 ALPHA = 1 / 16  # cost of one gathered ancestor entry, in token slots
 MIN_SHARED = 1.02  # below this logical / unique ratio the candidates run as plain rows (no planning)
+# An extra kernel call (the ancestor part of an attention layer, one more level of a recurrent layer) costs
+# about as much as this many token slots of a layer on the tiny CPU models of benchmarks/scoring_scan.py
+# (~0.7 ms per layer against ~15 us per token): a layout that saves fewer slots runs as plain rows.
+CALL_COST = 64
 
 
 @dataclass
@@ -44,11 +48,28 @@ def row_cost(lengths: list[int], depth0: list[int], w: int) -> float:
     return cost
 
 
-def plan_pieces(f: Forest) -> list[Piece]:
+def plan_pieces(f: Forest, recurrent_share: float = 0.0) -> list[Piece]:
     """The cheapest layout over the candidate widths (every chain length and every candidate's path length):
-    for each width, absorb greedily, then cost the rows cut at that width."""
-    if f.logical_tokens < MIN_SHARED * f.num_nodes:  # next to nothing merged: one row per candidate
-        return [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
+    for each width, absorb greedily, then cost the rows cut at that width; plain rows (one per candidate, the
+    `batched` layout) when they cost less once the merged layout's extra calls are counted. `recurrent_share`:
+    the fraction of layers that are recurrent (they make one call per level)."""
+    plain = [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
+    if f.logical_tokens < MIN_SHARED * f.num_nodes:  # next to nothing merged
+        return plain
+    merged = _merged(f)
+    levels = 1 + max(p.level for p in merged)
+    has_ancestors = any(p.parent >= 0 for p in merged)
+    extra = CALL_COST * ((1 - recurrent_share) * has_ancestors + recurrent_share * (levels - 1))
+    cost = row_cost([len(p.nodes) for p in merged], [f.depth[p.nodes[0]] for p in merged], max_len(merged))
+    plain_cost = len(plain) * max_len(plain)
+    return plain if plain_cost <= cost + extra else merged
+
+
+def max_len(pieces: list[Piece]) -> int:
+    return max(len(p.nodes) for p in pieces)
+
+
+def _merged(f: Forest) -> list[Piece]:
     widths = {len(c.nodes) for c in f.chains} | {len(p) for req in f.paths for p in req}
     best = None
     for w in sorted(widths, reverse=True):
