@@ -36,8 +36,7 @@ def _merged_tree_option(monkeypatch):
 
     def merged(work):
         with monkeypatch.context() as m:
-            m.setattr(tree_layout, "CALL_COST", 0)
-            m.setattr(tree_layout, "MIN_SHARED", 0.0)
+            m.setattr(tree, "plan_pieces", lambda f, mix=None: tree_layout.merged_layout(f))
             return tree.run(work)
 
     monkeypatch.setitem(RUN, "tree-merged", merged)

@@ -70,6 +70,8 @@ class Adapter:
 
     family: str = ""
     rope_axes: int = 1
+    # recurrent layers' kernel pads each row to a multiple of this many tokens (cost model of the tree layout)
+    recurrent_chunk: int = 1
 
     def __init__(self, model, tokenizer, image_processor, folder: Path | None = None):
         self.model = model

@@ -35,6 +35,7 @@ from trimvlm.runtime.cache import KVCache
 
 class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
     family = "qwen3_5"
+    recurrent_chunk = 64  # transformers' chunked gated-delta kernel pads every row to 64-token chunks
 
     def __init__(self, model, tokenizer, image_processor, folder=None):
         super().__init__(model, _as_saved(tokenizer, folder), image_processor, folder=folder)

@@ -20,7 +20,7 @@ import torch
 from trimvlm.adapters.base import ATTENTION
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors.common import Work, run_rows
-from trimvlm.scoring.executors.tree_layout import Piece, plan_pieces
+from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces
 from trimvlm.scoring.trie import rows_tensor
 
 
@@ -64,9 +64,13 @@ def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
 
 def run(work: Work) -> torch.Tensor:
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
-    types = work.runner.adapter.layer_types
-    recurrent = sum(t != ATTENTION for i, t in enumerate(types) if i not in work.skip) / max(1, len(types))
-    pieces = plan_pieces(work.forest, recurrent_share=recurrent)
+    ad = work.runner.adapter
+    run = [t for i, t in enumerate(ad.layer_types) if i not in work.skip]
+    mix = LayerMix(
+        attention=sum(t == ATTENTION for t in run), recurrent=sum(t != ATTENTION for t in run),
+        chunk=ad.recurrent_chunk,
+    )  # fmt: skip
+    pieces = plan_pieces(work.forest, mix)
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long)

@@ -20,9 +20,9 @@ from trimvlm.scoring.trie import Forest
 
 ALPHA = 1 / 16  # cost of one gathered ancestor entry, in token slots
 MIN_SHARED = 1.02  # below this logical / unique ratio the candidates run as plain rows (no planning)
-# An extra kernel call (the ancestor part of an attention layer, one more level of a recurrent layer) costs
-# about as much as this many token slots of a layer on the tiny CPU models of benchmarks/scoring_scan.py
-# (~0.7 ms per layer against ~15 us per token): a layout that saves fewer slots runs as plain rows.
+# An extra kernel call (the ancestor part of an attention layer, one more recurrent call) costs about as much
+# as this many token slots of a layer on the tiny CPU models of benchmarks/scoring_scan.py (~0.7 ms per layer
+# against ~15 us per token): a layout that saves fewer slots runs as plain rows.
 CALL_COST = 64
 
 
@@ -48,28 +48,50 @@ def row_cost(lengths: list[int], depth0: list[int], w: int) -> float:
     return cost
 
 
-def plan_pieces(f: Forest, recurrent_share: float = 0.0) -> list[Piece]:
+@dataclass
+class LayerMix:
+    """What the layout's cost is summed over: executed attention and recurrent layers, and the granularity of
+    the recurrent kernel (rows are padded to multiples of `chunk` tokens; 1 for a per-token kernel)."""
+
+    attention: int = 1
+    recurrent: int = 0
+    chunk: int = 1
+
+
+def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     """The cheapest layout over the candidate widths (every chain length and every candidate's path length):
     for each width, absorb greedily, then cost the rows cut at that width; plain rows (one per candidate, the
-    `batched` layout) when they cost less once the merged layout's extra calls are counted. `recurrent_share`:
-    the fraction of layers that are recurrent (they make one call per level)."""
+    `batched` layout) when they cost less over the executed layers once every extra call is counted."""
+    mix = mix or LayerMix()
     plain = [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
     if f.logical_tokens < MIN_SHARED * f.num_nodes:  # next to nothing merged
         return plain
-    merged = _merged(f)
-    levels = 1 + max(p.level for p in merged)
-    has_ancestors = any(p.parent >= 0 for p in merged)
-    extra = CALL_COST * ((1 - recurrent_share) * has_ancestors + recurrent_share * (levels - 1))
-    cost = row_cost([len(p.nodes) for p in merged], [f.depth[p.nodes[0]] for p in merged], max_len(merged))
-    plain_cost = len(plain) * max_len(plain)
-    return plain if plain_cost <= cost + extra else merged
+    merged = merged_layout(f)
+    return plain if layout_cost(plain, f, mix) <= layout_cost(merged, f, mix) else merged
+
+
+def layout_cost(pieces: list[Piece], f: Forest, mix: LayerMix) -> float:
+    """Token slots (plus CALL_COST per extra kernel call) of one pass of the layout: an attention layer runs
+    the padded [rows, width] layout once, gathers the ancestors, and makes one more call when there are any; a
+    recurrent layer runs each level's rows (leaves in one call, rows with children one call per length), each
+    row padded to its call's length rounded up to the kernel's chunk."""
+    w = max_len(pieces)
+    ancestors = [f.depth[p.nodes[0]] for p in pieces]
+    attention = len(pieces) * w + ALPHA * sum(ancestors) + CALL_COST * any(a > 0 for a in ancestors)
+    calls: dict[tuple, list[int]] = {}
+    for p in pieces:
+        key = (p.level, len(p.nodes) if p.children else 0)
+        calls.setdefault(key, []).append(len(p.nodes))
+    recurrent = sum(len(n) * (-(-max(n) // mix.chunk) * mix.chunk) + CALL_COST for n in calls.values())
+    return mix.attention * attention + mix.recurrent * (recurrent - CALL_COST)
 
 
 def max_len(pieces: list[Piece]) -> int:
     return max(len(p.nodes) for p in pieces)
 
 
-def _merged(f: Forest) -> list[Piece]:
+def merged_layout(f: Forest) -> list[Piece]:
+    """The trie layout: absorbed and cut at the best width (never plain rows)."""
     widths = {len(c.nodes) for c in f.chains} | {len(p) for req in f.paths for p in req}
     best = None
     for w in sorted(widths, reverse=True):
