@@ -44,6 +44,10 @@ class Forest:
         return len(self.token)
 
     @property
+    def logical_paths(self) -> int:
+        return sum(len(req) for req in self.paths)
+
+    @property
     def logical_tokens(self) -> int:
         return sum(len(p) for req in self.paths for p in req)
 

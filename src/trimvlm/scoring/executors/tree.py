@@ -19,6 +19,7 @@ import torch
 
 from trimvlm.adapters.base import ATTENTION
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
+from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.common import Work, run_rows
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces
 from trimvlm.scoring.trie import rows_tensor
@@ -71,6 +72,8 @@ def run(work: Work) -> torch.Tensor:
         chunk=ad.recurrent_chunk,
     )  # fmt: skip
     pieces = plan_pieces(work.forest, mix)
+    if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
+        return batched.run(work)  # the layout is one plain row per candidate: exactly `batched`
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long)

@@ -64,7 +64,8 @@ def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     `batched` layout) when they cost less over the executed layers once every extra call is counted."""
     mix = mix or LayerMix()
     plain = [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
-    if f.logical_tokens < MIN_SHARED * f.num_nodes:  # next to nothing merged
+    saved = f.logical_tokens - f.num_nodes  # the most any merged layout can save per layer
+    if f.logical_tokens < MIN_SHARED * f.num_nodes or saved <= CALL_COST:
         return plain
     merged = merged_layout(f)
     return plain if layout_cost(plain, f, mix) <= layout_cost(merged, f, mix) else merged
