@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -61,63 +62,77 @@ class Forest:
     def position(self, node: int) -> int:
         return self.starts[self.request[node]] + self.depth[node]
 
+    def positions(self) -> torch.Tensor:
+        """[num_nodes] position of every node (its request's start + its depth)."""
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        request = torch.tensor(self.request, dtype=torch.long)
+        return starts[request] + torch.tensor(self.depth, dtype=torch.long)
+
     def levels(self) -> int:
         return 1 + max((c.level for c in self.chains), default=-1)
 
 
 def build_forest(suffixes: list[list[list[int]]], starts: list[int], *, merge: bool) -> Forest:
     """`suffixes[r][i]` = token ids of candidate i of request r (markers included); `starts[r]` = the position
-    of its first token."""
+    of its first token.
+
+    Merging inserts a request's candidates in sorted order: the longest history a candidate shares with any
+    earlier one is then its common prefix with the one just before it, and every token after that is a new
+    node. Within a request a parent fixes the position, so this is the key (parent, token, position ids)."""
     f = Forest(request=[], parent=[], token=[], depth=[], paths=[], starts=list(starts))
     for r, cands in enumerate(suffixes):
-        index: dict[tuple, int] = {}
-        req_paths = []
-        for toks in cands:
-            parent, path = -1, []
-            for d, t in enumerate(toks):
-                key = (parent, int(t), starts[r] + d)
-                node = index.get(key) if merge else None
-                if node is None:
-                    node = len(f.token)
-                    f.request.append(r)
-                    f.parent.append(parent)
-                    f.token.append(int(t))
-                    f.depth.append(d)
-                    if merge:
-                        index[key] = node
-                path.append(node)
-                parent = node
-            req_paths.append(path)
+        req_paths: list[list[int]] = [[] for _ in cands]
+        order = sorted(range(len(cands)), key=lambda i: list(cands[i])) if merge else range(len(cands))
+        prev: list[int] = []
+        prev_path: list[int] = []
+        for i in order:
+            toks = [int(t) for t in cands[i]]
+            shared = 0
+            if merge:
+                m = min(len(prev), len(toks))
+                while shared < m and prev[shared] == toks[shared]:
+                    shared += 1
+            base, k = len(f.token), len(toks) - shared
+            if k:
+                f.request.extend([r] * k)
+                f.parent.append(prev_path[shared - 1] if shared else -1)
+                f.parent.extend(range(base, base + k - 1))
+                f.token.extend(toks[shared:])
+                f.depth.extend(range(shared, len(toks)))
+            path = prev_path[:shared] + list(range(base, base + k))
+            req_paths[i] = path
+            prev, prev_path = toks, path
         f.paths.append(req_paths)
     _cut_chains(f)
     return f
 
 
 def _cut_chains(f: Forest) -> None:
+    """A node starts a chain when it has no parent, or its parent forks (not exactly one child) or ends a
+    candidate. Chains are runs of consecutive node ids: a node with one child got it as the very next node
+    (the path that created it went on at once), so a cumulative count of starts numbers them."""
     n = f.num_nodes
-    kids: list[list[int]] = [[] for _ in range(n)]
-    for node, p in enumerate(f.parent):
-        if p >= 0:
-            kids[p].append(node)
-    ends = {path[-1] for req in f.paths for path in req if path}
-    f.chain_of = [-1] * n
-    f.index_in_chain = [-1] * n
-    for node in range(n):  # parents first: a chain starts where its parent's chain ended
-        p = f.parent[node]
-        if p >= 0 and f.chain_of[p] >= 0:
-            c = f.chains[f.chain_of[p]]
-            continues = c.nodes[-1] == p and len(kids[p]) == 1 and p not in ends
-            if continues:
-                f.chain_of[node], f.index_in_chain[node] = f.chain_of[p], len(c.nodes)
-                c.nodes.append(node)
-                continue
-        parent_chain = f.chain_of[p] if p >= 0 else -1
-        level = f.chains[parent_chain].level + 1 if parent_chain >= 0 else 0
-        f.chains.append(Chain(nodes=[node], parent=parent_chain, request=f.request[node], level=level))
-        cid = len(f.chains) - 1
-        if parent_chain >= 0:
-            f.chains[parent_chain].children.append(cid)
-        f.chain_of[node], f.index_in_chain[node] = cid, 0
+    parent = np.asarray(f.parent, dtype=np.int64).reshape(n)
+    kids = np.bincount(parent[parent >= 0], minlength=n)
+    ends = np.zeros(n, dtype=bool)
+    ends[[path[-1] for req in f.paths for path in req if path]] = True
+    start = np.ones(n, dtype=bool)
+    has = parent >= 0
+    start[has] = (kids[parent[has]] != 1) | ends[parent[has]]
+    chain_of = np.cumsum(start) - 1
+    first = np.flatnonzero(start)
+    f.chain_of = chain_of.tolist()
+    f.index_in_chain = (np.arange(n) - first[chain_of]).tolist() if n else []
+    bounds = [*first.tolist(), n]
+    f.chains = []
+    for c in range(len(first)):
+        a, b = bounds[c], bounds[c + 1]
+        p = f.parent[a]
+        pc = f.chain_of[p] if p >= 0 else -1
+        level = f.chains[pc].level + 1 if pc >= 0 else 0
+        f.chains.append(Chain(nodes=list(range(a, b)), parent=pc, request=f.request[a], level=level))
+        if pc >= 0:
+            f.chains[pc].children.append(c)
 
 
 def rows_tensor(rows: list[list[int]], pad: int = -1, left: bool = True) -> torch.Tensor:

@@ -37,7 +37,7 @@ def chain_inputs(work: Work, rows: list[list[int]]):
     valid = nodes >= 0
     safe = nodes.clamp(min=0)
     tokens = torch.tensor(f.token, dtype=torch.long)[safe].masked_fill(~valid, 0)
-    pos = torch.tensor([f.position(n) for n in range(f.num_nodes)], dtype=torch.long)[safe]
+    pos = f.positions()[safe]
     pos = pos.masked_fill(~valid, 0)
     positions = pos[None].expand(work.runner.adapter.rope_axes, -1, -1)
     return tokens, positions, valid, nodes
