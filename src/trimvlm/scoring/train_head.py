@@ -298,38 +298,23 @@ def train(
     opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
     rng = np.random.default_rng([settings.seed, 7])
-    gen = torch.Generator().manual_seed(settings.seed)
-    m = len(train_set)
-    bs = min(settings.batch_size, m)
-    order, at = rng.permutation(m), 0
+    choice = _Stream(
+        train_set, settings.batch_size, rng, torch.Generator().manual_seed(settings.seed), settings
+    )
     use_binary = binary_train is not None and len(binary_train) > 0 and settings.binary_weight > 0
     if use_binary:
         rng_b = np.random.default_rng([settings.seed, 8])
         gen_b = torch.Generator().manual_seed(int(rng_b.integers(2**62)))
-        m_b = len(binary_train)
-        bs_b = min(settings.binary_batch_size, m_b)
-        order_b, at_b = rng_b.permutation(m_b), 0
+        binary = _Stream(binary_train, settings.binary_batch_size, rng_b, gen_b, settings)
     val_binary = binary_val if binary_val is not None and len(binary_val) > 0 else None
     best = (-1.0, math.inf, 0)
     best_state = {k: v.clone() for k, v in head.state_dict().items()}
     history = []
     task = progress.add_task("train head", total=settings.steps) if progress is not None else None
     for step in range(1, settings.steps + 1):
-        if at + bs > m:
-            order, at = rng.permutation(m), 0
-        batch = train_set.subset(order[at : at + bs])
-        at += bs
-        if settings.dropout > 0:
-            batch = _dropped(batch, settings.dropout, gen)
-        loss = loss_of(head, batch)
+        loss = loss_of(head, choice.next())
         if use_binary:
-            if at_b + bs_b > m_b:
-                order_b, at_b = rng_b.permutation(m_b), 0
-            batch_b = binary_train.subset(order_b[at_b : at_b + bs_b])
-            at_b += bs_b
-            if settings.dropout > 0:
-                batch_b = _dropped(batch_b, settings.dropout, gen_b)
-            loss = loss + loss_of(head, batch_b, settings.binary_weight)
+            loss = loss + loss_of(head, binary.next(), settings.binary_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -364,6 +349,23 @@ def train(
         "best_val_loss": best[1],
         "history": history,
     }
+
+
+class _Stream:
+    """Seeded batches of one cached set: a fresh permutation whenever the next batch would run past the end,
+    input dropout from its own generator."""
+
+    def __init__(self, data: Cached, batch_size: int, rng, gen: torch.Generator, settings):
+        self.data, self.rng, self.gen, self.dropout = data, rng, gen, settings.dropout
+        self.size = min(batch_size, len(data))
+        self.order, self.at = rng.permutation(len(data)), 0
+
+    def next(self) -> Cached:
+        if self.at + self.size > len(self.data):
+            self.order, self.at = self.rng.permutation(len(self.data)), 0
+        batch = self.data.subset(self.order[self.at : self.at + self.size])
+        self.at += self.size
+        return _dropped(batch, self.dropout, self.gen) if self.dropout > 0 else batch
 
 
 def _dropped(c: Cached, p: float, gen: torch.Generator) -> Cached:
