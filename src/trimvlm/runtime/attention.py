@@ -168,7 +168,11 @@ def trimvlm_attention(
     own = _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), attention_mask, scaling)
     outs.append(own)
     lse_all = torch.logsumexp(torch.stack([lse for _, lse in outs]), dim=0)
-    out = sum(o.float() * torch.exp(lse - lse_all)[..., None] for o, lse in outs)
+    # a part a row cannot see (lse = -inf) adds nothing, whatever its kernel left in that row
+    out = sum(
+        torch.where(torch.isfinite(lse)[..., None], o.float(), 0.0) * torch.exp(lse - lse_all)[..., None]
+        for o, lse in outs
+    )
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
