@@ -42,10 +42,6 @@ class SharedPrefix:
     states: dict[int, dict[str, torch.Tensor]]
     state_owner: torch.Tensor  # [B] long
 
-    @property
-    def owner(self) -> torch.Tensor:
-        return self.parts[0].owner
-
 
 def owner_runs(owner: torch.Tensor) -> list[tuple[int, int, int]]:
     """(start, end, row) of each maximal run of equal entries of `owner` [B]."""
@@ -78,9 +74,8 @@ class KVCache:
         self._recording = False
         # False for leaf branches: their final conv/recurrent states have no reader, so they are never stored
         self.keep_final_states = True
-        self.tree = (
-            None  # a TreeSchedule when the chunk is a candidate tree (recurrent layers run its chains)
-        )
+        # a TreeSchedule when the chunk is a candidate tree (recurrent layers run its chains)
+        self.tree = None
         self.keep_kv = True  # False for leaf branches: their own keys/values have no later reader
 
     # ---- the runner's side ----
