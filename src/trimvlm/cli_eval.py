@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
-from trimvlm.evals.report import plot_pareto, print_report, result_dict, write_json, write_markdown
+from trimvlm.evals.report import (
+    plot_pareto,
+    print_report,
+    result_dict,
+    write_json,
+    write_markdown,
+    write_outputs,
+)
 from trimvlm.evals.run import normalize_recipes, run_eval
 from trimvlm.evals.scoring_eval import candidate_eval_command, is_candidate_task
 from trimvlm.evals.tasks import check_limit, get_task
@@ -51,12 +58,9 @@ def available_demo_recipes(console=None) -> list:
 
 def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
     print_report(result, console=console)
-    if json_out:
-        console.print(f"wrote {write_json(result, json_out)}")
-    if plot_out:
-        console.print(f"wrote {plot_pareto(result, plot_out)}")
-    if markdown_out:
-        console.print(f"wrote {write_markdown(result, markdown_out)}")
+    write_outputs(
+        result, console, [(json_out, write_json), (plot_out, plot_pareto), (markdown_out, write_markdown)]
+    )
     return result_dict(result)
 
 

@@ -169,6 +169,13 @@ def markdown_summary(result: EvalResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_outputs(result, console, outputs) -> None:
+    """Write `result` with each (path, writer) whose path is set, and say where it went."""
+    for path, writer in outputs:
+        if path:
+            console.print(f"wrote {writer(result, path)}")
+
+
 def write_text(text: str, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trimvlm.errors import InputError
-from trimvlm.evals.report import MARKERS, _ratio, pareto_front, versions, write_text
+from trimvlm.evals.report import MARKERS, _ratio, pareto_front, versions, write_outputs, write_text
 from trimvlm.evals.run import _model_info, _progress, normalize_recipes
 from trimvlm.evals.tasks import DEMO_DEFAULT_ITEMS, check_limit
 from trimvlm.options import is_int
@@ -509,10 +509,9 @@ def candidate_eval_command(
 ) -> dict:
     """`trimvlm eval --task demo-candidates`: run, print, write the JSON / PNG / Markdown. Returns the JSON."""
     import trimvlm
-    from trimvlm.scoring.request import READOUTS
+    from trimvlm.scoring.calibrate import check_readout_name
 
-    if readout != "auto" and readout not in READOUTS:
-        raise InputError(f"unknown readout {readout!r}; allowed: auto, {', '.join(READOUTS)}")
+    check_readout_name(readout)
     the_task = get_candidate_task(task, limit=limit, seed=seed)
     chosen = normalize_recipes(recipes)
     vlm = trimvlm.load(model)
@@ -521,10 +520,10 @@ def candidate_eval_command(
         progress=progress, console=console,
     )  # fmt: skip
     print_candidate_report(result, console=console)
-    if json_out:
-        console.print(f"wrote {write_candidate_json(result, json_out)}")
-    if plot_out:
-        console.print(f"wrote {plot_candidates(result, plot_out)}")
-    if markdown_out:
-        console.print(f"wrote {write_candidate_markdown(result, markdown_out)}")
+    outputs = [
+        (json_out, write_candidate_json),
+        (plot_out, plot_candidates),
+        (markdown_out, write_candidate_markdown),
+    ]
+    write_outputs(result, console, outputs)
     return {"versions": versions(), **result.to_dict()}

@@ -37,12 +37,17 @@ CALIBRATION_TASKS = ("demo", "demo-candidates")  # the demo task's candidate que
 DEFAULT_BATCH = 16
 
 
+def check_readout_name(readout: str) -> None:
+    """A readout or `auto` (checked before any model is loaded)."""
+    if readout != "auto" and readout not in READOUTS:
+        raise InputError(f"unknown readout {readout!r}; allowed: auto, {', '.join(READOUTS)}")
+
+
 def resolve_readout(vlm, readout: str) -> str:
     """`auto` is the head readout when the model has a trained decision head, else loglik."""
+    check_readout_name(readout)
     if readout == "auto":
         return "head" if vlm.head is not None else "loglik"
-    if readout not in READOUTS:
-        raise InputError(f"unknown readout {readout!r}; allowed: auto, {', '.join(READOUTS)}")
     return readout
 
 
@@ -144,8 +149,7 @@ def check_inputs(task: str, n, readout: str) -> None:
         )
     if not is_int(n) or n < 1:
         raise InputError(f"n must be a positive number of calibration inputs, got {n!r}")
-    if readout != "auto" and readout not in READOUTS:
-        raise InputError(f"unknown readout {readout!r}; allowed: auto, {', '.join(READOUTS)}")
+    check_readout_name(readout)
 
 
 def calibrate_command(
