@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trimvlm.loading import load_adapter
+from trimvlm.plan import Handoff
 from trimvlm.registry import build_method
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.runner import Runner
@@ -86,7 +87,8 @@ def main():
     rows = []
     for n_vis in [int(x) for x in args.contexts.split(",")]:
         prep = adapter.prepare([images_for(n_vis)], ["describe the image"])
-        probe = policy.probe(runner)
+        handoff = Handoff()
+        probe = policy.probe(runner, handoff)
         t0 = time.perf_counter()
         out = runner.prefill(prep, ctx=AttentionContext(probe=probe) if probe is not None else None)
         t_prefill = time.perf_counter() - t0
@@ -98,7 +100,7 @@ def main():
         base = copy.deepcopy(out.cache)
         bytes_base = base.attention_bytes()
         t0 = time.perf_counter()
-        policy.bind(runner)(out)
+        policy.bind(runner, handoff)(out)
         t_evict = time.perf_counter() - t0
         bytes_kv = out.cache.attention_bytes()
         _, hk, _, hd = e0.key.shape

@@ -34,11 +34,13 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trimvlm.kernels import farthest_point, masked_minmax
+from trimvlm.plan import Handoff
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.tokens.base import make_view
-from trimvlm.tokens.density import farthest_point, masked_minmax, view_density
+from trimvlm.tokens.density import view_density
 
 METHODS = [
     "density",
@@ -114,15 +116,16 @@ def reducer_for(method: str, keep: float, seq: LiveSeq):
     layer = 1 if attention else 0
     red = parse_recipe(f"tokens={method}:keep={keep}:layer={layer}").build()["tokens"]
     att = None
+    handoff = Handoff()
     if attention:
-        red._probe = AttentionProbe(last=1, layers={0})
+        handoff.probes["tokens"] = AttentionProbe(last=1, layers={0})
         logits = torch.randn(seq.batch, 1, seq.length, generator=torch.Generator().manual_seed(1))
         att = torch.softmax(logits * 3, dim=-1)
 
     def call():
         if att is not None:
-            red._probe.results[0] = att
-        return red.reduce(seq, _Runner())
+            handoff.probes["tokens"].results[0] = att
+        return red.reduce(seq, _Runner(), handoff)
 
     return red, call
 

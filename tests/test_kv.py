@@ -10,9 +10,10 @@ import torch
 from conftest import AVAILABLE, ragged_batch
 
 from trimvlm.errors import RecipeError, TrimVLMError
-from trimvlm.kv import mask_out, top_k_mask
+from trimvlm.kernels import topk_mask
+from trimvlm.kv import mask_out
 from trimvlm.kv.base import LayerView
-from trimvlm.plan import make_plan
+from trimvlm.plan import Handoff, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.registry import REGISTRIES, build_method
 from trimvlm.runtime.attention import AttentionContext, AttentionProbe
@@ -33,11 +34,12 @@ POLICY_IDS = [n + ("-" + "-".join(f"{k}={v}" for k, v in o.items()) if o else ""
 STEPS = 4
 
 
-def _prefill(runner, prep, policy, reducer=None):
+def _prefill(runner, prep, policy, handoff=None):
     """Prefill with the policy's probe; the keep masks it decides; a masked deep copy of the cache."""
-    probe = policy.probe(runner)
+    handoff = handoff or Handoff()
+    probe = policy.probe(runner, handoff)
     out = runner.prefill(prep, ctx=AttentionContext(probe=probe) if probe is not None else None)
-    masks = policy.select(out, reducer)
+    masks = policy.select(out, handoff)
     ref = copy.deepcopy(out.cache)
     mask_out(ref, masks)
     return out, masks, ref
@@ -82,9 +84,10 @@ def test_keep_one_is_an_exact_noop(tiny_adapter):
         policy = build_method("kv", name, {"keep": 1.0})
         out = runner.prefill(prep)
         before = {i: e.key for i, e in out.cache.layers.items()}
-        policy.bind(runner)(out)
+        policy.bind(runner, Handoff())(out)
         assert all(out.cache.layers[i].key is k for i, k in before.items())
-        assert all(torch.equal(m, out.cache.layers[i].valid) for i, m in policy.select(out).items())
+        masks = policy.select(out, Handoff())
+        assert all(torch.equal(m, out.cache.layers[i].valid) for i, m in masks.items())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -141,7 +144,7 @@ def test_drop_all_visual_kv(tiny_adapter, family):
     images, prompts = ragged_batch()
     prep = adapter.prepare(images, prompts)
     policy = build_method("kv", "density", {"keep": 0})
-    assert policy.probe(runner) is None
+    assert policy.probe(runner, Handoff()) is None
     out, masks, ref = _prefill(runner, prep, policy)
     text = {i: _counts(e)[1] for i, e in out.cache.layers.items()}
     policy.evict(out.cache, masks)
@@ -212,7 +215,7 @@ def test_selection_rules(tiny_adapter):
     n = vis_src.numel()
     keep = 0.5
     k = math.ceil(n * keep)
-    sl = build_method("kv", "streamingllm", {"keep": keep, "sinks": 4}).select(out)[0]
+    sl = build_method("kv", "streamingllm", {"keep": keep, "sinks": 4}).select(out, Handoff())[0]
     kept = e.source[0][sl[0] & e.visual[0]]
     assert torch.equal(kept, torch.cat([vis_src[:4], vis_src[n - (k - 4) :]]))
     # H2O's recent window: the last floor(k * recent) visual entries are always kept
@@ -222,11 +225,11 @@ def test_selection_rules(tiny_adapter):
     assert set(vis_src[n - k // 2 :].tolist()) <= set(kept.tolist())
     # an attention policy without its recorded attention says what to pass
     with pytest.raises(TrimVLMError, match="probe"):
-        build_method("kv", "h2o", {"keep": keep}).select(out)
+        build_method("kv", "h2o", {"keep": keep}).select(out, Handoff())
     # random: seeded, reproducible, seed-dependent
-    r0 = build_method("kv", "random", {"keep": keep, "seed": 0}).select(out)
-    r0b = build_method("kv", "random", {"keep": keep, "seed": 0}).select(out)
-    r1 = build_method("kv", "random", {"keep": keep, "seed": 1}).select(out)
+    r0 = build_method("kv", "random", {"keep": keep, "seed": 0}).select(out, Handoff())
+    r0b = build_method("kv", "random", {"keep": keep, "seed": 0}).select(out, Handoff())
+    r1 = build_method("kv", "random", {"keep": keep, "seed": 1}).select(out, Handoff())
     assert all(torch.equal(r0[i], r0b[i]) for i in r0)
     assert any(not torch.equal(r0[i], r1[i]) for i in r0)
 
@@ -339,13 +342,14 @@ def test_joint_recipe(tiny_adapter):
     recipe = "tokens=density:keep=0.5:layer=3,kv=density:keep=0.25"
     methods = parse_recipe(recipe).build()
     reducer, policy = methods["tokens"], methods["kv"]
-    out = runner.prefill(prep, hook=reducer.hook(runner))
+    handoff = Handoff()
+    out = runner.prefill(prep, hook=reducer.hook(runner, handoff))
     full = runner.prefill(prep)
     n_full = (full.cache.layers[0].visual & full.cache.layers[0].valid).sum(1)
     n_post = (out.cache.layers[3].visual & out.cache.layers[3].valid).sum(1)
     assert bool((n_post < n_full).all())  # the prefill reduction ran
-    masks = policy.select(out, reducer)
-    rho = reducer.last_rho  # reused: every layer keeps the top-k of the prefill's rho, no new similarity
+    masks = policy.select(out, handoff)
+    rho = handoff.rho  # reused: every layer keeps the top-k of the prefill's rho, no new similarity
     assert isinstance(rho, torch.Tensor)
     for i, e in out.cache.layers.items():
         n = n_full if i < 3 else n_post
@@ -353,7 +357,7 @@ def test_joint_recipe(tiny_adapter):
         cand = e.visual & e.valid
         assert torch.equal((masks[i] & e.visual).sum(1), k)
         by_src = torch.nn.functional.pad(rho, (0, e.source.shape[1]), value=float("nan"))
-        assert torch.equal(masks[i] & e.visual, top_k_mask(by_src.gather(1, e.source.clamp(min=0)), cand, k))
+        assert torch.equal(masks[i] & e.visual, topk_mask(by_src.gather(1, e.source.clamp(min=0)), k, cand))
     # the recipe end to end, through the plan
     plan = make_plan(recipe, runner)
     kw = dict(max_new_tokens=4, stop_ids=[], pad_id=0)
@@ -375,9 +379,10 @@ def test_joint_with_an_attention_reducer(tiny_adapter):
     prep = adapter.prepare(images, prompts)
     methods = parse_recipe("tokens=fastv:keep=0.5:layer=2,kv=h2o:keep=0.25").build()
     reducer, policy = methods["tokens"], methods["kv"]
-    merged = policy.probe(runner).merge(reducer.probe(runner))
-    out = runner.prefill(prep, hook=reducer.hook(runner), ctx=AttentionContext(probe=merged))
-    masks = policy.select(out, reducer)
+    handoff = Handoff()
+    merged = policy.probe(runner, handoff).merge(reducer.probe(runner, handoff))
+    out = runner.prefill(prep, hook=reducer.hook(runner, handoff), ctx=AttentionContext(probe=merged))
+    masks = policy.select(out, handoff)
     ref = copy.deepcopy(out.cache)
     mask_out(ref, masks)
     policy.evict(out.cache, masks)

@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from conftest import ragged_batch
 
 from trimvlm.errors import RecipeError
-from trimvlm.plan import make_plan
+from trimvlm.kernels import farthest_point, masked_minmax, merge_groups, spatial_density
+from trimvlm.plan import Handoff, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
-from trimvlm.tokens.base import make_view, merge_groups
-from trimvlm.tokens.density import farthest_point, masked_minmax, spatial_density, view_density
+from trimvlm.tokens.base import make_view
+from trimvlm.tokens.density import view_density
 
 FAMILY = "qwen3_vl"
 METHODS = ["density", "density:select=topk", "divprune", "fastv", "tome", "dart", "prumerge", "random"]
@@ -255,7 +256,7 @@ def test_merge_in_the_live_sequence_conserves_mass(setup, recipe):
     seq = adapter.embed(adapter.prepare(images, prompts))
     assert seq.adds.get("deepstack")  # this tiny family adds deepstack features
     reducer = parse_recipe(f"tokens={recipe}:layer=0").build()["tokens"]
-    out = reducer.reduce(seq, runner)
+    out = reducer.reduce(seq, runner, Handoff())
 
     def mass(s, t):
         w = (s.size * s.visual)[..., None].to(t.dtype)

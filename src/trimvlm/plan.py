@@ -9,6 +9,30 @@ from trimvlm.recipe import Recipe, parse_recipe
 
 
 @dataclass
+class Handoff:
+    """What one phase hands the next within one call, filled in as the call runs (methods keep no state):
+
+    probes: the AttentionProbe each axis asked for ("tokens", "kv"), read back by that axis' method;
+    rho: [B, S_prefill] float, the prefill reducer's spatial density by original position (NaN off its visual
+        tokens), for a KV policy that reuses it;
+    kept: [B, S_prefill] bool, the original positions the prefill reducer kept (None: no reduction ran);
+    vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip).
+    """
+
+    probes: dict = field(default_factory=dict)
+    rho: object | None = None
+    kept: object | None = None
+    vision: object | None = None
+
+    def reset(self) -> None:
+        """Forget the previous call's results (the plan may be reused), keeping the probes asked for."""
+        self.rho = self.kept = self.vision = None
+        for p in self.probes.values():
+            p.results.clear()
+            p.row_valid.clear()
+
+
+@dataclass
 class Plan:
     recipe: Recipe
     hook: object | None = None  # (layer_idx, seq, runner) -> seq
@@ -17,6 +41,7 @@ class Plan:
     skip_decode: frozenset[int] = field(default_factory=frozenset)
     skip_branch: frozenset[int] = field(default_factory=frozenset)  # candidate branches (scoring)
     probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
+    handoff: Handoff = field(default_factory=Handoff)
 
 
 def make_plan(recipe, runner) -> Plan:
@@ -26,12 +51,12 @@ def make_plan(recipe, runner) -> Plan:
     reducer = methods.get("tokens")
     if reducer is not None:
         reducer.check(runner)
-        plan.hook = reducer.hook(runner)
-        plan.probe = reducer.probe(runner)
+        plan.hook = reducer.hook(runner, plan.handoff)
+        plan.probe = reducer.probe(runner, plan.handoff)
     policy = methods.get("kv")
     if policy is not None:
-        plan.after_prefill = policy.bind(runner, reducer)
-        wanted = policy.probe(runner)
+        plan.after_prefill = policy.bind(runner, plan.handoff)
+        wanted = policy.probe(runner, plan.handoff)
         plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
     depth = methods.get("depth")
     if depth is not None:

@@ -7,6 +7,6 @@ See `trimvlm.kv.base` for the interface and docs/kv.md for the policies and thei
 """
 
 from trimvlm.kv import density, h2o, random, snapkv, streamingllm  # noqa: F401
-from trimvlm.kv.base import KVPolicy, LayerView, mask_out, top_k_mask, visual_budget
+from trimvlm.kv.base import KVPolicy, LayerView, mask_out
 
-__all__ = ["KVPolicy", "LayerView", "mask_out", "top_k_mask", "visual_budget"]
+__all__ = ["KVPolicy", "LayerView", "mask_out"]

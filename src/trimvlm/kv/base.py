@@ -18,12 +18,12 @@ Ties are broken by cache order (earlier entry first), so a sample's selection do
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from trimvlm.errors import TrimVLMError
+from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.options import is_number, require_int
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
@@ -40,12 +40,7 @@ class LayerView:
     prefill: object  # the PrefillOutput (seq: grids, image starts; next_pos; logits)
     attention: torch.Tensor | None = None  # [B, n, K] (or [B, H, n, K]) prefill attention rows, if asked
     row_valid: torch.Tensor | None = None  # [B, n]: which of those rows are real tokens
-    reducer: object | None = None  # the recipe's prefill token reducer, or None
-
-
-def visual_budget(n_post: torch.Tensor, keep: float) -> torch.Tensor:
-    """ceil(N_post * keep) per sample (a 1e-9 slack keeps float products like 0.1 * 30 from rounding up)."""
-    return torch.ceil(n_post.double() * keep - 1e-9).clamp(min=0).long()
+    handoff: object | None = None  # the plan's Handoff: what the prefill reducer left (rho, kept positions)
 
 
 @dataclass
@@ -55,7 +50,6 @@ class KVPolicy:
 
     keep: float = 0.25
     seed: int = 0
-    _probe: AttentionProbe | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not is_number(self.keep) or not 0 <= self.keep <= 1:
@@ -84,51 +78,51 @@ class KVPolicy:
     def is_noop(self) -> bool:
         return self.keep >= 1.0
 
-    def probe(self, runner=None) -> AttentionProbe | None:
-        """The attention probe the prefill must record for this policy (None if it needs none)."""
+    def probe(self, runner, handoff) -> AttentionProbe | None:
+        """The attention probe the prefill must record for this policy (kept in `handoff.probes`), or None."""
+        handoff.probes.pop("kv", None)
         if self.is_noop or self.keep == 0 or self.rows_wanted <= 0:
-            self._probe = None
             return None
-        self._probe = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
-        return self._probe
+        handoff.probes["kv"] = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
+        return handoff.probes["kv"]
 
-    def bind(self, runner=None, reducer=None):
+    def bind(self, runner, handoff):
         """The after-prefill step: decide and evict, in place on `PrefillOutput.cache`."""
         if self.is_noop:
             return _noop
 
         def after_prefill(out) -> None:
-            self.evict(out.cache, self.select(out, reducer))
+            self.evict(out.cache, self.select(out, handoff))
 
         return after_prefill
 
     # ---- the mechanics ----
-    def select(self, out, reducer=None) -> dict[int, torch.Tensor]:
+    def select(self, out, handoff) -> dict[int, torch.Tensor]:
         """layer -> keep mask [B, K] over that layer's cache entries (True = keep; text always True)."""
         masks = {}
         for i in sorted(out.cache.layers):
             entry = out.cache.layers[i]
             cand = entry.visual & entry.valid
-            budget = visual_budget(cand.sum(1), self.keep)
+            budget = keep_count(cand.sum(1), self.keep)
             if self.is_noop:
                 chosen = cand
             elif self.keep == 0:
                 chosen = torch.zeros_like(cand)
             else:
-                view = LayerView(i, entry, cand, budget, out, reducer=reducer)
+                view = LayerView(i, entry, cand, budget, out, handoff=handoff)
                 if self.rows_wanted > 0:
-                    view.attention, view.row_valid = self._attention_rows(i, entry)
-                chosen = top_k_mask(self.scores(view), cand, budget)
+                    view.attention, view.row_valid = self._attention_rows(i, entry, handoff)
+                chosen = topk_mask(self.scores(view), budget, cand)
             masks[i] = entry.valid & (~entry.visual | chosen)
         return masks
 
-    def _attention_rows(self, layer: int, entry: LayerKV):
-        probe = self._probe
+    def _attention_rows(self, layer: int, entry: LayerKV, handoff):
+        probe = handoff.probes.get("kv")
         if probe is None or layer not in probe.results:
             name = getattr(self, "name", type(self).__name__)
             raise TrimVLMError(
                 f"kv={name} scores by prefill attention, but none was recorded for layer {layer}: pass "
-                "`probe=policy.probe(runner)` (or the plan's probe) to the prefill"
+                "`probe=policy.probe(runner, handoff)` (or the plan's probe) to the prefill"
             )
         att = probe.results[layer]
         if att.shape[-1] != entry.key.shape[2]:
@@ -165,15 +159,6 @@ class KVPolicy:
 
 def _noop(out) -> None:
     return None
-
-
-def top_k_mask(scores: torch.Tensor, cand: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """[B, K] bool: per row the `budget[b]` candidates with the highest score (ties: earlier entry first)."""
-    s = torch.nan_to_num(scores.float(), nan=-math.inf).masked_fill(~cand, -math.inf)
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices
-    k = s.shape[1]
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=s.device).expand_as(order))
-    return cand & (rank < budget[:, None])
 
 
 def mask_out(cache: KVCache, masks: dict[int, torch.Tensor]) -> None:

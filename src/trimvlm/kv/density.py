@@ -4,7 +4,7 @@
 
 Where rho comes from:
 1. Reused from prefill (`reuse=true`, the default) when the same recipe prunes tokens with density: the token
-   reducer leaves `reducer.last_rho`, a [B, S] tensor over the original prefill positions (column j = rho of
+   reducer leaves `Handoff.rho` on the plan, a [B, S] tensor over the original prefill positions (column j = rho of
    the token whose `source` is j; NaN where it has none; S may stop after the last visual token), computed on
    the hidden states entering its layer L before it selects, and every layer ranks its visual entries by it:
    no extra similarity computation, and one ranking for both phases as in the paper. (A rho that does not
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.kernels.density import spatial_density
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.options import require_bool, require_int
 from trimvlm.registry import register
@@ -53,9 +54,9 @@ class DensityKV(KVPolicy):
 
     def reused_rho(self, view: LayerView) -> torch.Tensor | None:
         """rho per entry from the prefill reducer (None when there is none for this batch)."""
-        if not self.reuse or view.reducer is None:
+        if not self.reuse or view.handoff is None:
             return None
-        rho = getattr(view.reducer, "last_rho", None)
+        rho = view.handoff.rho
         src = view.entry.source
         if not isinstance(rho, torch.Tensor) or rho.dim() != 2 or rho.shape[0] != src.shape[0]:
             return None
@@ -71,8 +72,6 @@ class DensityKV(KVPolicy):
     def layer_rho(self, view: LayerView) -> torch.Tensor:
         """rho per entry computed from this layer's cached values (or keys), each image on its own grid: all
         images of the batch padded into one [U, Hmax, Wmax, d] grid with a presence mask, one density call."""
-        from trimvlm.tokens.density import spatial_density
-
         e = view.entry
         t = e.value if self.features == "values" else e.key
         b, hk, k, hd = t.shape

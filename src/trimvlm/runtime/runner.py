@@ -60,6 +60,10 @@ class Runner:
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
+    def is_attention(self, i: int) -> bool:
+        """Whether decoder layer i is an attention layer (it has attention weights and a KV cache)."""
+        return self.adapter.layer_types[i] == ATTENTION
+
     def check_layers(self, layers, what: str = "layer") -> None:
         from trimvlm.errors import RecipeError
 

@@ -3,4 +3,3 @@ trimvlm.registry: density (TwinPrune), divprune, fastv, tome, dart, prumerge, ra
 
 from trimvlm.tokens import dart, density, divprune, fastv, prumerge, random, tome  # noqa: F401
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView  # noqa: F401
-from trimvlm.tokens.density import spatial_density  # noqa: F401

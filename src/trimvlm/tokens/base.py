@@ -22,13 +22,14 @@ layer, inside the deepstack layers or not, stays consistent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.kernels.merge import nearest_kept
+from trimvlm.kernels.select import keep_count
 from trimvlm.options import is_int, is_number, require_bool
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -60,6 +61,7 @@ class Selection:
     keep: torch.Tensor  # [U, N] bool, exactly view.k True per unit, only on real tokens
     assign: torch.Tensor | None = None  # [U, N] long: the kept token each token merges into (None: nearest)
     weight: torch.Tensor | None = None  # [U, N] merge weights (None: 1, or `size` when size-weighted)
+    rho: torch.Tensor | None = None  # [U, N] spatial density the method computed, handed to the KV phase
 
 
 @dataclass
@@ -83,7 +85,6 @@ class TokenReducer:
     name: ClassVar[str] = "?"
     default_layer: ClassVar[int] = 0
     min_layer: ClassVar[int] = 0
-    _probe: object = field(default=None, init=False, repr=False, compare=False)
 
     # ---- options -------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -128,28 +129,26 @@ class TokenReducer:
                 f"tokens={self.name}: layer {lay} out of range; allowed {self.min_layer}..{n - 1} "
                 f"(this model has {n} decoder layers){self._layer_why()}"
             )
-        if self.wants_attention(runner):
-            from trimvlm.adapters.base import ATTENTION
-
-            types = list(runner.adapter.layer_types)
-            if types[lay - 1] != ATTENTION:
-                ok = [i + 1 for i, t in enumerate(types) if t == ATTENTION and i + 1 < n]
-                raise RecipeError(
-                    f"tokens={self.name}: layer {lay} reads the attention of layer {lay - 1}, which is a "
-                    f"{types[lay - 1]} layer without attention weights; allowed layers on this model: {ok}"
-                )
+        if self.wants_attention(runner) and not runner.is_attention(lay - 1):
+            ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
+            raise RecipeError(
+                f"tokens={self.name}: layer {lay} reads the attention of layer {lay - 1}, which is a "
+                f"{runner.adapter.layer_types[lay - 1]} layer without attention weights; allowed layers on this "
+                f"model: {ok}"
+            )
 
     # ---- what the runner calls -----------------------------------------------------------------------
-    def probe(self, runner):
-        """The AttentionProbe the prefill must record for this method, or None."""
+    def probe(self, runner, handoff):
+        """The AttentionProbe the prefill must record for this method (kept in `handoff.probes`), or None."""
         return None
 
-    def hook(self, runner):
-        """The runner hook `(layer_idx, seq, runner) -> seq` that reduces before layer L."""
+    def hook(self, runner, handoff):
+        """The runner hook `(layer_idx, seq, runner) -> seq` that reduces before layer L; what it finds and
+        decides (attention rows read, rho, kept positions) goes through `handoff` (a `plan.Handoff`)."""
         lay = self.at(runner)
 
         def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
-            return self.reduce(seq, run) if i == lay else seq
+            return self.reduce(seq, run, handoff) if i == lay else seq
 
         return _hook
 
@@ -161,14 +160,17 @@ class TokenReducer:
 
     # ---- the shared mechanics ------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce(self, seq: LiveSeq, runner) -> LiveSeq:
+    def reduce(self, seq: LiveSeq, runner, handoff) -> LiveSeq:
         lay = self.at(runner)
+        handoff.rho = handoff.kept = None  # never leave a previous batch's results behind
         view = make_view(seq, self.ratio, lay)
         if view is None or bool((view.k == view.n).all()):
             return seq  # nothing visual, or keep everything: exactly the same sequence
         if self.wants_attention(runner):
-            view.attention = self._attention(view, seq, lay)
+            view.attention = self._attention(view, seq, lay, handoff)
         sel = self.choose(view)
+        if sel.rho is not None:
+            handoff.rho = by_source(view, sel.rho.float(), float("nan"))
         keep = sel.keep & view.mask
         if not torch.equal(keep.sum(1), view.k):
             raise TrimVLMError(
@@ -178,6 +180,7 @@ class TokenReducer:
         keep_seq = seq.valid.clone()
         keep_seq[view.sample[:, None].expand_as(drop)[drop], view.cols[drop]] = False
         out = seq.gather(keep_seq)
+        handoff.kept = by_source(view, keep, False)
         if self.merge and bool(drop.any()):
             assign = sel.assign
             if assign is None:
@@ -188,14 +191,14 @@ class TokenReducer:
             merge_dropped(seq, out, keep_seq, view, keep, assign, weight.to(view.mask.device))
         return out
 
-    def _attention(self, view: VisualView, seq: LiveSeq, lay: int) -> torch.Tensor:
-        probe = self._probe
+    def _attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
+        probe = handoff.probes.get("tokens")
         # taken out of the probe, so a later prefill can never read this one's row
         res = None if probe is None else probe.results.pop(lay - 1, None)
         if res is None:
             raise TrimVLMError(
                 f"tokens={self.name} needs the attention of layer {lay - 1} recorded during prefill: pass "
-                f"reducer.probe(runner) to the prefill (AttentionContext(probe=...)), and do not skip that layer"
+                f"reducer.probe(runner, handoff) to the prefill (AttentionContext(probe=...)), and do not skip that layer"
             )
         att = res[:, -1, :]  # [B, K] the last query row, heads averaged
         if att.shape[1] != seq.length:
@@ -206,12 +209,12 @@ class TokenReducer:
         out = att[view.sample[:, None], view.cols].float()
         return out.masked_fill(~view.mask, 0.0)
 
-    def _last_query_probe(self, runner):
-        """AttentionProbe(last=1, layers={L-1}), remembered so the hook can read what it recorded."""
+    def _last_query_probe(self, runner, handoff):
+        """AttentionProbe(last=1, layers={L-1}), kept in the handoff so the hook reads what it recorded."""
         from trimvlm.runtime.attention import AttentionProbe
 
-        self._probe = AttentionProbe(last=1, layers={self.at(runner) - 1})
-        return self._probe
+        handoff.probes["tokens"] = AttentionProbe(last=1, layers={self.at(runner) - 1})
+        return handoff.probes["tokens"]
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
@@ -222,9 +225,13 @@ def _number(name: str, v) -> None:
         raise ValueError(f"{name} must be a number, got {v!r}")
 
 
-def kept_count(n: int, keep: float) -> int:
-    """K = ceil(n * keep), at least 1, at most n (robust to 1 - prune rounding, e.g. 1 - 0.8)."""
-    return max(1, min(n, math.ceil(n * keep - 1e-9)))
+def by_source(view: VisualView, values: torch.Tensor, fill) -> torch.Tensor:
+    """[B, S] per original prefill position (S = last visual source + 1) from per-unit [U, N] values."""
+    s0 = int(view.source.max()) + 1
+    out = torch.full((view.batch, s0), fill, dtype=values.dtype, device=values.device)
+    rows = view.sample[:, None].expand_as(view.mask)[view.mask]
+    out[rows, view.source[view.mask]] = values[view.mask]
+    return out
 
 
 # ---- view ------------------------------------------------------------------------------------------------
@@ -253,7 +260,7 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
         mask[i, : c.numel()] = True
     sample = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
     n = mask.sum(1)
-    k = torch.tensor([kept_count(int(x), keep) for x in n.tolist()], dtype=torch.long, device=dev)
+    k = keep_count(n, keep, minimum=1)
     feats = _unit_features(seq.hidden, rows, nmax)
     size = seq.size if seq.size is not None else torch.ones(seq.valid.shape, dtype=torch.long, device=dev)
     return VisualView(
@@ -290,60 +297,6 @@ def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:
     for i, (b, _, _, _, c, _) in enumerate(rows):
         out[i, : c.numel()] = hidden[b, c]
     return out
-
-
-# ---- selection helpers -------------------------------------------------------------------------------------
-def topk_mask(scores: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[U, N] bool: the k[u] highest scores of each row among `mask` (ties: lower index first)."""
-    s = scores.float().masked_fill(~mask, float("-inf"))
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices
-    rank_ok = torch.arange(s.shape[1], device=s.device)[None] < k[:, None]
-    return torch.zeros_like(mask).scatter(1, order, rank_ok) & mask
-
-
-def nearest_kept(
-    features: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, chunk: int = 256
-) -> torch.Tensor:
-    """[U, N] long: for every token the index of its most cosine-similar kept token of the same unit (a kept
-    token maps to itself). Computed in row chunks: memory O(chunk * K), never an N x N matrix."""
-    u, n, _ = features.shape
-    dt = torch.promote_types(features.dtype, torch.float32)
-    xn = F.normalize(features.to(dt), dim=-1, eps=1e-12)
-    kmax = int(keep.sum(1).max())
-    kidx = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :kmax]  # [U, K]
-    kval = keep.gather(1, kidx)
-    xk = xn.gather(1, kidx[..., None].expand(-1, -1, xn.shape[-1]))
-    out = torch.empty(u, n, dtype=torch.long, device=features.device)
-    for s in range(0, n, chunk):
-        sim = torch.bmm(xn[:, s : s + chunk], xk.transpose(1, 2))
-        sim = sim.masked_fill(~kval[:, None], float("-inf"))
-        out[:, s : s + chunk] = kidx.gather(1, sim.argmax(-1))
-    ar = torch.arange(n, device=features.device)[None].expand(u, n)
-    return torch.where(keep, ar, torch.where(mask, out, ar))
-
-
-def merge_groups(
-    x: torch.Tensor, keep: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted mean of each kept token and the tokens assigned to it.
-
-    x [U, N, D]; keep, mask [U, N] bool; assign [U, N] long (target index of each dropped token; ignored for
-    kept ones, which are their own target); weight [U, N]. Returns (merged [U, N, D] in float32 or better,
-    equal to x bit for bit wherever no token was merged in, and `members` [U, N] long: how many real tokens
-    each kept token now groups)."""
-    n = x.shape[1]
-    ar = torch.arange(n, device=x.device)[None].expand_as(keep)
-    tgt = torch.where(keep | ~mask, ar, assign)
-    dt = torch.promote_types(x.dtype, torch.float32)
-    w = weight.to(dt) * mask.to(dt)
-    num = torch.zeros(x.shape, dtype=dt, device=x.device).scatter_add_(
-        1, tgt[..., None].expand_as(x), x.to(dt) * w[..., None]
-    )
-    den = torch.zeros(keep.shape, dtype=dt, device=x.device).scatter_add_(1, tgt, w)
-    members = torch.zeros_like(tgt).scatter_add_(1, tgt, mask.long())
-    merged = num / den.clamp(min=torch.finfo(dt).tiny)[..., None]
-    use = (keep & (members > 1))[..., None]
-    return torch.where(use, merged, x.to(dt)), members
 
 
 def merge_dropped(

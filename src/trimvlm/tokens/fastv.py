@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trimvlm.kernels.select import topk_mask
 from trimvlm.registry import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, topk_mask
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 @register("tokens", "fastv")
@@ -27,8 +28,8 @@ class FastV(TokenReducer):
     def wants_attention(self, runner) -> bool:
         return True
 
-    def probe(self, runner):
-        return self._last_query_probe(runner)
+    def probe(self, runner, handoff):
+        return self._last_query_probe(runner, handoff)
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.kernels.merge import nearest_kept
+from trimvlm.kernels.select import topk_mask
 from trimvlm.registry import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, nearest_kept, topk_mask
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 def iqr_outliers(scores: torch.Tensor, mask: torch.Tensor, whisker: float = 1.5) -> torch.Tensor:
@@ -45,8 +47,8 @@ class PruMerge(TokenReducer):
     def wants_attention(self, runner) -> bool:
         return self.at(runner) >= 1
 
-    def probe(self, runner):
-        return self._last_query_probe(runner) if self.at(runner) >= 1 else None
+    def probe(self, runner, handoff):
+        return self._last_query_probe(runner, handoff) if self.at(runner) >= 1 else None
 
     def choose(self, view: VisualView) -> Selection:
         if view.attention is not None:

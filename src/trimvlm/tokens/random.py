@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
 from trimvlm.registry import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, topk_mask
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 @register("tokens", "random")

@@ -7,21 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trimvlm.kernels.merge import best_match, merge_groups
+from trimvlm.kernels.select import topk_mask
 from trimvlm.registry import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, merge_groups, topk_mask
-
-
-def best_match(xn: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk: int = 128):
-    """For each `rows` token the most cosine-similar `cols` token: (similarity [U, N], index [U, N]); -inf /
-    0 off `rows`. Row chunks keep memory at O(chunk * N)."""
-    u, n, _ = xn.shape
-    best = torch.full((u, n), float("-inf"), dtype=xn.dtype, device=xn.device)
-    idx = torch.zeros(u, n, dtype=torch.long, device=xn.device)
-    for s in range(0, n, chunk):
-        sim = torch.bmm(xn[:, s : s + chunk], xn.transpose(1, 2)).masked_fill(~cols[:, None], float("-inf"))
-        v, i = sim.max(-1)
-        best[:, s : s + chunk], idx[:, s : s + chunk] = v, i
-    return best.masked_fill(~rows, float("-inf")), idx.masked_fill(~rows, 0)
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 @register("tokens", "tome")

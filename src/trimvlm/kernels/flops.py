@@ -1,0 +1,74 @@
+"""Method FLOPs: the matmuls a method runs on top of the model (selection distance rows, attention-probe rows,
+merge assignment, density windows, router), counted on a line of their own.
+
+The runner opens `counting(meter, phase)` around everything it runs in a phase; a method's kernels call
+`count(flops)` (or run their products through `bmm` / `matmul` here, which count and compute), and the FLOPs
+land in `Costs.method_flops[phase]`, never in the model's line. Same rule as the model's line and torch's
+FlopCounterMode: 2 per multiply-add of a matrix product; element-wise work is not counted. The active counter
+lives in a context variable, so two runners in two threads never count into each other's meter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from contextvars import ContextVar
+
+import torch
+
+_ACTIVE: ContextVar[tuple | None] = ContextVar("trimvlm_method_flops", default=None)
+
+
+@contextlib.contextmanager
+def counting(meter, phase: str):
+    """Count method FLOPs into `meter` (anything with `add_method(phase, flops)`) under `phase`."""
+    token = _ACTIVE.set((meter, phase) if meter is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def paused():
+    """Run model work (not the method's) inside a counted region without counting it."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def count(flops: int) -> None:
+    active = _ACTIVE.get()
+    if active is not None and flops:
+        active[0].add_method(active[1], int(flops))
+
+
+def matmul_flops(a_shape, b_shape) -> int:
+    """2 * (broadcast batch) * m * k * n for torch.matmul of two tensors with >= 2 dims."""
+    *ba, m, k = a_shape
+    *bb, k2, n = b_shape
+    if k != k2:
+        raise ValueError(f"matmul shapes {tuple(a_shape)} and {tuple(b_shape)} do not match")
+    batch = math.prod(torch.broadcast_shapes(tuple(ba), tuple(bb)))
+    return 2 * batch * m * k * n
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    count(matmul_flops(a.shape, b.shape))
+    return torch.bmm(a, b)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    count(matmul_flops(a.shape, b.shape))
+    return torch.matmul(a, b)
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) as a batched [1, d] x [d, 1] product (counted: 2 * rows * d)."""
+    lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    d = a.shape[-1]
+    a2 = a.expand(*lead, d).reshape(-1, 1, d)
+    b2 = b.expand(*lead, d).reshape(-1, d, 1)
+    return bmm(a2, b2).reshape(lead)
