@@ -41,6 +41,7 @@ class Plan:
     skip_decode: frozenset[int] = field(default_factory=frozenset)
     skip_branch: frozenset[int] = field(default_factory=frozenset)  # candidate branches (scoring)
     probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
+    vision_probe: object | None = None  # what the image encoding must record in the vision tower, or None
     handoff: Handoff = field(default_factory=Handoff)
 
 
@@ -53,6 +54,7 @@ def make_plan(recipe, runner) -> Plan:
         reducer.check(runner)
         plan.hook = reducer.hook(runner, plan.handoff)
         plan.probe = reducer.probe(runner, plan.handoff)
+        plan.vision_probe = reducer.vision_probe(runner, plan.handoff)
     policy = methods.get("kv")
     if policy is not None:
         plan.after_prefill = policy.bind(runner, plan.handoff)

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.options import is_int
 from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Sampling, generate
-from trimvlm.runtime.meter import Costs
+from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.runner import Runner
 
 
@@ -52,11 +53,23 @@ class VLM:
         return sorted(i for i in ids if i is not None)
 
     def prepare(self, images, prompts):
+        """One prompt (a string; images: None, one image or path, or a list of them) or a batch (a list of
+        prompts and a list with one such image entry per prompt)."""
         if isinstance(prompts, str):
             prompts, images = [prompts], [images]
+        elif not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
+            raise InputError(f"prompts must be a string or a list of strings, got {prompts!r:.80}")
+        elif not isinstance(images, list | tuple):
+            raise InputError(
+                f"images is {images!r:.80} for a batch of {len(prompts)} prompts: give a list with one entry "
+                "per prompt (an image, a path, a list of them, or None for a text-only prompt)"
+            )
         if not prompts:
             raise InputError("no prompts given")
-        return self.adapter.prepare(images, list(prompts))
+        marker = self.tokenizer.convert_ids_to_tokens(self.adapter.image_token_id)
+        if any(marker in p for p in prompts):  # the adapter writes each image's tokens itself
+            raise InputError(f"a prompt contains the image token {marker!r}: pass the images instead")
+        return self.adapter.prepare(list(images), list(prompts))
 
     @torch.no_grad()
     def generate(
@@ -69,10 +82,14 @@ class VLM:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        track_memory: bool = False,
     ) -> GenerationResult:
-        """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length)."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length).
+        `track_memory`: measure peak memory on the tensors (slower; on CUDA the allocator's peak is always
+        measured)."""
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
         plan = make_plan(recipe, self.runner)
         prepared = self.prepare(images, prompts)
         pad = self.tokenizer.pad_token_id
@@ -82,12 +99,14 @@ class VLM:
             max_new_tokens=max_new_tokens,
             stop_ids=self.stop_ids(),
             pad_id=0 if pad is None else pad,
-            sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+            sampling=sampling,
             hook=plan.hook,
             skip_prefill=plan.skip_prefill,
             skip_decode=plan.skip_decode,
             after_prefill=plan.after_prefill,
             probe=plan.probe,
+            vision_probe=plan.vision_probe,
+            meter=Meter(device=self.runner.device, track_tensors=track_memory),
         )
         stops = set(self.stop_ids())
         toks = []

@@ -8,6 +8,7 @@ evaluation never look at model classes; they talk to this protocol.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,8 @@ class Prepared:
 def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
     """Normalise per-sample image lists: a sample may be None, one image, a path, or a list of those.
     With `n_prompts`, there must be one image list per prompt."""
+    if not isinstance(images, list | tuple):
+        raise InputError(f"images must be a list with one entry per prompt, got {type(images).__name__}")
     if n_prompts is not None and len(images) != n_prompts:
         raise InputError(f"got {len(images)} image lists for {n_prompts} prompts; give one per prompt")
     out = []
@@ -53,6 +56,11 @@ def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]
 def _open(x) -> Image.Image:
     if isinstance(x, Image.Image):
         return x.convert("RGB")
+    if not isinstance(x, str | os.PathLike):
+        raise InputError(
+            f"an image must be a PIL image or a file path, got a {type(x).__name__} (a batch gives one entry "
+            "per prompt: an image, a path, a flat list of them, or None)"
+        )
     path = Path(x)
     if not path.exists():
         raise InputError(f"image file not found: {path}")
@@ -120,6 +128,19 @@ class Adapter:
 
     def embed(self, prepared: Prepared) -> LiveSeq:
         raise NotImplementedError
+
+    def vision_key(self, prepared: Prepared) -> tuple:
+        """What the vision tower's FLOPs depend on: the shapes of the pixel tensors and the values of the
+        image-grid tensors and the images per sample (never the prompts' token ids)."""
+        key = [("n_images", tuple(prepared.n_images))]
+        for k, v in sorted(prepared.model_inputs.items()):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.is_floating_point():
+                key.append((k, tuple(v.shape)))
+            elif "grid" in k:
+                key.append((k, tuple(v.shape), tuple(v.flatten().tolist())))
+        return tuple(key)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)

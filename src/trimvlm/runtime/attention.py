@@ -12,12 +12,14 @@ unchanged. Without a context it is transformers' own SDPA path. With one it can
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from trimvlm.kernels.flops import matmul
 from trimvlm.runtime.cache import owner_runs
 
 NAME = "trimvlm_sdpa"
@@ -79,6 +81,7 @@ class _Fanout(dict):
 class AttentionContext:
     shared: list | None = None  # SharedPart list (cache.py): read-only KV attended before the branch's own
     probe: AttentionProbe | None = None
+    vision: object | None = None  # a vision-tower probe the image encoding records (PruMerge, VisionZip)
     tree: object | None = None  # a TreeSchedule: rows are trie chains that also attend to their ancestors
 
     def layer_parts(self, layer_idx) -> list:
@@ -100,8 +103,9 @@ def _expand_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _scores(query, key, scaling):
+    """The probe's extra score rows: a method's own work, counted as method FLOPs."""
     n_kv = key.shape[1]
-    return torch.matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
+    return matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
 
 
 def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
@@ -231,14 +235,31 @@ def _shared_part(query, kv, owner, scaling):
 AttentionInterface.register(NAME, trimvlm_attention)
 
 
+_SELECT_LOCK = threading.Lock()
+_SELECTED: dict[int, list] = {}  # id(config) -> [config, implementation saved by the first entrant, runs]
+
+
 @contextlib.contextmanager
 def use_trimvlm_attention(configs):
-    """Select trimvlm's attention on these configs for the duration of a run, then restore them."""
-    saved = [(c, c._attn_implementation) for c in configs]
-    try:
-        for c, _ in saved:
+    """Select trimvlm's attention on these configs for the duration of a run, then restore them.
+
+    Safe when runs overlap (threads sharing a model, or models sharing configs): each config counts the runs
+    inside; the first one in saves its implementation and selects trimvlm's, the last one out restores it."""
+    configs = list({id(c): c for c in configs}.values())
+    with _SELECT_LOCK:
+        saved = {id(c): c._attn_implementation for c in configs if id(c) not in _SELECTED}  # before any set
+        for c in configs:
+            _SELECTED.setdefault(id(c), [c, saved.get(id(c)), 0])[2] += 1
             c._attn_implementation = NAME
+    try:
         yield
     finally:
-        for c, impl in saved:
-            c._attn_implementation = impl
+        with _SELECT_LOCK:
+            for c in configs:
+                entry = _SELECTED[id(c)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _SELECTED[id(c)]
+                    c._attn_implementation = entry[1]
+            for c, _, _ in _SELECTED.values():  # a restore reaches sub-configs; keep the held ones selected
+                c._attn_implementation = NAME

@@ -251,6 +251,25 @@ class KVCache:
         out.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
         return out
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (samples that stopped leave), in place, freeing the others' entries and
+        states; in each layer the columns no remaining row uses are dropped (`gather`), and layers that shared
+        their metadata share it again."""
+        metas: dict[tuple, LayerKV] = {}
+        for i, e in list(self.layers.items()):
+            sel = LayerKV(*(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual, e.source)))
+            self.layers[i] = sel
+            self.gather(i, sel.valid)
+            new = self.layers[i]
+            key = (id(e.valid), id(e.visual), id(e.source))
+            if key in metas:
+                m = metas[key]
+                if torch.equal(m.valid, new.valid) and torch.equal(m.source, new.source):
+                    new.valid, new.visual, new.source = m.valid, m.visual, m.source
+            else:
+                metas[key] = new
+        self.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
+
     # ---- accounting ----
     def attention_bytes(self) -> int:
         own = sum(e.key.nbytes + e.value.nbytes for e in self.layers.values())

@@ -6,12 +6,15 @@ original position (`next_pos`), never the (possibly shrunk) cache length.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.kernels.flops import counting
+from trimvlm.options import is_int, is_number
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.runner import PrefillOutput, Runner
@@ -24,10 +27,13 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        t, p, s = self.temperature, self.top_p, self.seed
+        if not is_number(t) or not math.isfinite(t) or t < 0:
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not is_number(p) or not 0 < p <= 1:  # NaN fails the comparison
+            raise InputError(f"top_p must be a number in (0, 1], got {p!r}")
+        if not is_int(s) or not -(2**63) <= s < 2**64:
+            raise InputError(f"seed must be an integer (64-bit; not a bool or a float), got {s!r}")
 
 
 @dataclass
@@ -66,37 +72,50 @@ def generate(
     after_prefill: Callable[[PrefillOutput], None] | None = None,
     meter: Meter | None = None,
     probe=None,
+    vision_probe=None,
 ) -> GenerationOutput:
-    """`probe` (an AttentionProbe) records prefill attention rows for methods that score by attention."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    """`probe` (an AttentionProbe) records prefill attention rows for methods that score by attention;
+    `vision_probe` records vision-tower attention while the images are encoded.
+
+    A sample that stops leaves the batch: its cache rows are removed and the columns no live row uses are
+    compacted away, so decode FLOPs, KV bytes and time are those of the live rows only."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     sampling = sampling or Sampling()
-    meter = meter or Meter()
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
+    meter = meter or Meter(device=runner.device)
+    dev = runner.device
+    gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
     meter.start_memory()
-    ctx = AttentionContext(probe=probe) if probe is not None else None
+    ctx = None
+    if probe is not None or vision_probe is not None:
+        ctx = AttentionContext(probe=probe, vision=vision_probe)
     out = runner.prefill(prepared, hook=hook, skip=skip_prefill, meter=meter, ctx=ctx)
     if after_prefill is not None:
-        with meter.timer("prefill"):
+        with meter.timer("prefill"), counting(meter, "prefill"):
             after_prefill(out)
         meter.kv(out.cache)
     b = prepared.batch
-    stops = torch.tensor(stop_ids or [], dtype=torch.long)
-    finished = torch.zeros(b, dtype=torch.bool)
-    lengths = torch.zeros(b, dtype=torch.long)
-    tokens = []
-    logits, pos = out.logits, out.next_pos.clone()
+    stops = torch.tensor(stop_ids or [], dtype=torch.long, device=dev)
+    tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    lengths = torch.zeros(b, dtype=torch.long, device=dev)
+    live = torch.arange(b, device=dev)  # rows of the batch still decoding, in cache order
+    cache, logits, pos = out.cache, out.logits, out.next_pos.clone()
     with meter.timer("decode"):
         for t in range(max_new_tokens):
-            tok = choose(logits, sampling, gen).masked_fill(finished, pad_id)
-            tokens.append(tok)
-            lengths += (~finished).long()
-            finished |= torch.isin(tok, stops)
-            if bool(finished.all()) or t == max_new_tokens - 1:
+            tok = choose(logits, sampling, gen)
+            tokens[live, t] = tok
+            lengths[live] += 1
+            done = torch.isin(tok, stops)
+            if bool(done.all()) or t == max_new_tokens - 1:
                 break
+            if bool(done.any()):
+                meter.kv_end(cache)  # the cache is at its largest just before rows leave
+                stay = torch.nonzero(~done).flatten()
+                cache.keep_rows(stay)
+                live, tok, pos = live[stay], tok[stay], pos[stay]
             positions = runner.adapter.text_positions(pos, 1)
-            logits = runner.step(tok[:, None], positions, out.cache, skip=skip_decode, meter=meter)
+            logits = runner.step(tok[:, None], positions, cache, skip=skip_decode, meter=meter)
             pos += 1
-    meter.kv_end(out.cache)
+    meter.kv_end(cache)
     meter.stop_memory()
-    return GenerationOutput(torch.stack(tokens, 1), lengths, out.logits, meter.costs)
+    return GenerationOutput(tokens[:, : int(lengths.max())], lengths, out.logits, meter.costs)

@@ -2,15 +2,19 @@
 
 FLOPs count 2 per multiply-add of every matmul that executed (linear layers, attention scores and values,
 LM head), on the shapes that actually ran, padding included; norms and element-wise ops are not counted (they
-are < 1% of a decoder layer). The vision tower's FLOPs are measured by torch's FlopCounterMode.
-Peak memory: on CUDA the allocator's peak; on CPU the growth of the process's peak resident set (ru_maxrss)
-during the run, which is 0 when the run fit in memory the process had already touched: read it as a lower
-bound, and compare KV bytes for the cache itself.
+are < 1% of a decoder layer). The vision tower's FLOPs are measured by torch's FlopCounterMode (untimed, once
+per input shape). Two lines: `flops` is the model's work per phase, `method_flops` the methods' own work per
+phase (attention-probe rows, selection distances, merges, density windows, router: `kernels.flops`); the
+total is their sum.
+Peak memory is measured on tensors, never inferred from the process: on CUDA the allocator's peak over the
+memory allocated at the start (`cuda_allocator_peak_over_start`); on CPU, with `track_tensors`, the peak of
+live tensor bytes allocated during the run (`tensor_peak_over_start`, runtime/memory.py). The CPU tracker
+slows every operation, so a timed CPU run reports no peak (kind `not_measured`): measure memory in a run of
+its own (the eval harness does).
 """
 
 from __future__ import annotations
 
-import resource
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,7 +24,8 @@ import torch
 
 @dataclass
 class Costs:
-    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # phase -> FLOPs
+    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # phase -> the model's FLOPs
+    method_flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # phase -> methods' FLOPs
     layer_flops: dict[str, dict[int, int]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(int))
     )
@@ -35,21 +40,44 @@ class Costs:
 
     @property
     def prefill_flops(self) -> int:
-        return self.flops["prefill"] + self.flops.get("vision", 0)
+        """The model's prefill FLOPs (vision tower included)."""
+        return self.flops.get("prefill", 0) + self.flops.get("vision", 0)
 
     @property
     def decode_flops(self) -> int:
         return self.flops.get("decode", 0)
 
     @property
-    def total_flops(self) -> int:
+    def method_prefill_flops(self) -> int:
+        return self.method_flops.get("prefill", 0) + self.method_flops.get("vision", 0)
+
+    @property
+    def method_decode_flops(self) -> int:
+        return self.method_flops.get("decode", 0)
+
+    @property
+    def model_flops(self) -> int:
         return sum(self.flops.values())
+
+    @property
+    def method_total_flops(self) -> int:
+        return sum(self.method_flops.values())
+
+    @property
+    def total_flops(self) -> int:
+        """Model + method FLOPs."""
+        return self.model_flops + self.method_total_flops
 
     def as_dict(self) -> dict:
         return {
             "flops": dict(self.flops),
+            "method_flops": dict(self.method_flops),
             "prefill_flops": self.prefill_flops,
             "decode_flops": self.decode_flops,
+            "method_prefill_flops": self.method_prefill_flops,
+            "method_decode_flops": self.method_decode_flops,
+            "model_flops": self.model_flops,
+            "method_total_flops": self.method_total_flops,
             "total_flops": self.total_flops,
             "layer_flops": {k: dict(v) for k, v in self.layer_flops.items()},
             "kv_bytes": self.kv_bytes,
@@ -64,10 +92,6 @@ class Costs:
         }
 
 
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class Meter:
     """`track_tensors`: measure peak memory on the tensors allocated between start_memory and stop_memory
     (`runtime.memory.TensorMemory`, any device) instead of the allocator / RSS; it slows every operation, so use
@@ -76,7 +100,7 @@ class Meter:
     def __init__(self, device: torch.device | str = "cpu", track_tensors: bool = False):
         self.costs = Costs()
         self.device = torch.device(device)
-        self._rss0 = 0
+        self._mem0 = 0
         self.track_tensors = track_tensors
         self._tracker = None
 
@@ -87,6 +111,9 @@ class Meter:
 
     def add(self, phase: str, flops: int) -> None:
         self.costs.flops[phase] += flops
+
+    def add_method(self, phase: str, flops: int) -> None:
+        self.costs.method_flops[phase] += flops
 
     def kv(self, cache) -> None:
         """Record the cache at the prefill/decode boundary."""
@@ -122,9 +149,7 @@ class Meter:
             return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._rss0 = torch.cuda.memory_allocated(self.device)
-        else:
-            self._rss0 = _maxrss_bytes()
+            self._mem0 = torch.cuda.memory_allocated(self.device)
 
     def phase_memory(self, phase: str):
         """Context: with tensor tracking, record the peak of this phase over the live bytes at its start."""
@@ -153,11 +178,11 @@ class Meter:
             self._tracker = None
             return
         if self.device.type == "cuda":
-            self.costs.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device) - self._rss0
+            self.costs.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device) - self._mem0
             self.costs.peak_memory_kind = "cuda_allocator_peak_over_start"
         else:
-            self.costs.peak_memory_bytes = _maxrss_bytes() - self._rss0
-            self.costs.peak_memory_kind = "cpu_peak_rss_growth"
+            self.costs.peak_memory_bytes = 0
+            self.costs.peak_memory_kind = "not_measured"
 
 
 def flop_counter():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.kernels.flops import counting
 from trimvlm.plan import make_plan
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Meter
@@ -59,12 +60,14 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=No
     layout = Layout.for_adapter(ad)
     suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
     plan = make_plan(recipe, runner)
-    meter = meter or Meter()
+    meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
-    ctx = AttentionContext(probe=plan.probe) if plan.probe is not None else None
+    ctx = None
+    if plan.probe is not None or plan.vision_probe is not None:
+        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
     pre = runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
     if plan.after_prefill is not None:
-        with meter.timer("prefill"):
+        with meter.timer("prefill"), counting(meter, "prefill"):
             plan.after_prefill(pre)
         meter.kv(pre.cache)
     starts = pre.next_pos.tolist()

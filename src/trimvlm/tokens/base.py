@@ -142,6 +142,11 @@ class TokenReducer:
         """The AttentionProbe the prefill must record for this method (kept in `handoff.probes`), or None."""
         return None
 
+    def vision_probe(self, runner, handoff):
+        """What the vision tower must record while the images are encoded (kept in `handoff.vision`), or
+        None: for methods that read the vision tower's attention (PruMerge, VisionZip)."""
+        return None
+
     def hook(self, runner, handoff):
         """The runner hook `(layer_idx, seq, runner) -> seq` that reduces before layer L; what it finds and
         decides (attention rows read, rho, kept positions) goes through `handoff` (a `plan.Handoff`)."""
