@@ -49,3 +49,49 @@ def test_prefill_flops_equal_torch_counter_and_kv_bytes_equal_nbytes(tiny_adapte
     nbytes = sum(e.key.nbytes + e.value.nbytes for e in out.cache.layers.values())
     assert out.cache.attention_bytes() == nbytes == meter.costs.kv_bytes
     assert nbytes == cfg.num_hidden_layers * 2 * s * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+def test_a_finished_sample_leaves_the_batch(tiny_adapter):
+    """Decode costs follow the live rows: a batch where one sample stops at its first token costs what the
+    two samples cost alone, and its tokens are those of the samples alone."""
+    from trimvlm.runtime.generate import generate
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    imgs = [[random_image(11)], [random_image(12)]]
+    prompts = ["what is the colour", "what is the shape"]  # the same length: no padding in the batch
+    prep = adapter.prepare(imgs, prompts)
+    free = generate(runner, prep, max_new_tokens=6, stop_ids=[], pad_id=0)
+    first = free.tokens[:, 0].tolist()
+    assert first[0] != first[1] and first[0] not in free.tokens[1].tolist(), "pick other images"
+    stop = [first[0]]
+    both = generate(runner, prep, max_new_tokens=6, stop_ids=stop, pad_id=0)
+    alone = [generate(runner, adapter.prepare([im], [p]), max_new_tokens=6, stop_ids=stop, pad_id=0)
+             for im, p in zip(imgs, prompts, strict=True)]  # fmt: skip
+    assert both.lengths.tolist() == [1, 6]
+    assert both.tokens[1].tolist() == alone[1].tokens[0].tolist()
+    assert both.costs.decode_flops == sum(a.costs.decode_flops for a in alone)
+    assert both.costs.decode_flops < free.costs.decode_flops
+
+
+def test_cpu_peak_memory_is_measured_on_tensors(tiny_adapter):
+    """With the tensor tracker the peak of a prefill holds at least its KV cache, and falls when tokens are
+    dropped; untracked CPU runs say the peak was not measured instead of reporting 0."""
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.generate import generate
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    prep = adapter.prepare([[random_image(3, (128, 128))]], ["describe the image"])
+    peaks = {}
+    for recipe in ("", "tokens=random:keep=0.25:layer=0"):
+        plan = make_plan(recipe, runner)
+        out = generate(runner, prep, max_new_tokens=2, stop_ids=[], pad_id=0, hook=plan.hook,
+                       meter=Meter(track_tensors=True))  # fmt: skip
+        c = out.costs
+        assert c.peak_memory_kind == "tensor_peak_over_start"
+        assert c.peak_memory_bytes >= c.kv_bytes > 0
+        peaks[recipe] = c.peak_memory_bytes
+    assert peaks["tokens=random:keep=0.25:layer=0"] < peaks[""]
+    plain = generate(runner, prep, max_new_tokens=1, stop_ids=[], pad_id=0).costs
+    assert plain.peak_memory_kind == "not_measured" and plain.peak_memory_bytes == 0

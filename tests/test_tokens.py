@@ -53,20 +53,6 @@ def test_keep_one_is_exact_noop(setup, method):
     assert torch.equal(out.logits, base.logits)
 
 
-def test_divprune_equals_density_beta0_without_merge(setup):
-    adapter, runner, images, prompts = setup
-    prep = adapter.prepare(images, prompts)
-    for layer in (0, 2):
-        a, _, _ = _prefill(runner, prep, f"tokens=divprune:keep=0.3:layer={layer}", all_logits=True)
-        b, _, _ = _prefill(
-            runner, prep, f"tokens=density:keep=0.3:layer={layer}:beta=0:merge=false", all_logits=True
-        )
-        assert torch.equal(a.seq.source, b.seq.source)
-        assert torch.equal(a.logits, b.logits)
-        c, _, _ = _prefill(runner, prep, f"tokens=density:keep=0.3:layer={layer}", all_logits=True)
-        assert not torch.equal(c.logits, a.logits)  # beta and merge do change something
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_ragged_batch_equals_per_sample_runs(setup, method):
     adapter, runner, images, prompts = setup

@@ -7,19 +7,35 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from trimvlm.errors import TrimVLMError
+from trimvlm.errors import InputError, TrimVLMError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Cheaper VLM inference, honestly measured."
 )
 console = Console()
+err_console = Console(stderr=True)
 
 
 def _fail(e: TrimVLMError):
-    console.print(f"[bold red]error:[/] {e}")
+    """Bad input: one line on stderr (never a traceback), exit status 2."""
+    err_console.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _write_json(path: Path | None, data) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    except OSError as e:
+        _fail(InputError(f"cannot write {path}: {e.strerror}"))
+    console.print(f"[dim]wrote {path}[/]")
+
+
+JSON_OUT = typer.Option(None, "--json", help="also write the results as JSON to this file")
 
 
 @app.command()
@@ -32,7 +48,7 @@ def generate(
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
-    as_json: bool = typer.Option(False, "--json", help="print the result and its costs as JSON"),
+    json_out: Path | None = JSON_OUT,
 ):
     """Generate an answer for one image + prompt."""
     import trimvlm
@@ -45,20 +61,20 @@ def generate(
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
-    if as_json:
-        print(json.dumps({"text": res.texts[0], "tokens": res.tokens[0], "recipe": res.recipe,
-                          "costs": res.costs.as_dict()}, indent=2))  # fmt: skip
-        return
-    console.print(res.texts[0])
+    console.print(res.texts[0], markup=False)
     c = res.costs
     console.print(
         f"[dim]prefill {c.prefill_flops / 1e9:.3f} GFLOP, decode {c.decode_flops / 1e9:.3f} GFLOP, "
         f"KV {c.kv_bytes / 1024:.1f} KiB, {sum(c.seconds.values()) * 1e3:.0f} ms[/]"
     )
+    _write_json(json_out, {"text": res.texts[0], "tokens": res.tokens[0], "recipe": res.recipe,
+                           "costs": res.costs.as_dict()})  # fmt: skip
 
 
 @app.command()
-def info(model: str = typer.Option(..., help="checkpoint folder, or 'demo'")):
+def info(
+    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"), json_out: Path | None = JSON_OUT
+):
     """Family, layers and their types, visual tokens per image."""
     import trimvlm
 
@@ -73,6 +89,24 @@ def info(model: str = typer.Option(..., help="checkpoint folder, or 'demo'")):
     for k, v in data.items():
         table.add_row(k, ", ".join(map(str, v)) if isinstance(v, list) else str(v))
     console.print(table)
+    _write_json(json_out, data)
+
+
+@app.command()
+def methods(json_out: Path | None = JSON_OUT):
+    """Every registered method, per recipe axis: its options (type, default) and what it does."""
+    from trimvlm.registry import describe_methods
+
+    data = describe_methods()
+    for axis, entries in data.items():
+        table = Table(title=f"{axis}=", show_lines=True)
+        for col in ("method", "options (type = default)", "what it does"):
+            table.add_column(col)
+        for m in entries:
+            opts = "\n".join(f"{o['name']}: {o['type']} = {o['default']!r}" for o in m["options"])
+            table.add_row(m["name"], opts, m["summary"])
+        console.print(table)
+    _write_json(json_out, data)
 
 
 @app.command()
@@ -95,8 +129,14 @@ def eval_(
     model: str = typer.Option("demo"),
     task: str = typer.Option("demo"),
     recipes: Path | None = typer.Option(None, help="YAML/JSON recipe file"),
-    limit: int = typer.Option(200),
-    json_out: Path = typer.Option(Path("trimvlm-eval.json"), "--json"),
+    recipe: list[str] = typer.Option(
+        [], help="an inline recipe, e.g. tokens=density:keep=0.5:layer=3 (repeat)"
+    ),
+    limit: int | None = typer.Option(None, help="first N items (default: the whole task; demo: 300)"),
+    max_new_tokens: int | None = typer.Option(None, help="cap of generated tokens of full-answer items"),
+    json_out: Path = typer.Option(
+        Path("trimvlm-eval.json"), "--json", help="where the results JSON is written"
+    ),
     plot: Path = typer.Option(Path("trimvlm-eval.png")),
     batch_size: int = typer.Option(16),
     seed: int = typer.Option(0),
@@ -110,7 +150,8 @@ def eval_(
     try:
         eval_command(
             model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
-            markdown_out=str(markdown) if markdown else None, readout=readout,
+            max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
+            recipes=list(recipe),
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
@@ -151,7 +192,7 @@ def score(
     executor: str = typer.Option("auto", help="auto | independent | batched | segments | tree"),
     recipe: str = typer.Option("", help="e.g. depth=ranking:file=rank.json:budget=2:scope=candidates"),
     binary: bool = typer.Option(False, help="one candidate statement, answered as P(true) (head readout)"),
-    json_out: Path | None = typer.Option(None, "--json", help="write the scores and costs as JSON here"),
+    json_out: Path | None = JSON_OUT,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
     import trimvlm
@@ -166,9 +207,7 @@ def score(
     except TrimVLMError as e:
         _fail(e)
     print_scores(res, console)
-    if json_out is not None:
-        json_out.write_text(json.dumps(res.as_dict(), indent=2) + "\n")
-        console.print(f"[dim]wrote {json_out}[/]")
+    _write_json(json_out, res.as_dict())
 
 
 @app.command("train-head")

@@ -22,7 +22,7 @@ from trimvlm.evals.scoring_eval import candidate_eval_command, is_candidate_task
 from trimvlm.evals.tasks import check_limit, get_task
 from trimvlm.recipe import load_recipes, parse_recipe
 
-# Shown side by side with the baseline by `trimvlm demo` once their methods exist (codes as in the paper:
+# Shown side by side with the baseline by `trimvlm demo` (codes as in the paper:
 # L3_50 = prune 50% of visual tokens at layer 3, D75 = drop 75% of visual KV at the prefill/decode boundary).
 DEMO_RECIPES: list[dict] = [
     {"name": "L3_50", "tokens": "density:keep=0.5:layer=3"},
@@ -39,21 +39,6 @@ def _console(console):
     from rich.console import Console
 
     return Console()
-
-
-def available_demo_recipes(console=None) -> list:
-    """The DEMO_RECIPES whose methods are implemented in this install (the others are named and skipped)."""
-    out, skipped = [], []
-    for spec in DEMO_RECIPES:
-        try:
-            r = parse_recipe(spec)
-            r.build()
-            out.append(r)
-        except RecipeError:
-            skipped.append(spec["name"])
-    if skipped and console is not None:
-        console.print(f"[dim]not shown (methods not available in this install): {', '.join(skipped)}[/dim]")
-    return out
 
 
 def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
@@ -74,7 +59,7 @@ def demo_command(
     progress: bool = True,
     console=None,
 ) -> dict:
-    """Load the shipped demo model, run the baseline (and the demo recipes available) on `limit` test items
+    """Load the shipped demo model, run the baseline and DEMO_RECIPES on `limit` test items
     of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
     import trimvlm
     from trimvlm.loading import resolve
@@ -82,7 +67,7 @@ def demo_command(
     console = _console(console)
     limit = check_limit(limit)
     task = get_task("demo", limit=limit, seed=seed)
-    chosen = normalize_recipes(recipes if recipes is not None else available_demo_recipes(console))
+    chosen = normalize_recipes(recipes if recipes is not None else DEMO_RECIPES)
     try:
         resolve("demo")
     except CheckpointError as e:
@@ -95,15 +80,21 @@ def demo_command(
     return _finish(result, json_out, png_out, console)
 
 
-def _recipes_from(recipes_file) -> list:
-    if recipes_file is None:
-        return []
-    try:
-        return load_recipes(recipes_file)
-    except TrimVLMError:
-        raise
-    except Exception as e:  # e.g. pydantic validation of a malformed entry
-        raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
+def _recipes_from(recipes_file, inline=()) -> list:
+    """The recipes of the file (if any), then the inline recipe strings, each validated now."""
+    out = []
+    if recipes_file is not None:
+        try:
+            out = load_recipes(recipes_file)
+        except TrimVLMError:
+            raise
+        except Exception as e:  # e.g. pydantic validation of a malformed entry
+            raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
+    for text in inline:
+        r = parse_recipe(text)
+        r.build()
+        out.append(r)
+    return out
 
 
 def eval_command(
@@ -120,10 +111,14 @@ def eval_command(
     console=None,
     markdown_out: str | Path | None = None,
     readout: str = "auto",
+    recipes: list[str | dict] | None = None,
 ) -> dict:
-    """Run the recipes of `recipes_file` (YAML/JSON; the baseline is always added, first) over `task`
+    """Run the recipes of `recipes_file` (YAML/JSON) and the inline `recipes` (strings such as
+    "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task`
     ("demo", a registered task, or PATH.jsonl) with `model` (a checkpoint folder or "demo").
-    Prints the tables, writes the JSON / Pareto PNG / Markdown summary when paths are given. Returns the
+    `limit` None runs the whole task; `max_new_tokens` caps every full-answer item (prefill probes still
+    generate the task's `prefill_tokens`). Prints the tables, writes the JSON / Pareto PNG / Markdown summary
+    when paths are given. Returns the
     JSON's content. A candidate task ("demo-candidates") scores candidates instead of generating
     (trimvlm.evals.scoring_eval; `readout` applies to it only: auto | loglik | head)."""
     import trimvlm
@@ -136,11 +131,11 @@ def eval_command(
                 f"max_new_tokens does not apply to the candidate task {task!r} (nothing is generated)"
             )
         return candidate_eval_command(
-            model, str(task), _recipes_from(recipes_file), limit, json_out, plot_out, batch_size, seed,
+            model, str(task), _recipes_from(recipes_file, recipes or ()), limit, json_out, plot_out, batch_size, seed,
             readout=readout, progress=progress, console=console, markdown_out=markdown_out,
         )  # fmt: skip
     the_task = get_task(task, limit=limit, seed=seed)
-    chosen = normalize_recipes(_recipes_from(recipes_file))
+    chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     vlm = trimvlm.load(model)
     result = run_eval(
         vlm,

@@ -8,6 +8,7 @@ or a list of those / of strings. An empty recipe (or "baseline") applies nothing
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,37 @@ class Recipe(BaseModel):
         return {a: build_method(a, spec.method, spec.options) for a in AXES if (spec := getattr(self, a))}
 
 
+_INT = r"[+-]?\d+"
+_FLOAT = r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?"
+_BOOLS = {"true": True, "false": False}
+
+
 def _value(text: str):
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+    """An option value from its text, by explicit rules (not YAML 1.1's): an integer in base 10 ("010" is
+    10), a float ("0.5", ".5", "1e-1"), true / false in any case, else the text itself ("off", "no", "0x10",
+    "nan" and "" stay strings, which the method then refuses or accepts)."""
+    t = text.strip()
+    if re.fullmatch(_INT, t):
+        return int(t, 10)
+    if re.fullmatch(_FLOAT, t):
+        return float(t)
+    return _BOOLS.get(t.lower(), t)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML whose unquoted scalars follow `_value`'s rules instead of YAML 1.1's: `010` is 10, `1e-1` 0.1,
+    `off` / `no` / `2024-01-01` strings. Quoted scalars are strings; `null` / `~` stay None."""
+
+
+_YAML_TYPED = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in rules if tag not in _YAML_TYPED]
+    for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "!trimvlm-value", re.compile(rf"(?:{_INT}|{_FLOAT}|(?i:true|false))\Z"), list("+-.0123456789tTfF")
+)
+_Loader.add_constructor("!trimvlm-value", lambda loader, node: _value(loader.construct_scalar(node)))
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -66,8 +93,10 @@ def parse_method(text: str) -> MethodSpec:
     for p in parts[1:]:
         if "=" not in p:
             raise RecipeError(f"option {p!r} in {text!r} is not of the form option=value")
-        k, v = p.split("=", 1)
-        opts[k.strip()] = _value(v.strip())
+        k, v = (x.strip() for x in p.split("=", 1))
+        if k in opts:
+            raise RecipeError(f"option {k!r} given twice in {text!r}; give each option once")
+        opts[k] = _value(v)
     return MethodSpec(method=parts[0].strip(), options=opts)
 
 
@@ -87,6 +116,8 @@ def parse_recipe(spec: str | dict | Recipe | None) -> Recipe:
         axis = axis.strip()
         if axis not in AXES:
             raise RecipeError(f"unknown recipe axis {axis!r}; allowed: {', '.join(AXES)}")
+        if axis in fields:
+            raise RecipeError(f"recipe {text!r} gives {axis}= twice; one method per axis ({', '.join(AXES)})")
         fields[axis] = parse_method(rest)
     return Recipe(**fields)
 
@@ -119,7 +150,7 @@ def load_recipes(path: str | Path) -> list[Recipe]:
     if not path.exists():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader with explicit value rules
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe file {path} does not parse as YAML/JSON: {e}") from e
     if isinstance(data, dict) and "recipes" in data:

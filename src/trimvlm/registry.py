@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
+from dataclasses import MISSING
 
 from trimvlm.errors import RecipeError
 
@@ -19,7 +22,7 @@ def register(axis: str, name: str):
 
 
 def _load_methods() -> None:
-    # importing the packages registers their methods
+    # importing the packages registers their methods; an import error propagates (never skipped)
     import trimvlm.depth  # noqa: F401
     import trimvlm.kv  # noqa: F401
     import trimvlm.tokens  # noqa: F401
@@ -42,3 +45,29 @@ def build_method(axis: str, method: str, options: dict):
         return cls(**options)
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{axis}={method}: {e}") from e
+
+
+def _summary(cls) -> str:
+    """First sentence of the method's module docstring (one method per file), else of its class docstring."""
+    for doc in (sys.modules[cls.__module__].__doc__, cls.__doc__):
+        if doc and not doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature is no summary
+            first = " ".join(doc.strip().split("\n\n")[0].split())
+            return re.split(r"(?<=[^.\s])\.\s", first)[0].rstrip(".") + "."
+    return ""
+
+
+def describe_methods() -> dict[str, list[dict]]:
+    """axis -> every registered method: name, summary, options (name, type, default; public fields only)."""
+    _load_methods()
+    out = {}
+    for axis, reg in REGISTRIES.items():
+        out[axis] = []
+        for name in sorted(reg):
+            cls = reg[name]
+            options = [  # a field without a plain default (none, or a factory) shows None
+                {"name": f.name, "type": str(f.type), "default": None if f.default is MISSING else f.default}
+                for f in dataclasses.fields(cls)
+                if f.init and not f.name.startswith("_")
+            ]
+            out[axis].append({"name": name, "summary": _summary(cls), "options": options})
+    return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.metrics import get_metric
-from trimvlm.evals.tasks import PROBES, Task, check_limit, get_task
+from trimvlm.evals.tasks import PROBES, Task, check_limit, check_prefill_answers, get_task
 from trimvlm.options import is_int
 from trimvlm.recipe import Recipe, parse_recipe
 
@@ -184,7 +184,7 @@ def run_eval(
     """Run every recipe (baseline first) over the task's items, interleaved batch by batch."""
     if not is_int(batch_size) or batch_size <= 0:
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
+    if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if isinstance(task, str):
         task = get_task(task, limit=limit, seed=seed)
@@ -194,6 +194,8 @@ def run_eval(
         task = replace(task, max_new_tokens=max_new_tokens, kind_max_new_tokens={})
     if not task.records:
         raise InputError(f"task {task.name!r} has no items")
+    if getattr(vlm, "tokenizer", None) is not None:  # before any item runs
+        check_prefill_answers(task, vlm.tokenizer)
     recipes = normalize_recipes(recipes)
     records = task.records
     n_rec, n_items = len(recipes), len(records)

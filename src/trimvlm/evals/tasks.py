@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.options import is_int
@@ -118,6 +120,30 @@ class Task:
             if k["metric"] != r.metric:
                 k["metric"] = "mixed"
         return out
+
+
+def check_prefill_answers(task: Task, tokenizer) -> None:
+    """Refuse a prefill-probe record none of whose references fits in the `task.prefill_tokens` (default 1)
+    tokens that probe generates: it could never be scored right. The reference of an `option` record is its
+    letter; a reference's length is the fewer tokens of it alone or after a space."""
+    for r in task.records:
+        if r.probe != "prefill":
+            continue
+        refs = r.answers
+        if r.metric == "option":
+            refs = [OPTION_LETTERS[get_metric("option").gold(r.answers, r.options)]]
+        lengths = [
+            min(
+                len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (a.strip(), " " + a.strip())
+            )
+            for a in refs
+        ]
+        if min(lengths) > task.prefill_tokens:
+            raise InputError(
+                f"task {task.name!r}, record {r.id}: answer {refs[0]!r} is {lengths[0]} tokens, but a prefill "
+                f"probe scores only the first {task.prefill_tokens} generated token(s); give the record "
+                '"probe": "full" or a one-token answer'
+            )
 
 
 TaskBuilder = Callable[..., Task]  # (limit: int | None, seed: int) -> Task
@@ -252,6 +278,14 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
         path = path if path.is_absolute() else folder / path
         if not path.exists():
             raise InputError(f"{where}: image file not found: {path}")
+        try:  # decode now: a broken image stops the task before the run, never in the middle of it
+            with Image.open(path) as im:
+                im.load()
+        except Exception as e:  # PIL raises several types for unreadable files
+            raise InputError(
+                f"{where}: record {obj.get('id', default_id)!s}: image {path} cannot be decoded "
+                f"({type(e).__name__}); give a PNG/JPEG/... file PIL can open"
+            ) from None
         images.append(path)
     metric = str(obj.get("metric", "option" if options else "exact"))
     try:

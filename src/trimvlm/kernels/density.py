@@ -186,3 +186,20 @@ def farthest_point(
     picks = torch.from_numpy(np.stack(out, 1)).to(dev)
     nearest = picks.gather(1, torch.from_numpy(near_t).to(dev)) if track_nearest else None
     return picks, nearest
+
+
+def most_isolated(xn: torch.Tensor, mask: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """[U] per row the token farthest from its nearest other token in cosine distance,
+    argmax_j min_{i != j} (1 - <xn_i, xn_j>), over the `mask`ed tokens (ties: the lowest index). A row with one
+    token picks it. Row blocks of `block` x N distances; counted as method FLOPs."""
+    u, n, _ = xn.shape
+    nearest = torch.full((u, n), float("inf"), dtype=xn.dtype, device=xn.device)
+    ar = torch.arange(n, device=xn.device)
+    for s in range(0, n, block):
+        d = 1.0 - bmm(xn[:, s : s + block], xn.transpose(1, 2))  # [U, b, N]
+        d = d.masked_fill(~mask[:, None, :], float("inf"))
+        d[:, ar[s : s + block] - s, ar[s : s + block]] = float("inf")  # not its own neighbour
+        nearest[:, s : s + block] = d.amin(-1)
+    lonely = torch.isinf(nearest) & mask  # a token with no other token in its row
+    score = torch.where(lonely, torch.zeros_like(nearest), nearest).masked_fill(~mask, float("-inf"))
+    return score.argmax(1)

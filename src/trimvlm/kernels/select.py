@@ -26,3 +26,34 @@ def topk_mask(scores: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torc
         1, order, torch.arange(s.shape[1], device=s.device).expand_as(order)
     )
     return mask & (rank < k.to(rank.device)[:, None])
+
+
+TILE_STRIDE = 1 << 20  # token index offset per tile of a tiled image (a tile holds fewer tokens than this)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic)."""
+    x = (x ^ _lsr(x, 30)) * _M1
+    x = (x ^ _lsr(x, 27)) * _M2
+    return x ^ _lsr(x, 31)
+
+
+def hashed_uniform(seed: int, key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) per (seed, key, index), float64, a counter-based draw: the value of an element depends on
+    nothing else (not on the batch, the other elements, or the order they are asked in). `key` identifies an
+    image (its content fingerprint), `index` a token of it."""
+    x = _mix(key.long() + _signed((int(seed) * _GOLDEN) % (1 << 64)))
+    x = _mix(x + index.long())
+    return _lsr(x, 11).double() / float(1 << 53)

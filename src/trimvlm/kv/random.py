@@ -1,8 +1,9 @@
 """Random visual-KV eviction (seeded): a uniform random subset of each sample's visual entries.
 
-The random value of an entry depends only on `seed` and the entry's distance from the end of its prompt (the
-prompts are left-padded, so that distance is the same whether the sample runs alone or in a batch), so a sample
-gets the same subset in any batch, and the same tokens are kept in every layer.
+Entry of grid cell t of an image draws `hashed_uniform(seed, image fingerprint, t)` (kernels/select.py), the
+same draw as tokens=random: it depends only on the seed and the image (a fingerprint of its pixels), so a sample
+gets the same subset in any batch, different images get different subsets, and every layer keeps the same
+tokens.
 """
 
 from __future__ import annotations
@@ -11,21 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.registry import register
-
-_BLOCK = 4096
-
-
-def uniform_by_key(key: torch.Tensor, seed: int) -> torch.Tensor:
-    """Deterministic U(0, 1) per integer key >= 0, independent of the other keys asked for."""
-    n_blocks = int(key.max().item()) // _BLOCK + 1 if key.numel() else 0
-    blocks = [
-        torch.rand(_BLOCK, generator=torch.Generator().manual_seed(seed * 1_000_003 + j))
-        for j in range(n_blocks)
-    ]
-    table = torch.cat(blocks) if blocks else torch.zeros(0)
-    return table[key]
 
 
 @register("kv", "random")
@@ -35,6 +24,17 @@ class RandomKV(KVPolicy):
 
     def scores(self, view: LayerView):
         src = view.entry.source
-        last = int(src.max().item())  # every sample's last prompt token sits in the last column
-        key = (last - src).clamp(min=0, max=last)
-        return uniform_by_key(key, self.seed).reshape(src.shape).to(src.device)
+        seq = view.prefill.seq
+        key = torch.zeros_like(src)
+        index = torch.zeros_like(src)
+        for b in range(src.shape[0]):
+            grids = seq.grids[b] if b < len(seq.grids) else []
+            tiles = seq.tile_image[b] if b < len(seq.tile_image) else list(range(len(grids)))
+            keys = seq.image_keys[b] if b < len(seq.image_keys) else []
+            for j, ((h, w), st) in enumerate(zip(grids, seq.image_start[b], strict=True)):
+                img = tiles[j] if j < len(tiles) else j
+                cell = src[b] - int(st)
+                inside = (cell >= 0) & (cell < h * w)
+                key[b][inside] = keys[img] if img < len(keys) else 0
+                index[b][inside] = cell[inside] + tiles[:j].count(img) * TILE_STRIDE
+        return hashed_uniform(self.seed, key, index)

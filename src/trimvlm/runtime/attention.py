@@ -27,17 +27,24 @@ NAME = "trimvlm_sdpa"
 
 @dataclass
 class AttentionProbe:
-    """Record attention probabilities of the last `last` query rows of a chunk in the given layers.
+    """Record attention probabilities in the given layers, computing only what is asked, never switching the
+    model to eager attention:
 
-    Only those rows are computed (an extra [B, H, last, K] score block), never the full matrix. Results per
-    layer: `results[i]` = [B, last, K] softmax over layer i's keys, heads averaged (or [B, H, last, K] with
-    `per_head`); `row_valid[i]` = [B, last] which of those rows are real tokens (False on padding), and
-    `key_valid[i]` = [B, K]. `layers` None means every attention layer.
+    - rows (default): the softmax rows of the last `last` query rows of a chunk (an extra [B, H, last, K]
+      score block). `results[i]` = [B, last, K], heads averaged (or [B, H, last, K] with `per_head`);
+      `row_valid[i]` = [B, last] which of those rows are real tokens (False on padding).
+    - `colsum`: the attention every key receives summed over *all* real query rows of the chunk and over the
+      heads (column sums of the causal softmax, H2O's accumulated attention), computed in query blocks of
+      `block` rows: memory O(block * K), never an N x N matrix. `results[i]` = [B, K].
+
+    `layers` None means every attention layer. The extra score products are method FLOPs.
     """
 
     last: int = 1
     layers: set[int] | None = None
     per_head: bool = False
+    colsum: bool = False
+    block: int = 256
     results: dict[int, torch.Tensor] = field(default_factory=dict)
     row_valid: dict[int, torch.Tensor] = field(default_factory=dict)
     chunk_valid: torch.Tensor | None = None  # set by the runner for the current chunk
@@ -45,36 +52,43 @@ class AttentionProbe:
     def wants(self, layer_idx) -> bool:
         return self.layers is None or layer_idx in self.layers
 
-    def merge(self, other: AttentionProbe | None) -> AttentionProbe:
-        """One probe recording for both: every recorded layer is forwarded to both originals, each cut to
-        the rows (and head averaging) it asked for, so each method keeps reading its own `results`."""
+    def merge(self, other: AttentionProbe | ProbeSet | None) -> AttentionProbe | ProbeSet:
+        """One probe object recording for both (each keeps reading its own `results`)."""
         if other is None:
             return self
-        layers = None if self.layers is None or other.layers is None else self.layers | other.layers
-        merged = AttentionProbe(max(self.last, other.last), layers, self.per_head or other.per_head)
-        merged.results = _Fanout("results", [self, other])
-        merged.row_valid = _Fanout("row_valid", [self, other])
-        return merged
+        return ProbeSet([self, *(other.members if isinstance(other, ProbeSet) else [other])])
+
+    def record(self, layer_idx, query, key, mask, scaling) -> None:
+        (_record_colsum if self.colsum else _record_rows)(self, layer_idx, query, key, mask, scaling)
 
 
-class _Fanout(dict):
-    def __init__(self, kind: str, targets: list[AttentionProbe]):
-        super().__init__()
-        self.kind = kind
-        self.targets = targets
+@dataclass
+class ProbeSet:
+    """Several methods' probes recorded in one run; each member computes and keeps its own results."""
 
-    def __setitem__(self, layer, value):
-        super().__setitem__(layer, value)
-        for t in self.targets:
-            if not t.wants(layer):
-                continue
-            if self.kind == "row_valid":
-                t.row_valid[layer] = value[:, -t.last :]
-                continue
-            v = value[..., -t.last :, :]  # rows are independent softmaxes: the last n of more rows are exact
-            if v.dim() == 4 and not t.per_head:
-                v = v.mean(1)
-            t.results[layer] = v
+    members: list[AttentionProbe]
+
+    def wants(self, layer_idx) -> bool:
+        return any(p.wants(layer_idx) for p in self.members)
+
+    def merge(self, other) -> ProbeSet:
+        if other is None:
+            return self
+        return ProbeSet(self.members + (other.members if isinstance(other, ProbeSet) else [other]))
+
+    @property
+    def chunk_valid(self):
+        return self.members[0].chunk_valid
+
+    @chunk_valid.setter
+    def chunk_valid(self, value) -> None:
+        for p in self.members:
+            p.chunk_valid = value
+
+    def record(self, layer_idx, query, key, mask, scaling) -> None:
+        for p in self.members:
+            if p.wants(layer_idx):
+                p.record(layer_idx, query, key, mask, scaling)
 
 
 @dataclass
@@ -108,19 +122,43 @@ def _scores(query, key, scaling):
     return matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
 
 
-def _record_probe(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
-    b, h, q, d = query.shape
+def _row_mask(mask, q: int, k: int, start: int, end: int, device) -> torch.Tensor:
+    """The bool mask rows [start, end) of a chunk of q queries over k keys ([B or 1, 1, end - start, k])."""
+    if mask is None:  # a plain causal chunk over no past: query i sees keys <= i + (k - q)
+        rows = torch.arange(start, end, device=device)[:, None] + (k - q)
+        return (torch.arange(k, device=device)[None] <= rows)[None, None]
+    return mask[:, :, start:end, :]
+
+
+def _probs(query, key, mask_rows, scaling) -> torch.Tensor:
+    """[B, H, n, K] float softmax of the given query rows."""
+    b, h, n, _ = query.shape
+    s = _scores(query, key, scaling).float()
+    s = s.masked_fill(~_expand_mask(mask_rows, h // key.shape[1]), float("-inf"))
+    return torch.softmax(s, dim=-1).reshape(b, h, n, -1)
+
+
+def _record_rows(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
+    q = query.shape[2]
     n = min(probe.last, q)
-    if mask is None:  # a plain causal chunk over no past
-        mask = torch.ones(q, key.shape[2], dtype=torch.bool, device=query.device).tril()[None, None]
-    m_rows = mask[:, :, q - n :, :]
-    s = _scores(query[:, :, q - n :], key, scaling).float()
-    g = h // key.shape[1]
-    s = s.masked_fill(~_expand_mask(m_rows, g), float("-inf"))
-    p = torch.softmax(s, dim=-1).reshape(b, h, n, -1)
+    p = _probs(query[:, :, q - n :], key, _row_mask(mask, q, key.shape[2], q - n, q, query.device), scaling)
     probe.results[layer_idx] = p if probe.per_head else p.mean(1)
     if probe.chunk_valid is not None:
         probe.row_valid[layer_idx] = probe.chunk_valid[:, q - n :]
+
+
+def _record_colsum(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
+    b, h, q, _ = query.shape
+    valid = probe.chunk_valid
+    acc = torch.zeros(b, key.shape[2], dtype=torch.float32, device=query.device)
+    for s in range(0, q, probe.block):
+        e = min(q, s + probe.block)
+        p = _probs(query[:, :, s:e], key, _row_mask(mask, q, key.shape[2], s, e, query.device), scaling)
+        p = torch.nan_to_num(p, nan=0.0)  # a padding row that sees no key
+        if valid is not None:
+            p = p * valid[:, None, s:e, None].to(p.dtype)
+        acc += p.sum(dim=(1, 2))
+    probe.results[layer_idx] = acc
 
 
 def trimvlm_attention(
@@ -139,7 +177,7 @@ def trimvlm_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is not None and ctx.probe is not None and ctx.probe.wants(layer_idx):
-        _record_probe(ctx.probe, layer_idx, query, key, attention_mask, scaling)
+        ctx.probe.record(layer_idx, query, key, attention_mask, scaling)
     if ctx is None or not ctx.shares(layer_idx):
         return sdpa_attention_forward(
             module,

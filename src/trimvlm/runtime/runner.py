@@ -69,6 +69,11 @@ class Runner:
     def device(self) -> torch.device:
         return self.adapter.model.device
 
+    def layer_keys(self, i: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Key states (pre-RoPE, heads concatenated) layer i would compute from `hidden`; None when layer i
+        has no attention keys."""
+        return self.adapter.layer_keys(i, hidden)
+
     def is_attention(self, i: int) -> bool:
         """Whether decoder layer i is an attention layer (it has attention weights and a KV cache)."""
         return self.adapter.layer_types[i] == ATTENTION
@@ -93,7 +98,7 @@ class Runner:
         all_logits: bool = False,
         ctx: AttentionContext | None = None,
     ) -> PrefillOutput:
-        meter = meter or Meter()
+        meter = meter or Meter(device=self.device)
         self.check_layers(skip, "skipped layer")
         with meter.timer("vision"), counting(meter, "vision"):
             seq = self._embed(prepared, None if ctx is None else ctx.vision)
@@ -196,14 +201,15 @@ class Runner:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
         `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence."""
         b, q = tokens.shape
-        valid = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
+        dev = tokens.device
+        valid = torch.ones(b, q, dtype=torch.bool, device=dev) if valid is None else valid
         seq = LiveSeq(
             hidden=self.adapter.embed_tokens(tokens),
             positions=positions,
             valid=valid,
-            visual=torch.zeros(b, q, dtype=torch.bool),
-            source=torch.full((b, q), -1, dtype=torch.long),
-            image_id=torch.full((b, q), -1, dtype=torch.long),
+            visual=torch.zeros(b, q, dtype=torch.bool, device=dev),
+            source=torch.full((b, q), -1, dtype=torch.long, device=dev),
+            image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
         )
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
 

@@ -37,6 +37,10 @@ class LiveSeq:
     image_start: list[list[int]] = field(default_factory=list)
     # Tokens merged into each live token (1 if none); used by size-weighted merges.
     size: torch.Tensor | None = None
+    # Tiled families: the image each grid (tile) of `grids` belongs to, per sample (one grid per image else).
+    tile_image: list[list[int]] = field(default_factory=list)
+    # A content fingerprint of every image, per sample (seeded random choices draw per image from it).
+    image_keys: list[list[int]] = field(default_factory=list)
 
     @property
     def batch(self) -> int:

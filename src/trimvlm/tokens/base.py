@@ -45,13 +45,16 @@ class VisualView:
     grid: torch.Tensor  # [U, 2] (h, w) of each image's patch grid in LLM tokens
     cells: torch.Tensor  # [U, N] flat grid cell r * w + c of each token (-1 on pads)
     sample: torch.Tensor  # [U] sample of the batch the unit belongs to
-    image: torch.Tensor  # [U] index of the image within its sample
+    image: torch.Tensor  # [U] index of the unit (image, or tile of a tiled family) within its sample
+    image_key: torch.Tensor  # [U] long: content fingerprint of the unit's image (0 when unknown)
+    tile: torch.Tensor  # [U] long: which tile of its image the unit is (0 for untiled families)
     cols: torch.Tensor  # [U, N] column of each token in the live sequence (0 on pads)
     source: torch.Tensor  # [U, N] index of each token in the original prefill sequence (0 on pads)
     batch: int  # samples in the batch
     size: torch.Tensor  # [U, N] original tokens each live token already represents (1 if none merged)
     layer: int
     attention: torch.Tensor | None = None  # [U, N] attention from the last query at layer L-1, when asked
+    keys: torch.Tensor | None = None  # [U, N, Hk * hd] layer L's key states, for methods that ask (`prepare`)
 
 
 @dataclass
@@ -157,6 +160,9 @@ class TokenReducer:
 
         return _hook
 
+    def prepare(self, view: VisualView, runner) -> None:
+        """Add what `choose` needs from the model to the view (e.g. `view.keys`); nothing by default."""
+
     def choose(self, view: VisualView) -> Selection:  # pragma: no cover - every method overrides it
         raise NotImplementedError
 
@@ -173,6 +179,7 @@ class TokenReducer:
             return seq  # nothing visual, or keep everything: exactly the same sequence
         if self.wants_attention(runner):
             view.attention = self._attention(view, seq, lay, handoff)
+        self.prepare(view, runner)
         sel = self.choose(view)
         if sel.rho is not None:
             handoff.rho = by_source(view, sel.rho.float(), float("nan"))
@@ -192,7 +199,7 @@ class TokenReducer:
                 assign = nearest_kept(view.features, view.mask, keep)
             weight = sel.weight
             if weight is None:
-                weight = view.size.float() if self.size_weighted else torch.ones(view.size.shape)
+                weight = view.size.float() if self.size_weighted else torch.ones_like(view.size, dtype=torch.float32)
             merge_dropped(seq, out, keep_seq, view, keep, assign, weight.to(view.mask.device))
         return out
 
@@ -265,7 +272,10 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
         mask[i, : c.numel()] = True
     sample = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
     n = mask.sum(1)
-    k = keep_count(n, keep, minimum=1)
+    owner = [_image_of(seq, b, j) for b, j, *_ in rows]
+    k = torch.tensor(image_budgets([int(x) for x in n.tolist()], owner, keep), dtype=torch.long, device=dev)
+    keys = [seq.image_keys[b][i] if b < len(seq.image_keys) and i < len(seq.image_keys[b]) else 0
+            for b, i in owner]  # fmt: skip
     feats = _unit_features(seq.hidden, rows, nmax)
     size = seq.size if seq.size is not None else torch.ones(seq.valid.shape, dtype=torch.long, device=dev)
     return VisualView(
@@ -277,12 +287,46 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
         cells=cells,
         sample=sample,
         image=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
+        image_key=torch.tensor(keys, dtype=torch.long, device=dev),
+        tile=torch.tensor([owner[:u].count(o) for u, o in enumerate(owner)], dtype=torch.long, device=dev),
         cols=cols,
         source=seq.source[sample[:, None], cols].masked_fill(~mask, 0),
         batch=seq.batch,
         size=size[sample[:, None], cols].masked_fill(~mask, 0),
         layer=layer,
     )
+
+
+def _image_of(seq: LiveSeq, b: int, j: int) -> tuple[int, int]:
+    """(sample, image) that unit j of sample b belongs to (a tile's image in tiled families)."""
+    tiles = seq.tile_image[b] if b < len(seq.tile_image) else []
+    return b, (tiles[j] if j < len(tiles) else j)
+
+
+def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> list[int]:
+    """Tokens each unit keeps: every image keeps K = ceil(N_image * keep) of its N_image tokens, however many
+    tiles it spans. K is split over the image's tiles in proportion to their token counts (largest remainder,
+    ties to the earlier tile), at least one per tile. One unit per image: simply ceil(N * keep)."""
+    out = [0] * len(n)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for u, o in enumerate(owner):
+        groups.setdefault(o, []).append(u)
+    for units in groups.values():
+        total = sum(n[u] for u in units)
+        kk = keep_count(total, keep, minimum=1)
+        exact = [kk * n[u] / total for u in units]
+        base = [max(1, min(n[u], math.floor(e))) for u, e in zip(units, exact, strict=True)]
+        order = sorted(range(len(units)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+        left = kk - sum(base)
+        for i in order:
+            if left <= 0:
+                break
+            if base[i] < n[units[i]]:
+                base[i] += 1
+                left -= 1
+        for u, k in zip(units, base, strict=True):
+            out[u] = k
+    return out
 
 
 def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DART: pivot tokens by feature norm, then keep the tokens least similar to the pivots (drop duplicates)."""
+"""DART (duplication-aware token reduction): pivots by key norm, then per pivot the tokens least like it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trimvlm.errors import RecipeError
+from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
 from trimvlm.registry import register
@@ -16,30 +18,58 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 @register("tokens", "dart")
 @dataclass
 class DART(TokenReducer):
-    """Per image: the `pivots` tokens with the largest L`norm` norm of their hidden state are kept as pivots;
-    of the others, the K - pivots tokens whose highest cosine similarity to any pivot is lowest are kept
-    (near-duplicates of the pivots are dropped). With K <= pivots only the top-norm tokens are kept. Cost
-    O(N * pivots * d). Default layer 0."""
+    """DART (Wen et al. 2025; REFERENCES.md section 2), before decoder layer L (default 2), per image:
 
+    1. pivots: the `pivots` tokens (default 8) with the largest L2 norm of their key states in layer L
+       (`pivot=key`, the paper's default: the keys layer L computes from the hidden states entering it, before
+       RoPE, which does not change a norm; computed for the visual tokens only, counted as method FLOPs), or of
+       their hidden states (`pivot=hidden`);
+    2. the rest of the budget, K - pivots, is split evenly over the pivots (the first pivots, in norm order,
+       take the remainder); pivot j keeps the tokens least cosine-similar to it, on the hidden states, among
+       those no earlier pivot kept: near-duplicates of a pivot are dropped.
+    With K <= pivots only the top-norm pivots are kept. Time O(N * pivots * d)."""
+
+    layer: int | None = None
     pivots: int = 8
-    norm: int = 2
+    pivot: str = "key"
+
+    default_layer = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_int("pivots", self.pivots, minimum=1)
-        if self.norm not in (1, 2) or isinstance(self.norm, bool):
-            raise ValueError(f"norm must be 1 or 2, got {self.norm!r}")
+        if self.pivot not in ("key", "hidden"):
+            raise ValueError(f"pivot must be 'key' or 'hidden', got {self.pivot!r}")
+
+    def check(self, runner) -> None:
+        super().check(runner)
+        lay = self.at(runner)
+        if self.pivot == "key" and not runner.is_attention(lay):
+            raise RecipeError(
+                f"tokens=dart: layer {lay} is a {runner.adapter.layer_types[lay]} layer without attention keys; "
+                f"choose an attention layer ({[i for i in range(runner.num_layers) if runner.is_attention(i)]}) "
+                "or pivot=hidden"
+            )
+
+    def prepare(self, view: VisualView, runner) -> None:
+        if self.pivot == "key":
+            view.keys = runner.layer_keys(view.layer, view.features)
 
     def choose(self, view: VisualView) -> Selection:
         x = view.features.float()
-        norms = x.norm(p=self.norm, dim=-1)
+        basis = view.keys if self.pivot == "key" else view.features
+        norms = basis.float().norm(dim=-1)
         p = torch.minimum(view.k, torch.full_like(view.k, self.pivots))
-        piv = topk_mask(norms, p, view.mask)
+        keep = topk_mask(norms, p, view.mask)
         pmax = int(p.max())
-        pidx = torch.sort(piv.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :pmax]
-        pval = piv.gather(1, pidx)
+        order = torch.sort(norms.masked_fill(~keep, float("-inf")), dim=1, descending=True, stable=True)
+        pidx = order.indices[:, :pmax]  # pivots of each unit, largest norm first
         xn = F.normalize(x, dim=-1, eps=1e-12)
         xp = xn.gather(1, pidx[..., None].expand(-1, -1, xn.shape[-1]))
-        sim = torch.bmm(xn, xp.transpose(1, 2)).masked_fill(~pval[:, None], float("-inf")).amax(-1)
-        rest = topk_mask(-sim, view.k - p, view.mask & ~piv)
-        return Selection(keep=piv | rest)
+        sim = bmm(xn, xp.transpose(1, 2))  # [U, N, pmax] cosine of every token to every pivot
+        rest = view.k - p
+        for j in range(pmax):
+            share = torch.div(rest, p, rounding_mode="floor") + (j < rest % p.clamp(min=1)).long()
+            share = torch.where(j < p, share, torch.zeros_like(share))
+            keep |= topk_mask(-sim[:, :, j], share, view.mask & ~keep)
+        return Selection(keep=keep)

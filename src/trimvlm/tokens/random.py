@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from trimvlm.kernels.select import topk_mask
+from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
 from trimvlm.options import require_int
 from trimvlm.registry import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -15,9 +13,11 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 @register("tokens", "random")
 @dataclass
 class Random(TokenReducer):
-    """Keep K = ceil(N * keep) tokens of each image uniformly at random. The draw for an image depends only on
-    (`seed`, the image's index within its sample, its token count), so a sample gets the same subset alone or
-    in any batch."""
+    """Keep K = ceil(N * keep) tokens of each image uniformly at random (REFERENCES.md section 2: a fixed seed,
+    a different subset per image). Token t of an image draws `hashed_uniform(seed, image fingerprint, t)`:
+    the draw depends on the seed and the image itself (a fingerprint of its pixels), so different images get
+    different subsets, and an image gets the same subset alone, in any batch, at any index. kv=random draws
+    the same way, so `tokens=random` and `kv=random` with one seed rank an image's tokens alike."""
 
     seed: int = 0
 
@@ -26,8 +26,6 @@ class Random(TokenReducer):
         require_int("seed", self.seed)
 
     def choose(self, view: VisualView) -> Selection:
-        scores = torch.zeros(view.mask.shape, dtype=torch.float32)
-        for u, (j, n) in enumerate(zip(view.image.tolist(), view.n.tolist(), strict=True)):
-            gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + j)
-            scores[u, :n] = torch.rand(n, generator=gen)
-        return Selection(keep=topk_mask(scores.to(view.mask.device), view.k, view.mask))
+        index = view.cells.clamp(min=0) + view.tile[:, None] * TILE_STRIDE
+        scores = hashed_uniform(self.seed, view.image_key[:, None], index)
+        return Selection(keep=topk_mask(scores, view.k, view.mask))

@@ -1,0 +1,198 @@
+"""The `trimvlm` command: `--json PATH` everywhere results are produced, inline `--recipe` on eval, `--limit`
+and `--max-new-tokens`, `trimvlm methods`, and bad input as one line on stderr with a non-zero exit."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from trimvlm.cli import app
+from trimvlm.testing import random_image
+
+TOKENS = "tokens=density:keep=0.5:layer=1"
+KV = "kv=snapkv:keep=0.25"
+BOTH = f"{TOKENS},{KV}"
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_line_error(res, message):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert message in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def demo_image(tmp_path_factory):
+    from trimvlm.demo.task import generate_split
+
+    s = generate_split("test", 1, seed=0)[0]
+    path = tmp_path_factory.mktemp("img") / "grid.png"
+    s.image.save(path)
+    return path, s.qas[0].question, s.qas[0].answer
+
+
+def _tiny_task(folder, n=4):
+    (folder / "img").mkdir(exist_ok=True)
+    lines = []
+    for i in range(n):
+        random_image(i).save(folder / "img" / f"{i}.png")
+        probe = "prefill" if i % 2 else "full"
+        lines.append({"id": f"r{i}", "image": f"img/{i}.png", "question": "what is the colour", "answer": "red",
+                      "probe": probe})  # fmt: skip
+    path = folder / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_methods_lists_every_method_with_options(tmp_path):
+    from trimvlm.registry import describe_methods
+
+    out = tmp_path / "m.json"
+    res = _cli("methods", "--json", out)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(describe_methods(), default=str))
+    for axis in ("tokens=", "kv=", "depth="):
+        assert axis in res.output
+    for name in ("density", "fastv", "tome", "snapkv", "h2o", "streamingllm", "ranking", "tail"):
+        assert name in res.output
+    snapkv = next(m for m in data["kv"] if m["name"] == "snapkv")
+    opts = {o["name"]: o for o in snapkv["options"]}
+    assert opts["window"] == {"name": "window", "type": "int", "default": 32}
+    assert opts["pool"]["default"] == "avg" and "keep" in opts
+    assert snapkv["summary"].startswith("SnapKV")
+    assert all(not o["name"].startswith("_") for ms in data.values() for m in ms for o in m["options"])
+    assert "window: int = 32" in res.output
+
+
+@pytest.mark.parametrize("recipe", ["", TOKENS, KV, BOTH])
+def test_generate_writes_json_and_prints_text(demo_image, tmp_path, recipe):
+    image, question, answer = demo_image
+    out = tmp_path / "g.json"
+    res = _cli("generate", "--model", "demo", "--image", image, "--prompt", question, "--recipe", recipe,
+               "--max-new-tokens", 4, "--json", out)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert res.output.splitlines()[0] == data["text"] == answer
+    assert data["recipe"] == (recipe or "baseline") and data["costs"]["prefill_flops"] > 0
+    assert "GFLOP" in res.output
+
+
+def test_generate_costs_fall_with_real_recipes(demo_image, tmp_path):
+    image, question, _ = demo_image
+    costs = {}
+    for recipe in ("", TOKENS, KV):
+        out = tmp_path / f"{len(costs)}.json"
+        assert _cli("generate", "--model", "demo", "--image", image, "--prompt", question, "--recipe", recipe,
+                    "--json", out).exit_code == 0  # fmt: skip
+        costs[recipe] = json.loads(out.read_text())["costs"]
+    assert costs[TOKENS]["prefill_flops"] < costs[""]["prefill_flops"]
+    assert costs[KV]["kv_bytes"] < costs[""]["kv_bytes"]
+
+
+def test_eval_inline_recipes_limit_and_new_tokens(tiny_dir, tmp_path):
+    task = _tiny_task(tmp_path)
+    out = tmp_path / "e.json"
+    res = _cli("eval", "--model", tiny_dir("qwen3_vl"), "--task", task, "--recipe", TOKENS, "--recipe", KV,
+               "--recipe", BOTH, "--max-new-tokens", 3, "--batch-size", 2, "--json", out,
+               "--plot", tmp_path / "e.png")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert [r["label"] for r in data["recipes"]] == ["baseline", TOKENS, KV, BOTH]
+    assert data["task"]["items"] == 4  # --limit unset: the whole task
+    assert data["settings"]["max_new_tokens"] == 3
+    by = {(r["recipe"], r["group"]): r for r in data["results"]}
+    assert by[(TOKENS, "all")]["ratio"]["prefill_flops"] < 1.0
+    assert by[(KV, "all")]["ratio"]["kv_bytes"] < 1.0
+    assert by[(BOTH, "all")]["ratio"]["kv_bytes"] < by[(TOKENS, "all")]["ratio"]["kv_bytes"]
+    assert all(len(t.split()) <= 3 for t in data["predictions"]["baseline"]["texts"])
+
+    recipes = tmp_path / "r.yaml"
+    recipes.write_text("- {name: d, kv: 'density:keep=1e-1'}\n")
+    res = _cli("eval", "--model", tiny_dir("qwen3_vl"), "--task", task, "--recipes", recipes, "--recipe", TOKENS,
+               "--limit", 2, "--json", out, "--plot", tmp_path / "e.png")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert [r["label"] for r in data["recipes"]] == ["baseline", "d", TOKENS]
+    assert data["task"]["items"] == 2
+    assert data["recipes"][1]["recipe"]["kv"]["options"] == {"keep": 0.1}
+
+
+def test_eval_defaults_to_the_whole_task(monkeypatch):
+    import trimvlm.cli_eval
+
+    seen = {}
+    monkeypatch.setattr(trimvlm.cli_eval, "eval_command", lambda *a, **kw: seen.update(args=a, kw=kw))
+    assert _cli("eval", "--task", "demo").exit_code == 0
+    model, task, recipes_file, limit = seen["args"][:4]
+    assert (limit, recipes_file, seen["kw"]["max_new_tokens"], seen["kw"]["recipes"]) == (
+        None,
+        None,
+        None,
+        [],
+    )
+
+
+def test_eval_on_the_demo_model_with_real_recipes(tmp_path):
+    out = tmp_path / "d.json"
+    res = _cli("eval", "--model", "demo", "--task", "demo", "--recipe", BOTH, "--limit", 12, "--batch-size", 12,
+               "--json", out, "--plot", tmp_path / "d.png")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    by = {(r["recipe"], r["group"]): r for r in data["results"]}
+    assert by[("baseline", "all")]["accuracy"] >= 0.8
+    assert by[(BOTH, "all")]["ratio"]["prefill_flops"] < 1.0 and by[(BOTH, "all")]["ratio"]["kv_bytes"] < 1.0
+
+
+def test_info_and_score_write_json(tiny_dir, tmp_path):
+    res = _cli("info", "--model", tiny_dir("qwen3_vl"), "--json", tmp_path / "i.json")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "i.json").read_text())["family"] == "qwen3_vl"
+    random_image(0).save(tmp_path / "x.png")
+    res = _cli("score", "--model", tiny_dir("qwen3_vl"), "--image", tmp_path / "x.png", "--question", "what is",
+               "--candidate", "red", "--candidate", "blue", "--json", tmp_path / "s.json")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert len(json.loads((tmp_path / "s.json").read_text())["results"][0]["candidates"]) == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "top_p must be a number in (0, 1]"),
+        (["--recipe", "tokens=fastv:keep=0.5,tokens=random:keep=0.5"], "gives tokens= twice"),
+        (["--recipe", "tokens=density:keep=0.5:merge=off"], "merge must be true or false, got 'off'"),
+        (["--recipe", "tokens=nosuch"], "unknown tokens method 'nosuch'; known: dart, density"),
+        (["--image", "/no/such.png"], "image file not found"),
+    ],
+)
+def test_generate_bad_input_is_one_line(tiny_dir, args, message):
+    res = _cli("generate", "--model", tiny_dir("qwen3_vl"), "--prompt", "what is", *args)
+    _one_line_error(res, message)
+
+
+def test_eval_bad_input_is_one_line(tiny_dir, tmp_path):
+    model = tiny_dir("qwen3_vl")
+    task = _tiny_task(tmp_path)
+    _one_line_error(_cli("eval", "--model", model, "--task", task, "--limit", 0), "limit must be a positive")
+    _one_line_error(_cli("eval", "--model", model, "--task", task, "--recipe", "kv=h2o,kv=snapkv"),
+                    "gives kv= twice")  # fmt: skip
+    _one_line_error(_cli("eval", "--model", model, "--task", task, "--max-new-tokens", 0),
+                    "max_new_tokens must be a positive integer")  # fmt: skip
+    (tmp_path / "img" / "1.png").write_bytes(b"broken")
+    _one_line_error(_cli("eval", "--model", model, "--task", task), "record r1: image")
+    bad = tmp_path / "two.jsonl"
+    bad.write_text(
+        json.dumps({"id": "q2", "question": "what", "answer": "red circle", "probe": "prefill"}) + "\n"
+    )
+    _one_line_error(_cli("eval", "--model", model, "--task", bad, "--json", tmp_path / "x.json"),
+                    "record q2: answer 'red circle' is 2 tokens")  # fmt: skip
+    assert not (tmp_path / "x.json").exists()
+    _one_line_error(_cli("eval", "--task", "demo-candidates", "--max-new-tokens", 3),
+                    "max_new_tokens does not apply to the candidate task")  # fmt: skip
