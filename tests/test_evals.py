@@ -373,7 +373,10 @@ def test_eval_command_end_to_end(tiny_dir, tmp_path):
     md = (tmp_path / "o.md").read_text().splitlines()
     assert md[0].startswith("| recipe |") and "mismatch %" in md[0] and len(md) == 4
     cells = [c.strip() for c in md[3].strip("|").split("|")]
-    assert cells[0] == "copy" and cells[-3] == "1.00x" and cells[-1] == "1.00x"  # prefill FLOPs, KV bytes
+    head = [c.strip() for c in md[0].strip("|").split("|")]
+    row = dict(zip(head, cells, strict=True))
+    assert cells[0] == "copy" and row["prefill FLOPs"] == row["total FLOPs"] == row["KV bytes"] == "1.00x"
+    assert row["method share"] == "0.0%"  # an empty recipe does no method work
     by = defaultdict(dict)
     for row in data["results"]:
         by[row["recipe"]][row["group"]] = row

@@ -84,8 +84,10 @@ def print_report(result: EvalResult, console=None) -> None:
                 t.add_row(f"{kind} F1", "", "", "", *(f"{100 * r['f1']:.1f}" for r in rows), style="dim")
         console.print(t)
 
-    cost = Table(title="costs per item", title_justify="left")
-    for col in ("recipe", "probe", "prefill FLOPs", "decode FLOPs", "KV bytes", "latency ms", "peak mem"):
+    cost = Table(title="costs per item (model FLOPs and the methods' own FLOPs on separate columns)",
+                 title_justify="left")  # fmt: skip
+    cols = ("recipe", "probe", "prefill FLOPs", "decode FLOPs", "method FLOPs", "KV bytes", "latency ms", "peak mem")
+    for col in cols:
         cost.add_column(
             col, justify="left" if col in ("recipe", "probe") else "right", no_wrap=col in ("recipe", "probe")
         )
@@ -98,9 +100,10 @@ def print_report(result: EvalResult, console=None) -> None:
                 g["group"],
                 human(per["prefill_flops"]),
                 human(per["decode_flops"]),
+                human(per["method_flops"]),
                 human(per["kv_bytes"], "B"),
                 f"{1000 * per['latency_s']:.2f}",
-                human(row["costs"]["max"]["peak_memory_bytes"], "B"),
+                _peak(row["costs"]),
                 style="bold" if g["group_type"] == "all" else None,
             )
         if len(summaries) > 1:
@@ -109,13 +112,16 @@ def print_report(result: EvalResult, console=None) -> None:
 
     if len(labels) > 1:
         keys = ("prefill_flops", "decode_flops", "total_flops", "kv_bytes", "latency_s", "peak_memory_bytes")
-        ratio = Table(title="cost / baseline (same items, interleaved)", title_justify="left")
+        ratio = Table(
+            title="cost / baseline (same items, interleaved; FLOPs = model + method)", title_justify="left"
+        )
         for col in (
             "recipe",
             "probe",
             "prefill FLOPs",
             "decode FLOPs",
             "FLOPs",
+            "method share",
             "KV bytes",
             "latency",
             "peak mem",
@@ -128,21 +134,40 @@ def print_report(result: EvalResult, console=None) -> None:
         for label in labels[1:]:
             for g in summaries:
                 row = result.row(label, g["group"])
+                cells = [_ratio(row["ratio"][k]) for k in keys]
+                cells.insert(3, _share(row["costs"]))
                 ratio.add_row(
                     escape(label),
                     g["group"],
-                    *(_ratio(row["ratio"][k]) for k in keys),
+                    *cells,
                     style="bold" if g["group_type"] == "all" else None,
                 )
             if len(summaries) > 1:
                 ratio.add_section()
         console.print(ratio)
-    mem_kind = groups[-1]["costs"]["peak_memory_kind"]
-    if mem_kind == "cpu_peak_rss_growth":
-        console.print(
-            "[dim]peak mem on CPU: growth of the process's peak RSS during a call, a lower bound "
-            "(0 when the call fit in memory already touched); compare KV bytes for the cache itself.[/dim]"
-        )
+    kind = result.row(labels[0], "all")["costs"]["peak_memory_kind"]
+    console.print(f"[dim]prefill/decode FLOPs: the model's; method FLOPs: the methods' own matmuls (selection, "
+                  f"attention probes, merges); peak mem: {MEMORY_KINDS.get(kind, kind or 'not measured')}[/dim]")  # fmt: skip
+
+
+MEMORY_KINDS = {
+    "tensor_peak_over_start": "peak of live tensor bytes allocated during a call (CPU tensor tracker, in "
+    "untimed calls on the same batches)",
+    "cuda_allocator_peak_over_start": "CUDA allocator peak over the memory allocated at the call's start",
+    "not_measured": "not measured",
+}
+
+
+def _peak(costs: dict) -> str:
+    if costs.get("peak_memory_kind") in ("", "not_measured", None):
+        return "n/m"
+    return human(costs["max"]["peak_memory_bytes"], "B")
+
+
+def _share(costs: dict) -> str:
+    """The methods' share of the total FLOPs."""
+    total = costs["sum"]["total_flops"]
+    return f"{100 * costs['sum']['method_flops'] / total:.1f}%" if total else "-"
 
 
 # --------------------------------------------------------------------------------------------- markdown
@@ -156,15 +181,17 @@ def markdown_summary(result: EvalResult) -> str:
     head = ["recipe"]
     for p in probes:
         head += [f"{p} acc", f"{p} mismatch %"]
-    head += ["prefill FLOPs", "decode FLOPs", "KV bytes"]
+    head += ["prefill FLOPs", "decode FLOPs", "total FLOPs", "method share", "KV bytes", "peak mem"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in result.labels:
         cells = [label]
         for p in probes:
             row = result.row(label, p)
             cells += [f"{100 * row['accuracy']:.1f}", f"{row['mismatch_pct']:.1f}"]
-        ratio = result.row(label, "all")["ratio"]
-        cells += [_ratio(ratio[k]) for k in ("prefill_flops", "decode_flops", "kv_bytes")]
+        row = result.row(label, "all")
+        ratio = row["ratio"]
+        cells += [_ratio(ratio[k]) for k in ("prefill_flops", "decode_flops", "total_flops")]
+        cells += [_share(row["costs"]), _ratio(ratio["kv_bytes"]), _ratio(ratio["peak_memory_bytes"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -206,9 +233,10 @@ PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe i
 
 
 def plot_pareto(result: EvalResult, path: str | Path) -> Path:
-    """Accuracy vs total-FLOPs ratio and vs KV-bytes ratio, one point per recipe (the same colour and marker
-    in every panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line;
-    one row of panels per probe kind (prefill / full)."""
+    """Accuracy against three cost axes: total FLOPs (model + method), KV bytes and peak memory, each as a
+    ratio to the baseline; one point per recipe (the same colour and marker in every panel, named in the
+    legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of panels per probe kind
+    (prefill / full). A panel whose cost was not measured stays empty."""
     from matplotlib.figure import (
         Figure,
     )  # a bare Figure renders PNG with Agg; pyplot's global state untouched
@@ -218,9 +246,13 @@ def plot_pareto(result: EvalResult, path: str | Path) -> Path:
     probes = [
         r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"
     ]
-    axes_spec = (("total_flops", "FLOPs / baseline"), ("kv_bytes", "KV bytes / baseline"))
-    fig = Figure(figsize=(11.5, 3.8 * max(1, len(probes))), layout="constrained")
-    grid = fig.subplots(max(1, len(probes)), 2, squeeze=False)
+    axes_spec = (
+        ("total_flops", "FLOPs (model + method) / baseline"),
+        ("kv_bytes", "KV bytes / baseline"),
+        ("peak_memory_bytes", "peak memory / baseline"),
+    )
+    fig = Figure(figsize=(15.5, 3.8 * max(1, len(probes))), layout="constrained")
+    grid = fig.subplots(max(1, len(probes)), 3, squeeze=False)
     colors = [f"C{k % 10}" for k in range(len(result.labels))]
     for i, probe in enumerate(probes):
         for j, (key, xlabel) in enumerate(axes_spec):

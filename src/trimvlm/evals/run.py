@@ -27,7 +27,17 @@ from trimvlm.evals.tasks import PROBES, Task, check_limit, check_prefill_answers
 from trimvlm.options import is_int
 from trimvlm.recipe import Recipe, parse_recipe
 
-COST_KEYS = ("prefill_flops", "decode_flops", "total_flops", "kv_bytes", "latency_s", "wall_s")
+COST_KEYS = (
+    "prefill_flops",  # the model's (vision included)
+    "decode_flops",
+    "method_prefill_flops",  # the methods' own work (selection, probes, merges), its own line
+    "method_decode_flops",
+    "method_flops",
+    "total_flops",  # model + method
+    "kv_bytes",
+    "latency_s",
+    "wall_s",
+)
 MAX_KEYS = ("kv_bytes_peak", "peak_memory_bytes")
 RATIO_KEYS = COST_KEYS + ("peak_memory_bytes",)
 
@@ -64,13 +74,23 @@ class _Acc:
         self.batches += 1
         self.sums["prefill_flops"] += costs.prefill_flops
         self.sums["decode_flops"] += costs.decode_flops
+        self.sums["method_prefill_flops"] += costs.method_prefill_flops
+        self.sums["method_decode_flops"] += costs.method_decode_flops
+        self.sums["method_flops"] += costs.method_total_flops
         self.sums["total_flops"] += costs.total_flops
         self.sums["kv_bytes"] += costs.kv_bytes
         self.sums["latency_s"] += sum(costs.seconds.values())
         self.sums["wall_s"] += wall_s
         self.maxes["kv_bytes_peak"] = max(self.maxes["kv_bytes_peak"], costs.kv_bytes_peak)
+        self.memory(costs)
+
+    def memory(self, costs) -> None:
+        """Take the peak memory of a call that measured it (a timed CPU call does not)."""
+        if costs.peak_memory_kind in ("", "not_measured"):
+            self.peak_memory_kind = self.peak_memory_kind or costs.peak_memory_kind
+            return
         self.maxes["peak_memory_bytes"] = max(self.maxes["peak_memory_bytes"], costs.peak_memory_bytes)
-        self.peak_memory_kind = costs.peak_memory_kind or self.peak_memory_kind
+        self.peak_memory_kind = costs.peak_memory_kind
 
     def merge(self, other: _Acc) -> None:
         self.n += other.n
@@ -79,7 +99,8 @@ class _Acc:
             self.sums[k] += other.sums[k]
         for k in MAX_KEYS:
             self.maxes[k] = max(self.maxes[k], other.maxes[k])
-        self.peak_memory_kind = other.peak_memory_kind or self.peak_memory_kind
+        if other.peak_memory_kind not in ("", "not_measured") or not self.peak_memory_kind:
+            self.peak_memory_kind = other.peak_memory_kind or self.peak_memory_kind
 
     def as_dict(self) -> dict:
         sums = {k: (int(v) if k not in ("latency_s", "wall_s") else v) for k, v in self.sums.items()}
@@ -178,10 +199,18 @@ def run_eval(
     seed: int = 0,
     max_new_tokens: int | None = None,
     warmup: bool = True,
+    memory: str = "first",
     progress: bool = True,
     console=None,
 ) -> EvalResult:
-    """Run every recipe (baseline first) over the task's items, interleaved batch by batch."""
+    """Run every recipe (baseline first) over the task's items, interleaved batch by batch.
+
+    `memory`: where peak memory comes from. On CUDA every timed call reads the allocator's peak. On CPU the
+    tensor tracker would slow the timed calls, so peak memory is measured in separate, untimed calls on the
+    same batches: `first` (default) the first batch of every (probe, kind) group, `all` every batch, `off`
+    none (reported as not measured)."""
+    if memory not in ("first", "all", "off"):
+        raise InputError(f"memory must be one of first, all, off; got {memory!r}")
     if not is_int(batch_size) or batch_size <= 0:
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
     if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
@@ -203,12 +232,17 @@ def run_eval(
     preds: list[list[str]] = [[""] * n_items for _ in recipes]
     accs: list[dict[tuple[str, str], _Acc]] = [{} for _ in recipes]  # per recipe: (probe, kind) -> costs
 
-    def call(r: int, idx: list[int], n_new: int):
+    def call(r: int, idx: list[int], n_new: int, track: bool = False):
         images = [list(records[i].images) for i in idx]
         prompts = [records[i].prompt_text() for i in idx]
+        kw = {"track_memory": True} if track else {}
         t0 = time.perf_counter()
-        res = vlm.generate(images, prompts, recipe=recipes[r], max_new_tokens=n_new, seed=seed)
+        res = vlm.generate(images, prompts, recipe=recipes[r], max_new_tokens=n_new, seed=seed, **kw)
         return res, time.perf_counter() - t0
+
+    device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
+    on_cpu = device is not None and device.type != "cuda"
+    measured: set[tuple] = set()
 
     if warmup:  # untimed: one-time costs (lazy init, allocator growth) of every recipe fall here
         idx, n_new = batches[0]
@@ -224,7 +258,11 @@ def run_eval(
                 res, wall = call(r, idx, n_new)
                 for i, text in zip(idx, res.texts, strict=True):
                     preds[r][i] = text
-                accs[r].setdefault(key, _Acc()).add(res.costs, len(idx), wall)
+                acc = accs[r].setdefault(key, _Acc())
+                acc.add(res.costs, len(idx), wall)
+                if on_cpu and (memory == "all" or (memory == "first" and (r, key) not in measured)):
+                    acc.memory(call(r, idx, n_new, track=True)[0].costs)  # untimed
+                    measured.add((r, key))
                 bar.advance(job)
 
     scores = [
@@ -242,6 +280,7 @@ def run_eval(
         "prefill_tokens": task.prefill_tokens,
         "kind_max_new_tokens": task.kind_max_new_tokens,
         "warmup": warmup,
+        "memory": memory if on_cpu else "every call (CUDA allocator)",
         "order": "interleaved: every recipe on each batch, rotating the first recipe batch by batch",
         "model": _model_info(vlm),
     }
