@@ -245,3 +245,26 @@ def test_image_budgets_split_one_image_budget_over_its_tiles():
     assert sum(k[:3]) == math.ceil(48 * 0.1 - 1e-9) == 5  # per tile it would have been 3 * 2 = 6
     assert max(k[:3]) - min(k[:3]) <= 1
     assert image_budgets([16, 16, 16], [(0, 0)] * 3, 0.01) == [1, 1, 1]  # at least one per tile
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+def test_probe_rows_equal_eager_attention_weights(tiny_adapter, family):
+    """The attention probe's rows (and H2O's column sums) equal transformers' eager attention weights."""
+    adapter = tiny_adapter(family)
+    prep = adapter.prepare([[random_image(4, (64, 96))]], ["what is the colour of the square"])
+    rows = AttentionProbe(last=3, per_head=True)
+    cols = AttentionProbe(colsum=True, block=5)
+    Runner(adapter).prefill(prep, ctx=AttentionContext(probe=rows.merge(cols)))
+    cfg = adapter.model.config
+    saved = cfg._attn_implementation
+    try:
+        cfg._attn_implementation = "eager"
+        with torch.no_grad():
+            ref = adapter.model(input_ids=prep.input_ids, attention_mask=prep.attention_mask,
+                                **prep.model_inputs, output_attentions=True).attentions  # fmt: skip
+    finally:
+        cfg._attn_implementation = saved
+    assert len(ref) == len(rows.results)
+    for i, att in enumerate(ref):
+        assert torch.allclose(rows.results[i], att[:, :, -3:].float(), atol=1e-5)
+        assert torch.allclose(cols.results[i], att.float().sum(dim=(1, 2)), atol=1e-4)
