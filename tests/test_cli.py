@@ -196,3 +196,15 @@ def test_eval_bad_input_is_one_line(tiny_dir, tmp_path):
     assert not (tmp_path / "x.json").exists()
     _one_line_error(_cli("eval", "--task", "demo-candidates", "--max-new-tokens", 3),
                     "max_new_tokens does not apply to the candidate task")  # fmt: skip
+
+
+def test_device_and_dtype_options_on_every_model_command():
+    for cmd in ("generate", "info", "demo", "eval", "score", "train-head", "calibrate"):
+        res = CliRunner().invoke(app, [cmd, "--help"])
+        assert "--device" in res.output and "--dtype" in res.output, cmd
+    res = _cli("info", "--model", "demo", "--device", "nosuch")
+    assert res.exit_code == 2 and "unknown device 'nosuch'" in res.output and "Traceback" not in res.output
+    res = _cli("info", "--model", "demo", "--dtype", "int8")
+    assert res.exit_code == 2 and "allowed: float32, bfloat16, float16" in res.output
+    res = _cli("info", "--model", "demo", "--dtype", "bf16")
+    assert res.exit_code == 0

@@ -36,6 +36,18 @@ def _write_json(path: Path | None, data) -> None:
 
 
 JSON_OUT = typer.Option(None, "--json", help="also write the results as JSON to this file")
+DEVICE = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps")
+DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
+
+
+def _load_kw(device: str, dtype: str) -> dict:
+    """Checked --device / --dtype for trimvlm.load (bad values: the one-line error)."""
+    from trimvlm.loading import parse_device, parse_dtype
+
+    try:
+        return {"device": str(parse_device(device)), "dtype": parse_dtype(dtype)}
+    except TrimVLMError as e:
+        _fail(e)
 
 
 @app.command()
@@ -49,12 +61,15 @@ def generate(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
     json_out: Path | None = JSON_OUT,
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Generate an answer for one image + prompt."""
     import trimvlm
 
     try:
-        vlm = trimvlm.load(model)
+        vlm = trimvlm.load(model, **_load_kw(device, dtype))
         res = vlm.generate(
             [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, seed=seed,
@@ -73,13 +88,15 @@ def generate(
 
 @app.command()
 def info(
-    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"), json_out: Path | None = JSON_OUT
+    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"), json_out: Path | None = JSON_OUT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Family, layers and their types, visual tokens per image."""
     import trimvlm
 
     try:
-        vlm = trimvlm.load(model)
+        vlm = trimvlm.load(model, **_load_kw(device, dtype))
     except TrimVLMError as e:
         _fail(e)
     data = vlm.info()
@@ -114,12 +131,15 @@ def demo(
     limit: int = typer.Option(300, help="test items"),
     json_out: Path = typer.Option(Path("trimvlm-demo.json"), "--json"),
     plot: Path = typer.Option(Path("trimvlm-demo.png")),
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
     from trimvlm.cli_eval import demo_command
 
     try:
-        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot))
+        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype))
     except TrimVLMError as e:
         _fail(e)
 
@@ -142,6 +162,9 @@ def eval_(
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
     readout: str = typer.Option("auto", help="candidate tasks (demo-candidates) only: auto | loglik | head"),
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs. Candidate tasks
     (demo-candidates): accuracy, retention and agreement vs the unpruned model, branch FLOPs, latency."""
@@ -151,7 +174,7 @@ def eval_(
         eval_command(
             model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
-            recipes=list(recipe),
+            recipes=list(recipe), load_kw=_load_kw(device, dtype),
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
@@ -193,13 +216,16 @@ def score(
     recipe: str = typer.Option("", help="e.g. depth=ranking:file=rank.json:budget=2:scope=candidates"),
     binary: bool = typer.Option(False, help="one candidate statement, answered as P(true) (head readout)"),
     json_out: Path | None = JSON_OUT,
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
     import trimvlm
     from trimvlm.cli_score import print_scores
 
     try:
-        vlm = trimvlm.load(model)
+        vlm = trimvlm.load(model, **_load_kw(device, dtype))
         res = vlm.score(
             [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
             recipe=recipe or None, binary=binary,
@@ -218,13 +244,17 @@ def train_head(
     items: int = typer.Option(1200, help="training questions drawn from the demo task's train split"),
     seed: int = typer.Option(0),
     threads: int = typer.Option(1, help="torch threads (the same seed and threads give the same weights)"),
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Train the decision head on the demo task's candidate questions (backbone frozen, seeded)."""
     from trimvlm.scoring.train_head import train_head_command
 
     try:
         train_head_command(
-            model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads
+            model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
+            load_kw=_load_kw(device, dtype),
         )
     except TrimVLMError as e:
         _fail(e)
@@ -238,13 +268,16 @@ def calibrate(
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
     seed: int = typer.Option(0),
     json_out: Path = typer.Option(Path("rank.json"), "--json", help="where the ranking is written"),
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """Decision-guided layer ranking (FastJEV's J_l) for `depth=ranking:file=...:scope=candidates`."""
     from trimvlm.scoring.calibrate import calibrate_command
 
     try:
         calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
-                          console=console)  # fmt: skip
+                          console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

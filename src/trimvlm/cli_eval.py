@@ -58,6 +58,7 @@ def demo_command(
     seed: int = 0,
     progress: bool = True,
     console=None,
+    load_kw: dict | None = None,
 ) -> dict:
     """Load the shipped demo model, run the baseline and DEMO_RECIPES on `limit` test items
     of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
@@ -75,7 +76,7 @@ def demo_command(
             f"{e}; `trimvlm demo` needs the trained demo model: train it with `trimvlm train-demo`, or "
             "reinstall a trimvlm release that ships it"
         ) from None
-    vlm = trimvlm.load("demo")
+    vlm = trimvlm.load("demo", **(load_kw or {}))
     result = run_eval(vlm, task, chosen, batch_size=batch_size, seed=seed, progress=progress, console=console)
     return _finish(result, json_out, png_out, console)
 
@@ -112,6 +113,7 @@ def eval_command(
     markdown_out: str | Path | None = None,
     readout: str = "auto",
     recipes: list[str | dict] | None = None,
+    load_kw: dict | None = None,
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON) and the inline `recipes` (strings such as
     "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task`
@@ -132,11 +134,11 @@ def eval_command(
             )
         return candidate_eval_command(
             model, str(task), _recipes_from(recipes_file, recipes or ()), limit, json_out, plot_out, batch_size, seed,
-            readout=readout, progress=progress, console=console, markdown_out=markdown_out,
+            readout=readout, progress=progress, console=console, markdown_out=markdown_out, load_kw=load_kw,
         )  # fmt: skip
     the_task = get_task(task, limit=limit, seed=seed)
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
-    vlm = trimvlm.load(model)
+    vlm = trimvlm.load(model, **(load_kw or {}))
     result = run_eval(
         vlm,
         the_task,

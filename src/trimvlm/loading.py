@@ -58,11 +58,43 @@ def read_model_type(folder: Path) -> str:
     return model_type
 
 
-def load_adapter(path_or_id, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name (float32 | bfloat16 | float16, or fp32 / bf16 / fp16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise CheckpointError(f"unknown dtype {dtype!r}; allowed: float32, bfloat16, float16")
+
+
+def parse_device(device) -> torch.device:
+    """A torch device that exists on this machine (cpu, cuda, cuda:N, mps)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CheckpointError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:1") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"device {device!r} asked for, but this machine has no CUDA GPU (use cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CheckpointError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise CheckpointError(f"device {device!r} asked for, but MPS is not available here (use cpu)")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise CheckpointError(f"device {device!r} is not supported; allowed: cpu, cuda[:N], mps")
+    return dev
+
+
+def load_adapter(path_or_id, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    dtype, device = parse_dtype(dtype), parse_device(device)
     folder = resolve(path_or_id)
     adapter_cls = adapter_for(read_model_type(folder))
     try:

@@ -161,8 +161,9 @@ class VLM:
         return self.adapter.info()
 
 
-def load(path_or_id, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VLM:
-    """Load a supported checkpoint folder (or "demo", the shipped demo model) as a VLM."""
+def load(path_or_id, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> VLM:
+    """Load a supported checkpoint folder (or "demo", the shipped demo model) as a VLM, on `device` (cpu, cuda,
+    cuda:N, mps) in `dtype` (a torch dtype or float32 | bfloat16 | float16)."""
     from trimvlm.loading import load_adapter
 
     return VLM(load_adapter(path_or_id, dtype=dtype, device=device))

@@ -506,6 +506,7 @@ def candidate_eval_command(
     progress: bool = True,
     console=None,
     markdown_out=None,
+    load_kw: dict | None = None,
 ) -> dict:
     """`trimvlm eval --task demo-candidates`: run, print, write the JSON / PNG / Markdown. Returns the JSON."""
     import trimvlm
@@ -514,7 +515,7 @@ def candidate_eval_command(
     check_readout_name(readout)
     the_task = get_candidate_task(task, limit=limit, seed=seed)
     chosen = normalize_recipes(recipes)
-    vlm = trimvlm.load(model)
+    vlm = trimvlm.load(model, **(load_kw or {}))
     result = run_candidate_eval(
         vlm, the_task, chosen, batch_size=batch_size, seed=seed, readout=readout, executor=executor,
         progress=progress, console=console,

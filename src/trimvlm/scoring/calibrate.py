@@ -102,7 +102,8 @@ def calibrate(
     ran = set()
     for a in range(0, len(requests), batch_size):
         batch = requests[a : a + batch_size]
-        pre = prefill_requests(vlm, batch, meter=Meter())  # once per batch; every branch run below reads it
+        # once per batch; every branch run below reads it
+        pre = prefill_requests(vlm, batch, meter=Meter(device=vlm.runner.device))
         runs = [frozenset()] + [frozenset({layer}) for layer in range(n_layers)]
         z = []
         for skip in runs:
@@ -161,6 +162,7 @@ def calibrate_command(
     json_out: str | Path | None = "rank.json",
     console=None,
     batch_size: int = DEFAULT_BATCH,
+    load_kw: dict | None = None,
 ) -> dict:
     """`trimvlm calibrate`: rank `model`'s blocks on `n` unlabeled demo val inputs, write the ranking JSON
     {model, family, num_layers, readout, task, n, seed, J, order}, print a table. Returns the JSON's content."""
@@ -175,7 +177,7 @@ def calibrate_command(
         console = Console()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    vlm = trimvlm.load(model)
+    vlm = trimvlm.load(model, **(load_kw or {}))
     resolved = resolve_readout(vlm, readout)
     check_choice("auto", resolved, vlm.head)
     requests = calibration_requests(task, n, seed)

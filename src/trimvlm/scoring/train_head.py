@@ -101,13 +101,13 @@ class Cached:
 
     def __post_init__(self):
         if self.binary is None:
-            self.binary = torch.zeros(len(self.target), dtype=torch.bool)
+            self.binary = torch.zeros(len(self.target), dtype=torch.bool, device=self.target.device)
 
     def __len__(self) -> int:
         return len(self.kinds)
 
     def subset(self, idx) -> Cached:
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.target.device)
         return Cached(
             self.z_q[idx],
             self.u[idx],
@@ -205,25 +205,27 @@ def extract(
 
 
 def pad(items: list[Item], z_q, u, feats, sums) -> Cached:
+    """The items' features (on the model's device) padded into host tensors: the head trains on the CPU."""
     m = len(items)
     n = max(len(it.candidates) for it in items)
     d = z_q[0].shape[-1]
+    cpu = torch.device("cpu")
     out = Cached(
-        z_q=torch.stack([z.float() for z in z_q]),
-        u=torch.zeros(m, n, d),
-        feats=torch.zeros(m, n, N_FEATURES),
-        mask=torch.zeros(m, n, dtype=torch.bool),
-        target=torch.empty(m, dtype=torch.long),
-        sums=torch.full((m, n), -math.inf),
+        z_q=torch.stack([z.float().to(cpu) for z in z_q]),
+        u=torch.zeros(m, n, d, device=cpu),
+        feats=torch.zeros(m, n, N_FEATURES, device=cpu),
+        mask=torch.zeros(m, n, dtype=torch.bool, device=cpu),
+        target=torch.empty(m, dtype=torch.long, device=cpu),
+        sums=torch.full((m, n), -math.inf, device=cpu),
         kinds=[it.kind for it in items],
-        binary=torch.tensor([it.binary for it in items], dtype=torch.bool),
+        binary=torch.tensor([it.binary for it in items], dtype=torch.bool, device=cpu),
     )
     for r, it in enumerate(items):
         k = len(it.candidates)
-        out.u[r, :k] = u[r].float()
-        out.feats[r, :k] = feats[r].float()
+        out.u[r, :k] = u[r].float().to(cpu)
+        out.feats[r, :k] = feats[r].float().to(cpu)
         out.mask[r, :k] = True
-        out.sums[r, :k] = sums[r].float()
+        out.sums[r, :k] = sums[r].float().to(cpu)
         out.target[r] = n if it.target is None else it.target
     return out
 
@@ -464,7 +466,9 @@ def _check(steps: int, items: int, out) -> None:
         raise InputError(f"--out {out} is a file; give a folder to write the decision head to")
 
 
-def train_head_command(model, out, steps: int, items: int, seed: int, console=None, threads: int = 1) -> dict:
+def train_head_command(
+    model, out, steps: int, items: int, seed: int, console=None, threads: int = 1, load_kw: dict | None = None
+) -> dict:
     """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta.
     The same seed and thread count give bitwise-equal weights (the shipped heads: one thread)."""
     import trimvlm
@@ -474,7 +478,7 @@ def train_head_command(model, out, steps: int, items: int, seed: int, console=No
     if not isinstance(threads, int) or threads < 1:
         raise InputError(f"threads must be a positive integer, got {threads!r}")
     torch.set_num_threads(threads)
-    vlm = trimvlm.load(model)
+    vlm = trimvlm.load(model, **(load_kw or {}))
     folder = Path(out) if out is not None else vlm.adapter.folder
     if folder is None:
         raise InputError(f"model {model!r} has no checkpoint folder to write the head to; pass --out")
