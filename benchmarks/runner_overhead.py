@@ -1,7 +1,8 @@
 """Runner overhead: trimvlm's layer loop vs the model's own forward and generate, as time ratios.
 
-Tiny Qwen3-VL (hidden 256, 8 layers, 256 visual tokens per image), batch 1 and 8, median of interleaved
-runs in one process. Prints a table and writes JSON.
+Tiny Qwen3-VL (hidden 256, 8 layers, 256 visual tokens per image; `--hidden`, `--layers`) or any supported
+checkpoint (`--model PATH`), batch 1 and 8, median of interleaved runs in one process. Prints a table and
+writes JSON.
 
     python benchmarks/runner_overhead.py --json out.json
 """
@@ -36,10 +37,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    folder = tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=256, layers=8, heads=8, kv_heads=4,
-                             vision_hidden=64)  # fmt: skip
+    folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
+                                           heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64),
+                                           vision_hidden=64)  # fmt: skip
     adapter = load_adapter(folder)
     runner = Runner(adapter)
     model = adapter.model
