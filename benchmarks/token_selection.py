@@ -2,8 +2,8 @@
 
 Synthetic visual tokens (an h x w grid of smooth random features plus noise, d features) for
 N in {576, 1024, 2304, 4096}, keep 20%, batch 1 and 8; each method runs its real `reduce` path (view, selection,
-merge, gather) on a visual-only live sequence. Attention-scored methods (fastv, prumerge) get a random
-last-query attention row. Reports the median time, the peak of tensor bytes allocated during the call (a
+merge, gather) on a visual-only live sequence. FastV gets a random last-query attention row; the vision-scored
+methods (prumerge, visionzip) a random vision-tower record (attention received and keys) per image. Reports the median time, the peak of tensor bytes allocated during the call (a
 dispatch-level tracker: works on any device; the inputs are not counted), and per method the fitted exponent
 of time and memory vs N (least squares on log-log). A memory exponent near 1 means no N x N matrix.
 
@@ -39,6 +39,7 @@ from trimvlm.plan import Handoff
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.vision_probe import VisionProbe, VisionUnit
 from trimvlm.tokens.base import make_view
 from trimvlm.tokens.density import view_density
 
@@ -52,6 +53,8 @@ METHODS = [
     "tome",
     "dart",
     "prumerge",
+    "prumerge:plus=true",
+    "visionzip",
     "random",
 ]
 SIDES = {576: 24, 1024: 32, 2304: 48, 4096: 64}
@@ -112,7 +115,8 @@ def visual_seq(x: torch.Tensor, side: int) -> LiveSeq:
 
 def reducer_for(method: str, keep: float, seq: LiveSeq):
     """The reducer, and a call that runs its real `reduce` (re-arming the attention row the reducer consumes)."""
-    attention = method.split(":")[0] in ("fastv", "prumerge")
+    attention = method.split(":")[0] == "fastv"
+    vision = method.split(":")[0] in ("prumerge", "visionzip")
     layer = 1 if attention else 0
     red = parse_recipe(f"tokens={method}:keep={keep}:layer={layer}").build()["tokens"]
     att = None
@@ -122,9 +126,18 @@ def reducer_for(method: str, keep: float, seq: LiveSeq):
         logits = torch.randn(seq.batch, 1, seq.length, generator=torch.Generator().manual_seed(1))
         att = torch.softmax(logits * 3, dim=-1)
 
+    units = {}
+    if vision:  # what the vision probe would have recorded: attention received and keys, per image
+        g = torch.Generator().manual_seed(2)
+        for b in range(seq.batch):
+            received = torch.softmax(torch.randn(seq.length, generator=g) * 3, dim=-1)
+            units[(b, 0)] = VisionUnit(received=received, keys=torch.randn(seq.length, 64, generator=g))
+
     def call():
         if att is not None:
             handoff.probes["tokens"].results[0] = att
+        if vision:
+            handoff.vision = VisionProbe(results=dict(units), heads=1)
         return red.reduce(seq, _Runner(), handoff)
 
     return red, call

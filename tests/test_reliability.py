@@ -359,7 +359,7 @@ def test_attention_probe_sees_no_plain_sdpa_mid_run(tiny):
 # --------------------------------------------------------------------------------------------- imports
 
 EXPECTED = {
-    "tokens": {"dart", "density", "divprune", "fastv", "prumerge", "random", "tome"},
+    "tokens": {"dart", "density", "divprune", "fastv", "prumerge", "random", "tome", "visionzip"},
     "kv": {"density", "h2o", "random", "snapkv", "streamingllm"},
     "depth": {"random", "ranking", "tail"},
 }

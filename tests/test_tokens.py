@@ -20,12 +20,15 @@ from trimvlm.tokens.base import make_view
 from trimvlm.tokens.density import view_density
 
 FAMILY = "qwen3_vl"
-METHODS = ["density", "density:select=topk", "divprune", "fastv", "tome", "dart", "prumerge", "random"]
+# prumerge and visionzip act at layer 0 only, from the vision tower's attention: tests/test_vision_baselines.py
+METHODS = ["density", "density:select=topk", "divprune", "fastv", "tome", "dart", "random"]
 
 
 def _prefill(runner, prep, recipe, **kw):
     plan = make_plan(recipe, runner)
-    ctx = AttentionContext(probe=plan.probe) if plan.probe is not None else None
+    ctx = None
+    if plan.probe is not None or plan.vision_probe is not None:
+        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
     meter = Meter()
     out = runner.prefill(prep, hook=plan.hook, ctx=ctx, meter=meter, **kw)
     return out, meter, plan
@@ -100,7 +103,7 @@ def test_tiny_image_next_to_a_large_one(setup, method):
     images = [[random_image(4, (32, 32))], [random_image(5, (128, 128))]]
     prompts = ["what is the colour", "describe"]
     prep = adapter.prepare(images, prompts)
-    recipe = f"tokens={method}:keep=0.5:layer=0"  # prumerge: feature-norm scores at L = 0
+    recipe = f"tokens={method}:keep=0.5:layer=0"  # prumerge: the vision tower's attention
     out, _, _ = _prefill(runner, prep, recipe)
     assert (out.seq.visual & out.seq.valid).sum(1).tolist() == [2, 32]
     for b in range(2):
@@ -293,7 +296,7 @@ def test_pruned_flops_match_analytic_count(setup, layer):
         ("tokens=density:keep=0.5:beta=-1", ["beta"]),
         ("tokens=density:keep=0.5:alpha=2", ["alpha", "beta", "window", "select"]),
         ("tokens=fastv:keep=0.5:layer=0", ["layer", ">= 1"]),
-        ("tokens=visionzip:keep=0.5", ["visionzip", "density", "fastv", "tome"]),
+        ("tokens=sparsevlm:keep=0.5", ["sparsevlm", "density", "fastv", "tome", "visionzip"]),
     ],
 )
 def test_recipe_errors_name_what_is_allowed(recipe, words):
@@ -303,7 +306,7 @@ def test_recipe_errors_name_what_is_allowed(recipe, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("method", ["density", "fastv", "prumerge", "random"])
+@pytest.mark.parametrize("method", ["density", "fastv", "tome", "random"])
 def test_layer_out_of_range_names_the_range(setup, method):
     _, runner, _, _ = setup
     n = runner.num_layers

@@ -24,13 +24,6 @@ class Handoff:
     kept: object | None = None
     vision: object | None = None
 
-    def reset(self) -> None:
-        """Forget the previous call's results (the plan may be reused), keeping the probes asked for."""
-        self.rho = self.kept = self.vision = None
-        for p in self.probes.values():
-            p.results.clear()
-            p.row_valid.clear()
-
 
 @dataclass
 class Plan:

@@ -7,6 +7,9 @@ evaluation never look at model classes; they talk to this protocol.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ import torch
 from PIL import Image
 
 from trimvlm.errors import InputError
+from trimvlm.kernels.flops import count
 from trimvlm.runtime.sequence import LiveSeq
 
 ATTENTION = "full_attention"
@@ -30,10 +34,38 @@ class Prepared:
     attention_mask: torch.Tensor  # [B, S] long
     model_inputs: dict  # everything else the model's forward needs (pixel_values, grids, ...)
     n_images: list[int] = field(default_factory=list)
+    tiles: list[list[int]] = field(default_factory=list)  # tiled families: tiles of each image, per sample
+    image_keys: list[list[int]] = field(default_factory=list)  # content fingerprint of each image, per sample
 
     @property
     def batch(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device) -> Prepared:
+        """The same batch with every tensor on `device` (the model's): preprocessing builds it on the CPU."""
+        device = torch.device(device)
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.model_inputs.items()}
+        return dataclasses.replace(
+            self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
+            model_inputs=inputs,
+        )  # fmt: skip
+
+
+def on_host(prepare):
+    """Decorator of `Adapter.prepare`: preprocessing (image processor, tokenizer, padding) makes its tensors on
+    the CPU whatever torch's default device is, and the batch it returns is handed to the model's device."""
+
+    @functools.wraps(prepare)
+    def wrapper(self, *args, **kwargs) -> Prepared:
+        with torch.device("cpu"):
+            prepared = prepare(self, *args, **kwargs)
+        return prepared.to(self.device)
+
+    return wrapper
 
 
 def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
@@ -53,13 +85,28 @@ def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]
     return out
 
 
+def image_keys(per_sample: list[list[Image.Image]]) -> list[list[int]]:
+    """A 63-bit fingerprint of each image's pixels and size: the identity a seeded random choice draws from,
+    so an image gets the same subset alone or in any batch, and different images different subsets."""
+    out = []
+    for ims in per_sample:
+        keys = []
+        for im in ims:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(f"{im.size}{im.mode}".encode())
+            h.update(im.tobytes())
+            keys.append(int.from_bytes(h.digest(), "little") >> 1)
+        out.append(keys)
+    return out
+
+
 def _open(x) -> Image.Image:
     if isinstance(x, Image.Image):
         return x.convert("RGB")
     if not isinstance(x, str | os.PathLike):
         raise InputError(
-            f"an image must be a PIL image or a file path, got a {type(x).__name__} (a batch gives one entry "
-            "per prompt: an image, a path, a flat list of them, or None)"
+            f"an image must be a PIL image or a file path, got a value of type {type(x).__name__} (a batch "
+            "gives one entry per prompt: an image, a path, a flat list of them, or None)"
         )
     path = Path(x)
     if not path.exists():
@@ -113,6 +160,11 @@ class Adapter:
     def layers(self) -> list[torch.nn.Module]:
         return self.text_model.layers
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live: `prepare` hands its batch over there."""
+        return self.model.device
+
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor):
         return self.text_model.rotary_emb(hidden, positions if self.rope_axes > 1 else positions[0])
 
@@ -128,6 +180,24 @@ class Adapter:
 
     def embed(self, prepared: Prepared) -> LiveSeq:
         raise NotImplementedError
+
+    def layer_keys(self, i: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The key states attention layer i computes from `hidden` [..., D] entering it, before RoPE (a
+        rotation: it leaves key norms unchanged), all KV heads concatenated: [..., Hk * hd]. None for a layer
+        without attention keys. The projection is a method's own work, counted as method FLOPs."""
+        layer = self.layers[i]
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "k_proj"):
+            return None
+        x = layer.input_layernorm(hidden)
+        proj = attn.k_proj
+        count(2 * x[..., 0].numel() * proj.in_features * proj.out_features)
+        k = proj(x)
+        norm = getattr(attn, "k_norm", None)
+        if norm is not None:
+            hd = getattr(attn, "head_dim", None) or self.text_config.head_dim
+            k = norm(k.view(*k.shape[:-1], -1, hd)).flatten(-2)
+        return k
 
     def vision_key(self, prepared: Prepared) -> tuple:
         """What the vision tower's FLOPs depend on: the shapes of the pixel tensors and the values of the
@@ -200,10 +270,11 @@ class Adapter:
         pad = self.tokenizer.pad_token_id
         pad = 0 if pad is None else pad
         s = max(len(r) for r in rows)
-        ids = torch.full((len(rows), s), pad, dtype=torch.long)
-        att = torch.zeros((len(rows), s), dtype=torch.long)
+        # built on the host (preprocessing); `prepare` moves the batch to the model's device
+        ids = torch.full((len(rows), s), pad, dtype=torch.long, device="cpu")
+        att = torch.zeros((len(rows), s), dtype=torch.long, device="cpu")
         for b, r in enumerate(rows):
-            ids[b, s - len(r) :] = torch.tensor(r, dtype=torch.long)
+            ids[b, s - len(r) :] = torch.tensor(r, dtype=torch.long, device="cpu")
             att[b, s - len(r) :] = 1
         return ids, att
 
@@ -212,7 +283,15 @@ class Adapter:
     ):
         valid = prepared.attention_mask.bool()
         b, s = valid.shape
-        source = torch.arange(s)[None].expand(b, s).masked_fill(~valid, -1)
+        tile_image = []
+        for bi in range(b):
+            per_image = prepared.tiles[bi] if bi < len(prepared.tiles) else None
+            n_units = len(grids[bi]) if bi < len(grids) else 0
+            if per_image:
+                tile_image.append([j for j, n in enumerate(per_image) for _ in range(n)][:n_units])
+            else:
+                tile_image.append(list(range(n_units)))
+        source = torch.arange(s, device=valid.device)[None].expand(b, s).masked_fill(~valid, -1)
         return LiveSeq(
             hidden=embeds,
             positions=positions,
@@ -223,7 +302,9 @@ class Adapter:
             adds=adds or {},
             grids=grids,
             image_start=starts,
-            size=torch.ones(b, s, dtype=torch.long),
+            size=torch.ones(b, s, dtype=torch.long, device=valid.device),
+            tile_image=tile_image,
+            image_keys=prepared.image_keys,
         )
 
     @staticmethod
@@ -238,7 +319,7 @@ class Adapter:
     def tile_layout(visual: torch.Tensor, grid: tuple[int, int], token: str):
         """Families whose images are runs of equal tiles (Idefics3, InternVL): per sample, one `grid` per
         tile, the index of each tile's first token, and tile ids [B, S] (-1 on text)."""
-        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
         n = grid[0] * grid[1]
         grids, starts = [], []
         for b in range(visual.shape[0]):
@@ -264,6 +345,50 @@ class Adapter:
                 f"{feats.shape[0]} image features for {int(visual.sum())} image tokens in the prompts"
             )
         return embeds.masked_scatter(visual[..., None], feats)
+
+    # ---- vision-tower probe (PruMerge, VisionZip: runtime/vision_probe.py) ----
+    @property
+    def vision_config(self):
+        return self.model.config.vision_config
+
+    @property
+    def vision_has_cls(self) -> bool:
+        """Whether the vision tower puts a [CLS] token first (its row is the probe's statistic)."""
+        return False
+
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        """The vision tower's attention modules, in layer order (each family says where they are)."""
+        raise NotImplementedError(f"{self.family}: no vision-tower probe")
+
+    def encode_vision(self, probe, encode, to_units, grids):
+        """`encode()`, the family's vision-tower call. With a `VisionProbe`, the call runs recording the probe's
+        layer, and `to_units(recording)` maps the records to one `VisionUnit` per visual unit in batch order
+        (images, or tiles), stored in `probe.results[(sample, unit)]` following `grids`; the probe's FLOPs are
+        counted once its records are known complete."""
+        if probe is None:
+            return encode()
+        from trimvlm.runtime.vision_probe import recording
+
+        with recording(probe, self.vision_attention_modules(), cls=self.vision_has_cls) as rec:
+            out = encode()
+        units = to_units(rec)
+        rec.commit()
+        flat = [(b, j) for b in range(len(grids)) for j in range(len(grids[b]))]
+        if len(flat) != len(units):
+            raise InputError(f"the vision tower encoded {len(units)} units, the prompts have {len(flat)}")
+        probe.results.update(zip(flat, units, strict=True))
+        return out
+
+    @staticmethod
+    def vision_tokens(stat: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor) -> list:
+        """One `VisionUnit` per row of stat [U, P] (attention received per vision token) and keys [U, P, D]:
+        LLM token t of a unit is made of vision tokens groups[t] ([n, g], e.g. the 2x2 patches of a spatial merge
+        or a pixel shuffle): its attention is their sum, its key their mean."""
+        from trimvlm.runtime.vision_probe import VisionUnit
+
+        received = stat[:, groups].sum(-1)
+        k = keys[:, groups].mean(-2)
+        return [VisionUnit(received=received[u], keys=k[u]) for u in range(stat.shape[0])]
 
     # ---- cost accounting (matmul FLOPs of what ran) ----
     @staticmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
 from trimvlm.runtime.sequence import LiveSeq
 
 IMAGE, FAKE, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
@@ -57,6 +57,7 @@ class Idefics3Adapter(Adapter):
         return text + "\n" + glob
 
     # ---- inputs ----
+    @on_host
     def prepare(self, images, prompts) -> Prepared:
         per_sample = load_images(images, len(prompts))
         model_inputs = {}
@@ -76,7 +77,11 @@ class Idefics3Adapter(Adapter):
             ids = self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"]
             id_rows.append(ids)
         ids, att = self.pad_batch(id_rows)
-        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+        tiles = [[ri * ci + 1 if ri * ci else 1 for ri, ci in zip(r, c, strict=True)] for r, c in zip(rows, cols, strict=True)]
+        return Prepared(
+            ids, att, model_inputs, n_images=[len(x) for x in per_sample], tiles=tiles,
+            image_keys=image_keys(per_sample),
+        )  # fmt: skip
 
     def _layout(self, prepared: Prepared):
         """Per sample: one (side, side) grid per tile, the start index of each tile's tokens, tile ids."""
@@ -84,18 +89,37 @@ class Idefics3Adapter(Adapter):
         image_id, grids, starts = self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
         return visual, image_id, grids, starts
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
         if "pixel_values" in prepared.model_inputs:
-            out = self.inner.get_image_features(
-                prepared.model_inputs["pixel_values"],
-                prepared.model_inputs.get("pixel_attention_mask"),
-                return_dict=True,
+            out = self.encode_vision(
+                vision,
+                lambda: self.inner.get_image_features(
+                    prepared.model_inputs["pixel_values"],
+                    prepared.model_inputs.get("pixel_attention_mask"),
+                    return_dict=True,
+                ),
+                lambda rec: self._vision_units(rec, sum(len(g) for g in grids)),
+                grids,
             )
             embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
         positions = self.running_positions(prepared)
         return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
+
+    # ---- vision-tower probe ----
+    def vision_attention_modules(self) -> list:
+        return [layer.self_attn for layer in self.inner.vision_model.encoder.layers]
+
+    def _vision_units(self, rec, tiles: int) -> list:
+        """One attention call for all (real) tiles, padded patches masked; a tile's LLM tokens are the groups of
+        patches the connector's pixel shuffle concatenates (found by shuffling the patch indices)."""
+        vc = self.vision_config
+        p = (vc.image_size // vc.patch_size) ** 2
+        stat, keys, queries = rec.batched(tiles, p)
+        idx = torch.arange(p, device=stat.device)[None, :, None]
+        groups = self.inner.connector.pixel_shuffle(idx, self.model.config.scale_factor)[0]
+        return self.vision_tokens(stat / queries.clamp(min=1)[:, None], keys, groups)
 
 
 class SmolVLMAdapter(Idefics3Adapter):

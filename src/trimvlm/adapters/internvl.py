@@ -14,7 +14,9 @@ The chat template marks each image with one context token, which the processor r
 
 from __future__ import annotations
 
-from trimvlm.adapters.base import Adapter, Prepared, load_images
+import torch
+
+from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
 from trimvlm.runtime.sequence import LiveSeq
 
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
@@ -59,6 +61,7 @@ class InternVLAdapter(Adapter):
         return self.start_token + self.context_token * tokens + self.end_token
 
     # ---- inputs ----
+    @on_host
     def prepare(self, images, prompts) -> Prepared:
         per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
@@ -73,14 +76,18 @@ class InternVLAdapter(Adapter):
             tiles = [int(n) for n in proc["num_patches"]]
             h, w = self.tile_grid(*pixel_values.shape[-2:])
             per_tile = h * w
-        id_rows, k0 = [], 0
+        id_rows, k0, per_image = [], 0, []
         for ims, prompt in zip(per_sample, prompts, strict=True):
             counts = tiles[k0 : k0 + len(ims)]
+            per_image.append(counts)
             k0 += len(ims)
             text = self.render_prompt(prompt, len(ims), lambda k, c=counts: self.image_block(per_tile * c[k]))
             id_rows.append(self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"])
         ids, att = self.pad_batch(id_rows)
-        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+        return Prepared(
+            ids, att, model_inputs, n_images=[len(x) for x in per_sample], tiles=per_image,
+            image_keys=image_keys(per_sample),
+        )  # fmt: skip
 
     def _layout(self, prepared: Prepared):
         """Per sample: one (h, w) grid per tile, the index of each tile's first token, tile ids."""
@@ -90,17 +97,41 @@ class InternVLAdapter(Adapter):
         image_id, grids, starts = self.tile_layout(visual, grid, self.context_token)
         return visual, image_id, grids, starts
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
         if "pixel_values" in prepared.model_inputs:
             cfg = self.model.config
-            out = self.inner.get_image_features(
-                pixel_values=prepared.model_inputs["pixel_values"],
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
+            pixel_values = prepared.model_inputs["pixel_values"]
+            out = self.encode_vision(
+                vision,
+                lambda: self.inner.get_image_features(
+                    pixel_values=pixel_values,
+                    vision_feature_layer=cfg.vision_feature_layer,
+                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                    return_dict=True,
+                ),
+                lambda rec: self._vision_units(rec, pixel_values),
+                grids,
             )
             embeds = self.merge_features(embeds, visual, out.pooler_output)
         positions = self.running_positions(prepared)
         return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
+
+    # ---- vision-tower probe ----
+    @property
+    def vision_has_cls(self) -> bool:
+        return True  # InternViT puts a [CLS] token first; the "default" feature strategy drops it
+
+    def vision_attention_modules(self) -> list:
+        return [layer.attention for layer in self.inner.vision_tower.encoder.layer]
+
+    def _vision_units(self, rec, pixel_values) -> list:
+        """One attention call for all tiles ([CLS] + patches each); a tile's LLM tokens are the groups of patches
+        the pixel shuffle (`downsample_ratio`) concatenates, found by shuffling the patch indices."""
+        ph, pw = _pair(self.vision_config.patch_size)
+        h, w = pixel_values.shape[-2] // ph, pixel_values.shape[-1] // pw
+        stat, keys, queries = rec.batched(pixel_values.shape[0], 1 + h * w)
+        idx = torch.arange(1, 1 + h * w, device=stat.device).reshape(1, h, w, 1)
+        groups = self.inner.pixel_shuffle(idx, scale_factor=self.model.config.downsample_ratio)
+        return self.vision_tokens(stat / queries[:, None], keys, groups.reshape(-1, groups.shape[-1]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
 from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -56,6 +56,7 @@ class LlavaAdapter(Adapter):
             ids = [bos] + ids
         return ids
 
+    @on_host
     def prepare(self, images, prompts) -> Prepared:
         per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
@@ -70,13 +71,15 @@ class LlavaAdapter(Adapter):
             text = self.render_prompt(prompt, len(ims), lambda k: IMAGE * count)
             rows.append(self._tokenize(text))
         ids, att = self.pad_batch(rows)
-        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+        return Prepared(
+            ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
+        )
 
     def _layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in patches and where each image's patch (0, 0) lies (`image_start`): its
         patch (r, c) is at image_start + r * w + c."""
         visual = prepared.input_ids == self.image_token_id
-        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
         grids, starts = [], []
         pixel_values = prepared.model_inputs.get("pixel_values")
         grid = self._grid(pixel_values) if pixel_values is not None else (0, 0)
@@ -98,17 +101,42 @@ class LlavaAdapter(Adapter):
             starts.append(st)
         return visual, image_id, grids, starts
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
         if "pixel_values" in prepared.model_inputs:
             cfg = self.model.config
-            out = self.inner.get_image_features(
-                pixel_values=prepared.model_inputs["pixel_values"],
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
+            pixel_values = prepared.model_inputs["pixel_values"]
+            out = self.encode_vision(
+                vision,
+                lambda: self.inner.get_image_features(
+                    pixel_values=pixel_values,
+                    vision_feature_layer=cfg.vision_feature_layer,
+                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                    return_dict=True,
+                ),
+                lambda rec: self._vision_units(rec, pixel_values),
+                grids,
             )
             embeds = self.merge_features(embeds, visual, torch.cat(list(out.pooler_output), dim=0))
         positions = self.running_positions(prepared)
         return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
+
+    # ---- vision-tower probe ----
+    @property
+    def vision_has_cls(self) -> bool:
+        return self.has_cls
+
+    def vision_attention_modules(self) -> list:
+        tower = self.inner.vision_tower
+        return [layer.self_attn for layer in getattr(tower, "vision_model", tower).encoder.layers]
+
+    def _vision_units(self, rec, pixel_values) -> list:
+        """One attention call for all images; the LLM tokens of an image are its vision tokens after the ones the
+        feature strategy drops (the [CLS] token, or patch 0 on a tower without one), one to one."""
+        h, w = self._grid(pixel_values)
+        s = h * w + int(self.has_cls)
+        stat, keys, queries = rec.batched(pixel_values.shape[0], s)
+        n = self._image_tokens((h, w))
+        groups = torch.arange(s - n, s, device=stat.device)[:, None]
+        return self.vision_tokens(stat / queries[:, None], keys, groups)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, load_images
+from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
 from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.vision_probe import VisionUnit
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 
@@ -23,11 +24,12 @@ class QwenVLAdapterMixin:
     def _image_tokens(self, grid) -> int:
         return int(grid.prod().item()) // (self.merge**2)
 
+    @on_host
     def prepare(self, images, prompts) -> Prepared:
         per_sample = load_images(images, len(prompts))
         flat = [im for ims in per_sample for im in ims]
         model_inputs = {}
-        grids = torch.zeros(0, 3, dtype=torch.long)
+        grids = torch.zeros(0, 3, dtype=torch.long, device="cpu")
         if flat:
             proc = self.image_processor(images=flat, return_tensors="pt")
             model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
@@ -44,14 +46,16 @@ class QwenVLAdapterMixin:
         ids, att = self.pad_batch(rows)
         image_pad_id = self.model.config.image_token_id
         model_inputs["mm_token_type_ids"] = (ids == image_pad_id).to(torch.int32)
-        return Prepared(ids, att, model_inputs, n_images=[len(x) for x in per_sample])
+        return Prepared(
+            ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
+        )
 
     def _layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in merged tokens and the start index of each image's tokens."""
         grid_thw = prepared.model_inputs.get("image_grid_thw")
         visual = prepared.input_ids == self.model.config.image_token_id
         grids, starts, k = [], [], 0
-        image_id = torch.full(visual.shape, -1, dtype=torch.long)
+        image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
         for b in range(prepared.batch):
             g, st = [], []
             idx = torch.nonzero(visual[b]).flatten().tolist()
@@ -81,15 +85,19 @@ class QwenVLAdapterMixin:
         )
         return pos
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
         adds = {}
         if "pixel_values" in prepared.model_inputs:
-            out = self.inner.get_image_features(
-                prepared.model_inputs["pixel_values"],
-                prepared.model_inputs["image_grid_thw"],
-                return_dict=True,
+            grid_thw = prepared.model_inputs["image_grid_thw"]
+            out = self.encode_vision(
+                vision,
+                lambda: self.inner.get_image_features(
+                    prepared.model_inputs["pixel_values"], grid_thw, return_dict=True
+                ),
+                lambda rec: self._vision_units(rec, grid_thw),
+                grids,
             )
             embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
             adds = self.vision_adds(out, embeds, visual)
@@ -99,6 +107,35 @@ class QwenVLAdapterMixin:
     def vision_adds(self, out, embeds, visual) -> dict:
         """Per-position tensors the family adds after given layers (none for Qwen2.5-VL and Qwen3.5)."""
         return {}
+
+    # ---- vision-tower probe ----
+    def vision_attention_modules(self) -> list:
+        return [blk.attn for blk in self.inner.visual.blocks]
+
+    def vision_order(self, grid_thw: torch.Tensor) -> torch.Tensor | None:
+        """The merged-token order the vision blocks run in (None: the images' own order)."""
+        return None
+
+    def _vision_units(self, rec, grid_thw: torch.Tensor) -> list:
+        """Qwen-VL towers run all images packed in one sequence, one attention call per image (or window): the
+        concatenated records are the packed sequence, whose groups of merge**2 consecutive patches are the
+        LLM tokens (in `vision_order`). Received attention is the column sum over the image's patches, divided
+        by their count (every patch of a Qwen-VL image is a query)."""
+        patches = grid_thw.prod(-1).tolist()
+        stat, keys = rec.packed(sum(patches))
+        m2 = self.merge**2
+        stat, keys = stat.view(-1, m2), keys.view(-1, m2, keys.shape[-1])
+        order = self.vision_order(grid_thw)
+        if order is not None:
+            back = torch.argsort(order.to(stat.device))
+            stat, keys = stat[back], keys[back]
+        received, keys = stat.sum(-1), keys.mean(1)  # per LLM token: sum over its patches, mean key
+        units, t0 = [], 0
+        for n in patches:
+            t1 = t0 + n // m2
+            units.append(VisionUnit(received=received[t0:t1] / n, keys=keys[t0:t1]))
+            t0 = t1
+        return units
 
 
 class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):

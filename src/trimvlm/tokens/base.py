@@ -199,7 +199,7 @@ class TokenReducer:
                 assign = nearest_kept(view.features, view.mask, keep)
             weight = sel.weight
             if weight is None:
-                weight = view.size.float() if self.size_weighted else torch.ones_like(view.size, dtype=torch.float32)
+                weight = view.size.float() if self.size_weighted else torch.ones_like(view.size).float()
             merge_dropped(seq, out, keep_seq, view, keep, assign, weight.to(view.mask.device))
         return out
 

@@ -1,4 +1,5 @@
-"""PruMerge: keep the attention outliers (IQR rule), fill the budget spatially, merge the rest into them."""
+"""PruMerge (LLaVA-PruMerge) and PruMerge+: the vision tower's [CLS] attention outliers (IQR rule), filled to the
+budget, every other token merged into its most key-similar kept token, weighted by attention."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
+from trimvlm.options import is_int
 from trimvlm.registry import register
+from trimvlm.runtime import vision_probe
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
@@ -28,38 +31,79 @@ def spread(cands: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return cands & ((r + 1) * fu // m > r * fu // m)
 
 
+def check_fixed_layer(name: str, layer) -> None:
+    if layer is not None and (not is_int(layer) or layer != 0):
+        raise ValueError(
+            f"layer must be 0 for {name}: it reduces the projector's tokens before the first decoder layer, from "
+            f"the vision tower's attention; got {layer!r}"
+        )
+
+
 @register("tokens", "prumerge")
 @dataclass
 class PruMerge(TokenReducer):
-    """Scores: at L >= 1 the attention each visual token receives from the last query token in layer L-1
-    (heads averaged; the LLM analogue of PruMerge's CLS attention, recorded by an AttentionProbe); at L = 0,
-    where no LLM attention exists yet, the L2 norm of the token's features. Tokens above Q3 + 1.5 IQR are
-    the outliers; the highest-scoring outliers are kept (at most K), and the rest of the budget is filled with
-    tokens evenly spaced over the grid (PruMerge+'s spatial sampling), so exactly K = ceil(N * keep) remain.
-    Every dropped token then merges into its most cosine-similar kept token, weighted by its score
-    (`merge=false` only drops). Default layer 2."""
+    """LLaVA-PruMerge, as its paper defines it, at LLM layer L = 0 (on the projector's tokens).
 
-    layer: int | None = None
+    Scores: the vision tower's attention in layer `vision_layer` (default -2, the penultimate), recorded by a
+    `VisionProbe` while the images are encoded: on towers with a [CLS] token (CLIP in LLaVA, InternViT) the
+    attention from [CLS] to each patch, heads averaged; on towers without one (Qwen-VL, SigLIP in LLaVA and
+    Idefics3) the mean attention each patch receives (column mean of the softmax over the image's query
+    patches, heads averaged) -- the paper has no [CLS]-free variant, this is trimvlm's. Where the projector merges
+    several patches into one LLM token (Qwen-VL 2x2, pixel shuffles) the token's score is their sum.
+
+    Selection: the IQR outliers (score > Q3 + 1.5 IQR, per image) are the tokens PruMerge keeps. trimvlm's budget
+    is exact, K = ceil(N * keep) per image (PruMerge's own count is adaptive): with more than K outliers the K
+    highest are kept; with fewer, the budget is filled
+    - plain PruMerge: with the next-highest scores (so the kept set is the top K by score, the outliers first);
+    - PruMerge+ (`plus=true`): with tokens spatially uniform over the grid among the non-outliers (evenly spaced
+      in row-major order, as PruMerge+'s arithmetic index sequence).
+
+    Merge (`merge=true`, default): every dropped token joins its most key-similar kept token (cosine of that vision
+    layer's keys, heads concatenated as PruMerge's k_proj output), and each kept token becomes the
+    attention-weighted mean of itself and the tokens that joined it. Deviations from the paper's code: the
+    merge is a partition (each dropped token goes to one kept token) with a normalised weighted mean, where the
+    code adds the attention-weighted sum of each kept token's 32 key-nearest tokens (kept ones included) to it;
+    it merges the projector's outputs (LLM tokens) rather than the vision features before the projector; the
+    attention is the layer's multi-head one (heads averaged) where the code recomputes a single-head softmax of
+    the concatenated q and k; and the layer is the penultimate one as the paper says (the code hooks CLIP-L's
+    last layer, index 23)."""
+
     merge: bool = True
+    plus: bool = False
+    vision_layer: int = -2
 
-    default_layer = 2
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fixed_layer("prumerge", self.layer)
+        if not isinstance(self.plus, bool):
+            raise ValueError(f"plus must be true or false, got {self.plus!r}")
+        if not is_int(self.vision_layer):
+            raise ValueError(
+                f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
+            )
+
+    def check(self, runner) -> None:
+        vision_probe.check_layer(runner, self.vision_layer, self.name)
+
+    def vision_probe(self, runner, handoff):
+        return vision_probe.request(handoff, self.vision_layer) if self.ratio < 1 else None
 
     def wants_attention(self, runner) -> bool:
-        return self.at(runner) >= 1
+        return True  # the vision tower's, read from the handoff (`_attention`), not an LLM layer's
 
-    def probe(self, runner, handoff):
-        return self._last_query_probe(runner, handoff) if self.at(runner) >= 1 else None
+    def _attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
+        view.attention, view.keys, _ = vision_probe.view_records(view, handoff, self.name)
+        return view.attention
 
     def choose(self, view: VisualView) -> Selection:
-        if view.attention is not None:
-            scores = view.attention
-        else:
-            scores = view.features.float().norm(dim=-1)
-        scores = scores.masked_fill(~view.mask, 0.0)
+        scores = view.attention.masked_fill(~view.mask, 0.0)
         out = iqr_outliers(scores, view.mask)
-        top = topk_mask(scores, torch.minimum(out.sum(1), view.k), out)
-        keep = top | spread(view.mask & ~top, view.k - top.sum(1))
+        if self.plus:
+            top = topk_mask(scores, torch.minimum(out.sum(1), view.k), out)
+            keep = top | spread(view.mask & ~top, view.k - top.sum(1))
+        else:
+            keep = topk_mask(scores, view.k, view.mask)  # the outliers are the highest scores: all kept first
         if not self.merge:
             return Selection(keep=keep)
-        assign = nearest_kept(view.features, view.mask, keep)
+        assign = nearest_kept(view.keys, view.mask, keep)
         return Selection(keep=keep, assign=assign, weight=scores.clamp(min=1e-12) * view.size)

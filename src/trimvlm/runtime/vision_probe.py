@@ -1,0 +1,292 @@
+"""Vision-tower attention probe: what PruMerge and VisionZip read while the images are encoded.
+
+A `VisionProbe` asks for one layer of the vision tower (default the penultimate, as both papers use) and gets,
+for every visual unit of the batch (an image, or a tile of a tiled family), in the LLM token order of that unit:
+
+- `received` [n]: the attention each LLM token receives in that layer, heads averaged, summed over the vision
+  patches the projector merged into the token:
+  * towers with a [CLS] token (CLIP, InternViT): the [CLS] row of the softmax (the [CLS] query's attention to
+    each patch), as LLaVA-PruMerge and VisionZip read it;
+  * towers without one (Qwen-VL, SigLIP in LLaVA and Idefics3): the mean attention each patch receives, i.e. the
+    column mean of the softmax over all (valid) query patches of its own image, computed in blocks of query rows
+    (never an N x N matrix). In window-attention layers (Qwen2.5-VL) a query outside a patch's window gives it 0.
+- `keys` [n, H * d]: that layer's keys as the attention function received them (after rotary embeddings where the
+  tower has them), heads concatenated (the k_proj output, as PruMerge's code reads it), averaged over the patches
+  merged into the token; `heads` says how to split them (VisionZip averages over heads).
+
+Recording: `recording(probe, modules, cls=...)` selects trimvlm's vision attention function (registered in
+transformers' `AttentionInterface` under its own name) for the probed layer's attention module only, while the
+encode runs (`use_vision_attention`), and holds the active recording in a context variable, so a run in another
+thread never records into it. The function is transformers' SDPA for every call (the layer's output is SDPA's);
+for the probed layer of the active recording it also computes the statistic above, counted as method FLOPs
+(`kernels.flops`, the "vision" line). Qwen-VL towers call it once per image (or per window), with no mask;
+CLIP/SigLIP/InternViT/Idefics3 towers once per layer for all images, with a padding mask where images have padded
+patches. The adapter then maps the raw per-call records to LLM tokens (`Adapter.vision_tokens`) and stores them
+in `probe.results[(sample, unit)]`.
+
+Why the module's own config and not the shared vision config: the runner selects trimvlm's LLM attention on the
+model's top-level config for every run (`attention.use_trimvlm_attention`), and transformers' setter carries a
+top-level value down to every sub-config, the vision config included. A run entering or leaving in another
+thread would then switch the vision config away from this function mid-encode (seen: concurrent Qwen3-VL runs
+lost the probed layer in most encodes). So the probed module reads, while the probe is active, a private shallow
+copy of its config that names this function (reference-counted per module, the module's own config put back by
+the last recording out); the shared configs are never written, and the other layers run as configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from trimvlm.errors import TrimVLMError
+from trimvlm.kernels.flops import count, matmul_flops
+
+NAME = "trimvlm_vision_sdpa"
+QUERY_BLOCK = 256  # query rows per block of the received-attention column mean
+
+
+@dataclass
+class VisionUnit:
+    """What the probe recorded for one visual unit, in the LLM token order of that unit."""
+
+    received: torch.Tensor  # [n] float32: attention each LLM token receives (module docstring)
+    keys: torch.Tensor  # [n, H * d] float32: keys, heads concatenated, mean over the token's patches
+
+
+@dataclass
+class VisionProbe:
+    """Record one vision-tower layer's attention statistics (`layer`: index into the tower's layers, negative
+    from the end; -2 = the penultimate layer). Filled by the adapter's `embed(prepared, vision=probe)`:
+    `results[(sample, unit)]`, `heads` (attention heads of the keys), `mode` ("cls" or "mean": which statistic
+    the tower allows)."""
+
+    layer: int = -2
+    results: dict[tuple[int, int], VisionUnit] = field(default_factory=dict)
+    heads: int = 0
+    mode: str = ""
+
+    def layer_index(self, depth: int) -> int:
+        i = self.layer + depth if self.layer < 0 else self.layer
+        if not 0 <= i < depth:
+            raise TrimVLMError(
+                f"vision layer {self.layer} out of range: this vision tower has {depth} layers "
+                f"(allowed {-depth}..{depth - 1})"
+            )
+        return i
+
+    def clear(self) -> None:
+        self.results.clear()
+
+    def for_view(self, view, name: str = "tokens") -> tuple[torch.Tensor, torch.Tensor]:
+        """(received [U, N], keys [U, N, H * d]) aligned with the units of a `VisualView` (0 on pads), taken out of
+        the probe so a later prefill can never read them."""
+        u, n = view.mask.shape
+        dev = view.mask.device
+        got = []
+        for i in range(u):
+            key = (int(view.sample[i]), int(view.image[i]))
+            rec = self.results.pop(key, None)
+            if rec is None:
+                raise TrimVLMError(
+                    f"{name} needs the vision tower's attention of sample {key[0]}, unit {key[1]}: pass the plan's "
+                    "vision_probe to the prefill (AttentionContext(vision=...)) so the images are encoded with it"
+                )
+            if rec.received.shape[0] != int(view.n[i]):
+                raise TrimVLMError(
+                    f"{name}: the vision probe recorded {rec.received.shape[0]} tokens for sample {key[0]}, unit "
+                    f"{key[1]}, but the unit has {int(view.n[i])}; it reads the projector's tokens, at layer 0"
+                )
+            got.append(rec)
+        d = got[0].keys.shape[-1]
+        received = torch.zeros(u, n, dtype=torch.float32, device=dev)
+        keys = torch.zeros(u, n, d, dtype=torch.float32, device=dev)
+        for i, rec in enumerate(got):
+            m = rec.received.shape[0]
+            received[i, :m] = rec.received.to(dev)
+            keys[i, :m] = rec.keys.to(dev)
+        return received, keys
+
+
+@dataclass
+class Recording:
+    """One active recording: the probed attention module, the statistic, and the raw records of its calls in
+    call order: (stat [B, S], keys [B, S, Hk * d], queries [B]) per call, where stat is the [CLS] row (queries 1)
+    or the column sums over the valid query rows (queries = their count)."""
+
+    probe: VisionProbe
+    target: torch.nn.Module
+    cls: bool
+    calls: list = field(default_factory=list)
+    heads: int = 0
+    flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
+
+    def _scores(self, q, kt, scaling):
+        self.flops += matmul_flops(q.shape, kt.shape)
+        return (torch.matmul(q, kt) * scaling).float()
+
+    def commit(self) -> None:
+        count(self.flops)
+
+    def batched(self, b: int, s: int):
+        """(stat [b, s], keys [b, s, D], queries [b]) of a tower that runs all units in one call per layer."""
+        if len(self.calls) != 1 or tuple(self.calls[0][0].shape) != (b, s):
+            raise Incomplete(
+                f"expected one call over [{b}, {s}] tokens, got {[tuple(c[0].shape) for c in self.calls]}"
+            )
+        return self.calls[0]
+
+    def packed(self, total: int):
+        """(stat [total], keys [total, D]) of a tower that runs one image (or window) per call, concatenated in
+        call order: the layer's token order."""
+        got = sum(c[0].numel() for c in self.calls)
+        if got != total or any(c[0].shape[0] != 1 for c in self.calls):
+            raise Incomplete(f"expected {total} tokens in calls of one sequence each, got {got}")
+        return torch.cat([c[0][0] for c in self.calls]), torch.cat([c[1][0] for c in self.calls])
+
+    @torch.no_grad()
+    def record(self, query, key, mask, scaling) -> None:
+        b, h, s, d = query.shape
+        hk = key.shape[1]
+        self.heads = hk
+        kr = key if hk == h else key.repeat_interleave(h // hk, 1)
+        kt = kr.transpose(-1, -2)
+        add = None
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+                    ~mask, float("-inf")
+                )
+            else:
+                add = mask.float()
+        if self.cls:
+            sc = self._scores(query[:, :, :1], kt, scaling)
+            if add is not None:
+                sc = sc + add[:, :, :1]
+            stat = torch.softmax(sc, dim=-1).mean(1)[:, 0]  # [B, S]
+            queries = torch.ones(b, dtype=torch.float32, device=query.device)
+        else:
+            if mask is None:
+                valid = torch.ones(b, s, dtype=torch.bool, device=query.device)
+            else:  # a padded patch is masked as a key for every query, itself included
+                diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+                valid = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+                valid = valid.expand(b, s)
+            stat = torch.zeros(b, kr.shape[2], dtype=torch.float32, device=query.device)
+            for q0 in range(0, s, QUERY_BLOCK):
+                q1 = min(s, q0 + QUERY_BLOCK)
+                sc = self._scores(query[:, :, q0:q1], kt, scaling)
+                if add is not None:
+                    sc = sc + add[:, :, q0:q1]
+                p = torch.softmax(sc, dim=-1)  # [B, H, q, S]
+                p = torch.where(valid[:, None, q0:q1, None], p, 0.0)
+                stat += p.sum(2).mean(1)
+            queries = valid.sum(1).float()
+        keys = key.detach().transpose(1, 2).reshape(b, key.shape[2], hk * d).to(torch.float32, copy=True)
+        self.calls.append((stat, keys, queries))
+
+
+class Incomplete(TrimVLMError):
+    """The probed layer's calls did not all come through trimvlm's function, or not over the tokens expected."""
+
+
+_ACTIVE: ContextVar[Recording | None] = ContextVar("trimvlm_vision_probe", default=None)
+
+
+def trimvlm_vision_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA; for the probed layer of an active recording (this context only) it also records."""
+    rec = _ACTIVE.get()
+    if rec is not None and module is rec.target:
+        scaling = kwargs.get("scaling")
+        rec.record(query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, trimvlm_vision_attention)
+
+
+_LOCK = threading.Lock()
+_HELD: dict[int, list] = {}  # id(module) -> [module, its own config, recordings inside]
+
+
+@contextlib.contextmanager
+def use_vision_attention(module):
+    """Select trimvlm's vision attention for one attention module while a recording runs: the module reads a
+    private copy of its config naming this function; the last recording out puts the module's config back."""
+    with _LOCK:
+        entry = _HELD.get(id(module))
+        if entry is None:
+            own = module.config
+            # a shallow copy: every other setting is the shared config's; the name is set on this copy only
+            # (the property setter would also reach any sub-config)
+            private = copy.copy(own)
+            private._attn_implementation_internal = NAME
+            entry = _HELD[id(module)] = [module, own, 0]
+            module.config = private
+        entry[2] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[2] -= 1
+            if entry[2] == 0:
+                del _HELD[id(module)]
+                module.config = entry[1]
+
+
+@contextlib.contextmanager
+def recording(probe: VisionProbe, modules: list, *, cls: bool):
+    """Record `probe`'s layer of the vision tower whose attention modules are `modules` (in layer order) while
+    the block runs; yields the `Recording`."""
+    rec = Recording(probe=probe, target=modules[probe.layer_index(len(modules))], cls=cls)
+    probe.clear()
+    probe.mode = "cls" if cls else "mean"
+    token = _ACTIVE.set(rec)
+    try:
+        with use_vision_attention(rec.target):
+            yield rec
+    finally:
+        _ACTIVE.reset(token)
+    probe.heads = rec.heads
+
+
+# ---- what a vision-scored token reducer (PruMerge, VisionZip) shares ------------------------------------------
+def request(handoff, layer: int) -> VisionProbe:
+    """A VisionProbe for `layer`, kept in `handoff.vision` so the reducer reads what the encode recorded."""
+    handoff.vision = VisionProbe(layer=layer)
+    return handoff.vision
+
+
+def check_layer(runner, layer: int, name: str) -> None:
+    """RecipeError unless this model has a vision tower with a layer `layer` the probe can record."""
+    from trimvlm.errors import RecipeError
+
+    try:
+        depth = len(runner.adapter.vision_attention_modules())
+    except (NotImplementedError, AttributeError) as e:
+        raise RecipeError(
+            f"tokens={name} reads the vision tower's attention; this model has none to probe"
+        ) from e
+    if not -depth <= layer < depth:
+        raise RecipeError(
+            f"tokens={name}: vision_layer {layer} out of range; allowed {-depth}..{depth - 1} (this vision tower "
+            f"has {depth} layers; -2 = the penultimate)"
+        )
+
+
+def view_records(view, handoff, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(received [U, N], keys [U, N, H * d], heads) for the units of `view`, from the probe in the handoff."""
+    probe = handoff.vision
+    if not isinstance(probe, VisionProbe):
+        raise TrimVLMError(
+            f"tokens={name} needs the vision tower's attention: pass the plan's vision_probe to the prefill "
+            "(AttentionContext(vision=plan.vision_probe))"
+        )
+    received, keys = probe.for_view(view, f"tokens={name}")
+    return received, keys, probe.heads
