@@ -48,6 +48,11 @@ def images_for(n_visual: int) -> list:
     return ims
 
 
+def _sync(runner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
 def step_times(runner, out, caches, steps: int) -> list[list[float]]:
     times = [[] for _ in caches]
     pos = out.next_pos.clone()
@@ -56,8 +61,10 @@ def step_times(runner, out, caches, steps: int) -> list[list[float]]:
         positions = runner.adapter.text_positions(pos, 1)
         logits = None
         for c, cache in enumerate(caches):
+            _sync(runner)
             t0 = time.perf_counter()
             lg = runner.step(tok[:, None], positions, cache)
+            _sync(runner)
             times[c].append(time.perf_counter() - t0)
             logits = lg if logits is None else logits
         tok = logits.argmax(-1)

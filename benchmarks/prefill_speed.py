@@ -36,7 +36,7 @@ from trimvlm.testing import random_image, tiny_checkpoint
 
 
 def run_once(runner, prep, plan) -> Meter:
-    meter = Meter()
+    meter = Meter(device=runner.device)  # synchronizes its phase timers on a GPU
     ctx = None
     if plan.probe is not None or plan.vision_probe is not None:
         ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)

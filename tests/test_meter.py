@@ -95,3 +95,24 @@ def test_cpu_peak_memory_is_measured_on_tensors(tiny_adapter):
     assert peaks["tokens=random:keep=0.25:layer=0"] < peaks[""]
     plain = generate(runner, prep, max_new_tokens=1, stop_ids=[], pad_id=0).costs
     assert plain.peak_memory_kind == "not_measured" and plain.peak_memory_bytes == 0
+
+
+def test_vision_flops_are_counted_once_per_input_shape_and_bounded(tiny_adapter):
+    """The vision-FLOP count is keyed on pixel shapes and grids (not the prompts), runs outside the timed
+    region, and the memo is bounded."""
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    img = random_image(1, (64, 64))
+    a = adapter.prepare([[img]], ["what is the colour"])
+    b = adapter.prepare([[random_image(2, (64, 64))]], ["how many shapes are there in this picture"])
+    fa = runner.vision_flops(a)
+    assert fa > 0 and runner.vision_flops(b) == fa and len(runner._vision_flops) == 1
+    runner.VISION_CACHE = 2
+    for side in (96, 128, 160):
+        runner.vision_flops(adapter.prepare([[random_image(3, (side, 64))]], ["x"]))
+    assert len(runner._vision_flops) == 2
+    meter = Meter()
+    with flop_counter() as fc:
+        runner.prefill(a, meter=meter)  # a miss again (evicted): counted, but not in the timed vision phase
+    assert meter.costs.flops["vision"] == fa
+    assert fc.get_total_flops() == meter.costs.total_flops + fa  # the untimed counting encode ran once more

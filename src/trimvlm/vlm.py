@@ -122,7 +122,7 @@ class VLM:
         if not hasattr(self, "_head"):
             from trimvlm.scoring.head import DecisionHead
 
-            self._head = DecisionHead.load(self.adapter.folder)
+            self._head = DecisionHead.load(self.adapter.folder, device=self.adapter.device)
         return self._head
 
     @head.setter

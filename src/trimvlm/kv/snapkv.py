@@ -73,7 +73,8 @@ class SnapKV(KVPolicy):
         k = s.shape[-1]
         ranked = s.masked_fill(~cand[:, None], -float("inf"))
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(k, device=order.device).expand_as(order))
+        ar = torch.arange(k, device=order.device)
+        rank = torch.empty_like(order).scatter_(-1, order, ar.expand_as(order))
         best_rank = rank.amin(1).float()  # [B, K]
         best = s.amax(1)
         tie = best / (best.amax(1, keepdim=True) + 1e-30) * 0.5  # in [0, 0.5]: only breaks rank ties

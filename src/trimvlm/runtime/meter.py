@@ -31,7 +31,7 @@ class Costs:
     )
     kv_bytes: int = 0  # attention KV held at the prefill/decode boundary (after any eviction)
     state_bytes: int = 0  # recurrent (Gated DeltaNet) states held
-    kv_bytes_peak: int = 0  # attention KV held at the end of decoding (the boundary's plus generated tokens)
+    kv_bytes_peak: int = 0  # the most attention KV held at any point (a prefill cache before its eviction counts)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     peak_memory_bytes: int = 0
     peak_memory_kind: str = ""

@@ -140,8 +140,9 @@ def score_requests(
 
 
 def head_logits(head, feats: Features, r: int):
-    dtype = next(head.parameters()).dtype  # LM features are accumulated in double; the head has its own dtype
-    logits, abstain = head(*(t[r][None].to(dtype) for t in (feats.z_q, feats.u, feats.feats)))
+    # LM features are accumulated in double on the model's device; the head has its own dtype and device
+    p = next(head.parameters())
+    logits, abstain = head(*(t[r][None].to(p.device, p.dtype) for t in (feats.z_q, feats.u, feats.feats)))
     return logits[0], abstain[0]
 
 
@@ -154,7 +155,7 @@ def read(requests, feats: Features, readout: str, head, meter) -> list[ScoreResu
             logits, ab = head_logits(head, feats, r)
             if req.binary:
                 binary_p = float(torch.sigmoid(logits[0]))
-                probs = torch.tensor([binary_p])
+                probs = torch.tensor([binary_p], device=logits.device)
                 chosen = 0 if binary_p >= 0.5 else -1
             else:
                 p = torch.softmax(torch.cat([logits, ab[None]]), 0)

@@ -58,14 +58,16 @@ class DecisionHead(nn.Module):
         (folder / CONFIG).write_text(json.dumps({**cfg, **(meta or {})}, indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path | None) -> DecisionHead | None:
-        """The head saved in `folder`, or None when there is none."""
+    def load(cls, folder: str | Path | None, device: torch.device | str = "cpu") -> DecisionHead | None:
+        """The head saved in `folder` on `device` (the readout moves its inputs to it), or None when there is
+        none."""
         if folder is None or not (Path(folder) / WEIGHTS).exists():
             return None
         cfg = json.loads((Path(folder) / CONFIG).read_text())
         head = cls(cfg["hidden_size"], cfg["width"], cfg["n_features"])
         try:
-            head.load_state_dict(load_file(Path(folder) / WEIGHTS))
+            # assign: the loaded (host) tensors become the parameters, whatever the default device is
+            head.load_state_dict(load_file(Path(folder) / WEIGHTS), assign=True)
         except RuntimeError as e:
             raise CheckpointError(f"decision head in {folder} does not match its config: {e}") from e
-        return head.eval()
+        return head.to(device).eval()

@@ -35,26 +35,26 @@ class Features:
 
 
 def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob, is-argmax) of every node's token given its history."""
+    """(log-prob, is-argmax) of every node's token given its history, on the states' device."""
     f = work.forest
     ad = work.runner.adapter
-    n = f.num_nodes
-    lp = torch.zeros(n, dtype=torch.float64)  # sums of many log-probs: accumulate in double
-    greedy = torch.zeros(n, dtype=torch.bool)
-    parent = torch.tensor(f.parent, dtype=torch.long)
-    token = torch.tensor(f.token, dtype=torch.long)
+    n, dev = f.num_nodes, states.device
+    lp = torch.zeros(n, dtype=torch.float64, device=dev)  # sums of many log-probs: accumulate in double
+    greedy = torch.zeros(n, dtype=torch.bool, device=dev)
+    parent = torch.tensor(f.parent, dtype=torch.long, device=dev)
+    token = torch.tensor(f.token, dtype=torch.long, device=dev)
     first = parent < 0
     if bool(first.any()):  # predicted by the prefix's last token: the prefill logits
-        rows = torch.tensor(f.request, dtype=torch.long)[first]
+        rows = torch.tensor(f.request, dtype=torch.long, device=dev)[first]
         lsm = torch.log_softmax(work.prefix.logits.double(), dim=-1)
         lp[first] = lsm[rows, token[first]]
         greedy[first] = lsm[rows].argmax(-1) == token[first]
     predictors = sorted({p for p in f.parent if p >= 0})
-    slot = torch.full((n,), -1, dtype=torch.long)
-    slot[torch.tensor(predictors, dtype=torch.long)] = torch.arange(len(predictors))
+    slot = torch.full((n,), -1, dtype=torch.long, device=dev)
+    slot[torch.tensor(predictors, dtype=torch.long, device=dev)] = torch.arange(len(predictors), device=dev)
     child_slot = torch.where(first, torch.full_like(parent, -1), slot[parent.clamp(min=0)])
     for a in range(0, len(predictors), CHUNK):
-        rows = torch.tensor(predictors[a : a + CHUNK], dtype=torch.long)
+        rows = torch.tensor(predictors[a : a + CHUNK], dtype=torch.long, device=dev)
         work.meter.add("branch", ad.head_flops(1, len(rows)))
         lsm = torch.log_softmax(ad.lm_head(states[rows]).double(), dim=-1)
         sel = (child_slot >= a) & (child_slot < a + len(rows))
@@ -65,23 +65,24 @@ def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def features(work: Work, states: torch.Tensor, first_counted: int) -> Features:
-    f = work.forest
+    """Every request's features, on the states' device (the model's)."""
+    f, dev = work.forest, states.device
     lp, greedy = token_logprobs(work, states)
     prefix_lsm = torch.log_softmax(work.prefix.logits.double(), dim=-1)
     out = Features([], [], [], [], [], [], [])
     for r, paths in enumerate(f.paths):
-        scored = [torch.tensor(p[first_counted:], dtype=torch.long) for p in paths]
+        scored = [torch.tensor(p[first_counted:], dtype=torch.long, device=dev) for p in paths]
         sums = torch.stack([lp[s].sum() for s in scored])
-        counts = torch.tensor([len(s) for s in scored], dtype=torch.float64)
+        counts = torch.tensor([len(s) for s in scored], dtype=torch.float64, device=dev)
         means = sums / counts
-        first_tok = torch.tensor([f.token[p[first_counted]] for p in paths], dtype=torch.long)
+        first_tok = torch.tensor([f.token[p[first_counted]] for p in paths], dtype=torch.long, device=dev)
         first_lp = prefix_lsm[r, first_tok]
         feats = torch.stack(
             [sums / 10, means, counts / 10, torch.log_softmax(sums, 0), first_lp, torch.ones_like(sums)],
             dim=-1,
         )
         out.z_q.append(work.prefix.seq.hidden[r, -1].float())
-        out.u.append(states[torch.tensor([p[-1] for p in paths], dtype=torch.long)].float())
+        out.u.append(states[torch.tensor([p[-1] for p in paths], dtype=torch.long, device=dev)].float())
         out.feats.append(feats)
         out.sums.append(sums)
         out.means.append(means)

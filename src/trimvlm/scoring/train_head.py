@@ -300,13 +300,12 @@ def train(
     opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
     rng = np.random.default_rng([settings.seed, 7])
-    choice = _Stream(
-        train_set, settings.batch_size, rng, torch.Generator().manual_seed(settings.seed), settings
-    )
+    gen = torch.Generator(device="cpu").manual_seed(settings.seed)  # the head trains on the host
+    choice = _Stream(train_set, settings.batch_size, rng, gen, settings)
     use_binary = binary_train is not None and len(binary_train) > 0 and settings.binary_weight > 0
     if use_binary:
         rng_b = np.random.default_rng([settings.seed, 8])
-        gen_b = torch.Generator().manual_seed(int(rng_b.integers(2**62)))
+        gen_b = torch.Generator(device="cpu").manual_seed(int(rng_b.integers(2**62)))
         binary = _Stream(binary_train, settings.binary_batch_size, rng_b, gen_b, settings)
     val_binary = binary_val if binary_val is not None and len(binary_val) > 0 else None
     best = (-1.0, math.inf, 0)
@@ -374,7 +373,7 @@ def _dropped(c: Cached, p: float, gen: torch.Generator) -> Cached:
     """Inverted dropout on the representations (z_q, u) of a training batch; the LM features stay."""
 
     def drop(x):
-        keep = torch.rand(x.shape, generator=gen) >= p
+        keep = torch.rand(x.shape, generator=gen, device=gen.device) >= p
         return x * keep / (1 - p)
 
     return Cached(drop(c.z_q), drop(c.u), c.feats, c.mask, c.target, c.sums, c.kinds, c.binary)

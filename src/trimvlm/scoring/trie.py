@@ -62,11 +62,11 @@ class Forest:
     def position(self, node: int) -> int:
         return self.starts[self.request[node]] + self.depth[node]
 
-    def positions(self) -> torch.Tensor:
-        """[num_nodes] position of every node (its request's start + its depth)."""
-        starts = torch.tensor(self.starts, dtype=torch.long)
-        request = torch.tensor(self.request, dtype=torch.long)
-        return starts[request] + torch.tensor(self.depth, dtype=torch.long)
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[num_nodes] position of every node (its request's start + its depth), on `device`."""
+        starts = torch.tensor(self.starts, dtype=torch.long, device=device)
+        request = torch.tensor(self.request, dtype=torch.long, device=device)
+        return starts[request] + torch.tensor(self.depth, dtype=torch.long, device=device)
 
     def levels(self) -> int:
         return 1 + max((c.level for c in self.chains), default=-1)
@@ -135,11 +135,14 @@ def _cut_chains(f: Forest) -> None:
             f.chains[pc].children.append(c)
 
 
-def rows_tensor(rows: list[list[int]], pad: int = -1, left: bool = True) -> torch.Tensor:
-    """A padded [R, T] long tensor of ragged rows (left padding by default, the runner's convention)."""
+def rows_tensor(
+    rows: list[list[int]], pad: int = -1, left: bool = True, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A padded [R, T] long tensor of ragged rows (left padding by default, the runner's convention), on
+    `device`."""
     t = max((len(r) for r in rows), default=0)
     if left:
         padded = [[pad] * (t - len(r)) + list(r) for r in rows]
     else:
         padded = [list(r) + [pad] * (t - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long).reshape(len(rows), t)
+    return torch.tensor(padded, dtype=torch.long, device=device).reshape(len(rows), t)

@@ -24,20 +24,25 @@ class Work:
     plan: object = None  # the trimvlm.plan.Plan the prefix was encoded with
     executed: int | None = None  # candidate tokens the executor ran (set by run_rows)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the prefix lives (the model's device): every tensor handed to the runner is made there."""
+        return self.prefix.seq.hidden.device
+
     def new_states(self, dim: int) -> torch.Tensor:
         """[num_nodes, D] final-normed hidden state of every node, filled by the executor."""
-        return torch.zeros(self.forest.num_nodes, dim, dtype=self.prefix.seq.hidden.dtype)
+        return torch.zeros(self.forest.num_nodes, dim, dtype=self.prefix.seq.hidden.dtype, device=self.device)
 
 
 def chain_inputs(work: Work, rows: list[list[int]]):
     """tokens [R, T], positions [A, R, T], valid [R, T] and node ids [R, T] (-1 on padding) of node rows,
     left-padded, each node at its original position (start + depth)."""
-    f = work.forest
-    nodes = rows_tensor(rows)
+    f, dev = work.forest, work.device
+    nodes = rows_tensor(rows, device=dev)
     valid = nodes >= 0
     safe = nodes.clamp(min=0)
-    tokens = torch.tensor(f.token, dtype=torch.long)[safe].masked_fill(~valid, 0)
-    pos = f.positions()[safe]
+    tokens = torch.tensor(f.token, dtype=torch.long, device=dev)[safe].masked_fill(~valid, 0)
+    pos = f.positions(device=dev)[safe]
     pos = pos.masked_fill(~valid, 0)
     positions = pos[None].expand(work.runner.adapter.rope_axes, -1, -1)
     return tokens, positions, valid, nodes
@@ -55,5 +60,7 @@ def run_rows(work: Work, rows: list[list[int]], cache: KVCache, out: torch.Tenso
     return nodes
 
 
-def request_rows(forest: Forest, paths_per_request) -> torch.Tensor:
-    return torch.tensor([r for r, paths in enumerate(paths_per_request) for _ in paths], dtype=torch.long)
+def request_rows(forest: Forest, paths_per_request, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[N] the request (prefix row) of every path, on `device`."""
+    rows = [r for r, paths in enumerate(paths_per_request) for _ in paths]
+    return torch.tensor(rows, dtype=torch.long, device=device)

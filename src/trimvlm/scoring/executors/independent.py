@@ -11,6 +11,6 @@ def run(work: Work) -> object:
     f = work.forest
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
     rows = [path for paths in f.paths for path in paths]
-    cache = work.prefix.cache.copy_rows(request_rows(f, f.paths))
+    cache = work.prefix.cache.copy_rows(request_rows(f, f.paths, device=work.device))
     run_rows(work, rows, cache, out)
     return out

@@ -16,7 +16,7 @@ from trimvlm.scoring.executors.common import Work, run_rows
 
 def run(work: Work) -> torch.Tensor:
     f = work.forest
-    pre = work.prefix.cache
+    pre, dev = work.prefix.cache, work.device
     out = work.new_states(work.prefix.seq.hidden.shape[-1])
     path_kv: dict[int, dict[int, LayerKV]] = {}  # chain -> its whole path's KV (ancestors + own), per layer
     finals: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # chain -> final recurrent states per layer
@@ -28,12 +28,12 @@ def run(work: Work) -> torch.Tensor:
         for (req, parent), cids in groups.items():
             n = len(cids)
             keep = any(f.chains[c].children for c in cids)
-            parts = [SharedPart(pre.layers, torch.full((n,), req, dtype=torch.long))]
+            parts = [SharedPart(pre.layers, torch.full((n,), req, dtype=torch.long, device=dev))]
             if parent < 0:
-                states, state_owner = pre.states, torch.full((n,), req, dtype=torch.long)
+                states, state_owner = pre.states, torch.full((n,), req, dtype=torch.long, device=dev)
             else:
-                parts.append(SharedPart(path_kv[parent], torch.zeros(n, dtype=torch.long)))
-                states, state_owner = finals[parent], torch.zeros(n, dtype=torch.long)
+                parts.append(SharedPart(path_kv[parent], torch.zeros(n, dtype=torch.long, device=dev)))
+                states, state_owner = finals[parent], torch.zeros(n, dtype=torch.long, device=dev)
             cache = KVCache.branching(
                 parts, states, state_owner, keep_final_states=keep, num_layers=pre.num_layers
             )
@@ -61,6 +61,7 @@ def _path(parent: dict[int, LayerKV] | None, cache: KVCache, row: int, own: torc
             k = torch.cat([parent[i].key, k], dim=2)
             v = torch.cat([parent[i].value, v], dim=2)
         n = k.shape[2]
-        ones = torch.ones(1, n, dtype=torch.bool)
-        out[i] = LayerKV(k, v, ones, torch.zeros_like(ones), torch.full((1, n), -1, dtype=torch.long))
+        ones = torch.ones(1, n, dtype=torch.bool, device=k.device)
+        source = torch.full((1, n), -1, dtype=torch.long, device=k.device)
+        out[i] = LayerKV(k, v, ones, torch.zeros_like(ones), source)
     return out

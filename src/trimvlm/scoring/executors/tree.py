@@ -25,8 +25,9 @@ from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces
 from trimvlm.scoring.trie import rows_tensor
 
 
-def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
-    """`order`: piece ids in row order. Flat indices are into the [R * W] left-padded layout."""
+def schedule(pieces: list[Piece], order: list[int], device: torch.device | str = "cpu") -> TreeSchedule:
+    """`order`: piece ids in row order. Flat indices are into the [R * W] left-padded layout. Every tensor is
+    made on `device` (the model's: the runner indexes its keys and states with them)."""
     width = max(len(pieces[p].nodes) for p in order)
     row_of = {p: r for r, p in enumerate(order)}
 
@@ -39,7 +40,7 @@ def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
     for p in sorted(order, key=lambda p: pieces[p].level):  # parents first
         parent = pieces[p].parent
         anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
-    ancestors = rows_tensor([anc[p] for p in order])
+    ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
     for level in range(1 + max(pieces[p].level for p in order)):
         leaves, inner = [], defaultdict(list)
@@ -49,13 +50,13 @@ def schedule(pieces: list[Piece], order: list[int]) -> TreeSchedule:
         for group, keep in [(leaves, False)] + [(g, True) for g in inner.values()]:
             if not group:
                 continue
-            nodes = rows_tensor([flat(p) for p in group], left=False)
+            nodes = rows_tensor([flat(p) for p in group], left=False, device=device)
             calls.append(
                 RecurrentCall(
                     nodes=nodes,
-                    chain=torch.tensor(group, dtype=torch.long),
-                    parent=torch.tensor([pieces[p].parent for p in group], dtype=torch.long),
-                    owner=torch.tensor([pieces[p].request for p in group], dtype=torch.long),
+                    chain=torch.tensor(group, dtype=torch.long, device=device),
+                    parent=torch.tensor([pieces[p].parent for p in group], dtype=torch.long, device=device),
+                    owner=torch.tensor([pieces[p].request for p in group], dtype=torch.long, device=device),
                     keep=keep,
                 )
             )
@@ -76,9 +77,9 @@ def run(work: Work) -> torch.Tensor:
         return batched.run(work)  # the layout is one plain row per candidate: exactly `batched`
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
-    owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long)
+    owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long, device=work.device)
     cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
     cache.keep_kv = False
-    cache.tree = schedule(pieces, order)
+    cache.tree = schedule(pieces, order, device=work.device)
     run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out
