@@ -9,10 +9,9 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_int
 from trimvlm.registry import register
-from trimvlm.runtime import vision_probe
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, VisualView
+from trimvlm.tokens.vision_base import VisionAttentionReducer
 
 
 def iqr_outliers(scores: torch.Tensor, mask: torch.Tensor, whisker: float = 1.5) -> torch.Tensor:
@@ -31,17 +30,9 @@ def spread(cands: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return cands & ((r + 1) * fu // m > r * fu // m)
 
 
-def check_fixed_layer(name: str, layer) -> None:
-    if layer is not None and (not is_int(layer) or layer != 0):
-        raise ValueError(
-            f"layer must be 0 for {name}: it reduces the projector's tokens before the first decoder layer, from "
-            f"the vision tower's attention; got {layer!r}"
-        )
-
-
 @register("tokens", "prumerge")
 @dataclass
-class PruMerge(TokenReducer):
+class PruMerge(VisionAttentionReducer):
     """LLaVA-PruMerge, as its paper defines it, at LLM layer L = 0 (on the projector's tokens).
 
     Scores: the vision tower's attention in layer `vision_layer` (default -2, the penultimate), recorded by a
@@ -70,30 +61,11 @@ class PruMerge(TokenReducer):
 
     merge: bool = True
     plus: bool = False
-    vision_layer: int = -2
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_fixed_layer("prumerge", self.layer)
         if not isinstance(self.plus, bool):
             raise ValueError(f"plus must be true or false, got {self.plus!r}")
-        if not is_int(self.vision_layer):
-            raise ValueError(
-                f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
-            )
-
-    def check(self, runner) -> None:
-        vision_probe.check_layer(runner, self.vision_layer, self.name)
-
-    def vision_probe(self, runner, handoff):
-        return vision_probe.request(handoff, self.vision_layer) if self.ratio < 1 else None
-
-    def wants_attention(self, runner) -> bool:
-        return True  # the vision tower's, read from the handoff (`_attention`), not an LLM layer's
-
-    def _attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
-        view.attention, view.keys, _ = vision_probe.view_records(view, handoff, self.name)
-        return view.attention
 
     def choose(self, view: VisualView) -> Selection:
         scores = view.attention.masked_fill(~view.mask, 0.0)

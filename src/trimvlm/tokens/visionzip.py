@@ -9,10 +9,10 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_int, require_int
+from trimvlm.options import require_int
 from trimvlm.registry import register
-from trimvlm.runtime import vision_probe
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, VisualView
+from trimvlm.tokens.vision_base import VisionAttentionReducer
 
 
 def split(k: torch.Tensor, dominant: int, contextual: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def uniform_targets(rest: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 @register("tokens", "visionzip")
 @dataclass
-class VisionZip(TokenReducer):
+class VisionZip(VisionAttentionReducer):
     """VisionZip, as its paper defines it, at LLM layer L = 0 (on the projector's tokens).
 
     Scores: the vision tower's attention in layer `vision_layer` (default -2, the penultimate, VisionZip's
@@ -63,38 +63,17 @@ class VisionZip(TokenReducer):
     merge: bool = True
     dominant: int = 54
     contextual: int = 10
-    vision_layer: int = -2
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer is not None and (not is_int(self.layer) or self.layer != 0):
-            raise ValueError(
-                "layer must be 0 for visionzip: it reduces the projector's tokens before the first decoder layer, "
-                f"from the vision tower's attention; got {self.layer!r}"
-            )
         require_int("dominant", self.dominant, 0)
         require_int("contextual", self.contextual, 0)
         if self.dominant + self.contextual == 0:
             raise ValueError("dominant + contextual must be > 0 (the split of the budget, default 54 + 10)")
-        if not is_int(self.vision_layer):
-            raise ValueError(
-                f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
-            )
 
-    def check(self, runner) -> None:
-        vision_probe.check_layer(runner, self.vision_layer, self.name)
-
-    def vision_probe(self, runner, handoff):
-        return vision_probe.request(handoff, self.vision_layer) if self.ratio < 1 else None
-
-    def wants_attention(self, runner) -> bool:
-        return True  # the vision tower's, read from the handoff (`_attention`), not an LLM layer's
-
-    def _attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
-        view.attention, keys, heads = vision_probe.view_records(view, handoff, self.name)
+    def vision_keys(self, keys: torch.Tensor, heads: int) -> torch.Tensor:
         u, n, d = keys.shape
-        view.keys = keys.view(u, n, heads, d // heads).mean(2)  # VisionZip's metric: keys averaged over heads
-        return view.attention
+        return keys.view(u, n, heads, d // heads).mean(2)  # VisionZip's metric: keys averaged over heads
 
     def choose(self, view: VisualView) -> Selection:
         scores = view.attention.masked_fill(~view.mask, 0.0)
