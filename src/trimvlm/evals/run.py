@@ -207,8 +207,8 @@ def run_eval(
 
     `memory`: where peak memory comes from. On CUDA every timed call reads the allocator's peak. On CPU the
     tensor tracker would slow the timed calls, so peak memory is measured in separate, untimed calls on the
-    same batches: `first` (default) the first batch of every (probe, kind) group, `all` every batch, `off`
-    none (reported as not measured)."""
+    same batches: `first` (default) the first batch of each probe kind (prefill / full), `all` every batch,
+    `off` none (reported as not measured). The reported peak is the largest over the measured batches."""
     if memory not in ("first", "all", "off"):
         raise InputError(f"memory must be one of first, all, off; got {memory!r}")
     if not is_int(batch_size) or batch_size <= 0:
@@ -260,9 +260,9 @@ def run_eval(
                     preds[r][i] = text
                 acc = accs[r].setdefault(key, _Acc())
                 acc.add(res.costs, len(idx), wall)
-                if on_cpu and (memory == "all" or (memory == "first" and (r, key) not in measured)):
+                if on_cpu and (memory == "all" or (memory == "first" and (r, key[0]) not in measured)):
                     acc.memory(call(r, idx, n_new, track=True)[0].costs)  # untimed
-                    measured.add((r, key))
+                    measured.add((r, key[0]))
                 bar.advance(job)
 
     scores = [
