@@ -5,7 +5,8 @@
   `task.prefill_tokens` tokens (default 1), full-pipeline probes up to `task.new_tokens(probe, kind)`.
 - Timing fairness: recipes are interleaved batch by batch in this one process: for each batch every recipe
   runs, and the order rotates from batch to batch, so warm caches, thermal state and background load fall on
-  every recipe alike. An untimed warm-up call of every recipe on two items runs first.
+  every recipe alike. An untimed warm-up call of every recipe on two items runs first, and the vision tower's
+  FLOPs of each batch's input shape are counted before the batch, untimed, so no recipe pays for the count.
 - Costs come from each call's `GenerationResult.costs` (the cost meter): prefill FLOPs (vision included),
   decode FLOPs, KV bytes held after prefill, latency (the meter's timed phases), wall time of the whole call
   (preprocessing included), peak memory (max over batches; on CPU a lower bound, see runtime/meter.py).
@@ -252,6 +253,9 @@ def run_eval(
         job = bar.add_task(f"eval {task.name}", total=len(batches) * n_rec, recipe="")
         for b, (idx, n_new) in enumerate(batches):
             key = (records[idx[0]].probe, records[idx[0]].kind)
+            if device is not None:  # the vision-FLOP count of a new input shape runs here, outside every timing
+                vlm.runner.vision_flops(vlm.prepare([list(records[i].images) for i in idx],
+                                                    [records[i].prompt_text() for i in idx]))  # fmt: skip
             for j in range(n_rec):
                 r = (b + j) % n_rec  # rotate which recipe goes first
                 bar.update(job, recipe=recipes[r].label())
