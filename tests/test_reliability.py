@@ -6,7 +6,6 @@ import contextlib
 import importlib
 import json
 import pkgutil
-import threading
 
 import pytest
 
@@ -17,7 +16,7 @@ from trimvlm.recipe import load_recipes, parse_method, parse_recipe
 from trimvlm.registry import REGISTRIES
 from trimvlm.runtime.attention import NAME, use_trimvlm_attention
 from trimvlm.runtime.generate import Sampling
-from trimvlm.testing import random_image
+from trimvlm.testing import concurrent_runs, random_image
 
 TOKENS = "tokens=density:keep=0.5:layer=1"
 KV = "kv=snapkv:keep=0.25"
@@ -309,8 +308,6 @@ def test_overlapping_selections_restore_only_at_the_last_exit():
 
 
 def test_two_threads_equal_sequential_runs(tiny):
-    import sys
-
     image = [random_image(5)]
     recipes = ["tokens=fastv:keep=0.5:layer=1", None, "kv=h2o:keep=0.25"]
 
@@ -319,26 +316,7 @@ def test_two_threads_equal_sequential_runs(tiny):
         return res.tokens, res.costs.prefill_flops, res.costs.kv_bytes
 
     expected = {r: run(r) for r in recipes}
-    got, errors = {r: [] for r in recipes}, []
-
-    def worker(recipe):
-        try:
-            for _ in range(12):
-                got[recipe].append(run(recipe))
-        except Exception as e:  # reported below: a thread's exception would otherwise vanish
-            errors.append(e)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch threads often, so the runs interleave inside a forward
-    try:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in recipes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert errors == []
+    got = concurrent_runs(run, recipes, 12)
     for r in recipes:
         assert got[r] == [expected[r]] * 12, r
     cfgs = tiny.adapter.attn_configs

@@ -21,7 +21,7 @@ from trimvlm.runtime import vision_probe as vp
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.runtime.runner import Runner
-from trimvlm.testing import random_image
+from trimvlm.testing import concurrent_runs, random_image
 
 RECIPES = ["prumerge:keep=0.25", "prumerge:keep=0.25:plus=true", "visionzip:keep=0.25"]
 
@@ -455,9 +455,6 @@ def test_the_shared_configs_switched_mid_encode_do_not_stop_the_recording(tiny_a
 
 
 def test_overlapping_runs_in_threads_equal_sequential_ones(tiny_adapter):
-    import sys
-    import threading
-
     from trimvlm.vlm import VLM
 
     vlm = VLM(tiny_adapter("qwen3_vl"))
@@ -468,26 +465,7 @@ def test_overlapping_runs_in_threads_equal_sequential_ones(tiny_adapter):
         return res.tokens, dict(res.costs.flops), dict(res.costs.method_flops)
 
     expected = {r: run(r) for r in recipes}
-    got, errors = {r: [] for r in recipes}, []
-
-    def worker(recipe):
-        try:
-            for _ in range(6):
-                got[recipe].append(run(recipe))
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch often, so runs interleave inside an encode
-    try:
-        threads = [threading.Thread(target=worker, args=(r,)) for r in recipes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert errors == []
+    got = concurrent_runs(run, recipes, 6)
     for r in recipes:
         assert got[r] == [expected[r]] * 6, r
     assert all(m.config is vlm.adapter.vision_config for m in vlm.adapter.vision_attention_modules())

@@ -99,3 +99,34 @@ def tiny_checkpoint(
     tok.save_pretrained(folder)
     proc.save_pretrained(folder)
     return folder
+
+
+def concurrent_runs(run, keys, repeats: int) -> dict:
+    """Call `run(key)` `repeats` times for every key, one thread per key, with the interpreter switching threads
+    often (so runs interleave inside a forward). Returns key -> list of results; an exception in a thread is
+    raised here."""
+    import sys
+    import threading
+
+    got, errors = {k: [] for k in keys}, []
+
+    def worker(key):
+        try:
+            for _ in range(repeats):
+                got[key].append(run(key))
+        except Exception as e:  # a thread's exception would otherwise vanish
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    if errors:
+        raise errors[0]
+    return got
