@@ -339,7 +339,7 @@ def test_attention_probe_sees_no_plain_sdpa_mid_run(tiny):
 EXPECTED = {
     "tokens": {"dart", "density", "divprune", "fastv", "prumerge", "random", "tome", "visionzip"},
     "kv": {"density", "h2o", "random", "snapkv", "streamingllm"},
-    "depth": {"random", "ranking", "tail"},
+    "depth": {"random", "ranking", "skip", "tail"},
 }
 
 

@@ -24,11 +24,11 @@ class DepthMethod:
         if self.scope not in SCOPES:
             raise RecipeError(f"depth scope {self.scope!r} unknown; allowed: {', '.join(SCOPES)}")
 
-    def layers(self, runner) -> frozenset[int]:
+    def skipped(self, runner) -> frozenset[int]:
         raise NotImplementedError
 
     def skips(self, runner) -> dict[str, frozenset[int]]:
-        layers = self.layers(runner)
+        layers = self.skipped(runner)
         runner.check_layers(layers, "skipped layer")
         return {
             p: (layers if p in SCOPES[self.scope] else frozenset()) for p in ("prefill", "decode", "branch")

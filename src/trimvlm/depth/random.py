@@ -31,7 +31,7 @@ class RandomDepth(DepthMethod):
         require_int("budget", self.budget, minimum=0)
         require_int("seed", self.seed, minimum=0)
 
-    def layers(self, runner) -> frozenset[int]:
+    def skipped(self, runner) -> frozenset[int]:
         n = runner.num_layers
         check_budget(self.budget, n)
         return frozenset(random_order(n, self.seed)[: self.budget])

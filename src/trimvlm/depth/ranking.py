@@ -37,7 +37,7 @@ class Ranking(DepthMethod):
             raise RecipeError(f"{path} is not a ranking file (needs 'order' and 'num_layers'): {e}") from e
         return {"order": order, "num_layers": num_layers}
 
-    def layers(self, runner) -> frozenset[int]:
+    def skipped(self, runner) -> frozenset[int]:
         data = self.load()
         n = runner.num_layers
         if data["num_layers"] != n:

@@ -23,7 +23,7 @@ class Tail(DepthMethod):
         super().__post_init__()
         require_int("budget", self.budget, minimum=0)
 
-    def layers(self, runner) -> frozenset[int]:
+    def skipped(self, runner) -> frozenset[int]:
         n = runner.num_layers
         check_budget(self.budget, n)
         last = n - 1

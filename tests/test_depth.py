@@ -1,0 +1,71 @@
+"""Layer plans (issue 11, first part): `depth=skip`, and a skipped block equals removing it from the model."""
+
+import copy
+
+import pytest
+import torch
+from conftest import ragged_batch
+
+from trimvlm.errors import RecipeError
+from trimvlm.plan import make_plan
+from trimvlm.runtime.generate import generate
+from trimvlm.runtime.runner import Runner
+
+
+def _without_layer(adapter, drop: int):
+    """A copy of the transformers model with decoder layer `drop` removed from its layer list, the later layers
+    renumbered and the config shortened (the short-transformers way of removing a block)."""
+    name = next(n for n, m in adapter.model.named_modules() if m is adapter.text_model.layers)
+    model = copy.deepcopy(adapter.model)
+    layers = model.get_submodule(name)
+    del layers[drop]
+    for j, layer in enumerate(layers):
+        for attr in ("self_attn", "linear_attn"):
+            mod = getattr(layer, attr, None)
+            if mod is not None and hasattr(mod, "layer_idx"):
+                mod.layer_idx = j
+    cfg = model.config.get_text_config()
+    cfg.num_hidden_layers -= 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [t for i, t in enumerate(cfg.layer_types) if i != drop]
+    return model
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen3_vl"])
+def test_a_skipped_block_equals_the_model_without_it(tiny_adapter, family):
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    drop = 2  # past Qwen3-VL's deepstack layers, whose adds are tied to layer indices
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images[1:2], prompts[1:2])
+    plan = make_plan(f"depth=skip:layers={drop}", runner)
+    assert plan.skip_prefill == plan.skip_decode == frozenset({drop})
+    ref_model = _without_layer(adapter, drop)
+    inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
+    with torch.no_grad():
+        ref = ref_model(**inputs).logits
+    out = runner.prefill(prep, skip=plan.skip_prefill, all_logits=True)
+    assert (out.logits - ref).abs().max().item() <= 1e-4
+    assert drop not in out.cache.layers  # a skipped block writes no KV
+    ours = generate(runner, prep, max_new_tokens=6, stop_ids=[], pad_id=0, skip_prefill=plan.skip_prefill,
+                    skip_decode=plan.skip_decode)  # fmt: skip
+    with torch.no_grad():
+        theirs = ref_model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                    pad_token_id=adapter.tokenizer.pad_token_id)[:, prep.input_ids.shape[1]:]  # fmt: skip
+    assert ours.tokens.tolist() == theirs.tolist()
+
+
+def test_skip_options_and_errors(tiny_adapter):
+    runner = Runner(tiny_adapter("qwen3_vl"))
+    n = runner.num_layers
+    assert make_plan("depth=skip:layers=1+2:scope=prefill", runner).skip_prefill == {1, 2}
+    assert make_plan("depth=skip:layers=1+2:scope=prefill", runner).skip_decode == frozenset()
+    assert make_plan("depth=skip:layers=3:scope=candidates", runner).skip_branch == {3}
+    with pytest.raises(RecipeError, match="out of range"):
+        make_plan(f"depth=skip:layers={n}", runner)
+    with pytest.raises(RecipeError, match="at least one block must run"):
+        make_plan("depth=skip:layers=" + "+".join(str(i) for i in range(n)), runner)
+    with pytest.raises(RecipeError, match="joined by"):
+        make_plan("depth=skip:layers=1+x", runner)
+    with pytest.raises(RecipeError, match="scope"):
+        make_plan("depth=skip:layers=1:scope=prefix", runner)
