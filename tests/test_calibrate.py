@@ -248,7 +248,8 @@ def test_calibrate_command_and_candidate_eval_on_demo(tmp_path):
     data = calibrate_command(model="demo", task="demo", n=6, seed=1, json_out=rank, console=console)
     saved = json.loads(rank.read_text())
     assert saved == data
-    assert set(saved) == {"model", "family", "num_layers", "readout", "task", "n", "seed", "J", "order"}
+    assert set(saved) == {"method", "model", "fingerprint", "family", "num_layers", "readout", "task", "n", "seed", "J",
+                          "order"}  # fmt: skip
     assert saved["num_layers"] == 6 and saved["n"] == 6 and saved["seed"] == 1
     assert sorted(saved["order"]) == list(range(6)) and all(j > 0 for j in saved["J"])
 

@@ -208,3 +208,13 @@ def test_device_and_dtype_options_on_every_model_command():
     assert res.exit_code == 2 and "allowed: float32, bfloat16, float16" in res.output
     res = _cli("info", "--model", "demo", "--dtype", "bf16")
     assert res.exit_code == 0
+
+
+def test_calibrate_block_influence_writes_a_ranking(tmp_path):
+    out = tmp_path / "bi.json"
+    res = _cli("calibrate", "--method", "block-influence", "--n", "6", "--json", out)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["method"] == "block-influence" and sorted(data["order"]) == list(range(data["num_layers"]))
+    assert len(data["scores"]) == data["num_layers"] and data["fingerprint"]
+    _one_line_error(_cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence")

@@ -69,3 +69,63 @@ def test_skip_options_and_errors(tiny_adapter):
         make_plan("depth=skip:layers=1+x", runner)
     with pytest.raises(RecipeError, match="scope"):
         make_plan("depth=skip:layers=1:scope=prefix", runner)
+
+
+def _bi_reference(adapter, images, prompts, first: int = 0) -> list[float]:
+    """BI_l from forward hooks on transformers' own decoder layers, one unpadded sample at a time."""
+    layers = adapter.text_model.layers
+    sums, count = [0.0] * len(layers), 0
+    for im, p in zip(images, prompts, strict=True):
+        prep = adapter.prepare([im], [p])
+        seen = {}
+
+        def record(m, args, kw, out, i, seen=seen):
+            seen[i] = (kw.get("hidden_states", args[0] if args else None), out[0] if isinstance(out, tuple) else out)
+
+        hooks = [
+            layer.register_forward_hook(lambda m, a, kw, out, i=i: record(m, a, kw, out, i), with_kwargs=True)
+            for i, layer in enumerate(layers)
+        ]
+        try:
+            with torch.no_grad():
+                adapter.model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for i, (h_in, h_out) in seen.items():
+            sums[i] += float(torch.nn.functional.cosine_similarity(h_in.double(), h_out.double(), dim=-1).sum())
+        count += prep.input_ids.shape[1]
+    return [1 - s / count for s in sums][first:]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen3_vl"])
+def test_block_influence_matches_a_reference_on_the_models_own_layers(tiny_adapter, family):
+    from trimvlm.depth.block_influence import block_influence
+
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    got = block_influence(runner, [adapter.prepare(images, prompts)])  # one padded batch: padding excluded
+    first = 1 if family == "qwen3_vl" else 0  # Qwen3-VL adds deepstack features after layer 0's output
+    ref = _bi_reference(adapter, images, prompts, first)
+    assert got[first:] == pytest.approx(ref, abs=1e-6)
+
+
+def test_block_influence_ranking_drives_depth_ranking(tiny_adapter, tmp_path):
+    import json
+
+    from trimvlm.depth.block_influence import rank_block_influence
+    from trimvlm.evals.tasks import demo_task
+    from trimvlm.vlm import VLM
+
+    vlm = VLM(tiny_adapter("qwen3_vl"))
+    data = rank_block_influence(vlm, demo_task(limit=6, split="val").records, batch_size=4)
+    assert sorted(data["order"]) == list(range(vlm.runner.num_layers))
+    assert [data["scores"][i] for i in data["order"]] == sorted(data["scores"])
+    path = tmp_path / "bi.json"
+    path.write_text(json.dumps(data))
+    plan = make_plan(f"depth=ranking:file={path}:budget=2:scope=all", vlm.runner)
+    assert plan.skip_prefill == frozenset(data["order"][:2]) == plan.skip_decode
+    other = VLM(tiny_adapter("qwen3_vl", seed=1))  # same shape, other weights
+    with pytest.raises(RecipeError, match="another model"):
+        make_plan(f"depth=ranking:file={path}:budget=2", other.runner)

@@ -268,6 +268,9 @@ def calibrate(
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
     seed: int = typer.Option(0),
     json_out: Path = typer.Option(Path("rank.json"), "--json", help="where the ranking is written"),
+    method: str = typer.Option(
+        "candidates", help="candidates (FastJEV's J_l, candidate branches) | block-influence (ShortGPT BI_l)"
+    ),
 
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -276,8 +279,16 @@ def calibrate(
     from trimvlm.scoring.calibrate import calibrate_command
 
     try:
-        calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
-                          console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
+        if method == "block-influence":
+            from trimvlm.depth.block_influence import calibrate_command as bi_command
+
+            bi_command(model=model, task=task, n=n, seed=seed, json_out=json_out, console=console,
+                       load_kw=_load_kw(device, dtype))  # fmt: skip
+        elif method == "candidates":
+            calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
+                              console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
+        else:
+            raise InputError(f"unknown calibration method {method!r}; allowed: candidates, block-influence")
     except TrimVLMError as e:
         _fail(e)
 

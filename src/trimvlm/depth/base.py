@@ -4,6 +4,7 @@ writes no KV."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from trimvlm.errors import RecipeError
@@ -39,3 +40,14 @@ def check_budget(budget: int, num_layers: int) -> None:
     """A budget skips `budget` blocks; at least one block must run, so it must be below the layer count."""
     if budget >= num_layers:
         raise RecipeError(f"budget {budget} must be below the layer count {num_layers} (0..{num_layers - 1})")
+
+
+def model_fingerprint(adapter) -> str:
+    """A short fingerprint of a model (its family, text config and the sum of its first block's weights), saved
+    in ranking files so that a ranking is never applied to another model."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(adapter.family.encode())
+    h.update(adapter.text_config.to_json_string(use_diff=False).encode())
+    first = sum(float(p.detach().double().sum()) for p in adapter.layers[0].parameters())
+    h.update(f"{first:.6e}".encode())
+    return h.hexdigest()

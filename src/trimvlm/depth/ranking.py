@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trimvlm.depth.base import DepthMethod, check_budget
+from trimvlm.depth.base import DepthMethod, check_budget, model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.options import require_int
 from trimvlm.registry import register
@@ -35,7 +35,7 @@ class Ranking(DepthMethod):
             num_layers = int(data["num_layers"])
         except (ValueError, KeyError, TypeError) as e:
             raise RecipeError(f"{path} is not a ranking file (needs 'order' and 'num_layers'): {e}") from e
-        return {"order": order, "num_layers": num_layers}
+        return {"order": order, "num_layers": num_layers, "fingerprint": data.get("fingerprint")}
 
     def skipped(self, runner) -> frozenset[int]:
         data = self.load()
@@ -44,6 +44,12 @@ class Ranking(DepthMethod):
             raise RecipeError(
                 f"ranking {self.file} was computed for a model with {data['num_layers']} layers; this model "
                 f"has {n}: calibrate this model (`trimvlm calibrate`)"
+            )
+        fp = data["fingerprint"]
+        if fp is not None and fp != model_fingerprint(runner.adapter):
+            raise RecipeError(
+                f"ranking {self.file} was computed for another model (fingerprint {fp}, this model's is "
+                f"{model_fingerprint(runner.adapter)}): calibrate this model (`trimvlm calibrate`)"
             )
         check_budget(self.budget, n)
         order = data["order"]

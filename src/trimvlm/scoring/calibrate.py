@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
 from trimvlm.options import is_int
 from trimvlm.runtime.meter import Meter
@@ -188,7 +189,9 @@ def calibrate_command(
         job = bar.add_task("calibrate", total=steps)
         res = calibrate(vlm, requests, resolved, batch_size=batch_size, on_step=lambda: bar.advance(job))
     data = {
+        "method": "candidates",
         "model": str(model),
+        "fingerprint": model_fingerprint(vlm.adapter),
         "family": vlm.family,
         "num_layers": res["num_layers"],
         "readout": res["readout"],
