@@ -217,4 +217,4 @@ def test_calibrate_block_influence_writes_a_ranking(tmp_path):
     data = json.loads(out.read_text())
     assert data["method"] == "block-influence" and sorted(data["order"]) == list(range(data["num_layers"]))
     assert len(data["scores"]) == data["num_layers"] and data["fingerprint"]
-    _one_line_error(_cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence")
+    _one_line_error(_cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence, greedy-kl")

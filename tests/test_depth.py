@@ -114,12 +114,12 @@ def test_block_influence_matches_a_reference_on_the_models_own_layers(tiny_adapt
 def test_block_influence_ranking_drives_depth_ranking(tiny_adapter, tmp_path):
     import json
 
-    from trimvlm.depth.block_influence import rank_block_influence
+    from trimvlm.depth.calibration import rank
     from trimvlm.evals.tasks import demo_task
     from trimvlm.vlm import VLM
 
     vlm = VLM(tiny_adapter("qwen3_vl"))
-    data = rank_block_influence(vlm, demo_task(limit=6, split="val").records, batch_size=4)
+    data = rank(vlm, "block-influence", demo_task(limit=6, split="val").records, batch_size=4)
     assert sorted(data["order"]) == list(range(vlm.runner.num_layers))
     assert [data["scores"][i] for i in data["order"]] == sorted(data["scores"])
     path = tmp_path / "bi.json"
@@ -129,3 +129,66 @@ def test_block_influence_ranking_drives_depth_ranking(tiny_adapter, tmp_path):
     other = VLM(tiny_adapter("qwen3_vl", seed=1))  # same shape, other weights
     with pytest.raises(RecipeError, match="another model"):
         make_plan(f"depth=ranking:file={path}:budget=2", other.runner)
+
+
+def _without_layers(adapter, drop):
+    model = adapter.model
+    for layer in sorted(drop, reverse=True):  # remove from the end so the indices stay valid
+        model = _without_layer(_Shim(adapter, model), layer)
+    return model
+
+
+class _Shim:
+    """An adapter-like view of a model copy, for `_without_layer` applied repeatedly."""
+
+    def __init__(self, adapter, model):
+        self.model = model
+        name = next(n for n, m in adapter.model.named_modules() if m is adapter.text_model.layers)
+        self.text_model = type("T", (), {"layers": model.get_submodule(name)})()
+
+
+def _answer_logits_reference(adapter, model, images, prompts):
+    out = []
+    for im, p in zip(images, prompts, strict=True):
+        prep = adapter.prepare([im], [p])
+        with torch.no_grad():
+            out.append(model(input_ids=prep.input_ids, attention_mask=prep.attention_mask,
+                             **prep.model_inputs).logits[0, -1].double())  # fmt: skip
+    return torch.stack(out)
+
+
+def test_sensitivity_and_greedy_kl_match_references_on_models_without_those_blocks(tiny_adapter):
+    from trimvlm.depth.greedy_kl import greedy_kl
+    from trimvlm.depth.sensitivity import sensitivity
+
+    adapter = tiny_adapter("llava")
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    batches = [adapter.prepare(images, prompts)]  # one padded batch; the references run each sample alone
+    n = runner.num_layers
+    z = _answer_logits_reference(adapter, adapter.model, images, prompts)
+
+    def rms_ctr(v):
+        return (v - v.mean(-1, keepdim=True)).pow(2).mean(-1).sqrt()
+
+    ref_j = []
+    for layer in range(n):
+        zs = _answer_logits_reference(adapter, _without_layers(adapter, {layer}), images, prompts)
+        ref_j.append(float((rms_ctr(zs - z) / rms_ctr(z)).mean()))
+    scores, order = sensitivity(runner, batches)
+    assert scores == pytest.approx(ref_j, rel=1e-4, abs=1e-7)
+    assert order == sorted(range(n), key=lambda i: (ref_j[i], i))
+
+    p = torch.log_softmax(z, -1)
+    scores, order = greedy_kl(runner, batches)
+    removed = []
+    for step in range(n - 1):
+        kls = {}
+        for layer in (i for i in range(n) if i not in removed):
+            q = torch.log_softmax(_answer_logits_reference(adapter, _without_layers(adapter, {*removed, layer}),
+                                                           images, prompts), -1)  # fmt: skip
+            kls[layer] = float((p.exp() * (p - q)).sum(-1).mean())
+        best = min(kls, key=lambda i: (kls[i], i))
+        assert order[step] == best and scores[best] == pytest.approx(kls[best], rel=1e-4, abs=1e-9)
+        removed.append(best)
+    assert sorted(order) == list(range(n))

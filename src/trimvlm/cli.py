@@ -269,7 +269,9 @@ def calibrate(
     seed: int = typer.Option(0),
     json_out: Path = typer.Option(Path("rank.json"), "--json", help="where the ranking is written"),
     method: str = typer.Option(
-        "candidates", help="candidates (FastJEV's J_l, candidate branches) | block-influence (ShortGPT BI_l)"
+        "candidates",
+        help="candidates (FastJEV's J_l, candidate branches) | block-influence (ShortGPT BI_l) | sensitivity "
+        "(J_l on next-token logits) | greedy-kl",
     ),
 
     device: str = DEVICE,
@@ -279,16 +281,15 @@ def calibrate(
     from trimvlm.scoring.calibrate import calibrate_command
 
     try:
-        if method == "block-influence":
-            from trimvlm.depth.block_influence import calibrate_command as bi_command
-
-            bi_command(model=model, task=task, n=n, seed=seed, json_out=json_out, console=console,
-                       load_kw=_load_kw(device, dtype))  # fmt: skip
-        elif method == "candidates":
+        if method == "candidates":
             calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
                               console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
         else:
-            raise InputError(f"unknown calibration method {method!r}; allowed: candidates, block-influence")
+            import trimvlm.depth  # noqa: F401  (registers the rankers)
+            from trimvlm.depth.calibration import calibrate_command as rank_command
+
+            rank_command(method, model=model, task=task, n=n, seed=seed, json_out=json_out, console=console,
+                         load_kw=_load_kw(device, dtype))  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 
