@@ -192,3 +192,39 @@ def test_sensitivity_and_greedy_kl_match_references_on_models_without_those_bloc
         assert order[step] == best and scores[best] == pytest.approx(kls[best], rel=1e-4, abs=1e-9)
         removed.append(best)
     assert sorted(order) == list(range(n))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "llava"])
+def test_per_sample_layer_plans_equal_each_sample_alone(tiny_adapter, family):
+    """A ragged batch whose samples skip different layers (attention and Gated DeltaNet layers alike) runs each
+    layer on the rows that keep it, and equals each sample run alone with its own plan: prefill logits and
+    greedy tokens."""
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    n = runner.num_layers
+    plans = [{1}, {2, 3}, set()]
+    skip = torch.zeros(len(prompts), n, dtype=torch.bool)
+    for b, p in enumerate(plans):
+        skip[b, sorted(p)] = True
+    prep = adapter.prepare(images, prompts)
+    out = runner.prefill(prep, skip=skip)
+    both = generate(runner, prep, max_new_tokens=5, stop_ids=[], pad_id=0, skip_prefill=skip, skip_decode=skip)
+    for b, p in enumerate(plans):
+        one = adapter.prepare(images[b : b + 1], prompts[b : b + 1])
+        alone = runner.prefill(one, skip=frozenset(p))
+        assert (out.logits[b] - alone.logits[0]).abs().max().item() <= 1e-4, (b, p)
+        tokens = generate(runner, one, max_new_tokens=5, stop_ids=[], pad_id=0, skip_prefill=frozenset(p),
+                          skip_decode=frozenset(p)).tokens[0]  # fmt: skip
+        assert both.tokens[b].tolist() == tokens.tolist(), (b, p)
+    uniform = runner.prefill(prep, skip=torch.zeros_like(skip))
+    assert torch.equal(uniform.logits, runner.prefill(prep).logits)  # an empty per-sample plan is a no-op
+
+
+def test_per_sample_plan_errors(tiny_adapter):
+    runner = Runner(tiny_adapter("qwen3_vl"))
+    prep = runner.adapter.prepare(*[x[:2] for x in ragged_batch()])
+    with pytest.raises(RecipeError, match=r"bool tensor \[batch=2, layers="):
+        runner.prefill(prep, skip=torch.zeros(3, runner.num_layers, dtype=torch.bool))
+    with pytest.raises(RecipeError, match="skips every layer"):
+        runner.prefill(prep, skip=torch.ones(2, runner.num_layers, dtype=torch.bool))

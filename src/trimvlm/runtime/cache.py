@@ -251,6 +251,48 @@ class KVCache:
         out.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
         return out
 
+    def layer_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
+        """A cache holding rows `rows` of one layer (its KV entries or recurrent states, and the chunk being
+        written), to run that layer on a subset of the batch (a per-sample layer plan); write back with
+        `put_layer_rows`."""
+        sub = KVCache(self.num_layers)
+        e = self.layers.get(layer_idx)
+        if e is not None:
+            sub.layers[layer_idx] = LayerKV(*(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual,
+                                                                                e.source)))  # fmt: skip
+        st = self.states.get(layer_idx)
+        if st:
+            sub.states[layer_idx] = {k: v.index_select(0, rows) for k, v in st.items() if v is not None}
+        sub._pending = tuple(t.index_select(0, rows) for t in self._pending)
+        sub.keep_final_states, sub.keep_kv = self.keep_final_states, self.keep_kv
+        return sub
+
+    def put_layer_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
+        """Take rows `rows` of one layer from `sub` (the rows that ran it). The rows that did not run it get no
+        entries of their own: the chunk's columns are added for them as invalid padding (the batch's tensors
+        are rectangular), so they attend to nothing there; their recurrent states stay as they were."""
+        new = sub.layers.get(layer_idx)
+        if new is not None:
+            b = self._pending[0].shape[0]
+            old = self.layers.get(layer_idx)
+            q = new.key.shape[2] - (0 if old is None else old.key.shape[2])
+
+            def widen(t, fill, old_t):
+                pad = torch.full((b, *t.shape[1:2], q, *t.shape[3:]) if t.dim() == 4 else (b, q), fill,
+                                 dtype=t.dtype, device=t.device)  # fmt: skip
+                base = pad if old_t is None else torch.cat([old_t, pad], dim=2 if t.dim() == 4 else 1)
+                return base.index_copy(0, rows, t)
+
+            self.layers[layer_idx] = LayerKV(
+                key=widen(new.key, 0, None if old is None else old.key),
+                value=widen(new.value, 0, None if old is None else old.value),
+                valid=widen(new.valid, False, None if old is None else old.valid),
+                visual=widen(new.visual, False, None if old is None else old.visual),
+                source=widen(new.source, -1, None if old is None else old.source),
+            )
+        if sub.states.get(layer_idx):
+            self.put_state_rows(layer_idx, rows, sub)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (samples that stopped leave), in place, freeing the others' entries and
         states; in each layer the columns no remaining row uses are dropped (`gather`), and layers that shared

@@ -113,6 +113,8 @@ def generate(
                 stay = torch.nonzero(~done).flatten()
                 cache.keep_rows(stay)
                 live, tok, pos = live[stay], tok[stay], pos[stay]
+                if isinstance(skip_decode, torch.Tensor):  # a per-sample plan follows its rows
+                    skip_decode = skip_decode.index_select(0, stay)
             positions = runner.adapter.text_positions(pos, 1)
             logits = runner.step(tok[:, None], positions, cache, skip=skip_decode, meter=meter)
             pos += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.adapters.base import ATTENTION
+from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import counting, paused
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
@@ -78,6 +79,22 @@ class Runner:
         """Whether decoder layer i is an attention layer (it has attention weights and a KV cache)."""
         return self.adapter.layer_types[i] == ATTENTION
 
+    def check_skip(self, skip, batch: int) -> None:
+        """`skip`: a set of layers skipped by every sample, or a per-sample plan, a [B, num_layers] bool tensor
+        (True: that sample skips that layer)."""
+        from trimvlm.errors import RecipeError
+
+        if isinstance(skip, torch.Tensor):
+            if skip.dtype != torch.bool or tuple(skip.shape) != (batch, self.num_layers):
+                raise RecipeError(
+                    f"a per-sample layer plan must be a bool tensor [batch={batch}, layers={self.num_layers}], "
+                    f"got {skip.dtype} {tuple(skip.shape)}"
+                )
+            if bool(skip.all(1).any()):
+                raise RecipeError("a per-sample layer plan skips every layer of some sample; one must run")
+            return
+        self.check_layers(skip, "skipped layer")
+
     def check_layers(self, layers, what: str = "layer") -> None:
         from trimvlm.errors import RecipeError
 
@@ -99,7 +116,7 @@ class Runner:
         ctx: AttentionContext | None = None,
     ) -> PrefillOutput:
         meter = meter or Meter(device=self.device)
-        self.check_layers(skip, "skipped layer")
+        self.check_skip(skip, prepared.batch)
         with meter.timer("vision"), counting(meter, "vision"):
             seq = self._embed(prepared, None if ctx is None else ctx.vision)
         meter.add("vision", self.vision_flops(prepared))
@@ -143,7 +160,20 @@ class Runner:
                         pos_emb = ad.rotary(hidden, seq.positions)
                         masks.clear()
                         cache.begin_chunk(seq.valid, seq.visual, seq.source)
-                if i in skip:
+                rows = None  # the rows that run layer i, when a per-sample plan runs it on only some of them
+                if isinstance(skip, torch.Tensor):
+                    runs = ~skip[:, i]
+                    if not bool(runs.any()):
+                        hidden = ad.after_layer(i, seq, hidden)
+                        continue
+                    if not bool(runs.all()):
+                        rows = torch.nonzero(runs).flatten()
+                        if ctx is not None and (ctx.shares(i) or ctx.probe is not None):
+                            raise TrimVLMError(
+                                "per-sample layer plans do not combine with shared prefixes, candidate trees "
+                                "or attention probes yet"
+                            )
+                elif i in skip:
                     hidden = ad.after_layer(i, seq, hidden)
                     continue
                 past = cache.past_valid(i)
@@ -158,10 +188,13 @@ class Runner:
                     k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
-                hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
+                if rows is None:
+                    hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
+                else:
+                    hidden = self._run_rows(i, rows, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 hidden = ad.after_layer(i, seq, hidden)
                 if meter is not None:
-                    rows, q = seq.batch, seq.length
+                    rows, q = (seq.batch if rows is None else len(rows)), seq.length
                     if cache.tree is not None and ad.layer_types[i] != ATTENTION:
                         rows, q = 1, cache.tree.tokens_run  # a tree's recurrent layers ran its chains
                     meter.add_layer(phase, i, ad.layer_flops(i, rows, q, k_len))
@@ -170,6 +203,15 @@ class Runner:
             if new is not None:
                 seq, hidden = new, new.hidden
         return seq.with_hidden(ad.final_norm(hidden))
+
+    def _run_rows(self, i, rows, hidden, pos_emb, mask, cache, ctx, valid) -> torch.Tensor:
+        """Run layer i on batch rows `rows` only (gather, run, scatter); the other rows pass through."""
+        sub = cache.layer_rows(i, rows)
+        pe = tuple(t.index_select(0, rows) for t in pos_emb)
+        m = None if mask is None else mask.index_select(0, rows)
+        out_rows = self.adapter.run_layer(i, hidden.index_select(0, rows), pe, m, sub, ctx, valid.index_select(0, rows))
+        cache.put_layer_rows(i, rows, sub)
+        return hidden.index_copy(0, rows, out_rows.to(hidden.dtype))
 
     def _logits(self, seq: LiveSeq, meter: Meter | None, phase: str, all_logits: bool) -> torch.Tensor:
         h = seq.hidden if all_logits else seq.hidden[:, -1]
