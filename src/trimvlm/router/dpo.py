@@ -1,0 +1,32 @@
+"""DPO over pruning layouts (REFERENCES.md section 5).
+
+A layout y is a set of chosen elements (visual tokens kept, candidate layers kept) among the router's scored
+elements; its log-probability under the router's independent Bernoulli scores s:
+
+    log pi(y | x) = sum_{e chosen} log s_e + sum_{e not chosen} log(1 - s_e)      (real elements only)
+
+and the DPO loss of a (better y_w, worse y_l) pair against a frozen reference router pi_ref:
+
+    L = -log sigmoid(beta * [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-6
+
+
+def layout_logprob(scores: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] log pi(layout) from scores [B, E] in (0, 1), chosen [B, E] bool, mask [B, E] (real elements)."""
+    s = scores.clamp(EPS, 1 - EPS)
+    lp = torch.where(chosen, s.log(), (1 - s).log())
+    if mask is not None:
+        lp = lp.masked_fill(~mask, 0.0)
+    return lp.sum(-1)
+
+
+def dpo_loss(logp_w, logp_l, ref_w, ref_l, beta: float = 0.1) -> torch.Tensor:
+    """Mean DPO loss over the pairs (all [P] tensors)."""
+    return -F.logsigmoid(beta * ((logp_w - ref_w) - (logp_l - ref_l))).mean()
