@@ -110,7 +110,7 @@ def test_good_sampling_values():
 
 
 def test_one_method_per_axis_and_option():
-    with pytest.raises(RecipeError, match=r"gives tokens= twice; one method per axis \(tokens, kv, depth\)"):
+    with pytest.raises(RecipeError, match=r"gives tokens= twice; one method per axis \(tokens, kv, depth, router\)"):
         parse_recipe("tokens=fastv:keep=0.5,tokens=random:keep=0.5")
     with pytest.raises(RecipeError, match=r"gives kv= twice"):
         parse_recipe("kv=h2o:keep=0.5,tokens=fastv:keep=0.5,kv=h2o:keep=0.25")

@@ -78,3 +78,100 @@ def test_one_dpo_step_lowers_the_loss_on_a_fixed_batch():
     before.backward()
     opt.step()
     assert loss().item() < before.detach().item()
+
+
+def _saved_router(adapter, folder, seed=0):
+    from trimvlm.depth.base import model_fingerprint
+    from trimvlm.router.model import save_router
+
+    torch.manual_seed(seed)
+    n = adapter.num_layers
+    hidden = adapter.text_config.hidden_size
+    router = MetaRouter(hidden, candidate_layers=list(range(n // 2, n)), width=16, heads=4)
+    save_router(router, folder, fingerprint=model_fingerprint(adapter), hidden=hidden)
+    return folder
+
+
+def test_router_layout_is_executed_physically_and_per_sample(tiny_adapter, tmp_path):
+    """The router's per-input layout: tokens physically dropped before layer 0, its lowest-scored candidate
+    layers not run for that sample (no KV of theirs), FLOPs that torch's counter sees, and a batch equal to
+    each sample alone."""
+    from conftest import ragged_batch
+
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.generate import generate
+    from trimvlm.runtime.runner import Runner
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    path = _saved_router(adapter, tmp_path / "router")
+    recipe = f"router={path}:token_keep=0.5:layers_skip=1"
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+
+    def run(prep):
+        plan = make_plan(recipe, runner)
+        runner.vision_flops(prep)
+        meter = Meter()
+        with flop_counter() as fc:
+            out = generate(runner, prep, max_new_tokens=4, stop_ids=[], pad_id=0, hook=plan.hook,
+                           skip_prefill=plan.skip_prefill, skip_decode=plan.skip_decode, meter=meter)  # fmt: skip
+        return out, plan, fc.get_total_flops()
+
+    both, plan, counted = run(prep)
+    assert counted == both.costs.total_flops and both.costs.method_flops["prefill"] > 0
+    skip = plan.skip_prefill.plan
+    assert skip.shape == (3, runner.num_layers) and bool((skip.sum(1) == 1).all())
+    assert bool((skip[:, : runner.num_layers // 2] == 0).all())  # only candidate layers are skipped
+    base = generate(runner, prep, max_new_tokens=4, stop_ids=[], pad_id=0)
+    assert both.costs.prefill_flops < base.costs.prefill_flops
+    for b in range(3):
+        alone, _, _ = run(adapter.prepare(images[b : b + 1], prompts[b : b + 1]))
+        assert both.tokens[b].tolist() == alone.tokens[0].tolist()
+
+
+def test_router_prefill_drops_tokens_and_skipped_layers_hold_no_kv(tiny_adapter, tmp_path):
+    import math
+
+    from conftest import ragged_batch
+
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.runner import Runner
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    plan = make_plan(f"router={_saved_router(adapter, tmp_path / 'r')}:token_keep=0.5:layers_skip=1", runner)
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    full = runner.prefill(prep)
+    out = runner.prefill(prep, hook=plan.hook, skip=plan.skip_prefill)
+    skip = plan.skip_prefill.plan
+    for b in range(3):
+        n_vis = int((full.cache.layers[0].visual[b] & full.cache.layers[0].valid[b]).sum())
+        e0 = out.cache.layers[0]
+        assert int((e0.visual[b] & e0.valid[b]).sum()) == math.ceil(n_vis * 0.5)
+        for layer in torch.nonzero(skip[b]).flatten().tolist():
+            e = out.cache.layers.get(layer)  # absent when every sample skipped it
+            assert e is None or not bool(e.valid[b].any())  # that sample wrote no KV there
+
+
+def test_router_recipe_errors(tiny_adapter, tmp_path):
+    import pytest
+
+    from trimvlm.errors import RecipeError
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.runner import Runner
+
+    runner = Runner(tiny_adapter("qwen3_vl"))
+    path = _saved_router(runner.adapter, tmp_path / "r")
+    other = Runner(tiny_adapter("qwen3_vl", seed=1))
+    with pytest.raises(RecipeError, match="another model"):
+        make_plan(f"router={path}", other)
+    with pytest.raises(RecipeError, match="exceeds its 2 candidate layers"):
+        make_plan(f"router={path}:layers_skip=3", runner)
+    with pytest.raises(RecipeError, match="do not combine it with tokens="):
+        make_plan(f"router={path},tokens=random:keep=0.5", runner)
+    with pytest.raises(RecipeError, match="unknown option"):
+        make_plan(f"router={path}:budget=2", runner)
+    with pytest.raises(RecipeError, match="router checkpoint not found"):
+        make_plan(f"router={tmp_path / 'missing'}", runner)

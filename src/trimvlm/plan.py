@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trimvlm.errors import RecipeError
 from trimvlm.recipe import Recipe, parse_recipe
 
 
@@ -16,13 +17,15 @@ class Handoff:
     rho: [B, S_prefill] float, the prefill reducer's spatial density by original position (NaN off its visual
         tokens), for a KV policy that reuses it;
     kept: [B, S_prefill] bool, the original positions the prefill reducer kept (None: no reduction ran);
-    vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip).
+    vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip);
+    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere).
     """
 
     probes: dict = field(default_factory=dict)
     rho: object | None = None
     kept: object | None = None
     vision: object | None = None
+    router: object | None = None
 
 
 @dataclass
@@ -53,6 +56,16 @@ def make_plan(recipe, runner) -> Plan:
         plan.after_prefill = policy.bind(runner, plan.handoff)
         wanted = policy.probe(runner, plan.handoff)
         plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
+    router = methods.get("router")
+    if router is not None:
+        for other in ("tokens", "depth"):
+            if other in methods:
+                raise RecipeError(
+                    f"router= picks the visual tokens and the skipped layers itself; do not combine it with {other}="
+                )
+        router.check(runner)
+        plan.hook, plan.skip_prefill = router.bind(runner, plan.handoff)
+        plan.skip_decode = plan.skip_prefill
     depth = methods.get("depth")
     if depth is not None:
         skips = depth.skips(runner)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from trimvlm.errors import RecipeError
 
-AXES = ("tokens", "kv", "depth")
+AXES = ("tokens", "kv", "depth", "router")
 
 
 class MethodSpec(BaseModel):
@@ -33,6 +33,7 @@ class Recipe(BaseModel):
     tokens: MethodSpec | None = None
     kv: MethodSpec | None = None
     depth: MethodSpec | None = None
+    router: MethodSpec | None = None  # the method is the router checkpoint's folder: router=PATH:token_keep=...
 
     @property
     def is_baseline(self) -> bool:
@@ -48,8 +49,13 @@ class Recipe(BaseModel):
     def build(self) -> dict:
         """Instantiate the methods (validating every option); axis -> method object."""
         from trimvlm.registry import build_method
+        from trimvlm.router.route import build_router
 
-        return {a: build_method(a, spec.method, spec.options) for a in AXES if (spec := getattr(self, a))}
+        return {
+            a: (build_router(spec.method, spec.options) if a == "router" else build_method(a, spec.method, spec.options))
+            for a in AXES
+            if (spec := getattr(self, a))
+        }
 
 
 _INT = r"[+-]?\d+"

@@ -62,3 +62,45 @@ class MetaRouter(nn.Module):
         s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
         a = torch.softmax(s, dim=-1)
         return self.out(matmul(a, v).transpose(1, 2).reshape(b, t, w))
+
+
+CONFIG = "router.json"
+WEIGHTS = "router.safetensors"
+
+
+def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, extra: dict | None = None) -> None:
+    """Write the router to `folder` (weights + a JSON config naming the model it was built for)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in router.state_dict().items()}, str(folder / WEIGHTS))
+    meta = {"hidden": hidden, "candidate_layers": router.candidate_layers, "width": router.width,
+            "heads": router.heads, "ff": router.mlp[0].out_features // router.width, "fingerprint": fingerprint,
+            **(extra or {})}  # fmt: skip
+    (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_router(folder) -> tuple[MetaRouter, dict]:
+    """The router saved in `folder` and its config (TrimVLMError when it is not a router checkpoint)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from trimvlm.errors import RecipeError
+
+    folder = Path(folder)
+    if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
+        raise RecipeError(f"router checkpoint not found: {folder} needs {CONFIG} and {WEIGHTS} (trimvlm train-router)")
+    try:
+        meta = json.loads((folder / CONFIG).read_text())
+        router = MetaRouter(int(meta["hidden"]), meta["candidate_layers"], int(meta["width"]), int(meta["heads"]),
+                            int(meta.get("ff", 4)))  # fmt: skip
+        router.load_state_dict(load_file(str(folder / WEIGHTS)))
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise RecipeError(f"{folder} is not a router checkpoint: {e}") from e
+    return router.eval(), meta

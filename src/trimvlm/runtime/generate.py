@@ -17,7 +17,7 @@ from trimvlm.kernels.flops import counting
 from trimvlm.options import is_int, is_number
 from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Costs, Meter
-from trimvlm.runtime.runner import PrefillOutput, Runner
+from trimvlm.runtime.runner import LayerPlan, PrefillOutput, Runner
 
 
 @dataclass
@@ -115,6 +115,8 @@ def generate(
                 live, tok, pos = live[stay], tok[stay], pos[stay]
                 if isinstance(skip_decode, torch.Tensor):  # a per-sample plan follows its rows
                     skip_decode = skip_decode.index_select(0, stay)
+                elif isinstance(skip_decode, LayerPlan) and skip_decode.plan is not None:
+                    skip_decode.plan = skip_decode.plan.index_select(0, stay)
             positions = runner.adapter.text_positions(pos, 1)
             logits = runner.step(tok[:, None], positions, cache, skip=skip_decode, meter=meter)
             pos += 1

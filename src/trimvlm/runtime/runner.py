@@ -35,6 +35,14 @@ class PrefillOutput:
     next_pos: torch.Tensor  # [B] position id of the next token (original, never the shrunk length)
 
 
+class LayerPlan:
+    """A per-sample layer plan decided during the prefill (by the meta-router, before the first layer runs):
+    `plan` [B, num_layers] bool (True: that sample skips that layer) once set; nothing is skipped before."""
+
+    def __init__(self):
+        self.plan: torch.Tensor | None = None
+
+
 class Runner:
     VISION_CACHE = 256  # vision-FLOP counts remembered (least recently used dropped first)
 
@@ -84,6 +92,8 @@ class Runner:
         (True: that sample skips that layer)."""
         from trimvlm.errors import RecipeError
 
+        if isinstance(skip, LayerPlan):
+            return
         if isinstance(skip, torch.Tensor):
             if skip.dtype != torch.bool or tuple(skip.shape) != (batch, self.num_layers):
                 raise RecipeError(
@@ -161,8 +171,11 @@ class Runner:
                         masks.clear()
                         cache.begin_chunk(seq.valid, seq.visual, seq.source)
                 rows = None  # the rows that run layer i, when a per-sample plan runs it on only some of them
-                if isinstance(skip, torch.Tensor):
-                    runs = ~skip[:, i]
+                now = skip.plan if isinstance(skip, LayerPlan) else skip
+                if now is None:
+                    now = frozenset()
+                if isinstance(now, torch.Tensor):
+                    runs = ~now[:, i]
                     if not bool(runs.any()):
                         hidden = ad.after_layer(i, seq, hidden)
                         continue
@@ -173,7 +186,7 @@ class Runner:
                                 "per-sample layer plans do not combine with shared prefixes, candidate trees "
                                 "or attention probes yet"
                             )
-                elif i in skip:
+                elif i in now:
                     hidden = ad.after_layer(i, seq, hidden)
                     continue
                 past = cache.past_valid(i)

@@ -160,8 +160,9 @@ class TokenReducer:
 
         return _hook
 
-    def prepare(self, view: VisualView, runner) -> None:
-        """Add what `choose` needs from the model to the view (e.g. `view.keys`); nothing by default."""
+    def prepare(self, view: VisualView, runner, handoff) -> None:
+        """Add what `choose` needs from the model or an earlier phase to the view (e.g. `view.keys`); nothing by
+        default."""
 
     def choose(self, view: VisualView) -> Selection:  # pragma: no cover - every method overrides it
         raise NotImplementedError
@@ -179,7 +180,7 @@ class TokenReducer:
             return seq  # nothing visual, or keep everything: exactly the same sequence
         if self.wants_attention(runner):
             view.attention = self._attention(view, seq, lay, handoff)
-        self.prepare(view, runner)
+        self.prepare(view, runner, handoff)
         sel = self.choose(view)
         if sel.rho is not None:
             handoff.rho = by_source(view, sel.rho.float(), float("nan"))

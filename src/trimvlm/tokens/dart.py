@@ -51,7 +51,7 @@ class DART(TokenReducer):
                 "or pivot=hidden"
             )
 
-    def prepare(self, view: VisualView, runner) -> None:
+    def prepare(self, view: VisualView, runner, handoff) -> None:
         if self.pivot == "key":
             view.keys = runner.layer_keys(view.layer, view.features)
 

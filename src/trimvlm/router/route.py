@@ -1,0 +1,105 @@
+"""`router=PATH:token_keep=0.25:layers_skip=2`: run a trained meta-router per input and execute its layout.
+
+Before the first decoder layer the router reads each sample's visual tokens (the projector's output) and its
+text tokens, and scores every visual token and every candidate layer. Then, per sample,
+- each image keeps its K = ceil(N_image * token_keep) highest-scoring tokens (the others are physically
+  dropped, through the same gather as every token reducer);
+- the `layers_skip` candidate layers with the lowest keep scores are not run, for this sample, in the prefill
+  and the decode (a per-sample layer plan: each layer runs on the rows that keep it).
+The router's own FLOPs are method FLOPs. Its checkpoint names the model it was trained for (a fingerprint);
+another model's router is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trimvlm.depth.base import model_fingerprint
+from trimvlm.errors import RecipeError
+from trimvlm.kernels.select import topk_mask
+from trimvlm.options import is_int, is_number
+from trimvlm.router.model import load_router
+from trimvlm.runtime.runner import LayerPlan
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+
+
+@dataclass
+class RouterTokens(TokenReducer):
+    """The token half of a router layout: keep each image's highest router scores (`Handoff.router`)."""
+
+    def prepare(self, view: VisualView, runner, handoff) -> None:
+        view.attention = handoff.router[view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
+
+    def choose(self, view: VisualView) -> Selection:
+        return Selection(keep=topk_mask(view.attention, view.k, view.mask))
+
+
+def _packed(hidden: torch.Tensor, mask: torch.Tensor):
+    """([B, n, D] the masked positions of every row first, in order; [B, n] their mask; [B, n] their columns)."""
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    n = int(mask.sum(1).max()) if mask.numel() else 0
+    cols = order[:, :n]
+    packed = hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
+    return packed, mask.gather(1, cols), cols
+
+
+@dataclass
+class Router:
+    path: str
+    token_keep: float = 0.25
+    layers_skip: int = 2
+
+    def __post_init__(self):
+        if not is_number(self.token_keep) or not 0 < self.token_keep <= 1:
+            raise RecipeError(f"router token_keep must be in (0, 1], got {self.token_keep!r}")
+        if not is_int(self.layers_skip) or self.layers_skip < 0:
+            raise RecipeError(f"router layers_skip must be an integer >= 0, got {self.layers_skip!r}")
+        self.model, self.meta = load_router(self.path)
+        n = len(self.meta["candidate_layers"])
+        if self.layers_skip > n:
+            raise RecipeError(f"router layers_skip={self.layers_skip} exceeds its {n} candidate layers")
+
+    def check(self, runner) -> None:
+        fp = model_fingerprint(runner.adapter)
+        if self.meta.get("fingerprint") != fp:
+            raise RecipeError(
+                f"router {self.path} was trained for another model (fingerprint {self.meta.get('fingerprint')}, "
+                f"this model's is {fp}): train one for it (trimvlm train-router)"
+            )
+        if self.layers_skip >= runner.num_layers:
+            raise RecipeError(f"router layers_skip={self.layers_skip} must leave one of {runner.num_layers} layers")
+
+    def bind(self, runner, handoff):
+        """(the token hook, the LayerPlan it fills) for the plan."""
+        tokens = RouterTokens(keep=float(self.token_keep), layer=0)
+        layers = LayerPlan()
+        cand = torch.tensor(self.meta["candidate_layers"], dtype=torch.long)
+
+        def hook(i, seq, run):
+            if i != 0:
+                return seq
+            vis = seq.visual & seq.valid
+            v, vm, vcols = _packed(seq.hidden, vis)
+            t, tm, _ = _packed(seq.hidden, ~seq.visual & seq.valid)
+            model = self.model.to(seq.hidden.device)
+            s_v, s_l = model(v, vm, t, tm)
+            scores = torch.full(seq.valid.shape, float("-inf"), device=seq.hidden.device)
+            handoff.router = scores.scatter(1, vcols, s_v.float().masked_fill(~vm, float("-inf")))
+            plan = torch.zeros(seq.batch, run.num_layers, dtype=torch.bool, device=seq.hidden.device)
+            if self.layers_skip:
+                low = torch.topk(s_l, self.layers_skip, dim=1, largest=False).indices  # ties: torch's order
+                plan.scatter_(1, cand.to(low.device)[low], True)
+            layers.plan = plan
+            return tokens.reduce(seq, run, handoff) if self.token_keep < 1 else seq
+
+        return hook, layers
+
+
+def build_router(path: str, options: dict) -> Router:
+    allowed = {"token_keep", "layers_skip"}
+    bad = sorted(set(options) - allowed)
+    if bad:
+        raise RecipeError(f"unknown option(s) {bad} for router=PATH; allowed: {sorted(allowed)}")
+    return Router(path=str(path), **options)
