@@ -175,3 +175,23 @@ def test_router_recipe_errors(tiny_adapter, tmp_path):
         make_plan(f"router={path}:budget=2", runner)
     with pytest.raises(RecipeError, match="router checkpoint not found"):
         make_plan(f"router={tmp_path / 'missing'}", runner)
+
+
+def test_train_router_runs_end_to_end_and_its_checkpoint_executes(tmp_path):
+    """A few DPO epochs on the demo model: the layouts' costs come from real pruned runs, the loss starts at
+    log 2 (router == reference) and falls, the checkpoint resumes and runs as a recipe."""
+    import trimvlm
+    from trimvlm.depth.calibration import calibration_records
+    from trimvlm.router.train import train_router
+
+    vlm = trimvlm.load("demo")
+    records = calibration_records("demo", 4, 0)
+    out = tmp_path / "router"
+    log = train_router(vlm, records, token_keep=0.5, layers_skip=1, epochs=2, seed=0, out=out, lr=3e-3)
+    losses = [e["dpo_loss"] for e in log["epochs"]]
+    assert abs(losses[0] - math.log(2)) < 0.05 and losses[-1] < losses[0]
+    more = train_router(vlm, records, token_keep=0.5, layers_skip=1, epochs=3, seed=0, out=out, resume=True)
+    assert [e["epoch"] for e in more["epochs"]] == [2]  # resumed after the two epochs on disk
+    res = vlm.generate(records[0].images, records[0].prompt_text(), recipe=f"router={out}:token_keep=0.5:layers_skip=1",
+                       max_new_tokens=3)  # fmt: skip
+    assert res.costs.method_flops["prefill"] > 0 and res.texts[0] is not None

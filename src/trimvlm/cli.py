@@ -260,6 +260,31 @@ def train_head(
         _fail(e)
 
 
+@app.command("train-router")
+def train_router(
+    model: str = typer.Option("demo", help="checkpoint folder, or 'demo' / 'demo-qwen35'"),
+    out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
+    task: str = typer.Option("demo", help="unlabeled inputs: the demo task's val split"),
+    n: int = typer.Option(32, help="training inputs"),
+    token_keep: float = typer.Option(0.25, help="fraction of each image's visual tokens kept"),
+    layers_skip: int = typer.Option(2, help="candidate layers (the last half) skipped per input"),
+    epochs: int = typer.Option(3),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(True, help="continue from the checkpoint in --out"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model)."""
+    from trimvlm.router.train import train_router_command
+
+    try:
+        train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,
+                             epochs=epochs, seed=seed, out=out, resume=resume, console=console,
+                             load_kw=_load_kw(device, dtype))  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 @app.command()
 def calibrate(
     model: str = typer.Option("demo", help="checkpoint folder, or 'demo'"),
