@@ -29,7 +29,6 @@ from rich.table import Table
 
 from trimvlm.loading import load_adapter
 from trimvlm.plan import make_plan
-from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image, tiny_checkpoint
@@ -37,10 +36,7 @@ from trimvlm.testing import random_image, tiny_checkpoint
 
 def run_once(runner, prep, plan) -> Meter:
     meter = Meter(device=runner.device)  # synchronizes its phase timers on a GPU
-    ctx = None
-    if plan.probe is not None or plan.vision_probe is not None:
-        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
-    runner.prefill(prep, hook=plan.hook, ctx=ctx, meter=meter)
+    runner.prefill(prep, hook=plan.hook, ctx=plan.attention_context(), meter=meter)
     return meter
 
 

@@ -46,3 +46,14 @@ def ragged_batch():
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)
+
+
+def plan_prefill(runner, prep, recipe, **kw):
+    """Prefill with a recipe's plan (its hook and what its methods record); (output, meter, plan)."""
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.meter import Meter
+
+    plan = make_plan(recipe, runner)
+    meter = Meter()
+    out = runner.prefill(prep, hook=plan.hook, ctx=plan.attention_context(), meter=meter, **kw)
+    return out, meter, plan

@@ -6,14 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ragged_batch
+from conftest import plan_prefill, ragged_batch
 
 from trimvlm.errors import RecipeError
 from trimvlm.kernels import farthest_point, masked_minmax, merge_groups, spatial_density
 from trimvlm.plan import Handoff, make_plan
 from trimvlm.recipe import parse_recipe
-from trimvlm.runtime.attention import AttentionContext
-from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
 from trimvlm.tokens.base import make_view
@@ -24,14 +22,7 @@ FAMILY = "qwen3_vl"
 METHODS = ["density", "density:select=topk", "divprune", "fastv", "tome", "dart", "random"]
 
 
-def _prefill(runner, prep, recipe, **kw):
-    plan = make_plan(recipe, runner)
-    ctx = None
-    if plan.probe is not None or plan.vision_probe is not None:
-        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
-    meter = Meter()
-    out = runner.prefill(prep, hook=plan.hook, ctx=ctx, meter=meter, **kw)
-    return out, meter, plan
+_prefill = plan_prefill
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import AVAILABLE, ragged_batch
+from conftest import AVAILABLE, plan_prefill, ragged_batch
 
 from trimvlm.errors import RecipeError
 from trimvlm.plan import Handoff, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime import vision_probe as vp
-from trimvlm.runtime.attention import AttentionContext
-from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.runtime.meter import flop_counter
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import concurrent_runs, random_image
 
@@ -34,14 +33,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _prefill(runner, prep, recipe, **kw):
-    plan = make_plan(recipe, runner)
-    ctx = None
-    if plan.probe is not None or plan.vision_probe is not None:
-        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
-    meter = Meter()
-    out = runner.prefill(prep, hook=plan.hook, ctx=ctx, meter=meter, **kw)
-    return out, meter, plan
+_prefill = plan_prefill
 
 
 def _units(seq):

@@ -40,6 +40,14 @@ class Plan:
     vision_probe: object | None = None  # what the image encoding must record in the vision tower, or None
     handoff: Handoff = field(default_factory=Handoff)
 
+    def attention_context(self):
+        """The AttentionContext a prefill needs to record what the methods asked for (None: nothing)."""
+        if self.probe is None and self.vision_probe is None:
+            return None
+        from trimvlm.runtime.attention import AttentionContext
+
+        return AttentionContext(probe=self.probe, vision=self.vision_probe)
+
 
 def make_plan(recipe, runner) -> Plan:
     recipe = parse_recipe(recipe)

@@ -10,7 +10,6 @@ import torch
 from trimvlm.errors import InputError
 from trimvlm.kernels.flops import counting
 from trimvlm.plan import make_plan
-from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Meter
 from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES
 from trimvlm.scoring.executors.common import Work
@@ -62,10 +61,7 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=No
     plan = make_plan(recipe, runner)
     meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
-    ctx = None
-    if plan.probe is not None or plan.vision_probe is not None:
-        ctx = AttentionContext(probe=plan.probe, vision=plan.vision_probe)
-    pre = runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
+    pre = runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=plan.attention_context())
     if plan.after_prefill is not None:
         with meter.timer("prefill"), counting(meter, "prefill"):
             plan.after_prefill(pre)
