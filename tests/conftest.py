@@ -57,3 +57,27 @@ def plan_prefill(runner, prep, recipe, **kw):
     meter = Meter()
     out = runner.prefill(prep, hook=plan.hook, ctx=plan.attention_context(), meter=meter, **kw)
     return out, meter, plan
+
+
+@pytest.fixture(scope="module")
+def vlms(tiny_adapter):
+    """family -> a VLM over the tiny model of that family (built once per module)."""
+    from trimvlm.vlm import VLM
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = VLM(tiny_adapter(family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture
+def one_thread():
+    """One thread: on the shared 2-core machine, 2 threads run the Qwen3.5 reference kernels ~5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

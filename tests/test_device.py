@@ -21,7 +21,6 @@ from conftest import AVAILABLE, ragged_batch
 from trimvlm.errors import RecipeError
 from trimvlm.plan import make_plan
 from trimvlm.scoring.request import ScoreRequest
-from trimvlm.vlm import VLM
 
 FAMILIES = [f for f in ("qwen3_vl", "qwen3_5", "llava", "idefics3", "internvl") if f in AVAILABLE]
 RECIPES = [
@@ -50,18 +49,6 @@ def meta_default():
     """torch's default device is `meta` inside: a device-less factory call makes a tensor without data."""
     with torch.device("meta"):
         yield
-
-
-@pytest.fixture(scope="module")
-def vlms(tiny_adapter):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = VLM(tiny_adapter(family))
-        return made[family]
-
-    return get
 
 
 def _applies(vlm, recipe) -> bool:

@@ -17,13 +17,7 @@ from trimvlm.vlm import VLM
 DEMOS = ["demo", "demo-qwen35"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: on the shared 2-core machine, 2 threads run the Qwen3.5 reference kernels ~5x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

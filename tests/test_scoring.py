@@ -9,7 +9,6 @@ from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.scoring.request import ScoreRequest
 from trimvlm.scoring.trie import build_forest
 from trimvlm.testing import WORDS, random_image
-from trimvlm.vlm import VLM
 
 EXECUTORS = ["batched", "segments", "tree", "auto", "tree-merged"]
 TOL = 1e-4
@@ -43,18 +42,6 @@ def _merged_tree_option(monkeypatch):
     monkeypatch.setattr("trimvlm.scoring.executors.NAMES", (*NAMES, "tree-merged"))
     monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
     monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})
-
-
-@pytest.fixture(scope="module")
-def vlms(tiny_adapter):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = VLM(tiny_adapter(family))
-        return made[family]
-
-    return get
 
 
 def _requests(cands):

@@ -25,12 +25,7 @@ from trimvlm.testing import concurrent_runs, random_image
 RECIPES = ["prumerge:keep=0.25", "prumerge:keep=0.25:plus=true", "visionzip:keep=0.25"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _prefill = plan_prefill
