@@ -196,6 +196,7 @@ RECIPES = [
     "tokens=dart:keep=0.3",
     "tokens=tome:keep=0.3:layer=1",
     "tokens=fastv:keep=0.3:layer=1",
+    "tokens=fastv:keep=0.3:layer=1:noise=1:trials=3",
     "kv=h2o:keep=0.25",
     "kv=h2o:keep=0.25:rows=4",
     "kv=snapkv:keep=0.25",

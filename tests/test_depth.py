@@ -228,3 +228,33 @@ def test_per_sample_plan_errors(tiny_adapter):
         runner.prefill(prep, skip=torch.zeros(3, runner.num_layers, dtype=torch.bool))
     with pytest.raises(RecipeError, match="skips every layer"):
         runner.prefill(prep, skip=torch.ones(2, runner.num_layers, dtype=torch.bool))
+
+
+def test_noise_perturbed_fastv_keeps_each_samples_best_trial(tiny_adapter):
+    """tokens=fastv:noise=S:trials=T: plain FastV when T = 1 or S = 0; otherwise each sample's next-token
+    distribution is at least as close (KL) to the unpruned one as plain FastV's, and a batch equals each sample
+    alone."""
+    from conftest import plan_prefill
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    plain, _, _ = plan_prefill(runner, prep, "tokens=fastv:keep=0.25:layer=2")
+    for same in ("tokens=fastv:keep=0.25:layer=2:trials=1:noise=1", "tokens=fastv:keep=0.25:layer=2:trials=4"):
+        assert torch.equal(plan_prefill(runner, prep, same)[0].logits, plain.logits)
+    recipe = "tokens=fastv:keep=0.25:layer=2:noise=1:trials=4:seed=3"
+    noisy, meter, _ = plan_prefill(runner, prep, recipe)
+    base = torch.log_softmax(runner.prefill(prep).logits.double(), -1)
+
+    def kl(out):
+        q = torch.log_softmax(out.logits.double(), -1)
+        return (base.exp() * (base - q)).sum(-1)
+
+    assert bool((kl(noisy) <= kl(plain) + 1e-9).all())
+    assert meter.costs.method_flops["prefill"] > 3 * meter.costs.flops["prefill"] * 0.5  # the look-aheads
+    for b in range(3):
+        alone, _, _ = plan_prefill(runner, adapter.prepare(images[b : b + 1], prompts[b : b + 1]), recipe)
+        assert (noisy.logits[b] - alone.logits[0]).abs().max().item() <= 1e-4
+    with pytest.raises(RecipeError, match="noise must be a finite number >= 0"):
+        make_plan("tokens=fastv:keep=0.5:noise=-1", runner)

@@ -16,7 +16,7 @@ import torch
 
 from trimvlm.adapters.base import ATTENTION
 from trimvlm.errors import TrimVLMError
-from trimvlm.kernels.flops import counting, paused
+from trimvlm.kernels.flops import count, counting, paused
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.masks import chunk_mask
@@ -149,8 +149,10 @@ class Runner:
         meter: Meter | None = None,
         ctx: AttentionContext | None = None,
         within: torch.Tensor | None = None,
+        start: int = 0,
     ) -> LiveSeq:
-        """Run the decoder layers over the chunk `seq`, appending to `cache`. Returns the final-normed seq."""
+        """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`. Returns the final-normed
+        seq."""
         ad = self.adapter
         pos_emb = ad.rotary(seq.hidden, seq.positions)
         masks: dict[int, torch.Tensor] = {}
@@ -161,7 +163,7 @@ class Runner:
             ctx.tree = cache.tree
         hidden = seq.hidden
         with use_trimvlm_attention(ad.attn_configs), counting(meter, phase):
-            for i in range(self.num_layers):
+            for i in range(start, self.num_layers):
                 if hook is not None:
                     cur = seq.with_hidden(hidden)
                     new = hook(i, cur, self)
@@ -216,6 +218,18 @@ class Runner:
             if new is not None:
                 seq, hidden = new, new.hidden
         return seq.with_hidden(ad.final_norm(hidden))
+
+    @torch.no_grad()
+    def finish(self, seq: LiveSeq, start: int) -> torch.Tensor:
+        """[B, V] next-token logits of `seq` entering layer `start`, run through the remaining layers on a
+        scratch cache (nothing else is touched). Its FLOPs are returned to the active method counter: a method
+        that looks ahead pays for it on the method line."""
+        meter = Meter(device=self.device)
+        with paused():
+            out = self.run(seq, KVCache(self.num_layers), phase="lookahead", meter=meter, start=start)
+            logits = self._logits(out, meter, "lookahead", False)
+        count(meter.costs.model_flops)
+        return logits
 
     def _run_rows(self, i, rows, hidden, pos_emb, mask, cache, ctx, valid) -> torch.Tensor:
         """Run layer i on batch rows `rows` only (gather, run, scatter); the other rows pass through."""

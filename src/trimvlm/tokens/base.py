@@ -164,6 +164,11 @@ class TokenReducer:
         """Add what `choose` needs from the model or an earlier phase to the view (e.g. `view.keys`); nothing by
         default."""
 
+    def refine(self, view: VisualView, seq: LiveSeq, runner, sel: Selection) -> Selection:
+        """A last look at the selection with the model at hand (noise-perturbed FastV searches here); as is by
+        default."""
+        return sel
+
     def choose(self, view: VisualView) -> Selection:  # pragma: no cover - every method overrides it
         raise NotImplementedError
 
@@ -181,7 +186,7 @@ class TokenReducer:
         if self.wants_attention(runner):
             view.attention = self._attention(view, seq, lay, handoff)
         self.prepare(view, runner, handoff)
-        sel = self.choose(view)
+        sel = self.refine(view, seq, runner, self.choose(view))
         if sel.rho is not None:
             handoff.rho = by_source(view, sel.rho.float(), float("nan"))
         keep = sel.keep & view.mask
@@ -190,8 +195,7 @@ class TokenReducer:
                 f"tokens={self.name} kept {keep.sum(1).tolist()} tokens, expected {view.k.tolist()}"
             )
         drop = view.mask & ~keep
-        keep_seq = seq.valid.clone()
-        keep_seq[view.sample[:, None].expand_as(drop)[drop], view.cols[drop]] = False
+        keep_seq = kept_positions(seq, view, keep)
         out = seq.gather(keep_seq)
         handoff.kept = by_source(view, keep, False)
         if self.merge and bool(drop.any()):
@@ -236,6 +240,14 @@ class TokenReducer:
 def _number(name: str, v) -> None:
     if not is_number(v) or not math.isfinite(v):
         raise ValueError(f"{name} must be a number, got {v!r}")
+
+
+def kept_positions(seq: LiveSeq, view: VisualView, keep: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the live positions left when each unit keeps `keep` [U, N] of its visual tokens."""
+    drop = view.mask & ~keep
+    out = seq.valid.clone()
+    out[view.sample[:, None].expand_as(drop)[drop], view.cols[drop]] = False
+    return out
 
 
 def by_source(view: VisualView, values: torch.Tensor, fill) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from trimvlm.kernels.select import topk_mask
+import torch
+
+from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
+from trimvlm.options import is_number, require_int
 from trimvlm.registry import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, kept_positions
 
 
 @register("tokens", "fastv")
@@ -15,12 +19,30 @@ class FastV(TokenReducer):
     """Rank each image's visual tokens by the attention they receive from the last query token in layer L-1
     (softmax over that layer's keys, heads averaged), keep the top K = ceil(N * keep). Only that one attention
     row is computed (an AttentionProbe on layer L-1); the model keeps running SDPA. Needs L >= 1 (default 2,
-    FastV's K = 2)."""
+    FastV's K = 2).
+
+    Noise-perturbed FastV (Pruning All-Rounder, REFERENCES.md section 5): with `trials=T > 1`, T selections are
+    tried: the plain ranking and T - 1 rankings of the scores plus Gaussian noise N(0, (noise * std)^2) (std of
+    the image's scores; the draw is seeded per image, `seed`). Each is judged by the self-supervised criterion:
+    the KL between the next-token distribution of the unpruned sequence and of the pruned one, both run through
+    the remaining layers on a scratch cache; each sample keeps its best trial (never worse than plain FastV on
+    that criterion). The look-ahead runs cost (T + 1) x the layers L.. of a prefill and are counted as method
+    FLOPs."""
 
     layer: int | None = None
+    noise: float = 0.0
+    trials: int = 1
+    seed: int = 0
 
     default_layer = 2
     min_layer = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_number(self.noise) or not math.isfinite(self.noise) or self.noise < 0:
+            raise ValueError(f"noise must be a finite number >= 0 (in units of the scores' std), got {self.noise!r}")
+        require_int("trials", self.trials, minimum=1)
+        require_int("seed", self.seed)
 
     def _layer_why(self) -> str:
         return " (fastv ranks by the attention of layer L-1, so L >= 1)"
@@ -33,3 +55,33 @@ class FastV(TokenReducer):
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))
+
+    def refine(self, view: VisualView, seq, runner, sel: Selection) -> Selection:
+        if self.trials <= 1 or self.noise == 0:
+            return sel
+        target = torch.log_softmax(runner.finish(seq, view.layer).double(), -1)
+        att = view.attention.float()
+        m = view.mask.float()
+        n = m.sum(1, keepdim=True)
+        mean = (att * m).sum(1, keepdim=True) / n
+        std = (((att - mean) * m).pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # real tokens only
+        index = view.cells.clamp(min=0) + view.tile[:, None] * TILE_STRIDE
+        best_keep, best_kl = sel.keep, None
+        for t in range(self.trials):
+            if t == 0:
+                keep = sel.keep
+            else:
+                u1 = hashed_uniform(self.seed * 1009 + 2 * t, view.image_key[:, None], index).clamp(min=1e-12)
+                u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
+                gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
+                keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
+            logits = runner.finish(seq.gather(kept_positions(seq, view, keep)), view.layer)
+            q = torch.log_softmax(logits.double(), -1)
+            kl = (target.exp() * (target - q)).sum(-1)  # [B]
+            if best_kl is None:
+                best_kl = kl
+                continue
+            better = kl < best_kl  # per sample
+            best_kl = torch.where(better, kl, best_kl)
+            best_keep = torch.where(better[view.sample][:, None], keep, best_keep)
+        return Selection(keep=best_keep)
