@@ -81,3 +81,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def merged_tree(monkeypatch):
+    """`tree-merged` = the tree executor with its cost rule off: always the merged trie layout (ancestors,
+    pieces, recurrent levels), so small cases exercise that machinery too."""
+    from trimvlm.scoring.executors import EXECUTORS as RUN
+    from trimvlm.scoring.executors import NAMES, tree, tree_layout
+
+    def merged(work):
+        with monkeypatch.context() as m:
+            m.setattr(tree, "plan_pieces", lambda f, mix=None: tree_layout.merged_layout(f))
+            return tree.run(work)
+
+    monkeypatch.setitem(RUN, "tree-merged", merged)
+    monkeypatch.setattr("trimvlm.scoring.executors.NAMES", (*NAMES, "tree-merged"))
+    monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
+    monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})

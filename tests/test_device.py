@@ -101,23 +101,6 @@ def test_generate_makes_every_tensor_on_the_model_device(vlms, family):
     _same_generation(ref, got)
 
 
-@pytest.fixture
-def merged_tree(monkeypatch):
-    """`tree-merged` = the tree executor with its cost rule off (always the merged trie layout: ancestors,
-    pieces, recurrent levels), so these small cases run that machinery too."""
-    from trimvlm.scoring.executors import EXECUTORS as RUN
-    from trimvlm.scoring.executors import NAMES, tree, tree_layout
-
-    def merged(work):
-        with monkeypatch.context() as m:
-            m.setattr(tree, "plan_pieces", lambda f, mix=None: tree_layout.merged_layout(f))
-            return tree.run(work)
-
-    monkeypatch.setitem(RUN, "tree-merged", merged)
-    monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
-    monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})
-
-
 def _logits(batch) -> list[list[float]]:
     return [r.logits for r in batch.results]
 

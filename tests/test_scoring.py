@@ -26,22 +26,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _merged_tree_option(monkeypatch):
-    """`tree-merged` = the tree executor with its cost rule off: always the merged trie layout (ancestors,
-    pieces, recurrent levels), so the small cases here exercise that machinery too."""
-    from trimvlm.scoring.executors import EXECUTORS as RUN
-    from trimvlm.scoring.executors import NAMES, tree, tree_layout
-
-    def merged(work):
-        with monkeypatch.context() as m:
-            m.setattr(tree, "plan_pieces", lambda f, mix=None: tree_layout.merged_layout(f))
-            return tree.run(work)
-
-    monkeypatch.setitem(RUN, "tree-merged", merged)
-    monkeypatch.setattr("trimvlm.scoring.executors.NAMES", (*NAMES, "tree-merged"))
-    monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
-    monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})
+pytestmark = pytest.mark.usefixtures("merged_tree")
 
 
 def _requests(cands):
