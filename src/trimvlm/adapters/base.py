@@ -379,6 +379,23 @@ class Adapter:
         probe.results.update(zip(flat, units, strict=True))
         return out
 
+    def encode_feature_layer(self, prepared: Prepared, probe, grids):
+        """The vision tower's output for families whose `get_image_features` reads a feature layer and strategy
+        from the config (LLaVA, InternVL), with the probe's records when one is given."""
+        cfg = self.model.config
+        pixel_values = prepared.model_inputs["pixel_values"]
+        return self.encode_vision(
+            probe,
+            lambda: self.inner.get_image_features(
+                pixel_values=pixel_values,
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            ),
+            lambda rec: self._vision_units(rec, pixel_values),
+            grids,
+        )
+
     @staticmethod
     def vision_tokens(stat: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor) -> list:
         """One `VisionUnit` per row of stat [U, P] (attention received per vision token) and keys [U, P, D]:

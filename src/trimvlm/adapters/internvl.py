@@ -101,19 +101,7 @@ class InternVLAdapter(Adapter):
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)
         if "pixel_values" in prepared.model_inputs:
-            cfg = self.model.config
-            pixel_values = prepared.model_inputs["pixel_values"]
-            out = self.encode_vision(
-                vision,
-                lambda: self.inner.get_image_features(
-                    pixel_values=pixel_values,
-                    vision_feature_layer=cfg.vision_feature_layer,
-                    vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                    return_dict=True,
-                ),
-                lambda rec: self._vision_units(rec, pixel_values),
-                grids,
-            )
+            out = self.encode_feature_layer(prepared, vision, grids)
             embeds = self.merge_features(embeds, visual, out.pooler_output)
         positions = self.running_positions(prepared)
         return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
