@@ -48,4 +48,4 @@ def greedy_kl(runner, batches, on_step=None) -> tuple[list[float], list[int]]:
 
 
 register_ranker(Ranker("greedy-kl", greedy_kl,
-                       lambda batches, layers: batches * (1 + (layers * (layers + 1)) // 2 - 1), "KL at removal"))  # fmt: skip
+                       lambda batches, layers: batches * layers * (layers + 1) // 2, "KL at removal"))  # fmt: skip

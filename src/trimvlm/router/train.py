@@ -95,14 +95,12 @@ def _repeat(prepared, m: int):
         return v.repeat(m, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) else v
 
     inputs = {k: rep(v) for k, v in prepared.model_inputs.items()}
-    if "image_grid_thw" in inputs:  # one grid row per image, not per sample: repeat the rows as a block
-        inputs["image_grid_thw"] = prepared.model_inputs["image_grid_thw"].repeat(m, 1)
     return replace(prepared, input_ids=rep(prepared.input_ids), attention_mask=rep(prepared.attention_mask),
                    model_inputs=inputs, n_images=prepared.n_images * m, tiles=prepared.tiles * m,
                    image_keys=prepared.image_keys * m)  # fmt: skip
 
 
-def sample_layouts(gen, fastv, vis_cols, n_vis, cand, layers_skip, token_keep, sigmas, seeds, order):
+def sample_layouts(gen, fastv, vis_cols, n_vis, cand, layers_skip, sigmas, seeds, order):
     """Token score rows [M, S] (noise-perturbed FastV) and layer plans [M, L] over the candidate layers."""
     rows, plans = [], []
     spread = float(fastv[vis_cols].std()) if n_vis > 1 else 1.0
@@ -161,31 +159,25 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         seq = runner.adapter.embed(prep)
         vis = (seq.visual & seq.valid)[0]
         cols = torch.nonzero(vis).flatten()
-        rows, skips = sample_layouts(gen, fv, cols, len(cols), cand, layers_skip, token_keep, list(sigmas), seeds,
-                                     order)  # fmt: skip
+        rows, skips = sample_layouts(gen, fv, cols, len(cols), cand, layers_skip, list(sigmas), seeds, order)
         plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
         for i, sk in enumerate(skips):
             plans[i, sk] = True
         scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
         cost = layout_costs(runner, prep, tok[0], p_full[0], scores, plans, token_keep)
-        kept = _kept(seq, scores, token_keep)
-        data.append((seq, kept, plans[:, cand], cost))
+        chosen = torch.cat([_kept(seq, scores, token_keep), ~plans[:, cand]], dim=1)  # layers: keep = not skipped
+        order_m = torch.argsort(cost)
+        best, worst = order_m[: len(order_m) // 2], order_m.flip(0)[: len(order_m) // 2]
+        rp = layout_logprob(_scores(ref, seq).expand(chosen.shape[0], -1), chosen)  # the frozen reference's
+        data.append((seq, chosen, best, worst, rp))
         if on_step is not None:
             on_step()
     torch.set_grad_enabled(True)
     log = {"epochs": [], "inputs": len(records)}
     for epoch in range(start, epochs):
         total, pairs = 0.0, 0
-        for seq, kept, lplans, cost in data:
-            order_m = torch.argsort(cost)
-            best, worst = order_m[: len(order_m) // 2], order_m.flip(0)[: len(order_m) // 2]
-            s_all = _scores(router, seq)
-            with torch.no_grad():
-                r_all = _scores(ref, seq)
-            chosen = torch.cat([kept, ~lplans], dim=1)  # layers: keep = not skipped
-            lp = layout_logprob(s_all.expand(chosen.shape[0], -1), chosen)
-            with torch.no_grad():
-                rp = layout_logprob(r_all.expand(chosen.shape[0], -1), chosen)
+        for seq, chosen, best, worst, rp in data:
+            lp = layout_logprob(_scores(router, seq).expand(chosen.shape[0], -1), chosen)
             loss = dpo_loss(lp[best], lp[worst], rp[best], rp[worst], beta)
             opt.zero_grad()
             loss.backward()
