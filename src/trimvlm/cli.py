@@ -270,6 +270,9 @@ def train_router(
     layers_skip: int = typer.Option(2, help="candidate layers (the last half) skipped per input"),
     epochs: int = typer.Option(3),
     seed: int = typer.Option(0),
+    layer: int = typer.Option(0, help="decoder layer the router runs before and drops tokens at (0: the input)"),
+    lr: float = typer.Option(1e-3, help="Adam learning rate"),
+    beta: float = typer.Option(0.1, help="DPO beta"),
     resume: bool = typer.Option(True, help="continue from the checkpoint in --out"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -280,7 +283,7 @@ def train_router(
     try:
         train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,
                              epochs=epochs, seed=seed, out=out, resume=resume, console=console,
-                             load_kw=_load_kw(device, dtype))  # fmt: skip
+                             load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

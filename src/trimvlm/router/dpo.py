@@ -27,6 +27,14 @@ def layout_logprob(scores: torch.Tensor, chosen: torch.Tensor, mask: torch.Tenso
     return lp.sum(-1)
 
 
+def layout_logprob_logits(logits: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None = None):
+    """The same log pi(layout) from the scores' logits z (s = sigmoid(z)): log s = logsigmoid(z) and
+    log(1 - s) = logsigmoid(-z), exact where `layout_logprob`'s clamp would cut the gradient off."""
+    lp = F.logsigmoid(torch.where(chosen, logits, -logits))
+    real = torch.isfinite(logits) if mask is None else mask & torch.isfinite(logits)
+    return lp.masked_fill(~real, 0.0).sum(-1)
+
+
 def dpo_loss(logp_w, logp_l, ref_w, ref_l, beta: float = 0.1) -> torch.Tensor:
     """Mean DPO loss over the pairs (all [P] tensors)."""
     return -F.logsigmoid(beta * ((logp_w - ref_w) - (logp_l - ref_l))).mean()

@@ -43,6 +43,12 @@ class MetaRouter(nn.Module):
     def forward(self, vis, vis_mask, txt, txt_mask) -> tuple[torch.Tensor, torch.Tensor]:
         """vis [B, Nv, D], vis_mask [B, Nv] bool, txt [B, Nt, D], txt_mask [B, Nt] bool -> (token scores
         [B, Nv], 0 on padding; layer scores [B, N])."""
+        z_v, z_l = self.logits(vis, vis_mask, txt, txt_mask)
+        return torch.sigmoid(z_v).masked_fill(~vis_mask, 0.0), torch.sigmoid(z_l)
+
+    def logits(self, vis, vis_mask, txt, txt_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores before the sigmoid (training reads these: log s = logsigmoid(z) never saturates to a
+        clamp). Padded tokens' logits are -inf."""
         b, nv = vis_mask.shape
         n = len(self.candidate_layers)
         dt = self.layer_emb.dtype
@@ -50,9 +56,8 @@ class MetaRouter(nn.Module):
         keep = torch.cat([vis_mask, txt_mask, torch.ones(b, n, dtype=torch.bool, device=x.device)], dim=1)
         x = x + self._attend(self.norm1(x), keep)
         x = x + self.mlp(self.norm2(x))
-        s_v = torch.sigmoid(self.head_v(x[:, :nv]).squeeze(-1)).masked_fill(~vis_mask, 0.0)
-        s_l = torch.sigmoid(self.head_l(x[:, -n:]).squeeze(-1))
-        return s_v, s_l
+        z_v = self.head_v(x[:, :nv]).squeeze(-1).masked_fill(~vis_mask, float("-inf"))
+        return z_v, self.head_l(x[:, -n:]).squeeze(-1)
 
     def _attend(self, x, keep):
         b, t, w = x.shape

@@ -1,7 +1,8 @@
 """`router=PATH:token_keep=0.25:layers_skip=2`: run a trained meta-router per input and execute its layout.
 
-Before the first decoder layer the router reads each sample's visual tokens (the projector's output) and its
-text tokens, and scores every visual token and every candidate layer. Then, per sample,
+Before decoder layer K (the checkpoint's `layer`, 0 by default: before the first layer) the router reads each
+sample's visual tokens (at K = 0 the projector's output, else the hidden states entering layer K) and its text
+tokens, and scores every visual token and every candidate layer. Then, per sample,
 - each image keeps its K = ceil(N_image * token_keep) highest-scoring tokens (the others are physically
   dropped, through the same gather as every token reducer);
 - the `layers_skip` candidate layers with the lowest keep scores are not run, for this sample, in the prefill
@@ -60,6 +61,7 @@ class Router:
         n = len(self.meta["candidate_layers"])
         if self.layers_skip > n:
             raise RecipeError(f"router layers_skip={self.layers_skip} exceeds its {n} candidate layers")
+        self.layer = int(self.meta.get("layer", 0))
 
     def check(self, runner) -> None:
         fp = model_fingerprint(runner.adapter)
@@ -73,12 +75,12 @@ class Router:
 
     def bind(self, runner, handoff):
         """(the token hook, the LayerPlan it fills) for the plan."""
-        tokens = RouterTokens(keep=float(self.token_keep), layer=0)
+        tokens = RouterTokens(keep=float(self.token_keep), layer=self.layer)
         layers = LayerPlan()
         cand = torch.tensor(self.meta["candidate_layers"], dtype=torch.long)
 
         def hook(i, seq, run):
-            if i != 0:
+            if i != self.layer:
                 return seq
             vis = seq.visual & seq.valid
             v, vm, vcols = _packed(seq.hidden, vis)

@@ -3,20 +3,29 @@
 For every unlabeled input x (the task's images and prompts; answers are never read):
 1. the unpruned model answers greedily (`answer_tokens` tokens); its next-token distributions along that answer
    are the target p_full;
-2. layouts are sampled at the budget (`token_keep`, `layers_skip`): token sets from noise-perturbed FastV
-   rankings (the last query's attention in layer 1 of the unpruned model, heads averaged, plus N(0, sigma^2)
-   noise scaled by the scores' spread, several seeds) and layer sets from random and block-influence-ranked
-   subsets of the candidate layers;
-3. every layout runs for real (tokens gathered before layer 0, its layers skipped), all layouts of one input
-   as rows of one batch with per-row layer plans, teacher-forced on the unpruned answer; its cost is
-   sum over answer positions of KL(p_full || p_layout);
-4. pairs (better, worse) are formed from the ranking by cost, and the router takes Adam steps on the DPO loss
-   against a frozen copy of itself (the reference).
+2. layouts are sampled at the budget (`token_keep`, `layers_skip`) as a grid: T token sets from noise-perturbed
+   FastV rankings (the last query's attention in layer max(K, 2) - 1 of the unpruned model, heads averaged,
+   plus N(0, sigma^2) noise scaled by the scores' spread: sigma 0 once, then `seeds` draws per sigma), times
+   the layer sets (every `layers_skip`-subset of the candidate layers when there are at most `max_layer_sets`,
+   else the block-influence-ranked one and random ones);
+3. every layout runs for real (tokens gathered before layer K, the router's `layer`; its layers skipped), all
+   layouts of one input as rows of one batch with per-row layer plans, teacher-forced on the unpruned answer;
+   its cost is the sum over answer positions of KL(p_full || p_layout);
+4. preference pairs come from the grid: two layouts with the same layer set and different token sets (a
+   token pair), or the same token set and different layer sets (a layer pair), the cheaper one preferred when
+   its cost is below (1 - `margin`) times the other's (near-ties carry no preference). The elements the two
+   share cancel in the DPO margin, so a token pair trains the token scores and a layer pair the layer scores;
+   the loss is the mean DPO loss of the token pairs plus that of the layer pairs, so that a handful of layer
+   decisions is not drowned by hundreds of token decisions;
+5. the router takes Adam steps (one per input, inputs shuffled each epoch) on that loss against a frozen copy
+   of its initial self (the reference). log pi(layout) is computed from the logits (logsigmoid), never from
+   clamped probabilities, so that saturated scores still carry gradient.
 Seeded; a checkpoint is written every epoch (`--resume` continues from it).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,25 +33,42 @@ import torch
 
 from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
-from trimvlm.router.dpo import dpo_loss, layout_logprob
+from trimvlm.router.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.router.route import RouterTokens, _packed
 from trimvlm.runtime.attention import AttentionContext, AttentionProbe
 
 
 @dataclass
-class Layouts:
-    """The sampled layouts of one input: token keep masks over its packed visual tokens, layer skip sets."""
+class Example:
+    """One input's training data: the router's inputs, the layouts' chosen elements and the preference pairs."""
 
-    tokens: torch.Tensor  # [M, Nv] bool
-    layers: torch.Tensor  # [M, N] bool over the candidate layers (True: skipped)
-    cost: torch.Tensor  # [M] sum of KL(p_full || p_layout) over the answer
+    feats: tuple  # (vis, vis_mask, txt, txt_mask), batch of one
+    chosen: torch.Tensor  # [M, Nv + N] bool: visual tokens kept, then candidate layers kept
+    pairs: dict  # "tokens" / "layers" -> (winners [P], losers [P]) layout indices
+    ref: torch.Tensor  # [M] the frozen reference's log pi of each layout
+    cost: torch.Tensor  # [M]
 
 
-def fastv_scores(runner, prepared) -> torch.Tensor:
-    """[B, S] the last query's attention in layer 1 (heads averaged) of the unpruned model."""
-    probe = AttentionProbe(last=1, layers={1})
+def fastv_scores(runner, prepared, layer: int = 1) -> torch.Tensor:
+    """[B, S] the last query's attention in `layer` (heads averaged) of the unpruned model."""
+    probe = AttentionProbe(last=1, layers={layer})
     runner.prefill(prepared, ctx=AttentionContext(probe=probe))
-    return probe.results[1][:, -1].float()
+    return probe.results[layer][:, -1].float()
+
+
+def router_inputs(runner, prepared, layer: int):
+    """The live sequence entering decoder layer `layer` of the unpruned model (the router's input)."""
+    if layer == 0:
+        return runner.adapter.embed(prepared)
+    got = {}
+
+    def hook(i, seq, run):
+        if i == layer:
+            got["seq"] = seq
+        return seq
+
+    runner.prefill(prepared, hook=hook)
+    return got["seq"]
 
 
 @torch.no_grad()
@@ -61,19 +87,20 @@ def answer(runner, prepared, n: int):
 
 
 @torch.no_grad()
-def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, token_keep: float) -> torch.Tensor:
+def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, token_keep: float,
+                 layer: int = 0) -> torch.Tensor:  # fmt: skip
     """[M] cost of M layouts of ONE input (prepared1: batch of one): each row keeps the tokens with the top
-    `token_scores[m]` (a [M, S] column score) and skips `plans[m]` ([M, L] bool), teacher-forced on the
-    answer."""
+    `token_scores[m]` (a [M, S] column score) before layer `layer` and skips `plans[m]` ([M, L] bool),
+    teacher-forced on the answer."""
     from trimvlm.plan import Handoff
 
     m = plans.shape[0]
     prep = _repeat(prepared1, m)
     handoff = Handoff(router=token_scores)
-    red = RouterTokens(keep=token_keep, layer=0)
+    red = RouterTokens(keep=token_keep, layer=layer)
 
     def hook(i, seq, run):
-        return red.reduce(seq, run, handoff) if i == 0 and token_keep < 1 else seq
+        return red.reduce(seq, run, handoff) if i == layer and token_keep < 1 else seq
 
     out = runner.prefill(prep, hook=hook, skip=plans)
     logits, pos = out.logits, out.next_pos.clone()
@@ -100,28 +127,56 @@ def _repeat(prepared, m: int):
                    image_keys=prepared.image_keys * m)  # fmt: skip
 
 
-def sample_layouts(gen, fastv, vis_cols, n_vis, cand, layers_skip, sigmas, seeds, order):
-    """Token score rows [M, S] (noise-perturbed FastV) and layer plans [M, L] over the candidate layers."""
-    rows, plans = [], []
-    spread = float(fastv[vis_cols].std()) if n_vis > 1 else 1.0
-    n = len(cand)
-    ranked = [c for c in order if c in cand][:layers_skip]
+def token_sets(gen, fastv, vis_cols, sigmas, seeds) -> list[torch.Tensor]:
+    """Noise-perturbed FastV score rows [S]: sigma 0 once, then `seeds` draws for every other sigma."""
+    spread = float(fastv[vis_cols].std()) if len(vis_cols) > 1 else 1.0
+    rows = [fastv.clone()]
     for sigma in sigmas:
+        if sigma == 0:
+            continue
         for _ in range(seeds):
             s = fastv.clone()
-            s[vis_cols] += torch.randn(n_vis, generator=gen) * sigma * spread
-            for kind in ("random", "ranked"):
-                if kind == "ranked" and sigma != sigmas[0]:
-                    continue
-                skip = ranked if kind == "ranked" else [cand[i] for i in torch.randperm(n, generator=gen)[:layers_skip]]
-                rows.append(s)
-                plans.append(skip)
-    return rows, plans
+            s[vis_cols] += torch.randn(len(vis_cols), generator=gen) * sigma * spread
+            rows.append(s)
+    return rows
+
+
+def layer_sets(gen, cand, layers_skip, order, max_sets: int = 8) -> list[list[int]]:
+    """The skip sets: every `layers_skip`-subset of `cand` when there are at most `max_sets`, else the
+    block-influence-ranked one plus random distinct ones."""
+    every = [list(c) for c in itertools.combinations(cand, layers_skip)]
+    if len(every) <= max_sets:
+        return every
+    ranked = [c for c in order if c in cand][:layers_skip]  # the lowest block influence first
+    out = [sorted(ranked)]
+    while len(out) < max_sets:
+        pick = sorted(cand[i] for i in torch.randperm(len(cand), generator=gen)[:layers_skip].tolist())
+        if pick not in out:
+            out.append(pick)
+    return out
+
+
+def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float) -> dict:
+    """Token pairs (same layer set) and layer pairs (same token set) of the [n_tok x n_lay] layout grid
+    (layout index = t * n_lay + l), the cheaper preferred when clearly cheaper."""
+    c = cost.view(n_tok, n_lay)
+    out = {}
+    for kind, groups in (("tokens", [[(t, j) for t in range(n_tok)] for j in range(n_lay)]),
+                         ("layers", [[(t, j) for j in range(n_lay)] for t in range(n_tok)])):  # fmt: skip
+        w, lo = [], []
+        for g in groups:
+            for a, b in itertools.permutations(g, 2):
+                if c[a] < (1 - margin) * c[b]:
+                    w.append(a[0] * n_lay + a[1])
+                    lo.append(b[0] * n_lay + b[1])
+        out[kind] = (torch.tensor(w, dtype=torch.long), torch.tensor(lo, dtype=torch.long))
+    return out
 
 
 def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2, epochs: int = 3, seed: int = 0,
                  sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 4, beta: float = 0.1, lr: float = 1e-3,
-                 width: int = 64, heads: int = 4, out=None, resume: bool = False, on_step=None) -> dict:  # fmt: skip
+                 width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, out=None, resume: bool = False,
+                 on_step=None) -> dict:  # fmt: skip
     """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch."""
     import copy
 
@@ -134,19 +189,22 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     cand = list(range(n_layers // 2, n_layers))
     if not 0 <= layers_skip <= len(cand):
         raise InputError(f"layers_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
-    torch.manual_seed(seed)
+    if not 0 <= layer <= cand[0]:
+        raise InputError(f"the router's layer must be in 0..{cand[0]} (before the first candidate layer)")
     hidden = vlm.adapter.text_config.hidden_size
+    start = 0
     if resume and out is not None and (Path(out) / "router.json").exists():
         router, meta = load_router(out)
-        router.train()
-        start = int(meta.get("epochs_done", 0))
-    else:
-        router, start = MetaRouter(hidden, cand, width=width, heads=heads), 0
-    ref = copy.deepcopy(router).eval().requires_grad_(False)
+        start, layer = int(meta.get("epochs_done", 0)), int(meta.get("layer", 0))
+        width, heads = router.width, router.heads
+    torch.manual_seed(seed)  # the reference is the initial router (rebuilt from the seed when resuming)
+    ref = MetaRouter(hidden, cand, width=width, heads=heads).eval().requires_grad_(False)
+    if not start:
+        router = copy.deepcopy(ref).requires_grad_(True)
+    router.train()
     opt = torch.optim.Adam(router.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    # the training data: per input, its layouts and costs (computed once, with the model frozen)
-    data = []
+    data: list[Example] = []
     order = None
     torch.set_grad_enabled(False)
     for r in records:
@@ -155,53 +213,64 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
             bi = block_influence(runner, [prep])
             order = sorted(range(n_layers), key=lambda i: (bi[i], i))
         tok, p_full = answer(runner, prep, answer_tokens)
-        fv = fastv_scores(runner, prep)[0]
-        seq = runner.adapter.embed(prep)
+        fv = fastv_scores(runner, prep, max(layer, 2) - 1)[0]
+        seq = router_inputs(runner, prep, layer)
         vis = (seq.visual & seq.valid)[0]
         cols = torch.nonzero(vis).flatten()
-        rows, skips = sample_layouts(gen, fv, cols, len(cols), cand, layers_skip, list(sigmas), seeds, order)
+        toks = token_sets(gen, fv, cols, list(sigmas), seeds)
+        lays = layer_sets(gen, cand, layers_skip, order)
+        rows = [t for t in toks for _ in lays]
         plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
-        for i, sk in enumerate(skips):
-            plans[i, sk] = True
+        for i in range(len(rows)):
+            plans[i, lays[i % len(lays)]] = True
         scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
-        cost = layout_costs(runner, prep, tok[0], p_full[0], scores, plans, token_keep)
-        chosen = torch.cat([_kept(seq, scores, token_keep), ~plans[:, cand]], dim=1)  # layers: keep = not skipped
-        order_m = torch.argsort(cost)
-        best, worst = order_m[: len(order_m) // 2], order_m.flip(0)[: len(order_m) // 2]
-        rp = layout_logprob(_scores(ref, seq).expand(chosen.shape[0], -1), chosen)  # the frozen reference's
-        data.append((seq, chosen, best, worst, rp))
+        cost = layout_costs(runner, prep, tok[0], p_full[0], scores, plans, token_keep, layer)
+        chosen = torch.cat([_kept(seq, scores, token_keep, layer), ~plans[:, cand]], dim=1)
+        feats = _features(seq)
+        rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
+        pairs = preference_pairs(cost, len(toks), len(lays), margin)
+        data.append(Example(feats, chosen, pairs, rp, cost))
         if on_step is not None:
             on_step()
     torch.set_grad_enabled(True)
-    log = {"epochs": [], "inputs": len(records)}
+    log = {"epochs": [], "inputs": len(records),
+           "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in ("tokens", "layers")}}  # fmt: skip
+    shuffle = torch.Generator().manual_seed(seed + 1)
+    for _ in range(start):  # a resumed run sees the same input order as an uninterrupted one
+        torch.randperm(len(data), generator=shuffle)
     for epoch in range(start, epochs):
-        total, pairs = 0.0, 0
-        for seq, chosen, best, worst, rp in data:
-            lp = layout_logprob(_scores(router, seq).expand(chosen.shape[0], -1), chosen)
-            loss = dpo_loss(lp[best], lp[worst], rp[best], rp[worst], beta)
+        total, steps = 0.0, 0
+        for j in torch.randperm(len(data), generator=shuffle).tolist():
+            ex = data[j]
+            lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
+            terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta)
+                     for w, lo in ex.pairs.values() if len(w)]  # fmt: skip
+            if not terms:
+                continue
+            loss = sum(terms)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(best)
-            pairs += len(best)
-        log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, pairs)})
+            total += float(loss.detach()) / len(terms)
+            steps += 1
+        log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, steps)})
         if out is not None:
             save_router(router, out, fingerprint=model_fingerprint(vlm.adapter), hidden=hidden,
                         extra={"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip,
-                               "seed": seed, "log": log})  # fmt: skip
+                               "layer": layer, "seed": seed, "log": log})  # fmt: skip
         if on_step is not None:
             on_step()
     return log
 
 
-def _kept(seq, scores, token_keep):
+def _kept(seq, scores, token_keep, layer):
     """[M, Nv] which packed visual tokens each layout keeps (the same per-image top-K the run used)."""
     from trimvlm.tokens.base import make_view
 
     m = scores.shape[0]
     vis = (seq.visual & seq.valid)[0]
     cols = torch.nonzero(vis).flatten()
-    view = make_view(seq, token_keep, 0)
+    view = make_view(seq, token_keep, layer)
     keep_cols = torch.zeros(m, vis.shape[0], dtype=torch.bool)
     for u in range(view.mask.shape[0]):
         n, k = int(view.n[u]), int(view.k[u])
@@ -211,17 +280,22 @@ def _kept(seq, scores, token_keep):
     return keep_cols[:, cols]
 
 
-def _scores(router, seq) -> torch.Tensor:
-    """[1, Nv + N] the router's keep scores (visual tokens in column order, then the candidate layers)."""
+def _features(seq):
+    """The router's inputs for a live sequence: packed visual and text tokens with their masks."""
     v, vm, _ = _packed(seq.hidden, seq.visual & seq.valid)
     t, tm, _ = _packed(seq.hidden, ~seq.visual & seq.valid)
-    s_v, s_l = router(v, vm, t, tm)
-    return torch.cat([s_v[:, : int(vm.sum())], s_l], dim=1)
+    return v, vm, t, tm
+
+
+def _logits(router, feats) -> torch.Tensor:
+    """[1, Nv + N] the router's score logits (visual tokens in column order, then the candidate layers)."""
+    z_v, z_l = router.logits(*feats)
+    return torch.cat([z_v[:, : int(feats[1].sum())], z_l], dim=1)
 
 
 def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
                          epochs: int = 3, seed: int = 0, out="runs/router", resume: bool = True, console=None,
-                         load_kw: dict | None = None) -> dict:  # fmt: skip
+                         load_kw: dict | None = None, **train_kw) -> dict:  # fmt: skip
     """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -236,7 +310,7 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
                   console=console) as bar:  # fmt: skip
         job = bar.add_task("router", total=len(records) + epochs)
         log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
-                           out=out, resume=resume, on_step=lambda: bar.advance(job))  # fmt: skip
+                           out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
     for e in log["epochs"]:
         console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
     console.print(f"wrote {out}")
