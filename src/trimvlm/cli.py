@@ -147,12 +147,20 @@ def demo(
 @app.command("eval")
 def eval_(
     model: str = typer.Option("demo"),
-    task: str = typer.Option("demo"),
+    task: str = typer.Option(
+        "demo", help="demo, PATH.jsonl, or a benchmark read with --data (the list above)"
+    ),
+    data: str | None = typer.Option(
+        None, help="a benchmark's local copy: Hugging Face parquet shards or <split>.jsonl + images"
+    ),
+    split: str | None = typer.Option(None, help="the benchmark split to read (default: its usual one)"),
     recipes: Path | None = typer.Option(None, help="YAML/JSON recipe file"),
     recipe: list[str] = typer.Option(
         [], help="an inline recipe, e.g. tokens=density:keep=0.5:layer=3 (repeat)"
     ),
-    limit: int | None = typer.Option(None, help="first N items (default: the whole task; demo: 300)"),
+    limit: int | None = typer.Option(
+        None, help="first N items (default: the whole task; demo: 300; a benchmark: N rows drawn with --seed)"
+    ),
     max_new_tokens: int | None = typer.Option(None, help="cap of generated tokens of full-answer items"),
     json_out: Path = typer.Option(
         Path("trimvlm-eval.json"), "--json", help="where the results JSON is written"
@@ -167,14 +175,16 @@ def eval_(
     dtype: str = DTYPE,
 ):
     """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs. Candidate tasks
-    (demo-candidates): accuracy, retention and agreement vs the unpruned model, branch FLOPs, latency."""
+    (demo-candidates): accuracy, retention and agreement vs the unpruned model, branch FLOPs, latency.
+    Benchmarks read from a local copy with --data PATH [--split S]: pope, scienceqa_img, mmbench, ai2d,
+    textvqa, docvqa, infovqa, chartqa, mmvet (docs/benchmarks.md)."""
     from trimvlm.cli_eval import eval_command
 
     try:
         eval_command(
             model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
-            recipes=list(recipe), load_kw=_load_kw(device, dtype),
+            recipes=list(recipe), load_kw=_load_kw(device, dtype), data=data, split=split,
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)

@@ -114,10 +114,13 @@ def eval_command(
     readout: str = "auto",
     recipes: list[str | dict] | None = None,
     load_kw: dict | None = None,
+    data: str | Path | None = None,
+    split: str | None = None,
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON) and the inline `recipes` (strings such as
     "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task`
-    ("demo", a registered task, or PATH.jsonl) with `model` (a checkpoint folder or "demo").
+    ("demo", a registered task, PATH.jsonl, or a benchmark such as "pope" read from its local copy at `data`,
+    split `split`; `limit` items of it drawn with `seed`) with `model` (a checkpoint folder or "demo").
     `limit` None runs the whole task; `max_new_tokens` caps every full-answer item (prefill probes still
     generate the task's `prefill_tokens`). Prints the tables, writes the JSON / Pareto PNG / Markdown summary
     when paths are given. Returns the
@@ -128,6 +131,10 @@ def eval_command(
     console = _console(console)
     limit = check_limit(limit)
     if is_candidate_task(task):  # candidate scoring (FastJEV's protocol): its own run loop and reports
+        if data is not None or split is not None:
+            raise InputError(
+                f"--data / --split do not apply to the candidate task {task!r} (it is generated)"
+            )
         if max_new_tokens is not None:
             raise InputError(
                 f"max_new_tokens does not apply to the candidate task {task!r} (nothing is generated)"
@@ -136,7 +143,7 @@ def eval_command(
             model, str(task), _recipes_from(recipes_file, recipes or ()), limit, json_out, plot_out, batch_size, seed,
             readout=readout, progress=progress, console=console, markdown_out=markdown_out, load_kw=load_kw,
         )  # fmt: skip
-    the_task = get_task(task, limit=limit, seed=seed)
+    the_task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     vlm = trimvlm.load(model, **(load_kw or {}))
     result = run_eval(

@@ -8,13 +8,20 @@ task-level numbers (`summary`, e.g. F1 for yes/no).
   scoring: lowercase, punctuation removed, the articles a/an/the removed, whitespace collapsed.
 - `exact_strict`: exact match after collapsing whitespace only (case and every word kept). For answers where
   the usual normalisation destroys information, e.g. a read-out string "7 A 3" (the glyph "A" is an article).
-- `option`: multiple-choice accuracy. The prediction is mapped to an option by its leading letter ("B",
-  "(B)", "B.", "B) text") or by the option's text; the reference is a letter or an option's text.
+- `option`: multiple-choice accuracy. The prediction is mapped to an option (`option_index`) by, in turn: its
+  leading letter ("B", "(B)", "B.", "B) text", a bare "b"); the option's text; a letter named in free text
+  ("The answer is (B).", "Answer: B", "option B"); one parenthesised letter "(B)" anywhere; one lone capital
+  letter of an option ("I think B"; an "A" in a sentence of more than three words is taken as the article);
+  the text of exactly one option inside the answer. The reference is a letter or an option's text.
 - `yesno`: yes/no accuracy; `summary` adds F1, precision and recall with "yes" as the positive class, and the
   share of "yes" predictions (as POPE reports them).
 - `anls`: Average Normalized Levenshtein Similarity (DocVQA/ST-VQA): per reference
   s = 1 - NL if NL < 0.5 else 0, with NL = edit_distance / max(len(pred), len(ref)) on lowercased,
   whitespace-collapsed strings; the item's score is the max over its references.
+- `vqa`: VQA accuracy with the official 10-answer rule and answer normalisation (`trimvlm.evals.vqa_accuracy`).
+- `relaxed`: ChartQA's relaxed accuracy, 5% tolerance on numbers (`trimvlm.evals.relaxed_accuracy`).
+- `open_match`: a local containment check for MM-Vet-style open answers (`trimvlm.evals.open_match`); NOT
+  MM-Vet's GPT-4 grader, and not comparable with published MM-Vet scores.
 
 `mismatch_pct(preds, base_preds, metric)`: the share (in %) of items whose prediction differs, in the metric's
 canonical form, from the uncompressed model's prediction on the same item.
@@ -28,6 +35,9 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from trimvlm.errors import InputError
+from trimvlm.evals.open_match import open_match
+from trimvlm.evals.relaxed_accuracy import relaxed_accuracy
+from trimvlm.evals.vqa_accuracy import normalize_vqa_answer, vqa_accuracy
 
 OPTION_LETTERS = string.ascii_uppercase
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -86,7 +96,7 @@ def anls(prediction: str, references: str | Sequence[str], threshold: float = 0.
 
 
 def option_index(prediction: str, options: Sequence[str]) -> int | None:
-    """Which option a prediction names: by a leading letter ("B", "(B)", "B.", "B) text") or by its text."""
+    """Which option a prediction names, or None (the order of the rules is in the module docstring)."""
     raw = str(prediction).strip()
     n = len(options)
     m = re.match(r"^\(?([A-Za-z])(?:[).:,]|\s|$)", raw)
@@ -101,6 +111,43 @@ def option_index(prediction: str, options: Sequence[str]) -> int | None:
     for k, opt in enumerate(options):
         if norm and norm == normalize_answer(opt):
             return k
+    return _letter_in_text(raw, options) if n else None
+
+
+_NAMED = (
+    re.compile(  # "answer is (B)", "Answer: B", "option b." ; a lowercase letter only in parentheses or last
+        r"\b(?i:answer|option|choice)\s*(?i:is|would be)?\s*:?\s*"
+        r"(?:\(([A-Za-z])\)|([A-Z])\b|([a-z])(?=[).:,]?\s*$))"
+    )
+)
+
+
+def _letter_in_text(raw: str, options: Sequence[str]) -> int | None:
+    """A letter named in free text, or the one option whose text the answer contains; else None."""
+    n = len(options)
+    letters = set(OPTION_LETTERS[:n])
+    m = _NAMED.search(raw)
+    if m:
+        k = OPTION_LETTERS.find(next(g for g in m.groups() if g).upper())
+        if 0 <= k < n:
+            return k
+    paren = {x.upper() for x in re.findall(r"\(([A-Za-z])\)", raw)} & letters
+    if len(paren) == 1:
+        return OPTION_LETTERS.find(paren.pop())
+    words = raw.split()
+    lone = {w.strip(string.punctuation) for w in words} & letters
+    if len(lone) == 1:
+        letter = lone.pop()
+        if not (letter == "A" and len(words) > 3):  # "A" inside a sentence: the article
+            return OPTION_LETTERS.find(letter)
+    text = f" {normalize_answer(raw)} "
+    found = [k for k, o in enumerate(options) if normalize_answer(o) and f" {normalize_answer(o)} " in text]
+    longest = max(found, key=lambda k: len(normalize_answer(options[k])), default=None)
+    # one option named, or one whose text holds every other one found ("red" inside "dark red")
+    if longest is not None and all(
+        normalize_answer(options[k]) in normalize_answer(options[longest]) for k in found
+    ):
+        return longest
     return None
 
 
@@ -229,8 +276,52 @@ class ANLS(Metric):
         return collapse(prediction).lower()
 
 
+class VQAAccuracy(Metric):
+    """TextVQA / VQA v2: min(1, #humans / 3) over the 10 leave-one-out subsets, official normalisation."""
+
+    name = "vqa"
+
+    def score(self, prediction, answers, options=None):
+        return vqa_accuracy(prediction, answers)
+
+    def canonical(self, prediction, options=None):
+        return normalize_vqa_answer(prediction)
+
+
+class RelaxedAccuracy(Metric):
+    """ChartQA: numbers within 5% of the reference, exact (case-insensitive) match otherwise."""
+
+    name = "relaxed"
+
+    def score(self, prediction, answers, options=None):
+        return relaxed_accuracy(prediction, answers)
+
+    def canonical(self, prediction, options=None):
+        return str(prediction).strip().lower()
+
+
+class OpenMatch(Metric):
+    """MM-Vet-style open answers, locally: the reference's words contained in the answer. Not the GPT-4
+    grader (see trimvlm.evals.open_match)."""
+
+    name = "open_match"
+
+    def score(self, prediction, answers, options=None):
+        return open_match(prediction, answers, normalize_answer)
+
+
 METRICS: dict[str, Metric] = {
-    m.name: m for m in (ExactMatch(), ExactStrict(), OptionAccuracy(), YesNoAccuracy(), ANLS())
+    m.name: m
+    for m in (
+        ExactMatch(),
+        ExactStrict(),
+        OptionAccuracy(),
+        YesNoAccuracy(),
+        ANLS(),
+        VQAAccuracy(),
+        RelaxedAccuracy(),
+        OpenMatch(),
+    )
 }
 
 

@@ -48,6 +48,9 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+SUMMARY_ROWS = (("f1", "F1"), ("yes_ratio", "yes-ratio"))  # metric extras shown under their group's accuracy
+
+
 def print_report(result: EvalResult, console=None) -> None:
     """Tables: accuracy / mismatch vs baseline per kind and probe kind; costs per item; cost ratios."""
     from rich.console import Console
@@ -80,8 +83,10 @@ def print_report(result: EvalResult, console=None) -> None:
             probe = "both" if g["group_type"] == "all" else g["probe"]
             style = "bold" if g["group_type"] != "kind" else None
             t.add_row(kind, probe, g["metric"], str(g["n"]), *cells, style=style)
-            if first == 0 and all("f1" in r for r in rows):
-                t.add_row(f"{kind} F1", "", "", "", *(f"{100 * r['f1']:.1f}" for r in rows), style="dim")
+            for key, name in SUMMARY_ROWS if first == 0 else ():
+                if all(key in r for r in rows):
+                    cells = (f"{100 * r[key]:.1f}" for r in rows)
+                    t.add_row(f"{kind} {name}", probe, "", "", *cells, style="dim")
         console.print(t)
 
     cost = Table(title="costs per item (model FLOPs and the methods' own FLOPs on separate columns)",

@@ -13,7 +13,9 @@
   Sums are over the group's batches; `per_item` divides by the group's items; `ratio` divides by the
   baseline's sum on the same items (None where the baseline's is 0).
 - Results per recipe for every kind, every probe kind ("prefill" / "full") and "all": accuracy (the mean of
-  the per-item scores of each item's own metric), mismatch % vs the baseline, metric extras (yes/no F1).
+  the per-item scores of each item's own metric: VQA accuracy, ANLS, relaxed accuracy... for those
+  metrics), mismatch % vs the baseline, and the metric's extras (yes/no F1, precision, recall, yes-ratio)
+  in every group whose items share one metric.
 """
 
 from __future__ import annotations
@@ -203,21 +205,26 @@ def run_eval(
     memory: str = "first",
     progress: bool = True,
     console=None,
+    data: str | None = None,
+    split: str | None = None,
 ) -> EvalResult:
     """Run every recipe (baseline first) over the task's items, interleaved batch by batch.
 
     `memory`: where peak memory comes from. On CUDA every timed call reads the allocator's peak. On CPU the
     tensor tracker would slow the timed calls, so peak memory is measured in separate, untimed calls on the
     same batches: `first` (default) the first batch of each probe kind (prefill / full), `all` every batch,
-    `off` none (reported as not measured). The reported peak is the largest over the measured batches."""
+    `off` none (reported as not measured). The reported peak is the largest over the measured batches.
+    `data` / `split`: the local copy a benchmark task named by a string is read from (see `get_task`)."""
     if memory not in ("first", "all", "off"):
         raise InputError(f"memory must be one of first, all, off; got {memory!r}")
     if not is_int(batch_size) or batch_size <= 0:
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
     if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(task, str) and (data is not None or split is not None):
+        raise InputError("data and split apply to a task given by name; this task is already built")
     if isinstance(task, str):
-        task = get_task(task, limit=limit, seed=seed)
+        task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
     elif limit is not None:
         task = replace(task, records=task.records[: check_limit(limit)])
     if max_new_tokens is not None:  # one cap for every full-pipeline item
@@ -349,7 +356,7 @@ def _rows(task: Task, recipes, preds, scores, accs) -> list[dict]:
                 "costs": costs,
                 "ratio": ratio,
             }
-            if gtype == "kind" and len(metrics) == 1:
+            if len(metrics) == 1:  # a task-level summary (POPE's F1, yes-ratio) of every one-metric group
                 m = get_metric(metrics[0])
                 extra = m.summary(
                     [preds[r][i] for i in idx],

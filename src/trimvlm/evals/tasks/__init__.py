@@ -1,0 +1,52 @@
+"""Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
+
+- `base`: Record, Task, the registry, `get_task`, `check_limit`, `check_prefill_answers`;
+- `demo`: the synthetic demo task; `jsonl`: a task from a JSONL file in trimvlm's own schema;
+- `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
+  image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
+- one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
+  mmvet. docs/benchmarks.md lists their prompts, probe kinds and metrics.
+"""
+
+from trimvlm.evals.tasks import ai2d, chartqa, docvqa, mmbench, mmvet, pope, scienceqa, textvqa  # noqa: F401
+from trimvlm.evals.tasks.base import (
+    OPTION_INSTRUCTION,
+    PROBES,
+    SHORT_INSTRUCTION,
+    TASKS,
+    Record,
+    Task,
+    TaskBuilder,
+    check_limit,
+    check_prefill_answers,
+    get_task,
+    option_lines,
+    register_task,
+)
+from trimvlm.evals.tasks.benchmark import BENCHMARKS, Benchmark, load_benchmark, register_benchmark
+from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_task
+from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
+
+__all__ = [
+    "BENCHMARKS",
+    "DEMO_DEFAULT_ITEMS",
+    "DEMO_METRICS",
+    "OPTION_INSTRUCTION",
+    "PROBES",
+    "SHORT_INSTRUCTION",
+    "TASKS",
+    "Benchmark",
+    "Record",
+    "Task",
+    "TaskBuilder",
+    "check_limit",
+    "check_prefill_answers",
+    "demo_task",
+    "get_task",
+    "load_benchmark",
+    "load_jsonl",
+    "option_lines",
+    "record_from_json",
+    "register_benchmark",
+    "register_task",
+]

@@ -1,0 +1,61 @@
+"""The synthetic demo task (`trimvlm.demo.task`): one question of every kind per image, image-major."""
+
+from __future__ import annotations
+
+import math
+
+from trimvlm.evals.tasks.base import Record, Task, register_task
+
+DEMO_DEFAULT_ITEMS = 300
+DEMO_METRICS = {
+    "exist": "yesno",
+    "mc": "option",
+    "color": "exact",
+    "count": "exact",
+    "list": "exact",
+    "read": "exact_strict",  # "7 A 3": the usual normalisation would delete the glyph "A" as an article
+}
+
+
+@register_task("demo")
+def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
+    """The synthetic demo task: `limit` questions (default 300), one of every kind per image, image-major."""
+    from trimvlm.demo import task as demo
+
+    n = limit if limit is not None else DEMO_DEFAULT_ITEMS
+    kinds = list(demo.KINDS)
+    samples = demo.generate_split(split, math.ceil(n / len(kinds)), seed=seed)
+    records = []
+    for i, s in enumerate(samples):
+        for qa in s.qas:
+            if qa.kind not in demo.KINDS:
+                continue
+            records.append(
+                Record(
+                    id=f"{split}-{seed}-{i}-{qa.kind}",
+                    images=[s.image],
+                    question=qa.question,
+                    answers=[qa.answer],
+                    options=qa.options,
+                    probe=qa.probe,
+                    metric=DEMO_METRICS[qa.kind],
+                    kind=qa.kind,
+                    prompt=qa.question,  # options are already part of the demo's question text
+                )
+            )
+    records = records[:n]
+    # Caps for the full-pipeline kinds: the longest possible answer plus its end token (a list names at most
+    # MAX_OBJECTS colours; a drawn string has 3-4 glyphs), never below the longest reference here + 1, so a
+    # truncated answer can never equal a reference. A model that answers right always stops before the cap.
+    longest = {
+        k: max((len(r.answers[0].split()) for r in records if r.kind == k), default=0) for k in demo.KINDS
+    }
+    caps = {"list": max(demo.MAX_OBJECTS, longest["list"]) + 1, "read": max(4, longest["read"]) + 1}
+    return Task(
+        name="demo",
+        records=records,
+        max_new_tokens=max(caps.values()),
+        prefill_tokens=1,
+        info={"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1},
+        kind_max_new_tokens=caps,
+    )

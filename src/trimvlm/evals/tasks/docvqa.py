@@ -1,0 +1,43 @@
+"""DocVQA (Mathew et al. 2021) and InfographicVQA (Mathew et al. 2022): questions on scanned documents and
+on infographics, answered with text read from the image.
+
+- columns (lmms-lab/DocVQA, configurations DocVQA and InfographicVQA): question, answers (list), image;
+  questionId (the record id) when present. Split: validation (the test splits withhold their answers).
+  A copy that holds both configurations is read at the one the task names; --data may also point at the
+  configuration's folder.
+- prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
+- probe: full (the whole answer, up to 128 new tokens, lmms-eval's cap).
+- metric: `anls`: Average Normalized Levenshtein Similarity, threshold 0.5 (an answer further than that
+  from every reference scores 0).
+"""
+
+from __future__ import annotations
+
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION
+from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
+
+
+def make(row: dict, where: str) -> dict:
+    question = text(row, "question", where)
+    answers = answer_texts(row, "answers", where)
+    return {"question": question, "answers": answers, "prompt": f"{question}\n{SHORT_INSTRUCTION}"}
+
+
+def _bench(name: str, title: str, config: str) -> Benchmark:
+    return Benchmark(
+        name=name,
+        title=title,
+        columns=("question", "answers", "image"),
+        id_column="questionId",
+        configs=(config,),
+        make=make,
+        probe="full",
+        metric="anls",
+        prompt="<question>\\nAnswer the question using a single word or phrase.",
+        default_split="validation",
+        max_new_tokens=128,
+    )
+
+
+DOCVQA = register_benchmark(_bench("docvqa", "DocVQA", "DocVQA"))
+INFOVQA = register_benchmark(_bench("infovqa", "InfographicVQA", "InfographicVQA"))

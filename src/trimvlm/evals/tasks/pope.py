@@ -1,0 +1,45 @@
+"""POPE (Li et al. 2023, "Evaluating Object Hallucination in Large Vision-Language Models"): "Is there a
+<object> in the image?" over COCO images, answered yes or no; adversarial / popular / random subsets.
+
+- columns (lmms-lab/POPE): question, answer ("yes"/"no"), image; category (the subset, reported as the kind)
+  and question_id when present. Split: test.
+- prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
+- probe: prefill (the answer is the first generated token).
+- metric: `yesno`: accuracy, with F1, precision, recall ("yes" the positive class) and the yes-ratio.
+"""
+
+from __future__ import annotations
+
+from trimvlm.errors import InputError
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION
+from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, missing, register_benchmark, text
+
+
+def make(row: dict, where: str) -> dict:
+    question = text(row, "question", where)
+    answer = answer_texts(row, "answer", where)[0].strip().lower()
+    if answer not in ("yes", "no"):
+        raise InputError(f"{where}: POPE's answer must be yes or no, got {answer!r}")
+    kind = "pope" if missing(row.get("category")) else str(row["category"])
+    return {
+        "question": question,
+        "answers": [answer],
+        "prompt": f"{question}\n{SHORT_INSTRUCTION}",
+        "kind": kind,
+    }
+
+
+POPE = register_benchmark(
+    Benchmark(
+        name="pope",
+        title="POPE",
+        columns=("question", "answer", "image"),
+        optional=("category",),
+        id_column="question_id",
+        make=make,
+        probe="prefill",
+        metric="yesno",
+        prompt="<question>\\nAnswer the question using a single word or phrase.",
+        default_split="test",
+    )
+)
