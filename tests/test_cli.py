@@ -95,7 +95,7 @@ def test_generate_costs_fall_with_real_recipes(demo_image, tmp_path):
     assert costs[KV]["kv_bytes"] < costs[""]["kv_bytes"]
 
 
-def test_eval_inline_recipes_limit_and_new_tokens(tiny_dir, tmp_path):
+def test_eval_inline_recipes_limit_and_new_tokens(tiny_dir, tmp_path, monkeypatch):
     task = _tiny_task(tmp_path)
     out = tmp_path / "e.json"
     res = _cli("eval", "--model", tiny_dir("qwen3_vl"), "--task", task, "--recipe", TOKENS, "--recipe", KV,
@@ -121,6 +121,16 @@ def test_eval_inline_recipes_limit_and_new_tokens(tiny_dir, tmp_path):
     assert [r["label"] for r in data["recipes"]] == ["baseline", "d", TOKENS]
     assert data["task"]["items"] == 2
     assert data["recipes"][1]["recipe"]["kv"]["options"] == {"keep": 0.1}
+
+    # nothing is written unless asked; an unwritable output path is one line, not an OSError traceback
+    monkeypatch.chdir(tmp_path)
+    files = set(tmp_path.iterdir())
+    res = _cli("eval", "--model", tiny_dir("qwen3_vl"), "--task", task, "--limit", 1)
+    assert res.exit_code == 0, res.output
+    assert "wrote" not in res.output and set(tmp_path.iterdir()) == files
+    (tmp_path / "a-file").write_text("")
+    _one_line_error(_cli("eval", "--model", tiny_dir("qwen3_vl"), "--task", task, "--limit", 1,
+                         "--json", tmp_path / "a-file" / "x.json"), "cannot write")  # fmt: skip
 
 
 def test_eval_defaults_to_the_whole_task(monkeypatch):

@@ -162,10 +162,8 @@ def eval_(
         None, help="first N items (default: the whole task; demo: 300; a benchmark: N rows drawn with --seed)"
     ),
     max_new_tokens: int | None = typer.Option(None, help="cap of generated tokens of full-answer items"),
-    json_out: Path = typer.Option(
-        Path("trimvlm-eval.json"), "--json", help="where the results JSON is written"
-    ),
-    plot: Path = typer.Option(Path("trimvlm-eval.png")),
+    json_out: Path | None = typer.Option(None, "--json", help="write the results JSON here"),
+    plot: Path | None = typer.Option(None, help="write the Pareto plot (PNG) here"),
     batch_size: int = typer.Option(16),
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
@@ -182,7 +180,7 @@ def eval_(
 
     try:
         eval_command(
-            model, task, str(recipes) if recipes else None, limit, str(json_out), str(plot), batch_size, seed,
+            model, task, str(recipes) if recipes else None, limit, str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
             recipes=list(recipe), load_kw=_load_kw(device, dtype), data=data, split=split,
         )  # fmt: skip
@@ -330,6 +328,28 @@ def calibrate(
                          load_kw=_load_kw(device, dtype))  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
+
+
+@app.command()
+def decide(
+    model: str = typer.Option(..., help="checkpoint folder (a VLM or a JevForDecision), or 'demo'"),
+    request: Path = typer.Option(..., help="JSON file: one System One request, or a list of them"),
+    recipe: str = typer.Option("", help="e.g. tokens=density:keep=0.25:layer=1 (kv= does not apply)"),
+    decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
+    json_out: Path | None = JSON_OUT,
+
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
+    from trimvlm.cli_decide import decide_command
+
+    try:
+        out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,
+                             load_kw=_load_kw(device, dtype), console=console)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+    _write_json(json_out, out)
 
 
 if __name__ == "__main__":

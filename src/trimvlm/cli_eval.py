@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals.report import (
+    check_writable,
     plot_pareto,
     print_report,
     result_dict,
@@ -130,6 +131,7 @@ def eval_command(
 
     console = _console(console)
     limit = check_limit(limit)
+    check_writable(json_out, plot_out, markdown_out)
     if is_candidate_task(task):  # candidate scoring (FastJEV's protocol): its own run loop and reports
         if data is not None or split is not None:
             raise InputError(

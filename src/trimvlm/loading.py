@@ -96,6 +96,10 @@ def load_adapter(path_or_id, dtype: torch.dtype | str = torch.float32, device: s
     hf_logging.disable_progress_bar()
     dtype, device = parse_dtype(dtype), parse_device(device)
     folder = resolve(path_or_id)
+    from trimvlm.adapters.jev import is_decision_checkpoint, load_decision_adapter
+
+    if is_decision_checkpoint(folder):  # JevForDecision: its backbone through its family's adapter, and its head
+        return load_decision_adapter(folder, dtype, device)
     adapter_cls = adapter_for(read_model_type(folder))
     try:
         model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()

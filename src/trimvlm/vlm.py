@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Sampling, generate
@@ -87,6 +87,7 @@ class VLM:
         """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length).
         `track_memory`: measure peak memory on the tensors (slower; on CUDA the allocator's peak is always
         measured)."""
+        self._needs_lm_head("generate")
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
@@ -152,10 +153,54 @@ class VLM:
         from trimvlm.scoring.engine import score_requests
         from trimvlm.scoring.request import as_requests
 
+        self._needs_lm_head("score")
+
         requests = as_requests(images, question, candidates, binary)
         return score_requests(
             self, requests, readout=readout, executor=executor, recipe=recipe, track_memory=track_memory
         )
+
+    @torch.no_grad()
+    def decide(
+        self,
+        requests,
+        *,
+        recipe=None,
+        decision_config=None,
+        return_costs: bool = False,
+        limits=None,
+        track_memory: bool = False,
+    ):
+        """Answer System One decision requests: `{"state": ..., "questions": {name: {"type": "noul" | "choice" |
+        "score", "instructions": ..., "criteria": ...}}, "assets": {placeholder: image}}` (a dict or its JSON;
+        an image is a System One asset `{"data_base64": ...}`, base64 text, a PIL image or a file path).
+
+        One request returns its answers, `{name: {"type": ..., "probabilities": ..., "confidence": ..., ...}}`
+        exactly as transformers' `DecisionPipeline` returns them; a list of requests returns a list of those,
+        all prompts of all requests run as one batch. With `return_costs=True` the result is a
+        `trimvlm.decision.DecisionResult` instead: `.answers` (always a list), `.usage` (per request a
+        `RequestCosts`: input tokens, FLOPs, KV bytes, latency), `.costs` (the whole batch).
+
+        `recipe`: token reduction and layer plans apply (a KV policy is refused: nothing is decoded).
+        `decision_config`: a transformers `DecisionConfig`, a dict of its fields, a folder or decision.json
+        path; default: the model's (docs/decisions.md). `limits`: a `trimvlm.decision.Limits` (questions,
+        assets, sizes). Bad requests raise `trimvlm.decision.DecisionError` subclasses."""
+        from trimvlm.decision import decide
+
+        result, single = decide(
+            self, requests, recipe=recipe, decision_config=decision_config, limits=limits,
+            track_memory=track_memory,
+        )  # fmt: skip
+        if return_costs:
+            return result
+        return result.answers[0] if single else result.answers
+
+    def _needs_lm_head(self, what: str) -> None:
+        if self.adapter.decision_head is not None:
+            raise UnsupportedModelError(
+                f"{what}: this checkpoint is a decision model ({type(self.adapter.decision_head).__name__} head, "
+                "no LM head); ask it System One requests with vlm.decide / `trimvlm decide`"
+            )
 
     def info(self) -> dict:
         return self.adapter.info()

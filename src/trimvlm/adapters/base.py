@@ -100,6 +100,33 @@ def image_keys(per_sample: list[list[Image.Image]]) -> list[list[int]]:
     return out
 
 
+def pixel_key(pixels: torch.Tensor) -> int:
+    """`image_keys`' fingerprint of one image already turned into pixel values (a decision request's images reach
+    trimvlm through the processor): its shape and bytes."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(tuple(pixels.shape)).encode())
+    h.update(pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@functools.cache
+def images_only_processor(name: str) -> type:
+    """The processor class `name` built without a video processor: transformers checks every sub-processor's
+    class, and the video processor's base class needs torchvision, which a decision request (images only) never
+    uses. A subclass, so the check is relaxed for these objects only."""
+    import transformers
+
+    base = getattr(transformers, name)
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return base.check_argument_for_proper_class(self, argument_name, argument)
+
+    relaxed = {"check_argument_for_proper_class": check_argument_for_proper_class}
+    return type(f"{name}ImagesOnly", (base,), relaxed)
+
+
 def _open(x) -> Image.Image:
     if isinstance(x, Image.Image):
         return x.convert("RGB")
@@ -173,6 +200,36 @@ class Adapter:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
+
+    def lm_head_rows(self, hidden: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+        """The LM head's logits of only the tokens `token_ids` ([..., len(token_ids)]): the label logits of a
+        decision readout, without the full vocabulary product."""
+        head = self.model.lm_head
+        ids = torch.tensor(token_ids, dtype=torch.long, device=head.weight.device)
+        bias = None if head.bias is None else head.bias.index_select(0, ids)
+        weight = head.weight.index_select(0, ids)
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+
+    # ---- decision requests (trimvlm/decision): the family's processor and a batch from its outputs ----
+    # A decision model's head (adapters/jev.py), read instead of label logits; None for a plain VLM.
+    decision_head = None
+    # the decision config the model ships (a decision model's, read with its weights); None: read from the folder
+    decision_config = None
+
+    def decision_processor(self):
+        """A fresh processor (or tokenizer, for a text-only model) for transformers' `decision.prepare_inputs`,
+        over a copy of this adapter's tokenizer (prepare_inputs adds its sentinel tokens to it)."""
+        from trimvlm.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"decision requests are not wired for the {self.family} family yet; supported: qwen3_vl, "
+            "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
+        )
+
+    def prepare_processed(self, inputs: list[dict]) -> Prepared:
+        """A left-padded batch from the processor outputs of single prompts (`decision_processor`'s, each a
+        batch of one with its sentinels dropped)."""
+        raise NotImplementedError(f"{self.family}: no batch from processor outputs")
 
     # ---- to implement per family ----
     def prepare(self, images, prompts: list[str]) -> Prepared:
@@ -442,14 +499,14 @@ class Adapter:
 
     def info(self) -> dict:
         cfg = self.text_config
+        visual = None
+        if self.image_processor is not None:
+            visual = [self.visual_tokens(128, 128), self.visual_tokens(448, 448)]
         return {
-            "visual_tokens_per_image (128x128, 448x448)": [
-                self.visual_tokens(128, 128),
-                self.visual_tokens(448, 448),
-            ],
+            "visual_tokens_per_image (128x128, 448x448)": visual or "text only",
             "family": self.family,
             "layers": self.num_layers,
             "layer_types": self.layer_types,
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
-        }
+        } | ({} if self.decision_head is None else {"decision_head": type(self.decision_head).__name__})

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
+from trimvlm.adapters.base import (
+    Adapter,
+    Prepared,
+    image_keys,
+    images_only_processor,
+    load_images,
+    on_host,
+    pixel_key,
+)
 from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -74,6 +82,30 @@ class LlavaAdapter(Adapter):
         return Prepared(
             ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
         )
+
+    # ---- decision requests ----
+    def decision_processor(self):
+        import copy
+
+        tokenizer = copy.deepcopy(self.tokenizer)
+        return images_only_processor("LlavaProcessor")(
+            image_processor=self.image_processor, tokenizer=tokenizer, patch_size=self.patch_size,
+            vision_feature_select_strategy=self.model.config.vision_feature_select_strategy,
+            num_additional_image_tokens=int(self.has_cls), image_token=IMAGE,
+            chat_template=getattr(tokenizer, "chat_template", None),
+        )  # fmt: skip
+
+    @on_host
+    def prepare_processed(self, inputs: list[dict]) -> Prepared:
+        ids, att = self.pad_batch([x["input_ids"][0].tolist() for x in inputs])
+        pixels = [x.get("pixel_values") for x in inputs]
+        model_inputs = {}
+        given = [p for p in pixels if p is not None]
+        if given:
+            model_inputs["pixel_values"] = torch.cat(given).to(self.model.dtype)
+        n_images = [0 if p is None else len(p) for p in pixels]
+        keys = [[] if p is None else [pixel_key(im) for im in p] for p in pixels]
+        return Prepared(ids, att, model_inputs, n_images=n_images, image_keys=keys)
 
     def _layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in patches and where each image's patch (0, 0) lies (`image_start`): its

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
+from trimvlm.adapters.base import (
+    Adapter,
+    Prepared,
+    image_keys,
+    images_only_processor,
+    load_images,
+    on_host,
+    pixel_key,
+)
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionUnit
 
@@ -49,6 +57,42 @@ class QwenVLAdapterMixin:
         return Prepared(
             ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
         )
+
+    # ---- decision requests ----
+    def decision_processor(self):
+        import copy
+
+        tokenizer = copy.deepcopy(self.tokenizer)
+        if self.image_processor is None:  # a text-only backbone: transformers tokenizes with the tokenizer
+            return tokenizer
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        cls = images_only_processor(PROCESSOR_MAPPING_NAMES[self.model.config.model_type])
+        return cls(
+            image_processor=self.image_processor, tokenizer=tokenizer,
+            chat_template=getattr(tokenizer, "chat_template", None),
+        )  # fmt: skip
+
+    @on_host
+    def prepare_processed(self, inputs: list[dict]) -> Prepared:
+        rows = [x["input_ids"][0].tolist() for x in inputs]
+        ids, att = self.pad_batch(rows)
+        model_inputs, grids, pixels = {}, [], []
+        for x in inputs:
+            if x.get("pixel_values") is not None:
+                pixels.append(x["pixel_values"])
+                grids.append(x["image_grid_thw"])
+        if pixels:
+            model_inputs["pixel_values"] = torch.cat(pixels).to(self.model.dtype)
+            model_inputs["image_grid_thw"] = torch.cat(grids)
+        model_inputs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).to(torch.int32)
+        n_images = [0 if x.get("image_grid_thw") is None else len(x["image_grid_thw"]) for x in inputs]
+        keys = []
+        for x, n in zip(inputs, n_images, strict=True):
+            sizes = [] if n == 0 else x["image_grid_thw"].prod(-1).tolist()
+            chunks = [] if n == 0 else x["pixel_values"].split(sizes)
+            keys.append([pixel_key(c) for c in chunks])
+        return Prepared(ids, att, model_inputs, n_images=n_images, image_keys=keys)
 
     def _layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in merged tokens and the start index of each image's tokens."""

@@ -201,11 +201,35 @@ def markdown_summary(result: EvalResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_writable(*paths) -> None:
+    """Refuse, before any work, an output path whose folder cannot be made or written (InputError)."""
+    import os
+
+    from trimvlm.errors import InputError
+
+    for path in paths:
+        if not path:
+            continue
+        path = Path(path)
+        folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+        if path.is_dir():
+            raise InputError(f"cannot write {path}: it is a folder")
+        if not folder.is_dir():
+            raise InputError(f"cannot write {path}: {folder} is a file, not a folder")
+        if not os.access(folder, os.W_OK):
+            raise InputError(f"cannot write {path}: {folder} is not writable")
+
+
 def write_outputs(result, console, outputs) -> None:
     """Write `result` with each (path, writer) whose path is set, and say where it went."""
+    from trimvlm.errors import InputError
+
     for path, writer in outputs:
         if path:
-            console.print(f"wrote {writer(result, path)}")
+            try:
+                console.print(f"wrote {writer(result, path)}")
+            except OSError as e:
+                raise InputError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def write_text(text: str, path: str | Path) -> Path:

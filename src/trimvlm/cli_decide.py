@@ -1,0 +1,83 @@
+"""`trimvlm decide`: System One requests from a JSON file, answered by `vlm.decide`, printed as tables."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.table import Table
+
+from trimvlm.errors import InputError
+
+
+def read_requests(path: Path):
+    """One request or a list of them from a JSON file; an asset that names a file relative to the request file
+    is read from there (base64 text, data URLs and System One asset dicts pass through)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise InputError(f"cannot read the request file {path}: {e.strerror}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"the request file {path} is not valid JSON: {e}") from e
+    for req in data if isinstance(data, list) else [data]:
+        assets = req.get("assets") if isinstance(req, dict) else None
+        if isinstance(assets, dict):
+            for name, value in assets.items():
+                if isinstance(value, str) and len(value) < 4096 and not os.path.isfile(value):
+                    near = path.parent / value
+                    if near.is_file():
+                        assets[name] = str(near)
+    return data
+
+
+def _answer_text(answer: dict) -> str:
+    kind = answer.get("type")
+    if kind == "noul":
+        return f"P(true) = {answer['noul']:.4f}"
+    if kind == "choice":
+        return str(answer["choice"])
+    if kind == "score":
+        return f"{answer['score']:.3f}"
+    return json.dumps(answer)
+
+
+def print_decisions(result, console) -> None:
+    many = len(result.answers) > 1
+    for i, (answers, usage) in enumerate(zip(result.answers, result.usage, strict=True)):
+        table = Table(title=f"request {i}" if many else None)
+        for col in ("question", "type", "answer", "confidence", "probabilities"):
+            table.add_column(col)
+        for name, a in answers.items():
+            probs = a.get("probabilities")
+            probs = " ".join(f"{k}={v:.3f}" for k, v in probs.items()) if probs else ""
+            conf = a.get("confidence")
+            table.add_row(name, a["type"], _answer_text(a), "" if conf is None else f"{conf:.3f}", probs)
+        console.print(table)
+        console.print(
+            f"[dim]{usage.prompts} prompt(s), {usage.input_tokens} input tokens, {usage.images} image(s); "
+            f"{usage.model_flops / 1e9:.4f} GFLOP model + {usage.method_flops / 1e9:.6f} method, "
+            f"KV {usage.kv_bytes / 1024:.1f} KiB, {usage.latency_s * 1e3:.0f} ms[/]"
+        )
+    c = result.costs
+    if many:
+        console.print(
+            f"[dim]batch: {len(result.answers)} requests, {c.model_flops / 1e9:.4f} GFLOP model, "
+            f"{sum(c.seconds.values()) * 1e3:.0f} ms forward, recipe {result.recipe}[/]"
+        )
+
+
+def decide_command(*, model, request, recipe, decision_config, load_kw, console):
+    import trimvlm
+
+    requests = read_requests(request)
+    vlm = trimvlm.load(model, **load_kw)
+    result = vlm.decide(requests, recipe=recipe or None, decision_config=decision_config, return_costs=True)
+    print_decisions(result, console)
+    single = not isinstance(requests, list)
+    return {
+        "answers": result.answers[0] if single else result.answers,
+        "usage": result.usage[0].usage() if single else [u.usage() for u in result.usage],
+        "recipe": result.recipe,
+        "costs": result.costs.as_dict(),
+    }

@@ -1,0 +1,104 @@
+"""What one request of a decision batch cost, for a server's `usage`.
+
+The batch is measured as one run (`runtime.meter.Costs`); a request's share is, line by line:
+- vision FLOPs: exactly its own images' (the vision tower's FLOPs measured on its prompts alone, by the runner's
+  untimed counter, remembered per input shape);
+- decoder-layer FLOPs, method FLOPs, KV and recurrent-state bytes: its rows' share of the padded batch (every
+  row of a padded batch runs the same matmuls and holds the same cache; padding is counted, as the meter counts
+  what ran). With a per-sample layer plan (the router) rows differ and the share is an average;
+- readout FLOPs: its own marks' rows;
+- latency: its own preprocessing plus the whole batch's forward (a request waits for the batch).
+The shares of a batch sum to its totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RequestCosts:
+    prompts: int  # prompts its questions were rendered into
+    questions: int
+    input_tokens: int  # real tokens of its prompts (transformers serve's usage.input_tokens)
+    images: int  # images in its prompts (an asset used by several prompts counts once per prompt)
+    vision_flops: int
+    layer_flops: int
+    readout_flops: int
+    method_flops: int
+    kv_bytes: int  # its rows of the KV the layers held at the end of the forward (nothing is decoded)
+    state_bytes: int  # its rows of the recurrent (Gated DeltaNet) states
+    preprocess_s: float
+    forward_s: float  # the batch's forward (shared)
+    batch_requests: int
+    batch_prompts: int
+
+    @property
+    def model_flops(self) -> int:
+        return self.vision_flops + self.layer_flops + self.readout_flops
+
+    @property
+    def total_flops(self) -> int:
+        return self.model_flops + self.method_flops
+
+    @property
+    def latency_s(self) -> float:
+        return self.preprocess_s + self.forward_s
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "model_flops": self.model_flops,
+            "total_flops": self.total_flops,
+            "latency_s": self.latency_s,
+        }
+
+    def usage(self) -> dict:
+        """transformers serve's `usage` (input_tokens, output_tokens = 0) with the cost fields added."""
+        return {"input_tokens": self.input_tokens, "output_tokens": 0} | self.as_dict()
+
+
+def split(total: int, weights: list[int]) -> list[int]:
+    """Integer shares of `total` proportional to `weights`, summing to `total` (largest remainders)."""
+    w = sum(weights)
+    if w == 0:
+        return [0] * len(weights)
+    base = [total * x // w for x in weights]
+    rest = total - sum(base)
+    order = sorted(range(len(weights)), key=lambda i: -((total * weights[i]) % w))
+    for i in order[:rest]:
+        base[i] += 1
+    return base
+
+
+def request_costs(prepared_requests, fwd, costs, vision: list[int], readout: list[int]) -> list[RequestCosts]:
+    """Per request its share of the batch (`fwd`: decision.forward.Forward; `costs`: the batch's Costs)."""
+    rows = [len(r.prompts) for r in prepared_requests]
+    n_images = fwd.prepared.n_images
+    images, b = [], 0
+    for n in rows:
+        images.append(sum(n_images[b : b + n]))
+        b += n
+    layers = split(fwd.layer_flops, rows)
+    method = split(costs.method_total_flops, rows)
+    kv = split(fwd.cache.attention_bytes(), rows)
+    state = split(fwd.cache.state_bytes(), rows)
+    forward_s = sum(costs.seconds.values())
+    return [
+        RequestCosts(
+            prompts=rows[i],
+            questions=r.questions,
+            input_tokens=r.input_tokens,
+            images=images[i],
+            vision_flops=vision[i],
+            layer_flops=layers[i],
+            readout_flops=readout[i],
+            method_flops=method[i],
+            kv_bytes=kv[i],
+            state_bytes=state[i],
+            preprocess_s=r.seconds,
+            forward_s=forward_s,
+            batch_requests=len(prepared_requests),
+            batch_prompts=sum(rows),
+        )  # fmt: skip
+        for i, r in enumerate(prepared_requests)
+    ]

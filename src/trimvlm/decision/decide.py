@@ -1,0 +1,119 @@
+"""`decide`: System One requests -> answers, every prompt of every request in one batch through the runner.
+
+    decide(vlm, requests)  =  run(vlm, [prepare_request(vlm, r) for r in requests])
+
+`prepare_request` (prompts.py) checks and tokenizes one request on the CPU; `run` answers a list of prepared
+requests with one forward and returns a `DecisionResult`: the answers, in the shape transformers'
+`DecisionPipeline` returns, and per request its costs (costs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trimvlm.decision.costs import RequestCosts, request_costs, split
+from trimvlm.decision.errors import DecisionError, RequestError
+from trimvlm.decision.forward import run_prompts
+from trimvlm.decision.limits import Limits
+from trimvlm.decision.prompts import PreparedRequest, prepare_request
+from trimvlm.decision.readout import answers, option_scores
+from trimvlm.errors import RecipeError
+from trimvlm.runtime.meter import Costs, Meter
+
+
+@dataclass
+class DecisionResult:
+    answers: list[dict]  # per request: {question name: answer}, exactly as DecisionPipeline returns them
+    usage: list[RequestCosts]  # per request: its share of the batch's costs
+    costs: Costs  # the whole batch, measured as one run
+    recipe: str
+
+    def as_dict(self) -> dict:
+        return {
+            "answers": self.answers,
+            "usage": [u.as_dict() for u in self.usage],
+            "recipe": self.recipe,
+            "costs": self.costs.as_dict(),
+        }
+
+
+def decision_plan(recipe, runner):
+    """The recipe's plan for a decision forward: token reduction and the prefill layer plan apply; a KV policy
+    is refused (nothing is decoded, so it would change nothing and its cost line would be a lie)."""
+    from trimvlm.plan import make_plan
+    from trimvlm.recipe import parse_recipe
+
+    parsed = parse_recipe(recipe)
+    if parsed.kv is not None:
+        raise RecipeError(
+            f"kv={parsed.kv} evicts the decode cache, and a decision decodes nothing: drop kv= from the recipe "
+            "(tokens=, depth= and router= apply)"
+        )
+    return make_plan(parsed, runner)
+
+
+def as_list(requests) -> tuple[list, bool]:
+    """(requests, single): one request (a dict or its JSON) or a list of them."""
+    if isinstance(requests, dict | str | bytes | bytearray):
+        return [requests], True
+    if isinstance(requests, list | tuple):
+        if not requests:
+            raise RequestError("no requests given")
+        return list(requests), False
+    raise RequestError(
+        f"a request is a dict (or its JSON) or a list of them, got a {type(requests).__name__}"
+    )
+
+
+def decide(
+    vlm,
+    requests,
+    *,
+    recipe=None,
+    decision_config=None,
+    limits: Limits | None = None,
+    track_memory: bool = False,
+) -> tuple[DecisionResult, bool]:
+    """Prepare every request (an error names the request of a batch), then answer them in one forward."""
+    items, single = as_list(requests)
+    plan = decision_plan(recipe, vlm.runner)  # a bad recipe fails before any request is tokenized
+    prepared = []
+    for i, r in enumerate(items):
+        try:
+            prepared.append(prepare_request(vlm, r, decision_config=decision_config, limits=limits))
+        except DecisionError as e:
+            raise e.at(None if single else i) from e
+    return run(vlm, prepared, recipe=plan, track_memory=track_memory), single
+
+
+@torch.no_grad()
+def run(vlm, prepared: list[PreparedRequest], *, recipe=None, track_memory: bool = False) -> DecisionResult:
+    """Answer prepared requests with one batch forward. `recipe`: a recipe (or a plan from `decision_plan`)."""
+    from trimvlm.plan import Plan
+
+    if not prepared:
+        raise RequestError("no requests given")
+    plan = recipe if isinstance(recipe, Plan) else decision_plan(recipe, vlm.runner)
+    prompts = [p for r in prepared for p in r.prompts]
+    meter = Meter(device=vlm.runner.device, track_tensors=track_memory)
+    # the vision tower's FLOPs per request, counted on its own images (untimed, remembered per shape; outside
+    # the measured memory too)
+    vision = [
+        vlm.runner.vision_flops(vlm.adapter.prepare_processed([p.inputs for p in r.prompts]))
+        for r in prepared
+    ]
+    meter.start_memory()
+    meter.add("vision", sum(vision))
+    fwd = run_prompts(vlm, prompts, plan, meter)
+    with meter.timer("prefill"):
+        scores = option_scores(vlm, prompts, fwd.hidden, meter)
+        out, k = [], 0
+        for r in prepared:
+            out.append(answers(r.config, r.prompts, scores[k : k + len(r.prompts)]))
+            k += len(r.prompts)
+    meter.stop_memory()
+    readout = split(meter.costs.flops["prefill"] - fwd.layer_flops, [r.questions for r in prepared])
+    usage = request_costs(prepared, fwd, meter.costs, vision, readout)
+    return DecisionResult(answers=out, usage=usage, costs=meter.costs, recipe=plan.recipe.label())

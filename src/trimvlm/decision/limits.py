@@ -1,0 +1,29 @@
+"""Per-request limits of `decide` (a server passes its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trimvlm.errors import InputError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """`max_questions`: questions per request (`transformers serve` allows 64); `max_assets`: images per request;
+    `max_asset_bytes`: the size of one encoded image (base64 text or file); `max_prompt_tokens`: tokens of one
+    prompt after the images are expanded (None: no limit); `allow_paths`: whether an asset may be a local file
+    path (a server that answers remote requests turns it off)."""
+
+    max_questions: int = 64
+    max_assets: int = 16
+    max_asset_bytes: int = 32 * 1024 * 1024
+    max_prompt_tokens: int | None = None
+    allow_paths: bool = True
+
+    def __post_init__(self):
+        for name in ("max_questions", "max_assets", "max_asset_bytes", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if v is None and name == "max_prompt_tokens":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"limit {name} must be a positive integer, got {v!r}")
