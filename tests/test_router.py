@@ -6,7 +6,7 @@ import math
 import torch
 
 from trimvlm.kernels.flops import counting
-from trimvlm.router.dpo import dpo_loss, layout_logprob
+from trimvlm.router.dpo import dpo_loss, layout_logprob, layout_logprob_logits
 from trimvlm.router.model import MetaRouter
 from trimvlm.runtime.meter import Meter, flop_counter
 
@@ -26,6 +26,43 @@ def test_layout_logprob_is_the_bernoulli_log_likelihood_of_the_real_elements():
     mask = torch.tensor([[True, True, True, False]])
     expected = math.log(0.9) + math.log(0.8) + math.log(0.6)
     assert abs(float(layout_logprob(s, chosen, mask)[0]) - expected) < 1e-6
+
+
+def test_layout_logprob_from_logits_equals_the_probability_form_and_keeps_gradient_when_saturated():
+    z = torch.tensor([[2.0, -1.0, 0.3, float("-inf")]])
+    chosen = torch.tensor([[True, False, True, False]])
+    assert torch.allclose(layout_logprob_logits(z, chosen), layout_logprob(torch.sigmoid(z), chosen,
+                                                                           torch.isfinite(z)), atol=1e-6)  # fmt: skip
+    sat = torch.tensor([[30.0, -30.0]], requires_grad=True)  # sigmoid rounds to 1 / 0: a clamp cuts the gradient
+    layout_logprob_logits(sat, torch.tensor([[False, True]])).sum().backward()
+    assert torch.all(sat.grad.abs() > 0.5)
+    clamped = sat.detach().clone().requires_grad_(True)
+    layout_logprob(torch.sigmoid(clamped), torch.tensor([[False, True]])).sum().backward()
+    assert torch.all(clamped.grad == 0)
+
+
+def test_preference_pairs_compare_only_layouts_that_differ_in_one_part_and_skip_near_ties():
+    from trimvlm.router.train import layer_sets, preference_pairs
+
+    # grid of 2 token sets x 2 layer sets, index = t * 2 + l
+    cost = torch.tensor([1.0, 3.0, 0.5, 0.52], dtype=torch.float64)
+    pairs = preference_pairs(cost, 2, 2, margin=0.1)
+    tok = sorted(zip(*(x.tolist() for x in pairs["tokens"]), strict=True))
+    lay = sorted(zip(*(x.tolist() for x in pairs["layers"]), strict=True))
+    assert tok == [(2, 0), (3, 1)]  # same layer set: t=1 beats t=0 under both
+    assert lay == [(0, 1)]  # same token set: l=0 beats l=1 for t=0; t=1's 0.5 vs 0.52 is a near-tie
+    gen = torch.Generator().manual_seed(0)
+    assert layer_sets(gen, [3, 4, 5], 1, order=[4, 3, 5]) == [[3], [4], [5]]
+    many = layer_sets(gen, list(range(8, 16)), 3, order=list(range(16)), max_sets=5)
+    assert len(many) == 5 and many[0] == [8, 9, 10] and len({tuple(m) for m in many}) == 5
+
+
+def test_answer_length_stops_at_the_first_stop_token():
+    from trimvlm.router.train import answer_length
+
+    assert answer_length(torch.tensor([5, 7, 2, 2]), [2]) == 3
+    assert answer_length(torch.tensor([5, 7, 8]), [2]) == 3
+    assert answer_length(torch.tensor([2, 7]), [9, 2]) == 1
 
 
 def _inputs(seed=0, b=3, nv=10, nt=5, d=32):

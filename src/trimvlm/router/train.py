@@ -1,8 +1,9 @@
 """Self-supervised DPO training of the meta-router (`trimvlm train-router`), REFERENCES.md section 5.
 
 For every unlabeled input x (the task's images and prompts; answers are never read):
-1. the unpruned model answers greedily (`answer_tokens` tokens); its next-token distributions along that answer
-   are the target p_full;
+1. the unpruned model answers greedily (at most `answer_tokens` tokens, up to and including its first stop
+   token: positions after the answer ended are not part of it); its next-token distributions along that
+   answer are the target p_full;
 2. layouts are sampled at the budget (`token_keep`, `layers_skip`) as a grid: T token sets from noise-perturbed
    FastV rankings (the last query's attention in layer max(K, 2) - 1 of the unpruned model, heads averaged,
    plus N(0, sigma^2) noise scaled by the scores' spread: sigma 0 once, then `seeds` draws per sigma), times
@@ -69,6 +70,13 @@ def router_inputs(runner, prepared, layer: int):
 
     runner.prefill(prepared, hook=hook)
     return got["seq"]
+
+
+def answer_length(tokens: torch.Tensor, stop_ids) -> int:
+    """Positions of a one-row greedy answer [n] up to and including its first stop token."""
+    stop = set(stop_ids)
+    stops = [i for i, t in enumerate(tokens.tolist()) if t in stop]
+    return stops[0] + 1 if stops else len(tokens)
 
 
 @torch.no_grad()
@@ -174,7 +182,7 @@ def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float) 
 
 
 def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2, epochs: int = 3, seed: int = 0,
-                 sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 4, beta: float = 0.1, lr: float = 1e-3,
+                 sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 8, beta: float = 0.1, lr: float = 1e-3,
                  width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, out=None, resume: bool = False,
                  on_step=None) -> dict:  # fmt: skip
     """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch."""
@@ -213,6 +221,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
             bi = block_influence(runner, [prep])
             order = sorted(range(n_layers), key=lambda i: (bi[i], i))
         tok, p_full = answer(runner, prep, answer_tokens)
+        n_ans = answer_length(tok[0], vlm.stop_ids())
         fv = fastv_scores(runner, prep, max(layer, 2) - 1)[0]
         seq = router_inputs(runner, prep, layer)
         vis = (seq.visual & seq.valid)[0]
@@ -224,7 +233,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         for i in range(len(rows)):
             plans[i, lays[i % len(lays)]] = True
         scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
-        cost = layout_costs(runner, prep, tok[0], p_full[0], scores, plans, token_keep, layer)
+        cost = layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, token_keep, layer)
         chosen = torch.cat([_kept(seq, scores, token_keep, layer), ~plans[:, cand]], dim=1)
         feats = _features(seq)
         rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
