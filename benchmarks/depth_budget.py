@@ -7,7 +7,8 @@ FLOP ratio (model + method, both probe kinds, against the baseline on the same i
 
 - `fastv`: FastV alone (layer 2, no layers skipped: its whole budget goes to tokens);
 - `fastv_noise`: noise-perturbed FastV (sigma 0.5, 4 trials: the trials' look-ahead FLOPs are method FLOPs,
-  so it keeps fewer tokens at the same budget);
+  so it keeps fewer tokens at the same budget; where even keep 0.01 exceeds the budget, the file says so and
+  leaves it out);
 - `fastv+RANKER` for every static ranker (block-influence, sensitivity, greedy-kl from their ranking files;
   tail; random): the naive combination, FastV tokens plus the ranker's SKIP layers;
 - `router`: the trained meta-router at SKIP layers (`--router` folder), its own FLOPs included.
@@ -29,6 +30,7 @@ import torch
 import yaml
 
 import trimvlm
+from trimvlm.errors import TrimVLMError
 from trimvlm.evals.run import run_eval
 from trimvlm.evals.tasks import demo_task
 
@@ -62,8 +64,19 @@ def ratios(vlm, task, recipes: dict[str, dict], batch_size: int) -> dict[str, fl
     return {n: res.row(n, "all")["ratio"]["total_flops"] for n in recipes}
 
 
-def match(vlm, task, fams: dict, target: float, tol: float, batch_size: int, steps: int = 12) -> dict:
-    """name -> (keep, calibration ratio): bisection on keep in [0.01, 1], all families in one eval per step."""
+def match(vlm, task, fams: dict, target: float, tol: float, batch_size: int, steps: int = 12):
+    """(name -> (keep, calibration ratio), name -> its ratio at the smallest keep for the families that cannot
+    reach the target at any keep): bisection on keep in [0.01, 1], all families in one eval per step."""
+    infeasible = {}
+    for n, f in fams.items():  # one at a time: a recipe the model refuses must not stop the others
+        try:
+            r = ratios(vlm, task, {n: f(0.01)}, batch_size)[n]
+        except TrimVLMError as e:
+            infeasible[n] = f"refused: {e}"
+            continue
+        if r > target + tol:
+            infeasible[n] = f"total FLOPs {r:.4f}x even at keep 0.01"
+    fams = {n: f for n, f in fams.items() if n not in infeasible}
     lo, hi = dict.fromkeys(fams, 0.01), dict.fromkeys(fams, 1.0)
     best: dict[str, tuple[float, float]] = {}
     for _ in range(steps):
@@ -76,7 +89,7 @@ def match(vlm, task, fams: dict, target: float, tol: float, batch_size: int, ste
             if n not in best or abs(r - target) < abs(best[n][1] - target):
                 best[n] = (k, r)
             lo[n], hi[n] = (k, hi[n]) if r < target else (lo[n], k)
-    return best
+    return best, infeasible
 
 
 def main(argv=None) -> None:
@@ -100,8 +113,11 @@ def main(argv=None) -> None:
         fams = families(0, a.rankings, None) | families(skip, a.rankings, a.router)
         if skip == 0:
             fams = families(0, a.rankings, a.router)
-        best = match(vlm, task, fams, target, a.tol, a.batch_size)
+        best, infeasible = match(vlm, task, fams, target, a.tol, a.batch_size)
         tag = f"B{round(100 * target)}"
+        for n, r in infeasible.items():
+            notes.append(f"{tag}_{n}: cannot meet the budget ({r}); not run")
+            print(notes[-1], flush=True)
         for n, (k, r) in best.items():
             skipped = 0 if n in ("fastv", "fastv_noise") else skip
             recipes.append({"name": f"{tag}_{n}" + (f"_s{skipped}" if skipped else ""), **fams[n](k)})

@@ -232,3 +232,26 @@ def test_train_router_runs_end_to_end_and_its_checkpoint_executes(tmp_path):
     res = vlm.generate(records[0].images, records[0].prompt_text(), recipe=f"router={out}:token_keep=0.5:layers_skip=1",
                        max_new_tokens=3)  # fmt: skip
     assert res.costs.method_flops["prefill"] > 0 and res.texts[0] is not None
+
+
+def test_shipped_routers_load_by_demo_name_and_refuse_the_other_model():
+    """`router=demo` / `router=demo-qwen35` name the routers trained for (and shipped with) each demo model."""
+    import pytest
+
+    import trimvlm
+    from trimvlm.depth.base import model_fingerprint
+    from trimvlm.errors import RecipeError
+    from trimvlm.router.model import load_router
+
+    vlm = trimvlm.load("demo")
+    for name in ("demo", "demo-qwen35"):
+        _, meta = load_router(name)
+        assert meta["epochs_done"] >= 1 and meta["log"]["epochs"][-1]["dpo_loss"] < math.log(2) - 0.05
+    assert load_router("demo")[1]["fingerprint"] == model_fingerprint(vlm.adapter)
+    from trimvlm.testing import random_image
+
+    res = vlm.generate([random_image(seed=1)], "how many red ?", recipe="router=demo:token_keep=0.5:layers_skip=1",
+                       max_new_tokens=2)  # fmt: skip
+    assert res.costs.method_flops["prefill"] > 0
+    with pytest.raises(RecipeError, match="trained for another model"):
+        vlm.generate([random_image(seed=1)], "how many red ?", recipe="router=demo-qwen35", max_new_tokens=1)

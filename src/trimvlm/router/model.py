@@ -90,15 +90,18 @@ def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, ex
 
 
 def load_router(folder) -> tuple[MetaRouter, dict]:
-    """The router saved in `folder` and its config (TrimVLMError when it is not a router checkpoint)."""
+    """The router saved in `folder` and its config (TrimVLMError when it is not a router checkpoint).
+    `folder` may name a demo model ("demo", "demo-qwen35"): the router shipped next to its checkpoint."""
     import json
     from pathlib import Path
 
     from safetensors.torch import load_file
 
     from trimvlm.errors import RecipeError
+    from trimvlm.loading import DEMO_DIR, DEMO_MODELS
 
-    folder = Path(folder)
+    key = str(folder)
+    folder = DEMO_DIR / DEMO_MODELS[key] / "router" if key in DEMO_MODELS else Path(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
         raise RecipeError(f"router checkpoint not found: {folder} needs {CONFIG} and {WEIGHTS} (trimvlm train-router)")
     try:
