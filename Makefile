@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean lmms ray serve
 
 $(BIN)/trimvlm: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,32 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# Optional extras, installed into the same venv with the installed torch pinned ($(PIN), written from
+# `torch.__version__`), so the CPU torch stays (each target checks that torch's version did not change).
+# `make ray`: trimvlm[ray] (Ray, for `trimvlm eval --ray`). `make lmms`: lmms-eval for the bridge
+# (`python -m lmms_eval --model trimvlm ...`) without torchvision, which cannot import beside the CPU torch
+# (constraints/lmms-cpu.txt says why and lists lmms-eval's other requirements).
+LMMS_EVAL ?= lmms-eval==0.7.3
+PIN := $(VENV)/torch-pin.txt
+TORCH_VERSION = $(BIN)/python -c "import torch; print(torch.__version__)"
+
+$(PIN): venv
+	echo "torch==$$($(TORCH_VERSION))" > $(PIN)
+
+ray: $(PIN)
+	$(BIN)/pip install -q -c $(PIN) -e ".[dev,ray]"
+	@echo "torch $$($(TORCH_VERSION))"; grep -qx "torch==$$($(TORCH_VERSION))" $(PIN)
+
+# `make serve`: trimvlm[serve] (FastAPI, uvicorn, httpx) for `trimvlm serve` and its HTTP tests
+serve: $(PIN)
+	$(BIN)/pip install -q -c $(PIN) -e ".[dev,serve]"
+	@echo "torch $$($(TORCH_VERSION))"; grep -qx "torch==$$($(TORCH_VERSION))" $(PIN)
+
+lmms: $(PIN)
+	$(BIN)/pip install -q -c $(PIN) --no-deps "$(LMMS_EVAL)"
+	$(BIN)/pip install -q -c $(PIN) -r constraints/lmms-cpu.txt
+	@echo "torch $$($(TORCH_VERSION))"; grep -qx "torch==$$($(TORCH_VERSION))" $(PIN)
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

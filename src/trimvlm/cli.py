@@ -168,8 +168,15 @@ def eval_(
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
     readout: str = typer.Option("auto", help="candidate tasks (demo-candidates) only: auto | loglik | head"),
-
-    device: str = DEVICE,
+    ray: str | None = typer.Option(
+        None, "--ray", help="shard the items over Ray: auto (the running cluster), local, or HOST:PORT"
+    ),
+    workers: int | None = typer.Option(
+        None, help="with --ray: workers, each loads the model once (default: one per GPU, else per CPU)"
+    ),
+    device: str | None = typer.Option(
+        None, "--device", help="cpu | cuda | cuda:N | mps (default cpu; with --ray: a GPU per worker if any)"
+    ),
     dtype: str = DTYPE,
 ):
     """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs. Candidate tasks
@@ -178,11 +185,15 @@ def eval_(
     textvqa, docvqa, infovqa, chartqa, mmvet (docs/benchmarks.md)."""
     from trimvlm.cli_eval import eval_command
 
+    load_kw = _load_kw(device or "cpu", dtype)
+    if ray is not None and device is None:  # each Ray worker: its own GPU when the cluster has GPUs
+        load_kw.pop("device")
     try:
         eval_command(
             model, task, str(recipes) if recipes else None, limit, str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
-            recipes=list(recipe), load_kw=_load_kw(device, dtype), data=data, split=split,
+            recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
+            workers=workers,
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)

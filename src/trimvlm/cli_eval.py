@@ -117,6 +117,8 @@ def eval_command(
     load_kw: dict | None = None,
     data: str | Path | None = None,
     split: str | None = None,
+    ray: str | None = None,
+    workers: int | None = None,
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON) and the inline `recipes` (strings such as
     "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task`
@@ -126,11 +128,23 @@ def eval_command(
     generate the task's `prefill_tokens`). Prints the tables, writes the JSON / Pareto PNG / Markdown summary
     when paths are given. Returns the
     JSON's content. A candidate task ("demo-candidates") scores candidates instead of generating
-    (trimvlm.evals.scoring_eval; `readout` applies to it only: auto | loglik | head)."""
+    (trimvlm.evals.scoring_eval; `readout` applies to it only: auto | loglik | head).
+    `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
+    the model loaded once (trimvlm.evals.ray_eval, docs/scale-out.md); the results are the single process's."""
     import trimvlm
+    from trimvlm.evals.ray_eval import check_workers
 
     console = _console(console)
     limit = check_limit(limit)
+    workers = check_workers(workers)
+    if workers is not None and ray is None:
+        raise InputError(
+            "--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too"
+        )
+    if ray is not None and is_candidate_task(task):
+        raise InputError(
+            f"--ray applies to generation tasks; the candidate task {task!r} runs in one process"
+        )
     check_writable(json_out, plot_out, markdown_out)
     if is_candidate_task(task):  # candidate scoring (FastJEV's protocol): its own run loop and reports
         if data is not None or split is not None:
@@ -147,6 +161,14 @@ def eval_command(
         )  # fmt: skip
     the_task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
+    if ray is not None:
+        from trimvlm.evals.ray_eval import run_eval_ray
+
+        result = run_eval_ray(
+            model, the_task, chosen, workers=workers, ray_address=ray, batch_size=batch_size, seed=seed,
+            max_new_tokens=max_new_tokens, progress=progress, console=console, load_kw=load_kw,
+        )  # fmt: skip
+        return _finish(result, json_out, plot_out, console, markdown_out)
     vlm = trimvlm.load(model, **(load_kw or {}))
     result = run_eval(
         vlm,

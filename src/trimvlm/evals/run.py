@@ -126,6 +126,8 @@ class EvalResult:
     scores: list[list[float]]  # [recipe][item]
     rows: list[dict]  # one per (recipe, group)
     settings: dict
+    # per recipe: (probe, kind) -> the cost sums the rows were made from (a sharded run merges these)
+    costs: list[dict] = field(default_factory=list, repr=False)
 
     @property
     def labels(self) -> list[str]:
@@ -207,6 +209,7 @@ def run_eval(
     console=None,
     data: str | None = None,
     split: str | None = None,
+    order_offset: int = 0,
 ) -> EvalResult:
     """Run every recipe (baseline first) over the task's items, interleaved batch by batch.
 
@@ -214,23 +217,12 @@ def run_eval(
     tensor tracker would slow the timed calls, so peak memory is measured in separate, untimed calls on the
     same batches: `first` (default) the first batch of each probe kind (prefill / full), `all` every batch,
     `off` none (reported as not measured). The reported peak is the largest over the measured batches.
-    `data` / `split`: the local copy a benchmark task named by a string is read from (see `get_task`)."""
-    if memory not in ("first", "all", "off"):
-        raise InputError(f"memory must be one of first, all, off; got {memory!r}")
-    if not is_int(batch_size) or batch_size <= 0:
-        raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(task, str) and (data is not None or split is not None):
-        raise InputError("data and split apply to a task given by name; this task is already built")
-    if isinstance(task, str):
-        task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
-    elif limit is not None:
-        task = replace(task, records=task.records[: check_limit(limit)])
-    if max_new_tokens is not None:  # one cap for every full-pipeline item
-        task = replace(task, max_new_tokens=max_new_tokens, kind_max_new_tokens={})
-    if not task.records:
-        raise InputError(f"task {task.name!r} has no items")
+    `data` / `split`: the local copy a benchmark task named by a string is read from (see `get_task`).
+    `order_offset`: the recipe order of batch b is the one of batch b + order_offset (a shard of a sharded run,
+    trimvlm.evals.ray_eval, passes the index its first batch has in the whole task's batches)."""
+    check_run_args(memory, batch_size, max_new_tokens)
+    task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
+                        progress=progress)  # fmt: skip
     if getattr(vlm, "tokenizer", None) is not None:  # before any item runs
         check_prefill_answers(task, vlm.tokenizer)
     recipes = normalize_recipes(recipes)
@@ -264,7 +256,7 @@ def run_eval(
                 vlm.runner.vision_flops(vlm.prepare([list(records[i].images) for i in idx],
                                                     [records[i].prompt_text() for i in idx]))  # fmt: skip
             for j in range(n_rec):
-                r = (b + j) % n_rec  # rotate which recipe goes first
+                r = (b + order_offset + j) % n_rec  # rotate which recipe goes first
                 bar.update(job, recipe=recipes[r].label())
                 res, wall = call(r, idx, n_new)
                 for i, text in zip(idx, res.texts, strict=True):
@@ -276,13 +268,7 @@ def run_eval(
                     measured.add((r, key[0]))
                 bar.advance(job)
 
-    scores = [
-        [
-            get_metric(rec.metric).score(p, rec.answers, rec.options)
-            for p, rec in zip(pr, records, strict=True)
-        ]
-        for pr in preds
-    ]
+    scores = score_predictions(records, preds)
     rows = _rows(task, recipes, preds, scores, accs)
     settings = {
         "seed": seed,
@@ -296,8 +282,44 @@ def run_eval(
         "model": _model_info(vlm),
     }
     return EvalResult(
-        task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings
+        task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings, costs=accs
     )
+
+
+def check_run_args(memory: str, batch_size, max_new_tokens) -> None:
+    if memory not in ("first", "all", "off"):
+        raise InputError(f"memory must be one of first, all, off; got {memory!r}")
+    if not is_int(batch_size) or batch_size <= 0:
+        raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, data=None, split=None,
+                 progress=True) -> Task:  # fmt: skip
+    """The task run_eval runs: built by name (or cut to `limit`), with `max_new_tokens` as its one cap."""
+    if not isinstance(task, str) and (data is not None or split is not None):
+        raise InputError("data and split apply to a task given by name; this task is already built")
+    if isinstance(task, str):
+        task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
+    elif limit is not None:
+        task = replace(task, records=task.records[: check_limit(limit)])
+    if max_new_tokens is not None:  # one cap for every full-pipeline item
+        task = replace(task, max_new_tokens=max_new_tokens, kind_max_new_tokens={})
+    if not task.records:
+        raise InputError(f"task {task.name!r} has no items")
+    return task
+
+
+def score_predictions(records, preds) -> list[list[float]]:
+    """[recipe][item]: each item's score under its own metric."""
+    return [
+        [
+            get_metric(rec.metric).score(p, rec.answers, rec.options)
+            for p, rec in zip(pr, records, strict=True)
+        ]
+        for pr in preds
+    ]
 
 
 def _model_info(vlm) -> dict:

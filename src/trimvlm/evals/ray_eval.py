@@ -1,0 +1,385 @@
+"""Evaluation sharded over Ray workers (`trimvlm eval --ray auto|local|ADDRESS --workers N`; optional extra
+`trimvlm[ray]`). docs/scale-out.md says how to point it at a cluster.
+
+- The driver builds the task and cuts its batches (run_eval's own: items grouped by (probe, kind), cut into
+  `batch_size`) into shards of consecutive batches. Each shard's items regroup into exactly those batches.
+- `workers` Ray actors each load the model once: on its own GPU (`num_gpus=1`) when the cluster has GPUs,
+  else on the CPU (`num_cpus=1`, one torch thread). Each runs `run_eval` on one shard after another, pulled
+  as it finishes the last (two in flight per worker), with the recipe order every batch has in one process
+  (`order_offset`); the driver's progress bar advances as shards come back.
+- Merge: per-item predictions into the task's order, scores recomputed, the per-(probe, kind) cost sums of
+  every shard added up (`_Acc.merge`) and the result rows rebuilt from them (`_rows`), so predictions,
+  scores, FLOPs and KV bytes are those of a single-process run (same batches, same calls). Times are sums
+  of what each worker measured; the ratios divide sums over all shards, and every shard interleaves its
+  recipes on its own worker (per-shard latency ratios are in `settings["ray"]["shards"]`). Peak memory is
+  the largest over the batches measured: with `memory="first"` every worker measures the first batch of
+  each probe kind it runs. Warm-up: every worker's first shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from trimvlm.errors import InputError, TrimVLMError
+from trimvlm.evals.run import (
+    EvalResult,
+    _Acc,
+    _batches,
+    _progress,
+    _rows,
+    check_run_args,
+    normalize_recipes,
+    prepare_task,
+    run_eval,
+    score_predictions,
+)
+from trimvlm.evals.tasks import Task
+from trimvlm.options import is_int
+
+CONNECT_TIMEOUT_S = 3.0
+# ray.init retries a cluster's GCS about once a second, 20 times by default; an address that accepts TCP but
+# is no Ray cluster (a proxy, another service) then takes 20 s to fail. Bounded here unless the operator set
+# RAY_gcs_server_port_wait_time_s (Ray's own knob for that window) already.
+CONNECT_RETRIES = 5
+SHARDS_PER_WORKER = 4  # shards are pulled as workers free up: a few per worker balance uneven batches
+IN_FLIGHT = 2  # shards queued per worker, so none waits on the driver between two
+
+
+class RayError(TrimVLMError):
+    """Ray is missing, its cluster cannot be reached, or a worker failed."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise RayError(f'--ray needs Ray ({e}): `make ray`, or `pip install "trimvlm[ray]"`') from None
+    return ray
+
+
+def check_workers(workers) -> int | None:
+    if workers is None:
+        return None
+    if not is_int(workers) or workers <= 0:
+        raise InputError(f"workers must be a positive number of Ray workers, got {workers!r}")
+    return int(workers)
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _auto_address() -> str:
+    """The address `ray.init(address="auto")` would use: RAY_ADDRESS, else the cluster `ray start` last
+    started on this machine (the file Ray writes in its temp folder)."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env and env != "auto":
+        return env
+    for folder in {Path(tempfile.gettempdir()) / "ray", Path("/tmp/ray")}:
+        f = folder / "ray_current_cluster"
+        if f.exists() and f.read_text().strip():
+            return f.read_text().strip()
+    raise RayError(
+        "--ray auto found no running Ray cluster: RAY_ADDRESS is not set and no cluster was started on this "
+        "machine with `ray start --head`; start one, give its address (--ray HOST:6379), or use --ray local"
+    )
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse an address nobody answers on within `timeout` seconds (ray.init would wait much longer)."""
+    hp = _host_port(address)
+    if hp is None:
+        raise InputError(
+            f"Ray address {address!r} is not HOST:PORT (or ray://HOST:PORT); give --ray auto, local or "
+            "an address such as 10.0.0.1:6379"
+        )
+    try:
+        with socket.create_connection(hp, timeout=timeout):
+            pass
+    except OSError as e:
+        if isinstance(e, TimeoutError | socket.timeout):
+            why = f"no answer within {timeout:g} s"
+        else:
+            why = (e.strerror or str(e)).lower()
+        raise RayError(
+            f"cannot reach the Ray cluster at {address} ({why}); start it with "
+            "`ray start --head` on that machine, check the address and port, or use --ray local"
+        ) from None
+
+
+def connect(ray_address: str | None):
+    """Initialise Ray; returns (ray, whether this call started the connection, the address used).
+    None: the Ray already initialised in this process, else a new local instance. "local": a new local
+    instance. "auto": the running cluster (RAY_ADDRESS or `ray start` on this machine). Else HOST:PORT or
+    ray://HOST:PORT, checked to answer within a few seconds first."""
+    ray = require_ray()
+    explicit = ray_address not in (None, "auto", "local")
+    if explicit:  # before anything else: an address nobody answers on fails in seconds, not minutes
+        check_reachable(str(ray_address))
+    if ray.is_initialized():
+        if explicit:
+            raise RayError(
+                f"Ray is already initialised in this process; cannot connect to {ray_address} as well"
+            )
+        return ray, False, "the running Ray instance"
+    kw = {"log_to_driver": False, "include_dashboard": False}
+    if ray_address in (None, "local"):
+        ray.init(**kw)
+        return ray, True, "local"
+    address = str(ray_address)
+    if ray_address == "auto":
+        address = _auto_address()
+        check_reachable(address)
+    if address.startswith("ray://"):
+        kw.pop("include_dashboard")
+    knob = "RAY_gcs_server_port_wait_time_s"
+    own = knob not in os.environ
+    if own:
+        os.environ[knob] = str(CONNECT_RETRIES)
+    try:
+        ray.init(address=address, **kw)
+    except Exception as e:  # ConnectionError (no Ray cluster answers there), a version mismatch...
+        raise RayError(
+            f"cannot reach the Ray cluster at {address}: ray.init failed ({' '.join(str(e).split())[:300]}); "
+            "check the address and port (the head's `ray start --head` prints it), or use --ray local"
+        ) from None
+    finally:
+        if own:
+            os.environ.pop(knob, None)
+    return ray, True, address
+
+
+def _worker_class(ray):
+    @ray.remote
+    class EvalWorker:
+        """One model, loaded once; runs run_eval on shard after shard."""
+
+        def __init__(self, model, load_kw: dict):
+            self.error = None
+            self.measured: set[str] = set()
+            self.warm = False
+            try:
+                import torch
+
+                import trimvlm
+
+                if not ray.get_gpu_ids():
+                    torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources()
+                                                     .get("CPU", 1))))  # fmt: skip
+                self.vlm = trimvlm.load(model, **load_kw)
+            except Exception as e:  # raised by info(), so the driver sees the reason
+                self.error = e
+
+        def info(self) -> dict:
+            if self.error is not None:
+                raise self.error
+            return {
+                "node": ray.util.get_node_ip_address(),
+                "pid": os.getpid(),
+                "device": str(self.vlm.runner.device),
+                "gpus": [str(g) for g in ray.get_gpu_ids()],
+            }
+
+        def run(self, shard: int, task: Task, recipes, offset: int, kw: dict) -> dict:
+            kw = dict(kw)
+            probes = {r.probe for r in task.records}
+            if kw.get("memory") == "first":  # the first batch of each probe kind on this worker
+                kw["memory"] = "off" if probes <= self.measured else "first"
+                self.measured |= probes
+            kw["warmup"] = kw.get("warmup", True) and not self.warm
+            t0 = time.perf_counter()
+            res = run_eval(self.vlm, task, recipes, progress=False, order_offset=offset, **kw)
+            self.warm = True
+            latency = {r["recipe"]: r["ratio"]["latency_s"] for r in res.rows if r["group"] == "all"}
+            return {
+                "shard": shard,
+                "predictions": res.predictions,
+                "costs": res.costs,
+                "settings": res.settings,
+                "latency_ratio": latency,
+                "seconds": time.perf_counter() - t0,
+                "worker": self.info(),
+            }
+
+    return EvalWorker
+
+
+def _unwrap(ray, e: Exception) -> TrimVLMError:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, TrimVLMError):
+        return cause
+    if isinstance(e, ray.exceptions.RayTaskError) and cause is not None:
+        return RayError(f"a Ray worker failed: {type(cause).__name__}: {cause}")
+    return RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}")
+
+
+def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int], int, int]]:
+    """(item indices, index of its first batch, number of batches) per shard: at most `n_shards` runs of
+    consecutive batches of `_batches`. A shard's items regroup into exactly its batches (checked): within a
+    (probe, kind) group only the group's last batch is short, and it is the last of that group in a shard."""
+    batches = _batches(task, batch_size)
+    per = max(1, math.ceil(len(batches) / max(1, n_shards)))
+    out = []
+    for s in range(0, len(batches), per):
+        part = batches[s : s + per]
+        idx = [i for b, _ in part for i in b]
+        again = _batches(replace(task, records=[task.records[i] for i in idx]), batch_size)
+        if [[idx[j] for j in b] for b, _ in again] != [b for b, _ in part]:  # pragma: no cover - invariant
+            raise TrimVLMError(f"shard {len(out)} does not regroup into its batches; please report this")
+        out.append((idx, s, len(part)))
+    return out
+
+
+def run_eval_ray(
+    model: str | Path,
+    task: Task | str,
+    recipes=None,
+    *,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    warmup: bool = True,
+    memory: str = "first",
+    progress: bool = True,
+    console=None,
+    data: str | None = None,
+    split: str | None = None,
+    load_kw: dict | None = None,
+    shards_per_worker: int = SHARDS_PER_WORKER,
+) -> EvalResult:
+    """`run_eval` with the items sharded over `workers` Ray actors, each loading `model` (a checkpoint folder
+    or "demo", on every node) once with `load_kw`: on its own GPU when the cluster has GPUs and `load_kw`
+    names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring for
+    what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
+    check_run_args(memory, batch_size, max_new_tokens)
+    workers = check_workers(workers)
+    if not is_int(shards_per_worker) or shards_per_worker <= 0:
+        raise InputError(f"shards_per_worker must be a positive integer, got {shards_per_worker!r}")
+    task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
+                        progress=progress)  # fmt: skip
+    recipes = normalize_recipes(recipes)
+    ray, started, where = connect(ray_address)
+    actors = []
+    try:
+        res = ray.cluster_resources()
+        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+        load_kw = dict(load_kw or {})
+        device = str(load_kw.get("device", "cuda" if gpus else "cpu"))
+        use_gpu = device.startswith("cuda")
+        if use_gpu and not gpus:
+            raise RayError(
+                f"device {device!r} asks for GPU workers, but the Ray cluster at {where} has no GPUs"
+            )
+        if use_gpu:
+            load_kw["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES: "cuda" is the worker's own GPU
+        kind, have = ("GPU", gpus) if use_gpu else ("CPU", cpus)
+        workers = workers or have
+        if workers > have:
+            raise RayError(
+                f"{workers} workers need {workers} {kind}s (one each) but the Ray cluster at {where} has {have}; "
+                f"give --workers {have} or fewer, or add nodes"
+            )
+        opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
+        Worker = _worker_class(ray)
+        actors = [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
+        try:
+            infos = ray.get([a.info.remote() for a in actors])
+        except Exception as e:
+            raise _unwrap(ray, e) from None
+        shards = shards_of(task, batch_size, workers * shards_per_worker)
+        kw = {"batch_size": batch_size, "seed": seed, "warmup": warmup, "memory": memory}
+        records = task.records
+        n_batches = sum(n for _, _, n in shards)
+        results: dict[int, dict] = {}
+        pending, owner, queue = {}, {}, list(range(len(shards)))
+
+        def submit(a: int) -> None:
+            s = queue.pop(0)
+            idx, offset, _ = shards[s]
+            ref = actors[a].run.remote(
+                s, replace(task, records=[records[i] for i in idx]), recipes, offset, kw
+            )
+            pending[ref], owner[ref] = s, a
+
+        with _progress(progress, console) as bar:
+            job = bar.add_task(f"eval {task.name} on {workers} Ray workers", total=n_batches * len(recipes),
+                               recipe="")  # fmt: skip
+            t_start = time.perf_counter()
+            for a in range(len(actors)):
+                for _ in range(IN_FLIGHT):
+                    if queue:
+                        submit(a)
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                ref = done[0]
+                s, a = pending.pop(ref), owner.pop(ref)
+                try:
+                    results[s] = ray.get(ref)
+                except Exception as e:
+                    raise _unwrap(ray, e) from None
+                bar.update(job, advance=shards[s][2] * len(recipes), recipe=f"shard {s + 1}/{len(shards)}")
+                if queue:
+                    submit(a)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if started:
+            ray.shutdown()
+    return _merge(task, recipes, shards, results, where, workers, infos, time.perf_counter() - t_start)
+
+
+def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> EvalResult:
+    records = task.records
+    n_rec = len(recipes)
+    preds: list[list[str]] = [[""] * len(records) for _ in recipes]
+    accs: list[dict] = [{} for _ in recipes]
+    for s, (idx, _, _) in enumerate(shards):
+        part = results[s]
+        for r in range(n_rec):
+            for local, i in enumerate(idx):
+                preds[r][i] = part["predictions"][r][local]
+            for key, acc in part["costs"][r].items():
+                accs[r].setdefault(key, _Acc()).merge(acc)
+    scores = score_predictions(records, preds)
+    rows = _rows(task, recipes, preds, scores, accs)
+    settings = dict(results[0]["settings"])
+    memories = {results[s]["settings"]["memory"] for s in results}
+    settings["memory"] = memories.pop() if len(memories) == 1 else "first (each Ray worker)"
+    settings["warmup"] = settings["warmup"] or any(results[s]["settings"]["warmup"] for s in results)
+    settings["ray"] = {
+        "address": where,
+        "workers": workers,
+        "worker_info": infos,
+        "shards": [
+            {
+                "items": len(idx),
+                "first_batch": offset,
+                "batches": n,
+                "worker": results[s]["worker"],
+                "seconds": results[s]["seconds"],
+                "latency_ratio": results[s]["latency_ratio"],
+            }
+            for s, (idx, offset, n) in enumerate(shards)
+        ],
+        "seconds": seconds,
+        "timing": "sums over shards; each shard's recipes interleaved on its own worker",
+    }
+    return EvalResult(
+        task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings, costs=accs
+    )

@@ -1,0 +1,1 @@
+"""Bridges to other tools' interfaces (each behind an optional dependency): `lmms` for lmms-eval."""

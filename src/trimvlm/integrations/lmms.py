@@ -1,0 +1,395 @@
+"""The lmms-eval bridge: any lmms-eval task through trimvlm (optional extra `trimvlm[lmms]`; `make lmms` on
+the CPU torch).
+
+    python -m lmms_eval --model trimvlm \\
+        --model_args pretrained=demo,tokens=density:keep=0.5:layer=3,kv=density:keep=0.25,executor=auto \\
+        --tasks pope --batch_size 8
+
+lmms-eval 0.7.3 resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
+trimvlm's pyproject registers `manifest` below (a `ModelManifest` naming the simple model class `TrimVLM`).
+
+Model args (`--model_args k=v,...`):
+- `pretrained`: a checkpoint folder or "demo" (`trimvlm.load`); `device` (default cuda when available, else
+  cpu) and `dtype` (float32 | bfloat16 | float16);
+- the recipe: `recipe=` a recipe string in quotes (`recipe="tokens=...,kv=..."`: lmms-eval splits model args
+  on unquoted commas), a YAML/JSON file holding one recipe, or "baseline"; or one model arg per axis,
+  `tokens=`, `kv=`, `depth=`, `router=` (`axis=method:option=value:...`, as in `trimvlm eval`);
+- `executor`: the candidate executor of `loglikelihood` (auto | batched | segments | tree | independent);
+- `batch_size` (requests per trimvlm call), `max_new_tokens` (when a task's generation_kwargs set none),
+  `seed` (sampling, and the recipe's random choices).
+
+Requests:
+- `generate_until` -> `VLM.generate`, batched (requests with the same generation settings, `batch_size` per
+  call), images from the request's doc through the task's `doc_to_visual`. From generation_kwargs:
+  `max_new_tokens`, `temperature` (0, or `do_sample: false`, is greedy), `top_p`, `until` (the text is cut at
+  the first stop string; generation itself stops at the model's end token or `max_new_tokens`, so tokens
+  after a stop string are generated and counted in the costs). `num_beams` > 1 is refused (no beam search);
+  other generation_kwargs (model-specific ones such as `image_aspect_ratio`) are ignored.
+- `loglikelihood` -> trimvlm's scoring engine (`trimvlm.scoring.engine.run_scoring`, the `loglik` readout's
+  per-token log-probs): the requests of one doc with the same context (a multiple-choice question's options)
+  become one `ScoreRequest`, the prefix (images + context through the model's prompt template) encoded once
+  and every continuation a branch off it, run by `executor`. Each answer is (NLL, is_greedy): NLL = -log
+  P(continuation | context), summed over the continuation's tokens, and whether greedy decoding gives the
+  continuation. A loss, not a log-prob: lmms-eval 0.7.3's multiple-choice tasks pick the *argmin* of the
+  first value ("we return the actual loss in many model loglikelihood", api/task.py; its built-in models
+  return the HF loss) although the base class's docstring says log-probability; the bridge returns what its
+  tasks score right. The close marker trimvlm's own readout also scores (the end-of-answer token,
+  docs/scoring.md) is left out: the per-token log-probs are read once more to leave it out, and that LM-head
+  pass is counted in the costs. The continuation's surrounding whitespace is dropped
+  (lmms-eval's " A" is its `target_delimiter`; the prompt template already separates the answer). A request
+  with an empty context (the unconditional requests of `acc_mutual_info`) cannot be expressed and is refused.
+  (lmms-eval 0.7.3's evaluator turns every non-text response into text; the pairs are returned inside its
+  `GenerationResult` wrapper there, see `_pair`.)
+- `generate_until_multi_round`: refused (a multi-round conversation is not one trimvlm prompt).
+
+`TrimVLM.costs` holds the running sums of the costs of every call (FLOPs of the model and of the methods, KV
+bytes, seconds), per request type; each request type's sums are logged when its requests finish.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from trimvlm.errors import InputError, RecipeError, TrimVLMError
+from trimvlm.recipe import AXES, Recipe, load_recipes, parse_recipe
+
+try:
+    from lmms_eval.api.model import lmms as _LmmsBase
+except ImportError as e:  # the manifest below is importable without lmms-eval; the class needs it
+    _LMMS_ERROR = e
+
+    class _LmmsBase:  # type: ignore[no-redef]
+        def __init__(self, *a, **k):
+            raise TrimVLMError(
+                f"the lmms-eval bridge needs lmms-eval ({_LMMS_ERROR}): `make lmms` on the CPU torch, "
+                'or `pip install "trimvlm[lmms]"`'
+            )
+
+
+MODEL_ID = "trimvlm"
+IMAGE_PLACEHOLDER = "<image>"  # lmms-eval's placeholder in some contexts: trimvlm places the images itself
+COST_FIELDS = (
+    "model_flops",  # every phase: prefill (vision included), decode, candidate branches
+    "prefill_flops",
+    "decode_flops",
+    "method_total_flops",
+    "total_flops",
+    "kv_bytes",
+)
+
+
+def manifest():
+    """The `lmms_eval.models` entry point's payload: lmms-eval's v2 registry calls it at import."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id=MODEL_ID, simple_class_path=f"{__name__}.TrimVLM")
+
+
+def _unquote(v):
+    if isinstance(v, str) and len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+        return v[1:-1]
+    return v
+
+
+def _positive_int(name: str, v) -> int:
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n <= 0 or (isinstance(v, float) and v != n):
+        raise InputError(f"{name} must be a positive integer, got {v!r}")
+    return n
+
+
+def build_recipe(recipe=None, **axes) -> Recipe:
+    """The one recipe of a bridge run: `recipe` (a string, a dict, a Recipe, or a YAML/JSON file with one
+    recipe) and/or one spec per axis (`tokens="density:keep=0.5:layer=3"`); an axis given twice is refused."""
+    recipe = _unquote(recipe)
+    if isinstance(recipe, str) and recipe.strip() and Path(recipe).suffix in (".yaml", ".yml", ".json"):
+        found = [r for r in load_recipes(recipe) if not (r.is_baseline and r.label() == "baseline")]
+        if len(found) > 1:
+            raise RecipeError(
+                f"recipe file {recipe} holds {len(found)} recipes; an lmms-eval run applies one: give a file "
+                "with one recipe (run lmms-eval once per recipe)"
+            )
+        base = found[0] if found else Recipe(name="baseline")
+    else:
+        base = parse_recipe(recipe)
+    given = {a: _unquote(v) for a, v in axes.items() if v is not None}
+    for a in given:
+        if getattr(base, a) is not None:
+            raise RecipeError(f"recipe axis {a!r} is given twice (in recipe= and as {a}=); give it once")
+    if given:
+        extra = parse_recipe(",".join(f"{a}={v}" for a, v in given.items()))
+        base = base.model_copy(update={a: getattr(extra, a) for a in given})
+    base.build()  # unknown methods / options fail now, before any request runs
+    return base
+
+
+class TrimVLM(_LmmsBase):
+    """An lmms-eval simple model backed by a trimvlm `VLM` and one recipe (see the module docstring)."""
+
+    is_simple = True
+
+    def __init__(
+        self,
+        pretrained: str = "demo",
+        recipe=None,
+        tokens=None,
+        kv=None,
+        depth=None,
+        router=None,
+        executor: str = "auto",
+        device: str | None = None,
+        dtype: str = "float32",
+        batch_size=8,
+        max_new_tokens=128,
+        seed=0,
+        max_batch_size=None,  # passed by lmms-eval's simple_evaluate; trimvlm's batches are `batch_size`
+        vlm=None,
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        import trimvlm
+        from trimvlm.scoring.engine import check_executor
+
+        if kwargs:
+            raise InputError(
+                f"unknown trimvlm model arg(s) {sorted(kwargs)}; allowed: pretrained, recipe, "
+                f"{', '.join(AXES)}, executor, device, dtype, batch_size, max_new_tokens, seed"
+            )
+        executor = str(_unquote(executor))
+        check_executor(executor)
+        self.executor = executor
+        self.recipe = build_recipe(recipe, tokens=tokens, kv=kv, depth=depth, router=router)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        self.seed = int(seed)
+        if vlm is None:  # a VLM object may be given directly (tests, notebooks)
+            if device is None:
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            vlm = trimvlm.load(str(_unquote(pretrained)), dtype=dtype, device=str(device))
+        self.vlm = vlm
+        self.costs: dict[str, dict] = defaultdict(lambda: {k: 0 for k in COST_FIELDS} | {"seconds": 0.0})
+
+    # --- lmms-eval's interface -------------------------------------------------------------------------
+    def generate_until(self, requests) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(self._generation_settings(req.args[1]), []).append(i)
+        with self._bar(len(requests), "trimvlm generate") as bar:
+            for (max_new, temperature, top_p, until), idx in groups.items():
+                for b in range(0, len(idx), self.batch_size):
+                    chunk = idx[b : b + self.batch_size]
+                    images = [self._visuals(requests[i]) for i in chunk]
+                    prompts = [self._context(requests[i].args[0], requests[i]) for i in chunk]
+                    res = self.vlm.generate(
+                        images, prompts, recipe=self.recipe, max_new_tokens=max_new, temperature=temperature,
+                        top_p=top_p, seed=self.seed,
+                    )  # fmt: skip
+                    self._add_costs("generate_until", res.costs)
+                    for i, text in zip(chunk, res.texts, strict=True):
+                        out[i] = cut_at_stop(text, until)
+                    bar.update(len(chunk))
+        self._log("generate_until", len(requests))
+        return out
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        from trimvlm.scoring.request import ScoreRequest
+
+        # one ScoreRequest per (doc, context): the options of a multiple-choice question share their prefix
+        keyed: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            keyed.setdefault(self._loglik_key(req), []).append(i)
+        groups = list(keyed.values())
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        with self._bar(len(requests), "trimvlm loglikelihood") as bar:
+            for b in range(0, len(groups), self.batch_size):
+                chunk = groups[b : b + self.batch_size]
+                score_reqs = []
+                for g in chunk:
+                    first = requests[g[0]]
+                    score_reqs.append(
+                        ScoreRequest(
+                            images=self._visuals(first),
+                            question=self._context(first.args[0], first),
+                            candidates=[self._continuation(requests[i]) for i in g],
+                        )
+                    )
+                for g, scores in zip(chunk, self.continuation_logliks(score_reqs), strict=True):
+                    for i, (loglik, greedy) in zip(g, scores, strict=True):
+                        out[i] = (-loglik, greedy)  # lmms-eval's tasks take the argmin: a loss
+                bar.update(sum(len(g) for g in chunk))
+        self._log("loglikelihood", len(requests))
+        return [_pair(x) for x in out]
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError(
+            "trimvlm's lmms-eval bridge does not run generate_until_multi_round: a multi-round conversation "
+            "(each round's prompt built from the previous answers) is not one trimvlm prompt; "
+            "VLM.generate takes one user prompt per image set"
+        )
+
+    # --- the scoring engine -----------------------------------------------------------------------------
+    def continuation_logliks(self, score_reqs) -> list[list[tuple[float, bool]]]:
+        """Per request, per candidate: (log P(candidate tokens | prefix), every token greedy), from one
+        `run_scoring` call (prefix once, candidates as branches off it) and the per-token log-probs of the
+        loglik readout, leaving the close marker out."""
+        import torch
+
+        from trimvlm.runtime.meter import Meter
+        from trimvlm.scoring.engine import run_scoring
+        from trimvlm.scoring.layout import Layout
+        from trimvlm.scoring.readout import token_logprobs
+
+        meter = Meter(device=self.vlm.runner.device)
+        with torch.no_grad():
+            work, states, _, _ = run_scoring(
+                self.vlm, score_reqs, executor=self.executor, recipe=self.recipe, meter=meter
+            )
+            with meter.timer("branch"):
+                lp, greedy = token_logprobs(work, states)
+        self._add_costs("loglikelihood", meter.costs)
+        layout = Layout.for_adapter(self.vlm.adapter)
+        first, n_close = layout.first_counted, len(layout.close_ids)
+        out = []
+        for paths in work.forest.paths:
+            row = []
+            for p in paths:
+                nodes = p[first : len(p) - n_close]
+                row.append((float(lp[nodes].sum()), bool(greedy[nodes].all())))
+            out.append(row)
+        return out
+
+    # --- helpers -----------------------------------------------------------------------------------------
+    def _generation_settings(self, gen_kwargs) -> tuple:
+        g = dict(gen_kwargs or {})
+        until = g.pop("until", None)
+        if until is None:
+            until = []
+        elif isinstance(until, str):
+            until = [until]
+        elif not isinstance(until, list | tuple) or not all(isinstance(u, str) for u in until):
+            raise InputError(
+                f"generation_kwargs['until'] must be a string or a list of strings, got {until!r}"
+            )
+        beams = g.pop("num_beams", 1) or 1
+        if int(beams) != 1:
+            raise InputError(
+                f"num_beams={beams}: trimvlm generates greedily or by sampling, not by beam search"
+            )
+        max_new = _positive_int("max_new_tokens", g.pop("max_new_tokens", None) or self.max_new_tokens)
+        temperature = float(g.pop("temperature", 0.0) or 0.0)
+        if g.pop("do_sample", None) is False:
+            temperature = 0.0
+        top_p = g.pop("top_p", None)
+        top_p = 1.0 if top_p is None else float(top_p)
+        return max_new, temperature, top_p, tuple(u for u in until if u)
+
+    def _doc(self, req):
+        task, split, doc_id = req.args[-2], req.args[-1], req.args[-3]
+        try:
+            return self.task_dict[task][split][doc_id]
+        except (KeyError, IndexError, TypeError) as e:
+            raise InputError(
+                f"request for doc {doc_id!r} of task {task!r} split {split!r}: lmms-eval did not hand the "
+                f"bridge that doc ({e!r}); run the model through lmms-eval's evaluator"
+            ) from None
+
+    def _visuals(self, req):
+        """The request's images (None for a text-only request), from its doc through doc_to_visual."""
+        from PIL import Image
+
+        if len(req.args) < 6:  # ("", continuation): the unconditional requests of acc_mutual_info
+            return None
+        doc_to_visual = req.args[2]
+        if doc_to_visual is None:
+            return None
+        visuals = doc_to_visual(self._doc(req))
+        visuals = [] if visuals is None else list(visuals)
+        out = []
+        for v in visuals:
+            if not isinstance(v, Image.Image):
+                raise InputError(
+                    f"task {req.args[-2]!r} doc {req.args[-3]!r}: a visual of type {type(v).__name__} "
+                    f"({v!r:.80}); trimvlm takes images (PIL), not video or audio"
+                )
+            out.append(v if v.mode == "RGB" else v.convert("RGB"))
+        return out or None
+
+    @staticmethod
+    def _context(ctx, req) -> str:
+        if not isinstance(ctx, str):
+            raise InputError(
+                f"task {req.task_name!r}: the request's context is {type(ctx).__name__}, not text"
+            )
+        return ctx.replace(IMAGE_PLACEHOLDER, "").strip()
+
+    def _loglik_key(self, req) -> tuple:
+        if len(req.args) < 6 or not str(req.args[0]).strip():
+            raise InputError(
+                f"task {req.task_name!r}: a loglikelihood request with an empty context (the unconditional "
+                "requests of acc_mutual_info) cannot be expressed: trimvlm scores a continuation after a "
+                "question through the model's prompt template; leave acc_mutual_info out of the metric_list"
+            )
+        ctx, _, _, doc_id, task, split = req.args
+        return (task, split, doc_id, ctx)
+
+    def _continuation(self, req) -> str:
+        target = req.args[1]
+        cont = target if isinstance(target, str) else target(self._doc(req))
+        if isinstance(cont, list):
+            raise InputError(
+                f"task {req.task_name!r}: doc_to_target gave a list {cont!r:.80} for a loglikelihood request; "
+                "give one continuation per request"
+            )
+        return str(cont).strip()
+
+    def _add_costs(self, kind: str, costs) -> None:
+        acc = self.costs[kind]
+        for k in COST_FIELDS:
+            acc[k] += int(getattr(costs, k))
+        acc["seconds"] += float(sum(costs.seconds.values()))
+
+    def _log(self, kind: str, n: int) -> None:
+        try:
+            from loguru import logger
+        except ImportError:  # pragma: no cover - lmms-eval depends on loguru
+            return
+        logger.info(
+            f"trimvlm {kind}: {n} requests, recipe {self.recipe.label()}: {json.dumps(self.costs[kind])}"
+        )
+
+    def _bar(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, disable=self.rank != 0)
+
+
+def _pair(pair: tuple[float, bool]):
+    """(NLL, is_greedy) as lmms-eval's evaluator will keep it. lmms-eval 0.7.3's evaluator passes every
+    response through `unwrap_generation_output`, which turns anything but text (or its GenerationResult
+    wrapper) into text, so a bare tuple would reach the task as the string "(-1.2, True)"; where it does, the
+    pair travels inside the GenerationResult wrapper, which it unwraps as is."""
+    try:
+        from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
+    except ImportError:  # an lmms-eval without the wrapper keeps tuples
+        return pair
+    if unwrap_generation_output((0.0, True))[0] == (0.0, True):
+        return pair
+    return GenerationResult(text=pair)  # type: ignore[arg-type]
+
+
+def cut_at_stop(text: str, until) -> str:
+    """The text up to the first occurrence of any stop string (lmms-eval's `until`)."""
+    end = len(text)
+    for u in until:
+        k = text.find(u)
+        if k != -1:
+            end = min(end, k)
+    return text[:end]
