@@ -4,10 +4,10 @@ model, and bad benchmark input as one line on stderr."""
 import json
 
 import torch
-from benchmark_fixtures import pope_rows, write_parquet, write_shards
 from typer.testing import CliRunner
 
 from trimvlm.cli import app
+from trimvlm.testing.benchmark_copies import pope_rows, write_parquet, write_shards
 
 
 def _cli(*args):

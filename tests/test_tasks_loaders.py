@@ -4,11 +4,11 @@ as Hugging Face datasets publish them, or <split>.jsonl + image files); bad copi
 from pathlib import Path
 
 import pytest
-from benchmark_fixtures import image, pope_rows, write_jsonl, write_parquet, write_shards
 from PIL import Image
 
 from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.evals.tasks import BENCHMARKS, get_task
+from trimvlm.testing.benchmark_copies import image, pope_rows, write_jsonl, write_parquet, write_shards
 
 SHORT = "\nAnswer the question using a single word or phrase."
 LETTER = "\nAnswer with the option's letter from the given choices directly."
@@ -253,7 +253,8 @@ def test_unknown_task_split_and_config_errors(tmp_path):
 def test_image_struct_forms_and_broken_bytes(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from benchmark_fixtures import IMAGE, png
+
+    from trimvlm.testing.benchmark_copies import IMAGE, png
 
     data = tmp_path / "POPE"
     (data / "imgs").mkdir(parents=True)

@@ -1,5 +1,6 @@
 """Tiny benchmark copies written the way they are distributed: Hugging Face datasets parquet shards (the
-image column a {bytes, path} struct with the encoded PNG embedded) or <split>.jsonl with image files."""
+image column a {bytes, path} struct with the encoded PNG embedded) or <split>.jsonl with image files. Used by
+the loader tests and by benchmarks/fixture_benchmark.py."""
 
 from __future__ import annotations
 
