@@ -4,26 +4,18 @@ and `--max-new-tokens`, `trimvlm methods`, and bad input as one line on stderr w
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from trimvlm.cli import app
 from trimvlm.testing import random_image
+from trimvlm.testing.cli import assert_one_line_error as _one_line_error
+from trimvlm.testing.cli import run_cli as _cli
 
 TOKENS = "tokens=density:keep=0.5:layer=1"
 KV = "kv=snapkv:keep=0.25"
 BOTH = f"{TOKENS},{KV}"
 
 
-def _cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def _one_line_error(res, message):
-    assert res.exit_code == 2, res.output
-    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
-    lines = [x for x in res.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    assert message in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +202,7 @@ def test_eval_bad_input_is_one_line(tiny_dir, tmp_path):
 
 def test_device_and_dtype_options_on_every_model_command():
     for cmd in ("generate", "info", "demo", "eval", "score", "train-head", "calibrate"):
-        res = CliRunner().invoke(app, [cmd, "--help"])
+        res = _cli(cmd, "--help")
         assert "--device" in res.output and "--dtype" in res.output, cmd
     res = _cli("info", "--model", "demo", "--device", "nosuch")
     assert res.exit_code == 2 and "unknown device 'nosuch'" in res.output and "Traceback" not in res.output

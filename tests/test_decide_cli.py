@@ -7,21 +7,9 @@ import json
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from trimvlm.cli import app
-
-
-def _cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def _one_line_error(res, message):
-    assert res.exit_code == 2, res.output
-    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
-    lines = [x for x in res.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    assert message in lines[0], lines[0]
+from trimvlm.testing.cli import assert_one_line_error as _one_line_error
+from trimvlm.testing.cli import run_cli as _cli
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from trimvlm.cli import app
+from trimvlm.testing.cli import assert_one_line_error as _one_line_error
+from trimvlm.testing.cli import run_cli as _cli
 
 try:
     import ray
@@ -25,15 +25,8 @@ LIMIT, BATCH = 24, 4  # 6 kinds x 4 items: 6 batches, cut into shards of consecu
 EXACT = ("prefill_flops", "decode_flops", "method_flops", "total_flops", "kv_bytes")
 
 
-def _cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def _one_line_error(res, message):
-    assert res.exit_code == 2, res.output
-    lines = [x for x in res.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    assert message in " ".join(lines[0].split()), lines[0]
 
 
 @pytest.fixture

@@ -4,21 +4,10 @@ model, and bad benchmark input as one line on stderr."""
 import json
 
 import torch
-from typer.testing import CliRunner
 
-from trimvlm.cli import app
 from trimvlm.testing.benchmark_copies import pope_rows, write_parquet, write_shards
-
-
-def _cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def _one_line_error(res, message):
-    assert res.exit_code == 2, res.output
-    lines = [x for x in res.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    assert message in lines[0], lines[0]
+from trimvlm.testing.cli import assert_one_line_error as _one_line_error
+from trimvlm.testing.cli import run_cli as _cli
 
 
 def test_eval_pope_from_parquet_on_the_demo_model(tmp_path):
