@@ -363,5 +363,40 @@ def decide(
     _write_json(json_out, out)
 
 
+@app.command()
+def serve(
+    model: str = typer.Option(..., help="checkpoint folder (a VLM or a JevForDecision), or 'demo'"),
+    recipe: str = typer.Option("", help="the default recipe (a request's `recipe` field overrides it)"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    max_batch: int = typer.Option(32, help="requests per batch at most (1: one request at a time)"),
+    max_wait_ms: float = typer.Option(10.0, help="how long a request waits for others to batch with"),
+    max_tokens: int = typer.Option(256, help="the most a chat completion may ask for"),
+    max_images: int = typer.Option(8, help="images per request at most"),
+    max_questions: int = typer.Option(64, help="questions per System One request at most"),
+    max_body_mb: int = typer.Option(16, help="request body size limit, MiB"),
+    decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+    log_level: str = typer.Option("info", help="uvicorn's log level"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """HTTP server: System One decisions (/v1/systemone) and OpenAI-style chat completions, micro-batched."""
+    from trimvlm.serve import require
+
+    try:
+        require()
+        from trimvlm.serve.app import serve as run_server
+        from trimvlm.serve.limits import MiB, ServerLimits
+
+        limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
+                              max_tokens=max_tokens, default_max_tokens=min(32, max_tokens))  # fmt: skip
+        run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                   limits=limits, decision_config=decision_config, threads=threads,
+                   load_kw=_load_kw(device, dtype), log_level=log_level)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,119 @@
+"""The FastAPI app over one `ServerState`, and `serve`: load a model and run the app under uvicorn (this module
+needs the `serve` extra; `trimvlm.serve.require()` says so in one line)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from trimvlm.errors import InputError
+from trimvlm.serve import chat, require, systemone
+from trimvlm.serve.errors import ApiError
+from trimvlm.serve.limits import ServerLimits
+from trimvlm.serve.state import ServerState
+
+log = logging.getLogger("trimvlm.serve")
+
+
+def build_app(state: ServerState):
+    """The routes (docs/serving.md). The batcher's thread starts with the app and stops with it."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        state.close()
+
+    app = FastAPI(title="trimvlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, e: Exception):  # a bug of ours: a 500, never a dead server
+        log.exception("unexpected error")
+        err = ApiError(500, f"internal error ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.post("/v1/systemone")
+    async def systemone_route(request: Request):
+        return await systemone.handle(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: Request):
+        return await chat.handle(state, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "trimvlm",
+            "family": state.vlm.family, "recipe": state.default_recipe or "baseline",
+            "endpoints": ["/v1/systemone"] + ([] if state.vlm.adapter.decision_head else ["/v1/chat/completions"]),
+        }]}  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        body = {
+            "status": "ok" if state.batcher.alive else "unhealthy", "model": state.model_id,
+            "max_batch": state.batcher.max_batch, "max_wait_ms": state.batcher.max_wait_s * 1000,
+        } | state.batcher.stats()  # fmt: skip
+        return JSONResponse(body, status_code=200 if state.batcher.alive else 503)
+
+    return app
+
+
+def serve(
+    model: str,
+    *,
+    recipe: str = "",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 32,
+    max_wait_ms: float = 10.0,
+    limits: ServerLimits | None = None,
+    decision_config=None,
+    threads: int = 0,
+    load_kw: dict | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load `model`, check the server's recipe, and serve until interrupted."""
+    require()
+    import torch
+    import uvicorn
+
+    import trimvlm
+
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"--max-batch must be a positive integer, got {max_batch!r}")
+    if not max_wait_ms >= 0:
+        raise InputError(f"--max-wait-ms must be >= 0, got {max_wait_ms!r}")
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {port}")
+    if threads:
+        torch.set_num_threads(threads)
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    if decision_config is not None:
+        from trimvlm.decision.config import resolve_config
+
+        decision_config = resolve_config(vlm, decision_config)
+    state = ServerState(
+        vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
+        decision_config=decision_config,
+    )  # fmt: skip
+    kind = "chat" if vlm.adapter.decision_head is None else "decide"
+    try:  # the server's recipe, checked before it listens
+        state.recipe(kind, None)
+    except ApiError as e:
+        raise InputError(f"--recipe: {e}") from e
+    print(
+        f"trimvlm serve: {model} ({vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
+        f"max batch {max_batch}, max wait {max_wait_ms:g} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, access_log=False)

@@ -1,0 +1,293 @@
+"""`POST /v1/chat/completions`: OpenAI-style chat completions, answered by `VLM.generate`.
+
+The conversation is one user message (trimvlm's `generate` renders one user turn): its `content` is text, or a
+list of `{"type": "text", "text"}` and `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`
+parts. The images go first, in their order, then the text parts joined by newlines (where the parts stood
+among the text is not kept: the model's prompt format places the images). Images come only as base64 data
+URLs; a URL is never fetched.
+
+Fields: `model`?, `messages`, `max_tokens` / `max_completion_tokens` (default and limit: the server's),
+`temperature` (default 0: greedy), `top_p`, `seed`, `stream`, `stream_options` (accepted; the usage is always
+sent), `n` (1 only), `user` (ignored), and trimvlm's `recipe` extension. Unknown fields: 422.
+
+Batching: greedy completions with the same recipe and max_tokens share one `vlm.generate` (each row is what the
+request alone returns). A sampled one (temperature > 0) runs alone: its draws would depend on its batch.
+
+Streaming: `data: {chunk}` server-sent events (a role chunk, one chunk per piece of text, a last chunk with
+`finish_reason` and `usage`), then `data: [DONE]`. `vlm.generate` returns when its batch is done, so the chunks
+are sent then: the concatenated deltas equal the non-streamed text, the first chunk does not come earlier.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import itertools
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trimvlm.decision.costs import split
+from trimvlm.errors import TrimVLMError
+from trimvlm.serve.errors import ApiError, from_trimvlm
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Strict):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int | None = None
+    user: str | None = None
+    recipe: str | None = None  # trimvlm's extension
+
+
+@dataclass
+class ChatJob:
+    prompt: str
+    images: list  # PIL images
+    prepared: object  # the request alone, prepared (its prompt tokens, its images' vision FLOPs)
+    prompt_tokens: int
+    recipe: object
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stream: bool
+    preprocess_s: float
+
+
+_sampled = itertools.count()
+DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
+
+
+def parse(body: dict, limits) -> tuple[ChatBody, str, list[str], int]:
+    """(the body, the prompt, the images' base64 texts, max_tokens), or a 422 / 400."""
+    try:
+        req = ChatBody.model_validate(body)
+    except ValidationError as e:
+        detail = [
+            {"loc": ["body", *item["loc"]], "msg": item["msg"], "type": item["type"]}
+            for item in e.errors(include_url=False)
+        ]
+        raise ApiError(422, detail) from e
+    if req.n not in (None, 1):
+        raise ApiError(400, f"n={req.n}: one choice per request (n=1)")
+    roles = [m.role for m in req.messages]
+    if roles != ["user"]:
+        raise ApiError(
+            400,
+            f"the messages are {roles}: this server answers one user message (trimvlm's generate renders one "
+            "user turn); send the question and its images as one user message",
+        )
+    content = req.messages[0].content
+    texts, images = [], []
+    for part in [TextPart(type="text", text=content)] if isinstance(content, str) else content or []:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        else:
+            images.append(part.image_url if isinstance(part.image_url, str) else part.image_url.url)
+    if len(images) > limits.max_images:
+        raise ApiError(400, f"too many images: {len(images)}, at most {limits.max_images} per request")
+    max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
+    if max_tokens > limits.max_tokens:
+        raise ApiError(400, f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
+    return req, "\n".join(texts), images, max_tokens
+
+
+def decode_image(i: int, url: str, limits):
+    """Image i of a request (1-based in messages) from its data URL, or a 400."""
+    from PIL import Image
+
+    m = DATA_URL.fullmatch(url.strip())
+    if m is None:
+        shown = url[:40] + ("..." if len(url) > 40 else "")
+        raise ApiError(
+            400,
+            f"image {i}: {shown!r} is not a base64 data URL (data:image/png;base64,...); trimvlm never fetches URLs",
+        )
+    data = m.group(1)
+    if len(data) > limits.max_image_bytes:
+        raise ApiError(400, f"image {i} is {len(data)} bytes of base64, at most {limits.max_image_bytes}")
+    try:
+        im = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        im.load()
+        return im.convert("RGB")
+    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as e:
+        raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def prepare(vlm, prompt: str, urls: list[str], limits) -> tuple[list, object]:
+    """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image
+    fails here, never in a batch)."""
+    images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
+    return images, vlm.prepare(images or None, prompt)
+
+
+async def handle(state, request):
+    with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
+        return await _handle(state, request, arrival)
+
+
+async def _handle(state, request, arrival):
+    from fastapi.responses import StreamingResponse
+
+    t0 = time.perf_counter()
+    body = await state.read_json(request)
+    req, prompt, urls, max_tokens = parse(body, state.limits)
+    model = state.model_name(body)
+    recipe = state.recipe("chat", req.recipe)
+    if state.vlm.adapter.decision_head is not None:
+        raise ApiError(
+            400,
+            "this server holds a decision model (no LM head): ask it System One requests at /v1/systemone",
+        )
+    from trimvlm.runtime.generate import Sampling
+
+    temperature = req.temperature or 0.0
+    top_p = 1.0 if req.top_p is None else req.top_p
+    seed = req.seed or 0
+    try:
+        Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them
+    except TrimVLMError as e:
+        raise from_trimvlm(e) from e
+    t1 = time.perf_counter()
+    images, prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits)
+    job = ChatJob(
+        prompt=prompt, images=images, prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
+        recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        stream=req.stream, preprocess_s=time.perf_counter() - t1,
+    )  # fmt: skip
+    key = ("chat", recipe.label, max_tokens) + (() if temperature == 0 else ("sampled", next(_sampled)))
+    out, job_info = await state.submit(key, job, arrival)
+    out["usage"] |= {
+        "recipe": recipe.label,
+        "queue_s": job_info.started - job_info.enqueued,
+        "server_latency_s": time.perf_counter() - t0,
+    }
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if not req.stream:
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                         "finish_reason": out["finish_reason"]}],
+            "usage": out["usage"],
+        }  # fmt: skip
+
+    def chunk(delta: dict, finish=None, usage=None) -> str:
+        c = {
+            "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }  # fmt: skip
+        if usage is not None:
+            c["usage"] = usage
+        return f"data: {json.dumps(c)}\n\n"
+
+    def events():
+        yield chunk({"role": "assistant", "content": ""})
+        for piece in out["deltas"]:
+            yield chunk({"content": piece})
+        yield chunk({}, out["finish_reason"], out["usage"])
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def run(state, key, jobs: list[ChatJob]) -> list[dict]:
+    """On the model thread: one `vlm.generate` over the batch, then per request its text and its costs."""
+    vlm = state.vlm
+    vision = [vlm.runner.vision_flops(j.prepared) for j in jobs]  # its own images, untimed, cached per shape
+    j0 = jobs[0]
+    res = vlm.generate(
+        [j.images or None for j in jobs], [j.prompt for j in jobs], recipe=j0.recipe,
+        max_new_tokens=j0.max_tokens, temperature=j0.temperature, top_p=j0.top_p, seed=j0.seed,
+    )  # fmt: skip
+    c, rows = res.costs, [1] * len(jobs)
+    lengths = [len(t) for t in res.tokens]  # the stop token is not in `tokens`
+    # decode steps a row took: its first token comes from the prefill, a row that stopped made one more
+    steps = [n + (n < j0.max_tokens) - 1 for n in lengths]
+    steps = steps if sum(steps) else rows
+    prefill = split(c.flops.get("prefill", 0), rows)
+    decode = split(c.decode_flops, steps)
+    method = [
+        a + b
+        for a, b in zip(split(c.method_prefill_flops, rows), split(c.method_decode_flops, steps), strict=True)
+    ]
+    kv, kv_peak, st = split(c.kv_bytes, rows), split(c.kv_bytes_peak, rows), split(c.state_bytes, rows)
+    forward_s = sum(c.seconds.values())
+    out = []
+    for i, j in enumerate(jobs):
+        model_flops = vision[i] + prefill[i] + decode[i]
+        usage = {
+            "prompt_tokens": j.prompt_tokens, "completion_tokens": lengths[i],
+            "total_tokens": j.prompt_tokens + lengths[i],
+            "vision_flops": vision[i], "prefill_flops": prefill[i], "decode_flops": decode[i],
+            "model_flops": model_flops, "method_flops": method[i], "total_flops": model_flops + method[i],
+            "kv_bytes": kv[i], "kv_bytes_peak": kv_peak[i], "state_bytes": st[i],
+            "preprocess_s": j.preprocess_s, "forward_s": forward_s, "latency_s": j.preprocess_s + forward_s,
+            "batch_requests": len(jobs),
+        }  # fmt: skip
+        item = {
+            "text": res.texts[i],
+            "finish_reason": "length" if lengths[i] >= j.max_tokens else "stop",
+            "usage": usage,
+        }
+        if j.stream:
+            item["deltas"] = deltas(vlm.tokenizer, res.tokens[i], res.texts[i])
+        out.append(item)
+    return out
+
+
+def deltas(tokenizer, tokens: list[int], text: str) -> list[str]:
+    """The text as it grows token by token (decoded as `generate` decodes it); the pieces concatenate to `text`.
+    A prefix that ends in an incomplete character waits for the next token."""
+    pieces, sent = [], ""
+    for k in range(1, len(tokens) + 1):
+        now = tokenizer.decode(tokens[:k], skip_special_tokens=True).strip()
+        if (
+            now.startswith(sent)
+            and not now.endswith("\ufffd")
+            and len(now) > len(sent)
+            and text.startswith(now)
+        ):
+            pieces.append(now[len(sent) :])
+            sent = now
+    if len(text) > len(sent):
+        pieces.append(text[len(sent) :])
+    return pieces

@@ -1,0 +1,67 @@
+"""HTTP errors: trimvlm's errors -> a status code and a body that says what was wrong.
+
+As `transformers serve` answers: 422 with a FastAPI-style list `[{"loc", "msg", "type"}]` for a request that is
+not of the schema (not JSON, missing or unknown fields, wrong types, a question transformers' `parse_questions`
+refuses, too many questions), 400 with the reason as text for a well-formed request that cannot be answered (an
+image that does not decode, an unknown recipe, too many images, max_tokens above the limit), 413 for a body
+over the size limit, 500 when the model failed on a batch. Every body also carries an OpenAI-style
+`{"error": {"message", "type", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from trimvlm.decision import QuestionError, RequestError
+from trimvlm.errors import TrimVLMError
+
+
+class ApiError(Exception):
+    """An error answer: `status` and `detail` (a message, or a list of `{"loc", "msg", "type"}` for 422)."""
+
+    def __init__(self, status: int, detail):
+        if not isinstance(detail, str):  # the message names where: "body.questions: ..."
+            detail = [dict(d, msg=" ".join(str(d["msg"]).split())) for d in detail]
+        text = (
+            detail
+            if isinstance(detail, str)
+            else "; ".join(f"{_where(d['loc'])}: {d['msg']}" for d in detail)
+        )
+        super().__init__(text)
+        self.status = status
+        self.detail = detail
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error"}
+        return {
+            "detail": self.detail,
+            "error": {
+                "message": str(self),
+                "type": kind.get(self.status, "server_error"),
+                "code": self.status,
+            },
+        }
+
+
+def _where(loc) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def schema_error(msg: str, *loc, kind: str = "value_error") -> ApiError:
+    """A 422 in FastAPI's shape, `loc` under "body"."""
+    return ApiError(422, [{"loc": ["body", *loc], "msg": msg, "type": kind}])
+
+
+def from_trimvlm(e: TrimVLMError) -> ApiError:
+    """The status code of a trimvlm error raised while reading a request (docs/serving.md, "Errors")."""
+    msg = " ".join(str(e).split())
+    if isinstance(e, RequestError):
+        return schema_error(msg)
+    if isinstance(e, QuestionError):
+        return schema_error(msg, "questions")
+    # AssetError, other DecisionErrors, RecipeError, InputError, UnsupportedModelError: well-formed, unanswerable
+    return ApiError(400, msg)
+
+
+def model_failed(e: BaseException) -> ApiError:
+    """The model raised on a batch: 500 for its requests (the server goes on serving)."""
+    detail = " ".join(str(e).split())[:300]
+    return ApiError(500, f"the model failed on this request ({type(e).__name__}: {detail})")

@@ -1,0 +1,41 @@
+"""What one request to the server may ask for (`trimvlm serve --max-...`), checked before any model work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trimvlm.decision import Limits
+from trimvlm.errors import InputError
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """`max_body_bytes`: the request body (413 past it); `max_images`: images per request (System One assets,
+    chat `image_url` parts); `max_image_bytes`: one encoded image; `max_questions`: questions per System One
+    request; `max_tokens`: the most a chat completion may ask for (`max_tokens` / `max_completion_tokens`);
+    `default_max_tokens`: what it gets when it asks for none."""
+
+    max_body_bytes: int = 16 * MiB
+    max_images: int = 8
+    max_image_bytes: int = 8 * MiB
+    max_questions: int = 64
+    max_tokens: int = 256
+    default_max_tokens: int = 32
+
+    def __post_init__(self):
+        for name, v in vars(self).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"server limit {name} must be a positive integer, got {v!r}")
+        if self.default_max_tokens > self.max_tokens:
+            raise InputError(
+                f"default_max_tokens ({self.default_max_tokens}) is above max_tokens ({self.max_tokens})"
+            )
+
+    def decision(self) -> Limits:
+        """The limits `decision.prepare_request` checks (no local file paths: requests are remote)."""
+        return Limits(
+            max_questions=self.max_questions, max_assets=self.max_images,
+            max_asset_bytes=self.max_image_bytes, allow_paths=False,
+        )  # fmt: skip

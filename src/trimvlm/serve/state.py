@@ -1,0 +1,165 @@
+"""What the endpoints share: the model, the batcher, the preparation thread, the limits, the recipes.
+
+Preparation (decoding images, rendering and tokenizing prompts) runs on one thread of its own, beside the model
+thread: the event loop never blocks on it, and the two CPU halves of serving overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.serve.batching import MicroBatcher
+from trimvlm.serve.errors import ApiError, from_trimvlm, model_failed, schema_error
+from trimvlm.serve.limits import ServerLimits
+
+
+@dataclass
+class Recipe:
+    """A recipe a request may run with: `label` (the batching key) and the parsed recipe."""
+
+    label: str
+    recipe: object
+
+
+def reads_files(recipe) -> bool:
+    """Whether a recipe names server-side files (a router checkpoint, a layer ranking): a remote request's may
+    not (the server would read any path it is sent)."""
+    from trimvlm.recipe import AXES
+
+    specs = [getattr(recipe, a) for a in AXES if getattr(recipe, a) is not None]
+    return recipe.router is not None or any("file" in spec.options for spec in specs)
+
+
+class ServerState:
+    def __init__(
+        self,
+        vlm,
+        *,
+        model_id: str,
+        recipe: str | None = None,
+        limits: ServerLimits | None = None,
+        max_batch: int = 32,
+        max_wait_ms: float = 10.0,
+        decision_config=None,
+    ):
+        self.vlm = vlm
+        self.model_id = model_id
+        self.limits = limits or ServerLimits()
+        self.default_recipe = recipe or ""
+        self.decision_config = decision_config
+        self.started = time.time()
+        self.batcher = MicroBatcher(
+            self._run_batch, max_batch=max_batch,
+            max_wait_s=max_wait_ms / 1000,
+        )  # fmt: skip
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
+        self._recipes: dict[tuple[str, str], Recipe] = {}
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def _run_batch(self, key, payloads: list) -> list:
+        """On the model thread: one batch of requests with the same key (`key[0]`: the endpoint)."""
+        from trimvlm.serve import chat, systemone  # (they import this module's names)
+
+        run = {"decide": systemone.run, "chat": chat.run}[key[0]]
+        return run(self, key, payloads)
+
+    def close(self) -> None:
+        self.batcher.close()
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the preparation thread; a trimvlm error becomes its HTTP error."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._prep, lambda: fn(*args, **kwargs))
+        except TrimVLMError as e:
+            raise from_trimvlm(e) from e
+
+    async def submit(self, key, payload, arrival=None):
+        """Queue a prepared request for its batch: (its result, its Job). A trimvlm error raised by the batch
+        is the request's 400; any other, the model's failure: 500."""
+        try:
+            return await self.batcher.submit(key, payload, arrival)
+        except ApiError:
+            raise
+        except TrimVLMError as e:
+            raise from_trimvlm(e) from e
+        except Exception as e:  # noqa: BLE001
+            raise model_failed(e) from e
+
+    def recipe(self, kind: str, value) -> Recipe:
+        """The recipe of a request (`kind`: "decide" or "chat"): its `recipe` field, else the server's. Checked
+        once per distinct text (a bad one: 400, before the request is tokenized)."""
+        if value is None:
+            value = self.default_recipe
+        if not isinstance(value, str):
+            raise schema_error(
+                f"`recipe` is a recipe string, got {type(value).__name__}", "recipe", kind="string_type"
+            )
+        key = (kind, value)
+        if key not in self._recipes:
+            from trimvlm.decision import decision_plan
+            from trimvlm.plan import make_plan
+            from trimvlm.recipe import parse_recipe
+
+            try:
+                parsed = parse_recipe(value)
+                if value != self.default_recipe and reads_files(parsed):
+                    raise ApiError(
+                        400,
+                        f"recipe {value!r} reads files on the server (router=, file=): only the server's own "
+                        "--recipe may; start the server with it",
+                    )
+                (decision_plan if kind == "decide" else make_plan)(parsed, self.vlm.runner)
+            except RecipeError as e:
+                raise ApiError(400, f"recipe {value!r}: {' '.join(str(e).split())}") from e
+            except TrimVLMError as e:
+                raise from_trimvlm(e) from e
+            if len(self._recipes) > 256:  # a bounded memo of texts seen
+                self._recipes.clear()
+            self._recipes[key] = Recipe(label=parsed.label(), recipe=parsed)
+        return self._recipes[key]
+
+    def model_name(self, body: dict) -> str:
+        """The `model` a request names (it may name none): this server answers for its model only (400 else)."""
+        name = body.get("model")
+        if name is None:
+            return self.model_id
+        if not isinstance(name, str):
+            raise schema_error(f"`model` is a string, got {type(name).__name__}", "model", kind="string_type")
+        if name not in self.aliases:
+            raise ApiError(400, f"this server answers for {self.model_id!r}; the request asks for {name!r}")
+        return name
+
+    @property
+    def aliases(self) -> set[str]:
+        return {self.model_id, Path(self.model_id).name}
+
+    async def read_json(self, request) -> dict:
+        """The request body as a JSON object: 413 past `max_body_bytes` (by its Content-Length or as it is read),
+        422 for text that is not a JSON object."""
+        limit = self.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is {int(length)} bytes, at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise schema_error(f"JSON decode error: {e}", kind="json_invalid") from e
+        if not isinstance(body, dict):
+            raise schema_error(f"the body is a JSON object, got a {type(body).__name__}", kind="dict_type")
+        return body

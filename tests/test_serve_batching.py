@@ -1,0 +1,123 @@
+"""The server's micro-batcher (no HTTP): batches by key, up to max_batch, within max_wait, waits only for
+requests on their way; a failing request fails alone and the worker goes on. The serve extra missing is one
+line naming it."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from trimvlm.serve.batching import MicroBatcher
+
+
+@pytest.fixture(autouse=True)
+def _one():
+    torch.set_num_threads(1)
+
+
+class Recorder:
+    def __init__(self, delay=0.0):
+        self.batches = []
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def __call__(self, key, payloads):
+        with self.lock:
+            self.batches.append((key, list(payloads)))
+        time.sleep(self.delay)
+        if "boom" in payloads:
+            raise RuntimeError("boom")
+        return [ValueError(p) if p == "bad" else (key, p) for p in payloads]
+
+
+def run_all(batcher, jobs, announce=True):
+    """Submit all jobs at once; `announce`: each is announced first (as a server's request being prepared)."""
+
+    async def main():
+        batcher.start()
+        arrivals = [batcher.arrival() if announce else None for _ in jobs]
+        try:
+            return await asyncio.gather(
+                *(batcher.submit(k, p, a) for (k, p), a in zip(jobs, arrivals, strict=True)),
+                return_exceptions=True,
+            )
+        finally:
+            batcher.close()
+
+    return asyncio.run(main())
+
+
+def test_batches_by_key_and_size():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=3, max_wait_s=0.2)
+    jobs = [("a", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 5)]
+    out = run_all(b, jobs)
+    assert [r[0] for r in out] == [(k, p) for k, p in jobs]  # each its own result
+    assert all(len(p) <= 3 and all(j[0] == key for j in jobs if j[1] in p) for key, p in rec.batches)
+    assert sorted(p for _, ps in rec.batches for p in ps) == list(range(6))
+    assert sorted(len(p) for _, p in rec.batches) == [1, 2, 3]  # a: 3 + 1, b: 2
+    assert [job.batch for _, job in out] == [3, 2, 3, 3, 1, 2]
+    assert b.stats()["requests"] == 6 and b.stats()["largest_batch"] == 3
+
+
+def test_max_batch_one_runs_each_alone():
+    rec = Recorder()
+    out = run_all(MicroBatcher(rec, max_batch=1, max_wait_s=0.5), [("a", i) for i in range(4)])
+    assert [len(p) for _, p in rec.batches] == [1, 1, 1, 1]
+    assert [r[0][1] for r in out] == [0, 1, 2, 3]
+
+
+def test_a_failing_request_fails_alone():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=8, max_wait_s=0.2)
+    out = run_all(b, [("a", 0), ("a", "boom"), ("a", 2), ("a", "bad")])
+    assert out[0][0] == ("a", 0) and out[2][0] == ("a", 2)
+    assert isinstance(out[1], RuntimeError) and isinstance(out[3], ValueError)
+    assert [len(p) for _, p in rec.batches] == [4, 1, 1, 1, 1]  # the batch, then each alone
+    assert b.failed_batches == 2
+
+
+def test_a_lone_request_does_not_wait():
+    """Nothing else on its way: the batch runs at once, not after max_wait (60 s here)."""
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=32, max_wait_s=60)
+    t0 = time.perf_counter()
+    out = run_all(b, [("a", 0)])
+    assert time.perf_counter() - t0 < 30 and out[0][0] == ("a", 0)
+    assert rec.batches == [("a", [0])]
+
+
+def test_waits_for_announced_requests():
+    """A request still being prepared is waited for (up to max_wait), and joins the batch."""
+    rec = Recorder()
+    b = MicroBatcher(rec, max_batch=32, max_wait_s=60)
+
+    async def main():
+        b.start()
+        late = b.arrival()
+        first = asyncio.ensure_future(b.submit("a", 0))
+        await asyncio.sleep(0.2)  # "preparing" the second request
+        second = await b.submit("a", 1, late)
+        b.close()
+        return await first, second
+
+    (r0, j0), (r1, j1) = asyncio.run(main())
+    assert (r0, r1) == (("a", 0), ("a", 1)) and j0.batch == j1.batch == 2
+    assert rec.batches == [("a", [0, 1])]
+
+
+def test_missing_extra_is_one_line(monkeypatch):
+    import importlib.util
+
+    from trimvlm.serve import MissingExtraError, require
+    from trimvlm.testing.cli import assert_one_line_error, run_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a)
+    )
+    with pytest.raises(MissingExtraError, match=r"pip install 'trimvlm\[serve\]'"):
+        require()
+    assert_one_line_error(run_cli("serve", "--model", "demo"), "pip install 'trimvlm[serve]'")
