@@ -202,7 +202,9 @@ def test_token_reduction_lowers_flops(demo, recipe):
     base = demo.decide(req, return_costs=True)
     cut = demo.decide(req, recipe=recipe, return_costs=True)
     assert cut.recipe == recipe
-    assert cut.usage[0].layer_flops < 0.6 * base.usage[0].layer_flops
+    # 64 of the prompt's visual tokens kept 16 from layer 0 (random) or 1 (density) of 6; the three questions'
+    # tails (not reduced) run as branches off the one shared prefix
+    assert cut.usage[0].layer_flops < 0.7 * base.usage[0].layer_flops
     assert cut.usage[0].total_flops < base.usage[0].total_flops
     assert cut.costs.kv_bytes < base.costs.kv_bytes
     assert list(cut.answers[0]) == list(base.answers[0])
@@ -329,3 +331,28 @@ def test_jev_release_format(tmp_path):
 
     with pytest.raises(UnsupportedModelError, match="LoRA"):
         trimvlm.load(folder)
+
+
+def test_questions_share_their_request_prefix_and_equal_the_unshared_forward(demo):
+    """A request's prompts (one per question, each starting with the image) encode the image and the common
+    prefix once; every question's state equals the plain per-prompt forward's."""
+    from trimvlm.decision import prepare_request
+    from trimvlm.decision.forward import run_prompts
+    from trimvlm.decision.shared import prefix_cuts, run_shared
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.meter import Meter
+
+    reqs = [{"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": scene(7)}},
+            {"state": "<b>", "questions": {"c": DEMO_QUESTIONS["circle"]}, "assets": {"<b>": scene(8, 96)}}]  # fmt: skip
+    prepared = [prepare_request(demo, r) for r in reqs]
+    groups = [r.prompts for r in prepared]
+    cuts = prefix_cuts(demo, groups)
+    assert cuts is not None and all(c > 64 for c in cuts)  # past every one of the image's tokens
+    plan = make_plan("", demo.runner)
+    shared = run_shared(demo, groups, cuts, plan, Meter())
+    plain = run_prompts(demo, [p for g in groups for p in g], plan, Meter())
+    assert torch.allclose(shared.hidden, plain.hidden, atol=1e-5)
+    assert shared.layer_flops < plain.layer_flops and shared.prepared.batch == 2
+    res = demo.decide(reqs[0], return_costs=True)
+    one = demo.runner.vision_flops(demo.adapter.prepare_processed([prepared[0].prompts[0].inputs]))
+    assert res.usage[0].vision_flops == one  # the image is encoded once for its three questions

@@ -80,8 +80,9 @@ def request_costs(prepared_requests, fwd, costs, vision: list[int], readout: lis
         b += n
     layers = split(fwd.layer_flops, rows)
     method = split(costs.method_total_flops, rows)
-    kv = split(fwd.cache.attention_bytes(), rows)
-    state = split(fwd.cache.state_bytes(), rows)
+    kv_rows = fwd.kv_rows or rows  # a shared-prefix forward holds one prefix row per request
+    kv = split(fwd.cache.attention_bytes(), kv_rows)
+    state = split(fwd.cache.state_bytes(), kv_rows)
     forward_s = sum(costs.seconds.values())
     return [
         RequestCosts(

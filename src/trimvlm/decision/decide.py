@@ -19,8 +19,10 @@ from trimvlm.decision.forward import run_prompts
 from trimvlm.decision.limits import Limits
 from trimvlm.decision.prompts import PreparedRequest, prepare_request
 from trimvlm.decision.readout import answers, option_scores
+from trimvlm.decision.shared import prefix_cuts, prefix_inputs, run_shared
 from trimvlm.errors import RecipeError
 from trimvlm.runtime.meter import Costs, Meter
+from trimvlm.runtime.runner import LayerPlan
 
 
 @dataclass
@@ -97,16 +99,18 @@ def run(vlm, prepared: list[PreparedRequest], *, recipe=None, track_memory: bool
         raise RequestError("no requests given")
     plan = recipe if isinstance(recipe, Plan) else decision_plan(recipe, vlm.runner)
     prompts = [p for r in prepared for p in r.prompts]
+    groups = [r.prompts for r in prepared]
     meter = Meter(device=vlm.runner.device, track_tensors=track_memory)
-    # the vision tower's FLOPs per request, counted on its own images (untimed, remembered per shape; outside
-    # the measured memory too)
-    vision = [
-        vlm.runner.vision_flops(vlm.adapter.prepare_processed([p.inputs for p in r.prompts]))
-        for r in prepared
-    ]
+    cuts = None if isinstance(plan.skip_prefill, LayerPlan | torch.Tensor) else prefix_cuts(vlm, groups)
+    # the vision tower's FLOPs per request, counted on the images it encodes (once per request with a shared
+    # prefix, once per prompt without; untimed, remembered per shape; outside the measured memory too)
+    encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
+        [[p.inputs for p in g] for g in groups]  # fmt: skip
+    vision = [vlm.runner.vision_flops(vlm.adapter.prepare_processed(e)) for e in encoded]
     meter.start_memory()
     meter.add("vision", sum(vision))
-    fwd = run_prompts(vlm, prompts, plan, meter)
+    fwd = run_shared(vlm, groups, cuts, plan, meter) if cuts else run_prompts(vlm, prompts, plan, meter)
+    before = meter.costs.flops.get("prefill", 0)
     with meter.timer("prefill"):
         scores = option_scores(vlm, prompts, fwd.hidden, meter)
         out, k = [], 0
@@ -114,6 +118,6 @@ def run(vlm, prepared: list[PreparedRequest], *, recipe=None, track_memory: bool
             out.append(answers(r.config, r.prompts, scores[k : k + len(r.prompts)]))
             k += len(r.prompts)
     meter.stop_memory()
-    readout = split(meter.costs.flops["prefill"] - fwd.layer_flops, [r.questions for r in prepared])
+    readout = split(meter.costs.flops["prefill"] - before, [r.questions for r in prepared])
     usage = request_costs(prepared, fwd, meter.costs, vision, readout)
     return DecisionResult(answers=out, usage=usage, costs=meter.costs, recipe=plan.recipe.label())

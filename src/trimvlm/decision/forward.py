@@ -25,6 +25,7 @@ class Forward:
     prepared: object  # the batch (adapters.base.Prepared)
     cache: KVCache  # what the layers held at the end of the forward (measured, then dropped)
     layer_flops: int  # the decoder layers' FLOPs (the meter's prefill line before any readout)
+    kv_rows: list[int] | None = None  # per request its rows of `cache` (None: one per prompt)
 
 
 @torch.no_grad()

@@ -1,0 +1,90 @@
+"""The shared-prefix forward of a decision batch: a request's prompts that begin alike (one prompt per question,
+each starting with the state and its images, as most decision templates write them) encode that common part
+once, and every prompt's own tail runs as a branch off it, reading its request's prefix cache uncopied (the
+scoring engine's `batched` executor).
+
+Per request the prefix is the longest common token prefix of its prompts, cut before the first position a
+question is read at (the token before its mark), and it must hold every image token of its prompts; each tail
+runs from there up to its last read position (nothing after it can change what is read). Attention in the tail
+sees [prefix KV | own KV] in one softmax and recurrent layers start from the prefix's states, so the states read
+equal the plain forward's (tested against DecisionPipeline). The vision tower runs once per request instead of
+once per question.
+
+A recipe's token reducer runs on the prefix (the state's images are reduced once per request, so a
+question-aware reducer such as FastV reads the prefix's last token, not each question); its layer plan applies
+to prefix and tails alike. A per-sample layer plan (the router), or a batch where some request's prompts share
+no such prefix, takes the plain forward (`forward.run_prompts`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.decision.forward import Forward
+from trimvlm.kernels.flops import counting
+from trimvlm.runtime.cache import KVCache
+from trimvlm.runtime.runner import PrefillOutput, _next_positions
+from trimvlm.scoring.executors import batched
+from trimvlm.scoring.executors.common import Work
+from trimvlm.scoring.trie import build_forest
+
+PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # cut with the tokens
+
+
+def prefix_cuts(vlm, groups: list[list]) -> list[int] | None:
+    """Per request (its `prompts.Prompt`s), the length of the prefix its prompts share; None when one has none
+    (nothing before its first read position, or an image token after the common part)."""
+    try:
+        image = int(vlm.adapter.image_token_id)
+    except (AttributeError, TypeError):
+        image = None  # a text-only backbone
+    cuts = []
+    for prompts in groups:
+        ids = [p.inputs["input_ids"].reshape(-1) for p in prompts]
+        cut = min(len(x) for x in ids)
+        for x in ids[1:]:
+            differ = torch.nonzero(x[:cut] != ids[0][:cut]).flatten()
+            if len(differ):
+                cut = int(differ[0])
+        cut = min([cut] + [int(p.marks.min()) - 1 for p in prompts])
+        if cut < 1:
+            return None
+        if image is not None and any(bool((x[cut:] == image).any()) for x in ids):
+            return None
+        cuts.append(cut)
+    return cuts
+
+
+def prefix_inputs(prompts: list, cut: int) -> dict:
+    """The processor tensors of a request's shared prefix: its first prompt's, cut to `cut` tokens."""
+    return {k: (v[..., :cut] if k in PER_TOKEN else v) for k, v in prompts[0].inputs.items()}
+
+
+@torch.no_grad()
+def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward:
+    """Prefix per request (batched across requests), then every prompt's tail as a branch off its request."""
+    runner, ad = vlm.runner, vlm.adapter
+    prepared = ad.prepare_processed([prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)])
+    skip = plan.skip_prefill or frozenset()
+    runner.check_skip(skip, prepared.batch)
+    ctx = plan.attention_context()
+    vision = None if ctx is None else ctx.vision
+    with meter.timer("vision"), counting(meter, "vision"):
+        seq = ad.embed(prepared) if vision is None else ad.embed(prepared, vision=vision)
+    next_pos = _next_positions(seq)
+    cache = KVCache(runner.num_layers)
+    with meter.timer("prefill"):
+        seq = runner.run(seq, cache, phase="prefill", hook=plan.hook, skip=skip, meter=meter, ctx=ctx)
+    meter.kv(cache)
+    prefix = PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=next_pos)
+    tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
+             for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
+    forest = build_forest(tails, next_pos.tolist(), merge=False)
+    with meter.timer("prefill"):
+        states = batched.run(Work(runner, prefix, forest, frozenset(skip), meter, plan))
+    rows = [forest.paths[r][j][int(m) - 1 - c]
+            for r, (g, c) in enumerate(zip(groups, cuts, strict=True))
+            for j, p in enumerate(g) for m in p.marks]  # fmt: skip
+    layers = meter.costs.flops.get("prefill", 0) + meter.costs.flops.get("branch", 0)
+    return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=cache,
+                   layer_flops=layers, kv_rows=[1] * len(groups))  # fmt: skip
