@@ -102,6 +102,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tol", type=float, default=0.01)
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma-separated family names to match (default: all)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -113,6 +114,8 @@ def main(argv=None) -> None:
         fams = families(0, a.rankings, None) | families(skip, a.rankings, a.router)
         if skip == 0:
             fams = families(0, a.rankings, a.router)
+        if a.only:
+            fams = {n: f for n, f in fams.items() if n in a.only.split(",")}
         best, infeasible = match(vlm, task, fams, target, a.tol, a.batch_size)
         tag = f"B{round(100 * target)}"
         for n, r in infeasible.items():

@@ -51,6 +51,9 @@ def test_preference_pairs_compare_only_layouts_that_differ_in_one_part_and_skip_
     lay = sorted(zip(*(x.tolist() for x in pairs["layers"]), strict=True))
     assert tok == [(2, 0), (3, 1)]  # same layer set: t=1 beats t=0 under both
     assert lay == [(0, 1)]  # same token set: l=0 beats l=1 for t=0; t=1's 0.5 vs 0.52 is a near-tie
+    tiny = preference_pairs(torch.tensor([0.0, 0.004, 0.3, 0.001], dtype=torch.float64), 2, 2, 0.1, floor=0.05)
+    assert [tuple(x.tolist()) for x in tiny["tokens"]] == [(0,), (2,)]  # t=0 beats t=1 under l=0 only
+    assert [tuple(x.tolist()) for x in tiny["layers"]] == [(3,), (2,)]  # 0.0 vs 0.004 is no preference
     gen = torch.Generator().manual_seed(0)
     assert layer_sets(gen, [3, 4, 5], 1, order=[4, 3, 5]) == [[3], [4], [5]]
     many = layer_sets(gen, list(range(8, 16)), 3, order=list(range(16)), max_sets=5)

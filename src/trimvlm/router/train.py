@@ -14,7 +14,8 @@ For every unlabeled input x (the task's images and prompts; answers are never re
    its cost is the sum over answer positions of KL(p_full || p_layout);
 4. preference pairs come from the grid: two layouts with the same layer set and different token sets (a
    token pair), or the same token set and different layer sets (a layer pair), the cheaper one preferred when
-   its cost is below (1 - `margin`) times the other's (near-ties carry no preference). The elements the two
+   its cost is below (1 - `margin`) times the other's and `floor` nats below it (near-ties, and differences
+   between two nearly free layouts, carry no preference). The elements the two
    share cancel in the DPO margin, so a token pair trains the token scores and a layer pair the layer scores;
    the loss is the mean DPO loss of the token pairs plus that of the layer pairs, so that a handful of layer
    decisions is not drowned by hundreds of token decisions;
@@ -164,9 +165,10 @@ def layer_sets(gen, cand, layers_skip, order, max_sets: int = 8) -> list[list[in
     return out
 
 
-def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float) -> dict:
+def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float, floor: float = 0.0) -> dict:
     """Token pairs (same layer set) and layer pairs (same token set) of the [n_tok x n_lay] layout grid
-    (layout index = t * n_lay + l), the cheaper preferred when clearly cheaper."""
+    (layout index = t * n_lay + l), the cheaper preferred when clearly cheaper: by more than `margin` times the
+    dearer one's cost and by more than `floor` nats (0.001 against 0.004 is a tie, not a preference)."""
     c = cost.view(n_tok, n_lay)
     out = {}
     for kind, groups in (("tokens", [[(t, j) for t in range(n_tok)] for j in range(n_lay)]),
@@ -174,7 +176,7 @@ def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float) 
         w, lo = [], []
         for g in groups:
             for a, b in itertools.permutations(g, 2):
-                if c[a] < (1 - margin) * c[b]:
+                if c[a] < (1 - margin) * c[b] and c[b] - c[a] > floor:
                     w.append(a[0] * n_lay + a[1])
                     lo.append(b[0] * n_lay + b[1])
         out[kind] = (torch.tensor(w, dtype=torch.long), torch.tensor(lo, dtype=torch.long))
@@ -183,7 +185,8 @@ def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float) 
 
 def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2, epochs: int = 3, seed: int = 0,
                  sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 8, beta: float = 0.1, lr: float = 1e-3,
-                 width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, out=None, resume: bool = False,
+                 width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, floor: float = 0.05, out=None,
+                 resume: bool = False,
                  on_step=None) -> dict:  # fmt: skip
     """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch."""
     import copy
@@ -237,7 +240,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         chosen = torch.cat([_kept(seq, scores, token_keep, layer), ~plans[:, cand]], dim=1)
         feats = _features(seq)
         rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
-        pairs = preference_pairs(cost, len(toks), len(lays), margin)
+        pairs = preference_pairs(cost, len(toks), len(lays), margin, floor)
         data.append(Example(feats, chosen, pairs, rp, cost))
         if on_step is not None:
             on_step()
