@@ -30,13 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import trimvlm
-
-QUESTIONS = {
-    "circle": {"type": "noul", "instructions": "is there a blue circle ?"},
-    "which": {"type": "choice", "instructions": "which is present ?",
-              "criteria": {"rs": "red square", "bc": "blue circle", "gt": "green triangle", "wc": None}},
-    "yellow": {"type": "score", "instructions": "how many yellow ?", "criteria": ["0", "1", "2", "3", "4"]},
-}  # fmt: skip
+from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS
 
 
 def requests(n: int, questions: int) -> list[dict]:

@@ -37,14 +37,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS
+
 console = Console(width=200)
 
-QUESTIONS = {
-    "circle": {"type": "noul", "instructions": "is there a blue circle ?"},
-    "which": {"type": "choice", "instructions": "which is present ?",
-              "criteria": {"rs": "red square", "bc": "blue circle", "gt": "green triangle", "wc": None}},
-    "yellow": {"type": "score", "instructions": "how many yellow ?", "criteria": ["0", "1", "2", "3", "4"]},
-}  # fmt: skip
 # the demo task's question kinds: short answers (a count, yes / no, a color) and long ones (a description, a
 # row's objects, the text read)
 PROMPTS = [

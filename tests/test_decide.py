@@ -8,8 +8,8 @@ import torch
 
 import trimvlm
 from trimvlm.testing import random_image
-
-TOL = 1e-5
+from trimvlm.testing.decisions import DEMO_QUESTIONS
+from trimvlm.testing.decisions import assert_same_answers as assert_same
 
 
 @pytest.fixture(autouse=True)
@@ -43,31 +43,6 @@ def pipeline(vlm, decision_config=None):
         model=model, tokenizer=getattr(proc, "tokenizer", proc), processor=proc if images else None,
         decision_config=cfg,
     )  # fmt: skip
-
-
-def assert_same(a: dict, b: dict, tol: float = TOL):
-    """Two answer dicts: same questions, types, keys and chosen options; numbers within tol."""
-    assert list(a) == list(b)
-    for name in a:
-        x, y = a[name], b[name]
-        assert x.keys() == y.keys(), name
-        for k in x:
-            if isinstance(x[k], float):
-                assert abs(x[k] - y[k]) <= tol, (name, k, x[k], y[k])
-            elif k == "probabilities":
-                assert x[k].keys() == y[k].keys()
-                for o in x[k]:
-                    assert abs(x[k][o] - y[k][o]) <= tol, (name, o, x[k][o], y[k][o])
-            else:
-                assert x[k] == y[k], (name, k)
-
-
-DEMO_QUESTIONS = {
-    "circle": {"type": "noul", "instructions": "is there a blue circle ?"},
-    "which": {"type": "choice", "instructions": "which is present ?",
-              "criteria": {"rs": "red square", "bc": "blue circle", "gt": "green triangle", "wc": None}},
-    "yellow": {"type": "score", "instructions": "how many yellow ?", "criteria": ["0", "1", "2", "3", "4"]},
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,9 @@ for _mod in ("fastapi", "uvicorn", "httpx"):
 import httpx  # noqa: E402
 
 import trimvlm  # noqa: E402
+from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS  # noqa: E402
+from trimvlm.testing.decisions import assert_same_answers as assert_same  # noqa: E402
 
-TOL = 1e-5
 MAX_TOKENS = 48  # the server's --max-tokens
 MAX_BODY_MB = 1
 
@@ -52,12 +53,6 @@ def asset(seed: int) -> dict:
     return {"type": "image", "format": "png", "data_base64": b64(seed)}
 
 
-QUESTIONS = {
-    "circle": {"type": "noul", "instructions": "is there a blue circle ?"},
-    "which": {"type": "choice", "instructions": "which is present ?",
-              "criteria": {"rs": "red square", "bc": "blue circle", "gt": "green triangle", "wc": None}},
-    "yellow": {"type": "score", "instructions": "how many yellow ?", "criteria": ["0", "1", "2", "3", "4"]},
-}  # fmt: skip
 
 
 def decide_request(i: int) -> dict:
@@ -140,21 +135,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def demo():
     return trimvlm.load("demo")
-
-
-def assert_same(a: dict, b: dict, tol: float = TOL):
-    assert list(a) == list(b)
-    for name in a:
-        x, y = a[name], b[name]
-        assert x.keys() == y.keys(), name
-        for k in x:
-            if isinstance(x[k], float):
-                assert abs(x[k] - y[k]) <= tol, (name, k, x[k], y[k])
-            elif k == "probabilities":
-                assert x[k].keys() == y[k].keys()
-                assert all(abs(x[k][o] - y[k][o]) <= tol for o in x[k]), (name, x[k], y[k])
-            else:
-                assert x[k] == y[k], (name, k)
 
 
 def local_answers(demo, req: dict, recipe=None):
