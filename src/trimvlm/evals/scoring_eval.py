@@ -27,7 +27,6 @@ Per recipe (the baseline, nothing skipped, always first):
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,8 @@ from typing import Any
 from trimvlm.errors import InputError
 from trimvlm.evals.report import MARKERS, _ratio, pareto_front, versions, write_outputs, write_text
 from trimvlm.evals.run import _model_info, _progress, normalize_recipes
-from trimvlm.evals.tasks import DEMO_DEFAULT_ITEMS, check_limit
+from trimvlm.evals.tasks import check_limit
+from trimvlm.evals.tasks.demo import demo_questions
 from trimvlm.options import is_int
 from trimvlm.recipe import Recipe
 
@@ -94,27 +94,18 @@ def get_candidate_task(name: str, limit: int | None = None, seed: int = 0) -> Ca
 @register_candidate_task("demo-candidates")
 def demo_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> CandidateTask:
     """`limit` candidate questions (default 300) of the demo task's `split`, one of every kind per image."""
-    from trimvlm.demo import task as demo
-
-    n = limit if limit is not None else DEMO_DEFAULT_ITEMS
-    kinds = list(demo.KINDS)
-    samples = demo.generate_split(split, math.ceil(n / len(kinds)), seed=seed)
-    items = []
-    for i, s in enumerate(samples):
-        for qa in s.qas:
-            if qa.kind not in demo.KINDS:
-                continue
-            items.append(
-                CandidateItem(
-                    id=f"{split}-{seed}-{i}-{qa.kind}",
-                    image=s.image,
-                    question=qa.question,
-                    candidates=list(qa.candidates),
-                    answer=qa.candidates.index(qa.answer),
-                    kind=qa.kind,
-                )
-            )
-    items = items[:n]
+    samples, questions = demo_questions(limit, seed, split)
+    items = [
+        CandidateItem(
+            id=qid,
+            image=s.image,
+            question=qa.question,
+            candidates=list(qa.candidates),
+            answer=qa.candidates.index(qa.answer),
+            kind=qa.kind,
+        )
+        for qid, s, qa in questions
+    ]
     return CandidateTask(
         name="demo-candidates",
         items=items,

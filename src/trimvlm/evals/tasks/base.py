@@ -33,6 +33,7 @@ from trimvlm.options import is_int
 PROBES = ("prefill", "full")
 OPTION_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
+SHORT_PROMPT = "<question>\\n" + SHORT_INSTRUCTION  # the format in words (Benchmark.prompt)
 
 
 @dataclass

@@ -17,33 +17,38 @@ DEMO_METRICS = {
 }
 
 
+def demo_questions(limit: int | None, seed: int, split: str) -> tuple[list, list]:
+    """(the samples drawn, the first `limit` (default 300) of their questions as (id, sample, qa)): one of
+    every kind per image, image-major. The demo task and the demo candidate task both read these."""
+    from trimvlm.demo import task as demo
+
+    n = limit if limit is not None else DEMO_DEFAULT_ITEMS
+    samples = demo.generate_split(split, math.ceil(n / len(demo.KINDS)), seed=seed)
+    questions = [(f"{split}-{seed}-{i}-{qa.kind}", s, qa)
+                 for i, s in enumerate(samples) for qa in s.qas if qa.kind in demo.KINDS]  # fmt: skip
+    return samples, questions[:n]
+
+
 @register_task("demo")
 def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """The synthetic demo task: `limit` questions (default 300), one of every kind per image, image-major."""
     from trimvlm.demo import task as demo
 
-    n = limit if limit is not None else DEMO_DEFAULT_ITEMS
-    kinds = list(demo.KINDS)
-    samples = demo.generate_split(split, math.ceil(n / len(kinds)), seed=seed)
-    records = []
-    for i, s in enumerate(samples):
-        for qa in s.qas:
-            if qa.kind not in demo.KINDS:
-                continue
-            records.append(
-                Record(
-                    id=f"{split}-{seed}-{i}-{qa.kind}",
-                    images=[s.image],
-                    question=qa.question,
-                    answers=[qa.answer],
-                    options=qa.options,
-                    probe=qa.probe,
-                    metric=DEMO_METRICS[qa.kind],
-                    kind=qa.kind,
-                    prompt=qa.question,  # options are already part of the demo's question text
-                )
-            )
-    records = records[:n]
+    samples, questions = demo_questions(limit, seed, split)
+    records = [
+        Record(
+            id=qid,
+            images=[s.image],
+            question=qa.question,
+            answers=[qa.answer],
+            options=qa.options,
+            probe=qa.probe,
+            metric=DEMO_METRICS[qa.kind],
+            kind=qa.kind,
+            prompt=qa.question,  # options are already part of the demo's question text
+        )
+        for qid, s, qa in questions
+    ]
     # Caps for the full-pipeline kinds: the longest possible answer plus its end token (a list names at most
     # MAX_OBJECTS colours; a drawn string has 3-4 glyphs), never below the longest reference here + 1, so a
     # truncated answer can never equal a reference. A model that answers right always stops before the cap.

@@ -13,7 +13,7 @@ on infographics, answered with text read from the image.
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
 from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
 
 
@@ -33,7 +33,7 @@ def _bench(name: str, title: str, config: str) -> Benchmark:
         make=make,
         probe="full",
         metric="anls",
-        prompt="<question>\\nAnswer the question using a single word or phrase.",
+        prompt=SHORT_PROMPT,
         default_split="validation",
         max_new_tokens=128,
     )

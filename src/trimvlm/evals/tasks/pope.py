@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from trimvlm.errors import InputError
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
 from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, missing, register_benchmark, text
 
 
@@ -39,7 +39,7 @@ POPE = register_benchmark(
         make=make,
         probe="prefill",
         metric="yesno",
-        prompt="<question>\\nAnswer the question using a single word or phrase.",
+        prompt=SHORT_PROMPT,
         default_split="test",
     )
 )

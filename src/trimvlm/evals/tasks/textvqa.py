@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
 from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
 
 
@@ -29,7 +29,7 @@ TEXTVQA = register_benchmark(
         make=make,
         probe="full",
         metric="vqa",
-        prompt="<question>\\nAnswer the question using a single word or phrase.",
+        prompt=SHORT_PROMPT,
         default_split="validation",
         max_new_tokens=32,
     )
