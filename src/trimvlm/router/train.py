@@ -48,29 +48,6 @@ class Example:
     chosen: torch.Tensor  # [M, Nv + N] bool: visual tokens kept, then candidate layers kept
     pairs: dict  # "tokens" / "layers" -> (winners [P], losers [P]) layout indices
     ref: torch.Tensor  # [M] the frozen reference's log pi of each layout
-    cost: torch.Tensor  # [M]
-
-
-def fastv_scores(runner, prepared, layer: int = 1) -> torch.Tensor:
-    """[B, S] the last query's attention in `layer` (heads averaged) of the unpruned model."""
-    probe = AttentionProbe(last=1, layers={layer})
-    runner.prefill(prepared, ctx=AttentionContext(probe=probe))
-    return probe.results[layer][:, -1].float()
-
-
-def router_inputs(runner, prepared, layer: int):
-    """The live sequence entering decoder layer `layer` of the unpruned model (the router's input)."""
-    if layer == 0:
-        return runner.adapter.embed(prepared)
-    got = {}
-
-    def hook(i, seq, run):
-        if i == layer:
-            got["seq"] = seq
-        return seq
-
-    runner.prefill(prepared, hook=hook)
-    return got["seq"]
 
 
 def answer_length(tokens: torch.Tensor, stop_ids) -> int:
@@ -81,18 +58,30 @@ def answer_length(tokens: torch.Tensor, stop_ids) -> int:
 
 
 @torch.no_grad()
-def answer(runner, prepared, n: int):
-    """(greedy answer tokens [B, n], p_full log-probs [B, n, V]) of the unpruned model."""
-    out = runner.prefill(prepared)
-    logits, tokens, pos = out.logits, [], out.next_pos.clone()
-    logps = []
+def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int):
+    """One prefill of the unpruned model serves every read training needs: the greedy answer (`n` tokens) and
+    p_full, its log-probs along it ([B, n], [B, n, V]); FastV's scores, the last query's attention in
+    `probe_layer`, heads averaged ([B, S]); and the live sequence entering `router_layer` (the router's input).
+    The probe only records one attention row and the hook returns the sequence unchanged, so the cache the
+    answer decodes from is the plain prefill's."""
+    probe = AttentionProbe(last=1, layers={probe_layer})
+    got = {}
+
+    def hook(i, seq, run):
+        if i == router_layer:
+            got["seq"] = seq
+        return seq
+
+    out = runner.prefill(prepared, hook=hook, ctx=AttentionContext(probe=probe))
+    logits, tokens, logps, pos = out.logits, [], [], out.next_pos.clone()
     for _ in range(n):
         logps.append(torch.log_softmax(logits.double(), -1))
         tok = logits.argmax(-1)
         tokens.append(tok)
         logits = runner.step(tok[:, None], runner.adapter.text_positions(pos, 1), out.cache)
         pos += 1
-    return torch.stack(tokens, 1), torch.stack(logps, 1)
+    fastv = probe.results[probe_layer][:, -1].float()
+    return torch.stack(tokens, 1), torch.stack(logps, 1), fastv, got["seq"]
 
 
 @torch.no_grad()
@@ -186,8 +175,7 @@ def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float, 
 def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2, epochs: int = 3, seed: int = 0,
                  sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 8, beta: float = 0.1, lr: float = 1e-3,
                  width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, floor: float = 0.05, out=None,
-                 resume: bool = False,
-                 on_step=None) -> dict:  # fmt: skip
+                 resume: bool = False, on_step=None) -> dict:  # fmt: skip
     """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch."""
     import copy
 
@@ -223,10 +211,9 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         if order is None:
             bi = block_influence(runner, [prep])
             order = sorted(range(n_layers), key=lambda i: (bi[i], i))
-        tok, p_full = answer(runner, prep, answer_tokens)
+        tok, p_full, fv, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
+        fv = fv[0]
         n_ans = answer_length(tok[0], vlm.stop_ids())
-        fv = fastv_scores(runner, prep, max(layer, 2) - 1)[0]
-        seq = router_inputs(runner, prep, layer)
         vis = (seq.visual & seq.valid)[0]
         cols = torch.nonzero(vis).flatten()
         toks = token_sets(gen, fv, cols, list(sigmas), seeds)
@@ -241,7 +228,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         feats = _features(seq)
         rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
         pairs = preference_pairs(cost, len(toks), len(lays), margin, floor)
-        data.append(Example(feats, chosen, pairs, rp, cost))
+        data.append(Example(feats, chosen, pairs, rp))
         if on_step is not None:
             on_step()
     torch.set_grad_enabled(True)
