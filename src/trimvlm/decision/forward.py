@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.kernels.flops import counting
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.meter import Meter
 
@@ -30,25 +29,14 @@ class Forward:
 
 @torch.no_grad()
 def run_prompts(vlm, prompts: list, plan, meter: Meter) -> Forward:
-    """`prompts`: `prompts.Prompt`s. Runs embed -> layers -> final norm as `Runner.prefill` does (same meter
-    phases: vision, prefill), without the LM head on the last token."""
-    runner, ad = vlm.runner, vlm.adapter
-    prepared = ad.prepare_processed([p.inputs for p in prompts])
-    runner.check_skip(plan.skip_prefill, prepared.batch)
-    ctx = plan.attention_context()
-    vision = None if ctx is None else ctx.vision
-    with meter.timer("vision"), counting(meter, "vision"):
-        seq = ad.embed(prepared) if vision is None else ad.embed(prepared, vision=vision)
-    cache = KVCache(runner.num_layers)
+    """`prompts`: `prompts.Prompt`s. `Runner.prefill` (embed -> layers -> final norm, meter phases vision and
+    prefill) without the LM head; the vision tower's FLOPs are counted per request by the caller."""
+    prepared = vlm.adapter.prepare_processed([p.inputs for p in prompts])
+    out = vlm.runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter,
+                             ctx=plan.attention_context(), lm_head=False, count_vision=False)  # fmt: skip
     with meter.timer("prefill"):
-        out = runner.run(
-            seq, cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx
-        )
-        hidden = at_marks(out, prepared, prompts)
-    meter.kv(cache)
-    return Forward(
-        hidden=hidden, prepared=prepared, cache=cache, layer_flops=meter.costs.flops.get("prefill", 0)
-    )
+        hidden = at_marks(out.seq, prepared, prompts)
+    return Forward(hidden=hidden, prepared=prepared, cache=out.cache, layer_flops=meter.costs.flops.get("prefill", 0))
 
 
 def at_marks(seq, prepared, prompts: list) -> torch.Tensor:

@@ -21,9 +21,6 @@ from __future__ import annotations
 import torch
 
 from trimvlm.decision.forward import Forward
-from trimvlm.kernels.flops import counting
-from trimvlm.runtime.cache import KVCache
-from trimvlm.runtime.runner import PrefillOutput, _next_positions
 from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.common import Work
 from trimvlm.scoring.trie import build_forest
@@ -66,25 +63,16 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     runner, ad = vlm.runner, vlm.adapter
     prepared = ad.prepare_processed([prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)])
     skip = plan.skip_prefill or frozenset()
-    runner.check_skip(skip, prepared.batch)
-    ctx = plan.attention_context()
-    vision = None if ctx is None else ctx.vision
-    with meter.timer("vision"), counting(meter, "vision"):
-        seq = ad.embed(prepared) if vision is None else ad.embed(prepared, vision=vision)
-    next_pos = _next_positions(seq)
-    cache = KVCache(runner.num_layers)
-    with meter.timer("prefill"):
-        seq = runner.run(seq, cache, phase="prefill", hook=plan.hook, skip=skip, meter=meter, ctx=ctx)
-    meter.kv(cache)
-    prefix = PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=next_pos)
+    prefix = runner.prefill(prepared, hook=plan.hook, skip=skip, meter=meter, ctx=plan.attention_context(),
+                            lm_head=False, count_vision=False)  # fmt: skip
     tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
              for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
-    forest = build_forest(tails, next_pos.tolist(), merge=False)
+    forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
     with meter.timer("prefill"):
         states = batched.run(Work(runner, prefix, forest, frozenset(skip), meter, plan))
     rows = [forest.paths[r][j][int(m) - 1 - c]
             for r, (g, c) in enumerate(zip(groups, cuts, strict=True))
             for j, p in enumerate(g) for m in p.marks]  # fmt: skip
     layers = meter.costs.flops.get("prefill", 0) + meter.costs.flops.get("branch", 0)
-    return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=cache,
+    return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=prefix.cache,
                    layer_flops=layers, kv_rows=[1] * len(groups))  # fmt: skip

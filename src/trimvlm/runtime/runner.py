@@ -124,17 +124,23 @@ class Runner:
         meter: Meter | None = None,
         all_logits: bool = False,
         ctx: AttentionContext | None = None,
+        lm_head: bool = True,
+        count_vision: bool = True,
     ) -> PrefillOutput:
+        """Embed, run every layer, final norm, LM head. `lm_head=False` stops at the final-normed states
+        (logits None: a caller that reads states, e.g. a decision readout); `count_vision=False` leaves the
+        vision tower's FLOPs to the caller (decisions count them per request)."""
         meter = meter or Meter(device=self.device)
         self.check_skip(skip, prepared.batch)
         with meter.timer("vision"), counting(meter, "vision"):
             seq = self._embed(prepared, None if ctx is None else ctx.vision)
-        meter.add("vision", self.vision_flops(prepared))
+        if count_vision:
+            meter.add("vision", self.vision_flops(prepared))
         next_pos = _next_positions(seq)
         cache = KVCache(self.num_layers)
         with meter.timer("prefill"):
             seq = self.run(seq, cache, phase="prefill", hook=hook, skip=skip, meter=meter, ctx=ctx)
-            logits = self._logits(seq, meter, "prefill", all_logits)
+            logits = self._logits(seq, meter, "prefill", all_logits) if lm_head else None
         meter.kv(cache)
         return PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
 
