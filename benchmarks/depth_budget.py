@@ -39,20 +39,16 @@ SHORT = {"block-influence": "bi", "sensitivity": "sens", "greedy-kl": "kl", "tai
 
 
 def families(skip: int, rankings: str, router: str | None) -> dict[str, callable]:
-    """name -> recipe dict for a keep fraction k."""
-    out = {}
-    if skip == 0:
-        out["fastv"] = lambda k: {"tokens": f"fastv:keep={k:.4f}:layer=2"}
-        out["fastv_noise"] = lambda k: {"tokens": f"fastv:keep={k:.4f}:layer=2:noise=0.5:trials=4"}
-    else:
-        for m in (*RANKED, "tail", "random"):
-            if m in RANKED:
-                depth = f"ranking:file={rankings.format(method=m)}:budget={skip}:scope=all"
-            else:
-                depth = f"{m}:budget={skip}:scope=all" + (":seed=0" if m == "random" else "")
-            out[f"fastv+{SHORT[m]}"] = lambda k, d=depth: {"tokens": f"fastv:keep={k:.4f}:layer=2", "depth": d}
-        out["fastv_noise+bi"] = lambda k, d=out["fastv+bi"](1)["depth"]: {
-            "tokens": f"fastv:keep={k:.4f}:layer=2:noise=0.5:trials=4", "depth": d}  # fmt: skip
+    """name -> recipe dict for a keep fraction k: FastV alone and noise-perturbed (no layer skipped), with SKIP
+    > 0 FastV plus every ranker's SKIP layers (and noise + block influence), and the router when given."""
+    fastv, noise = "fastv:keep={k:.4f}:layer=2", "fastv:keep={k:.4f}:layer=2:noise=0.5:trials=4"
+    out = {"fastv": lambda k: {"tokens": fastv.format(k=k)}, "fastv_noise": lambda k: {"tokens": noise.format(k=k)}}
+    if skip:
+        depths = {m: f"ranking:file={rankings.format(method=m)}:budget={skip}:scope=all" for m in RANKED}
+        depths |= {"tail": f"tail:budget={skip}:scope=all", "random": f"random:budget={skip}:scope=all:seed=0"}
+        for m, d in depths.items():
+            out[f"fastv+{SHORT[m]}"] = lambda k, d=d: {"tokens": fastv.format(k=k), "depth": d}
+        out["fastv_noise+bi"] = lambda k, d=depths["block-influence"]: {"tokens": noise.format(k=k), "depth": d}
     if router:
         out["router"] = lambda k: {"router": f"{router}:token_keep={k:.4f}:layers_skip={skip}"}
     return out
@@ -111,9 +107,7 @@ def main(argv=None) -> None:
     recipes, notes = [], []
     for spec in a.budgets.split(","):
         target, skip = float(spec.split(":")[0]), int(spec.split(":")[1])
-        fams = families(0, a.rankings, None) | families(skip, a.rankings, a.router)
-        if skip == 0:
-            fams = families(0, a.rankings, a.router)
+        fams = families(skip, a.rankings, a.router)
         if a.only:
             fams = {n: f for n, f in fams.items() if n in a.only.split(",")}
         best, infeasible = match(vlm, task, fams, target, a.tol, a.batch_size)
