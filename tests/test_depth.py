@@ -31,28 +31,57 @@ def _without_layer(adapter, drop: int):
     return model
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen3_vl"])
-def test_a_skipped_block_equals_the_model_without_it(tiny_adapter, family):
-    adapter = tiny_adapter(family)
+def _reference_inputs(prep) -> dict:
+    return dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
+
+
+# (family, tiny-model options, skipped layer): Qwen3-VL with two deepstack layers, skipping below them (0, 1:
+# the later injections move one layer down, as in the model without that layer) and past them (3); Qwen3.5 a
+# Gated DeltaNet block (0) and, with eight blocks (one of two attention blocks left), an attention block (3)
+SKIPS = [("llava", {}, 0), ("llava", {}, 2), ("qwen3_vl", {"deepstack": 2}, 0), ("qwen3_vl", {"deepstack": 2}, 1),
+         ("qwen3_vl", {"deepstack": 2}, 3), ("qwen3_5", {}, 0), ("qwen3_5", {"layers": 8}, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "kw", "drop"), SKIPS)
+def test_a_skipped_block_equals_the_model_without_it(tiny_adapter, one_thread, family, kw, drop):
+    """`depth=skip:layers=l` equals transformers' model with block l deleted from its layer list, the later
+    blocks renumbered and the config shortened: prefill logits and greedy tokens."""
+    adapter = tiny_adapter(family, **kw)
     runner = Runner(adapter)
-    drop = 2  # past Qwen3-VL's deepstack layers, whose adds are tied to layer indices
     images, prompts = ragged_batch()
     prep = adapter.prepare(images[1:2], prompts[1:2])
     plan = make_plan(f"depth=skip:layers={drop}", runner)
     assert plan.skip_prefill == plan.skip_decode == frozenset({drop})
     ref_model = _without_layer(adapter, drop)
-    inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
     with torch.no_grad():
-        ref = ref_model(**inputs).logits
+        ref = ref_model(**_reference_inputs(prep)).logits
     out = runner.prefill(prep, skip=plan.skip_prefill, all_logits=True)
     assert (out.logits - ref).abs().max().item() <= 1e-4
     assert drop not in out.cache.layers  # a skipped block writes no KV
     ours = generate(runner, prep, max_new_tokens=6, stop_ids=[], pad_id=0, skip_prefill=plan.skip_prefill,
                     skip_decode=plan.skip_decode)  # fmt: skip
     with torch.no_grad():
-        theirs = ref_model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+        theirs = ref_model.generate(**_reference_inputs(prep), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                     pad_token_id=adapter.tokenizer.pad_token_id)[:, prep.input_ids.shape[1]:]  # fmt: skip
     assert ours.tokens.tolist() == theirs.tolist()
+
+
+def test_per_sample_plans_move_deepstack_per_row(tiny_adapter):
+    """Rows of one batch skipping different blocks below Qwen3-VL's deepstack layers get their injections after
+    their own k-th executed block: each row equals the model without its skipped blocks."""
+    adapter = tiny_adapter("qwen3_vl", deepstack=2)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    plans = [{0}, {1}, set()]
+    skip = torch.zeros(len(prompts), runner.num_layers, dtype=torch.bool)
+    for b, p in enumerate(plans):
+        skip[b, sorted(p)] = True
+    out = runner.prefill(adapter.prepare(images, prompts), skip=skip)
+    for b, p in enumerate(plans):
+        one = adapter.prepare(images[b : b + 1], prompts[b : b + 1])
+        with torch.no_grad():
+            ref = _without_layers(adapter, p)(**_reference_inputs(one)).logits[0, -1]
+        assert (out.logits[b] - ref).abs().max().item() <= 1e-4, (b, p)
 
 
 def test_skip_options_and_errors(tiny_adapter):

@@ -292,8 +292,10 @@ class Adapter:
             hidden, position_embeddings=position_embeddings, attention_mask=mask, cache=cache, trimvlm_ctx=ctx
         )
 
-    def after_layer(self, i: int, seq: LiveSeq, hidden: torch.Tensor) -> torch.Tensor:
-        """Family-specific additions after layer i (Qwen3-VL deepstack). Default: nothing."""
+    def after_layer(self, index: torch.Tensor, seq: LiveSeq, hidden: torch.Tensor) -> torch.Tensor:
+        """Family-specific additions after a decoder layer (Qwen3-VL deepstack). `index` [B] (long, on the host):
+        per row, the layer's index among the layers that row ran, i.e. its `layer_idx` in the model with the
+        skipped layers removed and renumbered (-1: the row skipped it). Default: nothing."""
         return hidden
 
     def text_positions(self, next_pos: torch.Tensor, n: int) -> torch.Tensor:

@@ -193,8 +193,15 @@ class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):
             deep.append(t)
         return {"deepstack": deep}
 
-    def after_layer(self, i, seq, hidden):
-        deep = seq.adds.get("deepstack")
-        if deep and i < len(deep):
-            return hidden + deep[i] * seq.visual[..., None].to(hidden.dtype)
+    def after_layer(self, index, seq, hidden):
+        """Deepstack feature k is added after the k-th layer each row runs, as in transformers' model with the
+        skipped layers removed (`deepstack_visual_embeds[layer_idx]` after `layers[layer_idx]`): skipping a layer
+        below the deepstack layers moves the later injections one layer down, per row."""
+        deep = seq.adds.get("deepstack") or []
+        for k, feats in enumerate(deep):
+            rows = index == k
+            if not bool(rows.any()):
+                continue
+            at = seq.visual if bool(rows.all()) else seq.visual & rows.to(seq.visual.device)[:, None]
+            hidden = hidden + feats * at[..., None].to(hidden.dtype)
         return hidden

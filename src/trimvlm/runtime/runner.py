@@ -168,6 +168,7 @@ class Runner:
             ctx.shared = cache.prefix.parts if cache.prefix is not None else None
             ctx.tree = cache.tree
         hidden = seq.hidden
+        ran = torch.full((seq.batch,), start, dtype=torch.long, device="cpu")  # per row: layers run so far
         with use_trimvlm_attention(ad.attn_configs), counting(meter, phase):
             for i in range(start, self.num_layers):
                 if hook is not None:
@@ -185,7 +186,6 @@ class Runner:
                 if isinstance(now, torch.Tensor):
                     runs = ~now[:, i]
                     if not bool(runs.any()):
-                        hidden = ad.after_layer(i, seq, hidden)
                         continue
                     if not bool(runs.all()):
                         rows = torch.nonzero(runs).flatten()
@@ -195,7 +195,6 @@ class Runner:
                                 "or attention probes yet"
                             )
                 elif i in now:
-                    hidden = ad.after_layer(i, seq, hidden)
                     continue
                 past = cache.past_valid(i)
                 key = id(past)
@@ -213,7 +212,7 @@ class Runner:
                     hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 else:
                     hidden = self._run_rows(i, rows, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
-                hidden = ad.after_layer(i, seq, hidden)
+                hidden, ran = self._after_layer(ran, rows, seq, hidden)
                 if meter is not None:
                     rows, q = (seq.batch if rows is None else len(rows)), seq.length
                     if cache.tree is not None and ad.layer_types[i] != ATTENTION:
@@ -236,6 +235,16 @@ class Runner:
             logits = self._logits(out, meter, "lookahead", False)
         count(meter.costs.model_flops)
         return logits
+
+    def _after_layer(self, ran, rows, seq, hidden):
+        """The family's additions after a layer that ran on all rows (`rows` None) or on `rows`, keyed by the
+        layer's index in each row's executed stack (its `layer_idx` in the model with that row's skipped layers
+        removed; -1 where the row skipped it). Returns (hidden, the rows' counts of layers run)."""
+        runs = torch.ones_like(ran, dtype=torch.bool)
+        if rows is not None:
+            runs = torch.zeros_like(runs).index_fill_(0, rows.cpu(), True)
+        index = torch.where(runs, ran, -1)
+        return self.adapter.after_layer(index, seq, hidden), ran + runs
 
     def _run_rows(self, i, rows, hidden, pos_emb, mask, cache, ctx, valid) -> torch.Tensor:
         """Run layer i on batch rows `rows` only (gather, run, scatter); the other rows pass through."""
