@@ -12,7 +12,7 @@ answers). Reported: the median over `--rounds` per method, its ratio to the pipe
 probability difference to the pipeline's answers (empty recipe: <= 1e-5 expected) and the share of questions
 answered alike.
 
-    python benchmarks/decide_speed.py [--model demo] [--requests 16] [--rounds 5] [--json decide_speed.json]
+    python benchmarks/decide_speed.py [--model demo] [--requests 16] [--rounds 5] [--json decide_speed.json] [--quick]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def agreement(a: list[dict], b: list[dict]) -> float:
     return same / total
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--requests", type=int, default=16)
@@ -112,7 +112,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 2 requests x 1 question, 1 round")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.questions, args.rounds = 2, 1, 1
     torch.set_num_threads(args.threads)
     console = Console(width=160)
 

@@ -7,7 +7,7 @@ Each context is prefilled once; the cache is copied, one copy evicted; then the 
 on both copies, interleaved, and the median step time is reported. KV bytes are measured (the cache tensors)
 and checked against the analytic count  layers * 2 * Hk * hd * 4 bytes * (text + ceil(N_visual * keep)).
 
-    python benchmarks/decode_memory.py --json mem.json
+    python benchmarks/decode_memory.py --json mem.json [--quick]
     python benchmarks/decode_memory.py --contexts 256,1024,4096 --steps 8 --policy h2o --json mem.json
 """
 
@@ -72,7 +72,7 @@ def step_times(runner, out, caches, steps: int) -> list[list[float]]:
     return times
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="decode_memory.json")
     ap.add_argument(
@@ -86,7 +86,11 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model "
                     "(the context sizes then are what its processor makes of the same images)")  # fmt: skip
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: contexts 256 and 1024, "
+                    "hidden 64, 2 layers, 3 steps")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.hidden, args.layers, args.steps = "256,1024", 64, 2, 3
     torch.set_num_threads(args.threads)
     folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
                                            heads=8, kv_heads=4, vision_hidden=32)  # fmt: skip

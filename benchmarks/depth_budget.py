@@ -99,8 +99,13 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated family names to match (default: all)")
+    ap.add_argument("--steps", type=int, default=12, help="bisection steps per budget")
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 8 items, budget 0.75:1, "
+                    "families fastv and fastv+tail, 3 bisection steps, tolerance 0.05")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    if a.quick:
+        a.n, a.batch_size, a.budgets, a.only, a.steps, a.tol = 8, 8, "0.75:1", "fastv,fastv+tail", 3, 0.05
     torch.set_num_threads(a.threads)
     vlm = trimvlm.load(a.model)
     task = demo_task(limit=a.n, seed=0, split="val")
@@ -110,7 +115,7 @@ def main(argv=None) -> None:
         fams = families(skip, a.rankings, a.router)
         if a.only:
             fams = {n: f for n, f in fams.items() if n in a.only.split(",")}
-        best, infeasible = match(vlm, task, fams, target, a.tol, a.batch_size)
+        best, infeasible = match(vlm, task, fams, target, a.tol, a.batch_size, a.steps)
         tag = f"B{round(100 * target)}"
         for n, r in infeasible.items():
             notes.append(f"{tag}_{n}: cannot meet the budget ({r}); not run")

@@ -24,7 +24,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 12 rows, one shard")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.n, a.shards = 12, 1
     write_shards(a.out, "test", pope_rows(a.n), shards=a.shards)
     print(f"wrote {a.n} POPE rows to {a.out}")
 

@@ -13,7 +13,7 @@ FLOPs plus the method's own (`Costs.method_flops`), so the FLOP-ratio bound = ba
 method FLOPs) is the speedup the work alone allows; `efficiency` = measured speedup / bound (issue 10's target:
 >= 0.85 at L = 0, prune 80%, at the default shape).
 
-    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--tiny] [--model PATH]
+    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--tiny] [--model PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def run_once(runner, prep, plan) -> Meter:
     return meter
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="prefill_speed.json")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
@@ -56,7 +56,12 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=None, help="default hidden / 128")
     ap.add_argument("--tiny", action="store_true", help="the small shape: hidden 256, 8 layers, batch 1")
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: hidden 64, 2 layers, batch 1, "
+                    "a 128 px image, prune 75% at L = 0 and 1, 1 repeat")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.hidden, args.num_layers, args.batch, args.image = 64, 2, 1, 128
+        args.prunes, args.layers, args.repeats = [0.75], [0, 1], 1
     small = args.tiny
     args.batch = args.batch or (1 if small else 4)
     args.hidden = args.hidden or (256 if small else 1024)

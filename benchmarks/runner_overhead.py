@@ -1,10 +1,10 @@
 """Runner overhead: trimvlm's layer loop vs the model's own forward and generate, as time ratios.
 
 Tiny Qwen3-VL (hidden 256, 8 layers, 256 visual tokens per image; `--hidden`, `--layers`) or any supported
-checkpoint (`--model PATH`), batch 1 and 8, median of interleaved runs in one process. Prints a table and
+checkpoint (`--model PATH`), batch 1 and 8 (`--batches`), median of interleaved runs in one process. Prints a table and
 writes JSON.
 
-    python benchmarks/runner_overhead.py --json out.json
+    python benchmarks/runner_overhead.py --json out.json [--quick]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="runner_overhead.json")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -40,7 +40,12 @@ def main():
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
-    args = ap.parse_args()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: hidden 64, 2 layers, batch 1 "
+                    "and 2, 4 new tokens, 1 repeat")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.batches, args.new_tokens, args.repeats = 64, 2, [1, 2], 4, 1
     torch.set_num_threads(args.threads)
     folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
                                            heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64),
@@ -50,7 +55,7 @@ def main():
     model = adapter.model
     tok = adapter.tokenizer
     rows = []
-    for batch in (1, 8):
+    for batch in args.batches:
         images = [[random_image(i, (256, 256))] for i in range(batch)]  # 256 px / 8 / 2 -> 16x16 = 256 tokens
         prep = adapter.prepare(images, ["what is the colour of the square"] * batch)
         inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
@@ -105,7 +110,7 @@ def main():
         table.add_row(str(r["batch"]), str(r["seq_len"]), f"{r['ours_fwd_s'] * 1e3:.1f}", f"{r['ref_fwd_s'] * 1e3:.1f}",
                       f"{r['forward_ratio']:.3f}", f"{r['ours_gen_s'] * 1e3:.1f}", f"{r['ref_gen_s'] * 1e3:.1f}",
                       f"{r['generate_ratio']:.3f}")  # fmt: skip
-    Console().print(table)
+    Console(width=160).print(table)
     out = {"benchmark": "runner_overhead", "threads": args.threads, "repeats": args.repeats,
            "torch": torch.__version__, "rows": rows}  # fmt: skip
     with open(args.json, "w") as f:

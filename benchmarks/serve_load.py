@@ -4,7 +4,7 @@ Two servers run side by side as subprocesses (one torch thread each, unless `--t
 (`--max-batch`, default 32, `--max-wait-ms`) and one answering one request at a time (`--max-batch 1`); an
 idle one costs nothing, and every cell is measured on both in `--rounds` alternating slices. Against each,
 for `/v1/systemone` (three questions, noul / choice / score, about one image) and `/v1/chat/completions`
-(one image and one of the demo task's question kinds, short and long answers, `--max-tokens` 16), with no
+(one image and one of the demo task's question kinds, short and long answers, `--max-new-tokens` 16), with no
 recipe and with a token-reduction recipe (the requests' `recipe` field), `--clients` closed-loop clients
 each send a request, wait for its answer and send the next, for `--seconds`; then they stop (a request in
 flight finishes and counts). A short warm-up precedes each cell. Reported per cell: requests/s, p50 / p99
@@ -15,7 +15,7 @@ The clients run in this process on the same machine as the server: on a small ma
 (the one-at-a-time server pays the same; `client_cpu_share` says how much, in cores). Times are of this
 machine; the ratios are the result.
 
-    python benchmarks/serve_load.py --model demo --clients 1,8,32 --seconds 20 --json serve.json
+    python benchmarks/serve_load.py --model demo --clients 1,8,32 --seconds 20 --json serve.json [--quick]
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
     rows = []
     for ep in endpoints:
         for recipe in ("", args.recipe):
-            reqs = bodies(ep, recipe, pool, args.max_tokens)
+            reqs = bodies(ep, recipe, pool, args.max_new_tokens)
             for n in clients:
                 parts = {mode: [] for mode in servers}
                 for server in servers.values():
@@ -212,7 +212,7 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
     return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--clients", default="1,8,32", help="comma-separated client counts")
@@ -223,13 +223,18 @@ def main():
     ap.add_argument("--max-wait-ms", type=float, default=10.0)
     ap.add_argument("--recipe", default="tokens=density:keep=0.25:layer=1", help="the token-reduction recipe")
     ap.add_argument("--endpoints", default="systemone,chat")
-    ap.add_argument("--max-tokens", type=int, default=16, help="chat completions' max_tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="chat completions' max_tokens")
     ap.add_argument("--images", type=int, default=16, help="distinct images the requests cycle through")
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 1 and 2 clients, 0.5 s per "
+                    "cell in 1 slice, 0.2 s warm-up, 2 images, 4 new tokens")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.clients, args.seconds, args.warmup, args.rounds = "1,2", 0.5, 0.2, 1
+        args.images, args.max_new_tokens = 2, 4
     clients = [int(x) for x in args.clients.split(",")]
     endpoints = args.endpoints.split(",")
     pool = images(args.images, args.image_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -15,7 +16,9 @@ from trimvlm.errors import InputError, TrimVLMError
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Cheaper VLM inference, honestly measured."
 )
-console = Console()
+# Piped (not a terminal), rich would fold every table to 80 columns: results keep their full width instead.
+PIPED_WIDTH = 240
+console = Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
 err_console = Console(stderr=True)
 
 
@@ -38,6 +41,12 @@ def _write_json(path: Path | None, data) -> None:
 JSON_OUT = typer.Option(None, "--json", help="also write the results as JSON to this file")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
+MODEL = typer.Option(
+    "demo", "--model",
+    help="a supported checkpoint folder (decide and serve: also a JevForDecision) or a shipped demo model: demo, "
+    "demo-qwen35; loaded with --device and --dtype",
+)  # fmt: skip
+OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shipped demo checkpoint")
 
 
 def _load_kw(device: str, dtype: str) -> dict:
@@ -52,7 +61,7 @@ def _load_kw(device: str, dtype: str) -> dict:
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"),
+    model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
     prompt: str = typer.Option(..., help="question or instruction"),
     max_new_tokens: int = typer.Option(32, help="maximum new tokens"),
@@ -88,7 +97,7 @@ def generate(
 
 @app.command()
 def info(
-    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"), json_out: Path | None = JSON_OUT,
+    model: str = MODEL, json_out: Path | None = JSON_OUT,
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -139,14 +148,15 @@ def demo(
     from trimvlm.cli_eval import demo_command
 
     try:
-        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype))
+        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
+                     console=console)
     except TrimVLMError as e:
         _fail(e)
 
 
 @app.command("eval")
 def eval_(
-    model: str = typer.Option("demo"),
+    model: str = MODEL,
     task: str = typer.Option(
         "demo", help="demo, PATH.jsonl, or a benchmark read with --data (the list above)"
     ),
@@ -193,7 +203,7 @@ def eval_(
             model, task, str(recipes) if recipes else None, limit, str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
             recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
-            workers=workers,
+            workers=workers, console=console,
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
@@ -226,7 +236,7 @@ def train_demo(
 
 @app.command()
 def score(
-    model: str = typer.Option(..., help="checkpoint folder, or 'demo'"),
+    model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
     question: str = typer.Option(..., help="the question the candidates answer"),
     candidate: list[str] = typer.Option([], help="a candidate answer (repeat for each)"),
@@ -257,8 +267,9 @@ def score(
 
 @app.command("train-head")
 def train_head(
-    model: str = typer.Option("demo", help="checkpoint folder, or 'demo' / 'demo-qwen35'"),
+    model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the head to (default: the checkpoint's)"),
+    overwrite: bool = OVERWRITE,
     steps: int = typer.Option(2000, help="optimizer steps over the cached features"),
     items: int = typer.Option(1200, help="training questions drawn from the demo task's train split"),
     seed: int = typer.Option(0),
@@ -273,7 +284,7 @@ def train_head(
     try:
         train_head_command(
             model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
-            load_kw=_load_kw(device, dtype),
+            load_kw=_load_kw(device, dtype), overwrite=overwrite,
         )
     except TrimVLMError as e:
         _fail(e)
@@ -281,8 +292,9 @@ def train_head(
 
 @app.command("train-router")
 def train_router(
-    model: str = typer.Option("demo", help="checkpoint folder, or 'demo' / 'demo-qwen35'"),
+    model: str = MODEL,
     out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
+    overwrite: bool = OVERWRITE,
     task: str = typer.Option("demo", help="unlabeled inputs: the demo task's val split"),
     n: int = typer.Option(32, help="training inputs"),
     token_keep: float = typer.Option(0.25, help="fraction of each image's visual tokens kept"),
@@ -302,14 +314,15 @@ def train_router(
     try:
         train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,
                              epochs=epochs, seed=seed, out=out, resume=resume, console=console,
-                             load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta)  # fmt: skip
+                             load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
+                             overwrite=overwrite)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 
 
 @app.command()
 def calibrate(
-    model: str = typer.Option("demo", help="checkpoint folder, or 'demo'"),
+    model: str = MODEL,
     task: str = typer.Option("demo", help="task whose candidate questions calibrate (labels are not used)"),
     n: int = typer.Option(32, help="calibration inputs"),
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
@@ -343,7 +356,7 @@ def calibrate(
 
 @app.command()
 def decide(
-    model: str = typer.Option(..., help="checkpoint folder (a VLM or a JevForDecision), or 'demo'"),
+    model: str = MODEL,
     request: Path = typer.Option(..., help="JSON file: one System One request, or a list of them"),
     recipe: str = typer.Option("", help="e.g. tokens=density:keep=0.25:layer=1 (kv= does not apply)"),
     decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
@@ -365,13 +378,13 @@ def decide(
 
 @app.command()
 def serve(
-    model: str = typer.Option(..., help="checkpoint folder (a VLM or a JevForDecision), or 'demo'"),
+    model: str = MODEL,
     recipe: str = typer.Option("", help="the default recipe (a request's `recipe` field overrides it)"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     max_batch: int = typer.Option(32, help="requests per batch at most (1: one request at a time)"),
     max_wait_ms: float = typer.Option(10.0, help="how long a request waits for others to batch with"),
-    max_tokens: int = typer.Option(256, help="the most a chat completion may ask for"),
+    max_new_tokens: int = typer.Option(256, help="the most new tokens a chat completion may ask for (max_tokens)"),
     max_images: int = typer.Option(8, help="images per request at most"),
     max_questions: int = typer.Option(64, help="questions per System One request at most"),
     max_body_mb: int = typer.Option(16, help="request body size limit, MiB"),
@@ -390,7 +403,7 @@ def serve(
         from trimvlm.serve.limits import MiB, ServerLimits
 
         limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
-                              max_tokens=max_tokens, default_max_tokens=min(32, max_tokens))  # fmt: skip
+                              max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens))  # fmt: skip
         run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                    limits=limits, decision_config=decision_config, threads=threads,
                    load_kw=_load_kw(device, dtype), log_level=log_level)  # fmt: skip

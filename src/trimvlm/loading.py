@@ -33,6 +33,18 @@ def resolve(path_or_id: str | Path) -> Path:
     )
 
 
+def refuse_shipped(folder: str | Path, overwrite: bool) -> None:
+    """A command that writes into `folder` refuses when it is (or lies inside) a demo checkpoint shipped with
+    trimvlm, unless `overwrite` was asked for (the CLI's --overwrite)."""
+    from trimvlm.errors import InputError
+
+    path = Path(folder).expanduser().resolve()
+    if not overwrite and path.is_relative_to(DEMO_DIR.resolve()):
+        raise InputError(
+            f"{folder} is a shipped demo checkpoint ({path}); pass --overwrite to replace it, or --out FOLDER"
+        )
+
+
 def _hub_snapshot(repo_id: str) -> Path | None:
     if repo_id.count("/") != 1:
         return None

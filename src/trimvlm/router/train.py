@@ -294,14 +294,17 @@ def _logits(router, feats) -> torch.Tensor:
 
 def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
                          epochs: int = 3, seed: int = 0, out="runs/router", resume: bool = True, console=None,
-                         load_kw: dict | None = None, **train_kw) -> dict:  # fmt: skip
-    """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint."""
+                         load_kw: dict | None = None, overwrite: bool = False, **train_kw) -> dict:  # fmt: skip
+    """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
+    a shipped demo checkpoint only with `overwrite`)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import trimvlm
     from trimvlm.depth.calibration import calibration_records
+    from trimvlm.loading import refuse_shipped
 
+    refuse_shipped(out, overwrite)
     console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     records = calibration_records(task, n, seed)

@@ -466,14 +466,18 @@ def _check(steps: int, items: int, out) -> None:
 
 
 def train_head_command(
-    model, out, steps: int, items: int, seed: int, console=None, threads: int = 1, load_kw: dict | None = None
+    model, out, steps: int, items: int, seed: int, console=None, threads: int = 1, load_kw: dict | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta.
-    The same seed and thread count give bitwise-equal weights (the shipped heads: one thread)."""
+    The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped demo
+    checkpoint is written to only with `overwrite`."""
     import trimvlm
     from trimvlm.demo.task import KINDS, generate_split
+    from trimvlm.loading import refuse_shipped, resolve
 
     _check(steps, items, out)
+    refuse_shipped(out if out is not None else resolve(model), overwrite)
     if not isinstance(threads, int) or threads < 1:
         raise InputError(f"threads must be a positive integer, got {threads!r}")
     torch.set_num_threads(threads)
