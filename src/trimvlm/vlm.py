@@ -10,6 +10,7 @@ from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Sampling, generate
+from trimvlm.runtime.limits import check_generation
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.runner import Runner
 
@@ -93,6 +94,7 @@ class VLM:
         sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
         plan = make_plan(recipe, self.runner)
         prepared = self.prepare(images, prompts)
+        check_generation(self.adapter, prepared, max_new_tokens)  # before any model work
         pad = self.tokenizer.pad_token_id
         out = generate(
             self.runner,

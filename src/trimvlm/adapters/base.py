@@ -283,6 +283,21 @@ class Adapter:
         return len(self.layers)
 
     @property
+    def max_positions(self) -> int | None:
+        """The positions the model has (its text config's `max_position_embeddings`; None: no limit known), the
+        one limit every check reads: generate (runtime/limits.py), score (scoring/layout.py), decide."""
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    def next_positions(self, prepared: Prepared) -> torch.Tensor:
+        """[B] the position id each row's next token takes (`Runner.prefill`'s `next_pos`), from the batch alone,
+        before any model work: one position per real token, unless the family's positions differ (M-RoPE)."""
+        return prepared.attention_mask.sum(-1)
+
+    def processed_positions(self, inputs: dict) -> int:
+        """The positions one processor output (a decision prompt, a batch of one) takes, on the host."""
+        return int(inputs["input_ids"].shape[-1])
+
+    @property
     def attn_configs(self) -> list:
         """Configs whose `_attn_implementation` the decoder's attention modules read."""
         return [self.model.config, self.text_config]

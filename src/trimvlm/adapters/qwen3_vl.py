@@ -129,6 +129,18 @@ class QwenVLAdapterMixin:
         )
         return pos
 
+    def next_positions(self, prepared: Prepared) -> torch.Tensor:
+        """M-RoPE: an image takes fewer positions than tokens; the next one follows the model's own rule."""
+        pos = self.positions(prepared).masked_fill(prepared.attention_mask[None] == 0, -1)
+        return pos.amax(dim=(0, 2)) + 1
+
+    def processed_positions(self, inputs: dict) -> int:
+        ids = inputs["input_ids"]
+        extra = {"mm_token_type_ids": (ids == self.model.config.image_token_id).to(torch.int32)}
+        if inputs.get("image_grid_thw") is not None:
+            extra["image_grid_thw"] = inputs["image_grid_thw"]
+        return int(self.next_positions(Prepared(ids, torch.ones_like(ids), extra))[0])
+
     def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
         visual, image_id, grids, starts = self._layout(prepared)

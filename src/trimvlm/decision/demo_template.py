@@ -1,7 +1,8 @@
 """The decision config of trimvlm's demo checkpoints, which ship none (and have no chat template).
 
 The demo models were trained on `{image}{question} <ans>` with single-word answers from a small vocabulary:
-the template writes every image of the state and the question first, then the instructions (and, for a
+the template writes every image of the state and the question first, then the state's text (its strings, in
+the request's order, blanks collapsed; nothing for a state of images only), then the instructions (and, for a
 choice question, `A option B option ...`, the demo's multiple-choice form), then ` <ans>` and the mark. The
 labels are demo words: `yes` / `no`, the letters `A`-`F`, the digits `0`-`9`.
 """
@@ -20,10 +21,12 @@ DEMO_TEMPLATE = r"""
 {%- elif x is mapping and x.get("type") == "text" %}{{ x["text"] }}
 {%- elif x is mapping and x.get("type") == "image" %}
 {%- elif x is mapping %}{% for v in x.values() %}{{ words(v) }} {% endfor %}
-{%- elif x is sequence %}{% for v in x %}{{ words(v) }}{% endfor %}
+{%- elif x is sequence %}{% for v in x %}{{ words(v) }}{{ " " if v is string }}{% endfor %}
 {%- else %}{{ x }}{% endif -%}
 {%- endmacro -%}
 {{- images(state) ~ images(question) -}}
+{%- set told = (words(state) | string).split() | join(" ") -%}
+{%- if told %}{{ told ~ " " }}{% endif -%}
 {{- words(question.instructions) -}}
 {%- if question.type == "choice" -%}
 {%- for option in question.options -%}

@@ -113,10 +113,26 @@ def prepare_request(vlm, request, *, decision_config=None, limits: Limits | None
         n = int(inputs["input_ids"].shape[-1])
         if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
             raise DecisionError(f"a prompt has {n} tokens, at most {limits.max_prompt_tokens}")
+        check_context(vlm.adapter, inputs, group)
         ids = None if head is not None else [labels(tuple(q.labels)) for q in group]
         out.append(Prompt(inputs=inputs, marks=marks, questions=list(group), label_ids=ids))
     names = [q.name for p in out for q in p.questions]
     return PreparedRequest(prompts=out, config=config, seconds=time.perf_counter() - t0, names=names)
+
+
+def check_context(adapter, inputs: dict, group) -> None:
+    """Refuse a prompt whose positions (M-RoPE: fewer than its tokens) run past the model's (`max_positions`)."""
+    limit = adapter.max_positions
+    if limit is None:
+        return
+    used = adapter.processed_positions(inputs)
+    if used > limit:
+        names = ", ".join(q.name for q in group)
+        tokens = int(inputs["input_ids"].shape[-1])
+        raise QuestionError(
+            f"the prompt of question {names} takes {used:,} positions ({tokens:,} tokens), past this model's "
+            f"{limit:,}; shorten its instructions or the state"
+        )
 
 
 def _label_ids(label_token_ids, tokenizer, labels: tuple[str, ...]) -> list[int]:

@@ -31,12 +31,11 @@ class Layout:
         open_text = meta.get("candidate_open", "")
         close_text = meta.get("candidate_close")
         close = _ids(tok, close_text) if close_text is not None else [tok.eos_token_id]
-        cfg = adapter.text_config
         return cls(
             open_ids=_ids(tok, open_text),
             close_ids=[i for i in close if i is not None],
             unk_id=tok.unk_token_id if getattr(tok, "unk_token", None) else None,
-            max_positions=getattr(cfg, "max_position_embeddings", None),
+            max_positions=adapter.max_positions,
         )
 
     def encode(self, tokenizer, candidate, index: int) -> list[int]:
