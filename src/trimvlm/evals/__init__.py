@@ -1,7 +1,8 @@
-"""Evaluation harness: tasks (the demo task, JSONL benchmarks), metrics, the interleaved run loop, reports.
+"""The one evaluation harness: one task registry (the demo tasks, JSONL files, every benchmark loader), items of
+one protocol (generation records, candidate items), the interleaved items x recipes loop, one report module.
 
 from trimvlm.evals import evaluate
-result = evaluate(vlm, task="demo", recipes=["kv=density:keep=0.25"], limit=120)
+result = evaluate(vlm, task="demo", recipes=["kv=density:keep=0.25"], limit=120)  # or task="demo-candidates"
 print_report(result); write_json(result, "out.json"); plot_pareto(result, "out.png")
 """
 
@@ -14,14 +15,18 @@ from trimvlm.evals.metrics import (
     normalize_answer,
     yes_no_f1,
 )
-from trimvlm.evals.report import plot_pareto, print_report, write_json
-from trimvlm.evals.run import EvalResult, normalize_recipes, run_eval
+from trimvlm.evals.items import CandidateItem, RunOptions
+from trimvlm.evals.report import plot_pareto, print_report, write_json, write_markdown
+from trimvlm.evals.run import CostAcc, EvalResult, normalize_recipes, run_eval
 from trimvlm.evals.tasks import TASKS, Record, Task, get_task, load_jsonl, register_task
 
 evaluate = run_eval
 
 __all__ = [
     "METRICS",
+    "CandidateItem",
+    "CostAcc",
+    "RunOptions",
     "TASKS",
     "EvalResult",
     "Record",
@@ -40,5 +45,6 @@ __all__ = [
     "register_task",
     "run_eval",
     "write_json",
+    "write_markdown",
     "yes_no_f1",
 ]

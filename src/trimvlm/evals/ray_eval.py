@@ -1,14 +1,16 @@
 """Evaluation sharded over Ray workers (`trimvlm eval --ray auto|local|ADDRESS --workers N`; optional extra
 `trimvlm[ray]`). docs/scale-out.md says how to point it at a cluster.
 
-- The driver builds the task and cuts its batches (run_eval's own: items grouped by (probe, kind), cut into
-  `batch_size`) into shards of consecutive batches. Each shard's items regroup into exactly those batches.
+- `run_eval_ray` takes run_eval's own arguments (the model by name instead of loaded, plus the Ray settings);
+  any task of the one registry runs, generation and candidate items alike.
+- The driver builds the task and cuts its batches (run_eval's own `batches`) into shards of consecutive
+  batches. Each shard's items regroup into exactly those batches.
 - `workers` Ray actors each load the model once: on its own GPU (`num_gpus=1`) when the cluster has GPUs,
   else on the CPU (`num_cpus=1`, one torch thread). Each runs `run_eval` on one shard after another, pulled
   as it finishes the last (two in flight per worker), with the recipe order every batch has in one process
   (`order_offset`); the driver's progress bar advances as shards come back.
-- Merge: per-item predictions into the task's order, scores recomputed, the per-(probe, kind) cost sums of
-  every shard added up (`_Acc.merge`) and the result rows rebuilt from them (`_rows`), so predictions,
+- Merge: per-item predictions into the task's order, the per-(probe, kind) cost sums of every shard added up
+  (`CostAcc.merge`), and scores and rows made from them by run_eval's own `finish`, so predictions,
   scores, FLOPs and KV bytes are those of a single-process run (same batches, same calls). Times are sums
   of what each worker measured; the ratios divide sums over all shards, and every shard interleaves its
   recipes on its own worker (per-shard latency ratios are in `settings["ray"]["shards"]`). Peak memory is
@@ -27,20 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from trimvlm.errors import InputError, TrimVLMError
-from trimvlm.evals.run import (
-    EvalResult,
-    _Acc,
-    _batches,
-    _progress,
-    _rows,
-    check_run_args,
-    normalize_recipes,
-    prepare_task,
-    run_eval,
-    score_predictions,
-)
+from trimvlm.evals.run import CostAcc, EvalResult, batches, check_run_args, finish, normalize_recipes, prepare_task, run_eval
 from trimvlm.evals.tasks import Task
 from trimvlm.options import is_int
+from trimvlm.progress import progress as progress_bar
 
 CONNECT_TIMEOUT_S = 3.0
 # ray.init retries a cluster's GCS about once a second, 20 times by default; an address that accepts TCP but
@@ -191,6 +183,7 @@ def _worker_class(ray):
             }
 
         def run(self, shard: int, task: Task, recipes, offset: int, kw: dict) -> dict:
+            """run_eval on one shard, its recipe order that of its batches in the whole task."""
             kw = dict(kw)
             probes = {r.probe for r in task.records}
             if kw.get("memory") == "first":  # the first batch of each probe kind on this worker
@@ -205,6 +198,7 @@ def _worker_class(ray):
                 "shard": shard,
                 "predictions": res.predictions,
                 "costs": res.costs,
+                "depths": res.depths,
                 "settings": res.settings,
                 "latency_ratio": latency,
                 "seconds": time.perf_counter() - t0,
@@ -225,16 +219,16 @@ def _unwrap(ray, e: Exception) -> TrimVLMError:
 
 def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int], int, int]]:
     """(item indices, index of its first batch, number of batches) per shard: at most `n_shards` runs of
-    consecutive batches of `_batches`. A shard's items regroup into exactly its batches (checked): within a
+    consecutive batches of `batches`. A shard's items regroup into exactly its batches (checked): within a
     (probe, kind) group only the group's last batch is short, and it is the last of that group in a shard."""
-    batches = _batches(task, batch_size)
-    per = max(1, math.ceil(len(batches) / max(1, n_shards)))
+    whole = batches(task, batch_size)
+    per = max(1, math.ceil(len(whole) / max(1, n_shards)))
     out = []
-    for s in range(0, len(batches), per):
-        part = batches[s : s + per]
-        idx = [i for b, _ in part for i in b]
-        again = _batches(replace(task, records=[task.records[i] for i in idx]), batch_size)
-        if [[idx[j] for j in b] for b, _ in again] != [b for b, _ in part]:  # pragma: no cover - invariant
+    for s in range(0, len(whole), per):
+        part = whole[s : s + per]
+        idx = [i for b in part for i in b]
+        again = batches(replace(task, records=[task.records[i] for i in idx]), batch_size)
+        if [[idx[j] for j in b] for b in again] != part:  # pragma: no cover - invariant
             raise TrimVLMError(f"shard {len(out)} does not regroup into its batches; please report this")
         out.append((idx, s, len(part)))
     return out
@@ -247,92 +241,36 @@ def run_eval_ray(
     *,
     workers: int | None = None,
     ray_address: str | None = None,
-    limit: int | None = None,
-    batch_size: int = 16,
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-    warmup: bool = True,
-    memory: str = "first",
-    progress: bool = True,
-    console=None,
-    data: str | None = None,
-    split: str | None = None,
     load_kw: dict | None = None,
     shards_per_worker: int = SHARDS_PER_WORKER,
+    progress: bool = True,
+    console=None,
+    **kw,
 ) -> EvalResult:
-    """`run_eval` with the items sharded over `workers` Ray actors, each loading `model` (a checkpoint folder
-    or "demo", on every node) once with `load_kw`: on its own GPU when the cluster has GPUs and `load_kw`
-    names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring for
-    what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
-    check_run_args(memory, batch_size, max_new_tokens)
+    """`run_eval(vlm, task, recipes, **kw)` with the items sharded over `workers` Ray actors, each loading
+    `model` (a checkpoint folder or "demo", on every node) once with `load_kw`: on its own GPU when the cluster
+    has GPUs and `load_kw` names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU
+    workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring
+    for what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
+    kw = {"batch_size": 16, "memory": "first", **kw}
+    check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
     workers = check_workers(workers)
     if not is_int(shards_per_worker) or shards_per_worker <= 0:
         raise InputError(f"shards_per_worker must be a positive integer, got {shards_per_worker!r}")
-    task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
-                        progress=progress)  # fmt: skip
+    built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
+    task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)
     recipes = normalize_recipes(recipes)
     ray, started, where = connect(ray_address)
     actors = []
     try:
-        res = ray.cluster_resources()
-        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
-        load_kw = dict(load_kw or {})
-        device = str(load_kw.get("device", "cuda" if gpus else "cpu"))
-        use_gpu = device.startswith("cuda")
-        if use_gpu and not gpus:
-            raise RayError(
-                f"device {device!r} asks for GPU workers, but the Ray cluster at {where} has no GPUs"
-            )
-        if use_gpu:
-            load_kw["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES: "cuda" is the worker's own GPU
-        kind, have = ("GPU", gpus) if use_gpu else ("CPU", cpus)
-        workers = workers or have
-        if workers > have:
-            raise RayError(
-                f"{workers} workers need {workers} {kind}s (one each) but the Ray cluster at {where} has {have}; "
-                f"give --workers {have} or fewer, or add nodes"
-            )
-        opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
-        Worker = _worker_class(ray)
-        actors = [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
-        try:
-            infos = ray.get([a.info.remote() for a in actors])
-        except Exception as e:
-            raise _unwrap(ray, e) from None
-        shards = shards_of(task, batch_size, workers * shards_per_worker)
-        kw = {"batch_size": batch_size, "seed": seed, "warmup": warmup, "memory": memory}
-        records = task.records
-        n_batches = sum(n for _, _, n in shards)
-        results: dict[int, dict] = {}
-        pending, owner, queue = {}, {}, list(range(len(shards)))
-
-        def submit(a: int) -> None:
-            s = queue.pop(0)
-            idx, offset, _ = shards[s]
-            ref = actors[a].run.remote(
-                s, replace(task, records=[records[i] for i in idx]), recipes, offset, kw
-            )
-            pending[ref], owner[ref] = s, a
-
-        with _progress(progress, console) as bar:
-            job = bar.add_task(f"eval {task.name} on {workers} Ray workers", total=n_batches * len(recipes),
-                               recipe="")  # fmt: skip
+        actors, infos = _start_workers(ray, where, workers, model, dict(load_kw or {}))
+        shards = shards_of(task, kw["batch_size"], len(actors) * shards_per_worker)
+        with progress_bar(console, progress) as bar:
+            job = bar.add_task(f"eval {task.name} on {len(actors)} Ray workers",
+                               total=sum(n for _, _, n in shards) * len(recipes))  # fmt: skip
             t_start = time.perf_counter()
-            for a in range(len(actors)):
-                for _ in range(IN_FLIGHT):
-                    if queue:
-                        submit(a)
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                ref = done[0]
-                s, a = pending.pop(ref), owner.pop(ref)
-                try:
-                    results[s] = ray.get(ref)
-                except Exception as e:
-                    raise _unwrap(ray, e) from None
-                bar.update(job, advance=shards[s][2] * len(recipes), recipe=f"shard {s + 1}/{len(shards)}")
-                if queue:
-                    submit(a)
+            results = _pull(ray, actors, shards, task, recipes, kw, lambda s: bar.update(
+                job, advance=shards[s][2] * len(recipes), detail=f"shard {s + 1}/{len(shards)}"))  # fmt: skip
     finally:
         for a in actors:
             try:
@@ -341,23 +279,73 @@ def run_eval_ray(
                 pass
         if started:
             ray.shutdown()
-    return _merge(task, recipes, shards, results, where, workers, infos, time.perf_counter() - t_start)
+    return _merge(task, recipes, shards, results, where, len(actors), infos, time.perf_counter() - t_start)
+
+
+def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
+    """The actors (one model each, on a GPU of its own when the cluster has GPUs) and what each reports."""
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+    device = str(load_kw.get("device", "cuda" if gpus else "cpu"))
+    use_gpu = device.startswith("cuda")
+    if use_gpu and not gpus:
+        raise RayError(f"device {device!r} asks for GPU workers, but the Ray cluster at {where} has no GPUs")
+    if use_gpu:
+        load_kw["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES: "cuda" is the worker's own GPU
+    kind, have = ("GPU", gpus) if use_gpu else ("CPU", cpus)
+    workers = workers or have
+    if workers > have:
+        raise RayError(f"{workers} workers need {workers} {kind}s (one each) but the Ray cluster at {where} has "
+                       f"{have}; give --workers {have} or fewer, or add nodes")  # fmt: skip
+    opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
+    Worker = _worker_class(ray)
+    actors = [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
+    try:
+        return actors, ray.get([a.info.remote() for a in actors])
+    except Exception as e:
+        for a in actors:
+            ray.kill(a)
+        raise _unwrap(ray, e) from None
+
+
+def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, dict]:
+    """Every shard run, `IN_FLIGHT` queued per worker, the next pulled by whichever worker finishes."""
+    results: dict[int, dict] = {}
+    pending, queue = {}, list(range(len(shards)))
+
+    def submit(a: int) -> None:
+        s = queue.pop(0)
+        idx, offset, _ = shards[s]
+        part = replace(task, records=[task.records[i] for i in idx])
+        pending[actors[a].run.remote(s, part, recipes, offset, kw)] = (s, a)
+
+    for a in range(len(actors)):
+        for _ in range(IN_FLIGHT):
+            if queue:
+                submit(a)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        s, a = pending.pop(done[0])
+        try:
+            results[s] = ray.get(done[0])
+        except Exception as e:
+            raise _unwrap(ray, e) from None
+        done_one(s)
+        if queue:
+            submit(a)
+    return results
 
 
 def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> EvalResult:
-    records = task.records
-    n_rec = len(recipes)
-    preds: list[list[str]] = [[""] * len(records) for _ in recipes]
+    preds: list[list] = [[None] * len(task.records) for _ in recipes]
     accs: list[dict] = [{} for _ in recipes]
     for s, (idx, _, _) in enumerate(shards):
         part = results[s]
-        for r in range(n_rec):
+        for r in range(len(recipes)):
             for local, i in enumerate(idx):
                 preds[r][i] = part["predictions"][r][local]
             for key, acc in part["costs"][r].items():
-                accs[r].setdefault(key, _Acc()).merge(acc)
-    scores = score_predictions(records, preds)
-    rows = _rows(task, recipes, preds, scores, accs)
+                accs[r].setdefault(key, CostAcc()).merge(acc)
     settings = dict(results[0]["settings"])
     memories = {results[s]["settings"]["memory"] for s in results}
     settings["memory"] = memories.pop() if len(memories) == 1 else "first (each Ray worker)"
@@ -380,6 +368,4 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
         "seconds": seconds,
         "timing": "sums over shards; each shard's recipes interleaved on its own worker",
     }
-    return EvalResult(
-        task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings, costs=accs
-    )
+    return finish(task, recipes, preds, accs, settings, results[0]["depths"])

@@ -1,4 +1,5 @@
-"""Reports of an `EvalResult`: rich tables in the terminal, a JSON file with every number, a Pareto PNG."""
+"""The one report module of an `EvalResult` (generation and candidate items alike): rich tables in the terminal,
+a JSON file with every number, a Markdown summary, a Pareto PNG."""
 
 from __future__ import annotations
 
@@ -48,111 +49,104 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-SUMMARY_ROWS = (("f1", "F1"), ("yes_ratio", "yes-ratio"))  # metric extras shown under their group's accuracy
+SUMMARY_ROWS = (("f1", "F1"), ("yes_ratio", "yes-ratio"), ("abstained", "abstained"))  # a group's extras
+COST_COLUMNS = (  # (key, heading): per item, and as a ratio to the baseline
+    ("prefill_flops", "prefill FLOPs"),
+    ("decode_flops", "decode FLOPs"),
+    ("branch_flops", "branch FLOPs"),
+    ("total_flops", "FLOPs"),
+    ("kv_bytes", "KV bytes"),
+    ("kv_bytes_peak", "KV peak"),
+    ("latency_s", "latency"),
+    ("peak_memory_bytes", "peak mem"),
+)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _table(title: str, columns, left: int = 1):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for k, col in enumerate(columns):
+        t.add_column(col, justify="left" if k < left else "right", no_wrap=k < left)
+    return t
+
+
+def _per_item(key: str, costs: dict) -> str:
+    if key == "peak_memory_bytes":
+        return _peak(costs)
+    v = costs["per_item"][key]
+    return f"{1000 * v:.2f}" if key.endswith("_s") else human(v, "B" if key.startswith("kv") else "")
+
+
+def _skipped(depth: dict | None) -> str:
+    return "-" if depth is None else ",".join(map(str, depth["skipped_branch"] or depth["skipped_prefill"])) or "none"
 
 
 def print_report(result: EvalResult, console=None) -> None:
-    """Tables: accuracy / mismatch vs baseline per kind and probe kind; costs per item; cost ratios."""
+    """Tables: accuracy and mismatch vs baseline per kind and probe; costs per item; retention and cost ratios;
+    per ranker the largest budget reaching 90% retention."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     console = console or Console()
     labels = result.labels
     groups = [r for r in result.rows if r["recipe"] == labels[0]]
     summaries = [g for g in groups if g["group_type"] != "kind"]
-
-    tables = [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else [])
-    for title, first in tables:
-        t = Table(title=f"{result.task.name}: {title}", title_justify="left")
-        t.add_column("kind", no_wrap=True)
-        t.add_column("probe", no_wrap=True)
-        t.add_column("metric", no_wrap=True)
-        t.add_column("n", justify="right")
-        for label in labels[first:]:
-            t.add_column(escape(label), justify="right")
+    for title, first in [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else []):
+        t = _table(f"{result.task.name}: {title}", ["kind", "probe", "metric", "n", *map(escape, labels[first:])], 3)
         for n, g in enumerate(groups):
             if g["group_type"] != "kind" and n > 0 and groups[n - 1]["group_type"] == "kind":
                 t.add_section()
             rows = [result.row(label, g["group"]) for label in labels[first:]]
-            if first == 0:
-                cells = [f"{100 * r['accuracy']:.1f}" for r in rows]
-            else:
-                cells = [f"{r['mismatch_pct']:.1f}" for r in rows]
+            cells = [_pct(r["accuracy"]) if first == 0 else f"{r['mismatch_pct']:.1f}" for r in rows]
             kind = g["group"] if g["group_type"] == "kind" else "all"
-            probe = "both" if g["group_type"] == "all" else g["probe"]
-            style = "bold" if g["group_type"] != "kind" else None
-            t.add_row(kind, probe, g["metric"], str(g["n"]), *cells, style=style)
+            probe = "every" if g["group_type"] == "all" else g["probe"]
+            t.add_row(kind, probe, g["metric"], str(g["n"]), *cells, style="bold" if g["group_type"] != "kind" else None)
             for key, name in SUMMARY_ROWS if first == 0 else ():
                 if all(key in r for r in rows):
-                    cells = (f"{100 * r[key]:.1f}" for r in rows)
-                    t.add_row(f"{kind} {name}", probe, "", "", *cells, style="dim")
+                    fmt = (lambda v: str(v)) if key == "abstained" else _pct
+                    t.add_row(f"{kind} {name}", probe, "", "", *(fmt(r[key]) for r in rows), style="dim")
         console.print(t)
+    _cost_tables(result, summaries, console)
+    kind = result.row(labels[0])["costs"]["peak_memory_kind"]
+    console.print(f"[dim]FLOPs: the model's (vision included) plus the methods' own (selection, attention probes, "
+                  f"merges); KV bytes: held after any eviction, KV peak: the most held during a call; peak mem: "
+                  f"{MEMORY_KINDS.get(kind, kind or 'not measured')}[/dim]")  # fmt: skip
 
-    cost = Table(title="costs per item (model FLOPs and the methods' own FLOPs on separate columns)",
-                 title_justify="left")  # fmt: skip
-    cols = ("recipe", "probe", "prefill FLOPs", "decode FLOPs", "method FLOPs", "KV bytes", "latency ms", "peak mem")
-    for col in cols:
-        cost.add_column(
-            col, justify="left" if col in ("recipe", "probe") else "right", no_wrap=col in ("recipe", "probe")
-        )
-    for label in labels:
+
+def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
+    from rich.markup import escape
+
+    labels = result.labels
+    depths = result.depths or [None] * len(labels)
+    heads = [h for _, h in COST_COLUMNS]
+    cost = _table("costs per item (latency in ms)", ["recipe", "probe", *heads, "method FLOPs"], 2)
+    ratio = _table("cost / baseline (same items, interleaved; FLOPs = model + method)",
+                   ["recipe", "probe", "skipped", "retention %", *heads, "method share"], 2)  # fmt: skip
+    for label, depth in zip(labels, depths, strict=True):
         for g in summaries:
             row = result.row(label, g["group"])
-            per = row["costs"]["per_item"]
-            cost.add_row(
-                escape(label),
-                g["group"],
-                human(per["prefill_flops"]),
-                human(per["decode_flops"]),
-                human(per["method_flops"]),
-                human(per["kv_bytes"], "B"),
-                f"{1000 * per['latency_s']:.2f}",
-                _peak(row["costs"]),
-                style="bold" if g["group_type"] == "all" else None,
-            )
-        if len(summaries) > 1:
-            cost.add_section()
+            style = "bold" if g["group_type"] == "all" else None
+            cells = [_per_item(k, row["costs"]) for k, _ in COST_COLUMNS]
+            cost.add_row(escape(label), g["group"], *cells, human(row["costs"]["per_item"]["method_flops"]), style=style)
+            ratios = [_ratio(row["ratio"][k]) for k, _ in COST_COLUMNS]
+            ratio.add_row(escape(label), g["group"], _skipped(depth), _pct(row["retention"]), *ratios,
+                          _share(row["costs"]), style=style)  # fmt: skip
+        for t in (cost, ratio) if len(summaries) > 1 else ():
+            t.add_section()
     console.print(cost)
-
     if len(labels) > 1:
-        keys = ("prefill_flops", "decode_flops", "total_flops", "kv_bytes", "latency_s", "peak_memory_bytes")
-        ratio = Table(
-            title="cost / baseline (same items, interleaved; FLOPs = model + method)", title_justify="left"
-        )
-        for col in (
-            "recipe",
-            "probe",
-            "prefill FLOPs",
-            "decode FLOPs",
-            "FLOPs",
-            "method share",
-            "KV bytes",
-            "latency",
-            "peak mem",
-        ):
-            ratio.add_column(
-                col,
-                justify="left" if col in ("recipe", "probe") else "right",
-                no_wrap=col in ("recipe", "probe"),
-            )
-        for label in labels[1:]:
-            for g in summaries:
-                row = result.row(label, g["group"])
-                cells = [_ratio(row["ratio"][k]) for k in keys]
-                cells.insert(3, _share(row["costs"]))
-                ratio.add_row(
-                    escape(label),
-                    g["group"],
-                    *cells,
-                    style="bold" if g["group_type"] == "all" else None,
-                )
-            if len(summaries) > 1:
-                ratio.add_section()
         console.print(ratio)
-    kind = result.row(labels[0], "all")["costs"]["peak_memory_kind"]
-    console.print(f"[dim]prefill/decode FLOPs: the model's; method FLOPs: the methods' own matmuls (selection, "
-                  f"attention probes, merges); peak mem: {MEMORY_KINDS.get(kind, kind or 'not measured')}[/dim]")  # fmt: skip
+    if result.largest_budget:
+        lb = _table("largest tested budget with >= 90% mean retention",
+                    ["ranker", "budgets tested", "largest budget", "retention %"])  # fmt: skip
+        for ranker, e in result.largest_budget.items():
+            lb.add_row(escape(ranker), ",".join(map(str, e["tested"])), _budget(e), _pct(e["retention"]))
+        console.print(lb)
 
 
 MEMORY_KINDS = {
@@ -179,26 +173,37 @@ def _share(costs: dict) -> str:
 
 
 def markdown_summary(result: EvalResult) -> str:
-    """One Markdown row per recipe: accuracy and mismatch % per probe type, cost ratios to the baseline."""
-    probes = [
-        g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"
-    ]
-    head = ["recipe"]
-    for p in probes:
-        head += [f"{p} acc", f"{p} mismatch %"]
-    head += ["prefill FLOPs", "decode FLOPs", "total FLOPs", "method share", "KV bytes", "peak mem"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label in result.labels:
-        cells = [label]
+    """One Markdown row per recipe: what it skips, accuracy and mismatch % per probe, retention, cost ratios to
+    the baseline; then per ranker the largest budget reaching 90% retention."""
+    probes = [g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"]
+    head = ["recipe", "skipped", *(f"{p} {x}" for p in probes for x in ("acc", "mismatch %")), "retention %",
+            *(h for k, h in COST_COLUMNS if k != "total_flops"), "total FLOPs", "method share"]  # fmt: skip
+    lines = [_md_row(head), "|" + "---|" * len(head)]
+    depths = result.depths or [None] * len(result.labels)
+    for label, depth in zip(result.labels, depths, strict=True):
+        cells = [label, _skipped(depth)]
         for p in probes:
             row = result.row(label, p)
-            cells += [f"{100 * row['accuracy']:.1f}", f"{row['mismatch_pct']:.1f}"]
-        row = result.row(label, "all")
-        ratio = row["ratio"]
-        cells += [_ratio(ratio[k]) for k in ("prefill_flops", "decode_flops", "total_flops")]
-        cells += [_share(row["costs"]), _ratio(ratio["kv_bytes"]), _ratio(ratio["peak_memory_bytes"])]
-        lines.append("| " + " | ".join(cells) + " |")
+            cells += [_pct(row["accuracy"]), f"{row['mismatch_pct']:.1f}"]
+        row = result.row(label)
+        keys = [k for k, _ in COST_COLUMNS if k != "total_flops"] + ["total_flops"]
+        cells += [_pct(row["retention"]), *(_ratio(row["ratio"][k]) for k in keys), _share(row["costs"])]
+        lines.append(_md_row(cells))
+    if result.largest_budget:
+        lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
+                  "|---|---|---|---|"]  # fmt: skip
+        for ranker, e in result.largest_budget.items():
+            tested = ",".join(map(str, e["tested"]))
+            lines.append(_md_row([ranker, tested, _budget(e), _pct(e["retention"])]))
     return "\n".join(lines) + "\n"
+
+
+def _budget(entry: dict) -> str:
+    return "-" if entry["budget"] is None else str(entry["budget"])
+
+
+def _md_row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def check_writable(*paths) -> None:
@@ -258,68 +263,58 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 MARKERS = ["*", "o", "s", "^", "D", "v", "P", "X", "<", ">"]
-PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items"}
+PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items",
+                "candidates": "candidate items"}  # fmt: skip
 
 
 def plot_pareto(result: EvalResult, path: str | Path) -> Path:
-    """Accuracy against three cost axes: total FLOPs (model + method), KV bytes and peak memory, each as a
-    ratio to the baseline; one point per recipe (the same colour and marker in every panel, named in the
-    legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of panels per probe kind
-    (prefill / full). A panel whose cost was not measured stays empty."""
-    from matplotlib.figure import (
-        Figure,
-    )  # a bare Figure renders PNG with Agg; pyplot's global state untouched
+    """Accuracy against three cost axes, each as a ratio to the baseline: FLOPs (model + method; candidate
+    items: their branch FLOPs), KV bytes after eviction (filled markers) with the KV peak beside it (hollow
+    markers, the same colour), and peak memory; one point per recipe (the same colour and marker in every
+    panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of
+    panels per probe kind. A panel whose cost was not measured stays empty."""
+    from matplotlib.figure import Figure  # a bare Figure renders PNG with Agg; pyplot's global state untouched
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    probes = [
-        r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"
-    ]
-    axes_spec = (
-        ("total_flops", "FLOPs (model + method) / baseline"),
-        ("kv_bytes", "KV bytes / baseline"),
-        ("peak_memory_bytes", "peak memory / baseline"),
-    )
+    probes = [r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"]
     fig = Figure(figsize=(15.5, 3.8 * max(1, len(probes))), layout="constrained")
     grid = fig.subplots(max(1, len(probes)), 3, squeeze=False)
-    colors = [f"C{k % 10}" for k in range(len(result.labels))]
     for i, probe in enumerate(probes):
-        for j, (key, xlabel) in enumerate(axes_spec):
-            ax = grid[i][j]
-            pts, shown = [], []
-            for k, label in enumerate(result.labels):
-                row = result.row(label, probe)
-                x = row["ratio"][key]
-                if x is None:  # the baseline spent nothing of this kind either
-                    x = 1.0 if k == 0 else float("nan")
-                y = 100 * row["accuracy"]
-                ax.scatter(
-                    [x],
-                    [y],
-                    s=140 if k == 0 else 60,
-                    marker=MARKERS[k % len(MARKERS)],
-                    color=colors[k],
-                    alpha=0.85,
-                    zorder=3 + k,
-                    label=label,
-                )
-                if x == x:
-                    pts.append((x, y))
-                    shown.append(y)
-            front = [pts[n] for n in pareto_front(pts)]
-            if len(front) > 1:
-                ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", alpha=0.5)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("accuracy (%)")
-            ax.set_title(
-                f"{PROBE_TITLES.get(probe, probe)} ({result.row(result.labels[0], probe)['n']})", fontsize=10
-            )
-            ax.grid(alpha=0.3)
-            ax.set_xlim(left=0, right=max(1.1, ax.get_xlim()[1]))
-            if shown:
-                ax.set_ylim(max(-2.0, min(shown) - 8), min(102.0, max(shown) + 8))
+        flops = "branch_flops" if probe == "candidates" else "total_flops"
+        panels = ((flops, f"{'branch FLOPs' if probe == 'candidates' else 'FLOPs (model + method)'} / baseline"),
+                  ("kv_bytes", "KV bytes (hollow: KV peak) / baseline"), ("peak_memory_bytes", "peak memory / baseline"))  # fmt: skip
+        for j, (key, xlabel) in enumerate(panels):
+            _panel(grid[i][j], result, probe, key, xlabel)
     handles, names = grid[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside right upper", fontsize=8, title="recipe")
     fig.suptitle(f"trimvlm eval: {result.task.name}, accuracy vs cost (Pareto front in grey)")
     fig.savefig(path, dpi=110)
     return path
+
+
+def _panel(ax, result: EvalResult, probe: str, key: str, xlabel: str) -> None:
+    pts, shown = [], []
+    for k, label in enumerate(result.labels):
+        row = result.row(label, probe)
+        y = 100 * row["accuracy"]
+        style = {"s": 140 if k == 0 else 60, "marker": MARKERS[k % len(MARKERS)], "zorder": 3 + k}
+        marks = [(key, label, f"C{k % 10}")] + ([("kv_bytes_peak", None, "none")] if key == "kv_bytes" else [])
+        for col, name, face in marks:
+            x = row["ratio"][col]
+            if x is None:  # the baseline spent nothing of this kind either
+                x = 1.0 if k == 0 else float("nan")
+            ax.scatter([x], [y], facecolors=face, edgecolors=f"C{k % 10}", alpha=0.85, label=name, **style)
+            if x == x and name is not None:
+                pts.append((x, y))
+                shown.append(y)
+    front = [pts[n] for n in pareto_front(pts)]
+    if len(front) > 1:
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", alpha=0.5)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{PROBE_TITLES.get(probe, probe)} ({result.row(result.labels[0], probe)['n']})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.set_xlim(left=0, right=max(1.1, ax.get_xlim()[1]))
+    if shown:
+        ax.set_ylim(max(-2.0, min(shown) - 8), min(102.0, max(shown) + 8))

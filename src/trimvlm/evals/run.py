@@ -1,21 +1,20 @@
-"""Run a list of recipes over one task: predictions, accuracy, mismatch vs the baseline, costs and ratios.
+"""The one harness: a list of recipes over one task's items (generation records, candidate items, any item of
+trimvlm.evals.items' protocol), interleaved batch by batch in one process.
 
 - The uncompressed baseline (the empty recipe, labelled "baseline") is always run, and first in the results.
-- Items are grouped by (probe, kind) and cut into batches of `batch_size`; prefill probes generate
-  `task.prefill_tokens` tokens (default 1), full-pipeline probes up to `task.new_tokens(probe, kind)`.
-- Timing fairness: recipes are interleaved batch by batch in this one process: for each batch every recipe
-  runs, and the order rotates from batch to batch, so warm caches, thermal state and background load fall on
-  every recipe alike. An untimed warm-up call of every recipe on two items runs first, and the vision tower's
-  FLOPs of each batch's input shape are counted before the batch, untimed, so no recipe pays for the count.
-- Costs come from each call's `GenerationResult.costs` (the cost meter): prefill FLOPs (vision included),
-  decode FLOPs, KV bytes held after prefill, latency (the meter's timed phases), wall time of the whole call
-  (preprocessing included), peak memory (max over batches; on CPU a lower bound, see runtime/meter.py).
-  Sums are over the group's batches; `per_item` divides by the group's items; `ratio` divides by the
-  baseline's sum on the same items (None where the baseline's is 0).
-- Results per recipe for every kind, every probe kind ("prefill" / "full") and "all": accuracy (the mean of
-  the per-item scores of each item's own metric: VQA accuracy, ANLS, relaxed accuracy... for those
-  metrics), mismatch % vs the baseline, and the metric's extras (yes/no F1, precision, recall, yes-ratio)
-  in every group whose items share one metric.
+- Items are grouped by their `batch_key` (probe, kind, generation cap) and cut into batches of `batch_size`.
+- Timing fairness: for each batch every recipe runs, the first recipe rotating from batch to batch, so warm
+  caches, thermal state and background load fall on every recipe alike. An untimed warm-up call of every
+  recipe on two items runs first; each batch's untimed work (the vision-FLOP count of a new input shape, a
+  candidate batch's first call) runs before its recipes, outside every timing.
+- Costs come from each call's `Costs` (the cost meter), accumulated per (probe, kind) by `CostAcc`: sums over
+  the group's batches, `per_item` divides by its items, `ratio` by the baseline's sum on the same items (None
+  where the baseline's is 0). Peak memory is the largest over the measured batches.
+- Results per recipe for every kind, every probe and "all" (`rows`): accuracy (the mean of the items' scores),
+  mismatch % and agreement vs the baseline, retention (accuracy / the baseline's; over several kinds the
+  unweighted mean of the kinds' ratios, a kind the baseline gets 0% on left out), the item kind's extras
+  (yes/no F1, abstentions) in every group of one metric. Per recipe with a depth method: what it skips, and per
+  ranker the largest tested budget whose retention reaches 90% (`largest_budgets`).
 """
 
 from __future__ import annotations
@@ -23,26 +22,32 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError
-from trimvlm.evals.metrics import get_metric
-from trimvlm.evals.tasks import PROBES, Task, check_limit, check_prefill_answers, get_task
+from trimvlm.evals.items import RunOptions
+from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
+from trimvlm.progress import progress as progress_bar
 from trimvlm.recipe import Recipe, parse_recipe
 
-COST_KEYS = (
+SUM_KEYS = (
     "prefill_flops",  # the model's (vision included)
     "decode_flops",
+    "branch_flops",  # candidate branches (their LM-head projections included)
     "method_prefill_flops",  # the methods' own work (selection, probes, merges), its own line
     "method_decode_flops",
     "method_flops",
     "total_flops",  # model + method
-    "kv_bytes",
-    "latency_s",
-    "wall_s",
+    "kv_bytes",  # KV held at the prefill/decode boundary, after any eviction
+    "kv_bytes_peak",  # the most KV each call held (a cache before its eviction counts)
+    "latency_s",  # the meter's timed phases
+    "branch_s",
+    "wall_s",  # the whole call, preprocessing included
 )
-MAX_KEYS = ("kv_bytes_peak", "peak_memory_bytes")
-RATIO_KEYS = COST_KEYS + ("peak_memory_bytes",)
+RATIO_KEYS = SUM_KEYS + ("peak_memory_bytes",)
+RETENTION_TARGET = 0.9
+ORDER = "interleaved: every recipe on each batch, rotating the first recipe batch by batch"
 
 
 def normalize_recipes(recipes: Sequence[str | dict | Recipe] | None) -> list[Recipe]:
@@ -51,10 +56,7 @@ def normalize_recipes(recipes: Sequence[str | dict | Recipe] | None) -> list[Rec
     for r in parsed:
         r.build()  # unknown methods / options fail now, before any model runs
     base = [i for i, r in enumerate(parsed) if r.is_baseline and r.label() == "baseline"]
-    if base:
-        parsed.insert(0, parsed.pop(base[0]))
-    else:
-        parsed.insert(0, Recipe(name="baseline"))
+    parsed.insert(0, parsed.pop(base[0]) if base else Recipe(name="baseline"))
     labels = [r.label() for r in parsed]
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
@@ -63,28 +65,28 @@ def normalize_recipes(recipes: Sequence[str | dict | Recipe] | None) -> list[Rec
 
 
 @dataclass
-class _Acc:
-    """Cost sums of one recipe over one set of items."""
+class CostAcc:
+    """The one cost accumulator: sums of one recipe's calls over a set of items."""
 
     n: int = 0
     batches: int = 0
-    sums: dict = field(default_factory=lambda: {k: 0.0 for k in COST_KEYS})
-    maxes: dict = field(default_factory=lambda: {k: 0 for k in MAX_KEYS})
+    sums: dict = field(default_factory=lambda: dict.fromkeys(SUM_KEYS, 0.0))
+    peak_memory_bytes: int = 0
     peak_memory_kind: str = ""
+    executors: set = field(default_factory=set)
 
-    def add(self, costs, n_items: int, wall_s: float) -> None:
+    def add(self, costs, n_items: int, wall_s: float, executor: str = "") -> None:
         self.n += n_items
         self.batches += 1
-        self.sums["prefill_flops"] += costs.prefill_flops
-        self.sums["decode_flops"] += costs.decode_flops
-        self.sums["method_prefill_flops"] += costs.method_prefill_flops
-        self.sums["method_decode_flops"] += costs.method_decode_flops
-        self.sums["method_flops"] += costs.method_total_flops
-        self.sums["total_flops"] += costs.total_flops
-        self.sums["kv_bytes"] += costs.kv_bytes
-        self.sums["latency_s"] += sum(costs.seconds.values())
-        self.sums["wall_s"] += wall_s
-        self.maxes["kv_bytes_peak"] = max(self.maxes["kv_bytes_peak"], costs.kv_bytes_peak)
+        seconds = costs.seconds
+        values = {"prefill_flops": costs.prefill_flops, "decode_flops": costs.decode_flops,
+                  "branch_flops": costs.flops.get("branch", 0), "method_prefill_flops": costs.method_prefill_flops,
+                  "method_decode_flops": costs.method_decode_flops, "method_flops": costs.method_total_flops,
+                  "total_flops": costs.total_flops, "kv_bytes": costs.kv_bytes, "kv_bytes_peak": costs.kv_bytes_peak,
+                  "latency_s": sum(seconds.values()), "branch_s": seconds.get("branch", 0.0), "wall_s": wall_s}  # fmt: skip
+        for k, v in values.items():
+            self.sums[k] += v
+        self.executors |= {executor} - {""}
         self.memory(costs)
 
     def memory(self, costs) -> None:
@@ -92,106 +94,74 @@ class _Acc:
         if costs.peak_memory_kind in ("", "not_measured"):
             self.peak_memory_kind = self.peak_memory_kind or costs.peak_memory_kind
             return
-        self.maxes["peak_memory_bytes"] = max(self.maxes["peak_memory_bytes"], costs.peak_memory_bytes)
+        self.peak_memory_bytes = max(self.peak_memory_bytes, costs.peak_memory_bytes)
         self.peak_memory_kind = costs.peak_memory_kind
 
-    def merge(self, other: _Acc) -> None:
+    def merge(self, other: CostAcc) -> None:
         self.n += other.n
         self.batches += other.batches
-        for k in COST_KEYS:
+        for k in SUM_KEYS:
             self.sums[k] += other.sums[k]
-        for k in MAX_KEYS:
-            self.maxes[k] = max(self.maxes[k], other.maxes[k])
+        self.peak_memory_bytes = max(self.peak_memory_bytes, other.peak_memory_bytes)
         if other.peak_memory_kind not in ("", "not_measured") or not self.peak_memory_kind:
             self.peak_memory_kind = other.peak_memory_kind or self.peak_memory_kind
+        self.executors |= other.executors
 
     def as_dict(self) -> dict:
-        sums = {k: (int(v) if k not in ("latency_s", "wall_s") else v) for k, v in self.sums.items()}
+        sums = {k: (v if k.endswith("_s") else int(v)) for k, v in self.sums.items()}
         per_item = {k: (v / self.n if self.n else 0.0) for k, v in self.sums.items()}
-        return {
-            "items": self.n,
-            "batches": self.batches,
-            "sum": sums,
-            "per_item": per_item,
-            "max": dict(self.maxes),
-            "peak_memory_kind": self.peak_memory_kind,
-        }
+        return {"items": self.n, "batches": self.batches, "sum": sums, "per_item": per_item,
+                "max": {"peak_memory_bytes": self.peak_memory_bytes}, "peak_memory_kind": self.peak_memory_kind,
+                "executor": ",".join(sorted(self.executors))}  # fmt: skip
 
 
 @dataclass
 class EvalResult:
     task: Task
     recipes: list[Recipe]
-    predictions: list[list[str]]  # [recipe][item]
+    predictions: list[list]  # [recipe][item]: a text, a chosen candidate...
     scores: list[list[float]]  # [recipe][item]
     rows: list[dict]  # one per (recipe, group)
     settings: dict
-    # per recipe: (probe, kind) -> the cost sums the rows were made from (a sharded run merges these)
-    costs: list[dict] = field(default_factory=list, repr=False)
+    costs: list[dict] = field(default_factory=list, repr=False)  # per recipe: (probe, kind) -> CostAcc
+    depths: list[dict | None] = field(default_factory=list)  # per recipe: what its depth axis skips
 
     @property
     def labels(self) -> list[str]:
         return [r.label() for r in self.recipes]
 
-    def row(self, recipe: str, group: str) -> dict:
+    def row(self, recipe: str, group: str = "all") -> dict:
         for r in self.rows:
             if r["recipe"] == recipe and r["group"] == group:
                 return r
         raise KeyError((recipe, group))
 
+    @property
+    def largest_budget(self) -> dict:
+        return largest_budgets([self.row(lb) for lb in self.labels], self.depths)
+
     def to_dict(self) -> dict:
         t = self.task
+        depths = self.depths or [None] * len(self.recipes)
         return {
             "task": {"name": t.name, "items": len(t.records), "kinds": t.kinds(), **t.info},
             "settings": self.settings,
-            "recipes": [
-                {"label": r.label(), "recipe": r.model_dump(exclude_none=True)} for r in self.recipes
-            ],
+            "recipes": [{"label": r.label(), "recipe": r.model_dump(exclude_none=True), "depth": d}
+                        for r, d in zip(self.recipes, depths, strict=True)],  # fmt: skip
             "results": self.rows,
-            "items": [
-                {
-                    "id": rec.id,
-                    "kind": rec.kind,
-                    "probe": rec.probe,
-                    "metric": rec.metric,
-                    "question": rec.question,
-                    "answers": rec.answers,
-                    "options": rec.options,
-                }
-                for rec in t.records
-            ],
-            "predictions": {
-                label: {"texts": p, "scores": s}
-                for label, p, s in zip(self.labels, self.predictions, self.scores, strict=True)
-            },
+            "largest_budget_90": self.largest_budget,
+            "items": [rec.as_json() for rec in t.records],
+            "predictions": {label: {"outputs": p, "scores": s}
+                            for label, p, s in zip(self.labels, self.predictions, self.scores, strict=True)},  # fmt: skip
         }
 
 
-def _batches(task: Task, batch_size: int) -> list[tuple[list[int], int]]:
-    """(item indices, max new tokens) per batch, grouped by (probe, kind) in order of first appearance."""
-    groups: dict[tuple[str, str], list[int]] = {}
+def batches(task: Task, batch_size: int) -> list[list[int]]:
+    """Item indices per batch: grouped by the items' batch key in order of first appearance, cut to size."""
+    groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(task.records):
-        groups.setdefault((r.probe, r.kind), []).append(i)
-    out = []
-    for (probe, kind), idx in groups.items():
-        n_new = task.new_tokens(probe, kind)
-        out += [(idx[b : b + batch_size], n_new) for b in range(0, len(idx), batch_size)]
-    return out
-
-
-def _progress(enabled: bool, console=None):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[recipe]}"),
-        console=console,
-        disable=not enabled,
-        transient=False,
-    )
+        groups.setdefault((type(r).__name__, *r.batch_key(task)), []).append(i)
+    return [idx[b : b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
 
 
 def run_eval(
@@ -203,6 +173,8 @@ def run_eval(
     batch_size: int = 16,
     seed: int = 0,
     max_new_tokens: int | None = None,
+    readout: str = "auto",
+    executor: str = "auto",
     warmup: bool = True,
     memory: str = "first",
     progress: bool = True,
@@ -213,77 +185,78 @@ def run_eval(
 ) -> EvalResult:
     """Run every recipe (baseline first) over the task's items, interleaved batch by batch.
 
-    `memory`: where peak memory comes from. On CUDA every timed call reads the allocator's peak. On CPU the
-    tensor tracker would slow the timed calls, so peak memory is measured in separate, untimed calls on the
-    same batches: `first` (default) the first batch of each probe kind (prefill / full), `all` every batch,
-    `off` none (reported as not measured). The reported peak is the largest over the measured batches.
-    `data` / `split`: the local copy a benchmark task named by a string is read from (see `get_task`).
-    `order_offset`: the recipe order of batch b is the one of batch b + order_offset (a shard of a sharded run,
-    trimvlm.evals.ray_eval, passes the index its first batch has in the whole task's batches)."""
+    `readout` / `executor`: how candidate items are scored (vlm.score). `memory`: where peak memory comes from.
+    On CUDA every timed call reads the allocator's peak. On CPU the tensor tracker would slow the timed calls,
+    so peak memory is measured in separate, untimed calls on the same batches: `first` (default) the first
+    batch of each probe kind, `all` every batch, `off` none (reported as not measured). `data` / `split`: the
+    local copy a benchmark task named by a string is read from (see `get_task`). `order_offset`: the recipe
+    order of batch b is the one of batch b + order_offset (a shard of a sharded run, trimvlm.evals.ray_eval)."""
     check_run_args(memory, batch_size, max_new_tokens)
     task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
                         progress=progress)  # fmt: skip
-    if getattr(vlm, "tokenizer", None) is not None:  # before any item runs
-        check_prefill_answers(task, vlm.tokenizer)
     recipes = normalize_recipes(recipes)
+    opts = RunOptions(seed=seed, readout=readout, executor=executor)
+    for cls in dict.fromkeys(type(r) for r in task.records):  # checks of every item kind, before any item runs
+        opts = cls.prepare(vlm, task.records, task, opts)
+    depths = [depth_info(r, vlm) for r in recipes]  # bad budgets / ranking files fail before any run
+    preds, accs = run_batches(vlm, task, recipes, batches(task, batch_size), opts, warmup=warmup, memory=memory,
+                              progress=progress, console=console, order_offset=order_offset)  # fmt: skip
+    device = getattr(getattr(vlm, "runner", None), "device", None)
+    settings = {"seed": seed, "batch_size": batch_size, "max_new_tokens": task.max_new_tokens,
+                "prefill_tokens": task.prefill_tokens, "kind_max_new_tokens": task.kind_max_new_tokens,
+                "readout": opts.readout, "executor": opts.executor, "warmup": warmup, "order": ORDER,
+                "memory": memory if device is None or device.type != "cuda" else "every call (CUDA allocator)",
+                "model": _model_info(vlm)}  # fmt: skip
+    return finish(task, recipes, preds, accs, settings, depths)
+
+
+def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progress, console, order_offset):
+    """The interleaved loop: per batch its untimed work, then every recipe (the first rotating); returns the
+    outputs [recipe][item] and per recipe the cost accumulators by (probe, kind)."""
     records = task.records
-    n_rec, n_items = len(recipes), len(records)
-    batches = _batches(task, batch_size)
-    preds: list[list[str]] = [[""] * n_items for _ in recipes]
-    accs: list[dict[tuple[str, str], _Acc]] = [{} for _ in recipes]  # per recipe: (probe, kind) -> costs
-
-    def call(r: int, idx: list[int], n_new: int, track: bool = False):
-        images = [list(records[i].images) for i in idx]
-        prompts = [records[i].prompt_text() for i in idx]
-        kw = {"track_memory": True} if track else {}
-        t0 = time.perf_counter()
-        res = vlm.generate(images, prompts, recipe=recipes[r], max_new_tokens=n_new, seed=seed, **kw)
-        return res, time.perf_counter() - t0
-
+    n_rec = len(recipes)
+    preds: list[list] = [[None] * len(records) for _ in recipes]
+    accs: list[dict[tuple[str, str], CostAcc]] = [{} for _ in recipes]
     device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
     on_cpu = device is not None and device.type != "cuda"
     measured: set[tuple] = set()
 
+    def call(r: int, idx: list[int], track: bool = False):
+        items = [records[i] for i in idx]
+        t0 = time.perf_counter()
+        out = type(items[0]).run(vlm, items, recipes[r], task, opts, track_memory=track)
+        return out, time.perf_counter() - t0
+
     if warmup:  # untimed: one-time costs (lazy init, allocator growth) of every recipe fall here
-        idx, n_new = batches[0]
         for r in range(n_rec):
-            call(r, idx[: min(len(idx), 2)], min(n_new, 2))
-    with _progress(progress, console) as bar:
-        job = bar.add_task(f"eval {task.name}", total=len(batches) * n_rec, recipe="")
-        for b, (idx, n_new) in enumerate(batches):
-            key = (records[idx[0]].probe, records[idx[0]].kind)
-            if device is not None:  # the vision-FLOP count of a new input shape runs here, outside every timing
-                vlm.runner.vision_flops(vlm.prepare([list(records[i].images) for i in idx],
-                                                    [records[i].prompt_text() for i in idx]))  # fmt: skip
+            call(r, batch_list[0][:2])
+    with progress_bar(console, progress) as bar:
+        job = bar.add_task(f"eval {task.name}", total=len(batch_list) * n_rec)
+        for b, idx in enumerate(batch_list):
+            first = records[idx[0]]
+            key = (first.probe, first.kind)
+            type(first).untimed(vlm, [records[i] for i in idx], task, opts)
             for j in range(n_rec):
                 r = (b + order_offset + j) % n_rec  # rotate which recipe goes first
-                bar.update(job, recipe=recipes[r].label())
-                res, wall = call(r, idx, n_new)
-                for i, text in zip(idx, res.texts, strict=True):
-                    preds[r][i] = text
-                acc = accs[r].setdefault(key, _Acc())
-                acc.add(res.costs, len(idx), wall)
+                bar.update(job, detail=recipes[r].label())
+                (outputs, costs, ran), wall = call(r, idx)
+                for i, out in zip(idx, outputs, strict=True):
+                    preds[r][i] = out
+                acc = accs[r].setdefault(key, CostAcc())
+                acc.add(costs, len(idx), wall, ran)
                 if on_cpu and (memory == "all" or (memory == "first" and (r, key[0]) not in measured)):
-                    acc.memory(call(r, idx, n_new, track=True)[0].costs)  # untimed
+                    acc.memory(call(r, idx, track=True)[0][1])  # untimed
                     measured.add((r, key[0]))
                 bar.advance(job)
+    return preds, accs
 
-    scores = score_predictions(records, preds)
-    rows = _rows(task, recipes, preds, scores, accs)
-    settings = {
-        "seed": seed,
-        "batch_size": batch_size,
-        "max_new_tokens": task.max_new_tokens,
-        "prefill_tokens": task.prefill_tokens,
-        "kind_max_new_tokens": task.kind_max_new_tokens,
-        "warmup": warmup,
-        "memory": memory if on_cpu else "every call (CUDA allocator)",
-        "order": "interleaved: every recipe on each batch, rotating the first recipe batch by batch",
-        "model": _model_info(vlm),
-    }
-    return EvalResult(
-        task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings, costs=accs
-    )
+
+def finish(task, recipes, preds, accs, settings, depths) -> EvalResult:
+    """Scores and result rows from the outputs and cost sums (a sharded run merges those first)."""
+    scores = [[rec.score(p) for p, rec in zip(pr, task.records, strict=True)] for pr in preds]
+    rows = result_rows(task, recipes, preds, scores, accs)
+    return EvalResult(task=task, recipes=recipes, predictions=preds, scores=scores, rows=rows, settings=settings,
+                      costs=accs, depths=depths)  # fmt: skip
 
 
 def check_run_args(memory: str, batch_size, max_new_tokens) -> None:
@@ -304,22 +277,14 @@ def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, d
         task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
     elif limit is not None:
         task = replace(task, records=task.records[: check_limit(limit)])
-    if max_new_tokens is not None:  # one cap for every full-pipeline item
-        task = replace(task, max_new_tokens=max_new_tokens, kind_max_new_tokens={})
     if not task.records:
         raise InputError(f"task {task.name!r} has no items")
+    if max_new_tokens is not None:  # one cap for every full-pipeline item
+        if not any(r.probe in PROBES for r in task.records):
+            raise InputError(f"max_new_tokens does not apply to the candidate task {task.name!r} (nothing is "
+                             "generated)")  # fmt: skip
+        task = replace(task, max_new_tokens=max_new_tokens, kind_max_new_tokens={})
     return task
-
-
-def score_predictions(records, preds) -> list[list[float]]:
-    """[recipe][item]: each item's score under its own metric."""
-    return [
-        [
-            get_metric(rec.metric).score(p, rec.answers, rec.options)
-            for p, rec in zip(pr, records, strict=True)
-        ]
-        for pr in preds
-    ]
 
 
 def _model_info(vlm) -> dict:
@@ -334,67 +299,86 @@ def _model_info(vlm) -> dict:
     return info
 
 
-def _rows(task: Task, recipes, preds, scores, accs) -> list[dict]:
+def depth_info(recipe: Recipe, vlm) -> dict | None:
+    """What a recipe's depth axis skips: method, budget, ranker key, the layers skipped per phase."""
+    if recipe.depth is None or getattr(vlm, "runner", None) is None:
+        return None
+    from trimvlm.plan import make_plan
+
+    spec = recipe.depth
+    # the ranker: the method and its options other than the budget (the default scope `candidates` unnamed)
+    opts = {k: v for k, v in spec.options.items() if k != "budget" and (k, v) != ("scope", "candidates")}
+    shown = [f"{k}={Path(str(v)).name if k == 'file' else v}" for k, v in sorted(opts.items())]
+    others = [f"{a}={getattr(recipe, a)}" for a in ("tokens", "kv") if getattr(recipe, a) is not None]
+    ranker = spec.method + (f"[{', '.join(shown)}]" if shown else "") + "".join(f"+{o}" for o in others)
+    plan = make_plan(recipe, vlm.runner)
+    return {"method": spec.method, "budget": spec.options.get("budget", 0), "ranker": ranker,
+            "skipped_branch": sorted(plan.skip_branch), "skipped_prefill": sorted(plan.skip_prefill)}  # fmt: skip
+
+
+def _groups(task: Task) -> list[tuple[str, str, list[int]]]:
+    """(name, type, item indices): every kind, every probe present, then all."""
     records = task.records
-    kinds = task.kinds()
-    groups = []  # (name, type, item indices, which (probe, kind) cost keys belong to it)
-    for k in kinds:
-        groups.append(
-            (k, "kind", [i for i, r in enumerate(records) if r.kind == k], lambda key, k=k: key[1] == k)
-        )
-    for p in PROBES:
+    out = [(k, "kind", [i for i, r in enumerate(records) if r.kind == k]) for k in task.kinds()]
+    for p in GROUP_PROBES:
         idx = [i for i, r in enumerate(records) if r.probe == p]
         if idx:
-            groups.append((p, "probe", idx, lambda key, p=p: key[0] == p))
-    groups.append(("all", "all", list(range(len(records))), lambda key: True))
+            out.append((p, "probe", idx))
+    return out + [("all", "all", list(range(len(records))))]
 
-    rows = []
-    base_costs: dict[str, dict] = {}
+
+def result_rows(task: Task, recipes, preds, scores, accs) -> list[dict]:
+    records, kinds = task.records, task.kinds()
+    rows, base_costs = [], {}
     for r, recipe in enumerate(recipes):
-        for name, gtype, idx, member in groups:
-            acc = _Acc()
-            for key, part in accs[r].items():
-                if member(key):
+        for name, gtype, idx in _groups(task):
+            acc = CostAcc()
+            for (probe, kind), part in accs[r].items():
+                if gtype == "all" or name == (kind if gtype == "kind" else probe):
                     acc.merge(part)
             costs = acc.as_dict()
-            if r == 0:
-                base_costs[name] = costs
-            base = base_costs[name]
+            base = base_costs.setdefault(name, costs)
             ratio = {}
             for key in RATIO_KEYS:
-                num = costs["sum"].get(key, costs["max"].get(key))
-                den = base["sum"].get(key, base["max"].get(key))
+                num, den = (c["sum"].get(key, c["max"].get(key)) for c in (costs, base))
                 ratio[key] = (num / den) if den else None
             metrics = sorted({records[i].metric for i in idx})
-            row = {
-                "recipe": recipe.label(),
-                "group": name,
-                "group_type": gtype,
-                "probe": name if gtype == "probe" else (kinds[name]["probe"] if gtype == "kind" else "mixed"),
-                "metric": metrics[0] if len(metrics) == 1 else "mixed",
-                "n": len(idx),
-                "accuracy": sum(scores[r][i] for i in idx) / len(idx),
-                "mismatch_pct": _mismatch(records, preds[r], preds[0], idx),
-                "costs": costs,
-                "ratio": ratio,
-            }
-            if len(metrics) == 1:  # a task-level summary (POPE's F1, yes-ratio) of every one-metric group
-                m = get_metric(metrics[0])
-                extra = m.summary(
-                    [preds[r][i] for i in idx],
-                    [records[i].answers for i in idx],
-                    [records[i].options for i in idx],
-                )
-                row.update(extra)
+            same = sum(records[i].canonical(preds[r][i]) == records[i].canonical(preds[0][i]) for i in idx)
+            row = {"recipe": recipe.label(), "group": name, "group_type": gtype,
+                   "probe": name if gtype == "probe" else (kinds[name]["probe"] if gtype == "kind" else "mixed"),
+                   "metric": metrics[0] if len(metrics) == 1 else "mixed", "n": len(idx),
+                   "accuracy": sum(scores[r][i] for i in idx) / len(idx),
+                   "mismatch_pct": 100.0 * (len(idx) - same) / len(idx), "agreement": same / len(idx),
+                   "retention": _retention(task, scores, r, idx), "costs": costs, "ratio": ratio}  # fmt: skip
+            if len(metrics) == 1:  # a task-level summary (POPE's F1, abstentions) of every one-metric group
+                row.update(type(records[idx[0]]).summary([records[i] for i in idx], [preds[r][i] for i in idx]))
             rows.append(row)
     return rows
 
 
-def _mismatch(records, preds, base, idx) -> float:
-    if not idx:
-        return 0.0
-    diff = 0
-    for i in idx:
-        m = get_metric(records[i].metric)
-        diff += m.canonical(preds[i], records[i].options) != m.canonical(base[i], records[i].options)
-    return 100.0 * diff / len(idx)
+def _retention(task: Task, scores, r: int, idx: list[int]) -> float | None:
+    """The unweighted mean over the kinds in `idx` of accuracy / the baseline's (kinds at 0% left out)."""
+    ratios = []
+    for kind in dict.fromkeys(task.records[i].kind for i in idx):
+        of = [i for i in idx if task.records[i].kind == kind]
+        a, a0 = (sum(scores[k][i] for i in of) for k in (r, 0))
+        if a0 > 0:
+            ratios.append(a / a0)
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def largest_budgets(rows: list[dict], depths: list, target: float = RETENTION_TARGET) -> dict[str, dict]:
+    """Per ranker: the largest tested budget whose retention reaches `target` (None when none does); `rows`
+    one per recipe (its "all" row), `depths` what each recipe's depth axis skips (None: no depth method)."""
+    out: dict[str, dict] = {}
+    for row, d in zip(rows, depths, strict=True):
+        if d is None:
+            continue
+        entry = out.setdefault(d["ranker"], {"budget": None, "retention": None, "tested": []})
+        entry["tested"].append(d["budget"])
+        ret = row["retention"]
+        if ret is not None and ret >= target and (entry["budget"] is None or d["budget"] > entry["budget"]):
+            entry["budget"], entry["retention"], entry["recipe"] = d["budget"], ret, row["recipe"]
+    for entry in out.values():
+        entry["tested"] = sorted(set(entry["tested"]))
+    return out

@@ -1,7 +1,7 @@
 """Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
 
-- `base`: Record, Task, the registry, `get_task`, `check_limit`, `check_prefill_answers`;
-- `demo`: the synthetic demo task; `jsonl`: a task from a JSONL file in trimvlm's own schema;
+- `base`: Record (the generation item), Task, the one registry `TASKS`, `get_task`, `calibration_items`;
+- `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
 - `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
   image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
 - one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
@@ -10,25 +10,27 @@
 
 from trimvlm.evals.tasks import ai2d, chartqa, docvqa, mmbench, mmvet, pope, scienceqa, textvqa  # noqa: F401
 from trimvlm.evals.tasks.base import (
+    GROUP_PROBES,
     OPTION_INSTRUCTION,
     PROBES,
     SHORT_INSTRUCTION,
     TASKS,
     Record,
     Task,
-    TaskBuilder,
+    TaskEntry,
+    benchmarks,
+    calibration_items,
     check_limit,
     check_prefill_answers,
     get_task,
     option_lines,
     register_task,
 )
-from trimvlm.evals.tasks.benchmark import BENCHMARKS, Benchmark, load_benchmark, register_benchmark
-from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_task
+from trimvlm.evals.tasks.benchmark import Benchmark, load_benchmark, register_benchmark
+from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_candidate_task, demo_task
 from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
 
 __all__ = [
-    "BENCHMARKS",
     "DEMO_DEFAULT_ITEMS",
     "DEMO_METRICS",
     "OPTION_INSTRUCTION",
@@ -38,9 +40,13 @@ __all__ = [
     "Benchmark",
     "Record",
     "Task",
-    "TaskBuilder",
+    "GROUP_PROBES",
+    "TaskEntry",
+    "benchmarks",
+    "calibration_items",
     "check_limit",
     "check_prefill_answers",
+    "demo_candidate_task",
     "demo_task",
     "get_task",
     "load_benchmark",

@@ -1,19 +1,18 @@
-"""Records, tasks and the task registry.
+"""Records (the generation item), tasks and the one task registry.
 
 A record is one question: its images, the question, the options (multiple choice) or reference answers, the
-probe kind and the metric that scores it, and a question `kind` that results are grouped by.
+probe kind and the metric that scores it, and a question `kind` that results are grouped by. A task's records
+may be any items of trimvlm.evals.items' protocol (generation records, candidate items).
 
 Probe kinds (../shared/REFERENCES.md section 1):
 - `prefill`: the answer is read from the first generated token only (a letter, yes/no, a one-word answer);
   the harness generates `prefill_tokens` (default 1) tokens, so decode-phase methods cannot change it.
 - `full`: the whole generated answer is scored (open text, reading, lists); up to `max_new_tokens` tokens.
+- `candidates`: a candidate item's fixed candidates are scored (trimvlm.evals.items.CandidateItem).
 
-Tasks by name (`get_task`):
-- `demo`: the synthetic demo task (`trimvlm.evals.tasks.demo`);
-- a benchmark read from a local copy (`BENCHMARKS`: pope, scienceqa_img, mmbench, ai2d, textvqa, docvqa,
-  infovqa, chartqa, mmvet; `data=PATH` required, see `trimvlm.evals.tasks.benchmark`);
-- a path to a `.jsonl` file (or `jsonl:PATH`): one record per line (`trimvlm.evals.tasks.jsonl`);
-- anything added with `register_task` (builders take `limit` and `seed`) or `register_benchmark`.
+`TASKS` is the one registry (`get_task` builds by name): the demo tasks (`demo`, `demo-candidates`), every
+benchmark read from a local copy (`register_benchmark`; `data=PATH` required) and anything added with
+`register_task`. A path to a `.jsonl` file (or `jsonl:PATH`) is a task too (trimvlm.evals.tasks.jsonl).
 
 The model's own prompt template (chat template, or the demo model's "{question} <ans>") is applied by
 `VLM.generate`; the prompt of a record is the user's text only.
@@ -30,7 +29,8 @@ from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.options import is_int
 
-PROBES = ("prefill", "full")
+PROBES = ("prefill", "full")  # of generation records
+GROUP_PROBES = (*PROBES, "candidates")  # every item kind's probes, in report order
 OPTION_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
 SHORT_PROMPT = "<question>\\n" + SHORT_INSTRUCTION  # the format in words (Benchmark.prompt)
@@ -58,6 +58,48 @@ class Record:
             raise InputError(f"record {self.id}: no reference answer")
         if self.options is not None and len(self.options) > len(OPTION_LETTERS):
             raise InputError(f"record {self.id}: {len(self.options)} options; at most {len(OPTION_LETTERS)}")
+
+    def batch_key(self, task) -> tuple:
+        return (self.probe, self.kind, task.new_tokens(self.probe, self.kind))
+
+    @classmethod
+    def run(cls, vlm, items, recipe, task, opts, track_memory: bool = False):
+        kw = {"track_memory": True} if track_memory else {}
+        n_new = task.new_tokens(items[0].probe, items[0].kind)
+        res = vlm.generate([list(r.images) for r in items], [r.prompt_text() for r in items], recipe=recipe,
+                           max_new_tokens=n_new, seed=opts.seed, **kw)  # fmt: skip
+        return list(res.texts), res.costs, ""
+
+    @classmethod
+    def prepare(cls, vlm, items, task, opts):
+        if getattr(vlm, "tokenizer", None) is not None:
+            check_prefill_answers(task, vlm.tokenizer)
+        return opts
+
+    @classmethod
+    def untimed(cls, vlm, items, task, opts) -> None:
+        """The vision-FLOP count of a new input shape runs here, outside every timing (a stand-in without a
+        runner has none)."""
+        runner = getattr(vlm, "runner", None)
+        if runner is not None and hasattr(runner, "vision_flops"):
+            runner.vision_flops(vlm.prepare([list(r.images) for r in items], [r.prompt_text() for r in items]))
+
+    def score(self, output) -> float:
+        return get_metric(self.metric).score(output, self.answers, self.options)
+
+    def canonical(self, output):
+        return get_metric(self.metric).canonical(output, self.options)
+
+    @classmethod
+    def summary(cls, items, outputs) -> dict:
+        metrics = {r.metric for r in items}
+        if len(metrics) != 1:
+            return {}
+        return get_metric(metrics.pop()).summary(outputs, [r.answers for r in items], [r.options for r in items])
+
+    def as_json(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "probe": self.probe, "metric": self.metric,
+                "question": self.question, "answers": self.answers, "options": self.options}  # fmt: skip
 
     def prompt_text(self) -> str:
         """The text given to the model: `prompt` if set, else the question with options / an instruction."""
@@ -127,13 +169,27 @@ def check_prefill_answers(task: Task, tokenizer) -> None:
             )
 
 
-TaskBuilder = Callable[..., Task]  # (limit: int | None, seed: int) -> Task
-TASKS: dict[str, TaskBuilder] = {}
+@dataclass(frozen=True)
+class TaskEntry:
+    """A registered task: `build(limit, seed, split, data, progress) -> Task`."""
+
+    name: str
+    build: Callable[..., Task]
+    about: str  # one line (`trimvlm eval --help`)
+    reads_data: bool = False  # a benchmark read from a local copy (--data PATH)
+    splits: tuple[str, ...] = ()  # the splits a generated task takes (a benchmark: whatever its copy holds)
+    candidates: str | None = None  # the task holding the same questions as candidate items (calibration)
 
 
-def register_task(name: str):
-    def deco(fn: TaskBuilder) -> TaskBuilder:
-        TASKS[name] = fn
+TASKS: dict[str, TaskEntry] = {}
+
+
+def register_task(name: str, about: str, **kw):
+    """Register a builder `(limit, seed, split) -> Task` (`split` one of `splits`; a builder that also reads
+    a local copy is registered with `reads_data=True` and takes `data` and `progress` too)."""
+
+    def deco(fn):
+        TASKS[name] = TaskEntry(name, fn, about, **kw)
         return fn
 
     return deco
@@ -156,33 +212,58 @@ def get_task(
     split: str | None = None,
     progress: bool = True,
 ) -> Task:
-    """Build a task by name: `demo` or another registered task; a benchmark read from the local copy at `data`
-    (its `split`, default the benchmark's usual one; `limit` items drawn with `seed`); or a JSONL file
-    (`path.jsonl` / `jsonl:path`)."""
-    from trimvlm.evals.tasks.benchmark import BENCHMARKS, load_benchmark
+    """Build a task by name: a registered task (a benchmark reads the local copy at `data`, its `split`, default
+    the benchmark's usual one; `limit` items drawn with `seed`), or a JSONL file (`path.jsonl` / `jsonl:path`)."""
     from trimvlm.evals.tasks.jsonl import load_jsonl
 
     limit = check_limit(limit)
     key = str(name)
-    if key in BENCHMARKS:
+    entry = TASKS.get(key)
+    if entry is not None and entry.reads_data:
         if data is None:
             raise InputError(
                 f"task {key!r} reads a local copy of the benchmark: give its folder with --data PATH (parquet "
                 "shards as Hugging Face datasets publish them, or <split>.jsonl with image files)"
             )
-        return load_benchmark(key, data, split=split, limit=limit, seed=seed, progress=progress)
-    is_jsonl = key.startswith("jsonl:") or key.endswith(".jsonl")
-    if (key in TASKS or is_jsonl) and (data is not None or split is not None):
-        what = "--data" if data is not None else "--split"
-        raise InputError(
-            f"{what} applies to the benchmarks read from local files ({', '.join(sorted(BENCHMARKS))}), "
-            f"not to task {key!r}"
-        )
-    if key in TASKS:
-        return TASKS[key](limit=limit, seed=seed)
+        return entry.build(limit=limit, seed=seed, split=split, data=data, progress=progress)
+    is_jsonl = entry is None and (key.startswith("jsonl:") or key.endswith(".jsonl"))
+    if (entry is not None or is_jsonl) and data is not None:
+        raise InputError(f"--data applies to the benchmarks read from local files ({', '.join(benchmarks())}), "
+                         f"not to task {key!r}")  # fmt: skip
+    if entry is not None and split is not None and split not in entry.splits:
+        allowed = f"one of {', '.join(entry.splits)}" if entry.splits else "none (it is generated)"
+        raise InputError(f"--split {split!r} does not apply to task {key!r}; allowed: {allowed}")
+    if entry is not None:
+        return entry.build(limit=limit, seed=seed, **({"split": split} if split else {}))
     if is_jsonl:
+        if split is not None:
+            raise InputError(f"--split does not apply to the JSONL task {key!r}")
         return load_jsonl(key.removeprefix("jsonl:"), limit=limit)
     raise InputError(
-        f"unknown task {key!r}; known tasks: {', '.join(sorted(TASKS))}, or a JSONL file given as "
-        f"PATH.jsonl or jsonl:PATH, or a benchmark read with --data PATH: {', '.join(sorted(BENCHMARKS))}"
+        f"unknown task {key!r}; known tasks: {', '.join(t for t in sorted(TASKS) if t not in benchmarks())}, or a "
+        f"JSONL file given as PATH.jsonl or jsonl:PATH, or a benchmark read with --data PATH: {', '.join(benchmarks())}"
     )
+
+
+def benchmarks() -> list[str]:
+    """The registered tasks read from a local copy."""
+    return sorted(n for n, e in TASKS.items() if e.reads_data)
+
+
+def calibration_items(task: str, n: int, seed: int, candidates: bool = False) -> list:
+    """`n` unlabeled inputs of a registered task (answers are never read): its `val` split when it has one.
+    `candidates`: candidate items, from the task's candidate counterpart when it has generation records."""
+    entry = TASKS.get(str(task))
+    if candidates and entry is not None and entry.candidates is not None:
+        entry = TASKS[entry.candidates]
+    generated = [t for t in sorted(TASKS) if t not in benchmarks()]
+    if entry is None or entry.reads_data:
+        raise InputError(f"unknown calibration task {task!r}; allowed: {', '.join(generated)} (a generated "
+                         "task: its unlabeled val inputs)")  # fmt: skip
+    if not is_int(n) or n < 1:
+        raise InputError(f"n must be a positive number of calibration inputs, got {n!r}")
+    split = "val" if "val" in entry.splits else None
+    items = get_task(entry.name, limit=n, seed=seed, split=split).records[:n]
+    if candidates and not all(hasattr(it, "candidates") for it in items):
+        raise InputError(f"task {task!r} has no candidate questions; the candidates method needs them")
+    return items

@@ -13,11 +13,13 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
-from trimvlm.evals.tasks.base import PROBES, Record, Task, check_limit
+from trimvlm.evals.tasks.base import PROBES, TASKS, Record, Task, TaskEntry, check_limit
+from trimvlm.progress import progress as progress_bar
 from trimvlm.evals.tasks.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 
 
@@ -44,11 +46,10 @@ class Benchmark:
         get_metric(self.metric)
 
 
-BENCHMARKS: dict[str, Benchmark] = {}
-
-
 def register_benchmark(bench: Benchmark) -> Benchmark:
-    BENCHMARKS[bench.name] = bench
+    """Register the benchmark as a task of the one registry (read with `data=PATH`)."""
+    about = f"{bench.title} ({bench.probe} probe, {bench.metric}; read with --data PATH)"
+    TASKS[bench.name] = TaskEntry(bench.name, partial(load_benchmark, bench), about, reads_data=True)
     return bench
 
 
@@ -120,25 +121,15 @@ def string_list(row: dict, column: str, where: str, at_least: int = 2) -> list[s
 # --------------------------------------------------------------------------------------------- loading
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), disable=not enabled)  # fmt: skip
-
-
 def load_benchmark(
-    name: str,
+    bench: Benchmark,
     data: str | Path,
     split: str | None = None,
     limit: int | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> Task:
-    """The Task of benchmark `name` from its local copy at `data` (see trimvlm.evals.tasks.layout)."""
-    bench = BENCHMARKS.get(str(name))
-    if bench is None:
-        raise InputError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+    """The Task of benchmark `bench` from its local copy at `data` (see trimvlm.evals.tasks.layout)."""
     limit = check_limit(limit)
     src = find_source(data, split, configs=bench.configs, default_split=bench.default_split, task=bench.name)
     absent = [c for c in bench.columns if c not in src.columns]
@@ -159,7 +150,7 @@ def load_benchmark(
     chosen = rows if limit is None or limit >= len(rows) else sorted(random.Random(seed).sample(rows, limit))
     opener = ImageOpener()
     records: list[Record] = []
-    with _progress(progress) as bar:
+    with progress_bar(enabled=progress) as bar:
         job = bar.add_task(f"load {bench.name} ({src.split})", total=len(chosen))
         for i, raw, base in iter_images(src, bench.image_column, chosen):
             row = {c: values[i] for c, values in meta.items()}

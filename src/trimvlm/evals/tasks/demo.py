@@ -1,9 +1,12 @@
-"""The synthetic demo task (`trimvlm.demo.task`): one question of every kind per image, image-major."""
+"""The synthetic demo tasks (`trimvlm.demo.task`): one question of every kind per image, image-major; `demo`
+generates answers, `demo-candidates` scores each question's fixed candidates (exist: yes/no, mc: A-D, colour:
+five colours and grey, count: 0-7, list / read: the answer and three near misses in a seeded order)."""
 
 from __future__ import annotations
 
 import math
 
+from trimvlm.evals.items import CandidateItem
 from trimvlm.evals.tasks.base import Record, Task, register_task
 
 DEMO_DEFAULT_ITEMS = 300
@@ -29,7 +32,11 @@ def demo_questions(limit: int | None, seed: int, split: str) -> tuple[list, list
     return samples, questions[:n]
 
 
-@register_task("demo")
+SPLITS = ("train", "val", "test")
+
+
+@register_task("demo", "the synthetic demo task: generated answers (300 test questions)", splits=SPLITS,
+               candidates="demo-candidates")
 def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """The synthetic demo task: `limit` questions (default 300), one of every kind per image, image-major."""
     from trimvlm.demo import task as demo
@@ -64,3 +71,13 @@ def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> T
         info={"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1},
         kind_max_new_tokens=caps,
     )
+
+
+@register_task("demo-candidates", "the demo task's questions, each scored over its fixed candidates", splits=SPLITS)
+def demo_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
+    """`limit` candidate questions (default 300) of the demo task's `split`, one of every kind per image."""
+    samples, questions = demo_questions(limit, seed, split)
+    items = [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
+                           answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
+    info = {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
+    return Task(name="demo-candidates", records=items, max_new_tokens=1, info=info)
