@@ -11,8 +11,9 @@ from trimvlm.errors import InputError
 class Limits:
     """`max_questions`: questions per request (`transformers serve` allows 64); `max_assets`: images per request;
     `max_asset_bytes`: the size of one encoded image (base64 text or file); `max_prompt_tokens`: tokens of one
-    prompt after the images are expanded (None: no limit); `allow_paths`: whether an asset may be a local file
-    path (a server that answers remote requests turns it off)."""
+    prompt after the images are expanded (None: none but the model's positions, which are always checked);
+    `allow_paths`: whether an asset may be a local file path (a server that answers remote requests turns it
+    off)."""
 
     max_questions: int = 64
     max_assets: int = 16
