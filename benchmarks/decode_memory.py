@@ -26,9 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trimvlm.loading import load_adapter
-from trimvlm.plan import Handoff
+from trimvlm.plan import Handoff, Plan
 from trimvlm.registry import build_method
-from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image, tiny_checkpoint
 
@@ -103,7 +102,7 @@ def main(argv=None):
         handoff = Handoff()
         probe = policy.probe(runner, handoff)
         t0 = time.perf_counter()
-        out = runner.prefill(prep, ctx=AttentionContext(probe=probe) if probe is not None else None)
+        out = runner.prefill(prep, Plan(probe=probe))
         t_prefill = time.perf_counter() - t0
         e0 = out.cache.layers[0]
         got_vis = int((e0.visual & e0.valid).sum())

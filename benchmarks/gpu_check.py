@@ -25,7 +25,8 @@ a cut-short run keeps what it measured):
      the start of the call, decode time per step.
 3. Without CUDA (`torch.cuda.is_available()` False) it says it needs a GPU and exits 0 (a no-op in CI), unless
    asked for another device: `--device cpu --quick` shrinks every shape so the whole script is smoke-tested on
-   a CPU in a minute or two.
+   a CPU in a minute or two (the test suite's smoke test: `--device cpu --quick --families qwen3_vl --dtypes
+   float32`, seconds).
 
     python benchmarks/gpu_check.py --json gpu_check.json
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/gpu_check.json
@@ -50,7 +51,6 @@ import torch
 from trimvlm.adapters.base import ATTENTION
 from trimvlm.loading import load_adapter
 from trimvlm.plan import make_plan
-from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
@@ -228,12 +228,10 @@ def noop_equivalence(adapter) -> dict:
     tok = adapter.tokenizer
 
     def run(recipe):
-        plan = make_plan(recipe, runner)
         return generate(
-            runner, prep, max_new_tokens=6, stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-            hook=plan.hook, after_prefill=plan.after_prefill, probe=plan.probe,
-            vision_probe=plan.vision_probe,
-        )  # fmt: skip
+            runner, prep, make_plan(recipe, runner), max_new_tokens=6, stop_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+        )
 
     base = run("")
     rows, ok = {}, True
@@ -246,10 +244,11 @@ def noop_equivalence(adapter) -> dict:
     return {"passed": ok, "recipes": rows}
 
 
-def run_equivalence(rep: Report, device: torch.device, dtypes: list[str], quick: bool, root: Path) -> None:
+def run_equivalence(rep: Report, device: torch.device, dtypes: list[str], quick: bool, root: Path,
+                    families=FAMILIES) -> None:
     new_tokens = 6 if quick else 16
     k = 6 if quick else 24
-    for family in FAMILIES:
+    for family in families:
         folder = tiny_checkpoint(family, root / family)
         for dtype_name in dtypes:
             tag = f"{family}/{dtype_name}"
@@ -292,9 +291,8 @@ def bench_model(args, device: torch.device, root: Path):
 
 def prefill_once(runner: Runner, prep, plan, device: torch.device, clock: Clock):
     meter = Meter(device=device)  # synchronized phase timers on a GPU
-    ctx = AttentionContext(probe=plan.probe) if plan.probe is not None else None
     meter.start_memory()
-    _, seconds = clock(lambda: runner.prefill(prep, hook=plan.hook, ctx=ctx, meter=meter))
+    _, seconds = clock(lambda: runner.prefill(prep, plan, meter=meter))
     meter.stop_memory()
     return meter.costs, seconds
 
@@ -356,10 +354,8 @@ def run_prefill_bench(rep: Report, adapter, args, device: torch.device) -> None:
 
 def decode_once(runner: Runner, prep, plan, steps: int, device: torch.device):
     return generate(
-        runner, prep, max_new_tokens=steps, stop_ids=[], pad_id=0, hook=plan.hook,
-        after_prefill=plan.after_prefill,
-        probe=plan.probe, vision_probe=plan.vision_probe, meter=Meter(device=device),
-    ).costs  # fmt: skip
+        runner, prep, plan, max_new_tokens=steps, stop_ids=[], pad_id=0, meter=Meter(device=device)
+    ).costs
 
 
 def run_decode_bench(rep: Report, adapter, args, device: torch.device) -> None:
@@ -429,6 +425,8 @@ def parse(argv=None):
         "--bench-dtype", default=None, choices=list(DTYPES), help="default bfloat16 (cuda), float32 (cpu)"
     )
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="equivalence families, comma-separated")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 2 at most on a CPU)")
     ap.add_argument(
         "--budget", type=float, default=420.0, help="seconds after which remaining parts are skipped"
     )
@@ -450,7 +448,9 @@ def main(argv=None) -> int:
         print("gpu_check: needs a CUDA GPU (torch.cuda.is_available() is False); nothing to do.")
         print("           smoke-test the script on a CPU with: --device cpu --quick")
         return 0
-    if device.type == "cpu":
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     args.bench_dtype = args.bench_dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
     rep = Report(args.json, meta, args.budget)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        run_equivalence(rep, device, dtypes, args.quick, root)
+        run_equivalence(rep, device, dtypes, args.quick, root, args.families.split(","))
         if not args.skip_bench and not rep.over_budget():
             adapter = None
             for part, run in (("prefill", run_prefill_bench), ("decode", run_decode_bench)):

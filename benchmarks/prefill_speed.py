@@ -36,7 +36,7 @@ from trimvlm.testing import random_image, tiny_checkpoint
 
 def run_once(runner, prep, plan) -> Meter:
     meter = Meter(device=runner.device)  # synchronizes its phase timers on a GPU
-    runner.prefill(prep, hook=plan.hook, ctx=plan.attention_context(), meter=meter)
+    runner.prefill(prep, plan, meter=meter)
     return meter
 
 

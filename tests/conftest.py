@@ -1,4 +1,6 @@
+import importlib
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -6,6 +8,30 @@ import torch
 from trimvlm.testing import FAMILIES, random_image, tiny_checkpoint
 
 AVAILABLE = [f for f in FAMILIES if importlib.util.find_spec(f"trimvlm.testing.tiny_{f}") is not None]
+# .ci/run installs every optional extra and sets this: there a missing extra fails its tests instead of
+# skipping them (a broken install must not pass as "skipped").
+REQUIRE_EXTRAS = os.environ.get("TRIMVLM_REQUIRE_EXTRAS", "") not in ("", "0")
+
+
+def fail_if_required(error: str | None) -> None:
+    """An extra's tests could not import it (`error`): under TRIMVLM_REQUIRE_EXTRAS that fails them (at
+    collection, so the whole module fails); otherwise the caller skips them."""
+    if error is not None and REQUIRE_EXTRAS:
+        pytest.fail(f"{error} (TRIMVLM_REQUIRE_EXTRAS is set: .ci/run installs every extra)", pytrace=False)
+
+
+def need_extra(*modules: str, hint: str = "the serve extra (pip install 'trimvlm[serve]')"):
+    """Import the optional `modules` a test needs (the last one is returned): skip when one is missing,
+    fail instead under TRIMVLM_REQUIRE_EXTRAS. Works at module level and inside a test."""
+    mod = None
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # ImportError, or an extra failing to import beside this torch
+            error = f"{name} cannot be imported ({type(e).__name__}: {e}); {hint}"
+            fail_if_required(error)
+            pytest.skip(error, allow_module_level=True)
+    return mod
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +75,13 @@ def _threads():
 
 
 def plan_prefill(runner, prep, recipe, **kw):
-    """Prefill with a recipe's plan (its hook and what its methods record); (output, meter, plan)."""
+    """`Runner.prefill` with a recipe's plan; (output, meter, plan)."""
     from trimvlm.plan import make_plan
     from trimvlm.runtime.meter import Meter
 
     plan = make_plan(recipe, runner)
     meter = Meter()
-    out = runner.prefill(prep, hook=plan.hook, ctx=plan.attention_context(), meter=meter, **kw)
+    out = runner.prefill(prep, plan, meter=meter, **kw)
     return out, meter, plan
 
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import ragged_batch
 
 import trimvlm
-from trimvlm.plan import Handoff, make_plan
+from trimvlm.plan import Handoff, Plan, make_plan
 from trimvlm.recipe import parse_recipe
-from trimvlm.runtime.attention import AttentionContext, AttentionProbe
+from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.runtime.runner import Runner
@@ -40,7 +40,7 @@ def test_h2o_column_sums_equal_every_row_of_the_softmax(qwen):
     q = prep.input_ids.shape[1]
     cols = AttentionProbe(colsum=True, block=7)  # several blocks, one of them ragged
     rows = AttentionProbe(last=q, per_head=True)
-    out = runner.prefill(prep, ctx=AttentionContext(probe=cols.merge(rows)))
+    out = runner.prefill(prep, Plan(probe=cols.merge(rows)))
     valid = out.seq.valid if out.seq.length == q else prep.attention_mask.bool()
     for i in out.cache.layers:
         full = rows.results[i] * valid[:, None, :, None]
@@ -65,9 +65,7 @@ def test_h2o_default_reads_all_queries_and_rows_is_the_cheap_variant(qwen):
 
 
 def _plan_kw(runner, recipe):
-    plan = make_plan(recipe, runner)
-    return dict(hook=plan.hook, after_prefill=plan.after_prefill, probe=plan.probe, vision_probe=plan.vision_probe,
-                skip_prefill=plan.skip_prefill, skip_decode=plan.skip_decode, stop_ids=[], pad_id=0)  # fmt: skip
+    return dict(plan=make_plan(recipe, runner), stop_ids=[], pad_id=0)
 
 
 # ---- DivPrune ---------------------------------------------------------------------------------------------
@@ -142,11 +140,7 @@ def test_random_draws_per_image_for_tokens_and_kv(qwen):
         assert both is not None
 
     def kept_cells(images, prompts, recipe):
-        plan = make_plan(recipe, runner)
-        ctx = AttentionContext(probe=plan.probe) if plan.probe is not None else None
-        out = runner.prefill(adapter.prepare(images, prompts), hook=plan.hook, ctx=ctx)
-        if plan.after_prefill is not None:
-            plan.after_prefill(out)
+        out = runner.prefill(adapter.prepare(images, prompts), make_plan(recipe, runner))
         e = out.cache.layers[max(out.cache.layers)]
         res = []
         for b in range(len(prompts)):
@@ -255,7 +249,7 @@ def test_probe_rows_equal_eager_attention_weights(tiny_adapter, family):
     prep = adapter.prepare([[random_image(4, (64, 96))]], ["what is the colour of the square"])
     rows = AttentionProbe(last=3, per_head=True)
     cols = AttentionProbe(colsum=True, block=5)
-    Runner(adapter).prefill(prep, ctx=AttentionContext(probe=rows.merge(cols)))
+    Runner(adapter).prefill(prep, Plan(probe=rows.merge(cols)))
     cfg = adapter.model.config
     saved = cfg._attn_implementation
     try:

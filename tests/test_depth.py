@@ -9,6 +9,7 @@ from conftest import ragged_batch
 from trimvlm.errors import RecipeError
 from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import generate
+from trimvlm.runtime.plan import Plan
 from trimvlm.runtime.runner import Runner
 
 
@@ -55,11 +56,10 @@ def test_a_skipped_block_equals_the_model_without_it(tiny_adapter, one_thread, f
     ref_model = _without_layer(adapter, drop)
     with torch.no_grad():
         ref = ref_model(**_reference_inputs(prep)).logits
-    out = runner.prefill(prep, skip=plan.skip_prefill, all_logits=True)
+    out = runner.prefill(prep, plan, all_logits=True)
     assert (out.logits - ref).abs().max().item() <= 1e-4
     assert drop not in out.cache.layers  # a skipped block writes no KV
-    ours = generate(runner, prep, max_new_tokens=6, stop_ids=[], pad_id=0, skip_prefill=plan.skip_prefill,
-                    skip_decode=plan.skip_decode)  # fmt: skip
+    ours = generate(runner, prep, plan, max_new_tokens=6, stop_ids=[], pad_id=0)
     with torch.no_grad():
         theirs = ref_model.generate(**_reference_inputs(prep), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                     pad_token_id=adapter.tokenizer.pad_token_id)[:, prep.input_ids.shape[1]:]  # fmt: skip
@@ -76,7 +76,7 @@ def test_per_sample_plans_move_deepstack_per_row(tiny_adapter):
     skip = torch.zeros(len(prompts), runner.num_layers, dtype=torch.bool)
     for b, p in enumerate(plans):
         skip[b, sorted(p)] = True
-    out = runner.prefill(adapter.prepare(images, prompts), skip=skip)
+    out = runner.prefill(adapter.prepare(images, prompts), Plan(skip_prefill=skip))
     for b, p in enumerate(plans):
         one = adapter.prepare(images[b : b + 1], prompts[b : b + 1])
         with torch.no_grad():
@@ -237,16 +237,16 @@ def test_per_sample_layer_plans_equal_each_sample_alone(tiny_adapter, family):
     for b, p in enumerate(plans):
         skip[b, sorted(p)] = True
     prep = adapter.prepare(images, prompts)
-    out = runner.prefill(prep, skip=skip)
-    both = generate(runner, prep, max_new_tokens=5, stop_ids=[], pad_id=0, skip_prefill=skip, skip_decode=skip)
+    out = runner.prefill(prep, Plan(skip_prefill=skip))
+    both = generate(runner, prep, Plan(skip_prefill=skip, skip_decode=skip), max_new_tokens=5, stop_ids=[], pad_id=0)
     for b, p in enumerate(plans):
         one = adapter.prepare(images[b : b + 1], prompts[b : b + 1])
-        alone = runner.prefill(one, skip=frozenset(p))
+        alone = runner.prefill(one, Plan(skip_prefill=frozenset(p)))
         assert (out.logits[b] - alone.logits[0]).abs().max().item() <= 1e-4, (b, p)
-        tokens = generate(runner, one, max_new_tokens=5, stop_ids=[], pad_id=0, skip_prefill=frozenset(p),
-                          skip_decode=frozenset(p)).tokens[0]  # fmt: skip
+        same = Plan(skip_prefill=frozenset(p), skip_decode=frozenset(p))
+        tokens = generate(runner, one, same, max_new_tokens=5, stop_ids=[], pad_id=0).tokens[0]
         assert both.tokens[b].tolist() == tokens.tolist(), (b, p)
-    uniform = runner.prefill(prep, skip=torch.zeros_like(skip))
+    uniform = runner.prefill(prep, Plan(skip_prefill=torch.zeros_like(skip)))
     assert torch.equal(uniform.logits, runner.prefill(prep).logits)  # an empty per-sample plan is a no-op
 
 
@@ -254,9 +254,9 @@ def test_per_sample_plan_errors(tiny_adapter):
     runner = Runner(tiny_adapter("qwen3_vl"))
     prep = runner.adapter.prepare(*[x[:2] for x in ragged_batch()])
     with pytest.raises(RecipeError, match=r"bool tensor \[batch=2, layers="):
-        runner.prefill(prep, skip=torch.zeros(3, runner.num_layers, dtype=torch.bool))
+        runner.prefill(prep, Plan(skip_prefill=torch.zeros(3, runner.num_layers, dtype=torch.bool)))
     with pytest.raises(RecipeError, match="skips every layer"):
-        runner.prefill(prep, skip=torch.ones(2, runner.num_layers, dtype=torch.bool))
+        runner.prefill(prep, Plan(skip_prefill=torch.ones(2, runner.num_layers, dtype=torch.bool)))
 
 
 def test_noise_perturbed_fastv_keeps_each_samples_best_trial(tiny_adapter):

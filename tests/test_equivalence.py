@@ -7,6 +7,7 @@ import torch
 from conftest import AVAILABLE, ragged_batch
 
 from trimvlm.runtime.generate import generate
+from trimvlm.runtime.plan import Plan
 from trimvlm.runtime.runner import Runner, branch
 
 
@@ -110,8 +111,8 @@ def test_gather_mid_model_equals_masking_from_that_layer(tiny_adapter, family):
 
     tok = adapter.tokenizer
     kw = dict(max_new_tokens=8, stop_ids=[], pad_id=tok.pad_token_id)
-    g = generate(runner, prep, hook=gather_hook, **kw)
-    m = generate(runner, prep, hook=mask_hook, **kw)
+    g = generate(runner, prep, Plan(hook=gather_hook), **kw)
+    m = generate(runner, prep, Plan(hook=mask_hook), **kw)
     assert (g.first_logits - m.first_logits).abs().max().item() <= 1e-4
     assert torch.equal(g.tokens, m.tokens)
     # and the gathered run really ran fewer tokens from that layer on

@@ -13,10 +13,10 @@ from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import topk_mask
 from trimvlm.kv import mask_out
 from trimvlm.kv.base import LayerView
-from trimvlm.plan import Handoff, make_plan
+from trimvlm.plan import Handoff, Plan, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.registry import REGISTRIES, build_method
-from trimvlm.runtime.attention import AttentionContext, AttentionProbe
+from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import LayerKV
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.runner import Runner
@@ -38,7 +38,7 @@ def _prefill(runner, prep, policy, handoff=None):
     """Prefill with the policy's probe; the keep masks it decides; a masked deep copy of the cache."""
     handoff = handoff or Handoff()
     probe = policy.probe(runner, handoff)
-    out = runner.prefill(prep, ctx=AttentionContext(probe=probe) if probe is not None else None)
+    out = runner.prefill(prep, Plan(probe=probe))
     masks = policy.select(out, handoff)
     ref = copy.deepcopy(out.cache)
     mask_out(ref, masks)
@@ -76,7 +76,7 @@ def test_keep_one_is_an_exact_noop(tiny_adapter):
     for name in sorted(REGISTRIES["kv"]):
         plan = make_plan(f"kv={name}:keep=1.0", runner)
         assert plan.probe is None  # nothing extra is even recorded
-        g = generate(runner, prep, after_prefill=plan.after_prefill, probe=plan.probe, **kw)
+        g = generate(runner, prep, plan, **kw)
         assert torch.equal(g.tokens, base.tokens)
         assert torch.equal(g.first_logits, base.first_logits)
         assert g.costs.kv_bytes == base.costs.kv_bytes
@@ -130,10 +130,7 @@ def test_eviction_equals_masked_reference(tiny_adapter, family, name, opts):
     # the recipe path (plan -> generate) gives the same greedy tokens as the reference decode
     spec = ":".join([name, f"keep={keep}"] + [f"{k}={v}" for k, v in opts.items()])
     plan = make_plan(f"kv={spec}", runner)
-    g = generate(
-        runner, prep, max_new_tokens=STEPS + 1, stop_ids=[], pad_id=0, after_prefill=plan.after_prefill,
-        probe=plan.probe,
-    )  # fmt: skip
+    g = generate(runner, prep, plan, max_new_tokens=STEPS + 1, stop_ids=[], pad_id=0)
     assert torch.equal(g.tokens, lb.argmax(-1))
 
 
@@ -166,7 +163,7 @@ def test_first_decoded_token_is_blind_to_eviction(tiny_adapter, keep):
     kw = dict(max_new_tokens=4, stop_ids=[], pad_id=0)
     base = generate(runner, prep, **kw)
     plan = make_plan(f"kv=density:keep={keep}", runner)
-    ev = generate(runner, prep, after_prefill=plan.after_prefill, probe=plan.probe, **kw)
+    ev = generate(runner, prep, plan, **kw)
     assert torch.equal(ev.first_logits, base.first_logits)
     assert torch.equal(ev.tokens[:, 0], base.tokens[:, 0])
     assert ev.costs.kv_bytes < base.costs.kv_bytes
@@ -234,14 +231,12 @@ def test_selection_rules(tiny_adapter):
     assert any(not torch.equal(r0[i], r1[i]) for i in r0)
 
 
-def test_layer_density_matches_double_loop():
-    """rho from a layer's cached values on each image's grid (ragged: two samples, images of different sizes,
-    some tokens already removed) equals a direct double loop over the surviving neighbours."""
-    torch.manual_seed(0)
-    hk, hd, win = 2, 4, 3
-    grids = [[(3, 4), (2, 5)], [(4, 3)]]
-    starts = [[2, 15], [5]]
-    k = 30
+# ---- plain-loop references of the selection rules ---------------------------------------------------
+def _ragged_layer(seed: int, hk: int = 2, hd: int = 4):
+    """One layer's cache entries for two samples: text around images of different grids, padding, and some
+    visual entries already removed by a prefill reduction; (entry, grids, image starts)."""
+    g = torch.Generator().manual_seed(seed)
+    grids, starts, k = [[(3, 4), (2, 5)], [(4, 3)]], [[2, 15], [5]], 30
     source = torch.arange(k)[None].repeat(2, 1)
     visual = torch.zeros(2, k, dtype=torch.bool)
     for b in range(2):
@@ -249,14 +244,32 @@ def test_layer_density_matches_double_loop():
             visual[b, st : st + h * w] = True
     valid = torch.ones(2, k, dtype=torch.bool)
     valid[:, 7] = valid[1, 9] = valid[0, 20] = False  # removed by a prefill reduction
-    entry = LayerKV(torch.randn(2, hk, k, hd), torch.randn(2, hk, k, hd), valid, visual & valid, source)
-    cand = entry.visual & entry.valid
-    seq = SimpleNamespace(grids=grids, image_start=starts)
-    view = LayerView(0, entry, cand, cand.sum(1), SimpleNamespace(seq=seq))
-    rho = build_method("kv", "density", {"keep": 0.5, "window": win}).layer_rho(view)
-    feats = entry.value.permute(0, 2, 1, 3).reshape(2, k, hk * hd)
-    r = win // 2
-    for b in range(2):
+    valid[1, 26:] = False  # padding
+    key, value = torch.randn(2, hk, k, hd, generator=g), torch.randn(2, hk, k, hd, generator=g)
+    return LayerKV(key, value, valid, visual & valid, source), grids, starts
+
+
+def _loop_topk(scores: dict[int, float], k: int) -> set[int]:
+    """The k columns of highest score (ties: the earlier column)."""
+    return set(sorted(scores, key=lambda j: (-scores[j], j))[:k])
+
+
+def _assert_keeps(masks, entry, want: list[set[int]]) -> None:
+    """The policy kept exactly `want` of each sample's visual entries and every valid text entry."""
+    for b in range(entry.valid.shape[0]):
+        row = masks[0][b]
+        assert {j for j in range(row.numel()) if row[j] and entry.visual[b, j]} == want[b]
+        text = entry.valid[b] & ~entry.visual[b]
+        assert bool((row[text]).all()) and not bool(row[~entry.valid[b]].any())
+
+
+def _loop_rho(entry, grids, starts, win: int) -> torch.Tensor:
+    """rho of every surviving visual entry by a double loop over its surviving grid neighbours."""
+    b_n, hk, k, hd = entry.value.shape
+    feats = entry.value.permute(0, 2, 1, 3).reshape(b_n, k, hk * hd)
+    cand, r = entry.visual & entry.valid, win // 2
+    rho = torch.full((b_n, k), float("nan"))
+    for b in range(b_n):
         for (h, w), st in zip(grids[b], starts[b], strict=True):
             for i in range(h):
                 for j in range(w):
@@ -269,8 +282,93 @@ def test_layer_density_matches_double_loop():
                         for c in range(max(0, j - r), min(w, j + r + 1))
                         if (a, c) != (i, j) and cand[b, st + a * w + c]
                     ]
-                    want = 1 - sum(sims) / len(sims) if sims else torch.tensor(1.0)
-                    assert abs(float(rho[b, col]) - float(want)) < 1e-5
+                    rho[b, col] = float(1 - sum(sims) / len(sims)) if sims else 1.0
+    return rho
+
+
+def test_layer_density_matches_double_loop():
+    """rho from a layer's cached values on each image's grid (ragged: two samples, images of different sizes,
+    some tokens already removed) equals a direct double loop over the surviving neighbours."""
+    entry, grids, starts = _ragged_layer(0)
+    cand = entry.visual & entry.valid
+    view = LayerView(
+        0, entry, cand, cand.sum(1), SimpleNamespace(seq=SimpleNamespace(grids=grids, image_start=starts))
+    )
+    rho = build_method("kv", "density", {"keep": 0.5, "window": 3}).layer_rho(view)
+    want = _loop_rho(entry, grids, starts, 3)
+    assert torch.allclose(rho[cand], want[cand], atol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.5])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_density_kv_selection_matches_loop(keep, reuse):
+    """kv=density keeps, per sample, the ceil(n * keep) surviving visual entries of highest rho (from the
+    layer's values by the double loop, or the prefill reducer's rho looked up by each entry's source
+    position), every text entry, nothing of the padding."""
+    entry, grids, starts = _ragged_layer(1)
+    out = SimpleNamespace(cache=SimpleNamespace(layers={0: entry}),
+                          seq=SimpleNamespace(grids=grids, image_start=starts))  # fmt: skip
+    handoff = Handoff()
+    if reuse:  # the reducer's rho over the prefill positions (the cache's columns shifted by 3 here)
+        entry.source = entry.source + 3
+        handoff.rho = torch.rand(2, 40, generator=torch.Generator().manual_seed(2))
+        rho = {b: {j: float(handoff.rho[b, j + 3]) for j in range(30)} for b in range(2)}
+    else:
+        table = _loop_rho(entry, grids, starts, 3)
+        rho = {b: {j: float(table[b, j]) for j in range(30)} for b in range(2)}
+    masks = build_method("kv", "density", {"keep": keep, "reuse": reuse}).select(out, handoff)
+    want = []
+    for b in range(2):
+        cols = [j for j in range(30) if entry.visual[b, j] and entry.valid[b, j]]
+        want.append(_loop_topk({j: rho[b][j] for j in cols}, math.ceil(len(cols) * keep)))
+    _assert_keeps(masks, entry, want)
+
+
+def _loop_snapkv(att, row_valid, cand, kernel: int, pool: str) -> list[float]:
+    """One sample, one head: SnapKV's vote of every cache column, by loops. The observation window's valid
+    rows' attention summed per column (0 outside the visual candidates), then pooled over the kernel's
+    neighbours in cache order (avg: a sum over kernel places, out-of-range places counting 0)."""
+    n_rows, k = att.shape
+    vote = [
+        sum(float(att[r, j]) for r in range(n_rows) if row_valid[r]) if cand[j] else 0.0 for j in range(k)
+    ]
+    p = kernel // 2
+    near = [[vote[t] for t in range(j - p, j + p + 1) if 0 <= t < k] for j in range(k)]
+    return [sum(x) / kernel if pool == "avg" else max(x) for x in near]
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"kernel": 1}, {"kernel": 3, "pool": "max"}, {"per_head": True}, {"per_head": True, "pool": "max"}],
+)
+def test_snapkv_selection_matches_loop(opts):
+    """kv=snapkv keeps the visual entries of highest pooled window vote. Heads averaged: one vote per column;
+    per head: each head ranks the candidates by its own pooled vote, and an entry's rank is its best rank over
+    the heads (ties: its higher best-head vote); then the top ceil(n * keep) per sample."""
+    entry, _, _ = _ragged_layer(3)
+    cand = entry.visual & entry.valid
+    policy = build_method("kv", "snapkv", {"keep": 0.5, "window": 4, **opts})
+    kernel, pool, heads = policy.kernel, policy.pool, 3
+    g = torch.Generator().manual_seed(4)
+    shape = (2, heads, 4, 30) if policy.per_head else (2, 4, 30)
+    att = torch.softmax(3 * torch.randn(shape, generator=g), -1)
+    row_valid = torch.tensor([[True] * 4, [False, True, True, True]])  # sample 1: a padded window row
+    handoff = Handoff()
+    handoff.probes["kv"] = SimpleNamespace(results={0: att}, row_valid={0: row_valid})
+    masks = policy.select(SimpleNamespace(cache=SimpleNamespace(layers={0: entry})), handoff)
+    want = []
+    for b in range(2):
+        cols = [j for j in range(30) if cand[b, j]]
+        k = math.ceil(len(cols) * 0.5)
+        if not policy.per_head:
+            vote = _loop_snapkv(att[b], row_valid[b], cand[b], kernel, pool)
+            want.append(_loop_topk({j: vote[j] for j in cols}, k))
+            continue
+        votes = [_loop_snapkv(att[b, h], row_valid[b], cand[b], kernel, pool) for h in range(heads)]
+        ranks = [{j: r for r, j in enumerate(sorted(cols, key=lambda j, v=v: (-v[j], j)))} for v in votes]
+        best = {j: (min(rk[j] for rk in ranks), -max(v[j] for v in votes), j) for j in cols}
+        want.append(set(sorted(cols, key=best.__getitem__)[:k]))
+    _assert_keeps(masks, entry, want)
 
 
 def test_merged_probe_feeds_policy_and_reducer(tiny_adapter):
@@ -283,11 +381,11 @@ def test_merged_probe_feeds_policy_and_reducer(tiny_adapter):
     mine = AttentionProbe(last=8, layers=None, per_head=True)
     other = AttentionProbe(last=1, layers={1})
     merged = mine.merge(other)
-    runner.prefill(prep, ctx=AttentionContext(probe=merged))
+    runner.prefill(prep, Plan(probe=merged))
     direct_mine = AttentionProbe(last=8, layers=None, per_head=True)
-    runner.prefill(prep, ctx=AttentionContext(probe=direct_mine))
+    runner.prefill(prep, Plan(probe=direct_mine))
     direct_other = AttentionProbe(last=1, layers={1})
-    runner.prefill(prep, ctx=AttentionContext(probe=direct_other))
+    runner.prefill(prep, Plan(probe=direct_other))
     assert set(mine.results) == set(direct_mine.results) == set(range(adapter.num_layers))
     for i in mine.results:
         assert torch.allclose(mine.results[i], direct_mine.results[i], atol=1e-6)
@@ -340,7 +438,7 @@ def test_joint_recipe(tiny_adapter):
     methods = parse_recipe(recipe).build()
     reducer, policy = methods["tokens"], methods["kv"]
     handoff = Handoff()
-    out = runner.prefill(prep, hook=reducer.hook(runner, handoff))
+    out = runner.prefill(prep, Plan(hook=reducer.hook(runner, handoff)))
     full = runner.prefill(prep)
     n_full = (full.cache.layers[0].visual & full.cache.layers[0].valid).sum(1)
     n_post = (out.cache.layers[3].visual & out.cache.layers[3].valid).sum(1)
@@ -358,8 +456,8 @@ def test_joint_recipe(tiny_adapter):
     # the recipe end to end, through the plan
     plan = make_plan(recipe, runner)
     kw = dict(max_new_tokens=4, stop_ids=[], pad_id=0)
-    g = generate(runner, prep, hook=plan.hook, after_prefill=plan.after_prefill, probe=plan.probe, **kw)
-    p = generate(runner, prep, hook=plan.hook, probe=plan.probe, **kw)  # prefill reduction only
+    g = generate(runner, prep, plan, **kw)
+    p = generate(runner, prep, Plan(hook=plan.hook, probe=plan.probe), **kw)  # prefill reduction only
     assert torch.equal(g.first_logits, p.first_logits)
     assert g.costs.kv_bytes < p.costs.kv_bytes
 
@@ -378,7 +476,7 @@ def test_joint_with_an_attention_reducer(tiny_adapter):
     reducer, policy = methods["tokens"], methods["kv"]
     handoff = Handoff()
     merged = policy.probe(runner, handoff).merge(reducer.probe(runner, handoff))
-    out = runner.prefill(prep, hook=reducer.hook(runner, handoff), ctx=AttentionContext(probe=merged))
+    out = runner.prefill(prep, Plan(hook=reducer.hook(runner, handoff), probe=merged))
     masks = policy.select(out, handoff)
     ref = copy.deepcopy(out.cache)
     mask_out(ref, masks)

@@ -154,8 +154,7 @@ def test_router_layout_is_executed_physically_and_per_sample(tiny_adapter, tmp_p
         runner.vision_flops(prep)
         meter = Meter()
         with flop_counter() as fc:
-            out = generate(runner, prep, max_new_tokens=4, stop_ids=[], pad_id=0, hook=plan.hook,
-                           skip_prefill=plan.skip_prefill, skip_decode=plan.skip_decode, meter=meter)  # fmt: skip
+            out = generate(runner, prep, plan, max_new_tokens=4, stop_ids=[], pad_id=0, meter=meter)
         return out, plan, fc.get_total_flops()
 
     both, plan, counted = run(prep)
@@ -184,7 +183,7 @@ def test_router_prefill_drops_tokens_and_skipped_layers_hold_no_kv(tiny_adapter,
     images, prompts = ragged_batch()
     prep = adapter.prepare(images, prompts)
     full = runner.prefill(prep)
-    out = runner.prefill(prep, hook=plan.hook, skip=plan.skip_prefill)
+    out = runner.prefill(prep, plan)
     skip = plan.skip_prefill.plan
     for b in range(3):
         n_vis = int((full.cache.layers[0].visual[b] & full.cache.layers[0].valid[b]).sum())

@@ -10,7 +10,7 @@ from conftest import plan_prefill, ragged_batch
 
 from trimvlm.errors import RecipeError
 from trimvlm.kernels import farthest_point, masked_minmax, merge_groups, spatial_density
-from trimvlm.plan import Handoff, make_plan
+from trimvlm.plan import Handoff, Plan, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
@@ -116,7 +116,7 @@ def test_kept_tokens_keep_original_positions(setup):
 
     plan = make_plan("tokens=density:keep=0.25:layer=3", runner)
     hook = plan.hook
-    runner.prefill(prep, hook=spy)
+    runner.prefill(prep, Plan(hook=spy))
     before, after = seen["before"], seen["after"]
     for b in range(prep.batch):
         for col in torch.nonzero(after.valid[b]).flatten().tolist():

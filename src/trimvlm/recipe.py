@@ -1,5 +1,5 @@
 """A Recipe says what to apply: `tokens` (prefill visual-token reduction), `kv` (decode KV eviction),
-`depth` (skipped layers). It is data: parsed from a short string or YAML/JSON, saved with results, replayed.
+`depth` (skipped layers), `router` (the meta-router). It is data: parsed from a short string or YAML/JSON, saved with results, replayed.
 
 String form: `tokens=density:keep=0.25:layer=3,kv=density:keep=0.25` (axis=method:option=value:...).
 YAML form: a mapping `{name: ..., tokens: {method: density, keep: 0.25, layer: 3}, kv: "density:keep=0.25"}`,
@@ -47,16 +47,10 @@ class Recipe(BaseModel):
         return ",".join(f"{a}={getattr(self, a)}" for a in AXES if getattr(self, a) is not None)
 
     def build(self) -> dict:
-        """Instantiate the methods (validating every option); axis -> method object."""
-        from trimvlm.registry import build_method
-        from trimvlm.router.route import build_router
+        """Deprecated: `trimvlm.plan.build_methods(recipe)` (a recipe is data; the plan room builds methods)."""
+        from trimvlm.plan import build_methods
 
-        return {
-            a: (build_router(spec.method, spec.options) if a == "router" else build_method(a, spec.method, spec.options))
-            for a in AXES
-            if (spec := getattr(self, a))
-        }
-
+        return build_methods(self)
 
 _INT = r"[+-]?\d+"
 _FLOAT = r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?"
@@ -166,8 +160,6 @@ def load_recipes(path: str | Path) -> list[Recipe]:
     if not isinstance(data, list):
         data = [data]
     recipes = [parse_recipe(x) for x in data]
-    for r in recipes:
-        r.build()  # validate every method and option now, before any model runs
     if not any(r.is_baseline for r in recipes):
         recipes.insert(0, Recipe(name="baseline"))
     return recipes

@@ -1,4 +1,9 @@
-"""Name -> method-class registries for each axis a recipe can act on (`tokens`, `kv`, `depth`)."""
+"""Name -> method-class registries for each axis a recipe can act on (`tokens`, `kv`, `depth`, `router`).
+
+The one method protocol: a method is a dataclass whose fields are its recipe options, registered here with
+`@register(axis, name)`; `check(runner)` refuses a model it cannot run on and `apply(plan, runner)` fills its
+axis' part of a `runtime.plan.Plan`. An axis whose method is named by a path (`router=PATH`) registers one class
+with `by_path=True`: the recipe's method string is passed as its `path` field."""
 
 from __future__ import annotations
 
@@ -9,13 +14,16 @@ from dataclasses import MISSING
 
 from trimvlm.errors import RecipeError
 
-REGISTRIES: dict[str, dict[str, type]] = {"tokens": {}, "kv": {}, "depth": {}}
+REGISTRIES: dict[str, dict[str, type]] = {"tokens": {}, "kv": {}, "depth": {}, "router": {}}
+BY_PATH: dict[str, type] = {}  # axis -> its one class, for axes whose method is a path
 
 
-def register(axis: str, name: str):
+def register(axis: str, name: str, *, by_path: bool = False):
     def deco(cls):
         REGISTRIES[axis][name] = cls
         cls.name = name
+        if by_path:
+            BY_PATH[axis] = cls
         return cls
 
     return deco
@@ -25,6 +33,7 @@ def _load_methods() -> None:
     # importing the packages registers their methods; an import error propagates (never skipped)
     import trimvlm.depth  # noqa: F401
     import trimvlm.kv  # noqa: F401
+    import trimvlm.router.route  # noqa: F401
     import trimvlm.tokens  # noqa: F401
 
 
@@ -33,14 +42,18 @@ def build_method(axis: str, method: str, options: dict):
     reg = REGISTRIES.get(axis)
     if reg is None:
         raise RecipeError(f"unknown recipe axis {axis!r}; allowed: {', '.join(REGISTRIES)}")
-    if method not in reg:
+    by_path = BY_PATH.get(axis)
+    if by_path is None and method not in reg:
         known = ", ".join(sorted(reg)) or "none yet"
         raise RecipeError(f"unknown {axis} method {method!r}; known: {known}")
-    cls = reg[method]
-    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+    cls = by_path or reg[method]
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init} - ({"path"} if by_path else set())
     bad = sorted(set(options) - allowed)
     if bad:
-        raise RecipeError(f"unknown option(s) {bad} for {axis} method {method!r}; allowed: {sorted(allowed)}")
+        where = f"{axis}=PATH" if by_path else f"{axis} method {method!r}"
+        raise RecipeError(f"unknown option(s) {bad} for {where}; allowed: {sorted(allowed)}")
+    if by_path:
+        options = {"path": str(method)} | dict(options)
     try:
         return cls(**options)
     except (TypeError, ValueError) as e:

@@ -99,16 +99,11 @@ class VLM:
         out = generate(
             self.runner,
             prepared,
+            plan,
             max_new_tokens=max_new_tokens,
             stop_ids=self.stop_ids(),
             pad_id=0 if pad is None else pad,
             sampling=sampling,
-            hook=plan.hook,
-            skip_prefill=plan.skip_prefill,
-            skip_decode=plan.skip_decode,
-            after_prefill=plan.after_prefill,
-            probe=plan.probe,
-            vision_probe=plan.vision_probe,
             meter=Meter(device=self.runner.device, track_tensors=track_memory),
         )
         stops = set(self.stop_ids())
@@ -188,11 +183,12 @@ class VLM:
         path; default: the model's (docs/decisions.md). `limits`: a `trimvlm.decision.Limits` (questions,
         assets, sizes). Bad requests raise `trimvlm.decision.DecisionError` subclasses."""
         from trimvlm.decision import decide
+        from trimvlm.plan import decision_plan
 
+        plan = decision_plan(recipe, self.runner)  # a bad recipe fails before any request is tokenized
         result, single = decide(
-            self, requests, recipe=recipe, decision_config=decision_config, limits=limits,
-            track_memory=track_memory,
-        )  # fmt: skip
+            self, requests, plan, decision_config=decision_config, limits=limits, track_memory=track_memory
+        )
         if return_costs:
             return result
         return result.answers[0] if single else result.answers

@@ -20,10 +20,10 @@ from PIL import Image
 
 from trimvlm.errors import InputError
 from trimvlm.kernels.flops import count
+from trimvlm.runtime.layers import ATTENTION, LINEAR
 from trimvlm.runtime.sequence import LiveSeq
 
-ATTENTION = "full_attention"
-LINEAR = "linear_attention"
+__all__ = ["ATTENTION", "LINEAR", "Adapter", "Prepared"]
 
 
 @dataclass

@@ -28,9 +28,10 @@ import json
 
 import torch
 
-from trimvlm.adapters.base import LINEAR, Adapter
+from trimvlm.adapters.base import Adapter
 from trimvlm.adapters.qwen3_vl import QwenVLAdapterMixin
 from trimvlm.runtime.cache import KVCache
+from trimvlm.runtime.layers import LINEAR
 
 
 class Qwen35Adapter(QwenVLAdapterMixin, Adapter):

@@ -6,7 +6,7 @@ recipe, and reads the label logits (any supported VLM) or a decision model's hea
 """
 
 from trimvlm.decision.costs import RequestCosts
-from trimvlm.decision.decide import DecisionResult, decide, decision_plan, run
+from trimvlm.decision.decide import DecisionResult, decide, run
 from trimvlm.decision.errors import AssetError, DecisionError, QuestionError, RequestError
 from trimvlm.decision.limits import Limits
 from trimvlm.decision.prompts import PreparedRequest, prepare_request
@@ -21,7 +21,6 @@ __all__ = [
     "RequestCosts",
     "RequestError",
     "decide",
-    "decision_plan",
     "prepare_request",
     "run",
 ]

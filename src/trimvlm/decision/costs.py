@@ -1,8 +1,8 @@
 """What one request of a decision batch cost, for a server's `usage`.
 
 The batch is measured as one run (`runtime.meter.Costs`); a request's share is, line by line:
-- vision FLOPs: exactly its own images' (the vision tower's FLOPs measured on its prompts alone, by the runner's
-  untimed counter, remembered per input shape);
+- vision FLOPs: its share of the batch's one vision encode (counted by the runner on that encode), weighted by
+  the image tokens encoded for it (the vision tower is never run a second time to count a request alone);
 - decoder-layer FLOPs, method FLOPs, KV and recurrent-state bytes: its rows' share of the padded batch (every
   row of a padded batch runs the same matmuls and holds the same cache; padding is counted, as the meter counts
   what ran). With a per-sample layer plan (the router) rows differ and the share is an average;

@@ -20,9 +20,8 @@ from trimvlm.decision.limits import Limits
 from trimvlm.decision.prompts import PreparedRequest, prepare_request
 from trimvlm.decision.readout import answers, option_scores
 from trimvlm.decision.shared import prefix_cuts, prefix_inputs, run_shared
-from trimvlm.errors import RecipeError
 from trimvlm.runtime.meter import Costs, Meter
-from trimvlm.runtime.runner import LayerPlan
+from trimvlm.runtime.plan import Plan
 
 
 @dataclass
@@ -41,21 +40,6 @@ class DecisionResult:
         }
 
 
-def decision_plan(recipe, runner):
-    """The recipe's plan for a decision forward: token reduction and the prefill layer plan apply; a KV policy
-    is refused (nothing is decoded, so it would change nothing and its cost line would be a lie)."""
-    from trimvlm.plan import make_plan
-    from trimvlm.recipe import parse_recipe
-
-    parsed = parse_recipe(recipe)
-    if parsed.kv is not None:
-        raise RecipeError(
-            f"kv={parsed.kv} evicts the decode cache, and a decision decodes nothing: drop kv= from the recipe "
-            "(tokens=, depth= and router= apply)"
-        )
-    return make_plan(parsed, runner)
-
-
 def as_list(requests) -> tuple[list, bool]:
     """(requests, single): one request (a dict or its JSON) or a list of them."""
     if isinstance(requests, dict | str | bytes | bytearray):
@@ -72,43 +56,35 @@ def as_list(requests) -> tuple[list, bool]:
 def decide(
     vlm,
     requests,
+    plan: Plan,
     *,
-    recipe=None,
     decision_config=None,
     limits: Limits | None = None,
     track_memory: bool = False,
 ) -> tuple[DecisionResult, bool]:
-    """Prepare every request (an error names the request of a batch), then answer them in one forward."""
+    """Prepare every request (an error names the request of a batch), then answer them in one forward with
+    `plan` (`trimvlm.plan.decision_plan`: built before any request is tokenized, so a bad recipe fails first)."""
     items, single = as_list(requests)
-    plan = decision_plan(recipe, vlm.runner)  # a bad recipe fails before any request is tokenized
     prepared = []
     for i, r in enumerate(items):
         try:
             prepared.append(prepare_request(vlm, r, decision_config=decision_config, limits=limits))
         except DecisionError as e:
             raise e.at(None if single else i) from e
-    return run(vlm, prepared, recipe=plan, track_memory=track_memory), single
+    return run(vlm, prepared, plan, track_memory=track_memory), single
 
 
 @torch.no_grad()
-def run(vlm, prepared: list[PreparedRequest], *, recipe=None, track_memory: bool = False) -> DecisionResult:
-    """Answer prepared requests with one batch forward. `recipe`: a recipe (or a plan from `decision_plan`)."""
-    from trimvlm.plan import Plan
-
+def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool = False) -> DecisionResult:
+    """Answer prepared requests with one batch forward: request -> prepared batch -> `Runner.prefill(batch,
+    plan)` -> readout (`plan`: from `trimvlm.plan.decision_plan`)."""
     if not prepared:
         raise RequestError("no requests given")
-    plan = recipe if isinstance(recipe, Plan) else decision_plan(recipe, vlm.runner)
     prompts = [p for r in prepared for p in r.prompts]
     groups = [r.prompts for r in prepared]
     meter = Meter(device=vlm.runner.device, track_tensors=track_memory)
-    cuts = None if isinstance(plan.skip_prefill, LayerPlan | torch.Tensor) else prefix_cuts(vlm, groups)
-    # the vision tower's FLOPs per request, counted on the images it encodes (once per request with a shared
-    # prefix, once per prompt without; untimed, remembered per shape; outside the measured memory too)
-    encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
-        [[p.inputs for p in g] for g in groups]  # fmt: skip
-    vision = [vlm.runner.vision_flops(vlm.adapter.prepare_processed(e)) for e in encoded]
+    cuts = None if plan.per_sample else prefix_cuts(vlm, groups)
     meter.start_memory()
-    meter.add("vision", sum(vision))
     fwd = run_shared(vlm, groups, cuts, plan, meter) if cuts else run_prompts(vlm, prompts, plan, meter)
     before = meter.costs.flops.get("prefill", 0)
     with meter.timer("prefill"):
@@ -119,5 +95,18 @@ def run(vlm, prepared: list[PreparedRequest], *, recipe=None, track_memory: bool
             k += len(r.prompts)
     meter.stop_memory()
     readout = split(meter.costs.flops["prefill"] - before, [r.questions for r in prepared])
+    vision = split(meter.costs.flops.get("vision", 0), image_tokens(vlm, groups, cuts))
     usage = request_costs(prepared, fwd, meter.costs, vision, readout)
-    return DecisionResult(answers=out, usage=usage, costs=meter.costs, recipe=plan.recipe.label())
+    return DecisionResult(answers=out, usage=usage, costs=meter.costs, recipe=plan.label())
+
+
+def image_tokens(vlm, groups: list[list], cuts: list[int] | None) -> list[int]:
+    """Per request, the image tokens the vision tower encoded for it (once per request with a shared prefix,
+    once per prompt without): the weights of its share of the batch's one vision encode."""
+    try:
+        image = int(vlm.adapter.image_token_id)
+    except (AttributeError, TypeError):
+        return [0] * len(groups)
+    encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
+        [[p.inputs for p in g] for g in groups]  # fmt: skip
+    return [sum(int((e["input_ids"] == image).sum()) for e in group) for group in encoded]

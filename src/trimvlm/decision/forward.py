@@ -32,8 +32,7 @@ def run_prompts(vlm, prompts: list, plan, meter: Meter) -> Forward:
     """`prompts`: `prompts.Prompt`s. `Runner.prefill` (embed -> layers -> final norm, meter phases vision and
     prefill) without the LM head; the vision tower's FLOPs are counted per request by the caller."""
     prepared = vlm.adapter.prepare_processed([p.inputs for p in prompts])
-    out = vlm.runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter,
-                             ctx=plan.attention_context(), lm_head=False, count_vision=False)  # fmt: skip
+    out = vlm.runner.prefill(prepared, plan, meter=meter, lm_head=False)
     with meter.timer("prefill"):
         hidden = at_marks(out.seq, prepared, prompts)
     return Forward(hidden=hidden, prepared=prepared, cache=out.cache, layer_flops=meter.costs.flops.get("prefill", 0))

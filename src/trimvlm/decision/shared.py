@@ -62,14 +62,12 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     """Prefix per request (batched across requests), then every prompt's tail as a branch off its request."""
     runner, ad = vlm.runner, vlm.adapter
     prepared = ad.prepare_processed([prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)])
-    skip = plan.skip_prefill or frozenset()
-    prefix = runner.prefill(prepared, hook=plan.hook, skip=skip, meter=meter, ctx=plan.attention_context(),
-                            lm_head=False, count_vision=False)  # fmt: skip
+    prefix = runner.prefill(prepared, plan, meter=meter, lm_head=False)
     tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
              for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
-    with meter.timer("prefill"):
-        states = batched.run(Work(runner, prefix, forest, frozenset(skip), meter, plan))
+    with meter.timer("branch"):  # the tails' FLOPs are on the branch line: their time is too
+        states = batched.run(Work(runner, prefix, forest, frozenset(plan.skip_prefill), meter, plan))
     rows = [forest.paths[r][j][int(m) - 1 - c]
             for r, (g, c) in enumerate(zip(groups, cuts, strict=True))
             for j, p in enumerate(g) for m in p.marks]  # fmt: skip

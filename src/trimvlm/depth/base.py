@@ -5,6 +5,7 @@ writes no KV."""
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 from trimvlm.errors import RecipeError
@@ -28,6 +29,11 @@ class DepthMethod:
     def skipped(self, runner) -> frozenset[int]:
         raise NotImplementedError
 
+    def apply(self, plan, runner) -> None:
+        """The method protocol: the layers each phase skips."""
+        skips = self.skips(runner)
+        plan.skip_prefill, plan.skip_decode, plan.skip_branch = skips["prefill"], skips["decode"], skips["branch"]
+
     def skips(self, runner) -> dict[str, frozenset[int]]:
         layers = self.skipped(runner)
         runner.check_layers(layers, "skipped layer")
@@ -42,9 +48,26 @@ def check_budget(budget: int, num_layers: int) -> None:
         raise RecipeError(f"budget {budget} must be below the layer count {num_layers} (0..{num_layers - 1})")
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fingerprint
+
+
 def model_fingerprint(adapter) -> str:
     """A short fingerprint of a model (its family, text config and the sum of its first block's weights), saved
-    in ranking files so that a ranking is never applied to another model."""
+    in ranking files so that a ranking is never applied to another model. Computed once per loaded model (the
+    float64 sum of layer 0 is not repeated on every plan); `refresh_fingerprint` after changing its weights."""
+    model = adapter.model
+    if model not in _FINGERPRINTS:
+        _FINGERPRINTS[model] = _fingerprint(adapter)
+    return _FINGERPRINTS[model]
+
+
+def refresh_fingerprint(adapter) -> str:
+    """The fingerprint recomputed (a model whose weights were trained in place)."""
+    _FINGERPRINTS.pop(adapter.model, None)
+    return model_fingerprint(adapter)
+
+
+def _fingerprint(adapter) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(adapter.family.encode())
     h.update(adapter.text_config.to_json_string(use_diff=False).encode())

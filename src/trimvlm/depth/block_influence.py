@@ -18,6 +18,7 @@ import torch
 
 from trimvlm.depth.calibration import Ranker, ascending, register_ranker
 from trimvlm.errors import InputError
+from trimvlm.runtime.plan import Plan
 
 
 def layer_states(runner, prepared) -> list[torch.Tensor]:
@@ -28,7 +29,7 @@ def layer_states(runner, prepared) -> list[torch.Tensor]:
         states.append(seq.hidden)
         return seq
 
-    runner.prefill(prepared, hook=hook)
+    runner.prefill(prepared, Plan(hook=hook))
     return states
 
 

@@ -18,6 +18,7 @@ import torch
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
 from trimvlm.options import is_int
+from trimvlm.runtime.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def prepare_batches(vlm, records, batch_size: int) -> list:
 def answer_logits(runner, prepared, skip=frozenset()) -> torch.Tensor:
     """[B, V] float64 next-token logits at each sample's answer position (its last prompt token), `skip`
     blocks not run."""
-    return runner.prefill(prepared, skip=frozenset(skip)).logits.double()
+    return runner.prefill(prepared, Plan(skip_prefill=frozenset(skip))).logits.double()
 
 
 def rank(vlm, method: str, records, batch_size: int = 16, on_step=None, calibration: dict | None = None) -> dict:

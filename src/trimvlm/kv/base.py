@@ -86,6 +86,12 @@ class KVPolicy:
         handoff.probes["kv"] = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
         return handoff.probes["kv"]
 
+    def apply(self, plan, runner) -> None:
+        """The method protocol: the KV step at the prefill/decode boundary, and the attention rows it reads."""
+        plan.after_prefill = self.bind(runner, plan.handoff)
+        wanted = self.probe(runner, plan.handoff)
+        plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
+
     def bind(self, runner, handoff):
         """The after-prefill step: decide and evict, in place on `PrefillOutput.cache`."""
         if self.is_noop:

@@ -13,6 +13,8 @@ on the method line when it runs inside a counted region.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -91,11 +93,10 @@ def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, ex
 
 def load_router(folder) -> tuple[MetaRouter, dict]:
     """The router saved in `folder` and its config (TrimVLMError when it is not a router checkpoint).
-    `folder` may name a demo model ("demo", "demo-qwen35"): the router shipped next to its checkpoint."""
-    import json
+    `folder` may name a demo model ("demo", "demo-qwen35"): the router shipped next to its checkpoint.
+    Read from disk once per checkpoint (and again only when its files change); the module is shared, in eval
+    mode, and never trained by its readers."""
     from pathlib import Path
-
-    from safetensors.torch import load_file
 
     from trimvlm.errors import RecipeError
     from trimvlm.loading import DEMO_DIR, DEMO_MODELS
@@ -104,6 +105,20 @@ def load_router(folder) -> tuple[MetaRouter, dict]:
     folder = DEMO_DIR / DEMO_MODELS[key] / "router" if key in DEMO_MODELS else Path(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
         raise RecipeError(f"router checkpoint not found: {folder} needs {CONFIG} and {WEIGHTS} (trimvlm train-router)")
+    stamp = tuple((folder / f).stat().st_mtime_ns for f in (CONFIG, WEIGHTS))
+    return _read_router(str(folder.resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_router(folder: str, stamp: tuple) -> tuple[MetaRouter, dict]:
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from trimvlm.errors import RecipeError
+
+    folder = Path(folder)
     try:
         meta = json.loads((folder / CONFIG).read_text())
         router = MetaRouter(int(meta["hidden"]), meta["candidate_layers"], int(meta["width"]), int(meta["heads"]),

@@ -14,6 +14,7 @@ another model's router is refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,8 +22,9 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_int, is_number
+from trimvlm.registry import register
 from trimvlm.router.model import load_router
-from trimvlm.runtime.runner import LayerPlan
+from trimvlm.runtime.plan import LayerPlan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
@@ -46,11 +48,16 @@ def _packed(hidden: torch.Tensor, mask: torch.Tensor):
     return packed, mask.gather(1, cols), cols
 
 
+@register("router", "PATH", by_path=True)
 @dataclass
 class Router:
+    """The learned meta-router (PAR): per input, a token selection and a layer plan (`router=PATH|demo:...`)."""
+
     path: str
     token_keep: float = 0.25
     layers_skip: int = 2
+
+    excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
 
     def __post_init__(self):
         if not is_number(self.token_keep) or not 0 < self.token_keep <= 1:
@@ -72,6 +79,12 @@ class Router:
             )
         if self.layers_skip >= runner.num_layers:
             raise RecipeError(f"router layers_skip={self.layers_skip} must leave one of {runner.num_layers} layers")
+
+    def apply(self, plan, runner) -> None:
+        """The method protocol: the router's hook before layer K fills one LayerPlan for prefill and decode."""
+        self.check(runner)
+        plan.hook, plan.skip_prefill = self.bind(runner, plan.handoff)
+        plan.skip_decode = plan.skip_prefill
 
     def bind(self, runner, handoff):
         """(the token hook, the LayerPlan it fills) for the plan."""
@@ -98,10 +111,3 @@ class Router:
 
         return hook, layers
 
-
-def build_router(path: str, options: dict) -> Router:
-    allowed = {"token_keep", "layers_skip"}
-    bad = sorted(set(options) - allowed)
-    if bad:
-        raise RecipeError(f"unknown option(s) {bad} for router=PATH; allowed: {sorted(allowed)}")
-    return Router(path=str(path), **options)

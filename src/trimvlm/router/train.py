@@ -37,7 +37,8 @@ from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.router.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.router.route import RouterTokens, _packed
-from trimvlm.runtime.attention import AttentionContext, AttentionProbe
+from trimvlm.runtime.attention import AttentionProbe
+from trimvlm.runtime.plan import Handoff, Plan
 
 
 @dataclass
@@ -72,7 +73,7 @@ def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int)
             got["seq"] = seq
         return seq
 
-    out = runner.prefill(prepared, hook=hook, ctx=AttentionContext(probe=probe))
+    out = runner.prefill(prepared, Plan(hook=hook, probe=probe))
     logits, tokens, logps, pos = out.logits, [], [], out.next_pos.clone()
     for _ in range(n):
         logps.append(torch.log_softmax(logits.double(), -1))
@@ -90,17 +91,17 @@ def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, tok
     """[M] cost of M layouts of ONE input (prepared1: batch of one): each row keeps the tokens with the top
     `token_scores[m]` (a [M, S] column score) before layer `layer` and skips `plans[m]` ([M, L] bool),
     teacher-forced on the answer."""
-    from trimvlm.plan import Handoff
 
     m = plans.shape[0]
     prep = _repeat(prepared1, m)
-    handoff = Handoff(router=token_scores)
+    handoff = Handoff(router=token_scores)  # what the router's hook hands its token half
     red = RouterTokens(keep=token_keep, layer=layer)
 
     def hook(i, seq, run):
         return red.reduce(seq, run, handoff) if i == layer and token_keep < 1 else seq
 
-    out = runner.prefill(prep, hook=hook, skip=plans)
+    layout = Plan(hook=hook, skip_prefill=plans, skip_decode=plans)
+    out = runner.prefill(prep, layout)
     logits, pos = out.logits, out.next_pos.clone()
     cost = torch.zeros(m, dtype=torch.float64)
     for t in range(len(answer_tok)):
@@ -108,7 +109,7 @@ def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, tok
         p = p_full[t][None]
         cost += (p.exp() * (p - q)).sum(-1).cpu()
         tok = answer_tok[t].reshape(1).expand(m)
-        logits = runner.step(tok[:, None], runner.adapter.text_positions(pos, 1), out.cache, skip=plans)
+        logits = runner.step(tok[:, None], runner.adapter.text_positions(pos, 1), out.cache, layout)
         pos += 1
     return cost
 

@@ -7,17 +7,15 @@ original position (`next_pos`), never the (possibly shrunk) cache length.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.kernels.flops import counting
 from trimvlm.options import is_int, is_number
-from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.meter import Costs, Meter
-from trimvlm.runtime.runner import LayerPlan, PrefillOutput, Runner
+from trimvlm.runtime.plan import LayerPlan, Plan
+from trimvlm.runtime.runner import Runner
 
 
 @dataclass
@@ -61,39 +59,29 @@ def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None
 def generate(
     runner: Runner,
     prepared,
+    plan: Plan | None = None,
     *,
     max_new_tokens: int,
     stop_ids: list[int] | None = None,
     pad_id: int = 0,
     sampling: Sampling | None = None,
-    hook=None,
-    skip_prefill=frozenset(),
-    skip_decode=frozenset(),
-    after_prefill: Callable[[PrefillOutput], None] | None = None,
     meter: Meter | None = None,
-    probe=None,
-    vision_probe=None,
 ) -> GenerationOutput:
-    """`probe` (an AttentionProbe) records prefill attention rows for methods that score by attention;
-    `vision_probe` records vision-tower attention while the images are encoded.
+    """`Runner.prefill(prepared, plan)` (everything the plan holds, its KV step included), then decode with the
+    plan's decode layers.
 
     A sample that stops leaves the batch: its cache rows are removed and the columns no live row uses are
     compacted away, so decode FLOPs, KV bytes and time are those of the live rows only."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     sampling = sampling or Sampling()
+    plan = plan or Plan()
     meter = meter or Meter(device=runner.device)
     dev = runner.device
     gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
     meter.start_memory()
-    ctx = None
-    if probe is not None or vision_probe is not None:
-        ctx = AttentionContext(probe=probe, vision=vision_probe)
-    out = runner.prefill(prepared, hook=hook, skip=skip_prefill, meter=meter, ctx=ctx)
-    if after_prefill is not None:
-        with meter.timer("prefill"), counting(meter, "prefill"):
-            after_prefill(out)
-        meter.kv(out.cache)
+    out = runner.prefill(prepared, plan, meter=meter)
+    skip_decode = plan.skip_decode
     b = prepared.batch
     stops = torch.tensor(stop_ids or [], dtype=torch.long, device=dev)
     tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=dev)
@@ -115,8 +103,8 @@ def generate(
                 live, tok, pos = live[stay], tok[stay], pos[stay]
                 if isinstance(skip_decode, torch.Tensor):  # a per-sample plan follows its rows
                     skip_decode = skip_decode.index_select(0, stay)
-                elif isinstance(skip_decode, LayerPlan) and skip_decode.plan is not None:
-                    skip_decode.plan = skip_decode.plan.index_select(0, stay)
+                elif isinstance(skip_decode, LayerPlan):
+                    skip_decode.rows(stay)
             positions = runner.adapter.text_positions(pos, 1)
             logits = runner.step(tok[:, None], positions, cache, skip=skip_decode, meter=meter)
             pos += 1

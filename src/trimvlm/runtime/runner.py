@@ -1,26 +1,31 @@
 """The layer loop: trimvlm drives the unmodified transformers decoder layers itself.
 
-`prefill` embeds the batch, runs every decoder layer not in the skip set (a skipped layer is not executed),
-calls the token hook before each layer (L = 0 is before the first layer) so a reducer can gather the live
-sequence to a subset, and writes a `KVCache`. `step` runs a chunk of new tokens (decode, or candidate
-branches) against that cache.
+The one execution path. `prefill(prepared, plan)` embeds the batch and applies everything the `Plan` holds:
+it calls the plan's token hook before each layer (L = 0 is before the first layer) so a reducer can gather the
+live sequence to a subset, runs every decoder layer the plan does not skip (a skipped layer is not executed; a
+per-sample plan runs a layer on the rows that keep it), records what the plan's methods asked for, writes a
+`KVCache` and runs the plan's KV step at the prefill/decode boundary. `step` runs a chunk of new tokens (decode)
+against that cache with the plan's decode layers; `branch` runs candidate rows off a prefix cache, uncopied.
+Generation, scoring, decisions, serving, the lmms bridge and router training are compositions of these.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from trimvlm.adapters.base import ATTENTION
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import count, counting, paused
 from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
 from trimvlm.runtime.cache import KVCache
+from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.masks import chunk_mask
 from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.sequence import LiveSeq
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
@@ -35,14 +40,6 @@ class PrefillOutput:
     next_pos: torch.Tensor  # [B] position id of the next token (original, never the shrunk length)
 
 
-class LayerPlan:
-    """A per-sample layer plan decided during the prefill (by the meta-router, before the first layer runs):
-    `plan` [B, num_layers] bool (True: that sample skips that layer) once set; nothing is skipped before."""
-
-    def __init__(self):
-        self.plan: torch.Tensor | None = None
-
-
 class Runner:
     VISION_CACHE = 256  # vision-FLOP counts remembered (least recently used dropped first)
 
@@ -50,25 +47,46 @@ class Runner:
         self.adapter = adapter
         self._vision_flops: OrderedDict[tuple, int] = OrderedDict()
 
-    def _embed(self, prepared, vision=None) -> LiveSeq:
-        if vision is None:
-            return self.adapter.embed(prepared)
-        return self.adapter.embed(prepared, vision=vision)
+    def encode(self, prepared, meter: Meter, vision=None) -> LiveSeq:
+        """Embed the batch (the vision tower runs once, timed on the meter's vision line) and book the vision
+        tower's FLOPs. They are counted by torch's FlopCounterMode on this very encode the first time its input
+        shapes are seen (`Adapter.vision_key`: pixel shapes and image grids, not the prompts) and remembered, so
+        a shape is never encoded a second time to be counted. (The counter's dispatch overhead falls in that
+        first call's vision time: benchmarks warm every shape up first.) While a vision-tower probe records
+        attention (PruMerge, VisionZip: method work inside the encode) an unseen shape is counted on a separate,
+        untimed encode instead, so the probe's work is never booked as the model's."""
+        key = self.adapter.vision_key(prepared)
+        known = self._vision_flops.get(key)
+        embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
+        with meter.timer("vision"), counting(meter, "vision"):
+            if known is not None or vision is not None:
+                seq = embed(prepared)
+            else:
+                with flop_counter() as fc:
+                    seq = embed(prepared)
+                known = self._remember(key, fc.get_total_flops())
+        if known is None:
+            known = self.vision_flops(prepared)
+        self._vision_flops.move_to_end(key)
+        meter.add("vision", known)
+        return seq
 
     def vision_flops(self, prepared) -> int:
-        """The vision tower's FLOPs for this batch, measured by torch's counter on an untimed encode and
-        remembered per input shape (`Adapter.vision_key`: pixel shapes and image grids, not the prompts), so
-        the counting never falls inside a timed region, for any recipe."""
+        """The vision tower's FLOPs for this batch: remembered per input shape, else counted on an untimed encode
+        (only for a shape no prefill has seen; `encode` counts on the real run)."""
         key = self.adapter.vision_key(prepared)
-        if key in self._vision_flops:
-            self._vision_flops.move_to_end(key)
-            return self._vision_flops[key]
-        with flop_counter() as fc, paused():
-            self.adapter.embed(prepared)
-        self._vision_flops[key] = fc.get_total_flops()
+        if key not in self._vision_flops:
+            with flop_counter() as fc, paused():
+                self.adapter.embed(prepared)
+            self._remember(key, fc.get_total_flops())
+        self._vision_flops.move_to_end(key)
+        return self._vision_flops[key]
+
+    def _remember(self, key, flops: int) -> int:
+        self._vision_flops[key] = flops
         while len(self._vision_flops) > self.VISION_CACHE:
             self._vision_flops.popitem(last=False)
-        return self._vision_flops[key]
+        return flops
 
     @property
     def num_layers(self) -> int:
@@ -118,31 +136,32 @@ class Runner:
     def prefill(
         self,
         prepared,
+        plan: Plan | None = None,
         *,
-        hook: TokenHook | None = None,
-        skip: frozenset[int] | set[int] = frozenset(),
         meter: Meter | None = None,
         all_logits: bool = False,
-        ctx: AttentionContext | None = None,
         lm_head: bool = True,
-        count_vision: bool = True,
     ) -> PrefillOutput:
-        """Embed, run every layer, final norm, LM head. `lm_head=False` stops at the final-normed states
-        (logits None: a caller that reads states, e.g. a decision readout); `count_vision=False` leaves the
-        vision tower's FLOPs to the caller (decisions count them per request)."""
+        """Embed, run the layers with everything `plan` holds (None: nothing), final norm, LM head, then the
+        plan's KV step at the prefill/decode boundary (timed and counted on the prefill line). `lm_head=False`
+        stops at the final-normed states (logits None: a caller that reads states, e.g. a decision readout)."""
+        plan = plan or Plan()
         meter = meter or Meter(device=self.device)
-        self.check_skip(skip, prepared.batch)
-        with meter.timer("vision"), counting(meter, "vision"):
-            seq = self._embed(prepared, None if ctx is None else ctx.vision)
-        if count_vision:
-            meter.add("vision", self.vision_flops(prepared))
+        self.check_skip(plan.skip_prefill, prepared.batch)
+        ctx = plan.attention_context()
+        seq = self.encode(prepared, meter, None if ctx is None else ctx.vision)
         next_pos = _next_positions(seq)
         cache = KVCache(self.num_layers)
         with meter.timer("prefill"):
-            seq = self.run(seq, cache, phase="prefill", hook=hook, skip=skip, meter=meter, ctx=ctx)
+            seq = self.run(seq, cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
             logits = self._logits(seq, meter, "prefill", all_logits) if lm_head else None
         meter.kv(cache)
-        return PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
+        out = PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
+        if plan.after_prefill is not None:
+            with meter.timer("prefill"), counting(meter, "prefill"):
+                plan.after_prefill(out)
+            meter.kv(out.cache)
+        return out
 
     def run(
         self,
@@ -262,9 +281,10 @@ class Runner:
         return self.adapter.lm_head(h).float()
 
     @torch.no_grad()
-    def step(self, tokens, positions, cache, *, all_logits: bool = False, **kw) -> torch.Tensor:
-        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache; return logits (the options
-        of `step_hidden`)."""
+    def step(self, tokens, positions, cache, plan: Plan | None = None, *, all_logits: bool = False, **kw):
+        """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache with the plan's decode layers
+        (its candidate-branch layers for phase "branch"); return logits (the options of `step_hidden`)."""
+        kw["skip"] = _phase_skip(plan, kw.get("phase", "decode"), kw.get("skip"))
         seq = self.step_hidden(tokens, positions, cache, **kw)
         return self._logits(seq, kw.get("meter"), kw.get("phase", "decode"), all_logits)
 
@@ -277,13 +297,16 @@ class Runner:
         *,
         valid: torch.Tensor | None = None,
         within: torch.Tensor | None = None,
-        skip=frozenset(),
+        skip=None,
         meter: Meter | None = None,
         phase: str = "decode",
         ctx: AttentionContext | None = None,
+        plan: Plan | None = None,
     ) -> LiveSeq:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
-        `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence."""
+        `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence. The
+        layers skipped are `skip` when given, else the plan's for this phase."""
+        skip = _phase_skip(plan, phase, skip)
         b, q = tokens.shape
         dev = tokens.device
         valid = torch.ones(b, q, dtype=torch.bool, device=dev) if valid is None else valid
@@ -296,6 +319,15 @@ class Runner:
             image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
         )
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
+
+
+def _phase_skip(plan: Plan | None, phase: str, skip):
+    """The layers a step skips: `skip` when given, else the plan's for the phase ("branch": candidate rows)."""
+    if skip is not None:
+        return skip
+    if plan is None:
+        return frozenset()
+    return plan.skip_branch if phase == "branch" else plan.skip_decode
 
 
 def _next_positions(seq: LiveSeq) -> torch.Tensor:
@@ -313,11 +345,13 @@ def branch(
     valid: torch.Tensor | None = None,
     within: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-    skip=frozenset(),
+    skip=None,
     meter: Meter | None = None,
+    plan: Plan | None = None,
 ) -> torch.Tensor:
     """Run N continuations `tokens` [N, Q] as one batch, branch n reading prefix row owner[n] of the shared,
-    uncopied prefix cache. Returns logits [N, Q, V]. The prefix cache is left unchanged."""
+    uncopied prefix cache (the plan's candidate-branch layers, unless `skip` is given). Returns logits
+    [N, Q, V]. The prefix cache is left unchanged."""
     cache = prefix.cache.share_prefix(owner)
     if positions is None:
         start = prefix.next_pos.index_select(0, owner)
@@ -326,6 +360,7 @@ def branch(
         tokens,
         positions,
         cache,
+        plan,
         valid=valid,
         within=within,
         skip=skip,

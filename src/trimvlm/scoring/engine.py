@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.kernels.flops import counting
 from trimvlm.plan import make_plan
 from trimvlm.runtime.meter import Meter
 from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES
@@ -61,11 +60,7 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=No
     plan = make_plan(recipe, runner)
     meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
-    pre = runner.prefill(prepared, hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=plan.attention_context())
-    if plan.after_prefill is not None:
-        with meter.timer("prefill"), counting(meter, "prefill"):
-            plan.after_prefill(pre)
-        meter.kv(pre.cache)
+    pre = runner.prefill(prepared, plan, meter=meter)
     starts = pre.next_pos.tolist()
     for r, sfx in enumerate(suffixes):
         for k, s in enumerate(sfx):

@@ -106,8 +106,7 @@ class ServerState:
             )
         key = (kind, value)
         if key not in self._recipes:
-            from trimvlm.decision import decision_plan
-            from trimvlm.plan import make_plan
+            from trimvlm.plan import decision_plan, make_plan
             from trimvlm.recipe import parse_recipe
 
             try:

@@ -58,6 +58,8 @@ async def _handle(state, request, arrival) -> dict:
 def run(state, key, jobs: list[DecideJob]) -> list:
     """On the model thread: every prompt of every request in one forward."""
     from trimvlm.decision import run as run_decisions
+    from trimvlm.plan import decision_plan
 
-    result = run_decisions(state.vlm, [j.prepared for j in jobs], recipe=jobs[0].recipe)
+    plan = decision_plan(jobs[0].recipe, state.vlm.runner)
+    result = run_decisions(state.vlm, [j.prepared for j in jobs], plan)
     return list(zip(result.answers, result.usage, strict=True))

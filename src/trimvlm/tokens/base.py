@@ -141,6 +141,15 @@ class TokenReducer:
             )
 
     # ---- what the runner calls -----------------------------------------------------------------------
+    def apply(self, plan, runner) -> None:
+        """The method protocol: fill this axis' part of `plan` (a `runtime.plan.Plan`): the hook before layer
+        L and what the prefill must record for it."""
+        self.check(runner)
+        plan.hook = self.hook(runner, plan.handoff)
+        wanted = self.probe(runner, plan.handoff)
+        plan.probe = wanted.merge(plan.probe) if wanted is not None else plan.probe
+        plan.vision_probe = self.vision_probe(runner, plan.handoff)
+
     def probe(self, runner, handoff):
         """The AttentionProbe the prefill must record for this method (kept in `handoff.probes`), or None."""
         return None

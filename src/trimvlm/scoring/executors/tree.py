@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from trimvlm.adapters.base import ATTENTION
+from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.common import Work, run_rows

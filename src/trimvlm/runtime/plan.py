@@ -1,0 +1,73 @@
+"""What the runner executes for a recipe: a `Plan` (built from a `Recipe` by `trimvlm.plan.make_plan`).
+
+The plan is data the runner applies, every caller the same way: the token hook before each layer, the layers to
+skip in each phase (a set, or a per-sample `LayerPlan`), what the prefill's attention must record, and the KV
+step at the prefill/decode boundary. `Handoff` carries what one phase hands the next within one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Handoff:
+    """What one phase hands the next within one call, filled in as the call runs (methods keep no state):
+
+    probes: the AttentionProbe each axis asked for ("tokens", "kv"), read back by that axis' method;
+    rho: [B, S_prefill] float, the prefill reducer's spatial density by original position (NaN off its visual
+        tokens), for a KV policy that reuses it;
+    kept: [B, S_prefill] bool, the original positions the prefill reducer kept (None: no reduction ran);
+    vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip);
+    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere).
+    """
+
+    probes: dict = field(default_factory=dict)
+    rho: object | None = None
+    kept: object | None = None
+    vision: object | None = None
+    router: object | None = None
+
+
+class LayerPlan:
+    """A per-sample layer plan decided during the prefill (by the meta-router, before the first layer runs):
+    `plan` [B, num_layers] bool (True: that sample skips that layer) once set; nothing is skipped before."""
+
+    def __init__(self, plan: torch.Tensor | None = None):
+        self.plan = plan
+
+    def rows(self, stay: torch.Tensor) -> None:
+        """Keep the plan of batch rows `stay` only (rows that stopped decoding left the batch)."""
+        if self.plan is not None:
+            self.plan = self.plan.index_select(0, stay)
+
+
+@dataclass
+class Plan:
+    recipe: object = None  # the trimvlm.recipe.Recipe it was built from (None: a plan made by hand)
+    hook: object | None = None  # (layer_idx, seq, runner) -> seq
+    after_prefill: object | None = None  # (PrefillOutput) -> None: the KV policy at the boundary
+    skip_prefill: object = field(default_factory=frozenset)  # a set of layers, a [B, L] bool, or a LayerPlan
+    skip_decode: object = field(default_factory=frozenset)
+    skip_branch: object = field(default_factory=frozenset)  # candidate branches (scoring)
+    probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
+    vision_probe: object | None = None  # what the image encoding must record in the vision tower, or None
+    handoff: Handoff = field(default_factory=Handoff)
+
+    @property
+    def per_sample(self) -> bool:
+        """Whether the prefill's layer plan differs per sample (the router's)."""
+        return isinstance(self.skip_prefill, LayerPlan | torch.Tensor)
+
+    def label(self) -> str:
+        return "baseline" if self.recipe is None else self.recipe.label()
+
+    def attention_context(self):
+        """The AttentionContext a prefill needs to record what the methods asked for (None: nothing)."""
+        if self.probe is None and self.vision_probe is None:
+            return None
+        from trimvlm.runtime.attention import AttentionContext
+
+        return AttentionContext(probe=self.probe, vision=self.vision_probe)

@@ -1,0 +1,127 @@
+"""One execution path (issue 21): every product call is `Runner.prefill(prepared, plan)` (+ `step` / `branch`),
+the vision tower runs once per batch and its FLOPs are counted on that run, and what a plan needs is built
+once (a model's fingerprint, a router checkpoint)."""
+
+import pytest
+import torch
+from conftest import AVAILABLE, ragged_batch
+
+import trimvlm
+from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.runtime.plan import Plan
+from trimvlm.runtime.runner import Runner
+from trimvlm.testing import random_image
+from trimvlm.testing.decisions import DEMO_QUESTIONS
+
+
+class Calls:
+    """Counts `Runner.prefill` calls and the vision tower's forwards (its first attention module's)."""
+
+    def __init__(self, runner: Runner, monkeypatch):
+        self.prefills, self.vision = 0, 0
+        real = runner.prefill
+
+        def prefill(*a, **kw):
+            self.prefills += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(runner, "prefill", prefill)
+        modules = runner.adapter.vision_attention_modules()
+        self._hook = modules[0].register_forward_hook(lambda *_: self._seen())
+
+    def _seen(self):
+        self.vision += 1
+
+    def close(self):
+        self._hook.remove()
+
+
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_vision_flops_counted_on_the_one_encode(tiny_adapter, family, monkeypatch):
+    """The meter's vision line equals torch's FlopCounterMode on a plain encode of the same batch, and a
+    prefill runs the vision tower exactly once, whether its shapes are new or remembered."""
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    with flop_counter() as fc, torch.no_grad():
+        adapter.embed(prep)
+    calls = Calls(runner, monkeypatch)
+    try:
+        for _ in range(2):  # a new shape, then a remembered one
+            before = calls.vision
+            meter = Meter()
+            runner.prefill(prep, meter=meter)
+            assert calls.vision - before == 1
+            assert meter.costs.flops["vision"] == fc.get_total_flops() > 0
+    finally:
+        calls.close()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return trimvlm.load("demo")
+
+
+def test_generate_score_decide_take_the_one_runner_path(demo, monkeypatch):
+    """Each call prefills once through `Runner.prefill` and encodes its images once (the decision request's
+    prompts share one prefix, so its image is encoded once too)."""
+    img = random_image(1, (96, 96))
+    calls = Calls(demo.runner, monkeypatch)
+    runs = {
+        "generate": lambda: demo.generate(img, "how many red shapes ?", max_new_tokens=3),
+        "generate kv": lambda: demo.generate(img, "how many ?", max_new_tokens=3, recipe="kv=h2o:keep=0.5"),
+        "score": lambda: demo.score(img, "which shape ?", ["circle", "square", "triangle"]),
+        "score tree": lambda: demo.score(img, "which ?", ["red circle", "red square"], executor="tree"),
+        "decide": lambda: demo.decide({"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": img}}),
+        "decide fastv": lambda: demo.decide(
+            {"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": img}}, recipe="tokens=fastv:keep=0.5"
+        ),
+    }
+    try:
+        for name, run in runs.items():
+            p, v = calls.prefills, calls.vision
+            run()
+            assert (calls.prefills - p, calls.vision - v) == (1, 1), name
+    finally:
+        calls.close()
+
+
+def test_decision_tails_time_and_flops_on_one_line(demo):
+    """A shared-prefix decision books its question tails' FLOPs and time on the same (branch) line."""
+    img = random_image(2, (96, 96))
+    res = demo.decide({"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": img}}, return_costs=True)
+    c = res.costs
+    assert c.flops["branch"] > 0 and c.seconds["branch"] > 0
+    assert set(c.seconds) == {k for k, v in c.flops.items() if v > 0}
+
+
+def test_a_plan_applies_its_kv_step_inside_prefill(tiny_adapter):
+    """The KV step at the boundary is the plan's: callers never call it themselves."""
+    from trimvlm.plan import make_plan
+
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    prep = adapter.prepare(*ragged_batch())
+    full = runner.prefill(prep)
+    out = runner.prefill(prep, make_plan("kv=streamingllm:keep=0.25", runner))
+    n_full = (full.cache.layers[0].visual & full.cache.layers[0].valid).sum(1)
+    n_kept = (out.cache.layers[0].visual & out.cache.layers[0].valid).sum(1)
+    assert torch.equal(n_kept, torch.ceil(n_full * 0.25).long())
+    assert torch.equal(runner.prefill(prep, Plan()).logits, full.logits)
+
+
+def test_fingerprint_and_router_checkpoint_are_built_once(demo, monkeypatch):
+    import trimvlm.depth.base as base
+    from trimvlm.plan import make_plan
+    from trimvlm.router import model as router_model
+
+    seen = []
+    real = base._fingerprint
+    monkeypatch.setattr(base, "_fingerprint", lambda adapter: seen.append(1) or real(adapter))
+    base._FINGERPRINTS.pop(demo.adapter.model, None)
+    router_model._read_router.cache_clear()
+    plans = [make_plan("router=demo:token_keep=0.5:layers_skip=1", demo.runner) for _ in range(3)]
+    assert len(seen) == 1
+    assert router_model._read_router.cache_info().misses == 1
+    assert all(p.hook is not None for p in plans)
