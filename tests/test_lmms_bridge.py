@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import fail_if_required
 
 try:
     import lmms_eval  # noqa: F401
@@ -21,6 +22,7 @@ try:
 except Exception as e:  # ImportError, or lmms-eval failing to import beside this torch
     LMMS_ERROR = f"lmms-eval cannot be imported ({type(e).__name__}: {e}); `make lmms` installs it"
 
+fail_if_required(LMMS_ERROR)
 pytestmark = pytest.mark.skipif(LMMS_ERROR is not None, reason=str(LMMS_ERROR))
 
 RECIPE = "tokens=density:keep=0.5:layer=3"

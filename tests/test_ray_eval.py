@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import fail_if_required
 
 from trimvlm.testing.cli import assert_one_line_error as _one_line_error
 from trimvlm.testing.cli import run_cli as _cli
@@ -18,6 +19,7 @@ try:
 except Exception as e:
     RAY_ERROR = f"Ray cannot be imported ({type(e).__name__}: {e}); `make ray` installs trimvlm[ray]"
 
+fail_if_required(RAY_ERROR)
 needs_ray = pytest.mark.skipif(RAY_ERROR is not None, reason=str(RAY_ERROR))
 
 RECIPES = ["tokens=density:keep=0.5:layer=3", "kv=density:keep=0.25"]

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-for _mod in ("fastapi", "uvicorn", "httpx"):
-    pytest.importorskip(
-        _mod, reason=f"{_mod} is not installed: the serve extra (pip install 'trimvlm[serve]')"
-    )
+from conftest import need_extra
+
+need_extra("fastapi", "uvicorn", "httpx")
 
 import httpx  # noqa: E402
 

@@ -3,11 +3,9 @@ answered; a decision model answers System One requests and refuses chat completi
 
 import pytest
 import torch
+from conftest import need_extra
 
-for _mod in ("fastapi", "httpx"):
-    pytest.importorskip(
-        _mod, reason=f"{_mod} is not installed: the serve extra (pip install 'trimvlm[serve]')"
-    )
+need_extra("fastapi", "httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
@@ -24,10 +22,6 @@ def _one():
 def test_model_error_is_500_and_the_server_goes_on(monkeypatch):
     """In process (FastAPI's test client): the batch runner raises for one request; it gets a 500, the next
     request is answered."""
-    for mod in ("fastapi", "httpx"):
-        pytest.importorskip(
-            mod, reason=f"{mod} is not installed: the serve extra (pip install 'trimvlm[serve]')"
-        )
     from fastapi.testclient import TestClient
 
     import trimvlm
