@@ -286,61 +286,6 @@ def _loop_rho(entry, grids, starts, win: int) -> torch.Tensor:
     return rho
 
 
-# ---- plain-loop references of the selection rules ---------------------------------------------------
-def _ragged_layer(seed: int, hk: int = 2, hd: int = 4):
-    """One layer's cache entries for two samples: text around images of different grids, padding, and some
-    visual entries already removed by a prefill reduction; (entry, grids, image starts)."""
-    g = torch.Generator().manual_seed(seed)
-    grids, starts, k = [[(3, 4), (2, 5)], [(4, 3)]], [[2, 15], [5]], 30
-    source = torch.arange(k)[None].repeat(2, 1)
-    visual = torch.zeros(2, k, dtype=torch.bool)
-    for b in range(2):
-        for (h, w), st in zip(grids[b], starts[b], strict=True):
-            visual[b, st : st + h * w] = True
-    valid = torch.ones(2, k, dtype=torch.bool)
-    valid[:, 7] = valid[1, 9] = valid[0, 20] = False  # removed by a prefill reduction
-    valid[1, 26:] = False  # padding
-    key, value = torch.randn(2, hk, k, hd, generator=g), torch.randn(2, hk, k, hd, generator=g)
-    return LayerKV(key, value, valid, visual & valid, source), grids, starts
-
-
-def _loop_topk(scores: dict[int, float], k: int) -> set[int]:
-    """The k columns of highest score (ties: the earlier column)."""
-    return set(sorted(scores, key=lambda j: (-scores[j], j))[:k])
-
-
-def _assert_keeps(masks, entry, want: list[set[int]]) -> None:
-    """The policy kept exactly `want` of each sample's visual entries and every valid text entry."""
-    for b in range(entry.valid.shape[0]):
-        row = masks[0][b]
-        assert {j for j in range(row.numel()) if row[j] and entry.visual[b, j]} == want[b]
-        text = entry.valid[b] & ~entry.visual[b]
-        assert bool((row[text]).all()) and not bool(row[~entry.valid[b]].any())
-
-
-def _loop_rho(entry, grids, starts, win: int) -> torch.Tensor:
-    """rho of every surviving visual entry by a double loop over its surviving grid neighbours."""
-    b_n, hk, k, hd = entry.value.shape
-    feats = entry.value.permute(0, 2, 1, 3).reshape(b_n, k, hk * hd)
-    cand, r = entry.visual & entry.valid, win // 2
-    rho = torch.full((b_n, k), float("nan"))
-    for b in range(b_n):
-        for (h, w), st in zip(grids[b], starts[b], strict=True):
-            for i in range(h):
-                for j in range(w):
-                    col = st + i * w + j
-                    if not cand[b, col]:
-                        continue
-                    sims = [
-                        torch.cosine_similarity(feats[b, col], feats[b, st + a * w + c], dim=0)
-                        for a in range(max(0, i - r), min(h, i + r + 1))
-                        for c in range(max(0, j - r), min(w, j + r + 1))
-                        if (a, c) != (i, j) and cand[b, st + a * w + c]
-                    ]
-                    rho[b, col] = float(1 - sum(sims) / len(sims)) if sims else 1.0
-    return rho
-
-
 def test_layer_density_matches_double_loop():
     """rho from a layer's cached values on each image's grid (ragged: two samples, images of different sizes,
     some tokens already removed) equals a direct double loop over the surviving neighbours."""
