@@ -1,0 +1,197 @@
+"""Every benchmark in benchmarks/ runs its `--quick` mode here (in process: its `main(argv)`), so none can rot,
+and what it writes is checked to be real: the rows it should have, finite numbers, and the invariants it
+states (identical picks, the analytic KV bytes, equal scores, no failed request)."""
+
+import importlib.util
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import need_extra
+
+ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
+ALL = sorted(p.stem for p in ROOT.glob("*.py"))
+
+
+def bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(name: str, tmp_path, *argv) -> dict:
+    out = tmp_path / f"{name}.json"
+    ret = bench(name).main(["--quick", "--json", str(out), *map(str, argv)])
+    assert ret in (None, 0)
+    return json.loads(out.read_text())
+
+
+def finite_positive(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in xs)
+
+
+@pytest.fixture(autouse=True)
+def _one():
+    torch.set_num_threads(1)
+
+
+def test_every_benchmark_has_a_quick_mode_and_a_test():
+    tested = {n.removeprefix("test_") for n in globals() if n.startswith("test_")}
+    for name in ALL:
+        src = (ROOT / f"{name}.py").read_text()
+        assert '"--quick"' in src and "def main(argv=None)" in src, name
+        assert name in tested, f"benchmarks/{name}.py has no test here"
+        if "perf_counter" in src:  # it times things: it takes --threads
+            assert '"--threads"' in src, name
+
+
+def test_token_selection(tmp_path):
+    """Every reducer (DART too: its stand-in runner computes keys) at 2 sizes x 2 batches; the farthest-point
+    loop picks exactly what both plain references pick."""
+    mod = bench("token_selection")
+    data = run("token_selection", tmp_path)
+    rows = data["rows"]
+    assert len(rows) == len(mod.METHODS) * 2 * 2
+    assert {r["method"] for r in rows} == set(mod.METHODS)
+    assert {(r["batch"], r["n"]) for r in rows} == {(1, 144), (1, 256), (2, 144), (2, 256)}
+    assert all(finite_positive(r["seconds"], r["peak_bytes"]) for r in rows)
+    assert all(math.isfinite(f["time_exponent"]) and math.isfinite(f["memory_exponent"]) for f in data["fits"])
+    refs = data["fps_vs_reference"]
+    assert [(r["n"], r["k"]) for r in refs] == [(144, math.ceil(0.2 * 144)), (256, math.ceil(0.2 * 256))]
+    assert all(r["identical_picks"] for r in refs)
+
+
+def test_decide_speed(tmp_path):
+    """The four methods; trimvlm's answers (no recipe) equal the pipeline's."""
+    data = run("decide_speed", tmp_path)
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["pipeline", "trimvlm-alone", "trimvlm-batched", "trimvlm-batched+recipe"]
+    for name in ("trimvlm-alone", "trimvlm-batched"):
+        assert rows[name]["max_prob_diff"] <= 1e-5 and rows[name]["same_answers"] == 1.0
+    for r in rows.values():
+        assert len(r["times_s"]) == 1 and r["median_s"] == r["times_s"][0]
+        assert finite_positive(r["median_s"], r["speedup"])
+    assert rows["pipeline"]["speedup"] == 1.0
+
+
+def test_decode_memory(tmp_path):
+    """Two contexts; the evicted cache holds the analytic bytes: text + ceil(visual * keep) entries."""
+    data = run("decode_memory", tmp_path)
+    rows = data["rows"]
+    assert [r["visual_tokens"] for r in rows] == [256, 1024]
+    per_entry = 2 * 2 * 4 * (64 // 8) * 4  # layers x (K, V) x KV heads x head_dim x fp32
+    for r in rows:
+        assert r["kv_bytes_baseline"] == per_entry * (r["text_tokens"] + r["visual_tokens"])
+        assert r["kv_bytes_evicted"] == r["kv_bytes_analytic"]
+        assert r["kv_bytes_evicted"] == per_entry * (r["text_tokens"] + math.ceil(0.25 * r["visual_tokens"]))
+        assert finite_positive(r["step_ms_baseline"], r["step_ms_evicted"], r["prefill_s"])
+
+
+def test_depth_budget(tmp_path):
+    """The recipes file: FastV alone and FastV + tail at the one budget, each with its calibration note."""
+    out = tmp_path / "matched.yaml"
+    bench("depth_budget").main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    recipes = {r["name"]: r for r in yaml.safe_load(text)["recipes"]}
+    assert set(recipes) == {"B75_fastv", "B75_fastv+tail_s1"}
+    assert recipes["B75_fastv+tail_s1"]["depth"] == "tail:budget=1:scope=all"
+    for r in recipes.values():
+        keep = float(r["tokens"].split("keep=")[1].split(":")[0])
+        assert 0.01 < keep < 1.0
+    notes = [line for line in text.splitlines() if "calibration total FLOPs" in line]
+    assert len(notes) == 2
+    for line in notes:
+        ratio = float(line.split("calibration total FLOPs ")[1].split("x")[0])
+        assert abs(ratio - 0.75) <= 0.1, line
+
+
+def test_fixture_benchmark(tmp_path):
+    """A POPE copy in lmms-lab's layout: one parquet shard of 12 rows the POPE loader reads back."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "pope"
+    bench("fixture_benchmark").main(["--quick", "--out", str(out)])
+    shards = sorted((out / "data").glob("*.parquet"))
+    assert [s.name for s in shards] == ["test-00000-of-00001.parquet"]
+    table = pq.read_table(shards[0])
+    assert table.num_rows == 12
+    assert {"question", "answer", "image"} <= set(table.column_names)
+    assert {a.lower() for a in table.column("answer").to_pylist()} <= {"yes", "no"}
+
+
+def test_prefill_speed(tmp_path):
+    """Baseline and prune 75% at L = 0 and 1: the model FLOPs fall as the kept tokens predict."""
+    data = run("prefill_speed", tmp_path)
+    rows = {r["recipe"]: r for r in data["rows"]}
+    assert list(rows) == ["baseline", "tokens=density:prune=0.75:layer=0", "tokens=density:prune=0.75:layer=1"]
+    assert data["meta"]["visual_tokens"] == 64  # 128 px / patch 8 / merge 2 = 8 x 8
+    base = rows["baseline"]
+    assert base["flop_ratio"] == 1.0 and base["method_flops"] == 0
+    l0, l1 = rows["tokens=density:prune=0.75:layer=0"], rows["tokens=density:prune=0.75:layer=1"]
+    assert l0["prefill_flops"] < l1["prefill_flops"] < base["prefill_flops"]
+    assert l0["method_flops"] > 0 and l1["method_flops"] > 0
+    for r in rows.values():
+        assert finite_positive(r["prefill_ms"], r["speedup"], r["bound"]) and len(r["times_ms"]) == 1
+
+
+def test_runner_overhead(tmp_path):
+    data = run("runner_overhead", tmp_path, "--threads", 1)
+    rows = data["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert rows[0]["seq_len"] == rows[1]["seq_len"] > 256  # 256 visual tokens and the prompt
+    for r in rows:
+        assert finite_positive(r["ours_fwd_s"], r["ref_fwd_s"], r["forward_ratio"], r["generate_ratio"])
+        assert r["forward_ratio"] == r["ours_fwd_s"] / r["ref_fwd_s"]
+
+
+def test_scoring_scan(tmp_path, capsys):
+    """Two conditions per model: executors agree with `independent`; latencies are medians of the rounds."""
+    data = run("scoring_scan", tmp_path, "--threads", 1)
+    assert "median of 1 interleaved rounds" in capsys.readouterr().out
+    assert "median" in data["timing"]
+    rows = data["rows"]
+    assert [(r["model"], r["shared"]) for r in rows] == [
+        ("qwen3_vl", 0.0), ("qwen3_vl", 0.75), ("qwen3_5", 0.0), ("qwen3_5", 0.75)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["logical_tokens"] == 4 * 9  # 4 candidates x (8 tokens + the close marker)
+        assert r["unique_tokens"] == (36 if r["shared"] == 0 else 4 * 3 + 6)  # 6 shared tokens once
+        for e in ("independent", "batched", "segments", "tree", "auto"):
+            assert r[e]["max_score_error"] <= 1e-4
+            assert r[e]["latency_s"] == statistics.median(r[e]["latency_rounds_s"]) > 0
+    assert set(data["summary"]) == {"qwen3_vl", "qwen3_5"}
+
+
+def test_serve_load(tmp_path):
+    """Both servers answer every cell (2 endpoints x 2 recipes, 2 clients) with no failed request."""
+    need_extra("fastapi", "uvicorn", "httpx")
+    data = run("serve_load", tmp_path)
+    assert data["failed"] == 0
+    cells = {(c["server"], c["endpoint"], c["recipe"]) for c in data["cells"]}
+    assert len(cells) == len(data["cells"]) == 2 * 2 * 2
+    for c in data["cells"]:
+        assert c["clients"] == 2 and c["requests"] > 0 and finite_positive(c["throughput_rps"], c["p50_ms"])
+        assert c["p99_ms"] >= c["p50_ms"]
+    assert len(data["summary"]) == 4 and all(finite_positive(s["ratio"]) for s in data["summary"])
+
+
+def test_gpu_check(tmp_path, capsys):
+    """Without a GPU it says so and does nothing; on a CPU its quick smoke test passes every check."""
+    mod = bench("gpu_check")
+    if not torch.cuda.is_available():
+        none = tmp_path / "none.json"
+        assert mod.main(["--json", str(none)]) == 0
+        assert "needs a CUDA GPU" in capsys.readouterr().out and not none.exists()
+    out = tmp_path / "gpu_check.json"
+    assert mod.main(["--device", "cpu", "--quick", "--families", "qwen3_vl", "--dtypes", "float32",
+                     "--threads", "1", "--json", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    names = [c["name"] for c in data["equivalence"] + data["executors"] + data["noop"]]
+    assert "qwen3_vl/float32 prefill logits" in names and "qwen3_vl/float32 greedy tokens" in names
+    assert all(c["passed"] for c in data["equivalence"] + data["executors"] + data["noop"])
+    assert data["prefill"]["rows"] and data["decode"]["rows"]
