@@ -125,3 +125,19 @@ def test_fingerprint_and_router_checkpoint_are_built_once(demo, monkeypatch):
     assert len(seen) == 1
     assert router_model._read_router.cache_info().misses == 1
     assert all(p.hook is not None for p in plans)
+
+
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_collate_equals_preparing_together(tiny_adapter, family):
+    """Requests prepared alone and collated are the batch prepared at once (a server prepares once)."""
+    adapter = tiny_adapter(family)
+    images, prompts = ragged_batch()
+    images[2] = images[2] + [random_image(9, (64, 64))]  # a sample with two images
+    together = adapter.prepare(images, prompts)
+    parts = adapter.collate([adapter.prepare([im], [p]) for im, p in zip(images, prompts, strict=True)])
+    assert torch.equal(parts.input_ids, together.input_ids)
+    assert torch.equal(parts.attention_mask, together.attention_mask)
+    assert parts.model_inputs.keys() == together.model_inputs.keys()
+    for k, v in together.model_inputs.items():
+        assert torch.equal(parts.model_inputs[k], v) if isinstance(v, torch.Tensor) else parts.model_inputs[k] == v
+    assert (parts.n_images, parts.tiles, parts.image_keys) == (together.n_images, together.tiles, together.image_keys)

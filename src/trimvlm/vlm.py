@@ -84,16 +84,21 @@ class VLM:
         top_p: float = 1.0,
         seed: int = 0,
         track_memory: bool = False,
+        prepared=None,
     ) -> GenerationResult:
         """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length).
         `track_memory`: measure peak memory on the tensors (slower; on CUDA the allocator's peak is always
-        measured)."""
+        measured). `prepared`: a batch already prepared (`vlm.prepare`, or `adapter.collate` of several;
+        images and prompts are then None), so nothing is prepared twice."""
         self._needs_lm_head("generate")
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
         plan = make_plan(recipe, self.runner)
-        prepared = self.prepare(images, prompts)
+        if prepared is None:
+            prepared = self.prepare(images, prompts)
+        elif images is not None or prompts is not None:
+            raise InputError("give images and prompts, or a prepared batch (then images=None, prompts=None)")
         check_generation(self.adapter, prepared, max_new_tokens)  # before any model work
         pad = self.tokenizer.pad_token_id
         out = generate(

@@ -55,6 +55,16 @@ class Prepared:
         )  # fmt: skip
 
 
+def _cat_padded(vals: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along axis 0, zero-padding the other axes up to the largest part's."""
+    shape = [max(v.shape[d] for v in vals) for d in range(1, vals[0].dim())]
+    padded = []
+    for v in vals:
+        widths = [w for d in reversed(range(1, v.dim())) for w in (0, shape[d - 1] - v.shape[d])]
+        padded.append(torch.nn.functional.pad(v, widths) if any(widths) else v)
+    return torch.cat(padded)
+
+
 def on_host(prepare):
     """Decorator of `Adapter.prepare`: preprocessing (image processor, tokenizer, padding) makes its tensors on
     the CPU whatever torch's default device is, and the batch it returns is handed to the model's device."""
@@ -339,6 +349,39 @@ class Adapter:
         for k, rest in enumerate(parts[1:]):
             out += image_block(k) + rest
         return out
+
+    PER_TOKEN = ("mm_token_type_ids", "token_type_ids")  # model inputs with one entry per token, padded too
+
+    def collate(self, parts: list[Prepared]) -> Prepared:
+        """One left-padded batch from batches prepared apart (a server prepares each request alone, on its
+        preparation thread, then runs them together): equal to preparing all their prompts at once. Per-token
+        tensors are left-padded as `pad_batch` pads; every other tensor is concatenated along its first axis,
+        its other axes zero-padded where the parts differ (images per sample: a zero image is padding)."""
+        if len(parts) == 1:
+            return parts[0]
+        pad = self.tokenizer.pad_token_id
+        width = max(p.input_ids.shape[1] for p in parts)
+
+        def left(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+        inputs = {}
+        for k in parts[0].model_inputs:
+            vals = [p.model_inputs[k] for p in parts]
+            if k in self.PER_TOKEN:
+                inputs[k] = torch.cat([left(v, 0) for v in vals])
+            elif isinstance(vals[0], torch.Tensor):
+                inputs[k] = _cat_padded(vals)
+            else:
+                inputs[k] = vals[0]
+        return Prepared(
+            torch.cat([left(p.input_ids, 0 if pad is None else pad) for p in parts]),
+            torch.cat([left(p.attention_mask, 0) for p in parts]),
+            inputs,
+            n_images=[n for p in parts for n in p.n_images],
+            tiles=[t for p in parts for t in p.tiles],
+            image_keys=[k for p in parts for k in p.image_keys],
+        )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pad = self.tokenizer.pad_token_id

@@ -232,13 +232,15 @@ async def _handle(state, request, arrival):
 def run(state, key, jobs: list[ChatJob]) -> list[dict]:
     """On the model thread: one `vlm.generate` over the batch, then per request its text and its costs."""
     vlm = state.vlm
-    vision = [vlm.runner.vision_flops(j.prepared) for j in jobs]  # its own images, untimed, cached per shape
-    j0 = jobs[0]
+    j0 = jobs[0]  # each request was prepared once, alone, on the preparation thread: collated, not redone
     res = vlm.generate(
-        [j.images or None for j in jobs], [j.prompt for j in jobs], recipe=j0.recipe,
+        None, None, prepared=vlm.adapter.collate([j.prepared for j in jobs]), recipe=j0.recipe,
         max_new_tokens=j0.max_tokens, temperature=j0.temperature, top_p=j0.top_p, seed=j0.seed,
     )  # fmt: skip
     c, rows = res.costs, [1] * len(jobs)
+    # the batch's one vision encode, shared by the image tokens each request brought
+    image = vlm.adapter.image_token_id
+    vision = split(c.flops.get("vision", 0), [int((j.prepared.input_ids == image).sum()) for j in jobs])
     lengths = [len(t) for t in res.tokens]  # the stop token is not in `tokens`
     # decode steps a row took: its first token comes from the prefill, a row that stopped made one more
     steps = [n + (n < j0.max_tokens) - 1 for n in lengths]
