@@ -1,4 +1,8 @@
-"""`depth=skip:layers=3+4:scope=all`: skip the named decoder blocks (a manual layer plan, no ranking)."""
+"""`depth=skip:layers=3+4:scope=all`: skip the named decoder blocks (a manual layer plan, no ranking).
+
+Skipping means the layer-removed model: the result equals transformers' model with those blocks deleted from
+its layer list and the later ones renumbered, whatever the family adds after a layer index included (Qwen3-VL's
+deepstack features follow the executed blocks; docs/depth.md)."""
 
 from __future__ import annotations
 
