@@ -220,3 +220,94 @@ def test_calibrate_block_influence_writes_a_ranking(tmp_path):
     assert data["method"] == "block-influence" and sorted(data["order"]) == list(range(data["num_layers"]))
     assert len(data["scores"]) == data["num_layers"] and data["fingerprint"]
     _one_line_error(_cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence, greedy-kl")
+
+
+def _params(cmd: str) -> dict:
+    import typer
+
+    from trimvlm.cli import app
+
+    group = typer.main.get_command(app)
+    return {p.name: p for p in group.commands[cmd].params}
+
+
+def test_model_option_is_the_same_on_every_command():
+    """Every command that loads a model takes `--model` with the same default ("demo"), the same help, and
+    loads it with --device and --dtype."""
+    import typer
+
+    from trimvlm.cli import app
+
+    commands = typer.main.get_command(app).commands
+    with_model = sorted(c for c in commands if "model" in _params(c))
+    assert set(with_model) >= {"generate", "info", "eval", "score", "train-head", "train-router", "calibrate",
+                               "decide", "serve"}  # fmt: skip
+    first = _params(with_model[0])["model"]
+    for cmd in with_model:
+        p = _params(cmd)
+        assert p["model"].default == "demo" and p["model"].help == first.help, cmd
+        assert p["model"].opts == ["--model"] and {"device", "dtype"} <= set(p), cmd
+
+
+def test_max_new_tokens_is_the_one_flag_name():
+    """`--max-new-tokens` on generate, eval and serve; no command spells it another way."""
+    import typer
+
+    from trimvlm.cli import app
+
+    for cmd, c in typer.main.get_command(app).commands.items():
+        flags = {o for p in c.params for o in p.opts}
+        assert not {"--max-tokens", "--max-new", "--new-tokens"} & flags, cmd
+    for cmd in ("generate", "eval", "serve"):
+        assert _params(cmd)["max_new_tokens"].opts == ["--max-new-tokens"], cmd
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train-head"],  # default --out: the checkpoint's own folder
+        ["train-head", "--model", "demo-qwen35", "--out", "{shipped}/qwen35"],
+        ["train-router", "--out", "{shipped}/qwen3vl/router"],
+        ["train-router", "--model", "demo-qwen35", "--out", "{shipped}"],
+    ],
+)
+def test_train_commands_never_overwrite_a_shipped_checkpoint(args):
+    """Without --overwrite, a training command aimed at a shipped demo checkpoint is refused before it
+    loads or trains anything: one line naming the path and the flag; the shipped files are untouched."""
+    from trimvlm.loading import DEMO_DIR
+
+    before = {p: p.stat().st_mtime_ns for p in DEMO_DIR.rglob("*") if p.is_file()}
+    res = _cli(*[a.format(shipped=DEMO_DIR) for a in args])
+    _one_line_error(res, "is a shipped demo checkpoint")
+    line = " ".join(res.output.split())
+    assert "pass --overwrite" in line and str(DEMO_DIR) in line
+    assert {p: p.stat().st_mtime_ns for p in DEMO_DIR.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_guard_allows_other_folders_and_an_explicit_overwrite(tmp_path):
+    from trimvlm.errors import InputError
+    from trimvlm.loading import DEMO_DIR, refuse_shipped
+
+    refuse_shipped(tmp_path / "head", overwrite=False)
+    refuse_shipped(DEMO_DIR / "qwen3vl", overwrite=True)
+    with pytest.raises(InputError, match="--overwrite"):
+        refuse_shipped(DEMO_DIR / "qwen3vl" / ".." / "qwen35" / "router", overwrite=False)
+    assert "--overwrite" in {o for p in _params("train-head").values() for o in p.opts}
+    assert "--overwrite" in {o for p in _params("train-router").values() for o in p.opts}
+
+
+def test_tables_keep_their_full_width_when_piped():
+    """Piped (not a terminal, no COLUMNS), rich would fold tables to 80 columns; the CLI's console keeps them
+    whole: the demo's layer-type row (143 characters) is one line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    res = subprocess.run([sys.executable, "-m", "trimvlm.cli", "info", "--model", "demo"], capture_output=True,
+                         text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if "layer_types" in line]
+    assert len(rows) == 1 and ", ".join(["full_attention"] * 6) in rows[0], res.stdout
+    widths = {len(line) for line in res.stdout.splitlines() if line.startswith(("┃", "│", "┏", "└"))}
+    assert len(widths) == 1 and widths.pop() > 80
