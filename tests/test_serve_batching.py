@@ -80,13 +80,21 @@ def test_a_failing_request_fails_alone():
 
 
 def test_a_lone_request_does_not_wait():
-    """Nothing else on its way: the batch runs at once, not after max_wait (60 s here)."""
+    """Nothing else on its way: the batch runs at once, not after max_wait (60 s here): the worker takes the
+    request and never polls the queue with a timeout for more."""
     rec = Recorder()
     b = MicroBatcher(rec, max_batch=32, max_wait_s=60)
-    t0 = time.perf_counter()
-    out = run_all(b, [("a", 0)])
-    assert time.perf_counter() - t0 < 30 and out[0][0] == ("a", 0)
-    assert rec.batches == [("a", [0])]
+    real, polls = b._queue.get, []
+
+    def get(*args, **kw):
+        if "timeout" in kw:
+            polls.append(kw["timeout"])
+        return real(*args, **kw)
+
+    b._queue.get = get
+    out = run_all(b, [("a", 0)], announce=False)
+    assert out[0][0] == ("a", 0) and rec.batches == [("a", [0])]
+    assert polls == []
 
 
 def test_waits_for_announced_requests():
