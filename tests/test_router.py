@@ -208,7 +208,7 @@ def test_router_recipe_errors(tiny_adapter, tmp_path):
         make_plan(f"router={path}", other)
     with pytest.raises(RecipeError, match="exceeds its 2 candidate layers"):
         make_plan(f"router={path}:layers_skip=3", runner)
-    with pytest.raises(RecipeError, match="do not combine it with tokens="):
+    with pytest.raises(RecipeError, match="do not combine router= with tokens="):
         make_plan(f"router={path},tokens=random:keep=0.5", runner)
     with pytest.raises(RecipeError, match="unknown option"):
         make_plan(f"router={path}:budget=2", runner)
@@ -220,7 +220,7 @@ def test_train_router_runs_end_to_end_and_its_checkpoint_executes(tmp_path):
     """A few DPO epochs on the demo model: the layouts' costs come from real pruned runs, the loss starts at
     log 2 (router == reference) and falls, the checkpoint resumes and runs as a recipe."""
     import trimvlm
-    from trimvlm.depth.calibration import calibration_records
+    from trimvlm.evals.tasks import calibration_items as calibration_records
     from trimvlm.router.train import train_router
 
     vlm = trimvlm.load("demo")

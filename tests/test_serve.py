@@ -367,6 +367,8 @@ BAD = [
                                            {"role": "user", "content": "describe ?"}]}, 400, "one user message"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "   "}]}, 400, "empty prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n=3"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "red " * 1100}]}, 400, "1,024 positions"),
+    ("/v1/systemone", {"state": "red " * 1100, "questions": QUESTIONS}, 422, "past this model's 1,024"),
 ]  # fmt: skip
 
 

@@ -74,10 +74,11 @@ def request_costs(prepared_requests, fwd, costs, vision: list[int], readout: lis
     """Per request its share of the batch (`fwd`: decision.forward.Forward; `costs`: the batch's Costs)."""
     rows = [len(r.prompts) for r in prepared_requests]
     n_images = fwd.prepared.n_images
-    images, b = [], 0
-    for n in rows:
-        images.append(sum(n_images[b : b + n]))
-        b += n
+    if fwd.kv_rows is not None:  # a shared-prefix forward: one prefix row per request holds all its images
+        images = [n_images[r] * n for r, n in enumerate(rows)]
+    else:
+        bounds = [sum(rows[:r]) for r in range(len(rows) + 1)]
+        images = [sum(n_images[bounds[r] : bounds[r + 1]]) for r in range(len(rows))]
     layers = split(fwd.layer_flops, rows)
     method = split(costs.method_total_flops, rows)
     kv_rows = fwd.kv_rows or rows  # a shared-prefix forward holds one prefix row per request

@@ -153,11 +153,15 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits) -> tuple[list, object]:
-    """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image
-    fails here, never in a batch)."""
+def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int) -> tuple[list, object]:
+    """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
+    or a prompt + max_tokens past the model's positions, fails here, never in a batch)."""
+    from trimvlm.runtime.limits import check_generation
+
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
-    return images, vlm.prepare(images or None, prompt)
+    prepared = vlm.prepare(images or None, prompt)
+    check_generation(vlm.adapter, prepared, max_tokens)
+    return images, prepared
 
 
 async def handle(state, request):
@@ -188,7 +192,7 @@ async def _handle(state, request, arrival):
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    images, prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits)
+    images, prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits, max_tokens)
     job = ChatJob(
         prompt=prompt, images=images, prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
         recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
