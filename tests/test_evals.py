@@ -5,6 +5,7 @@ import json
 from collections import defaultdict
 
 import pytest
+import torch
 
 from trimvlm import Recipe
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
@@ -179,7 +180,7 @@ def test_jsonl_bad_records(tmp_path, line, message):
 
 
 def test_unknown_task_and_bad_limit(tmp_path):
-    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, or a JSONL file"):
+    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, demo-candidates, or a JSONL file"):
         get_task("vqa2")
     with pytest.raises(InputError, match="task file not found"):
         get_task(str(tmp_path / "missing.jsonl"))
@@ -340,7 +341,7 @@ def test_harness_end_to_end_tiny_model(tiny_vlm, tmp_path):
     assert set(data["versions"]) >= {"trimvlm", "torch", "transformers"}
     assert data["settings"]["seed"] == 0 and data["settings"]["batch_size"] == 2
     assert [r["label"] for r in data["recipes"]] == ["baseline", "copy"]
-    assert len(data["items"]) == 6 and len(data["predictions"]["copy"]["texts"]) == 6
+    assert len(data["items"]) == 6 and len(data["predictions"]["copy"]["outputs"]) == 6
     assert data == json.loads(json.dumps(result_dict(res) | {"versions": data["versions"]}))
     png = plot_pareto(res, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -444,3 +445,71 @@ def test_demo_command_on_shipped_checkpoint(tmp_path):
     )
     assert data["task"]["name"] == "demo" and data["task"]["items"] == 12
     assert (tmp_path / "d.json").exists() and (tmp_path / "d.png").exists()
+
+
+# --------------------------------------------------------------------------------------------- one harness
+
+MIXED_RECIPES = ["tokens=density:keep=0.5:layer=3", "kv=density:keep=0.25", "depth=tail:budget=2"]
+
+
+def test_one_loop_runs_generation_and_candidate_items_alike():
+    """One task holding generation records and candidate items, three recipes of different axes: every item's
+    output is the one that item gets alone from vlm.generate / vlm.score (what the two loops gave before)."""
+    import trimvlm
+    from trimvlm.evals.items import CandidateItem
+    from trimvlm.evals.tasks import demo_candidate_task
+
+    torch.set_num_threads(1)
+    vlm = trimvlm.load("demo")
+    gen, cand = demo_task(limit=12, seed=2), demo_candidate_task(limit=12, seed=3)
+    task = Task("mixed", gen.records + cand.records, max_new_tokens=gen.max_new_tokens,
+                kind_max_new_tokens=gen.kind_max_new_tokens)  # fmt: skip
+    res = run_eval(vlm, task, MIXED_RECIPES, batch_size=4, warmup=False, memory="off", progress=False)
+    assert res.labels == ["baseline", *MIXED_RECIPES]
+    for r, recipe in enumerate(res.recipes):
+        for i, item in enumerate(task.records):
+            if isinstance(item, CandidateItem):
+                alone = vlm.score([item.request()], readout=res.settings["readout"], recipe=recipe).results[0].chosen
+            else:
+                n_new = task.new_tokens(item.probe, item.kind)
+                alone = vlm.generate([list(item.images)], [item.prompt_text()], recipe=recipe,
+                                     max_new_tokens=n_new).texts[0]  # fmt: skip
+            assert res.predictions[r][i] == alone, (recipe.label(), item.id)
+    groups = {row["group"] for row in res.rows}
+    assert {"prefill", "full", "candidates", "all"} <= groups
+    cands = res.row("depth=tail:budget=2", "candidates")
+    assert cands["ratio"]["branch_flops"] < 1.0 and res.row("baseline", "prefill")["ratio"]["branch_flops"] is None
+    assert res.depths[3]["skipped_branch"] == [3, 4] and res.depths[0] is None
+    kv = res.row("kv=density:keep=0.25", "full")["costs"]["per_item"]
+    assert kv["kv_bytes"] < kv["kv_bytes_peak"]  # eviction: less KV kept than held at the peak
+
+
+def test_one_registry_lists_every_task():
+    from trimvlm.cli_eval import task_list
+    from trimvlm.evals.tasks import TASKS, benchmarks, calibration_items
+    from trimvlm.testing.cli import run_cli
+
+    assert set(TASKS) == {"demo", "demo-candidates", *benchmarks()}
+    assert set(benchmarks()) == {"pope", "scienceqa_img", "mmbench", "ai2d", "textvqa", "docvqa", "infovqa",
+                                 "chartqa", "mmvet"}  # fmt: skip
+    listed = [line.split(":")[0] for line in task_list().splitlines()]
+    assert listed == sorted(TASKS)
+    text = run_cli("eval", "--help").output
+    assert all(name in text for name in TASKS) and "--threads" in text and "--limit" in text
+    assert get_task("demo-candidates", limit=3).records[0].probe == "candidates"
+    # calibration picks its inputs from the same registry: the val split, candidates from the paired task
+    val = calibration_items("demo", 4, 0)
+    assert len(val) == 4 and val[0].id.startswith("val-") and val[0].probe == "prefill"
+    assert calibration_items("demo", 4, 0, candidates=True)[0].candidates
+    with pytest.raises(InputError, match=r"unknown calibration task 'pope'; allowed: demo, demo-candidates"):
+        calibration_items("pope", 4, 0)
+
+
+def test_threads_option_sets_torch_threads(monkeypatch):
+    from trimvlm.cli_eval import eval_command
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (_ for _ in ()).throw(RuntimeError(f"threads {n}")))
+    with pytest.raises(RuntimeError, match="threads 3"):
+        eval_command("demo", "demo", limit=2, threads=3)
+    with pytest.raises(InputError, match="threads must be a positive number of torch threads"):
+        eval_command("demo", "demo", limit=2, threads=0)

@@ -28,7 +28,7 @@ def test_eval_pope_from_parquet_on_the_demo_model(tmp_path):
     for key in ("accuracy", "f1", "precision", "recall", "yes_ratio"):
         assert 0.0 <= rows["all"][key] <= 1.0, key
     assert "all F1" in res.output and "all yes-ratio" in res.output
-    texts = data_out["predictions"]["baseline"]["texts"]
+    texts = data_out["predictions"]["baseline"]["outputs"]
     assert len(texts) == 4 and all(len(t.split()) <= 1 for t in texts)  # a prefill probe: one token
 
 
@@ -41,4 +41,4 @@ def test_eval_benchmark_bad_input_is_one_line(tmp_path):
     )
     _one_line_error(_cli("eval", "--task", "pope", "--data", tmp_path / "p"), "column(s) image missing")
     _one_line_error(_cli("eval", "--task", "demo-candidates", "--data", tmp_path / "p"),
-                    "--data / --split do not apply to the candidate task")  # fmt: skip
+                    "--data applies to the benchmarks read from local files")  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from trimvlm.errors import InputError, TrimVLMError
-from trimvlm.evals.tasks import BENCHMARKS, get_task
+from trimvlm.evals.tasks import benchmarks, get_task
 from trimvlm.testing.benchmark_copies import image, pope_rows, write_jsonl, write_parquet, write_shards
 
 SHORT = "\nAnswer the question using a single word or phrase."
@@ -179,7 +179,7 @@ def test_chartqa_and_mmvet(tmp_path):
 
 
 def test_every_benchmark_is_registered():
-    assert set(BENCHMARKS) == {"pope", "scienceqa_img", "mmbench", "ai2d", "textvqa", "docvqa", "infovqa",
+    assert set(benchmarks()) == {"pope", "scienceqa_img", "mmbench", "ai2d", "textvqa", "docvqa", "infovqa",
                                "chartqa", "mmvet"}  # fmt: skip
 
 
@@ -229,7 +229,7 @@ def test_record_without_an_image_and_broken_image(tmp_path):
 
 
 def test_unknown_task_split_and_config_errors(tmp_path):
-    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa9'; known tasks: demo, or a JSONL file .*: ai2d, "
+    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa9'; known tasks: demo, demo-candidates, or a JSONL file .*: ai2d, "
                        r"chartqa, docvqa, infovqa, mmbench, mmvet, pope, scienceqa_img, textvqa"):  # fmt: skip
         get_task("vqa9")
     with pytest.raises(InputError, match=r"task 'pope' reads a local copy .*--data PATH"):
@@ -277,3 +277,22 @@ def test_image_struct_forms_and_broken_bytes(tmp_path):
     pq.write_table(broken, data / "data" / "test-00000-of-00001.parquet")
     with pytest.raises(InputError, match=r"row 0 \(record test-0\): the embedded image cannot be decoded"):
         _load("pope", data)
+
+
+def test_parquet_fixture_image_is_the_datasets_image_feature(tmp_path):
+    """The fixture writer's image column is the `datasets` Image feature: datasets (lmms-eval's reader) decodes
+    it to a PIL image, and trimvlm's own loader (pyarrow) reads the same file."""
+    datasets = pytest.importorskip("datasets", reason="datasets comes with lmms-eval (`make lmms`)")
+    from PIL import Image
+
+    rows = pope_rows(4)
+    folder = write_shards(tmp_path / "POPE", "test", rows, shards=1)
+    (shard,) = (folder / "data").glob("*.parquet")
+    ds = datasets.load_dataset("parquet", data_files={"test": str(shard)})["test"]
+    assert isinstance(ds.features["image"], datasets.Image)
+    first = ds[0]["image"]
+    assert isinstance(first, Image.Image) and first.convert("RGB").size == rows[0]["image"].size
+    assert first.convert("RGB").tobytes() == rows[0]["image"].convert("RGB").tobytes()
+    task = get_task("pope", data=folder, split="test", progress=False)
+    assert len(task.records) == 4 and task.records[0].images[0].size == rows[0]["image"].size
+    assert task.records[0].images[0].convert("RGB").tobytes() == rows[0]["image"].convert("RGB").tobytes()

@@ -18,9 +18,9 @@ from trimvlm.evals.report import (
     write_markdown,
     write_outputs,
 )
-from trimvlm.evals.run import normalize_recipes, run_eval
-from trimvlm.evals.scoring_eval import candidate_eval_command, is_candidate_task
-from trimvlm.evals.tasks import check_limit, get_task
+from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
+from trimvlm.evals.tasks import TASKS, check_limit, get_task
+from trimvlm.options import is_int
 from trimvlm.recipe import load_recipes, parse_recipe
 
 # Shown side by side with the baseline by `trimvlm demo` (codes as in the paper:
@@ -99,6 +99,17 @@ def _recipes_from(recipes_file, inline=()) -> list:
     return out
 
 
+def task_list() -> str:
+    """Every registered task, one line each (`trimvlm eval --help`)."""
+    return "\n".join(f"{name}: {TASKS[name].about}" for name in sorted(TASKS))
+
+
+def check_threads(threads) -> int | None:
+    if threads is not None and (not is_int(threads) or threads < 1):
+        raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
+    return threads
+
+
 def eval_command(
     model: str | Path,
     task: str | Path = "demo",
@@ -119,65 +130,41 @@ def eval_command(
     split: str | None = None,
     ray: str | None = None,
     workers: int | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Run the recipes of `recipes_file` (YAML/JSON) and the inline `recipes` (strings such as
-    "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task`
-    ("demo", a registered task, PATH.jsonl, or a benchmark such as "pope" read from its local copy at `data`,
-    split `split`; `limit` items of it drawn with `seed`) with `model` (a checkpoint folder or "demo").
+    "tokens=density:keep=0.5:layer=3"; the baseline is always added, first) over `task` (a registered task:
+    "demo", "demo-candidates", a benchmark such as "pope" read from its local copy at `data`, split `split`;
+    or PATH.jsonl; `limit` items of it drawn with `seed`) with `model` (a checkpoint folder or "demo").
     `limit` None runs the whole task; `max_new_tokens` caps every full-answer item (prefill probes still
-    generate the task's `prefill_tokens`). Prints the tables, writes the JSON / Pareto PNG / Markdown summary
-    when paths are given. Returns the
-    JSON's content. A candidate task ("demo-candidates") scores candidates instead of generating
-    (trimvlm.evals.scoring_eval; `readout` applies to it only: auto | loglik | head).
+    generate the task's `prefill_tokens`); `readout` (auto | loglik | head) scores candidate items. Prints the
+    tables, writes the JSON / Pareto PNG / Markdown summary when paths are given. Returns the JSON's content.
     `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
-    the model loaded once (trimvlm.evals.ray_eval, docs/scale-out.md); the results are the single process's."""
+    the model loaded once (trimvlm.evals.ray_eval, docs/scale-out.md); the results are the single process's.
+    `threads`: torch threads of this process (None: torch's default)."""
     import trimvlm
     from trimvlm.evals.ray_eval import check_workers
+    from trimvlm.scoring.calibrate import check_readout_name
 
     console = _console(console)
     limit = check_limit(limit)
     workers = check_workers(workers)
+    check_readout_name(readout)
+    if check_threads(threads) is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if workers is not None and ray is None:
-        raise InputError(
-            "--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too"
-        )
-    if ray is not None and is_candidate_task(task):
-        raise InputError(
-            f"--ray applies to generation tasks; the candidate task {task!r} runs in one process"
-        )
+        raise InputError("--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too")
     check_writable(json_out, plot_out, markdown_out)
-    if is_candidate_task(task):  # candidate scoring (FastJEV's protocol): its own run loop and reports
-        if data is not None or split is not None:
-            raise InputError(
-                f"--data / --split do not apply to the candidate task {task!r} (it is generated)"
-            )
-        if max_new_tokens is not None:
-            raise InputError(
-                f"max_new_tokens does not apply to the candidate task {task!r} (nothing is generated)"
-            )
-        return candidate_eval_command(
-            model, str(task), _recipes_from(recipes_file, recipes or ()), limit, json_out, plot_out, batch_size, seed,
-            readout=readout, progress=progress, console=console, markdown_out=markdown_out, load_kw=load_kw,
-        )  # fmt: skip
     the_task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
+    the_task = prepare_task(the_task, max_new_tokens=max_new_tokens)  # a cap that cannot apply fails now
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
+    kw = {"batch_size": batch_size, "seed": seed, "readout": readout, "progress": progress, "console": console}
     if ray is not None:
         from trimvlm.evals.ray_eval import run_eval_ray
 
-        result = run_eval_ray(
-            model, the_task, chosen, workers=workers, ray_address=ray, batch_size=batch_size, seed=seed,
-            max_new_tokens=max_new_tokens, progress=progress, console=console, load_kw=load_kw,
-        )  # fmt: skip
-        return _finish(result, json_out, plot_out, console, markdown_out)
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    result = run_eval(
-        vlm,
-        the_task,
-        chosen,
-        batch_size=batch_size,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        progress=progress,
-        console=console,
-    )
+        result = run_eval_ray(model, the_task, chosen, workers=workers, ray_address=ray, load_kw=load_kw, **kw)
+    else:
+        result = run_eval(trimvlm.load(model, **(load_kw or {})), the_task, chosen, **kw)
     return _finish(result, json_out, plot_out, console, markdown_out)

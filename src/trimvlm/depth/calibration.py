@@ -1,10 +1,13 @@
-"""Calibration of the layer rankers (`trimvlm calibrate --method NAME`): unlabeled inputs of a task, the
-unpruned model's outputs, and the ranking file `depth=ranking:file=...:budget=K` loads.
+"""Calibration of the layer rankers (`trimvlm calibrate --method NAME`, trimvlm.cli_calibrate): the unpruned
+model's outputs on unlabeled inputs, and the one ranking-file format `depth=ranking:file=...:budget=K` loads.
 
 Every ranker is a function `(runner, batches, on_step) -> (scores, order)` over prepared batches (one score per
-layer; the order, first = skipped first) with a `steps(batches, layers)` count for the progress bar. The ranking
-file holds the method, the model's fingerprint (a ranking is never applied to another model), the layer
-count, the scores, the order (first = skipped first) and the calibration inputs.
+layer; the order, first = skipped first) with a `steps(batches, layers)` count for the progress bar.
+
+The ranking file (`ranking_data`; written by every method, FastJEV's candidate J_l included; read by
+trimvlm.depth.ranking): `method`, `model`, `family`, `fingerprint` (a ranking is never applied to another
+model), `num_layers`, `scores` (one per layer, the method's own measure), `order` (layers, first = skipped
+first) and `calibration` (the inputs: task, split, n, seed, and the readout where one applies).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import torch
 
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
-from trimvlm.options import is_int
 from trimvlm.runtime.plan import Plan
 
 
@@ -42,15 +44,6 @@ def register_ranker(ranker: Ranker) -> Ranker:
     return ranker
 
 
-def calibration_records(task: str, n: int, seed: int):
-    """`n` inputs of a generation task: the demo task's val split for "demo", else the task's own records."""
-    from trimvlm.evals.tasks import demo_task, get_task
-
-    if str(task) == "demo":
-        return demo_task(limit=n, seed=seed, split="val").records[:n]
-    return get_task(task, limit=n, seed=seed).records
-
-
 def prepare_batches(vlm, records, batch_size: int) -> list:
     if not records:
         raise InputError("calibration needs at least one input")
@@ -68,60 +61,25 @@ def answer_logits(runner, prepared, skip=frozenset()) -> torch.Tensor:
     return runner.prefill(prepared, Plan(skip_prefill=frozenset(skip))).logits.double()
 
 
-def rank(vlm, method: str, records, batch_size: int = 16, on_step=None, calibration: dict | None = None) -> dict:
-    """Score and rank every block of `vlm` with ranker `method` on task `records` (answers are never read)."""
+def rank(vlm, method: str, records, batch_size: int = 16, on_step=None, calibration: dict | None = None,
+         model: str = "") -> dict:  # fmt: skip
+    """Score and rank every block of `vlm` with ranker `method` on task `records` (answers are never read); the
+    ranking file's content."""
     if method not in RANKERS:
         raise InputError(f"unknown calibration method {method!r}; allowed: candidates, {', '.join(sorted(RANKERS))}")
-    r = RANKERS[method]
-    batches = prepare_batches(vlm, records, batch_size)
-    scores, order = r.score(vlm.runner, batches, on_step)
-    scores = [float(s) for s in scores]
-    return {
-        "method": method,
-        "fingerprint": model_fingerprint(vlm.adapter),
-        "num_layers": vlm.runner.num_layers,
-        "scores": scores,
-        "order": order,
-        "calibration": {"n": len(records), **(calibration or {})},
-    }
+    scores, order = RANKERS[method].score(vlm.runner, prepare_batches(vlm, records, batch_size), on_step)
+    return ranking_data(vlm, method, scores, order, {"n": len(records), **(calibration or {})}, model)
 
 
-def calibrate_command(method: str, model="demo", task="demo", n: int = 32, seed: int = 0, json_out="rank.json",
-                      console=None, batch_size: int = 16, load_kw: dict | None = None) -> dict:  # fmt: skip
-    """`trimvlm calibrate --method NAME`: rank every block on `n` unlabeled inputs, write the ranking JSON, print
-    a table. Returns the JSON's content."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
+def ranking_data(vlm, method: str, scores, order, calibration: dict, model: str = "") -> dict:
+    """The one ranking-file format (see the module docstring)."""
+    return {"method": method, "model": str(model), "family": vlm.family, "fingerprint": model_fingerprint(vlm.adapter),
+            "num_layers": vlm.runner.num_layers, "scores": [float(x) for x in scores], "order": [int(i) for i in order],
+            "calibration": dict(calibration)}  # fmt: skip
 
-    import trimvlm
 
-    if method not in RANKERS:
-        raise InputError(f"unknown calibration method {method!r}; allowed: candidates, {', '.join(sorted(RANKERS))}")
-    if not is_int(n) or n < 1:
-        raise InputError(f"n must be a positive number of calibration inputs, got {n!r}")
-    r = RANKERS[method]
-    console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    records = calibration_records(task, n, seed)
-    total = r.steps(-(-len(records) // batch_size), vlm.runner.num_layers)
-    with Progress(TextColumn(f"[bold]{method}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:  # fmt: skip
-        job = bar.add_task(method, total=total)
-        data = rank(vlm, method, records, batch_size, on_step=lambda: bar.advance(job),
-                    calibration={"task": str(task), "seed": seed, "split": "val" if str(task) == "demo" else ""})  # fmt: skip
-    data = {"model": str(model), "family": vlm.family, **data}
-    t = Table(title=f"{method}: {r.what} ({model}, {len(records)} inputs)", title_justify="left")
-    for col in ("layer", "type", r.what, "rank"):
-        t.add_column(col, justify="left" if col == "type" else "right")
-    place = {layer: k for k, layer in enumerate(data["order"])}
-    for layer, s in enumerate(data["scores"]):
-        t.add_row(str(layer), vlm.adapter.layer_types[layer], f"{s:.4g}", str(place[layer] + 1))
-    console.print(t)
-    console.print(f"order (skipped first to last): {data['order']}")
-    if json_out is not None:
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
-    return data
+def write_ranking(data: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

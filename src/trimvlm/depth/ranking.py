@@ -26,16 +26,7 @@ class Ranking(DepthMethod):
             raise RecipeError("depth=ranking needs file=PATH (a ranking written by `trimvlm calibrate`)")
 
     def load(self) -> dict:
-        path = Path(self.file)
-        if not path.exists():
-            raise RecipeError(f"ranking file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-            order = [int(i) for i in data["order"]]
-            num_layers = int(data["num_layers"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise RecipeError(f"{path} is not a ranking file (needs 'order' and 'num_layers'): {e}") from e
-        return {"order": order, "num_layers": num_layers, "fingerprint": data.get("fingerprint")}
+        return read_ranking(self.file)
 
     def skipped(self, runner) -> frozenset[int]:
         data = self.load()
@@ -59,6 +50,20 @@ class Ranking(DepthMethod):
                 f"got {order}"
             )
         return frozenset(order[: self.budget])
+
+
+def read_ranking(file) -> dict:
+    """The ranking file's `order`, `num_layers` and `fingerprint` (the format: trimvlm.depth.calibration)."""
+    path = Path(file)
+    if not path.exists():
+        raise RecipeError(f"ranking file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+        order = [int(i) for i in data["order"]]
+        num_layers = int(data["num_layers"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecipeError(f"{path} is not a ranking file (needs 'order' and 'num_layers'): {e}") from e
+    return {"order": order, "num_layers": num_layers, "fingerprint": data.get("fingerprint")}
 
 
 register("depth", "ranking")(Ranking)

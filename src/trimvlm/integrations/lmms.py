@@ -25,8 +25,7 @@ Requests:
   the first stop string; generation itself stops at the model's end token or `max_new_tokens`, so tokens
   after a stop string are generated and counted in the costs). `num_beams` > 1 is refused (no beam search);
   other generation_kwargs (model-specific ones such as `image_aspect_ratio`) are ignored.
-- `loglikelihood` -> trimvlm's scoring engine (`trimvlm.scoring.engine.run_scoring`, the `loglik` readout's
-  per-token log-probs): the requests of one doc with the same context (a multiple-choice question's options)
+- `loglikelihood` -> `VLM.score` (the `loglik` readout): the requests of one doc with the same context (a multiple-choice question's options)
   become one `ScoreRequest`, the prefix (images + context through the model's prompt template) encoded once
   and every continuation a branch off it, run by `executor`. Each answer is (NLL, is_greedy): NLL = -log
   P(continuation | context), summed over the continuation's tokens, and whether greedy decoding gives the
@@ -34,8 +33,8 @@ Requests:
   first value ("we return the actual loss in many model loglikelihood", api/task.py; its built-in models
   return the HF loss) although the base class's docstring says log-probability; the bridge returns what its
   tasks score right. The close marker trimvlm's own readout also scores (the end-of-answer token,
-  docs/scoring.md) is left out: the per-token log-probs are read once more to leave it out, and that LM-head
-  pass is counted in the costs. The continuation's surrounding whitespace is dropped
+  docs/scoring.md) is left out: each candidate's `answer_loglik` sums the same per-token log-probs without it
+  (they are computed once). The continuation's surrounding whitespace is dropped
   (lmms-eval's " A" is its `target_delimiter`; the prompt template already separates the answer). A request
   with an empty context (the unconditional requests of `acc_mutual_info`) cannot be expressed and is refused.
   (lmms-eval 0.7.3's evaluator turns every non-text response into text; the pairs are returned inside its
@@ -238,33 +237,11 @@ class TrimVLM(_LmmsBase):
     # --- the scoring engine -----------------------------------------------------------------------------
     def continuation_logliks(self, score_reqs) -> list[list[tuple[float, bool]]]:
         """Per request, per candidate: (log P(candidate tokens | prefix), every token greedy), from one
-        `run_scoring` call (prefix once, candidates as branches off it) and the per-token log-probs of the
-        loglik readout, leaving the close marker out."""
-        import torch
-
-        from trimvlm.runtime.meter import Meter
-        from trimvlm.scoring.engine import run_scoring
-        from trimvlm.scoring.layout import Layout
-        from trimvlm.scoring.readout import token_logprobs
-
-        meter = Meter(device=self.vlm.runner.device)
-        with torch.no_grad():
-            work, states, _, _ = run_scoring(
-                self.vlm, score_reqs, executor=self.executor, recipe=self.recipe, meter=meter
-            )
-            with meter.timer("branch"):
-                lp, greedy = token_logprobs(work, states)
-        self._add_costs("loglikelihood", meter.costs)
-        layout = Layout.for_adapter(self.vlm.adapter)
-        first, n_close = layout.first_counted, len(layout.close_ids)
-        out = []
-        for paths in work.forest.paths:
-            row = []
-            for p in paths:
-                nodes = p[first : len(p) - n_close]
-                row.append((float(lp[nodes].sum()), bool(greedy[nodes].all())))
-            out.append(row)
-        return out
+        `vlm.score` call (loglik readout: prefix once, candidates as branches off it; the close marker left out
+        of the same per-token log-probs)."""
+        res = self.vlm.score(score_reqs, readout="loglik", executor=self.executor, recipe=self.recipe)
+        self._add_costs("loglikelihood", res.costs)
+        return [[(c.answer_loglik, c.answer_greedy) for c in r.candidates] for r in res.results]
 
     # --- helpers -----------------------------------------------------------------------------------------
     def _generation_settings(self, gen_kwargs) -> tuple:

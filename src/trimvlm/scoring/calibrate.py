@@ -12,21 +12,18 @@ For every calibration input x (image, question, candidates; answer labels are ne
     J_l    = mean of d_l(x) over the calibration set;  order = layers by ascending J_l, ties by layer index
 
 Each batch of requests is prefilled once and its candidate branches are run L + 1 times off that same prefix
-(never written by a branch run): once unpruned, once per skipped block. `trimvlm calibrate` writes the result
-as a ranking file for `depth=ranking:file=...:budget=K:scope=candidates`.
+(never written by a branch run): once unpruned, once per skipped block. `trimvlm calibrate` (trimvlm.cli_calibrate)
+writes the result as a ranking file for `depth=ranking:file=...:budget=K:scope=candidates`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
 from trimvlm.options import is_int
 from trimvlm.runtime.meter import Meter
@@ -34,7 +31,6 @@ from trimvlm.scoring.engine import check_choice, prefill_requests, read, run_bra
 from trimvlm.scoring.request import READOUTS, ScoreRequest, ScoreResult
 
 EPS = 1e-8
-CALIBRATION_TASKS = ("demo", "demo-candidates")  # the demo task's candidate questions, val split
 DEFAULT_BATCH = 16
 
 
@@ -125,103 +121,3 @@ def calibrate(
         "order": rank_layers(J),
         "d": d,
     }
-
-
-def calibration_requests(task: str, n: int, seed: int) -> list[ScoreRequest]:
-    """`n` unlabeled candidate questions of the demo task's val split (image-major, every kind in turn; the
-    answers are never read)."""
-    from trimvlm.demo import task as demo
-
-    kinds = list(demo.KINDS)
-    samples = demo.generate_split("val", math.ceil(n / len(kinds)), seed=seed)
-    out = [
-        ScoreRequest(images=s.image, question=qa.question, candidates=list(qa.candidates))
-        for s in samples
-        for qa in s.qas
-        if qa.kind in demo.KINDS
-    ]
-    return out[:n]
-
-
-def check_inputs(task: str, n, readout: str) -> None:
-    if str(task) not in CALIBRATION_TASKS:
-        raise InputError(
-            f"unknown calibration task {task!r}; allowed: {', '.join(CALIBRATION_TASKS)} (the demo task's "
-            "candidate questions, val split)"
-        )
-    if not is_int(n) or n < 1:
-        raise InputError(f"n must be a positive number of calibration inputs, got {n!r}")
-    check_readout_name(readout)
-
-
-def calibrate_command(
-    model: str | Path = "demo",
-    task: str = "demo",
-    n: int = 32,
-    readout: str = "auto",
-    seed: int = 0,
-    json_out: str | Path | None = "rank.json",
-    console=None,
-    batch_size: int = DEFAULT_BATCH,
-    load_kw: dict | None = None,
-) -> dict:
-    """`trimvlm calibrate`: rank `model`'s blocks on `n` unlabeled demo val inputs, write the ranking JSON
-    {model, family, num_layers, readout, task, n, seed, J, order}, print a table. Returns the JSON's content."""
-    import trimvlm
-
-    check_inputs(task, n, readout)
-    if not is_int(seed):
-        raise InputError(f"seed must be an integer, got {seed!r}")
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    resolved = resolve_readout(vlm, readout)
-    check_choice("auto", resolved, vlm.head)
-    requests = calibration_requests(task, n, seed)
-    steps = math.ceil(len(requests) / batch_size) * (vlm.runner.num_layers + 1)
-    with Progress(
-        TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as bar:
-        job = bar.add_task("calibrate", total=steps)
-        res = calibrate(vlm, requests, resolved, batch_size=batch_size, on_step=lambda: bar.advance(job))
-    data = {
-        "method": "candidates",
-        "model": str(model),
-        "fingerprint": model_fingerprint(vlm.adapter),
-        "family": vlm.family,
-        "num_layers": res["num_layers"],
-        "readout": res["readout"],
-        "task": str(task),
-        "n": res["n"],
-        "seed": seed,
-        "J": res["J"],
-        "order": res["order"],
-    }
-    if json_out is not None:
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    print_ranking(data, vlm.adapter.layer_types, console)
-    if json_out is not None:
-        console.print(f"wrote {json_out}")
-    return data
-
-
-def print_ranking(data: dict, layer_types: list[str], console) -> None:
-    from rich.table import Table
-
-    rank = {layer: k for k, layer in enumerate(data["order"])}
-    t = Table(
-        title=f"decision sensitivity J_l ({data['model']}, {data['readout']} readout, {data['n']} inputs)",
-        title_justify="left",
-    )
-    for col in ("layer", "type", "J_l", "rank"):
-        t.add_column(col, justify="left" if col == "type" else "right")
-    for layer, j in enumerate(data["J"]):
-        t.add_row(str(layer), layer_types[layer], f"{j:.4g}", str(rank[layer] + 1))
-    console.print(t)
-    console.print(f"order (least sensitive first): {data['order']}")

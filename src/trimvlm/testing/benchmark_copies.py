@@ -1,6 +1,8 @@
 """Tiny benchmark copies written the way they are distributed: Hugging Face datasets parquet shards (the
-image column a {bytes, path} struct with the encoded PNG embedded) or <split>.jsonl with image files. Used by
-the loader tests and by benchmarks/fixture_benchmark.py."""
+image column the `datasets` Image feature: a {bytes, path} struct with the encoded PNG embedded, declared an
+Image in the schema's `huggingface` metadata, so `datasets` (and lmms-eval's tasks) decode it to PIL images
+while trimvlm's loaders read the struct with pyarrow) or <split>.jsonl with image files. Used by the loader
+tests, the lmms-eval bridge tests and benchmarks/fixture_benchmark.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from PIL import Image
 from trimvlm.testing import random_image
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+# what `datasets` reads the column as; the other columns' features are those datasets infers from arrow types
+IMAGE_FEATURE = {"huggingface": json.dumps({"info": {"features": {"image": {"_type": "Image"}}}})}
 
 
 def png(image: Image.Image) -> bytes:
@@ -28,7 +32,7 @@ def image(i: int, size=(48, 40)) -> Image.Image:
 
 
 def write_parquet(path: Path, rows: list[dict], row_group_size: int = 2) -> Path:
-    """One shard; PIL images in column "image" are embedded as the datasets Image struct (None stays null)."""
+    """One shard; PIL images in column "image" are embedded as the datasets Image feature (None stays null)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = {}
     for name in dict.fromkeys(k for r in rows for k in r):
@@ -40,7 +44,10 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int = 2) -> Path
             columns[name] = pa.array(values, type=IMAGE)
         else:
             columns[name] = pa.array(values)
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    table = pa.table(columns)
+    if "image" in columns:
+        table = table.replace_schema_metadata(IMAGE_FEATURE)
+    pq.write_table(table, path, row_group_size=row_group_size)
     return path
 
 

@@ -1,0 +1,98 @@
+"""`trimvlm calibrate --method NAME`: rank a model's layers on unlabeled inputs of a task of the harness's
+registry (its val split) and write the one ranking file (trimvlm.depth.calibration.ranking_data) that
+`depth=ranking:file=...:budget=K` loads.
+
+Methods: `candidates` (FastJEV's decision sensitivity J_l, the skip confined to the candidate branches:
+trimvlm.scoring.calibrate; candidate items) and every registered layer ranker (trimvlm.depth: block-influence,
+sensitivity, greedy-kl; generation records). Inputs are checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from trimvlm.errors import InputError
+from trimvlm.evals.tasks import calibration_items
+from trimvlm.options import is_int
+from trimvlm.progress import progress
+
+CANDIDATES = "candidates"
+
+
+def _rankers() -> dict:
+    import trimvlm.depth  # noqa: F401  (registers the rankers)
+    from trimvlm.depth.calibration import RANKERS
+
+    return RANKERS
+
+
+def check_method(method: str) -> None:
+    if method != CANDIDATES and method not in _rankers():
+        raise InputError(
+            f"unknown calibration method {method!r}; allowed: {CANDIDATES}, {', '.join(sorted(_rankers()))}"
+        )
+
+
+def calibrate_command(
+    method: str = CANDIDATES,
+    model: str | Path = "demo",
+    task: str = "demo",
+    n: int = 32,
+    readout: str = "auto",
+    seed: int = 0,
+    json_out: str | Path | None = "rank.json",
+    console=None,
+    batch_size: int = 16,
+    load_kw: dict | None = None,
+) -> dict:
+    """Rank `model`'s layers with `method` on `n` unlabeled val inputs of `task`, print a table, write the
+    ranking file to `json_out` (None: not written). `readout` (auto | loglik | head) applies to `candidates`.
+    Returns the file's content."""
+    import trimvlm
+    from trimvlm.depth.calibration import rank, ranking_data, write_ranking
+    from trimvlm.scoring.calibrate import calibrate, check_readout_name, resolve_readout
+
+    check_method(method)
+    check_readout_name(readout)
+    if not is_int(seed):
+        raise InputError(f"seed must be an integer, got {seed!r}")
+    items = calibration_items(task, n, seed, candidates=method == CANDIDATES)
+    if console is None:
+        from rich.console import Console
+
+        console = Console()
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    about = {"task": str(task), "split": "val", "seed": seed}
+    batches = math.ceil(len(items) / batch_size)
+    with progress(console) as bar:
+        if method == CANDIDATES:
+            job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1))
+            res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
+                            batch_size=batch_size, on_step=lambda: bar.advance(job))  # fmt: skip
+            about.update(n=res["n"], readout=res["readout"])
+            data = ranking_data(vlm, method, res["J"], res["order"], about, str(model))
+        else:
+            job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers))
+            data = rank(vlm, method, items, batch_size, on_step=lambda: bar.advance(job), calibration=about,
+                        model=str(model))  # fmt: skip
+    print_ranking(data, vlm.adapter.layer_types, console)
+    if json_out is not None:
+        console.print(f"wrote {write_ranking(data, json_out)}")
+    return data
+
+
+def print_ranking(data: dict, layer_types: list[str], console) -> None:
+    from rich.table import Table
+
+    what = "J_l" if data["method"] == CANDIDATES else _rankers()[data["method"]].what
+    cal = data["calibration"]
+    readout = f", {cal['readout']} readout" if "readout" in cal else ""
+    t = Table(title=f"{data['method']}: {what} ({data['model']}{readout}, {cal['n']} inputs)", title_justify="left")
+    for col in ("layer", "type", what, "rank"):
+        t.add_column(col, justify="left" if col == "type" else "right")
+    place = {layer: k for k, layer in enumerate(data["order"])}
+    for layer, score in enumerate(data["scores"]):
+        t.add_row(str(layer), layer_types[layer], f"{score:.4g}", str(place[layer] + 1))
+    console.print(t)
+    console.print(f"order (skipped first to last): {data['order']}")
