@@ -134,10 +134,15 @@ def test_random_draws_per_image_for_tokens_and_kv(qwen):
     adapter, runner = qwen
     img = random_image(5, (64, 64))
     other = random_image(6, (64, 64))
+    two = adapter.prepare([[img, other]], ["two images"])
+    base = generate(runner, two, max_new_tokens=1, **_plan_kw(runner, ""))
+    e = runner.prefill(two).cache.layers[0]
+    n_vis, n_text = int((e.visual & e.valid).sum()), int((~e.visual & e.valid).sum())
     for recipe in ("tokens=random:keep=0.3:layer=0", "kv=random:keep=0.3"):
-        plan_kw = _plan_kw(runner, recipe)
-        both = generate(runner, adapter.prepare([[img, other]], ["two images"]), max_new_tokens=1, **plan_kw)
-        assert both is not None
+        both = generate(runner, two, max_new_tokens=1, **_plan_kw(runner, recipe))
+        # each image keeps ceil(0.3 n) of its n visual entries in every layer; text stays
+        kept = 2 * math.ceil(0.3 * n_vis / 2)
+        assert both.costs.kv_bytes == base.costs.kv_bytes * (n_text + kept) // (n_text + n_vis)
 
     def kept_cells(images, prompts, recipe):
         out = runner.prefill(adapter.prepare(images, prompts), make_plan(recipe, runner))

@@ -14,8 +14,11 @@ KV = "kv=snapkv:keep=0.25"
 BOTH = f"{TOKENS},{KV}"
 
 
+@pytest.fixture(scope="module")
+def demo_vlm():
+    import trimvlm
 
-
+    return trimvlm.load("demo")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def test_methods_lists_every_method_with_options(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["", TOKENS, KV, BOTH])
-def test_generate_writes_json_and_prints_text(demo_image, tmp_path, recipe):
+def test_generate_writes_json_and_prints_text(demo_image, demo_vlm, tmp_path, recipe):
     image, question, answer = demo_image
     out = tmp_path / "g.json"
     res = _cli("generate", "--model", "demo", "--image", image, "--prompt", question, "--recipe", recipe,
@@ -71,8 +74,22 @@ def test_generate_writes_json_and_prints_text(demo_image, tmp_path, recipe):
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert res.output.splitlines()[0] == data["text"] == answer
-    assert data["recipe"] == (recipe or "baseline") and data["costs"]["prefill_flops"] > 0
-    assert "GFLOP" in res.output
+    assert data["recipe"] == (recipe or "baseline")
+    ref = demo_vlm.generate([str(image)], question, recipe=recipe or None, max_new_tokens=4)
+    want = json.loads(json.dumps(ref.costs.as_dict()))  # the command's costs are the API's, exactly
+    for key in (
+        "flops",
+        "method_flops",
+        "layer_flops",
+        "total_flops",
+        "kv_bytes",
+        "kv_bytes_peak",
+        "layers_run",
+    ):
+        assert data["costs"][key] == want[key], key
+    assert (
+        data["tokens"] == ref.tokens[0] and f"prefill {want['prefill_flops'] / 1e9:.3f} GFLOP" in res.output
+    )
 
 
 def test_generate_costs_fall_with_real_recipes(demo_image, tmp_path):
@@ -219,7 +236,9 @@ def test_calibrate_block_influence_writes_a_ranking(tmp_path):
     data = json.loads(out.read_text())
     assert data["method"] == "block-influence" and sorted(data["order"]) == list(range(data["num_layers"]))
     assert len(data["scores"]) == data["num_layers"] and data["fingerprint"]
-    _one_line_error(_cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence, greedy-kl")
+    _one_line_error(
+        _cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence, greedy-kl"
+    )
 
 
 def _params(cmd: str) -> dict:

@@ -52,7 +52,16 @@ def test_forward_shapes_and_abstain():
     assert torch.equal(abstain, abstain2) and not torch.allclose(logits, logits2)
     l_part, _ = head(z_q, u[:, :2], feats[:, :2])
     assert torch.allclose(l_part, logits[:, :2], atol=1e-6)
-    assert head.flops(5) > head.flops(1) > 0
+    # FLOPs: by hand from the sizes (d = 16, width 8, 6 features): w_q d x w and w_a w x 1 once, per candidate
+    # w_o d x w, w_f f x w, the w and v read-outs; 2 per multiply-add; and what torch counts on the forward
+    d, w, f = 16, 8, 6
+    for n in (1, 5):
+        assert head.flops(n) == 2 * (d * w + w + n * (d * w + f * w + w + f))
+    from trimvlm.runtime.meter import flop_counter
+
+    with flop_counter() as fc:
+        head(z_q, u, feats)
+    assert fc.get_total_flops() == 3 * head.flops(5)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -179,7 +188,9 @@ def test_shipped_head(name, demo_vlms):
     first = out.results
     right = [r.chosen_text == q.answer for (_, q), r in zip(qas, out.results, strict=True)]
     assert sum(right) / len(right) >= 0.9
-    assert all(r.abstain_prob is not None and 0 <= r.abstain_prob <= 1 for r in out.results)
+    for r in out.results:  # P(abstain): the last entry of the softmax over [logit_1 .. logit_N, abstain]
+        z = np.array([*r.logits, r.abstain_logit])
+        assert r.abstain_prob == pytest.approx(np.exp(z[-1] - z.max()) / np.exp(z - z.max()).sum())
     # the right answer removed: the head should mostly abstain (measured ~96-98% on the test split)
     kept = [(s, q) for s, q in qas if len(q.candidates) >= 3]
     out = vlm.score(
@@ -221,7 +232,8 @@ def test_shipped_head_binary(name, demo_vlms):
         binary=True,
     )
     probs = [r.binary_prob for r in out.results]
-    assert all(0 <= p <= 1 for p in probs)
+    logits = [r.candidates[0].logit for r in out.results]
+    assert probs == pytest.approx([1 / (1 + np.exp(-x)) for x in logits])  # P(true) = sigmoid(the logit)
     for r, p in zip(out.results, probs, strict=True):
         assert r.abstain_prob is None and r.chosen == (0 if p >= 0.5 else -1)
         assert r.candidates[0].prob == pytest.approx(p)
