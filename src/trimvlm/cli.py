@@ -154,12 +154,16 @@ def demo(
         _fail(e)
 
 
-@app.command("eval")
+def _tasks_epilog() -> str:
+    from trimvlm.cli_eval import task_list
+
+    return "Tasks (--task; or PATH.jsonl):\n\n" + "\n\n".join(task_list().splitlines())
+
+
+@app.command("eval", epilog=_tasks_epilog())
 def eval_(
     model: str = MODEL,
-    task: str = typer.Option(
-        "demo", help="demo, PATH.jsonl, or a benchmark read with --data (the list above)"
-    ),
+    task: str = typer.Option("demo", help="a registered task (listed below) or PATH.jsonl"),
     data: str | None = typer.Option(
         None, help="a benchmark's local copy: Hugging Face parquet shards or <split>.jsonl + images"
     ),
@@ -169,15 +173,16 @@ def eval_(
         [], help="an inline recipe, e.g. tokens=density:keep=0.5:layer=3 (repeat)"
     ),
     limit: int | None = typer.Option(
-        None, help="first N items (default: the whole task; demo: 300; a benchmark: N rows drawn with --seed)"
+        None, help="how many items (default: the whole task; demo: 300; a benchmark: N rows drawn with --seed)"
     ),
+    threads: int | None = typer.Option(None, help="torch threads (default: torch's)"),
     max_new_tokens: int | None = typer.Option(None, help="cap of generated tokens of full-answer items"),
     json_out: Path | None = typer.Option(None, "--json", help="write the results JSON here"),
     plot: Path | None = typer.Option(None, help="write the Pareto plot (PNG) here"),
     batch_size: int = typer.Option(16),
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
-    readout: str = typer.Option("auto", help="candidate tasks (demo-candidates) only: auto | loglik | head"),
+    readout: str = typer.Option("auto", help="candidate items (demo-candidates) only: auto | loglik | head"),
     ray: str | None = typer.Option(
         None, "--ray", help="shard the items over Ray: auto (the running cluster), local, or HOST:PORT"
     ),
@@ -189,10 +194,9 @@ def eval_(
     ),
     dtype: str = DTYPE,
 ):
-    """Evaluate recipes on a task: accuracy, mismatch vs the uncompressed model, costs. Candidate tasks
-    (demo-candidates): accuracy, retention and agreement vs the unpruned model, branch FLOPs, latency.
-    Benchmarks read from a local copy with --data PATH [--split S]: pope, scienceqa_img, mmbench, ai2d,
-    textvqa, docvqa, infovqa, chartqa, mmvet (docs/benchmarks.md)."""
+    """Evaluate recipes on a task: accuracy, mismatch / agreement and retention vs the uncompressed model, costs
+    (FLOPs, KV after eviction and KV peak, latency). Benchmarks read a local copy with --data PATH [--split S]
+    (docs/benchmarks.md)."""
     from trimvlm.cli_eval import eval_command
 
     load_kw = _load_kw(device or "cpu", dtype)
@@ -203,7 +207,7 @@ def eval_(
             model, task, str(recipes) if recipes else None, limit, str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
             recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
-            workers=workers, console=console,
+            workers=workers, console=console, threads=threads,
         )  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
@@ -338,18 +342,11 @@ def calibrate(
     dtype: str = DTYPE,
 ):
     """Decision-guided layer ranking (FastJEV's J_l) for `depth=ranking:file=...:scope=candidates`."""
-    from trimvlm.scoring.calibrate import calibrate_command
+    from trimvlm.cli_calibrate import calibrate_command
 
     try:
-        if method == "candidates":
-            calibrate_command(model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
-                              console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
-        else:
-            import trimvlm.depth  # noqa: F401  (registers the rankers)
-            from trimvlm.depth.calibration import calibrate_command as rank_command
-
-            rank_command(method, model=model, task=task, n=n, seed=seed, json_out=json_out, console=console,
-                         load_kw=_load_kw(device, dtype))  # fmt: skip
+        calibrate_command(method, model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
+                          console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

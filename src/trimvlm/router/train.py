@@ -299,19 +299,18 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
     """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
     a shipped demo checkpoint only with `overwrite`)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import trimvlm
-    from trimvlm.depth.calibration import calibration_records
+    from trimvlm.evals.tasks import calibration_items as calibration_records
+    from trimvlm.progress import progress as progress_bar
     from trimvlm.loading import refuse_shipped
 
     refuse_shipped(out, overwrite)
     console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     records = calibration_records(task, n, seed)
-    with Progress(TextColumn("[bold]train-router"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:  # fmt: skip
-        job = bar.add_task("router", total=len(records) + epochs)
+    with progress_bar(console) as bar:
+        job = bar.add_task("train-router", total=len(records) + epochs)
         log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
                            out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
     for e in log["epochs"]:

@@ -91,7 +91,7 @@ def run_branches(vlm, prefilled: Prefilled, *, executor: str = "auto", skip_bran
     work = Work(runner=runner, prefix=prefilled.prefix, forest=forest, skip=skip, meter=meter, plan=plan)
     with meter.timer("branch"), meter.phase_memory("branch"):
         states = EXECUTORS[executor](work)
-        feats = features(work, states, prefilled.layout.first_counted)
+        feats = features(work, states, prefilled.layout.first_counted, len(prefilled.layout.close_ids))
     return work, states, feats, executor
 
 
@@ -166,6 +166,8 @@ def read(requests, feats: Features, readout: str, head, meter) -> list[ScoreResu
                 loglik_mean=float(feats.means[r][k]),
                 n_tokens=int(feats.counts[r][k]),
                 is_greedy=bool(feats.greedy[r][k]),
+                answer_loglik=float(feats.answer_sums[r][k]),
+                answer_greedy=bool(feats.answer_greedy[r][k]),
             )
             for k in range(len(req.candidates))
         ]

@@ -11,7 +11,7 @@ valid flag.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Features:
     means: list[torch.Tensor]
     counts: list[torch.Tensor]
     greedy: list[torch.Tensor]
+    answer_sums: list[torch.Tensor] = field(default_factory=list)  # [N]: without the close marker's tokens
+    answer_greedy: list[torch.Tensor] = field(default_factory=list)
 
 
 def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +66,9 @@ def token_logprobs(work: Work, states: torch.Tensor) -> tuple[torch.Tensor, torc
     return lp, greedy
 
 
-def features(work: Work, states: torch.Tensor, first_counted: int) -> Features:
-    """Every request's features, on the states' device (the model's)."""
+def features(work: Work, states: torch.Tensor, first_counted: int, n_close: int = 0) -> Features:
+    """Every request's features, on the states' device (the model's); `n_close`: the close marker's tokens, left
+    out of `answer_sums` / `answer_greedy`."""
     f, dev = work.forest, states.device
     lp, greedy = token_logprobs(work, states)
     prefix_lsm = torch.log_softmax(work.prefix.logits.double(), dim=-1)
@@ -88,4 +91,7 @@ def features(work: Work, states: torch.Tensor, first_counted: int) -> Features:
         out.means.append(means)
         out.counts.append(counts)
         out.greedy.append(torch.stack([greedy[s].all() for s in scored]))
+        answer = [s[: len(s) - n_close] for s in scored]
+        out.answer_sums.append(torch.stack([lp[s].sum() for s in answer]))
+        out.answer_greedy.append(torch.stack([greedy[s].all() for s in answer]))
     return out

@@ -43,6 +43,8 @@ class CandidateScore:
     loglik_mean: float
     n_tokens: int
     is_greedy: bool
+    answer_loglik: float = 0.0  # the candidate's own tokens only, its close marker left out (lmms-eval's loglik)
+    answer_greedy: bool = False  # every one of those tokens the argmax
 
 
 @dataclass

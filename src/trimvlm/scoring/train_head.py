@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.progress import progress as progress_bar
 from trimvlm.scoring.head import DecisionHead
 from trimvlm.scoring.readout import N_FEATURES
 from trimvlm.scoring.request import ScoreRequest
@@ -443,19 +444,6 @@ def _binary_meta(split: str, rep: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ command
 
 
-def _progress(console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=console is None,
-    )
-
-
 def _check(steps: int, items: int, out) -> None:
     if not isinstance(steps, int) or steps < 1:
         raise InputError(f"--steps must be a positive integer, got {steps!r}")
@@ -500,7 +488,7 @@ def train_head_command(
     bin_test = make_binary_items(generate_split("test", TEST_IMAGES), rng_b)
 
     t0 = time.perf_counter()
-    with _progress(console) as progress:
+    with progress_bar(console, enabled=console is not None) as progress:
         train_set = extract(vlm, train_items, progress=progress, label="features: train")
         val_set = extract(vlm, val_items, progress=progress, label="features: val")
         test_set = extract(vlm, test_items, progress=progress, label="features: test")
