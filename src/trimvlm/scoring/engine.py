@@ -60,11 +60,12 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=No
     plan = make_plan(recipe, runner)
     meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
-    pre = runner.prefill(prepared, plan, meter=meter)
-    starts = pre.next_pos.tolist()
+    starts = ad.next_positions(prepared).tolist()  # checked before any model work
     for r, sfx in enumerate(suffixes):
         for k, s in enumerate(sfx):
             check_length(layout, starts[r], s, r, k)
+    pre = runner.prefill(prepared, plan, meter=meter)
+    starts = pre.next_pos.tolist()
     return Prefilled(list(requests), layout, suffixes, plan, pre, starts, meter)
 
 
