@@ -62,6 +62,15 @@ def tiny_adapter(tiny_dir):
     return get
 
 
+def hand_flops(cfg, batch: int, q: int, k: int, layers: int = 1) -> int:
+    """Matmul FLOPs (2 per multiply-add) of `layers` attention decoder layers of a dense (SwiGLU) text config,
+    counted by hand from its sizes: q/k/v/o projections, the gate/up/down MLP, and QK^T plus AV over k keys."""
+    d, h, kv, hd, m = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.intermediate_size)  # fmt: skip
+    linear = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * m
+    return layers * (2 * batch * q * linear + 4 * batch * h * q * k * hd)
+
+
 def ragged_batch():
     """Three samples with different image sizes and prompt lengths."""
     images = [[random_image(1, (64, 64))], [random_image(2, (96, 64))], [random_image(3, (64, 128))]]
