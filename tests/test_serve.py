@@ -52,8 +52,6 @@ def asset(seed: int) -> dict:
     return {"type": "image", "format": "png", "data_base64": b64(seed)}
 
 
-
-
 def decide_request(i: int) -> dict:
     """Requests of different question counts and images (none, one, two)."""
     names = list(QUESTIONS)[: 1 + i % 3]
@@ -142,12 +140,16 @@ def local_answers(demo, req: dict, recipe=None):
     return demo.decide(body, recipe=recipe, return_costs=True)
 
 
-def local_text(demo, req: dict, recipe=None) -> str:
+def local_generate(demo, req: dict, recipe=None):
     """`vlm.generate` (greedy) in this process on the images and text of a chat request."""
     content = req["messages"][0]["content"]
     images = [_decode(p["image_url"]["url"]) for p in content if p["type"] == "image_url"]
     prompt = "\n".join(p["text"] for p in content if p["type"] == "text")
-    return demo.generate(images, prompt, max_new_tokens=req["max_tokens"], recipe=recipe).texts[0]
+    return demo.generate(images, prompt, max_new_tokens=req["max_tokens"], recipe=recipe)
+
+
+def local_text(demo, req: dict, recipe=None) -> str:
+    return local_generate(demo, req, recipe).texts[0]
 
 
 def _decode(url: str):
@@ -221,13 +223,19 @@ def test_chat_equals_generate(client, demo):
         assert body["object"] == "chat.completion" and body["model"] == "demo"
         choice = body["choices"][0]
         assert choice["message"]["role"] == "assistant"
-        assert choice["message"]["content"] == local_text(demo, req)
+        ref = local_generate(demo, req)
+        assert choice["message"]["content"] == ref.texts[0]
         assert choice["finish_reason"] in ("stop", "length")
         u = body["usage"]
         assert (
             u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and u["completion_tokens"] >= 1
         )
-        assert u["decode_flops"] > 0 and u["vision_flops"] > 0 and u["kv_bytes"] > 0
+        c = ref.costs  # one request at a time: a batch of one, whose costs are the local generate's
+        assert (u["decode_flops"], u["vision_flops"], u["kv_bytes"]) == (
+            c.decode_flops,
+            c.flops["vision"],
+            c.kv_bytes,
+        )
 
 
 def test_chat_text_only_and_recipe(client, demo):
