@@ -1,6 +1,7 @@
 """Bad input gets a clear TrimVLMError naming the problem."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,21 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert res.exit_code == 2
     assert "checkpoint not found" in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_missing_extra_skips_and_fails_under_ci(monkeypatch):
+    """An optional extra that does not import skips its tests, except under .ci/run (which installs every
+    extra and sets TRIMVLM_REQUIRE_EXTRAS=1): there it fails them."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "REQUIRE_EXTRAS", False)
+    with pytest.raises(pytest.skip.Exception, match="no_such_extra_module cannot be imported"):
+        conftest.need_extra("json", "no_such_extra_module")
+    conftest.fail_if_required(None)
+    monkeypatch.setattr(conftest, "REQUIRE_EXTRAS", True)
+    with pytest.raises(pytest.fail.Exception, match="TRIMVLM_REQUIRE_EXTRAS is set"):
+        conftest.need_extra("no_such_extra_module")
+    with pytest.raises(pytest.fail.Exception, match="Ray cannot be imported"):
+        conftest.fail_if_required("Ray cannot be imported (ImportError)")
+    assert conftest.need_extra("json").dumps([1]) == "[1]"
+    assert "export TRIMVLM_REQUIRE_EXTRAS=1" in (Path(__file__).parent.parent / ".ci" / "run").read_text()
