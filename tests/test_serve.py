@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-
 from conftest import need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
