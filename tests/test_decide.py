@@ -52,7 +52,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def jev(tmp_path_factory):
-    from trimvlm.decision.tiny_jev import tiny_jev
+    from trimvlm.testing.tiny_jev import tiny_jev
 
     made = {}
 
@@ -281,7 +281,7 @@ def test_jev_release_format(tmp_path):
     from transformers import JevForDecision
     from transformers.pipelines import DecisionPipeline
 
-    from trimvlm.decision.tiny_jev import tiny_jev_judge
+    from trimvlm.testing.tiny_jev import tiny_jev_judge
 
     folder = tiny_jev_judge(tmp_path / "judge")
     vlm = trimvlm.load(folder)

@@ -27,7 +27,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def jev_text(tmp_path_factory):
-    from trimvlm.decision.tiny_jev import tiny_jev
+    from trimvlm.testing.tiny_jev import tiny_jev
 
     return trimvlm.load(tiny_jev(tmp_path_factory.mktemp("jevt"), vision=False))
 

@@ -56,7 +56,7 @@ def test_model_error_is_500_and_the_server_goes_on(monkeypatch):
 
 def test_decision_model(tmp_path):
     """A JevForDecision checkpoint: System One requests equal vlm.decide; chat completions are a 400."""
-    from trimvlm.decision.tiny_jev import tiny_jev
+    from trimvlm.testing.tiny_jev import tiny_jev
 
     vlm = trimvlm.load(tiny_jev(tmp_path / "jev", vision=False))
     req = {

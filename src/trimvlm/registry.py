@@ -13,20 +13,7 @@ import sys
 from dataclasses import MISSING
 
 from trimvlm.errors import RecipeError
-
-REGISTRIES: dict[str, dict[str, type]] = {"tokens": {}, "kv": {}, "depth": {}, "router": {}}
-BY_PATH: dict[str, type] = {}  # axis -> its one class, for axes whose method is a path
-
-
-def register(axis: str, name: str, *, by_path: bool = False):
-    def deco(cls):
-        REGISTRIES[axis][name] = cls
-        cls.name = name
-        if by_path:
-            BY_PATH[axis] = cls
-        return cls
-
-    return deco
+from trimvlm.protocol import BY_PATH, REGISTRIES, register  # noqa: F401  (re-exported)
 
 
 def _load_methods() -> None:

@@ -158,9 +158,8 @@ class VLM:
         self._needs_lm_head("score")
 
         requests = as_requests(images, question, candidates, binary)
-        return score_requests(
-            self, requests, readout=readout, executor=executor, recipe=recipe, track_memory=track_memory
-        )
+        plan = make_plan(recipe, self.runner)
+        return score_requests(self, requests, readout=readout, executor=executor, plan=plan, track_memory=track_memory)
 
     @torch.no_grad()
     def decide(

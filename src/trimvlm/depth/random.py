@@ -13,7 +13,7 @@ import numpy as np
 
 from trimvlm.depth.base import DepthMethod, check_budget
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 def random_order(num_layers: int, seed: int) -> list[int]:

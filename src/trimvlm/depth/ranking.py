@@ -10,7 +10,7 @@ from pathlib import Path
 from trimvlm.depth.base import DepthMethod, check_budget, model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @dataclass

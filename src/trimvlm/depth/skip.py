@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from trimvlm.depth.base import DepthMethod
 from trimvlm.errors import RecipeError
 from trimvlm.options import is_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 def parse_layers(value) -> frozenset[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from trimvlm.depth.base import DepthMethod, check_budget
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from trimvlm.kernels.density import spatial_density
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.options import require_bool, require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @register("kv", "density")

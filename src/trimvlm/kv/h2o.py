@@ -20,7 +20,7 @@ import torch
 
 from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
 from trimvlm.options import is_number, require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.runtime.attention import AttentionProbe
 
 

@@ -14,7 +14,7 @@ import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform
 from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @register("kv", "random")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.options import require_bool, require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @register("kv", "snapkv")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 
 
 @register("kv", "streamingllm")

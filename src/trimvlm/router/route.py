@@ -22,7 +22,7 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_int, is_number
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.router.model import load_router
 from trimvlm.runtime.plan import LayerPlan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.plan import make_plan
 from trimvlm.runtime.meter import Meter
+from trimvlm.runtime.plan import Plan
 from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES
 from trimvlm.scoring.executors.common import Work
 from trimvlm.scoring.layout import Layout, check_length
@@ -50,14 +50,15 @@ class Prefilled:
 
 
 @torch.no_grad()
-def prefill_requests(vlm, requests: list[ScoreRequest], *, recipe=None, meter=None) -> Prefilled:
-    """Check the requests and encode their prefixes once (prefill + the recipe's prefill/decode-boundary step)."""
+def prefill_requests(vlm, requests: list[ScoreRequest], *, plan: Plan | None = None, meter=None) -> Prefilled:
+    """Check the requests and encode their prefixes once: `Runner.prefill(batch, plan)` (the plan's prefill
+    methods and its KV step at the boundary; `trimvlm.plan.make_plan` builds it from a recipe)."""
     runner, ad = vlm.runner, vlm.adapter
     for i, r in enumerate(requests):
         r.check(i)
     layout = Layout.for_adapter(ad)
     suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
-    plan = make_plan(recipe, runner)
+    plan = plan or Plan()
     meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
     starts = ad.next_positions(prepared).tolist()  # checked before any model work
@@ -98,23 +99,23 @@ def run_branches(vlm, prefilled: Prefilled, *, executor: str = "auto", skip_bran
 
 @torch.no_grad()
 def run_scoring(
-    vlm, requests: list[ScoreRequest], *, executor: str = "auto", recipe=None, meter=None, skip_branch=None
+    vlm, requests: list[ScoreRequest], *, executor: str = "auto", plan=None, meter=None, skip_branch=None
 ):
     """Prefill + candidates. Returns (Work, node states, Features, the executor that ran). `skip_branch`
     overrides the recipe's candidate-branch skip set (calibration skips one layer at a time)."""
     check_executor(executor)  # before the prefix is encoded
-    prefilled = prefill_requests(vlm, requests, recipe=recipe, meter=meter)
+    prefilled = prefill_requests(vlm, requests, plan=plan, meter=meter)
     return run_branches(vlm, prefilled, executor=executor, skip_branch=skip_branch)
 
 
 def score_requests(
-    vlm, requests: list[ScoreRequest], *, readout="loglik", executor="auto", recipe=None, track_memory=False
+    vlm, requests: list[ScoreRequest], *, readout="loglik", executor="auto", plan=None, track_memory=False
 ) -> ScoreBatch:
     head = vlm.head
     check_choice(executor, readout, head)
     meter = Meter(device=vlm.adapter.model.device, track_tensors=track_memory)
     meter.start_memory()
-    work, _, feats, ran = run_scoring(vlm, requests, executor=executor, recipe=recipe, meter=meter)
+    work, _, feats, ran = run_scoring(vlm, requests, executor=executor, plan=plan, meter=meter)
     with meter.timer("branch"):
         results = read(requests, feats, readout, head, meter)
     meter.stop_memory()
@@ -126,7 +127,7 @@ def score_requests(
         costs=meter.costs,
         readout=readout,
         executor=ran,
-        recipe=work.plan.recipe.label(),
+        recipe=work.plan.label(),
         tokens={"logical": logical, "unique": work.forest.num_nodes, "executed": work.executed},
     )
 

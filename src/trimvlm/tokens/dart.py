@@ -11,7 +11,7 @@ from trimvlm.errors import RecipeError
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 

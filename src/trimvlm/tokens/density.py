@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_density
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_number, require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.kernels.density import farthest_point, most_isolated
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 

@@ -9,7 +9,7 @@ import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
 from trimvlm.options import is_number, require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, kept_positions
 
 

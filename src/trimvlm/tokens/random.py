@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.merge import best_match, merge_groups
 from trimvlm.kernels.select import topk_mask
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 

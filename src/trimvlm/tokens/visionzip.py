@@ -10,7 +10,7 @@ import torch
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
-from trimvlm.registry import register
+from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
 
