@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import ragged_batch
 
+from trimvlm.cli_calibrate import calibrate_command
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.plan import make_plan
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.meter import Meter
-from trimvlm.cli_calibrate import calibrate_command
 from trimvlm.scoring.calibrate import calibrate, rank_layers
 from trimvlm.scoring.engine import prefill_requests, run_branches, run_scoring
 from trimvlm.scoring.head import DecisionHead

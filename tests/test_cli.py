@@ -119,7 +119,7 @@ def test_eval_inline_recipes_limit_and_new_tokens(tiny_dir, tmp_path, monkeypatc
     assert by[(TOKENS, "all")]["ratio"]["prefill_flops"] < 1.0
     assert by[(KV, "all")]["ratio"]["kv_bytes"] < 1.0
     assert by[(BOTH, "all")]["ratio"]["kv_bytes"] < by[(TOKENS, "all")]["ratio"]["kv_bytes"]
-    assert all(len(t.split()) <= 3 for t in data["predictions"]["baseline"]["texts"])
+    assert all(len(t.split()) <= 3 for t in data["predictions"]["baseline"]["outputs"])
 
     recipes = tmp_path / "r.yaml"
     recipes.write_text("- {name: d, kv: 'density:keep=1e-1'}\n")

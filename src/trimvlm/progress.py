@@ -6,7 +6,14 @@ from __future__ import annotations
 
 def progress(console=None, enabled: bool = True):
     """A rich `Progress` on `console` (None: rich's default), hidden when not `enabled`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.text import Text
 
     class Detail(ProgressColumn):

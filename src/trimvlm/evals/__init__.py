@@ -6,6 +6,7 @@ result = evaluate(vlm, task="demo", recipes=["kv=density:keep=0.25"], limit=120)
 print_report(result); write_json(result, "out.json"); plot_pareto(result, "out.png")
 """
 
+from trimvlm.evals.items import CandidateItem, RunOptions
 from trimvlm.evals.metrics import (
     METRICS,
     anls,
@@ -15,7 +16,6 @@ from trimvlm.evals.metrics import (
     normalize_answer,
     yes_no_f1,
 )
-from trimvlm.evals.items import CandidateItem, RunOptions
 from trimvlm.evals.report import plot_pareto, print_report, write_json, write_markdown
 from trimvlm.evals.run import CostAcc, EvalResult, normalize_recipes, run_eval
 from trimvlm.evals.tasks import TASKS, Record, Task, get_task, load_jsonl, register_task

@@ -29,7 +29,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from trimvlm.errors import InputError, TrimVLMError
-from trimvlm.evals.run import CostAcc, EvalResult, batches, check_run_args, finish, normalize_recipes, prepare_task, run_eval
+from trimvlm.evals.run import (
+    CostAcc,
+    EvalResult,
+    batches,
+    check_run_args,
+    finish,
+    normalize_recipes,
+    prepare_task,
+    run_eval,
+)
 from trimvlm.evals.tasks import Task
 from trimvlm.options import is_int
 from trimvlm.progress import progress as progress_bar

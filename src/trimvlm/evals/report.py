@@ -273,7 +273,9 @@ def plot_pareto(result: EvalResult, path: str | Path) -> Path:
     markers, the same colour), and peak memory; one point per recipe (the same colour and marker in every
     panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of
     panels per probe kind. A panel whose cost was not measured stays empty."""
-    from matplotlib.figure import Figure  # a bare Figure renders PNG with Agg; pyplot's global state untouched
+    from matplotlib.figure import (
+        Figure,  # a bare Figure renders PNG with Agg; pyplot's global state untouched
+    )
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.evals.tasks.base import PROBES, TASKS, Record, Task, TaskEntry, check_limit
-from trimvlm.progress import progress as progress_bar
 from trimvlm.evals.tasks.layout import ImageOpener, find_source, image_present, iter_images, read_columns
+from trimvlm.progress import progress as progress_bar
 
 
 @dataclass(frozen=True)
