@@ -35,8 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trimvlm.kernels import farthest_point, masked_minmax
-from trimvlm.plan import Handoff
-from trimvlm.recipe import parse_recipe
+from trimvlm.plan import Handoff, build_methods
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionProbe, VisionUnit
@@ -135,7 +134,7 @@ def reducer_for(method: str, keep: float, seq: LiveSeq):
     attention = method.split(":")[0] == "fastv"
     vision = method.split(":")[0] in ("prumerge", "visionzip")
     layer = 1 if attention else 0
-    red = parse_recipe(f"tokens={method}:keep={keep}:layer={layer}").build()["tokens"]
+    red = build_methods(f"tokens={method}:keep={keep}:layer={layer}")["tokens"]
     att = None
     handoff = Handoff()
     if attention:

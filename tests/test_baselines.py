@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from conftest import ragged_batch
 
 import trimvlm
-from trimvlm.plan import Handoff, Plan, make_plan
-from trimvlm.recipe import parse_recipe
+from trimvlm.plan import Handoff, Plan, build_methods, make_plan
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.meter import Meter, flop_counter
@@ -51,10 +50,10 @@ def test_h2o_column_sums_equal_every_row_of_the_softmax(qwen):
 
 def test_h2o_default_reads_all_queries_and_rows_is_the_cheap_variant(qwen):
     adapter, runner = qwen
-    h2o = parse_recipe("kv=h2o:keep=0.25").build()["kv"]
+    h2o = build_methods("kv=h2o:keep=0.25")["kv"]
     probe = h2o.probe(runner, Handoff())
     assert probe.colsum
-    cheap = parse_recipe("kv=h2o:keep=0.25:rows=8").build()["kv"]
+    cheap = build_methods("kv=h2o:keep=0.25:rows=8")["kv"]
     probe = cheap.probe(runner, Handoff())
     assert not probe.colsum and probe.last == 8
     prep = adapter.prepare(*ragged_batch())
@@ -90,7 +89,7 @@ def _divprune_reference(x: torch.Tensor, k: int) -> list[int]:
 def test_divprune_matches_the_full_matrix_reference(qwen):
     adapter, runner = qwen
     view = _view(runner, adapter, *ragged_batch(), keep=0.3)
-    sel = parse_recipe("tokens=divprune:keep=0.3:layer=0").build()["tokens"].choose(view)
+    sel = build_methods("tokens=divprune:keep=0.3:layer=0")["tokens"].choose(view)
     for u in range(view.mask.shape[0]):
         n = int(view.n[u])
         ref = _divprune_reference(view.features[u, :n], int(view.k[u]))
@@ -118,7 +117,7 @@ def _dart_reference(x: torch.Tensor, basis: torch.Tensor, k: int, pivots: int) -
 def test_dart_splits_the_budget_over_key_norm_pivots(qwen, pivot):
     adapter, runner = qwen
     view = _view(runner, adapter, *ragged_batch(), keep=0.4, layer=2)
-    dart = parse_recipe(f"tokens=dart:keep=0.4:pivots=3:pivot={pivot}").build()["tokens"]
+    dart = build_methods(f"tokens=dart:keep=0.4:pivots=3:pivot={pivot}")["tokens"]
     assert dart.at(runner) == 2  # the paper's layer
     dart.prepare(view, runner, Handoff())
     sel = dart.choose(view)

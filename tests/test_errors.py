@@ -7,6 +7,7 @@ import pytest
 
 import trimvlm
 from trimvlm.errors import CheckpointError, InputError, RecipeError, UnsupportedModelError
+from trimvlm.plan import build_methods
 from trimvlm.recipe import parse_recipe
 
 
@@ -60,7 +61,7 @@ def test_recipe_errors():
     with pytest.raises(RecipeError, match="unknown recipe axis 'colour'"):
         parse_recipe("colour=red")
     with pytest.raises(RecipeError, match="unknown tokens method 'nosuch'"):
-        parse_recipe("tokens=nosuch:keep=0.5").build()
+        build_methods("tokens=nosuch:keep=0.5")
     with pytest.raises(RecipeError, match="not of the form option=value"):
         parse_recipe("tokens=density:keep")
 

@@ -13,8 +13,7 @@ from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import topk_mask
 from trimvlm.kv import mask_out
 from trimvlm.kv.base import LayerView
-from trimvlm.plan import Handoff, Plan, make_plan
-from trimvlm.recipe import parse_recipe
+from trimvlm.plan import Handoff, Plan, build_methods, make_plan
 from trimvlm.registry import REGISTRIES, build_method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import LayerKV
@@ -414,7 +413,7 @@ def test_merged_probe_feeds_policy_and_reducer(tiny_adapter):
 )
 def test_bad_options_are_recipe_errors(spec):
     with pytest.raises(RecipeError):
-        parse_recipe(spec).build()
+        build_methods(spec)
 
 
 def _token_density_available() -> str | None:
@@ -435,7 +434,7 @@ def test_joint_recipe(tiny_adapter):
     images, prompts = ragged_batch()
     prep = adapter.prepare(images, prompts)
     recipe = "tokens=density:keep=0.5:layer=3,kv=density:keep=0.25"
-    methods = parse_recipe(recipe).build()
+    methods = build_methods(recipe)
     reducer, policy = methods["tokens"], methods["kv"]
     handoff = Handoff()
     out = runner.prefill(prep, Plan(hook=reducer.hook(runner, handoff)))
@@ -472,7 +471,7 @@ def test_joint_with_an_attention_reducer(tiny_adapter):
     runner = Runner(adapter)
     images, prompts = ragged_batch()
     prep = adapter.prepare(images, prompts)
-    methods = parse_recipe("tokens=fastv:keep=0.5:layer=2,kv=h2o:keep=0.25").build()
+    methods = build_methods("tokens=fastv:keep=0.5:layer=2,kv=h2o:keep=0.25")
     reducer, policy = methods["tokens"], methods["kv"]
     handoff = Handoff()
     merged = policy.probe(runner, handoff).merge(reducer.probe(runner, handoff))

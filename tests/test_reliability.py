@@ -12,6 +12,7 @@ import pytest
 import trimvlm
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.tasks import Record, Task, check_prefill_answers, get_task, load_jsonl
+from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_method, parse_recipe
 from trimvlm.registry import REGISTRIES
 from trimvlm.runtime.attention import NAME, use_trimvlm_attention
@@ -127,12 +128,12 @@ def test_option_values_are_parsed_explicitly():
         "j": "on", "k": "0x10", "l": "nan", "m": "rank.json",
     }  # fmt: skip
     assert isinstance(opts["a"], int) and isinstance(opts["b"], float)
-    m = parse_recipe("tokens=density:keep=1e-1:layer=02").build()["tokens"]
+    m = build_methods("tokens=density:keep=1e-1:layer=02")["tokens"]
     assert (m.keep, m.layer) == (0.1, 2)
     with pytest.raises(RecipeError, match="merge must be true or false, got 'off'"):
-        parse_recipe("tokens=density:keep=0.5:merge=off").build()
+        build_methods("tokens=density:keep=0.5:merge=off")
     with pytest.raises(RecipeError):  # nan is a string, and keep must be a number
-        parse_recipe("kv=density:keep=nan").build()
+        build_methods("kv=density:keep=nan")
 
 
 def test_yaml_values_follow_the_same_rules(tmp_path):
@@ -143,11 +144,11 @@ def test_yaml_values_follow_the_same_rules(tmp_path):
         "- {name: c, tokens: {method: density, keep: 0.5, merge: False, select: '010'}}\n"
     )
     with pytest.raises(RecipeError, match="merge must be true or false, got 'off'"):  # not YAML 1.1's False
-        load_recipes(path)
+        [build_methods(r) for r in load_recipes(path)]  # a recipe file is data; its methods are built by plan
     text = path.read_text().replace("merge: off", "merge: FALSE")
     path.write_text(text)
     with pytest.raises(RecipeError, match="select"):  # a quoted '010' stays the string '010'
-        load_recipes(path)
+        [build_methods(r) for r in load_recipes(path)]
     path.write_text(text.replace("select: '010'", "select: fps"))
     base, a, b, c = load_recipes(path)
     assert base.is_baseline

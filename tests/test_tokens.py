@@ -10,8 +10,7 @@ from conftest import hand_flops, plan_prefill, ragged_batch
 
 from trimvlm.errors import RecipeError
 from trimvlm.kernels import farthest_point, masked_minmax, merge_groups, spatial_density
-from trimvlm.plan import Handoff, Plan, make_plan
-from trimvlm.recipe import parse_recipe
+from trimvlm.plan import Handoff, Plan, build_methods, make_plan
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
 from trimvlm.tokens.base import make_view
@@ -235,7 +234,7 @@ def test_merge_in_the_live_sequence_conserves_mass(setup, recipe):
     adapter, runner, images, prompts = setup
     seq = adapter.embed(adapter.prepare(images, prompts))
     assert seq.adds.get("deepstack")  # this tiny family adds deepstack features
-    reducer = parse_recipe(f"tokens={recipe}:layer=0").build()["tokens"]
+    reducer = build_methods(f"tokens={recipe}:layer=0")["tokens"]
     out = reducer.reduce(seq, runner, Handoff())
 
     def mass(s, t):
@@ -293,7 +292,7 @@ def test_pruned_flops_match_analytic_count(setup, layer):
 )
 def test_recipe_errors_name_what_is_allowed(recipe, words):
     with pytest.raises(RecipeError) as e:
-        parse_recipe(recipe).build()
+        build_methods(recipe)
     for w in words:
         assert w in str(e.value)
 
@@ -311,6 +310,6 @@ def test_layer_out_of_range_names_the_range(setup, method):
 
 def test_default_layer_is_clamped_to_the_model(setup):
     _, runner, _, _ = setup
-    reducer = parse_recipe("tokens=density:keep=0.5").build()["tokens"]
+    reducer = build_methods("tokens=density:keep=0.5")["tokens"]
     assert reducer.at(runner) == min(3, runner.num_layers - 1)
     reducer.check(runner)

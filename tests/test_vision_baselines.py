@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from conftest import AVAILABLE, plan_prefill, ragged_batch
 
 from trimvlm.errors import RecipeError
-from trimvlm.plan import Handoff, make_plan
-from trimvlm.recipe import parse_recipe
+from trimvlm.plan import Handoff, build_methods, make_plan
 from trimvlm.runtime import vision_probe as vp
 from trimvlm.runtime.meter import flop_counter
 from trimvlm.runtime.runner import Runner
@@ -205,7 +204,7 @@ def _spread_reference(cands, f):
 def _reduce_with(adapter, recipe, images, prompts, scores=None):
     """Run the reducer by hand: encode with its probe, optionally replace the recorded scores, reduce."""
     runner = Runner(adapter)
-    red = parse_recipe(f"tokens={recipe}").build()["tokens"]
+    red = build_methods(f"tokens={recipe}")["tokens"]
     handoff = Handoff()
     probe = red.vision_probe(runner, handoff)
     seq = adapter.embed(adapter.prepare(images, prompts), vision=probe)
@@ -389,7 +388,7 @@ def test_method_flops_equal_torch_counter(tiny_adapter, family, recipe):
 )
 def test_recipe_errors_name_what_is_allowed(recipe, words):
     with pytest.raises(RecipeError) as e:
-        parse_recipe(recipe).build()
+        build_methods(recipe)
     for w in words:
         assert w in str(e.value)
 

@@ -21,6 +21,7 @@ from trimvlm.evals.report import (
 from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
 from trimvlm.evals.tasks import TASKS, check_limit, get_task
 from trimvlm.options import is_int
+from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_recipe
 
 # Shown side by side with the baseline by `trimvlm demo` (codes as in the paper:
@@ -94,7 +95,7 @@ def _recipes_from(recipes_file, inline=()) -> list:
             raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
     for text in inline:
         r = parse_recipe(text)
-        r.build()
+        build_methods(r)
         out.append(r)
     return out
 

@@ -46,11 +46,6 @@ class Recipe(BaseModel):
             return "baseline"
         return ",".join(f"{a}={getattr(self, a)}" for a in AXES if getattr(self, a) is not None)
 
-    def build(self) -> dict:
-        """Deprecated: `trimvlm.plan.build_methods(recipe)` (a recipe is data; the plan room builds methods)."""
-        from trimvlm.plan import build_methods
-
-        return build_methods(self)
 
 _INT = r"[+-]?\d+"
 _FLOAT = r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?"

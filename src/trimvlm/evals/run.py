@@ -28,6 +28,7 @@ from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.items import RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
+from trimvlm.plan import build_methods
 from trimvlm.progress import progress as progress_bar
 from trimvlm.recipe import Recipe, parse_recipe
 
@@ -54,7 +55,7 @@ def normalize_recipes(recipes: Sequence[str | dict | Recipe] | None) -> list[Rec
     """Parse and validate recipes; the baseline (empty recipe labelled "baseline") is included and first."""
     parsed = [parse_recipe(r) for r in (recipes or [])]
     for r in parsed:
-        r.build()  # unknown methods / options fail now, before any model runs
+        build_methods(r)  # unknown methods / options fail now, before any model runs
     base = [i for i, r in enumerate(parsed) if r.is_baseline and r.label() == "baseline"]
     parsed.insert(0, parsed.pop(base[0]) if base else Recipe(name="baseline"))
     labels = [r.label() for r in parsed]

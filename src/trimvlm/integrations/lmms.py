@@ -52,6 +52,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
+from trimvlm.plan import build_methods
 from trimvlm.recipe import AXES, Recipe, load_recipes, parse_recipe
 
 try:
@@ -123,7 +124,7 @@ def build_recipe(recipe=None, **axes) -> Recipe:
     if given:
         extra = parse_recipe(",".join(f"{a}={v}" for a, v in given.items()))
         base = base.model_copy(update={a: getattr(extra, a) for a in given})
-    base.build()  # unknown methods / options fail now, before any request runs
+    build_methods(base)  # unknown methods / options fail now, before any request runs
     return base
 
 
