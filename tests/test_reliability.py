@@ -343,10 +343,13 @@ EXPECTED = {
     "tokens": {"dart", "density", "divprune", "fastv", "prumerge", "random", "tome", "visionzip"},
     "kv": {"density", "h2o", "random", "snapkv", "streamingllm"},
     "depth": {"random", "ranking", "skip", "tail"},
+    "router": {"PATH"},  # the meta-router: its method is the checkpoint (router=PATH|demo:...)
 }
 
 
-@pytest.mark.parametrize("package", ["trimvlm.tokens", "trimvlm.kv", "trimvlm.depth", "trimvlm.scoring"])
+@pytest.mark.parametrize(
+    "package", ["trimvlm.tokens", "trimvlm.kv", "trimvlm.depth", "trimvlm.router", "trimvlm.scoring"]
+)
 def test_every_method_module_imports(package):
     pkg = importlib.import_module(package)
     names = [m.name for m in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}.")]

@@ -313,7 +313,7 @@ def train_router(
     dtype: str = DTYPE,
 ):
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model)."""
-    from trimvlm.router.train import train_router_command
+    from trimvlm.cli_train import train_router_command
 
     try:
         train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,

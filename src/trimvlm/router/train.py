@@ -291,29 +291,3 @@ def _logits(router, feats) -> torch.Tensor:
     """[1, Nv + N] the router's score logits (visual tokens in column order, then the candidate layers)."""
     z_v, z_l = router.logits(*feats)
     return torch.cat([z_v[:, : int(feats[1].sum())], z_l], dim=1)
-
-
-def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
-                         epochs: int = 3, seed: int = 0, out="runs/router", resume: bool = True, console=None,
-                         load_kw: dict | None = None, overwrite: bool = False, **train_kw) -> dict:  # fmt: skip
-    """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
-    a shipped demo checkpoint only with `overwrite`)."""
-    from rich.console import Console
-
-    import trimvlm
-    from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.progress import progress as progress_bar
-    from trimvlm.loading import refuse_shipped
-
-    refuse_shipped(out, overwrite)
-    console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    records = calibration_records(task, n, seed)
-    with progress_bar(console) as bar:
-        job = bar.add_task("train-router", total=len(records) + epochs)
-        log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
-                           out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
-    for e in log["epochs"]:
-        console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
-    console.print(f"wrote {out}")
-    return {"out": str(out), **log}
