@@ -134,3 +134,25 @@ def merged_tree(monkeypatch):
     monkeypatch.setattr("trimvlm.scoring.executors.NAMES", (*NAMES, "tree-merged"))
     monkeypatch.setattr("trimvlm.scoring.engine.NAMES", (*NAMES, "tree-merged"))
     monkeypatch.setattr("trimvlm.scoring.engine.MERGED", {"segments", "tree", "tree-merged"})
+
+
+class RunnerCalls:
+    """Counts `Runner.prefill` calls and the vision tower's forwards (its first attention module's)."""
+
+    def __init__(self, runner, monkeypatch):
+        self.prefills, self.vision = 0, 0
+        real = runner.prefill
+
+        def prefill(*a, **kw):
+            self.prefills += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(runner, "prefill", prefill)
+        modules = runner.adapter.vision_attention_modules()
+        self._hook = modules[0].register_forward_hook(lambda *_: self._seen())
+
+    def _seen(self):
+        self.vision += 1
+
+    def close(self):
+        self._hook.remove()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import fail_if_required
+from conftest import RunnerCalls, fail_if_required
 
 try:
     import lmms_eval  # noqa: F401
@@ -263,16 +263,17 @@ def test_the_bridge_takes_the_one_runner_path(vlm, records, monkeypatch):
     """A bridge batch is one `vlm.generate` / `vlm.score` call: one `Runner.prefill` per batch, never a second
     pass for the log-probs."""
     docs = _docs(records["mc"][:3])
-    calls = []
-    real = vlm.runner.prefill
-    monkeypatch.setattr(vlm.runner, "prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    m = _bridge(vlm, batch_size=3)
-    m.task_dict = {"t": {"test": docs}}
-    gen = {"max_new_tokens": 2, "temperature": 0, "do_sample": False, "until": [" "]}
-    m.generate_until([_req("generate_until", (d["question"], dict(gen), _visual, i, "t", "test"), i)
-                      for i, d in enumerate(docs)])  # fmt: skip
-    assert len(calls) == 1
-    reqs = [_req("loglikelihood", (d["question"], " " + c, _visual, i, "t", "test"), i)
-            for i, d in enumerate(docs) for c in "AB"]  # fmt: skip
-    m.loglikelihood(reqs)
-    assert len(calls) == 2  # the three questions' prefixes in one prefill, every choice a branch off it
+    calls = RunnerCalls(vlm.runner, monkeypatch)
+    try:
+        m = _bridge(vlm, batch_size=3)
+        m.task_dict = {"t": {"test": docs}}
+        gen = {"max_new_tokens": 2, "temperature": 0, "do_sample": False, "until": [" "]}
+        m.generate_until([_req("generate_until", (d["question"], dict(gen), _visual, i, "t", "test"), i)
+                          for i, d in enumerate(docs)])  # fmt: skip
+        assert calls.prefills == 1
+        reqs = [_req("loglikelihood", (d["question"], " " + c, _visual, i, "t", "test"), i)
+                for i, d in enumerate(docs) for c in "AB"]  # fmt: skip
+        m.loglikelihood(reqs)
+        assert calls.prefills == 2  # the three questions' prefixes in one prefill, every choice a branch off it
+    finally:
+        calls.close()

@@ -4,7 +4,7 @@ once (a model's fingerprint, a router checkpoint)."""
 
 import pytest
 import torch
-from conftest import AVAILABLE, ragged_batch
+from conftest import AVAILABLE, RunnerCalls, ragged_batch
 
 import trimvlm
 from trimvlm.runtime.meter import Meter, flop_counter
@@ -12,28 +12,6 @@ from trimvlm.runtime.plan import Plan
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
 from trimvlm.testing.decisions import DEMO_QUESTIONS
-
-
-class Calls:
-    """Counts `Runner.prefill` calls and the vision tower's forwards (its first attention module's)."""
-
-    def __init__(self, runner: Runner, monkeypatch):
-        self.prefills, self.vision = 0, 0
-        real = runner.prefill
-
-        def prefill(*a, **kw):
-            self.prefills += 1
-            return real(*a, **kw)
-
-        monkeypatch.setattr(runner, "prefill", prefill)
-        modules = runner.adapter.vision_attention_modules()
-        self._hook = modules[0].register_forward_hook(lambda *_: self._seen())
-
-    def _seen(self):
-        self.vision += 1
-
-    def close(self):
-        self._hook.remove()
 
 
 @pytest.mark.parametrize("family", AVAILABLE)
@@ -46,7 +24,7 @@ def test_vision_flops_counted_on_the_one_encode(tiny_adapter, family, monkeypatc
     prep = adapter.prepare(images, prompts)
     with flop_counter() as fc, torch.no_grad():
         adapter.embed(prep)
-    calls = Calls(runner, monkeypatch)
+    calls = RunnerCalls(runner, monkeypatch)
     try:
         for _ in range(2):  # a new shape, then a remembered one
             before = calls.vision
@@ -67,7 +45,7 @@ def test_generate_score_decide_take_the_one_runner_path(demo, monkeypatch):
     """Each call prefills once through `Runner.prefill` and encodes its images once (the decision request's
     prompts share one prefix, so its image is encoded once too)."""
     img = random_image(1, (96, 96))
-    calls = Calls(demo.runner, monkeypatch)
+    calls = RunnerCalls(demo.runner, monkeypatch)
     runs = {
         "generate": lambda: demo.generate(img, "how many red shapes ?", max_new_tokens=3),
         "generate kv": lambda: demo.generate(img, "how many ?", max_new_tokens=3, recipe="kv=h2o:keep=0.5"),

@@ -54,17 +54,11 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model 
 def model_fingerprint(adapter) -> str:
     """A short fingerprint of a model (its family, text config and the sum of its first block's weights), saved
     in ranking files so that a ranking is never applied to another model. Computed once per loaded model (the
-    float64 sum of layer 0 is not repeated on every plan); `refresh_fingerprint` after changing its weights."""
+    float64 sum of layer 0 is not repeated on every plan): a loaded model's weights are not trained in place."""
     model = adapter.model
     if model not in _FINGERPRINTS:
         _FINGERPRINTS[model] = _fingerprint(adapter)
     return _FINGERPRINTS[model]
-
-
-def refresh_fingerprint(adapter) -> str:
-    """The fingerprint recomputed (a model whose weights were trained in place)."""
-    _FINGERPRINTS.pop(adapter.model, None)
-    return model_fingerprint(adapter)
 
 
 def _fingerprint(adapter) -> str:

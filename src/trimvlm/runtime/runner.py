@@ -56,19 +56,15 @@ class Runner:
         attention (PruMerge, VisionZip: method work inside the encode) an unseen shape is counted on a separate,
         untimed encode instead, so the probe's work is never booked as the model's."""
         key = self.adapter.vision_key(prepared)
-        known = self._vision_flops.get(key)
         embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
         with meter.timer("vision"), counting(meter, "vision"):
-            if known is not None or vision is not None:
+            if key in self._vision_flops or vision is not None:
                 seq = embed(prepared)
             else:
                 with flop_counter() as fc:
                     seq = embed(prepared)
-                known = self._remember(key, fc.get_total_flops())
-        if known is None:
-            known = self.vision_flops(prepared)
-        self._vision_flops.move_to_end(key)
-        meter.add("vision", known)
+                self._remember(key, fc.get_total_flops())
+        meter.add("vision", self.vision_flops(prepared))  # remembered now, except for a probed unseen shape
         return seq
 
     def vision_flops(self, prepared) -> int:
@@ -82,11 +78,10 @@ class Runner:
         self._vision_flops.move_to_end(key)
         return self._vision_flops[key]
 
-    def _remember(self, key, flops: int) -> int:
+    def _remember(self, key, flops: int) -> None:
         self._vision_flops[key] = flops
         while len(self._vision_flops) > self.VISION_CACHE:
             self._vision_flops.popitem(last=False)
-        return flops
 
     @property
     def num_layers(self) -> int:
@@ -284,8 +279,7 @@ class Runner:
     def step(self, tokens, positions, cache, plan: Plan | None = None, *, all_logits: bool = False, **kw):
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache with the plan's decode layers
         (its candidate-branch layers for phase "branch"); return logits (the options of `step_hidden`)."""
-        kw["skip"] = _phase_skip(plan, kw.get("phase", "decode"), kw.get("skip"))
-        seq = self.step_hidden(tokens, positions, cache, **kw)
+        seq = self.step_hidden(tokens, positions, cache, plan=plan, **kw)
         return self._logits(seq, kw.get("meter"), kw.get("phase", "decode"), all_logits)
 
     @torch.no_grad()

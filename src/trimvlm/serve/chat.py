@@ -80,9 +80,7 @@ class ChatBody(_Strict):
 
 @dataclass
 class ChatJob:
-    prompt: str
-    images: list  # PIL images
-    prepared: object  # the request alone, prepared (its prompt tokens, its images' vision FLOPs)
+    prepared: object  # the request alone, prepared on the preparation thread (collated into its batch)
     prompt_tokens: int
     recipe: object
     max_tokens: int
@@ -153,7 +151,7 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int) -> tuple[list, object]:
+def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int):
     """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
     or a prompt + max_tokens past the model's positions, fails here, never in a batch)."""
     from trimvlm.runtime.limits import check_generation
@@ -161,7 +159,7 @@ def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int) -> tuple
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
     prepared = vlm.prepare(images or None, prompt)
     check_generation(vlm.adapter, prepared, max_tokens)
-    return images, prepared
+    return prepared
 
 
 async def handle(state, request):
@@ -192,9 +190,9 @@ async def _handle(state, request, arrival):
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    images, prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits, max_tokens)
+    prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits, max_tokens)
     job = ChatJob(
-        prompt=prompt, images=images, prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
+        prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
         recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         stream=req.stream, preprocess_s=time.perf_counter() - t1,
     )  # fmt: skip
