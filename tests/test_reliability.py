@@ -340,7 +340,8 @@ def test_attention_probe_sees_no_plain_sdpa_mid_run(tiny):
 # --------------------------------------------------------------------------------------------- imports
 
 EXPECTED = {
-    "tokens": {"dart", "density", "divprune", "fastv", "prumerge", "random", "tome", "visionzip"},
+    "tokens": {"cdpruner", "dart", "density", "divprune", "fastv", "holov", "pool", "prumerge", "random", "tome",
+               "visionzip"},
     "kv": {"density", "h2o", "random", "snapkv", "streamingllm"},
     "depth": {"random", "ranking", "skip", "tail"},
     "router": {"PATH"},  # the meta-router: its method is the checkpoint (router=PATH|demo:...)

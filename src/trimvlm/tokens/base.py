@@ -55,6 +55,8 @@ class VisualView:
     layer: int
     attention: torch.Tensor | None = None  # [U, N] attention from the last query at layer L-1, when asked
     keys: torch.Tensor | None = None  # [U, N, Hk * hd] layer L's key states, for methods that ask (`prepare`)
+    text: torch.Tensor | None = None  # [U, M, D] the instruction's hidden states entering layer L (`wants_text`)
+    text_mask: torch.Tensor | None = None  # [U, M] bool, real instruction tokens of `text`
 
 
 @dataclass
@@ -86,6 +88,7 @@ class TokenReducer:
     size_weighted: bool = False
 
     name: ClassVar[str] = "?"
+    wants_text: ClassVar[bool] = False  # fill view.text with the instruction's hidden states (text-guided methods)
     default_layer: ClassVar[int] = 0
     min_layer: ClassVar[int] = 0
 
@@ -194,6 +197,8 @@ class TokenReducer:
             return seq  # nothing visual, or keep everything: exactly the same sequence
         if self.wants_attention(runner):
             view.attention = self._attention(view, seq, lay, handoff)
+        if self.wants_text:
+            view.text, view.text_mask = instruction_features(seq, view)
         self.prepare(view, runner, handoff)
         sel = self.refine(view, seq, runner, self.choose(view))
         if sel.rho is not None:
@@ -266,6 +271,27 @@ def by_source(view: VisualView, values: torch.Tensor, fill) -> torch.Tensor:
     rows = view.sample[:, None].expand_as(view.mask)[view.mask]
     out[rows, view.source[view.mask]] = values[view.mask]
     return out
+
+
+def instruction_features(seq: LiveSeq, view: VisualView) -> tuple[torch.Tensor, torch.Tensor]:
+    """([U, M, D] hidden states, [U, M] mask) of each unit's instruction: the live text tokens of its sample
+    after the sample's last visual token (every family's template puts the question after the images; the
+    template's closing tokens come with it), or all its text tokens when none follow the images. Zero-padded
+    to the longest instruction of the batch."""
+    text = seq.valid & ~seq.visual
+    rows = []
+    for b in range(seq.batch):
+        vis = torch.nonzero(seq.visual[b] & seq.valid[b]).flatten()
+        cols = torch.nonzero(text[b]).flatten()
+        after = cols[cols > vis[-1]] if vis.numel() else cols
+        rows.append(after if after.numel() else cols)
+    m = max(1, max(r.numel() for r in rows))
+    out = seq.hidden.new_zeros(seq.batch, m, seq.hidden.shape[-1])
+    mask = torch.zeros(seq.batch, m, dtype=torch.bool, device=seq.hidden.device)
+    for b, c in enumerate(rows):
+        out[b, : c.numel()] = seq.hidden[b, c]
+        mask[b, : c.numel()] = True
+    return out[view.sample], mask[view.sample]
 
 
 # ---- view ------------------------------------------------------------------------------------------------

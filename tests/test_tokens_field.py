@@ -1,0 +1,280 @@
+"""The field's strongest prefill baselines (issue 19): pool, cdpruner, holov, downsample. Each against a reference
+written here from its definition; a ragged batch equals each sample alone on every family; keep = 1 changes
+nothing; the method FLOPs are exactly what torch's counter sees on top of the model's."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import AVAILABLE, plan_prefill, ragged_batch
+
+from trimvlm.errors import RecipeError
+from trimvlm.plan import Handoff, build_methods, make_plan
+from trimvlm.runtime.generate import generate
+from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.runtime.runner import Runner
+from trimvlm.testing import random_image
+from trimvlm.tokens.base import instruction_features, make_view
+from trimvlm.tokens.cdpruner import dpp_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# every new method at a budget and layer it allows (holov reads the vision tower: layer 0 only)
+RECIPES = ["pool:keep=0.25", "cdpruner:keep=0.3", "holov:keep=0.3"]
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_adapter):
+    adapter = tiny_adapter("qwen3_vl")
+    return adapter, Runner(adapter)
+
+
+def _units(seq):
+    """(sample, image) -> live columns of that image's tokens, in grid order."""
+    out = {}
+    for b in range(seq.batch):
+        for j in range(len(seq.grids[b])):
+            cols = torch.nonzero(seq.visual[b] & seq.valid[b] & (seq.image_id[b] == j)).flatten()
+            out[(b, j)] = cols[torch.argsort(seq.source[b, cols])]
+    return out
+
+
+# ---- pool: avg_pool2d on each grid -----------------------------------------------------------------------
+@pytest.mark.parametrize("keep, window", [(0.5, (1, 2)), (0.25, (2, 2)), (0.125, (2, 4))])
+@torch.no_grad()
+def test_pool_equals_avg_pool2d_on_each_grid(qwen, keep, window):
+    adapter, runner = qwen
+    images = [[random_image(1, (64, 64))], [random_image(2, (96, 64)), random_image(3, (64, 160))]]
+    seq = adapter.embed(adapter.prepare(images, ["what is the colour", "two images here"]))
+    out = build_methods(f"tokens=pool:keep={keep}:layer=0")["tokens"].reduce(seq, runner, Handoff())
+    before, after = _units(seq), _units(out)
+    for (b, j), cols in before.items():
+        h, w = seq.grids[b][j]
+        kh, kw = window if w >= h else window[::-1]  # the longer side of the window along the longer grid side
+        grid = seq.hidden[b, cols].double().T.reshape(1, -1, h, w)
+        ref = F.avg_pool2d(grid, (kh, kw), ceil_mode=True)[0].flatten(1).T  # [windows, D]
+        got = out.hidden[b, after[(b, j)]].double()
+        assert got.shape == ref.shape == (math.ceil(h / kh) * math.ceil(w / kw), seq.hidden.shape[-1])
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for name, ts in seq.adds.items():  # Qwen3-VL's deepstack features: pooled with the same windows
+            for t0, t1 in zip(ts, out.adds[name], strict=True):
+                g = t0[b, cols].double().T.reshape(1, -1, h, w)
+                torch.testing.assert_close(
+                    t1[b, after[(b, j)]].double(), F.avg_pool2d(g, (kh, kw), ceil_mode=True)[0].flatten(1).T,
+                    rtol=1e-5, atol=1e-6,
+                )
+        # each pooled token sits at its window's top-left token
+        first = [r * w + c for r in range(0, h, kh) for c in range(0, w, kw)]
+        start = seq.image_start[b][j]
+        assert (out.source[b, after[(b, j)]] - start).tolist() == first
+
+
+def test_pool_keep_must_be_one_over_an_integer():
+    with pytest.raises(RecipeError, match="1 / an integer"):
+        build_methods("tokens=pool:keep=0.3")
+    with pytest.raises(RecipeError, match="merge=true"):
+        build_methods("tokens=pool:keep=0.25:merge=false")
+
+
+# ---- cdpruner: greedy DPP MAP == brute-force greedy log-det --------------------------------------------
+def _greedy_logdet(x: torch.Tensor, q: torch.Tensor, k: int) -> list[int]:
+    """Greedy MAP of the DPP with kernel diag(q) X X^T diag(q), straight from the definition: at every step
+    the token whose addition gives the largest log det of the kernel's principal submatrix."""
+    kern = q[:, None] * (x @ x.T) * q[None, :]
+    picks: list[int] = []
+    for _ in range(k):
+        best, arg = -math.inf, -1
+        for i in range(len(x)):
+            if i in picks:
+                continue
+            s = picks + [i]
+            v = torch.logdet(kern[s][:, s]).item()
+            if v > best:
+                best, arg = v, i
+        picks.append(arg)
+    return picks
+
+
+def test_dpp_greedy_equals_brute_force_log_det():
+    gen = torch.Generator().manual_seed(11)
+    sizes, ks, d = [12, 9, 15], [6, 9, 4], 24  # d > n: the kernel is full rank
+    x = torch.zeros(3, max(sizes), d, dtype=torch.float64)
+    q = torch.zeros(3, max(sizes), dtype=torch.float64)
+    mask = torch.zeros(3, max(sizes), dtype=torch.bool)
+    for u, n in enumerate(sizes):
+        x[u, :n] = F.normalize(torch.randn(n, d, dtype=torch.float64, generator=gen), dim=-1)
+        q[u, :n] = torch.rand(n, dtype=torch.float64, generator=gen) + 0.1
+        mask[u, :n] = True
+    picks = dpp_greedy(x, q, mask, torch.tensor(ks))
+    for u, n in enumerate(sizes):
+        assert picks[u, : ks[u]].tolist() == _greedy_logdet(x[u, :n], q[u, :n], ks[u])
+
+
+@torch.no_grad()
+def test_cdpruner_selection_equals_reference_on_the_model(qwen):
+    """On the model's own features: relevance = mean cosine to the instruction's tokens, min-max per image;
+    the kept set = the brute-force greedy log-det picks of diag(r) S diag(r)."""
+    adapter, runner = qwen
+    images, prompts = ragged_batch()
+    seq = adapter.embed(adapter.prepare(images, prompts))
+    view = make_view(seq, 0.3, 0)
+    red = build_methods("tokens=cdpruner:keep=0.3")["tokens"]
+    view.text, view.text_mask = instruction_features(seq, view)
+    sel = red.choose(view)
+    for u in range(view.mask.shape[0]):
+        b, n = int(view.sample[u]), int(view.n[u])
+        vis = torch.nonzero(seq.visual[b] & seq.valid[b]).flatten()
+        text_cols = [c for c in torch.nonzero(seq.valid[b] & ~seq.visual[b]).flatten().tolist() if c > vis[-1]]
+        x = F.normalize(view.features[u, :n].double(), dim=-1)
+        t = F.normalize(seq.hidden[b, text_cols].double(), dim=-1)
+        r = (x @ t.T).mean(1)
+        r = (r - r.min() + 1e-6) / (r.max() - r.min())
+        ref = sorted(_greedy_logdet(x, r, int(view.k[u])))
+        assert torch.nonzero(sel.keep[u]).flatten().tolist() == ref
+
+
+def test_cdpruner_follows_the_instruction(qwen):
+    """The same image with two different questions can keep different tokens (the relevance term acts)."""
+    adapter, runner = qwen
+    img = random_image(7, (96, 96))
+    kept = []
+    for prompt in ("what is the colour of the circle", "how many squares are in the top row"):
+        out, _, _ = plan_prefill(runner, adapter.prepare([[img]], [prompt]), "tokens=cdpruner:keep=0.25")
+        kept.append(sorted(out.seq.source[0][out.seq.visual[0] & out.seq.valid[0]].tolist()))
+    assert kept[0] != kept[1]
+
+
+# ---- every family: ragged batch == each sample alone; keep = 1 is a no-op --------------------------------
+@pytest.mark.parametrize("family", AVAILABLE)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_ragged_batch_equals_each_sample_alone(tiny_adapter, family, recipe):
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    images, prompts = images + [[]], prompts + ["what is the colour of a red circle"]
+    prep = adapter.prepare(images, prompts)
+    full = f"tokens={recipe}:layer=0"
+    out, _, _ = plan_prefill(runner, prep, full)
+    base, _, _ = plan_prefill(runner, prep, "")
+    n_vis = (base.seq.visual & base.seq.valid).sum(1)
+    kept = (out.seq.visual & out.seq.valid).sum(1)
+    assert (kept[:3] < n_vis[:3]).all() and int(kept[3]) == 0
+    for b in range(len(prompts)):
+        alone, _, _ = plan_prefill(runner, adapter.prepare(images[b : b + 1], prompts[b : b + 1]), full)
+        assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_ragged_batch_at_layer_two(qwen, recipe):
+    if recipe.startswith("holov"):
+        pytest.skip("holov reads the vision tower's attention: layer 0 only")
+    adapter, runner = qwen
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    out, _, _ = plan_prefill(runner, prep, f"tokens={recipe}:layer=2")
+    for b in range(3):
+        alone, _, _ = plan_prefill(runner, adapter.prepare(images[b : b + 1], prompts[b : b + 1]),
+                                   f"tokens={recipe}:layer=2")  # fmt: skip
+        assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["pool", "cdpruner", "holov"])
+def test_keep_one_is_an_exact_noop(qwen, method):
+    adapter, runner = qwen
+    prep = adapter.prepare(*ragged_batch())
+    base, bm, _ = plan_prefill(runner, prep, "", all_logits=True)
+    for layer in (0,) if method == "holov" else (0, 2):
+        out, m, _ = plan_prefill(runner, prep, f"tokens={method}:keep=1.0:layer={layer}", all_logits=True)
+        assert torch.equal(out.logits, base.logits)
+        assert m.costs.flops == bm.costs.flops and m.costs.method_total_flops == 0
+
+
+# ---- the method line: exactly torch's counter minus the model's ----------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_method_flops_equal_torch_counter(qwen, recipe):
+    adapter, runner = qwen
+    prep = adapter.prepare(*ragged_batch())
+    runner.vision_flops(prep)  # counted once per input shape, outside the measured run
+    plan = make_plan(f"tokens={recipe}", runner)
+    with flop_counter() as fc:
+        out = generate(runner, prep, plan, max_new_tokens=2, stop_ids=[], pad_id=0, meter=Meter())
+    c = out.costs
+    assert c.model_flops + c.method_total_flops == c.total_flops == fc.get_total_flops()
+    if recipe.startswith("pool"):
+        assert c.method_total_flops == 0  # averaging is element-wise
+    else:
+        assert c.method_total_flops > 0
+
+
+# ---- holov: budget split over crops, the most attended inside each -------------------------------------
+def _holov_reference(x: torch.Tensor, a: torch.Tensor, k: int, crops: int, alpha=1.0, beta=0.09) -> list[int]:
+    """HoloV, one Python step at a time: crops = contiguous runs of the raster order (the first n % crops one
+    longer); token score a_i + beta v_i (mean|a| / mean|v|) within its crop, v_i = variance of cos(x_i, x_j) over
+    the crop's other tokens; crop weight = mean score / sum; floor(w K) plus the remainder one each by weight,
+    overflow passed on by weight; the most attended tokens of each crop."""
+    n = len(x)
+    c = min(n, crops)
+    size, extra = n // c, n % c
+    bounds, s = [], 0
+    for i in range(c):
+        e = s + size + (1 if i < extra else 0)
+        bounds.append(list(range(s, e)))
+        s = e
+    xn = F.normalize(x.double(), dim=-1)
+    weights = []
+    for idx in bounds:
+        var = []
+        for i in idx:
+            sims = [float(xn[i] @ xn[j]) for j in idx if j != i]
+            if not sims:
+                var.append(0.0)
+                continue
+            m = sum(sims) / len(sims)
+            var.append(sum((v - m) ** 2 for v in sims) / len(sims))
+        att = [float(a[i]) for i in idx]
+        scale = (sum(abs(v) for v in att) / len(att)) / (sum(abs(v) for v in var) / len(var) + 1e-6)
+        scores = [alpha * ai + beta * vi * scale for ai, vi in zip(att, var, strict=True)]
+        weights.append(sum(scores) / len(scores))
+    tot = sum(weights)
+    w = [v / tot for v in weights]
+    alloc = [min(len(b), math.floor(v * k)) for v, b in zip(w, bounds, strict=True)]
+    by_weight = sorted(range(c), key=lambda i: (-w[i], i))
+    while sum(alloc) < k:
+        left = k - sum(alloc)
+        for i in by_weight:
+            if left and alloc[i] < len(bounds[i]):
+                alloc[i] += 1
+                left -= 1
+    kept = []
+    for idx, q in zip(bounds, alloc, strict=True):
+        kept += sorted(idx, key=lambda i: (-float(a[i]), i))[:q]
+    return sorted(kept)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+@pytest.mark.parametrize("keep, crops", [(0.3, 4), (0.125, 16), (0.6, 3)])
+@torch.no_grad()
+def test_holov_selection_equals_loop_reference(tiny_adapter, family, keep, crops):
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    red = build_methods(f"tokens=holov:keep={keep}:crops={crops}")["tokens"]
+    plan = make_plan(f"tokens=holov:keep={keep}:crops={crops}", runner)
+    seen = {}
+
+    def spy(i, seq, run):
+        if i == 0:
+            view = make_view(seq, keep, 0)
+            red._attention(view, seq, 0, plan.handoff)
+            seen["view"], seen["sel"] = view, red.choose(view)
+        return seq
+
+    plan.hook = spy
+    runner.prefill(prep, plan)
+    view, sel = seen["view"], seen["sel"]
+    for u in range(view.mask.shape[0]):
+        n = int(view.n[u])
+        ref = _holov_reference(view.features[u, :n], view.attention[u, :n].double(), int(view.k[u]), crops)
+        assert torch.nonzero(sel.keep[u]).flatten().tolist() == ref
