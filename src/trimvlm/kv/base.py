@@ -12,8 +12,12 @@ counter (`PrefillOutput.next_pos`), so an eviction is exactly "these keys are ma
 Recurrent (Gated DeltaNet) states hold no per-token entries and are left untouched.
 
 A policy is a small dataclass that implements `scores(view) -> [B, K]` (higher = keep; only the visual, valid
-entries are compared) and, if it scores by attention, asks for prefill attention rows with `rows_wanted`.
-Ties are broken by cache order (earlier entry first), so a sample's selection does not depend on its batch.
+entries are compared) and, if it scores by attention, asks for prefill attention rows with `rows_wanted` (or
+for the column sums over every prefill query with `colsum`). Two optional hooks: `layer_budgets` (a policy
+that splits one total over the layers instead of ceil(N_post * keep) in each; the total per sample stays the
+same, so every policy is compared at equal KV entries) and `compensate` (a policy that folds the evicted
+entries into the kept ones before they are freed, e.g. LOOK-M's merge). Ties are broken by cache order
+(earlier entry first), so a sample's selection does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.errors import TrimVLMError
+from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.options import is_number, require_int
 from trimvlm.runtime.attention import AttentionProbe
@@ -73,6 +78,22 @@ class KVPolicy:
     def per_head(self) -> bool:
         return False
 
+    @property
+    def colsum(self) -> bool:
+        """Score with the attention every key received from *all* prefill queries (summed over queries and
+        heads, `AttentionProbe(colsum=True)`) instead of the last `rows_wanted` rows."""
+        return False
+
+    def layer_weights(self, views: dict[int, LayerView]) -> dict[int, torch.Tensor] | None:
+        """[B] weight per attention layer for splitting each sample's total visual budget over the layers
+        (`split_budget`); None (the default) keeps ceil(N_post * keep) in every layer."""
+        return None
+
+    def compensate(self, cache: KVCache, masks: dict[int, torch.Tensor]) -> None:
+        """Called between the selection and the eviction: may rewrite the kept entries (never their
+        positions); the default does nothing."""
+        return None
+
     # ---- the plan's side ----
     @property
     def is_noop(self) -> bool:
@@ -81,9 +102,12 @@ class KVPolicy:
     def probe(self, runner, handoff) -> AttentionProbe | None:
         """The attention probe the prefill must record for this policy (kept in `handoff.probes`), or None."""
         handoff.probes.pop("kv", None)
-        if self.is_noop or self.keep == 0 or self.rows_wanted <= 0:
+        if self.is_noop or self.keep == 0 or (self.rows_wanted <= 0 and not self.colsum):
             return None
-        handoff.probes["kv"] = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
+        if self.colsum:
+            handoff.probes["kv"] = AttentionProbe(colsum=True)
+        else:
+            handoff.probes["kv"] = AttentionProbe(last=self.rows_wanted, layers=None, per_head=self.per_head)
         return handoff.probes["kv"]
 
     def apply(self, plan, runner) -> None:
@@ -98,29 +122,43 @@ class KVPolicy:
             return _noop
 
         def after_prefill(out) -> None:
-            self.evict(out.cache, self.select(out, handoff))
+            masks = self.select(out, handoff)
+            self.compensate(out.cache, masks)
+            self.evict(out.cache, masks)
 
         return after_prefill
 
     # ---- the mechanics ----
     def select(self, out, handoff) -> dict[int, torch.Tensor]:
         """layer -> keep mask [B, K] over that layer's cache entries (True = keep; text always True)."""
-        masks = {}
+        masks, views = {}, {}
         for i in sorted(out.cache.layers):
             entry = out.cache.layers[i]
             cand = entry.visual & entry.valid
             budget = keep_count(cand.sum(1), self.keep)
             if self.is_noop:
-                chosen = cand
+                masks[i] = entry.valid & (~entry.visual | cand)
             elif self.keep == 0:
-                chosen = torch.zeros_like(cand)
+                masks[i] = entry.valid & ~entry.visual
             else:
                 view = LayerView(i, entry, cand, budget, out, handoff=handoff)
-                if self.rows_wanted > 0:
+                if self.rows_wanted > 0 or self.colsum:
                     view.attention, view.row_valid = self._attention_rows(i, entry, handoff)
-                chosen = topk_mask(self.scores(view), budget, cand)
-            masks[i] = entry.valid & (~entry.visual | chosen)
-        return masks
+                views[i] = view
+        weights = self.layer_weights(views) if views else None
+        if weights is not None:
+            order = sorted(views)
+            split = split_budget(
+                torch.stack([weights[i].double().cpu() for i in order], 1),
+                torch.stack([views[i].candidates.sum(1).cpu() for i in order], 1),
+                sum(views[i].budget.cpu() for i in order),
+            )
+            for c, i in enumerate(order):
+                views[i].budget = split[:, c].to(views[i].budget.device)
+        for i, view in views.items():
+            chosen = topk_mask(self.scores(view), view.budget, view.candidates)
+            masks[i] = view.entry.valid & (~view.entry.visual | chosen)
+        return dict(sorted(masks.items()))
 
     def _attention_rows(self, layer: int, entry: LayerKV, handoff):
         probe = handoff.probes.get("kv")
@@ -131,6 +169,13 @@ class KVPolicy:
                 "`probe=policy.probe(runner, handoff)` (or the plan's probe) to the prefill"
             )
         att = probe.results[layer]
+        if self.colsum:
+            if att.shape[-1] != entry.key.shape[2]:
+                raise TrimVLMError(
+                    f"recorded column sums of layer {layer} cover {att.shape[-1]} keys but the cache holds "
+                    f"{entry.key.shape[2]}: the probe is from another prefill"
+                )
+            return att, None  # [B, K] column sums: no rows
         if att.shape[-1] != entry.key.shape[2]:
             raise TrimVLMError(
                 f"recorded attention of layer {layer} covers {att.shape[-1]} keys but the cache holds "
@@ -182,3 +227,27 @@ def order_in_span(cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from_start = c.cumsum(1) - 1
     from_end = c.flip(1).cumsum(1).flip(1) - 1
     return from_start, from_end
+
+
+def heavy_and_recent(heavy: torch.Tensor, view: LayerView, recent: float) -> torch.Tensor:
+    """[B, K] ranking score: the most recent floor(budget * recent) visual entries of each sample above every
+    other entry, the rest by `heavy` (H2O's heavy hitters + recent window, on the visual span)."""
+    _, from_end = order_in_span(view.candidates)
+    n_recent = torch.floor(view.budget.double() * recent + 1e-9).long()
+    is_recent = view.candidates & (from_end < n_recent.to(from_end.device)[:, None])
+    return heavy + is_recent.float() * (float(heavy.amax()) + 1.0)
+
+
+def post_vision_rows(view: LayerView) -> torch.Tensor:
+    """[B, n] bool: which of the recorded attention rows (the last n queries of the prefill, i.e. cache columns
+    K - n .. K - 1 of this layer) are real text queries after the sample's last visual entry (VL-Cache's
+    "post-vision" queries: the instruction that reads the image)."""
+    e = view.entry
+    n, k = view.attention.shape[-2], e.valid.shape[1]
+    cols = torch.arange(k - n, k, device=e.valid.device)
+    col = torch.arange(k, device=e.valid.device).expand_as(e.valid)
+    last_vis = torch.where(e.visual & e.valid, col, torch.full_like(col, -1)).amax(1)  # [B]; -1: none
+    rows = e.valid[:, k - n :] & ~e.visual[:, k - n :] & (cols[None] > last_vis[:, None])
+    if view.row_valid is not None:
+        rows &= view.row_valid.to(rows.device)
+    return rows

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
+from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
 from trimvlm.options import is_number, require_int
 from trimvlm.protocol import register
-from trimvlm.runtime.attention import AttentionProbe
 
 
 @register("kv", "h2o")
@@ -43,26 +40,14 @@ class H2OKV(KVPolicy):
 
     @property
     def rows_wanted(self) -> int:
-        return self.rows if self.rows is not None else 1
+        return self.rows if self.rows is not None else 0
 
-    def probe(self, runner, handoff) -> AttentionProbe | None:
-        probe = super().probe(runner, handoff)
-        if probe is not None and self.rows is None:
-            probe = handoff.probes["kv"] = AttentionProbe(colsum=True)
-        return probe
-
-    def _attention_rows(self, layer, entry, handoff):
-        if self.rows is not None:
-            return super()._attention_rows(layer, entry, handoff)
-        att, _ = super()._attention_rows(layer, entry, handoff)
-        return att, None  # [B, K] column sums: no rows
+    @property
+    def colsum(self) -> bool:
+        return self.rows is None
 
     def scores(self, view: LayerView):
         att = view.attention.float()
         if att.dim() == 3:  # the last `rows` rows [B, n, K]
             att = (att * view.row_valid[..., None].float()).sum(1)
-        _, from_end = order_in_span(view.candidates)
-        n_recent = torch.floor(view.budget.double() * self.recent + 1e-9).long()
-        is_recent = view.candidates & (from_end < n_recent[:, None])
-        # the recent window ranks above every heavy hitter
-        return att + is_recent.float() * (float(att.amax()) + 1.0)
+        return heavy_and_recent(att, view, self.recent)  # the recent window ranks above every heavy hitter
