@@ -1,0 +1,297 @@
+"""`trimvlm.tune(vlm, task, budgets)`: the best recipe for each cost budget, found on the validation split.
+
+For every budget point (`tune.budgets`) and every family of the space (`tune.space`):
+1. **Prediction first.** The family's token `keep` is bisected on the predicted costs (`tune.predict`: prefill
+   FLOPs and KV bytes are exact from the shapes; total FLOPs are predicted as the prefill plus the baseline's
+   decode): the largest keep in [low, high] whose predicted ratios meet the budget. A family that is over budget
+   on those even at the lowest keep, or a fixed family over budget, is skipped before it runs.
+2. **Successive halving.** Round r runs the surviving candidates on the first n_r items of a seeded permutation
+   of the validation items (n_0 = `start`, then x `eta` up to all of them), in one interleaved `run_eval`
+   call with the baseline. A candidate whose measured ratio is over the budget (beyond `tol`) gets its keep
+   re-bisected with the measured offset (measured - predicted; latency: scaled by budget / measured) and runs
+   again, at most `corrections` times; then it is dropped. The best 1 / eta (by validation accuracy, then
+   mismatch, then total FLOPs) go on to the next round. The last round's ranking gives the point's best.
+3. **Frontier.** Every candidate that reached the last round of some point, with the baseline, is a point of
+   (cost ratio, validation accuracy); the non-dominated ones for each of total FLOPs, KV bytes and latency are
+   the frontier. The frontier and each point's best are then evaluated once on the test split (never seen
+   before: the test items are read only here), in one interleaved call, and those are the figures reported.
+Seeded (the item permutation), resumable (`tune.journal`), with a progress bar.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from trimvlm.depth.base import model_fingerprint
+from trimvlm.errors import InputError, TrimVLMError
+from trimvlm.evals.report import pareto_front
+from trimvlm.evals.run import batches
+from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
+from trimvlm.tune.journal import Journal, spec_of
+from trimvlm.tune.predict import predict, read_shapes
+from trimvlm.tune.space import Family, Space, load_space
+
+FRONTIER_AXES = ("total_flops", "kv_bytes", "latency_s")
+
+
+@dataclass
+class Candidate:
+    family: Family
+    keep: float | None = None
+    row: dict | None = None  # its measured row on the round's items
+    offset: dict = field(default_factory=dict)  # axis -> measured - predicted ratio
+    note: str = ""
+
+    @property
+    def recipe(self) -> dict:
+        return self.family.recipe(self.keep, name=self.spec)
+
+    @property
+    def spec(self) -> str:
+        return spec_of(self.family.recipe(self.keep))
+
+
+@dataclass
+class Settings:
+    start: int = 24
+    eta: int = 3
+    tol: float = 0.01
+    corrections: int = 3
+    steps: int = 14
+    batch_size: int = 48
+
+
+class Search:
+    def __init__(self, vlm, val, space: Space, journal: Journal, settings: Settings):
+        self.vlm, self.val, self.space, self.journal, self.s = vlm, val, space, journal, settings
+        self._shapes: dict[str, list] = {}
+        self._pred: dict[tuple, object] = {}
+        self.skipped: list[dict] = []  # (point, family, why) never run
+        self.considered = 0
+
+    def shapes(self, idx):
+        key = self.journal.items_key(idx)
+        if key not in self._shapes:
+            task = replace(self.val, records=[self.val.records[i] for i in idx])
+            self._shapes[key] = read_shapes(self.vlm, task, batches(task, self.s.batch_size))
+        return self._shapes[key]
+
+    def predicted(self, recipe: dict, idx) -> dict | None:
+        """Predicted ratios (result keys) of a recipe on the items `idx`, against the baseline's prediction;
+        total FLOPs from the prefill prediction plus the baseline's measured decode. None: not predictable."""
+        shapes = self.shapes(idx)
+        if shapes is None:
+            return None
+        key = (spec_of(recipe), self.journal.items_key(idx))
+        if key not in self._pred:
+            self._pred[key] = predict(self.vlm, recipe, shapes)
+        p = self._pred[key]
+        base = self._pred.setdefault(("baseline", key[1]), predict(self.vlm, {}, shapes))
+        if p is None:
+            return None
+        bsum = self.journal.run([], idx)["baseline"]["sum"]
+        extra = bsum["total_flops"] - bsum["prefill_flops"]
+        return {"prefill_flops": p.prefill_flops / base.prefill_flops, "kv_bytes": p.kv_bytes / base.kv_bytes,
+                "total_flops": (p.prefill_flops + extra) / bsum["total_flops"]}  # fmt: skip
+
+    def over(self, pred: dict | None, point: dict, offset: dict) -> bool:
+        if pred is None:
+            return False
+        return any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
+
+    def bisect(self, cand: Candidate, point: dict, idx) -> float | None:
+        """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point."""
+        fam, lo, hi = cand.family, self.space.keep_low, self.space.keep_high
+        if self.over(self.predicted(fam.recipe(lo), idx), point, cand.offset):
+            return None
+        if self.predicted(fam.recipe(hi), idx) is None:
+            return cand.keep if cand.keep is not None else 0.5 * (lo + hi)  # unpredictable: measured only
+        if not self.over(self.predicted(fam.recipe(hi), idx), point, cand.offset):
+            return hi
+        for _ in range(self.s.steps):
+            mid = round((lo + hi) / 2, 4)
+            lo, hi = (mid, hi) if not self.over(self.predicted(fam.recipe(mid), idx), point, cand.offset) else (lo, mid)
+        return lo
+
+    def start(self, point: dict, idx) -> list[Candidate]:
+        out = []
+        for fam in self.space.families():
+            self.considered += 1
+            cand = Candidate(fam)
+            try:
+                if fam.free:
+                    cand.keep = self.bisect(cand, point, idx)
+                    why = None if cand.keep is not None else f"over budget at keep {self.space.keep_low} (predicted)"
+                else:
+                    why = "over budget (predicted)" if self.over(self.predicted(fam.recipe(), idx), point, {}) else None
+            except TrimVLMError as e:  # e.g. a layer this model cannot reduce at
+                why = f"refused by the model: {e}"
+            if why:
+                self.skipped.append({"budget": label(point), "family": fam.name, "why": why})
+            else:
+                out.append(cand)
+        return out
+
+    def measure(self, cands: list[Candidate], point: dict, idx) -> list[Candidate]:
+        """Run the candidates on `idx`; re-bisect and re-run the ones over budget; those that fit."""
+        done, pending = [], cands
+        for attempt in range(self.s.corrections + 1):
+            if not pending:
+                break
+            rows = self.journal.run([c.recipe for c in pending], idx)
+            again = []
+            for c in pending:
+                c.row = rows[c.spec]
+                if fits(c.row["ratio"], point, self.s.tol):
+                    done.append(c)
+                elif c.family.free and attempt < self.s.corrections and self._correct(c, point, idx):
+                    again.append(c)
+                else:
+                    self.skipped.append({"budget": label(point), "family": c.family.name,
+                                         "why": f"measured over budget at keep {c.keep}"})  # fmt: skip
+            pending = again
+        return done
+
+    def _correct(self, c: Candidate, point: dict, idx) -> bool:
+        """A lower keep for a candidate measured over budget (False: none is left)."""
+        pred = self.predicted(c.family.recipe(c.keep), idx) or {}
+        old = new = c.keep
+        for a in point:
+            if a in pred:
+                c.offset[a] = c.row["ratio"][RESULT_KEY[a]] - pred[a]
+        lat = c.row["ratio"]["latency_s"]
+        if "latency" in point and lat is not None and lat > point["latency"] + self.s.tol:
+            new = old * point["latency"] / lat
+        if pred:
+            keep = self.bisect(c, point, idx)
+            if keep is None:
+                return False
+            new = min(new, keep)
+        if new >= old:  # measured over budget: the keep must go down
+            new = old - max(0.005, 0.02 * old)
+        if new < self.space.keep_low:
+            return False
+        c.keep = round(new, 4)
+        return True
+
+    def point(self, point: dict, rounds: list[list[int]], bar=None) -> list[Candidate]:
+        """The candidates of the last round, best first."""
+        cands = self.start(point, rounds[0])
+        for r, idx in enumerate(rounds):
+            cands = sorted(self.measure(cands, point, idx), key=_rank)
+            if r + 1 < len(rounds):
+                cands = cands[: max(1, math.ceil(len(cands) / self.s.eta))]
+            if bar is not None:
+                bar.advance()
+        return cands
+
+
+def _rank(c: Candidate):
+    return (-c.row["accuracy"], c.row["mismatch_pct"], c.row["ratio"]["total_flops"], c.spec)
+
+
+def round_items(n: int, start: int, eta: int, seed: int) -> list[list[int]]:
+    """Nested item subsets: the first n_r of a seeded permutation, n_0 = start, x eta, the last all n."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    sizes, m = [], min(start, n)
+    while m < n:
+        sizes.append(m)
+        m *= eta
+    sizes.append(n)
+    return [order[:k] for k in sizes]
+
+
+def frontier(entries: list[dict]) -> dict[str, list[str]]:
+    """Per cost axis, the specs of the non-dominated entries (lower ratio, higher accuracy)."""
+    out = {}
+    for axis in FRONTIER_AXES:
+        pts = [(e["val"]["ratio"][axis], e["val"]["accuracy"]) for e in entries]
+        out[axis] = [entries[i]["spec"] for i in pareto_front(pts)]
+    return out
+
+
+def check_splits(task: str, val_split: str, test_split: str, data) -> None:
+    from trimvlm.evals.tasks.base import TASKS
+
+    entry = TASKS.get(str(task))
+    if entry is None and data is None:
+        raise InputError(f"task {task!r} has no validation split: tune searches a registered task's "
+                         f"{val_split!r} split and reports on its {test_split!r} split (a JSONL file has no splits)")  # fmt: skip
+    if entry is not None and not entry.reads_data and val_split not in entry.splits:
+        allowed = ", ".join(entry.splits) or "none"
+        raise InputError(f"task {task!r} has no validation split {val_split!r} (its splits: {allowed}); "
+                         "tune never searches on the split it reports")  # fmt: skip
+    if val_split == test_split:
+        raise InputError(f"the validation and test splits must differ, both are {val_split!r}")
+
+
+def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_test: int = 600, seed: int = 0,
+         data=None, val_split: str = "val", test_split: str = "test", min_retention: float | None = None,
+         settings: Settings | None = None, progress: bool = True, console=None, on_run=None) -> dict:  # fmt: skip
+    """Search the space for the best recipe at each budget point; returns the report (`tune.report` writes
+    it). `on_run(n)` is called after each evaluation call (n recipes run)."""
+    from trimvlm.evals.run import run_eval
+    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.progress import progress as progress_bar
+    from trimvlm.tune.rankings import calibrate_rankings
+
+    points = budget_points(budgets)
+    if min_retention is not None and not 0 < min_retention <= 1:
+        raise InputError(f"min_retention must be in (0, 1], got {min_retention!r}")
+    check_splits(task, val_split, test_split, data)
+    settings = settings or Settings()
+    fp = model_fingerprint(vlm.adapter)
+    out = None if out is None else Path(out)
+    rankings = (out if out is not None else Path(tempfile.mkdtemp(prefix="trimvlm-tune-"))) / "rankings"
+    space = load_space(space, rankings=rankings)
+    val = get_task(task, limit=n_val, seed=seed, split=val_split, data=data, progress=False)
+    journal = Journal(vlm, val, out, batch_size=settings.batch_size, fingerprint=fp, on_run=on_run)
+    rounds = round_items(len(val.records), settings.start, settings.eta, seed)
+    calibrate_rankings(vlm, space, val, rankings)
+    search = Search(vlm, val, space, journal, settings)
+    results, entries = [], {}
+    with progress_bar(console, progress) as bar:
+        job = bar.add_task(f"tune {task}", total=len(points) * len(rounds))
+
+        class _Bar:
+            def advance(self):
+                bar.advance(job)
+
+        for p in points:
+            final = search.point(p, rounds, _Bar())
+            results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
+            for c in final:
+                entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
+                                            "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
+    base_row = journal.run([], rounds[-1])["baseline"]
+    entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
+                  "val": base_row}, *entries.values()]  # fmt: skip
+    front = frontier(entries_l)
+    chosen = list(dict.fromkeys([s for f in front.values() for s in f] + [r["ranking"][0] for r in results if r["ranking"]]))
+    chosen = [s for s in chosen if s != "baseline"]
+    test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
+    res = run_eval(vlm, test, [{**entries[s]["recipe"], "name": s} for s in chosen],
+                   batch_size=settings.batch_size, progress=False)  # fmt: skip
+    for e in entries_l:
+        if e["spec"] in chosen or e["spec"] == "baseline":
+            row = res.row(e["spec"])
+            e["test"] = {k: row[k] for k in ("accuracy", "mismatch_pct", "retention", "n", "ratio")}
+            e["test"]["by_probe"] = {g: {"accuracy": res.row(e["spec"], g)["accuracy"],
+                                         "mismatch_pct": res.row(e["spec"], g)["mismatch_pct"]}
+                                     for g in ("prefill", "full") if any(r["group"] == g for r in res.rows)}  # fmt: skip
+    for r in results:
+        r["best"] = r["ranking"][0] if r["ranking"] else None
+        best = next((e for e in entries_l if e["spec"] == r["best"]), None)
+        r["meets_min_retention"] = None if min_retention is None or best is None else \
+            (best["test"]["retention"] or 0) >= min_retention
+    return {"model": vlm.info() | {"fingerprint": fp}, "fingerprint": fp, "task": str(task),
+            "splits": {"val": val_split, "test": test_split}, "n_val": len(val.records), "n_test": len(test.records),
+            "seed": seed, "space": space.path, "budgets": results, "entries": entries_l, "frontier": front,
+            "min_retention": min_retention, "settings": vars(settings) | {"rounds": [len(r) for r in rounds]},
+            "considered": search.considered, "ran": len(journal.ran), "skipped": search.skipped,
+            "touched_val_items": len(journal.touched)}  # fmt: skip
