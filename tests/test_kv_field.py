@@ -182,6 +182,8 @@ def test_vlcache_score_and_sparsity_match_loops():
 
 # ---- AirCache -------------------------------------------------------------------------------------------------
 def test_aircache_elite_importance_and_layer_weight_match_loops():
+    """Elite window = the top ceil(|T| * elite) post-vision text tokens by the last one's attention to them;
+    importance = the elite rows' mean attention; layer weight = strength * (1 + max(skewness, 0))."""
     entry = _layer(6)
     n = 10
     att = _causal_attention(entry, n, 1, 7)[:, 0]  # heads averaged
@@ -192,8 +194,7 @@ def test_aircache_elite_importance_and_layer_weight_match_loops():
     post = _post_rows(entry, n)
     k = 24
     for b in range(2):
-        rel = {t: sum(float(att[b, q, k - n + t]) for q in post[b] if q >= t) / len([q for q in post[b] if q >= t])
-               for t in post[b]}  # fmt: skip
+        rel = {t: float(att[b, max(post[b]), k - n + t]) for t in post[b]}  # the last query reads t
         m = math.ceil(len(post[b]) * 0.5)
         want_elite = set(sorted(post[b], key=lambda t: (-rel[t], t))[:m])
         assert {r for r in range(n) if elite[b, r]} == want_elite
@@ -295,6 +296,22 @@ def test_budgets_differ_per_layer_and_uniform_is_the_ablation():
         split, flat = per_layer(name), per_layer(name, budgets="uniform")
         assert torch.equal(split.sum(1), flat.sum(1))
         assert not torch.equal(split, flat)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.25])
+def test_equal_kv_bytes_per_sample(tiny_adapter, keep):
+    """One sample at a time, the per-layer budgets of vlcache and aircache leave exactly the KV bytes of a
+    uniform policy at the same keep (a padded batch adds each layer's padding to its longest row)."""
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    kw = dict(max_new_tokens=1, stop_ids=[], pad_id=0)
+    for b in range(len(prompts)):
+        prep = adapter.prepare([images[b]], [prompts[b]])
+        want = generate(runner, prep, make_plan(f"kv=density:keep={keep}", runner), **kw).costs.kv_bytes
+        for name in ("vlcache", "aircache", "lookm"):
+            got = generate(runner, prep, make_plan(f"kv={name}:keep={keep}", runner), **kw).costs.kv_bytes
+            assert got == want
 
 
 def test_keep_one_is_an_exact_noop(tiny_adapter):
