@@ -278,3 +278,76 @@ def test_holov_selection_equals_loop_reference(tiny_adapter, family, keep, crops
         n = int(view.n[u])
         ref = _holov_reference(view.features[u, :n], view.attention[u, :n].double(), int(view.k[u]), crops)
         assert torch.nonzero(sel.keep[u]).flatten().tolist() == ref
+
+
+# ---- downsample: the image is prepared smaller, the vision tower makes fewer tokens -----------------------
+RESIZING = [f for f in ("qwen3_vl", "qwen2_5_vl", "qwen3_5") if f in AVAILABLE]
+
+
+def _grids(prep, merge):
+    return [(h // merge, w // merge) for _, h, w in prep.model_inputs["image_grid_thw"].tolist()]
+
+
+@pytest.mark.parametrize("family", RESIZING)
+@pytest.mark.parametrize("keep", [0.5, 0.25])
+@torch.no_grad()
+def test_downsample_prepares_each_image_at_the_scaled_grid(vlms, family, keep):
+    """Each image's token grid is round(side * sqrt(keep)); its pixels are those of the image resized by hand to
+    that grid and prepared as is; a ragged batch equals each sample alone."""
+    vlm = vlms(family)
+    ad, runner = vlm.adapter, vlm.runner
+    images, prompts = ragged_batch()
+    plan = make_plan(f"tokens=downsample:keep={keep}", runner)
+    prep = vlm.prepare(images, prompts, plan=plan)
+    natural = _grids(ad.prepare(images, prompts), ad.merge)
+    want = [(max(1, round(h * math.sqrt(keep))), max(1, round(w * math.sqrt(keep)))) for h, w in natural]
+    assert _grids(prep, ad.merge) == want
+    f = ad.image_processor.patch_size * ad.merge
+    by_hand = [[im.resize((tw * f, th * f), resample=3)] for (im,), (th, tw) in zip(images, want, strict=True)]
+    ref = ad.prepare(by_hand, prompts)
+    assert torch.equal(ref.input_ids, prep.input_ids)
+    torch.testing.assert_close(ref.model_inputs["pixel_values"], prep.model_inputs["pixel_values"])
+    out = runner.prefill(prep, plan)
+    for b in range(3):
+        p1 = make_plan(f"tokens=downsample:keep={keep}", runner)
+        alone = runner.prefill(vlm.prepare(images[b : b + 1], prompts[b : b + 1], plan=p1), p1)
+        assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
+
+
+# qwen3_5 left out: torch's counter also sees the matmuls of the Gated DeltaNet reference kernels, which the
+# model line counts by its own rule (tests/test_meter.py)
+@pytest.mark.parametrize("family", [f for f in RESIZING if f != "qwen3_5"])
+def test_downsample_lowers_vision_flops_and_counts_them_exactly(vlms, family):
+    vlm = vlms(family)
+    images, prompts = ragged_batch()
+    base = vlm.generate(images, prompts, max_new_tokens=2).costs
+    plan = make_plan("tokens=downsample:keep=0.25", vlm.runner)
+    prep = vlm.prepare(images, prompts, plan=plan)
+    vlm.runner.vision_flops(prep)
+    with flop_counter() as fc:
+        out = generate(vlm.runner, prep, plan, max_new_tokens=2, stop_ids=[], pad_id=0, meter=Meter())
+    c = out.costs
+    assert c.flops["vision"] < base.flops["vision"] and c.flops["prefill"] < base.flops["prefill"]
+    assert c.method_total_flops == 0
+    assert c.model_flops == c.total_flops == fc.get_total_flops()
+
+
+def test_downsample_keep_one_is_a_noop_and_needs_its_preparation(vlms):
+    vlm = vlms("qwen3_vl")
+    images, prompts = ragged_batch()
+    plan = make_plan("tokens=downsample:keep=1.0", vlm.runner)
+    assert plan.resolution is None
+    a = vlm.runner.prefill(vlm.prepare(images, prompts, plan=plan), plan, all_logits=True)
+    b = vlm.runner.prefill(vlm.prepare(images, prompts), None, all_logits=True)
+    assert torch.equal(a.logits, b.logits)
+    plan = make_plan("tokens=downsample:keep=0.5", vlm.runner)
+    with pytest.raises(Exception, match="plan=plan"):
+        vlm.runner.prefill(vlm.prepare(images, prompts), plan)  # prepared without the plan: refused
+
+
+@pytest.mark.parametrize("family", [f for f in ("llava", "idefics3", "internvl") if f in AVAILABLE])
+def test_downsample_is_refused_where_the_tower_has_one_resolution(tiny_adapter, family):
+    with pytest.raises(RecipeError, match="fixed-resolution"):
+        make_plan("tokens=downsample:keep=0.5", Runner(tiny_adapter(family)))
+    with pytest.raises(RecipeError, match="layer must be 0"):
+        build_methods("tokens=downsample:keep=0.5:layer=2")

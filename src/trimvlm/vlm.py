@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trimvlm.adapters.base import resolution
 from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
@@ -53,9 +54,10 @@ class VLM:
             ids.update(gen_eos)
         return sorted(i for i in ids if i is not None)
 
-    def prepare(self, images, prompts):
+    def prepare(self, images, prompts, plan=None):
         """One prompt (a string; images: None, one image or path, or a list of them) or a batch (a list of
-        prompts and a list with one such image entry per prompt)."""
+        prompts and a list with one such image entry per prompt). `plan`: a plan whose methods act when the
+        images are prepared (its `resolution`, tokens=downsample)."""
         if isinstance(prompts, str):
             prompts, images = [prompts], [images]
         elif not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
@@ -70,7 +72,11 @@ class VLM:
         marker = self.tokenizer.convert_ids_to_tokens(self.adapter.image_token_id)
         if any(marker in p for p in prompts):  # the adapter writes each image's tokens itself
             raise InputError(f"a prompt contains the image token {marker!r}: pass the images instead")
-        return self.adapter.prepare(list(images), list(prompts))
+        target = None if plan is None else plan.resolution
+        with resolution(target):
+            prepared = self.adapter.prepare(list(images), list(prompts))
+        prepared.resolution = target
+        return prepared
 
     @torch.no_grad()
     def generate(
@@ -96,7 +102,7 @@ class VLM:
         sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
         plan = make_plan(recipe, self.runner)
         if prepared is None:
-            prepared = self.prepare(images, prompts)
+            prepared = self.prepare(images, prompts, plan=plan)
         elif images is not None or prompts is not None:
             raise InputError("give images and prompts, or a prepared batch (then images=None, prompts=None)")
         check_generation(self.adapter, prepared, max_new_tokens)  # before any model work

@@ -7,11 +7,13 @@ evaluation never look at model classes; they talk to this protocol.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ class Prepared:
     n_images: list[int] = field(default_factory=list)
     tiles: list[list[int]] = field(default_factory=list)  # tiled families: tiles of each image, per sample
     image_keys: list[list[int]] = field(default_factory=list)  # content fingerprint of each image, per sample
+    resolution: object | None = None  # the `resolution` target the images were prepared at (None: as given)
 
     @property
     def batch(self) -> int:
@@ -76,6 +79,26 @@ def on_host(prepare):
         return prepared.to(self.device)
 
     return wrapper
+
+
+_RESOLUTION: ContextVar = ContextVar("trimvlm_resolution", default=None)
+
+
+@contextlib.contextmanager
+def resolution(target):
+    """Within this context (this thread only), `prepare` resizes every image whose natural LLM token grid is
+    (h, w) so that it comes out at the grid `target(h, w)` (tokens=downsample); None: images as given. Only
+    adapters with `resizes = True` honour it; the caller checks that first."""
+    token = _RESOLUTION.set(target)
+    try:
+        yield
+    finally:
+        _RESOLUTION.reset(token)
+
+
+def current_resolution():
+    """The `resolution` target of the enclosing context, or None."""
+    return _RESOLUTION.get()
 
 
 def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
@@ -161,6 +184,7 @@ class Adapter:
     """Base class. Subclasses set `family` and implement the abstract parts."""
 
     family: str = ""
+    resizes = False  # `prepare` honours `resolution` (the family's token grid follows the image's size)
     rope_axes: int = 1
     # recurrent layers' kernel pads each row to a multiple of this many tokens (cost model of the tree layout)
     recurrent_chunk: int = 1

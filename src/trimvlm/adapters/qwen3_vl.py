@@ -7,6 +7,7 @@ import torch
 from trimvlm.adapters.base import (
     Adapter,
     Prepared,
+    current_resolution,
     image_keys,
     images_only_processor,
     load_images,
@@ -32,6 +33,8 @@ class QwenVLAdapterMixin:
     def _image_tokens(self, grid) -> int:
         return int(grid.prod().item()) // (self.merge**2)
 
+    resizes = True  # dynamic resolution: the token grid follows the image's size
+
     @on_host
     def prepare(self, images, prompts) -> Prepared:
         per_sample = load_images(images, len(prompts))
@@ -39,7 +42,8 @@ class QwenVLAdapterMixin:
         model_inputs = {}
         grids = torch.zeros(0, 3, dtype=torch.long, device="cpu")
         if flat:
-            proc = self.image_processor(images=flat, return_tensors="pt")
+            flat, kw = self._at_resolution(flat)
+            proc = self.image_processor(images=flat, return_tensors="pt", **kw)
             model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
             grids = proc["image_grid_thw"]
             model_inputs["image_grid_thw"] = grids
@@ -57,6 +61,24 @@ class QwenVLAdapterMixin:
         return Prepared(
             ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
         )
+
+    def _at_resolution(self, flat: list) -> tuple[list, dict]:
+        """(images, image-processor kwargs) under the active `adapters.base.resolution`: each image resized
+        (bicubic) to exactly the target token grid's pixels (a multiple of patch * merge on each side) and the
+        processor's pixel bounds opened to those sizes, so its own resize leaves them as they are."""
+        from PIL import Image
+
+        target = current_resolution()
+        if target is None:
+            return flat, {}
+        natural = self.image_processor(images=flat, return_tensors="pt")["image_grid_thw"]
+        f = self.image_processor.patch_size * self.merge
+        out, areas = [], []
+        for im, (_, h, w) in zip(flat, natural.tolist(), strict=True):
+            th, tw = target(h // self.merge, w // self.merge)
+            out.append(im.convert("RGB").resize((tw * f, th * f), Image.BICUBIC))
+            areas.append(th * tw * f * f)
+        return out, {"size": {"shortest_edge": min(areas), "longest_edge": max(areas)}}
 
     # ---- decision requests ----
     def decision_processor(self):

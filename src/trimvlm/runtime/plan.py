@@ -54,6 +54,9 @@ class Plan:
     skip_branch: object = field(default_factory=frozenset)  # candidate branches (scoring)
     probe: object | None = None  # AttentionProbe the prefill must record (union of what the methods ask)
     vision_probe: object | None = None  # what the image encoding must record in the vision tower, or None
+    # (h, w) -> (h', w'): the LLM token grid each image is prepared at (tokens=downsample); applied by
+    # `vlm.prepare(..., plan=)` through `adapters.base.resolution`, checked by the runner
+    resolution: object | None = None
     handoff: Handoff = field(default_factory=Handoff)
 
     @property

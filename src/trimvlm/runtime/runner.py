@@ -142,6 +142,11 @@ class Runner:
         stops at the final-normed states (logits None: a caller that reads states, e.g. a decision readout)."""
         plan = plan or Plan()
         meter = meter or Meter(device=self.device)
+        if plan.resolution is not None and getattr(prepared, "resolution", None) is not plan.resolution:
+            raise TrimVLMError(
+                f"{plan.label()} resizes the images when they are prepared: prepare the batch with "
+                "vlm.prepare(images, prompts, plan=plan) (vlm.generate and vlm.score do)"
+            )
         self.check_skip(plan.skip_prefill, prepared.batch)
         ctx = plan.attention_context()
         seq = self.encode(prepared, meter, None if ctx is None else ctx.vision)

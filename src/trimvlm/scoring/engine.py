@@ -60,7 +60,7 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, plan: Plan | None = N
     suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
     plan = plan or Plan()
     meter = meter or Meter(device=runner.device)
-    prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests])
+    prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests], plan=plan)
     starts = ad.next_positions(prepared).tolist()  # checked before any model work
     for r, sfx in enumerate(suffixes):
         for k, s in enumerate(sfx):

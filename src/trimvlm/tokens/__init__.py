@@ -7,6 +7,7 @@ from trimvlm.tokens import (  # noqa: F401
     dart,
     density,
     divprune,
+    downsample,
     fastv,
     holov,
     pool,

@@ -1,0 +1,65 @@
+"""Downsample: the image itself is made smaller, so the vision tower produces fewer tokens (and costs less)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trimvlm.errors import RecipeError
+from trimvlm.options import is_int
+from trimvlm.protocol import register
+from trimvlm.tokens.base import TokenReducer
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """(h, w) LLM token grid -> the grid the image is prepared at: each side scaled by sqrt(keep), rounded, at
+    least 1 (the aspect ratio kept)."""
+
+    keep: float
+
+    def __call__(self, h: int, w: int) -> tuple[int, int]:
+        s = math.sqrt(self.keep)
+        return max(1, round(h * s)), max(1, round(w * s))
+
+
+@register("tokens", "downsample")
+@dataclass
+class Downsample(TokenReducer):
+    """Plain image downsampling (VTC-Bench, arXiv 2510.07143: "simply downsampling the image beats many advanced
+    methods"; REFERENCES.md section 7): every image is resized (bicubic) before the vision tower, so that its grid
+    of LLM tokens, (h, w) at the image's own size, becomes (round(h sqrt(keep)), round(w sqrt(keep))): about
+    N * keep tokens, the aspect ratio kept. Nothing is selected inside the model; the vision tower runs on the
+    smaller image, so the vision FLOPs fall too (the model's vision line: counted by torch's counter on the very
+    encode that ran), and there are no method FLOPs.
+
+    It acts when the batch is prepared (`Plan.resolution`, applied by `vlm.prepare(..., plan=)`; the runner
+    refuses a batch prepared without it). Families whose processor gives the token grid from the image's size
+    (the Qwen-VL families, dynamic resolution: the resized image is exactly the target grid's pixels and the
+    processor's pixel bounds are opened to it) support it; fixed-resolution towers (LLaVA's CLIP / SigLIP at one
+    size, InternVL's and Idefics3's fixed tiles) give the same tokens at any size, and are refused.
+
+    Deviations: the kept count is the rounded grid, not the shared K = ceil(N * keep) (the demo's 8 x 8 at 50 /
+    25 / 12.5%: 6 x 6 = 36, 4 x 4 = 16, 3 x 3 = 9 of 64); the cost lines show the count that ran. The demo's
+    processor pins every image to 8 x 8 (min = max pixels): the bounds are opened for the resized images only.
+    `layer` can only be 0."""
+
+    layer: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer is not None and (not is_int(self.layer) or self.layer != 0):
+            raise ValueError(f"layer must be 0 for downsample: the image is resized before the vision tower; got "
+                             f"{self.layer!r}")  # fmt: skip
+
+    def check(self, runner) -> None:
+        if not getattr(runner.adapter, "resizes", False):
+            raise RecipeError(
+                f"tokens=downsample: the {runner.adapter.family} processor gives every image the same tokens at "
+                "any size (a fixed-resolution tower), so a smaller image gives no fewer tokens; downsample runs on "
+                "the dynamic-resolution families (qwen3_vl, qwen2_5_vl, qwen3_5); use tokens=pool here"
+            )
+
+    def apply(self, plan, runner) -> None:
+        self.check(runner)
+        plan.resolution = Resolution(self.ratio) if self.ratio < 1 else None
