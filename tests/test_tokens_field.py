@@ -351,3 +351,20 @@ def test_downsample_is_refused_where_the_tower_has_one_resolution(tiny_adapter, 
         make_plan("tokens=downsample:keep=0.5", Runner(tiny_adapter(family)))
     with pytest.raises(RecipeError, match="layer must be 0"):
         build_methods("tokens=downsample:keep=0.5:layer=2")
+
+
+def test_dpp_greedy_keeps_exactly_k_past_the_kernels_rank():
+    """More picks than the features' rank (d = 4 < k): the gains run out, the rest follow the quality, every
+    pick is a different real token."""
+    gen = torch.Generator().manual_seed(5)
+    x = F.normalize(torch.randn(2, 30, 4, generator=gen), dim=-1)
+    q = torch.rand(2, 30, generator=gen) + 0.1
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, 20:] = False
+    picks = dpp_greedy(x, q, mask, torch.tensor([25, 20]))
+    assert sorted(set(picks[0].tolist())) == sorted(picks[0].tolist()) and len(set(picks[0].tolist())) == 25
+    assert sorted(picks[1, :20].tolist()) == list(range(20))
+    first = _greedy_logdet(x[0].double(), q[0].double(), 4)  # within the rank: the log-det picks
+    assert picks[0, :4].tolist() == first
+    rest = [i for i in sorted(range(30), key=lambda i: (-float(q[0, i]), i)) if i not in first]
+    assert picks[0, 4:].tolist() == rest[:21]

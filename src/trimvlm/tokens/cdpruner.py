@@ -51,7 +51,8 @@ def dpp_greedy(
         if t:
             lj = lj - bmm(c[rows, :t, j][:, None, :], c[:, :t])[:, 0]
         e = lj / d2[rows, j].clamp(min=1e-12).sqrt()[:, None]
-        e = torch.where(active[:, None], e, torch.zeros_like(e))
+        real = active & (d2[rows, j] > floor[rows, j])  # a fallback pick adds nothing to the factorisation
+        e = torch.where(real[:, None], e, torch.zeros_like(e))
         c[:, t] = e
         d2 = d2 - e * e
         d2[rows, j] = float("-inf")
