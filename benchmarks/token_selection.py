@@ -55,7 +55,11 @@ METHODS = [
     "prumerge:plus=true",
     "visionzip",
     "random",
+    "pool",
+    "cdpruner",
+    "holov",
 ]
+TEXT = 32  # instruction tokens after the image, for the text-guided methods (cdpruner)
 SIDES = {576: 24, 1024: 32, 2304: 48, 4096: 64}
 
 
@@ -113,26 +117,31 @@ def features(batch: int, side: int, d: int, seed: int) -> torch.Tensor:
     return x + 0.3 * torch.randn(x.shape, generator=g)
 
 
-def visual_seq(x: torch.Tensor, side: int) -> LiveSeq:
+def visual_seq(x: torch.Tensor, side: int, text: int = 0) -> LiveSeq:
+    """The image's tokens, then `text` instruction tokens (random features)."""
     b, n, _ = x.shape
-    ar = torch.arange(n)
+    if text:
+        x = torch.cat([x, torch.randn(b, text, x.shape[-1], generator=torch.Generator().manual_seed(3))], 1)
+    ar = torch.arange(n + text)
+    visual = torch.zeros(b, n + text, dtype=torch.bool)
+    visual[:, :n] = True
     return LiveSeq(
         hidden=x,
-        positions=ar[None, None].expand(3, b, n).clone(),
-        valid=torch.ones(b, n, dtype=torch.bool),
-        visual=torch.ones(b, n, dtype=torch.bool),
-        source=ar[None].expand(b, n).clone(),
-        image_id=torch.zeros(b, n, dtype=torch.long),
+        positions=ar[None, None].expand(3, b, n + text).clone(),
+        valid=torch.ones(b, n + text, dtype=torch.bool),
+        visual=visual,
+        source=ar[None].expand(b, n + text).clone(),
+        image_id=torch.where(visual, 0, -1),
         grids=[[(side, side)] for _ in range(b)],
         image_start=[[0] for _ in range(b)],
-        size=torch.ones(b, n, dtype=torch.long),
+        size=torch.ones(b, n + text, dtype=torch.long),
     )
 
 
 def reducer_for(method: str, keep: float, seq: LiveSeq):
     """The reducer, and a call that runs its real `reduce` (re-arming the attention row the reducer consumes)."""
     attention = method.split(":")[0] == "fastv"
-    vision = method.split(":")[0] in ("prumerge", "visionzip")
+    vision = method.split(":")[0] in ("prumerge", "visionzip", "holov")
     layer = 1 if attention else 0
     red = build_methods(f"tokens={method}:keep={keep}:layer={layer}")["tokens"]
     att = None
@@ -230,9 +239,10 @@ def main(argv=None):
             for n in args.ns:
                 side = SIDES.get(n) or int(math.isqrt(n))
                 x = features(batch, side, d, seed=n + d)
-                seq = visual_seq(x, side)
+                seq, with_text = visual_seq(x, side), visual_seq(x, side, TEXT)
                 for method in args.methods:
-                    _, call = reducer_for(method, args.keep, seq)
+                    guided = build_methods(f"tokens={method}:keep=0.5")["tokens"].wants_text
+                    _, call = reducer_for(method, args.keep, with_text if guided else seq)
                     t = median_time(call, args.repeats)
                     with LiveBytes() as mem:
                         call()
