@@ -128,7 +128,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args, max_batch: int):
+    def __init__(self, args, max_batch: int, extra: tuple[str, ...] = ()):
         import httpx
 
         self.max_batch = max_batch
@@ -138,7 +138,7 @@ class Server:
         cmd = [
             sys.executable, "-m", "trimvlm.cli", "serve", "--model", args.model, "--port", str(self.port),
             "--threads", str(args.threads), "--max-batch", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
-            "--device", args.device, "--log-level", "warning",
+            "--device", args.device, "--log-level", "warning", *extra,
         ]  # fmt: skip
         self.log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the server
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)

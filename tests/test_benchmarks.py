@@ -195,3 +195,17 @@ def test_gpu_check(tmp_path, capsys):
     assert "qwen3_vl/float32 prefill logits" in names and "qwen3_vl/float32 greedy tokens" in names
     assert all(c["passed"] for c in data["equivalence"] + data["executors"] + data["noop"])
     assert data["prefill"]["rows"] and data["decode"]["rows"]
+
+
+def test_serve_cache(tmp_path):
+    """The repeated-state workload on both servers: no failed request, every answer of the cached server equal
+    to the uncached server's, the cached one reusing prefixes and prepared requests (the uncached one none)."""
+    need_extra("fastapi", "uvicorn", "httpx")
+    data = run("serve_cache", tmp_path)
+    assert data["failed"] == 0 and data["compared"] == data["requests"] and data["mismatches"] == 0
+    cached, uncached = data["cells"]
+    # per state at most two prefixes: the state's, and a one-question request's (its prompt is its prefix)
+    assert cached["server"] == "cached" and cached["prefix_reused"] >= data["requests"] - 2 * data["states"]
+    assert cached["request_cached"] > 0 and uncached["prefix_reused"] == uncached["request_cached"] == 0
+    assert cached["mean_total_flops"] < uncached["mean_total_flops"]
+    assert finite_positive(data["ratio"], cached["p50_ms"], uncached["p50_ms"])

@@ -210,6 +210,27 @@ class VLM:
                 "no LM head); ask it System One requests with vlm.decide / `trimvlm decide`"
             )
 
+    def use_caches(self, *, vision_bytes: int | None = None, prefix_bytes: int | None = None) -> dict:
+        """Turn the cross-request caches on (a byte bound each) or off (None): the vision-feature cache (per image
+        its tower output; the Qwen-VL families, `Adapter.caches_vision`) and the System One prefix cache (the
+        state's KV, per recipe). Answers are the same with and without them; what a request did not run costs it
+        nothing on its cost lines. `trimvlm serve` turns both on; evaluations and benchmarks never do. Returns
+        `cache_stats()`."""
+        from trimvlm.runtime.prefix_cache import PrefixCache
+        from trimvlm.runtime.vision_cache import VisionCache
+
+        ad = self.adapter
+        ad.vision_cache = None
+        if vision_bytes is not None and ad.caches_vision:
+            ad.vision_cache = VisionCache(vision_bytes, ad.fingerprint())
+        self.runner.prefix_cache = None if prefix_bytes is None else PrefixCache(prefix_bytes)
+        return self.cache_stats()
+
+    def cache_stats(self) -> dict:
+        """Per cache (`vision`, `prefix`): entries, bytes, bound, hits, misses, evictions; None when it is off."""
+        caches = {"vision": self.adapter.vision_cache, "prefix": self.runner.prefix_cache}
+        return {name: None if c is None else c.stats() for name, c in caches.items()}
+
     def info(self) -> dict:
         return self.adapter.info()
 

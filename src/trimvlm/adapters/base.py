@@ -188,6 +188,8 @@ class Adapter:
     rope_axes: int = 1
     # recurrent layers' kernel pads each row to a multiple of this many tokens (cost model of the tree layout)
     recurrent_chunk: int = 1
+    caches_vision = False  # whether `embed` reads `vision_cache` (runtime/vision_cache.py) when one is set
+    vision_cache = None  # a VisionCache, set by `VLM.use_caches` (serving); None: every image is encoded
 
     def __init__(self, model, tokenizer, image_processor, folder: Path | None = None):
         self.model = model
@@ -302,6 +304,14 @@ class Adapter:
             elif "grid" in k:
                 key.append((k, tuple(v.shape), tuple(v.flatten().tolist())))
         return tuple(key)
+
+    def fingerprint(self) -> str:
+        """What a cached vision feature depends on besides its image: the model (family, config, dtype, device,
+        this very object) and the image processor's settings."""
+        proc = self.image_processor
+        settings = proc.to_json_string() if hasattr(proc, "to_json_string") else repr(proc)
+        m = self.model
+        return f"{self.family}|{id(m)}|{m.dtype}|{m.device}|{m.config.to_json_string()}|{settings}"
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)

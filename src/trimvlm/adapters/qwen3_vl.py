@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from trimvlm.adapters.base import (
@@ -24,6 +26,7 @@ class QwenVLAdapterMixin:
     """Shared by the Qwen-VL families: image block, M-RoPE positions from the model's own rule."""
 
     rope_axes = 3
+    caches_vision = True
     chat_image_marker = VISION_START + IMAGE_PAD + VISION_END
 
     @property
@@ -169,18 +172,33 @@ class QwenVLAdapterMixin:
         adds = {}
         if "pixel_values" in prepared.model_inputs:
             grid_thw = prepared.model_inputs["image_grid_thw"]
-            out = self.encode_vision(
-                vision,
-                lambda: self.inner.get_image_features(
-                    prepared.model_inputs["pixel_values"], grid_thw, return_dict=True
-                ),
-                lambda rec: self._vision_units(rec, grid_thw),
-                grids,
-            )
+            out = self.image_features(prepared.model_inputs["pixel_values"], grid_thw, vision, grids)
             embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
             adds = self.vision_adds(out, embeds, visual)
         positions = self.positions(prepared)
         return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts, adds)
+
+    def image_features(self, pixel_values, grid_thw, vision, grids):
+        """The vision tower's output for the batch's images (`pooler_output`: per image, `deepstack_features`: per
+        deepstack layer, per image): one call, or through the vision cache when one is set and no probe records
+        the tower (only the images it does not hold are encoded)."""
+
+        def call(pixels, grid):
+            return self.inner.get_image_features(pixels, grid, return_dict=True)
+
+        if self.vision_cache is None or vision is not None:
+            units = lambda rec: self._vision_units(rec, grid_thw)  # noqa: E731
+            return self.encode_vision(vision, lambda: call(pixel_values, grid_thw), units, grids)
+        chunks = pixel_values.split(grid_thw.prod(-1).tolist())
+
+        def encode(idx: list[int]) -> list[tuple]:
+            out = call(torch.cat([chunks[i] for i in idx]), grid_thw[idx])
+            deep = getattr(out, "deepstack_features", None) or []
+            return [(out.pooler_output[k], *(layer[k] for layer in deep)) for k in range(len(idx))]
+
+        parts = self.vision_cache.features(list(zip(chunks, grid_thw, strict=True)), encode)
+        deep = [[p[d] for p in parts] for d in range(1, len(parts[0]))]
+        return SimpleNamespace(pooler_output=[p[0] for p in parts], deepstack_features=deep)
 
     def vision_adds(self, out, embeds, visual) -> dict:
         """Per-position tensors the family adds after given layers (none for Qwen2.5-VL and Qwen3.5)."""

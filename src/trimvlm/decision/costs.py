@@ -8,7 +8,9 @@ The batch is measured as one run (`runtime.meter.Costs`); a request's share is, 
   what ran). With a per-sample layer plan (the router) rows differ and the share is an average;
 - readout FLOPs: its own marks' rows;
 - latency: its own preprocessing plus the whole batch's forward (a request waits for the batch).
-The shares of a batch sum to its totals.
+The shares of a batch sum to its totals. With the caches (runtime/prefix_cache.py, runtime/vision_cache.py) what
+a request did not run costs it nothing: a reused prefix has no prefill, vision or method FLOPs (its tails' branch
+FLOPs remain), an image found in the vision cache no vision FLOPs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class RequestCosts:
     forward_s: float  # the batch's forward (shared)
     batch_requests: int
     batch_prompts: int
+    prefix_reused: bool = False  # its prefix KV came from the prefix cache (or from a request of its batch)
+    prefix_tokens_reused: int = 0  # the tokens of that prefix (not prefilled for it)
+    vision_cache_hits: int = 0  # its images whose features came from the vision cache (not encoded for it)
 
     @property
     def model_flops(self) -> int:
@@ -70,17 +75,27 @@ def split(total: int, weights: list[int]) -> list[int]:
     return base
 
 
-def request_costs(prepared_requests, fwd, costs, vision: list[int], readout: list[int]) -> list[RequestCosts]:
-    """Per request its share of the batch (`fwd`: decision.forward.Forward; `costs`: the batch's Costs)."""
+def request_costs(
+    prepared_requests, fwd, costs, vision: list[int], readout: list[int], vision_hits: list[int]
+) -> list[RequestCosts]:
+    """Per request its share of the batch (`fwd`: decision.forward.Forward; `costs`: the batch's Costs;
+    `vision_hits`: its images found in the vision cache)."""
     rows = [len(r.prompts) for r in prepared_requests]
-    n_images = fwd.prepared.n_images
+    n_images = fwd.n_images
     if fwd.kv_rows is not None:  # a shared-prefix forward: one prefix row per request holds all its images
         images = [n_images[r] * n for r, n in enumerate(rows)]
     else:
         bounds = [sum(rows[:r]) for r in range(len(rows) + 1)]
         images = [sum(n_images[bounds[r] : bounds[r + 1]]) for r in range(len(rows))]
-    layers = split(fwd.layer_flops, rows)
-    method = split(costs.method_total_flops, rows)
+    reuse = fwd.reuse
+    if reuse is None:
+        layers = split(fwd.layer_flops, rows)
+        method = split(costs.method_total_flops, rows)
+    else:  # the prefill ran for the requests it computed (one prefix row each), the tails for every prompt
+        ran = [int(i in reuse.computed) for i in range(len(rows))]
+        tails = split(fwd.layer_flops - reuse.prefill_flops, rows)
+        layers = [a + b for a, b in zip(split(reuse.prefill_flops, ran), tails, strict=True)]
+        method = split(costs.method_total_flops, ran if any(ran) else rows)
     kv_rows = fwd.kv_rows or rows  # a shared-prefix forward holds one prefix row per request
     kv = split(fwd.cache.attention_bytes(), kv_rows)
     state = split(fwd.cache.state_bytes(), kv_rows)
@@ -101,6 +116,9 @@ def request_costs(prepared_requests, fwd, costs, vision: list[int], readout: lis
             forward_s=forward_s,
             batch_requests=len(prepared_requests),
             batch_prompts=sum(rows),
+            prefix_reused=bool(reuse is not None and reuse.hits[i]),
+            prefix_tokens_reused=reuse.tokens[i] if reuse is not None and reuse.hits[i] else 0,
+            vision_cache_hits=vision_hits[i],
         )  # fmt: skip
         for i, r in enumerate(prepared_requests)
     ]

@@ -95,8 +95,9 @@ def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool 
             k += len(r.prompts)
     meter.stop_memory()
     readout = split(meter.costs.flops["prefill"] - before, [r.questions for r in prepared])
-    vision = split(meter.costs.flops.get("vision", 0), image_tokens(vlm, groups, cuts))
-    usage = request_costs(prepared, fwd, meter.costs, vision, readout)
+    weights, vision_hits = encoded_images(vlm, groups, cuts, fwd)
+    vision = split(meter.costs.flops.get("vision", 0), weights)
+    usage = request_costs(prepared, fwd, meter.costs, vision, readout, vision_hits)
     return DecisionResult(answers=out, usage=usage, costs=meter.costs, recipe=plan.label())
 
 
@@ -110,3 +111,35 @@ def image_tokens(vlm, groups: list[list], cuts: list[int] | None) -> list[int]:
     encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
         [[p.inputs for p in g] for g in groups]  # fmt: skip
     return [sum(int((e["input_ids"] == image).sum()) for e in group) for group in encoded]
+
+
+def encoded_images(vlm, groups: list[list], cuts: list[int] | None, fwd) -> tuple[list[int], list[int]]:
+    """Per request, the weight of its share of the batch's vision FLOPs (its image tokens the tower encoded:
+    none when its prefix was reused, fewer when the vision cache held some of its images) and how many of its
+    images the vision cache held."""
+    tokens = image_tokens(vlm, groups, cuts)
+    reuse = fwd.reuse
+    ran = list(range(len(groups))) if reuse is None else reuse.computed
+    weights, hits = [0] * len(groups), [0] * len(groups)
+    cache = vlm.adapter.vision_cache if vlm.adapter.caches_vision else None
+    per_row = fwd.n_images
+    if cuts is None:  # one row per prompt: a request's images are those of its prompts
+        bounds = [0]
+        for g in groups:
+            bounds.append(bounds[-1] + len(g))
+        per_row = [sum(per_row[bounds[r] : bounds[r + 1]]) for r in range(len(groups))]
+    elif reuse is None:
+        per_row = list(per_row)
+    counts = [per_row[r] for r in ran]
+    seen = cache.last_hits if cache is not None else None
+    if seen is None or len(seen) != sum(
+        counts
+    ):  # nothing cached: every image of a request that ran was encoded
+        seen = [False] * sum(counts)
+    k = 0
+    for r, n in zip(ran, counts, strict=True):
+        found = sum(seen[k : k + n])
+        k += n
+        hits[r] = found
+        weights[r] = tokens[r] * (n - found) * 1000 // max(n, 1)
+    return weights, hits

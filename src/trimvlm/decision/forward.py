@@ -21,10 +21,16 @@ from trimvlm.runtime.meter import Meter
 @dataclass
 class Forward:
     hidden: torch.Tensor  # [M, D] final-normed state at the token before each mark, prompts in batch order
-    prepared: object  # the batch (adapters.base.Prepared)
+    prepared: object  # the batch (adapters.base.Prepared); None when it went through the prefix cache
     cache: KVCache  # what the layers held at the end of the forward (measured, then dropped)
     layer_flops: int  # the decoder layers' FLOPs (the meter's prefill line before any readout)
     kv_rows: list[int] | None = None  # per request its rows of `cache` (None: one per prompt)
+    reuse: object = None  # a shared-prefix forward through the prefix cache: runtime.prefix_cache.PrefixReuse
+
+    @property
+    def n_images(self) -> list[int]:
+        """Images per row of the prefill (per request with a shared prefix)."""
+        return self.reuse.n_images if self.reuse is not None else self.prepared.n_images
 
 
 @torch.no_grad()

@@ -42,8 +42,8 @@ def parse_request(request, limits: Limits) -> dict[str, Any]:
     questions = request["questions"]
     if not isinstance(questions, dict) or not questions:
         raise RequestError(f"`questions` maps names to questions, with at least one; got {questions!r:.80}")
-    if not all(isinstance(name, str) and name for name in questions):
-        raise RequestError("question names must be non-empty strings")
+    if not all(isinstance(name, str) for name in questions):  # "" is a name, as transformers' schema allows
+        raise RequestError("question names must be strings")
     if len(questions) > limits.max_questions:
         raise QuestionError(
             f"too many questions: {len(questions)}, at most {limits.max_questions} per request"
@@ -53,8 +53,10 @@ def parse_request(request, limits: Limits) -> dict[str, Any]:
         raise RequestError(f"`assets` maps placeholders to images, got a {type(assets).__name__}")
     if len(assets) > limits.max_assets:
         raise AssetError(f"too many assets: {len(assets)}, at most {limits.max_assets} images per request")
-    if not all(isinstance(name, str) and name for name in assets):
-        raise RequestError("asset placeholders must be non-empty strings")
+    if not all(isinstance(name, str) for name in assets):
+        raise RequestError("asset placeholders must be strings")
+    if "" in assets:  # transformers' schema takes it, but it would match everywhere: unanswerable (400)
+        raise AssetError("an asset placeholder is empty; name it with text written where the image goes")
     texts = list(_strings([request["state"], questions]))
     for name in assets:
         if not any(name in t for t in texts):

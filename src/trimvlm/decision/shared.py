@@ -61,8 +61,14 @@ def prefix_inputs(prompts: list, cut: int) -> dict:
 def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward:
     """Prefix per request (batched across requests), then every prompt's tail as a branch off its request."""
     runner, ad = vlm.runner, vlm.adapter
-    prepared = ad.prepare_processed([prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)])
-    prefix = runner.prefill(prepared, plan, meter=meter, lm_head=False)
+    inputs = [prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)]
+    reuse = None
+    if runner.prefix_cache is None:
+        prepared = ad.prepare_processed(inputs)
+        prefix = runner.prefill(prepared, plan, meter=meter, lm_head=False)
+    else:  # found prefixes are read from the cache, the others prefilled (runtime/prefix_cache.py)
+        prepared = None
+        prefix, reuse = runner.prefix_cache.prefill(runner, inputs, plan, meter)
     tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
              for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
@@ -73,4 +79,4 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
             for j, p in enumerate(g) for m in p.marks]  # fmt: skip
     layers = meter.costs.flops.get("prefill", 0) + meter.costs.flops.get("branch", 0)
     return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=prefix.cache,
-                   layer_flops=layers, kv_rows=[1] * len(groups))  # fmt: skip
+                   layer_flops=layers, kv_rows=[1] * len(groups), reuse=reuse)  # fmt: skip

@@ -46,6 +46,7 @@ class Runner:
     def __init__(self, adapter):
         self.adapter = adapter
         self._vision_flops: OrderedDict[tuple, int] = OrderedDict()
+        self.prefix_cache = None  # a PrefixCache (runtime/prefix_cache.py), set by `VLM.use_caches`
 
     def encode(self, prepared, meter: Meter, vision=None) -> LiveSeq:
         """Embed the batch (the vision tower runs once, timed on the meter's vision line) and book the vision
@@ -57,7 +58,13 @@ class Runner:
         untimed encode instead, so the probe's work is never booked as the model's."""
         key = self.adapter.vision_key(prepared)
         embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
+        cache = self.adapter.vision_cache if vision is None and self.adapter.caches_vision else None
         with meter.timer("vision"), counting(meter, "vision"):
+            if cache is not None:  # it books what ran: the images it did not hold (runtime/vision_cache.py)
+                cache.last_flops = 0
+                seq = embed(prepared)
+                meter.add("vision", cache.last_flops)
+                return seq
             if key in self._vision_flops or vision is not None:
                 seq = embed(prepared)
             else:
@@ -72,8 +79,13 @@ class Runner:
         (only for a shape no prefill has seen; `encode` counts on the real run)."""
         key = self.adapter.vision_key(prepared)
         if key not in self._vision_flops:
-            with flop_counter() as fc, paused():
-                self.adapter.embed(prepared)
+            cache = self.adapter.vision_cache  # the tower is counted, not a lookup
+            self.adapter.vision_cache = None
+            try:
+                with flop_counter() as fc, paused():
+                    self.adapter.embed(prepared)
+            finally:
+                self.adapter.vision_cache = cache
             self._remember(key, fc.get_total_flops())
         self._vision_flops.move_to_end(key)
         return self._vision_flops[key]

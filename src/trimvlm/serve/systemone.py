@@ -1,8 +1,12 @@
 """`POST /v1/systemone`: System One decision requests, as `transformers serve` takes and answers them.
 
 Request: `{"model"?, "state", "questions": {name: question}, "assets"?: {placeholder: image}}`, plus trimvlm's
-`recipe` extension (a recipe string; default: the server's). `model` may be left out (the server holds one
-model); naming another is a 400, as in a pinned `transformers serve`.
+`recipe` extension (a recipe string; default: the server's). The schema is transformers' own: the request
+(its `recipe` taken out) is validated by transformers' `SystemOneRequest` (strict: `state` a string, object or
+list; 1 to 64 questions, each an object; at most 4 assets, each an object; no other field) and its questions by
+`parse_questions`, exactly as `transformers serve` does, before anything else (422, FastAPI's error list). The
+server holds one model, as `transformers serve --force-model` does: `model` may be left out, naming another is
+a 400.
 Response: `{"model", "answers": {name: answer}, "usage": {"input_tokens", "output_tokens": 0, ...}}`, the answers
 exactly as `vlm.decide` gives them for the request alone, `usage` with trimvlm's cost fields
 (`decision.RequestCosts.usage()`) and the server's: `recipe`, `queue_s` (prepared -> its batch started),
@@ -14,8 +18,13 @@ errors.py); requests with the same recipe are then answered together by one `dec
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
+
+from trimvlm.runtime.lru import digest, nbytes
+from trimvlm.serve.errors import ApiError, schema_error
 
 
 @dataclass
@@ -32,27 +41,76 @@ async def handle(state, request) -> dict:
 async def _handle(state, request, arrival) -> dict:
     t0 = time.perf_counter()
     body = await state.read_json(request)
-    recipe = state.recipe("decide", body.pop("recipe", None))
+    extension = body.pop("recipe", None)
+    check_schema(state, body)
     model = state.model_name(body)
+    recipe = state.recipe("decide", extension)
     body.pop("model", None)
-    from trimvlm.decision import prepare_request
-
-    prepared = await state.prepare(
-        prepare_request,
-        state.vlm,
-        body,
-        decision_config=state.decision_config,
-        limits=state.limits.decision(),
-    )
+    prepared, hit = await state.prepare(prepare_cached, state, body)
     (answers, costs), job = await state.submit(
         ("decide", recipe.label), DecideJob(prepared, recipe.recipe), arrival
     )
-    usage = costs.usage() | {
-        "recipe": recipe.label,
-        "queue_s": job.started - job.enqueued,
-        "server_latency_s": time.perf_counter() - t0,
-    }
+    usage = costs.usage() | cache_usage(state) | {"request_cached": hit}
+    usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
+              "server_latency_s": time.perf_counter() - t0}  # fmt: skip
     return {"model": model, "answers": answers, "usage": usage}
+
+
+def prepare_cached(state, body: dict):
+    """(`decision.prepare_request` of the body, whether it was found): through the server's request cache when
+    it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or tokenized again
+    (its `preprocess_s` is the lookup's)."""
+    from trimvlm.decision import prepare_request
+
+    t0 = time.perf_counter()
+    cache = state.request_cache
+    key = None if cache is None else digest("request", json.dumps(body, sort_keys=True, ensure_ascii=False))
+    found = None if key is None else cache.get(key)
+    if found is not None:
+        return dataclasses.replace(found, seconds=time.perf_counter() - t0), True
+    prepared = prepare_request(state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision())
+    if key is not None:
+        cache.put(key, prepared, nbytes([(p.inputs, p.marks) for p in prepared.prompts]))
+    return prepared, False
+
+
+def cache_usage(state) -> dict:
+    """The caches' sizes now, for an answer's `usage` (0 for a cache that is off)."""
+    return {f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()}
+
+
+def request_model():
+    """transformers' `SystemOneRequest` (transformers/cli/serving/systemone.py): the schema `transformers serve`
+    validates a System One request with."""
+    try:
+        from transformers.cli.serving.systemone import SystemOneRequest
+    except (ImportError, NameError) as e:  # the module defines it only when serving's extras are installed
+        from trimvlm.serve import INSTALL, MissingExtraError
+
+        msg = f"/v1/systemone needs transformers' serving schema (pydantic, openai): {INSTALL}"
+        raise MissingExtraError(msg) from e
+    return SystemOneRequest
+
+
+def check_schema(state, body: dict) -> None:
+    """422 for what `transformers serve` refuses with 422: its `SystemOneRequest.model_validate(body,
+    strict=True)` (a missing `model` filled with the server's, as a pinned server does), then `parse_questions`
+    with the server's decision config."""
+    from pydantic import ValidationError
+    from transformers.decision import parse_questions
+
+    from trimvlm.decision.config import resolve_config
+
+    try:
+        request = request_model().model_validate({"model": state.model_id} | body, strict=True)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        detail = [{"loc": ["body", *d["loc"]], "msg": d["msg"], "type": d["type"]} for d in errors]
+        raise ApiError(422, detail) from e
+    try:
+        parse_questions(request.questions, resolve_config(state.vlm, state.decision_config))
+    except ValueError as e:
+        raise schema_error(str(e), "questions") from e
 
 
 def run(state, key, jobs: list[DecideJob]) -> list:

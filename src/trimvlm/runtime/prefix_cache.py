@@ -1,0 +1,146 @@
+"""The prefix cache: the KV (and recurrent states) a prefix left in the decoder layers, reused by later requests
+with the same prefix, as SGLang's radix cache or vLLM's automatic prefix caching do for their prompts.
+
+A System One request's prompts share a prefix (the state and its images, decision/shared.py) that is prefilled
+once and read by every question's tail as a branch, uncopied. With a `PrefixCache` set on the runner
+(`VLM.use_caches`; `trimvlm serve` sets one), that prefix is looked up first, keyed by what the prefill reads:
+the processor's tensors of the prefix (token ids, and each image by its pixel content, never by its
+placeholder) and the plan's label (a cached prefix is valid only for the same recipe). Only prefixes not found
+are prefilled, one batch for the distinct ones (two requests of one batch with the same prefix prefill it
+once). Each row is stored with its padding removed; a batch of prefixes is assembled by left padding them again
+(padding is masked: the tails read the same keys and values). Bounded in bytes, least recently used evicted
+first (`lru.ByteLRU`). Off unless turned on: evaluations never read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trimvlm.runtime.cache import KVCache, LayerKV
+from trimvlm.runtime.lru import ByteLRU, digest, nbytes
+from trimvlm.runtime.runner import PrefillOutput
+from trimvlm.runtime.sequence import LiveSeq
+
+META = ("valid", "visual", "source")
+FILL = {"key": 0, "value": 0, "valid": False, "visual": False, "source": -1}
+
+
+@dataclass
+class PrefixEntry:
+    """One prefilled prefix, one row, its padding removed."""
+
+    layers: dict[int, LayerKV]
+    states: dict[int, dict[str, torch.Tensor]]
+    next_pos: torch.Tensor  # [1]
+    hidden: (
+        torch.Tensor
+    )  # [1, 1, D] its last final-normed state (the branch executors read its width and dtype)
+    n_images: int
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        kv = [getattr(e, n) for e in self.layers.values() for n in ("key", "value", *META)]
+        return nbytes(kv) + nbytes(self.states) + self.next_pos.nbytes + self.hidden.nbytes
+
+
+@dataclass
+class PrefixReuse:
+    """What a batch took from the cache: per request whether its prefix was reused (found, or prefilled for an
+    earlier request of the same batch), its prefix tokens and images; the FLOPs of the prefill that ran."""
+
+    hits: list[bool]
+    tokens: list[int]
+    n_images: list[int]
+    prefill_flops: int
+    computed: list[int] = field(default_factory=list)  # the requests whose prefix was prefilled
+
+
+class PrefixCache(ByteLRU):
+    def __init__(self, max_bytes: int):
+        super().__init__(max_bytes, "prefix cache")
+
+    @staticmethod
+    def key(label: str, inputs: dict) -> bytes:
+        """The processor's tensors of a prefix and the recipe it runs with."""
+        return digest("prefix", label, *(x for k in sorted(inputs) for x in (k, inputs[k])))
+
+    def prefill(self, runner, inputs: list[dict], plan, meter) -> tuple[PrefillOutput, PrefixReuse]:
+        """The prefixes `inputs` (processor outputs, one per request) as one left-padded `PrefillOutput`:
+        found ones from the cache, the others prefilled (`runner.prefill` on the adapter's batch of them)."""
+        keys = [self.key(plan.label(), x) for x in inputs]
+        entries: dict[bytes, PrefixEntry | None] = {}
+        for k in keys:
+            if k not in entries:
+                entries[k] = self.get(k)
+        todo = [k for k, e in entries.items() if e is None]
+        computed = [keys.index(k) for k in todo]
+        before = meter.costs.flops.get("prefill", 0)
+        if todo:
+            prepared = runner.adapter.prepare_processed([inputs[i] for i in computed])
+            out = runner.prefill(prepared, plan, meter=meter, lm_head=False)
+            for b, (k, i) in enumerate(zip(todo, computed, strict=True)):
+                tokens = int(inputs[i]["input_ids"].shape[-1])
+                entries[k] = entry = take_row(out, b, prepared.n_images[b], tokens)
+                self.put(k, entry, entry.nbytes)
+        rows = [entries[k] for k in keys]
+        reuse = PrefixReuse(
+            hits=[i not in computed for i in range(len(keys))], tokens=[e.tokens for e in rows],
+            n_images=[e.n_images for e in rows], prefill_flops=meter.costs.flops.get("prefill", 0) - before,
+            computed=computed,
+        )  # fmt: skip
+        return assemble(rows, runner.num_layers), reuse
+
+
+def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:
+    """Row b of a prefill as an entry of its own: per layer its valid columns (copies), its recurrent states."""
+    layers = {}
+    for i, e in out.cache.layers.items():
+        cols = torch.nonzero(e.valid[b]).flatten()
+        layers[i] = LayerKV(
+            key=e.key[b : b + 1].index_select(2, cols), value=e.value[b : b + 1].index_select(2, cols),
+            **{n: getattr(e, n)[b : b + 1].index_select(1, cols) for n in META},
+        )  # fmt: skip
+    states = {
+        i: {k: v[b : b + 1].clone() for k, v in st.items() if v is not None}
+        for i, st in out.cache.states.items()
+    }
+    return PrefixEntry(
+        layers=layers, states=states, next_pos=out.next_pos[b : b + 1].clone(),
+        hidden=out.seq.hidden[b : b + 1, -1:].clone(), n_images=n_images, tokens=tokens,
+    )  # fmt: skip
+
+
+def _left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
+    if t.shape[dim] == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - t.shape[dim]
+    return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim=dim)
+
+
+def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
+    """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read)."""
+    cache = KVCache(num_layers)
+    for i in rows[0].layers:
+        parts = [r.layers[i] for r in rows]
+        width = max(p.key.shape[2] for p in parts)
+        cache.layers[i] = LayerKV(**{
+            n: torch.cat([_left_pad(getattr(p, n), width, FILL[n], 2 if n in ("key", "value") else 1)
+                          for p in parts])
+            for n in FILL
+        })  # fmt: skip
+    cache.states = {
+        i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
+    }
+    hidden = torch.cat([r.hidden for r in rows])
+    b, dev = hidden.shape[0], hidden.device
+    seq = LiveSeq(
+        hidden=hidden, positions=torch.zeros(1, b, 1, dtype=torch.long, device=dev),
+        valid=torch.ones(b, 1, dtype=torch.bool, device=dev), visual=torch.zeros(b, 1, dtype=torch.bool, device=dev),
+        source=torch.full((b, 1), -1, dtype=torch.long, device=dev),
+        image_id=torch.full((b, 1), -1, dtype=torch.long, device=dev),
+    )  # fmt: skip
+    return PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=torch.cat([r.next_pos for r in rows]))

@@ -1,0 +1,198 @@
+"""The cross-request caches (runtime/vision_cache.py, runtime/prefix_cache.py): exact (the answers with them equal
+the answers without), honest (what a request did not run costs it 0 FLOPs), bounded in bytes, valid only for
+the same recipe, and reported (`usage`, `/metrics`). Over HTTP: a real uvicorn server on 127.0.0.1."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from conftest import need_extra
+from PIL import Image
+
+import trimvlm
+from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS
+from trimvlm.testing.decisions import assert_same_answers as assert_same
+
+MiB = 1024 * 1024
+REDUCE = "tokens=density:keep=0.5:layer=1"
+
+
+@pytest.fixture(autouse=True)
+def _one():
+    torch.set_num_threads(1)
+
+
+def scene(seed: int) -> Image.Image:
+    from trimvlm.demo.task import make_scene, render
+
+    return render(make_scene(np.random.default_rng(seed)))
+
+
+def asset(seed: int) -> dict:
+    buf = io.BytesIO()
+    scene(seed).save(buf, format="PNG")
+    return {"type": "image", "format": "png", "data_base64": base64.b64encode(buf.getvalue()).decode()}
+
+
+def request(seed: int, words: str = "") -> dict:
+    return {"state": {"photo": "<img>" + words}, "questions": QUESTIONS, "assets": {"<img>": asset(seed)}}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return trimvlm.load("demo")  # no caches: the reference
+
+
+@pytest.fixture
+def cached():
+    vlm = trimvlm.load("demo")
+    vlm.use_caches(vision_bytes=64 * MiB, prefix_bytes=64 * MiB)
+    return vlm
+
+
+def test_off_unless_turned_on(plain):
+    assert plain.cache_stats() == {"vision": None, "prefix": None}
+
+
+@pytest.mark.parametrize("recipe", [None, REDUCE])
+def test_decisions_equal_without_caches_and_a_repeat_costs_less(plain, cached, recipe):
+    reqs = [request(0), request(1), request(0), {"state": "no image", "questions": QUESTIONS}]
+    ref = plain.decide(reqs, recipe=recipe, return_costs=True)
+    first = cached.decide(reqs, recipe=recipe, return_costs=True)
+    again = cached.decide(reqs, recipe=recipe, return_costs=True)
+    for r, a, b in zip(ref.answers, first.answers, again.answers, strict=True):
+        assert_same(a, r)
+        assert_same(b, r)
+    # the first batch prefilled the distinct prefixes once: its third request is its first's
+    assert [u.prefix_reused for u in first.usage] == [False, False, True, False]
+    assert first.usage[2].vision_flops == first.usage[2].method_flops == 0
+    assert all(u.prefix_reused and u.prefix_tokens_reused > 0 for u in again.usage)
+    for u, v in zip(again.usage, ref.usage, strict=True):
+        assert u.vision_flops == 0 and u.total_flops < v.total_flops and u.layer_flops < v.layer_flops
+    assert again.costs.flops.get("vision", 0) == 0
+    # the shares still add up to what ran
+    assert sum(u.model_flops for u in first.usage) == first.costs.model_flops
+    assert sum(u.total_flops for u in again.usage) == again.costs.total_flops
+
+
+def test_a_cached_prefix_is_only_for_its_recipe(plain, cached):
+    req = request(3)
+    cached.decide(req, return_costs=True)
+    other = cached.decide(req, recipe=REDUCE, return_costs=True)
+    assert not other.usage[0].prefix_reused
+    assert_same(other.answers[0], plain.decide(req, recipe=REDUCE))
+    assert cached.decide(req, recipe=REDUCE, return_costs=True).usage[0].prefix_reused
+
+
+def test_an_image_in_another_state_is_a_vision_hit(plain, cached):
+    """A new state around a known image: the prefix is new, the image's features are not encoded again."""
+    cached.decide(request(4))
+    res = cached.decide(request(4, " red"), return_costs=True)
+    u = res.usage[0]
+    assert not u.prefix_reused and u.vision_cache_hits == 1 and u.vision_flops == 0 and u.layer_flops > 0
+    assert_same(res.answers[0], plain.decide(request(4, " red")))
+
+
+def test_hybrid_model_prefix_states(cached):
+    """Qwen3.5 (Gated DeltaNet): a reused prefix carries its recurrent states."""
+    ref = trimvlm.load("demo-qwen35")
+    vlm = trimvlm.load("demo-qwen35")
+    vlm.use_caches(vision_bytes=16 * MiB, prefix_bytes=16 * MiB)
+    reqs = [request(5), request(6)]
+    vlm.decide(reqs)
+    again = vlm.decide(reqs, return_costs=True)
+    assert all(u.prefix_reused for u in again.usage)
+    for a, r in zip(again.answers, ref.decide(reqs), strict=True):
+        assert_same(a, r)
+
+
+def test_generate_reuses_image_features(plain, cached):
+    im = scene(7)
+    ref = plain.generate(im, "describe ?", max_new_tokens=12)
+    a = cached.generate(im, "describe ?", max_new_tokens=12)
+    b = cached.generate(scene(7), "list row r1 ?", max_new_tokens=12)  # the same pixels, another prompt
+    assert a.texts == ref.texts and a.tokens == ref.tokens
+    assert b.texts == plain.generate(im, "list row r1 ?", max_new_tokens=12).texts
+    assert a.costs.flops["vision"] == ref.costs.flops["vision"] > 0 and b.costs.flops.get("vision", 0) == 0
+    assert cached.cache_stats()["vision"]["hits"] == 1
+
+
+def test_the_vision_cache_stays_under_its_bound_after_1000_images(plain):
+    """1,000 distinct images through the runner's encode with a bound of ~40 images' features: the bytes held
+    never exceed it, the oldest go first, and a recent image is still a hit."""
+    from trimvlm.runtime.meter import Meter
+
+    vlm = trimvlm.load("demo")
+    one = 64 * vlm.adapter.text_config.hidden_size * 4 * 4  # an image's features, deepstack included (upper bound)
+    bound = 40 * one
+    vlm.use_caches(vision_bytes=bound)
+    cache = vlm.adapter.vision_cache
+    rng = np.random.default_rng(0)
+    size = scene(0).size
+    peak = 0
+    for _ in range(20):  # 20 batches of 50
+        ims = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _k in range(50)]
+        prepared = vlm.prepare([[im] for im in ims], ["describe ?"] * 50)
+        vlm.runner.encode(prepared, Meter())
+        peak = max(peak, cache.bytes)
+        assert cache.bytes <= bound
+    st = vlm.cache_stats()["vision"]
+    assert st["misses"] == 1000 and st["evictions"] >= 1000 - st["entries"] > 0 and peak <= bound
+    meter = Meter()
+    vlm.runner.encode(prepared, meter)  # the last 50 are still held
+    assert meter.costs.flops.get("vision", 0) == 0 and cache.stats()["hits"] == 50
+
+
+def test_the_prefix_cache_stays_under_its_bound(cached):
+    """Distinct states through `decide` with a bound of a few prefixes: never over it, least recent evicted."""
+    from trimvlm.runtime.prefix_cache import PrefixCache
+
+    def state(i: int) -> dict:  # 60 distinct two-word states in the demo's vocabulary
+        return {"state": f"{i // 10} {i % 10}", "questions": QUESTIONS}
+
+    cached.decide(state(0))
+    one = cached.runner.prefix_cache.bytes
+    cache = cached.runner.prefix_cache = PrefixCache(int(4.5 * one))
+    for start in range(0, 60, 20):
+        cached.decide([state(i) for i in range(start, start + 20)])
+        assert 0 < cache.bytes <= cache.max_bytes
+    assert len(cache) == 4 and cache.evictions == 56
+    assert cached.decide(state(59), return_costs=True).usage[0].prefix_reused
+    assert not cached.decide(state(0), return_costs=True).usage[0].prefix_reused
+
+
+def test_over_http_a_repeat_is_a_hit_and_metrics_say_so(plain):
+    need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
+    import httpx
+
+    from trimvlm.serve.state import ServerState
+    from trimvlm.testing.live_server import live_server
+
+    state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1)
+    body = request(8) | {"model": "demo"}
+    with live_server(state) as url:
+        a = httpx.post(url + "/v1/systemone", json=body, timeout=120).json()
+        b = httpx.post(url + "/v1/systemone", json=body, timeout=120).json()
+        metrics = httpx.get(url + "/metrics").text
+    ref = plain.decide(request(8))
+    assert_same(a["answers"], ref)
+    assert_same(b["answers"], ref)
+    ua, ub = a["usage"], b["usage"]
+    assert not ua["prefix_reused"] and ub["prefix_reused"] and ub["vision_flops"] == 0
+    assert not ua["request_cached"] and ub["request_cached"] and ub["preprocess_s"] < ua["preprocess_s"]
+    assert ub["total_flops"] < ua["total_flops"] and ub["prefix_tokens_reused"] > 0
+    assert 0 < ub["prefix_cache_bytes"] <= 512 * MiB and 0 < ub["vision_cache_bytes"] <= 256 * MiB
+    assert 0 < ub["request_cache_bytes"] <= 256 * MiB
+    assert "trimvlm_prefix_cache_hits 1.0" in metrics and "trimvlm_request_cache_hits 1.0" in metrics
+    assert "trimvlm_vision_cache_bytes" in metrics
+
+
+def test_no_caches_when_the_flags_are_0():
+    need_extra("fastapi", "prometheus_client")
+    from trimvlm.serve.state import ServerState
+
+    state = ServerState(trimvlm.load("demo"), model_id="demo", vision_cache_mb=0, prefix_cache_mb=0,
+                        request_cache_mb=0)  # fmt: skip
+    assert state.cache_stats() == {"vision": None, "prefix": None, "request": None}
