@@ -12,6 +12,13 @@ def evaluate(vlm, task="demo", recipes=None, **kw):
     return run_eval(vlm, task, recipes, **kw)
 
 
+def tune(vlm, task="demo", budgets=("total_flops=0.5",), **kw):
+    """The best recipe for each cost budget, searched on the task's validation split (trimvlm.tune.search)."""
+    from trimvlm.tune.search import tune as _tune
+
+    return _tune(vlm, task, list(budgets), **kw)
+
+
 __version__ = "0.1.0"
 __all__ = [
     "VLM",
@@ -22,4 +29,5 @@ __all__ = [
     "evaluate",
     "load",
     "parse_recipe",
+    "tune",
 ]

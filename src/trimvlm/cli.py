@@ -294,6 +294,39 @@ def train_head(
         _fail(e)
 
 
+@app.command()
+def tune(
+    model: str = MODEL,
+    task: str = typer.Option("demo", help="a registered task with a validation split (searched) and a test split"),
+    budget: list[str] = typer.Option(
+        [], help="AXIS=RATIO, repeat: total_flops | prefill_flops | kv_bytes | latency (one point per value, "
+        "the product over axes)",
+    ),
+    data: str | None = typer.Option(None, help="a benchmark's local copy (its val and test splits)"),
+    space: Path | None = typer.Option(None, help="search space YAML (default: the shipped trimvlm/tune/space.yaml)"),
+    min_retention: float | None = typer.Option(None, help="flag budgets whose best keeps less of the accuracy"),
+    n_val: int = typer.Option(192, help="validation items searched on"),
+    n_test: int = typer.Option(600, help="test items the frontier is reported on"),
+    seed: int = typer.Option(0),
+    batch_size: int = typer.Option(48),
+    threads: int | None = typer.Option(None, help="torch threads (default: torch's)"),
+    out: Path = typer.Option(Path("runs/tune"), help="folder: tune.json, best*.yaml, recipes/, frontier.md/png"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Find the best recipe for each cost budget on the task's validation split (resumable: run it again to
+    continue), then report the frontier on the test split. Use a result with --recipe OUT/best-BUDGET.yaml or
+    recipe tuned=OUT:budget=RATIO."""
+    from trimvlm.cli_tune import tune_command
+
+    try:
+        tune_command(model, task, budget, data=data, space=space, out=out, min_retention=min_retention,
+                     n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
+                     console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 @app.command("train-router")
 def train_router(
     model: str = MODEL,
@@ -386,12 +419,20 @@ def serve(
     max_questions: int = typer.Option(64, help="questions per System One request at most"),
     max_body_mb: int = typer.Option(16, help="request body size limit, MiB"),
     decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+    max_prefill_tokens: int = typer.Option(
+        4096, help="prompt tokens admitted into one prefill between two decode steps (a longer prompt runs alone)"
+    ),
+    threads: int = typer.Option(1, help="torch threads (0: torch's default, all cores; docs/serving.md)"),
+    vision_cache_mb: float = typer.Option(256, help="vision-feature cache bound, MiB (0: off; docs/serving.md)"),
+    prefix_cache_mb: float = typer.Option(512, help="System One prefix cache bound, MiB (0: off)"),
+    request_cache_mb: float = typer.Option(256, help="prepared System One requests cache bound, MiB (0: off)"),
     log_level: str = typer.Option("info", help="uvicorn's log level"),
+    access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
-    """HTTP server: System One decisions (/v1/systemone) and OpenAI-style chat completions, micro-batched."""
+    """HTTP server: System One decisions (/v1/systemone) and OpenAI-style chat completions (continuous batching,
+    streaming), GET /metrics."""
     from trimvlm.serve import require
 
     try:
@@ -400,10 +441,12 @@ def serve(
         from trimvlm.serve.limits import MiB, ServerLimits
 
         limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
-                              max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens))  # fmt: skip
+                              max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens),
+                              max_prefill_tokens=max_prefill_tokens)  # fmt: skip
         run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                    limits=limits, decision_config=decision_config, threads=threads,
-                   load_kw=_load_kw(device, dtype), log_level=log_level)  # fmt: skip
+                   vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
+                   load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

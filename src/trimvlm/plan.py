@@ -39,6 +39,14 @@ def decision_plan(recipe, runner) -> Plan:
 def make_plan(recipe, runner) -> Plan:
     """The plan of `recipe` on this model: every method checked against it, then applied in axis order."""
     recipe = parse_recipe(recipe)
+    if recipe.tuned_for is not None:
+        from trimvlm.depth.base import model_fingerprint
+
+        if recipe.tuned_for != model_fingerprint(runner.adapter):
+            raise RecipeError(
+                f"recipe {recipe.label()!r} was tuned for another model (fingerprint {recipe.tuned_for}, this "
+                f"model's is {model_fingerprint(runner.adapter)}): run trimvlm tune for this model"
+            )
     plan = Plan(recipe=recipe)
     for method in build_methods(recipe).values():
         method.apply(plan, runner)

@@ -34,6 +34,7 @@ class Recipe(BaseModel):
     kv: MethodSpec | None = None
     depth: MethodSpec | None = None
     router: MethodSpec | None = None  # the method is the router checkpoint's folder: router=PATH:token_keep=...
+    tuned_for: str | None = None  # a tuned recipe: the fingerprint of the model `trimvlm tune` found it for
 
     @property
     def is_baseline(self) -> bool:
@@ -101,6 +102,10 @@ def parse_recipe(spec: str | dict | Recipe | None) -> Recipe:
     if isinstance(spec, dict):
         return _from_mapping(spec)
     text = str(spec).strip()
+    if text.startswith("tuned="):
+        return tuned_recipe(text)
+    if text.endswith((".yaml", ".yml", ".json")) and not re.match(rf"\s*({'|'.join(AXES)})\s*=", text):
+        return _one_recipe(Path(text))
     if text in ("", "baseline", "none"):
         return Recipe(name="baseline" if text == "baseline" else "")
     fields: dict = {}
@@ -118,10 +123,10 @@ def parse_recipe(spec: str | dict | Recipe | None) -> Recipe:
 
 
 def _from_mapping(data: dict) -> Recipe:
-    unknown = set(data) - set(AXES) - {"name"}
+    unknown = set(data) - set(AXES) - {"name", "tuned_for"}
     if unknown:
-        raise RecipeError(f"unknown recipe key(s) {sorted(unknown)}; allowed: name, {', '.join(AXES)}")
-    fields: dict = {"name": str(data.get("name", ""))}
+        raise RecipeError(f"unknown recipe key(s) {sorted(unknown)}; allowed: name, tuned_for, {', '.join(AXES)}")
+    fields: dict = {"name": str(data.get("name", "")), "tuned_for": data.get("tuned_for")}
     for axis in AXES:
         v = data.get(axis)
         if v is None:
@@ -158,3 +163,37 @@ def load_recipes(path: str | Path) -> list[Recipe]:
     if not any(r.is_baseline for r in recipes):
         recipes.insert(0, Recipe(name="baseline"))
     return recipes
+
+
+def _one_recipe(path: Path) -> Recipe:
+    """The one recipe a file holds (`--recipe DIR/best-total_flops-0.75.yaml`)."""
+    found = [r for r in load_recipes(path) if not (r.is_baseline and r.label() == "baseline")]
+    if len(found) != 1:
+        raise RecipeError(f"recipe file {path} holds {len(found)} recipes; one is expected here (a file of "
+                          "several is for trimvlm eval --recipes)")  # fmt: skip
+    return found[0]
+
+
+def tuned_recipe(text: str) -> Recipe:
+    """`tuned=DIR:budget=0.75` (or `tuned=DIR:total_flops=0.75:kv_bytes=0.3`): the best recipe `trimvlm tune`
+    found for that budget point, read from DIR/tune.json. `budget=X` names the point whose only, or first, axis
+    is X."""
+    import json
+
+    spec = parse_method(text.removeprefix("tuned="))
+    path = Path(spec.method) / "tune.json"
+    if not path.exists():
+        raise RecipeError(f"tuned recipe: {path} not found (a folder written by trimvlm tune --out DIR)")
+    rep = json.loads(path.read_text())
+    points = [b for b in rep["budgets"] if b.get("best")]
+    want = dict(spec.options)
+    if set(want) == {"budget"}:
+        found = [b for b in points if abs(next(iter(b["budget"].values())) - float(want["budget"])) < 1e-9]
+    else:
+        found = [b for b in points if set(b["budget"]) == set(want)
+                 and all(abs(b["budget"][a] - float(v)) < 1e-9 for a, v in want.items())]  # fmt: skip
+    if len(found) != 1:
+        have = ", ".join(b["label"] for b in points) or "none"
+        raise RecipeError(f"tuned recipe {text!r}: {len(found)} budget points of {path} match; it has: {have}")
+    entry = next(e for e in rep["entries"] if e["spec"] == found[0]["best"])
+    return _from_mapping({**entry["recipe"], "name": f"tuned-{found[0]['label']}", "tuned_for": rep["fingerprint"]})

@@ -70,7 +70,8 @@ class Search:
         self.vlm, self.val, self.space, self.journal, self.s = vlm, val, space, journal, settings
         self._shapes: dict[str, list] = {}
         self._pred: dict[tuple, object] = {}
-        self.skipped: list[dict] = []  # (point, family, why) never run
+        self.skipped: list[dict] = []  # (point, family, why): never run
+        self.dropped: list[dict] = []  # (point, family, why): run, then left out (measured over budget)
         self.considered = 0
 
     def shapes(self, idx):
@@ -136,6 +137,21 @@ class Search:
                 out.append(cand)
         return out
 
+    def recheck(self, cands: list[Candidate], point: dict, idx) -> list[Candidate]:
+        """Before a round runs on new items: a candidate predicted over budget on them gets a lower keep, or is
+        skipped (the search never runs a recipe over a predicted budget)."""
+        out = []
+        for c in cands:
+            if self.over(self.predicted(c.recipe, idx), point, c.offset):
+                keep = self.bisect(c, point, idx) if c.family.free else None
+                if keep is None:
+                    self.skipped.append({"budget": label(point), "family": c.family.name,
+                                         "why": "over budget on the next round's items (predicted)"})  # fmt: skip
+                    continue
+                c.keep = min(keep, c.keep)
+            out.append(c)
+        return out
+
     def measure(self, cands: list[Candidate], point: dict, idx) -> list[Candidate]:
         """Run the candidates on `idx`; re-bisect and re-run the ones over budget; those that fit."""
         done, pending = [], cands
@@ -151,7 +167,7 @@ class Search:
                 elif c.family.free and attempt < self.s.corrections and self._correct(c, point, idx):
                     again.append(c)
                 else:
-                    self.skipped.append({"budget": label(point), "family": c.family.name,
+                    self.dropped.append({"budget": label(point), "family": c.family.name,
                                          "why": f"measured over budget at keep {c.keep}"})  # fmt: skip
             pending = again
         return done
@@ -182,7 +198,7 @@ class Search:
         """The candidates of the last round, best first."""
         cands = self.start(point, rounds[0])
         for r, idx in enumerate(rounds):
-            cands = sorted(self.measure(cands, point, idx), key=_rank)
+            cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
             if r + 1 < len(rounds):
                 cands = cands[: max(1, math.ceil(len(cands) / self.s.eta))]
             if bar is not None:
@@ -293,5 +309,6 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
             "splits": {"val": val_split, "test": test_split}, "n_val": len(val.records), "n_test": len(test.records),
             "seed": seed, "space": space.path, "budgets": results, "entries": entries_l, "frontier": front,
             "min_retention": min_retention, "settings": vars(settings) | {"rounds": [len(r) for r in rounds]},
-            "considered": search.considered, "ran": len(journal.ran), "skipped": search.skipped,
+            "considered": search.considered, "ran": search.considered - len(search.skipped),
+            "evaluated_recipes": len(journal.ran), "skipped": search.skipped, "dropped": search.dropped,
             "touched_val_items": len(journal.touched)}  # fmt: skip

@@ -1,0 +1,51 @@
+"""`trimvlm tune`'s CLI glue: load, search (`trimvlm.tune.search`), print the budgets' best recipes, write
+the folder (`trimvlm.tune.report`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None, out="runs/tune",
+                 min_retention=None, n_val: int = 192, n_test: int = 600, seed: int = 0, batch_size: int = 48,
+                 threads: int | None = None, console=None, load_kw: dict | None = None) -> dict:  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
+    import trimvlm
+    from trimvlm.tune.budgets import budget_points
+    from trimvlm.tune.report import write_report
+    from trimvlm.tune.search import Settings, check_splits, tune
+    from trimvlm.tune.space import load_space
+
+    budget_points(budgets)  # bad budgets, splits and space files fail before the model loads
+    check_splits(task, "val", "test", data)
+    load_space(space)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    console = console or Console()
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    rep = tune(vlm, task, list(budgets), space=space, out=out, n_val=n_val, n_test=n_test, seed=seed, data=data,
+               min_retention=min_retention, settings=Settings(batch_size=batch_size), console=console)  # fmt: skip
+    by_spec = {e["spec"]: e for e in rep["entries"]}
+    table = Table(title=f"tune {model} on {task}: best recipe per budget (test split, {rep['n_test']} items)")
+    for col in ("budget", "best recipe", "test accuracy", "retention", "total FLOPs", "KV bytes", "latency"):
+        table.add_column(col)
+    for b in rep["budgets"]:
+        e = by_spec.get(b["best"]) if b["best"] else None
+        if e is None:
+            table.add_row(b["label"], "none fits", *["-"] * 5)
+            continue
+        t, r = e["test"], e["test"]["ratio"]
+        table.add_row(b["label"], e["spec"], f"{100 * t['accuracy']:.1f}%", f"{t['retention'] or 0:.3f}",
+                      f"{r['total_flops']:.3f}x", f"{r['kv_bytes']:.3f}x", f"{r['latency_s']:.3f}x")  # fmt: skip
+    console.print(table)
+    base = by_spec["baseline"]["test"]
+    console.print(f"baseline test accuracy {100 * base['accuracy']:.1f}%; candidates run {rep['ran']} of "
+                  f"{rep['considered']} considered ({len(rep['skipped'])} skipped before running, "
+                  f"{rep['evaluated_recipes']} recipes evaluated with the keep corrections)")  # fmt: skip
+    for path in write_report(rep, Path(out)):
+        console.print(f"[dim]wrote {path}[/]")
+    return rep

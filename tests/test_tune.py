@@ -1,0 +1,180 @@
+"""trimvlm tune: predicted costs equal measured ones, the search never runs a recipe over its predicted budget,
+it is seeded and resumable, it never reads the test split, its recipes round-trip, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trimvlm
+from trimvlm.errors import TrimVLMError
+from trimvlm.evals.run import batches, run_eval
+from trimvlm.evals.tasks import demo_task
+from trimvlm.recipe import parse_recipe
+from trimvlm.tune import Settings, search
+from trimvlm.tune.budgets import budget_points
+from trimvlm.tune.predict import predict, read_shapes
+from trimvlm.tune.report import write_report
+from trimvlm.tune.space import load_space
+
+SPACE = """
+tokens:
+  - {method: fastv, layer: [2]}
+  - {method: random, layer: [0]}
+kv:
+  - {method: snapkv, keep: [0.5]}
+depth:
+  - {method: block-influence, budget: [1]}
+  - {method: tail, budget: [1]}
+combine: [tokens, tokens+kv, tokens+depth, depth]
+"""
+SMALL = {"n_val": 16, "n_test": 12, "settings": Settings(start=8, batch_size=8), "progress": False}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return trimvlm.load("demo")
+
+
+@pytest.fixture
+def space(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE)
+    return path
+
+
+@pytest.mark.parametrize("model", ["demo", "demo-qwen35"])
+def test_predicted_costs_equal_measured(model, one_thread):
+    vlm = trimvlm.load(model)
+    task = demo_task(limit=14, seed=0, split="val")
+    recipes = ["tokens=fastv:keep=0.37:layer=2", "tokens=random:keep=0.2:layer=0,kv=snapkv:keep=0.3",
+               "depth=tail:budget=1:scope=all,tokens=fastv:keep=0.5:layer=4", "kv=h2o:keep=0.1",
+               "tokens=visionzip:keep=0.3,depth=skip:layers=1:scope=prefill"]  # fmt: skip
+    res = run_eval(vlm, task, recipes, batch_size=5, warmup=False, memory="off", progress=False)
+    shapes = read_shapes(vlm, task, batches(task, 5))
+    for r in ["baseline", *recipes]:
+        p, got = predict(vlm, r, shapes), res.row(parse_recipe(r).label())["costs"]["sum"]
+        assert (p.prefill_flops, p.kv_bytes) == (got["prefill_flops"], got["kv_bytes"]), r
+    if model == "demo":  # a router's layout follows the input: not predicted, run
+        assert predict(vlm, "router=demo:token_keep=0.5:layers_skip=1", shapes) is None
+
+
+def _runs(monkeypatch):
+    """Every recipe the search's harness calls run, with the items of each call."""
+    calls = []
+    real = run_eval
+
+    def spy(vlm, task, recipes, **kw):
+        calls.append(([r["name"] for r in recipes], [r.id for r in task.records]))
+        return real(vlm, task, recipes, **kw)
+
+    monkeypatch.setattr("trimvlm.evals.run.run_eval", spy)
+    return calls
+
+
+def test_never_runs_over_predicted_budget_and_never_reads_test(demo, space, tmp_path, monkeypatch, one_thread):
+    calls = _runs(monkeypatch)
+    point = {"prefill_flops": 0.8, "kv_bytes": 0.6}
+    rep = search.tune(demo, "demo", [f"{a}={v}" for a, v in point.items()], space=space, out=tmp_path / "t", **SMALL)
+    val = {r.id for r in demo_task(limit=16, seed=0, split="val").records}
+    test = {r.id for r in demo_task(limit=12, seed=0, split="test").records}
+    *searching, final = calls
+    assert searching and all(set(ids) <= val for _, ids in searching)  # the search reads validation items only
+    assert set(final[1]) == test and not test & val
+    lines = [json.loads(line) for line in (tmp_path / "t" / "journal.jsonl").read_text().splitlines()]
+    journal = [e["row"] for e in lines if not e["key"].endswith("|baseline")]
+    assert len(journal) > 5
+    for row in journal:  # prediction is exact: nothing run is over budget on a predicted axis
+        assert row["ratio"]["prefill_flops"] <= point["prefill_flops"] + 1e-9
+        assert row["ratio"]["kv_bytes"] <= point["kv_bytes"] + 1e-9
+    assert any("predicted" in s["why"] for s in rep["skipped"])  # the depth-only family: over budget, not run
+
+
+def _frontier(rep, out):
+    """The frontier and the rankings, with the folder (ranking files live in it) taken out of the specs."""
+    strip = json.dumps([{a: rep["frontier"][a] for a in ("total_flops", "kv_bytes")},
+                        [b["ranking"] for b in rep["budgets"]]]).replace(str(out), "OUT")  # fmt: skip
+    return json.loads(strip)
+
+
+def test_seeded_resumable_and_round_trip(demo, space, tmp_path, monkeypatch, one_thread):
+    budgets = ["total_flops=0.8", "total_flops=0.7"]
+    whole = search.tune(demo, "demo", budgets, space=space, out=tmp_path / "a", **SMALL)
+    again = search.tune(demo, "demo", budgets, space=space, out=tmp_path / "b", **SMALL)
+    assert _frontier(whole, tmp_path / "a") == _frontier(again, tmp_path / "b")  # the same seed, the same frontier
+
+    class Killed(Exception):
+        pass
+
+    def kill_after(n):
+        count = {"calls": 0}
+
+        def on_run(_):
+            count["calls"] += 1
+            if count["calls"] >= n:
+                raise Killed
+
+        return on_run
+
+    with pytest.raises(Killed):
+        search.tune(demo, "demo", budgets, space=space, out=tmp_path / "c", on_run=kill_after(3), **SMALL)
+    calls = _runs(monkeypatch)
+    resumed = search.tune(demo, "demo", budgets, space=space, out=tmp_path / "c", **SMALL)
+    assert _frontier(resumed, tmp_path / "c") == _frontier(whole, tmp_path / "a")
+    assert len(calls) < 1 + sum(1 for _ in (tmp_path / "a" / "journal.jsonl").open())  # finished work not rerun
+    # a tuned recipe is a recipe: it gives the figures the report shows for it, on the same test items
+    write_report(resumed, tmp_path / "c")
+    best = next(b for b in resumed["budgets"] if b["budget"] == {"total_flops": 0.7})
+    entry = next(e for e in resumed["entries"] if e["spec"] == best["best"])
+    test = demo_task(limit=12, seed=0, split="test")
+    for recipe in ("tuned=" + str(tmp_path / "c") + ":budget=0.7", str(tmp_path / "c" / "best-total_flops-0.7.yaml")):
+        row = run_eval(demo, test, [recipe], batch_size=8, progress=False).row("tuned-total_flops=0.7")
+        assert row["accuracy"] == entry["test"]["accuracy"]
+        assert row["ratio"]["total_flops"] == pytest.approx(entry["test"]["ratio"]["total_flops"], rel=1e-12)
+        assert row["ratio"]["total_flops"] <= 0.7 + 0.02
+
+
+def test_bad_input_one_line_errors(demo, space, tmp_path, one_thread):
+    cases = [lambda: budget_points(["total_flops=0"]), lambda: budget_points(["total_flops=1.5"]),
+             lambda: budget_points(["flops=0.5"]), lambda: budget_points(["total_flops"]),
+             lambda: search.check_splits("tasks.jsonl", "val", "test", None),
+             lambda: search.check_splits("demo-candidates-nosuch", "val", "test", None)]  # fmt: skip
+    for text, want in [("tokens:\n  - {method: nosuch}\n", "nosuch"),
+                       ("tokens:\n  - {method: fastv, bogus: [1]}\n", "bogus"),
+                       ("tokens:\n  - {method: fastv, keep: [0.5]}\n", "free knob"),
+                       ("combine: [tokens+nothing]\n", "combine")]:  # fmt: skip
+        bad = tmp_path / f"bad{len(cases)}.yaml"
+        bad.write_text(text)
+        cases.append(lambda bad=bad: load_space(bad))
+        with pytest.raises(TrimVLMError, match=want):
+            load_space(bad)
+    for case in cases:
+        with pytest.raises(TrimVLMError) as e:
+            case()
+        assert "\n" not in str(e.value)
+    # a tuned folder from another model
+    rep = search.tune(demo, "demo", ["total_flops=0.8"], space=space, out=tmp_path / "t", **SMALL)
+    write_report(rep, tmp_path / "t")
+    other = trimvlm.load("demo-qwen35")
+    with pytest.raises(TrimVLMError, match="tuned for another model") as e:
+        other.generate(None, "hi", recipe=f"tuned={tmp_path / 't'}:budget=0.8", max_new_tokens=1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TrimVLMError, match="it has: total_flops=0.8"):
+        parse_recipe(f"tuned={tmp_path / 't'}:budget=0.5")
+
+
+def test_cli_tune_writes_the_folder(space, tmp_path, one_thread):
+    from typer.testing import CliRunner
+
+    from trimvlm.cli import app
+
+    out = tmp_path / "cli"
+    args = ["tune", "--model", "demo", "--budget", "total_flops=0.75", "--space", str(space), "--n-val", "16",
+            "--n-test", "8", "--batch-size", "8", "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    for name in ("tune.json", "best.yaml", "best-total_flops-0.75.yaml", "frontier.md", "frontier.png"):
+        assert (out / name).exists(), name
+    bad = CliRunner().invoke(app, [*args[:3], "--budget", "latency=2", "--out", str(out)])
+    assert bad.exit_code == 2 and "(0, 1]" in bad.output
