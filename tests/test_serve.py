@@ -203,9 +203,9 @@ def test_systemone_equals_decide(client, demo):
 
 
 def test_systemone_recipe_is_cheaper(client, demo):
-    req = decide_request(0) | {"recipe": "tokens=density:keep=0.25:layer=1"}
+    req = decide_request(40) | {"recipe": "tokens=density:keep=0.25:layer=1"}  # a state no test sent before
     r = client.post("/v1/systemone", json=req).json()
-    base = client.post("/v1/systemone", json=decide_request(0)).json()
+    base = client.post("/v1/systemone", json=decide_request(40)).json()  # its prefix: another recipe's
     ref = local_answers(demo, req, recipe=req["recipe"])
     assert_same(r["answers"], ref.answers[0])
     assert r["usage"]["recipe"] == "tokens=density:keep=0.25:layer=1"
@@ -347,8 +347,8 @@ BAD = [
     ("/v1/systemone", {"state": "<img>", "questions": QUESTIONS,
                        "assets": {"<img>": {"type": "image", "format": "png", "data_base64": "bm90IGFuIGltYWdl"}}},
      400, "not a decodable image"),
-    ("/v1/systemone", {"state": "<img>", "questions": QUESTIONS, "assets": {"<img>": "https://example.com/a.png"}},
-     400, "URL"),
+    ("/v1/systemone", {"state": "<img>", "questions": QUESTIONS, "assets": {"<img>": {
+        "type": "image", "format": "png", "data_base64": "https://example.com/a.png"}}}, 400, "URL"),
     ("/v1/systemone", {"state": "x", "questions": QUESTIONS, "recipe": "tokens=nope:keep=0.5"}, 400,
      "unknown tokens method"),
     ("/v1/systemone", {"state": "x", "questions": QUESTIONS, "recipe": "kv=density:keep=0.5"}, 400, "kv="),

@@ -310,8 +310,9 @@ class Adapter:
         this very object) and the image processor's settings."""
         proc = self.image_processor
         settings = proc.to_json_string() if hasattr(proc, "to_json_string") else repr(proc)
-        m = self.model
-        return f"{self.family}|{id(m)}|{m.dtype}|{m.device}|{m.config.to_json_string()}|{settings}"
+        m, config = self.model, getattr(self.model, "config", None)
+        config = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+        return f"{self.family}|{id(m)}|{getattr(m, 'dtype', '')}|{getattr(m, 'device', '')}|{config}|{settings}"
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)
