@@ -312,6 +312,45 @@ class KVCache:
                 metas[key] = new
         self.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
 
+    def join(self, other: KVCache) -> None:
+        """Append the rows of `other` after this cache's rows, in place (a request admitted into a running decode
+        batch). Each layer's entries are left-padded to the longer of the two with invalid columns (attended to
+        by no one, as a padded batch's), recurrent states are concatenated; layers that shared their metadata
+        share it again. Neither cache may read a shared prefix."""
+        if self.prefix is not None or other.prefix is not None:
+            raise ValueError("caches reading a shared prefix cannot be joined")
+        a_rows, b_rows = self.rows(), other.rows()
+        memo: dict[tuple, torch.Tensor] = {}
+
+        def cat(x, y, nx, ny, fill, name):
+            k = max(x.shape[2 if x.dim() == 4 else 1] if x is not None else 0,
+                    y.shape[2 if y.dim() == 4 else 1] if y is not None else 0)  # fmt: skip
+            key = (name, id(x), id(y), k)
+            if key not in memo:
+                memo[key] = torch.cat([_left_pad(x, nx, k, fill, y), _left_pad(y, ny, k, fill, x)], dim=0)
+            return memo[key]
+
+        for i in sorted(set(self.layers) | set(other.layers)):
+            a, b = self.layers.get(i), other.layers.get(i)
+            self.layers[i] = LayerKV(*(
+                cat(getattr(a, f, None), getattr(b, f, None), a_rows, b_rows, fill, f)
+                for f, fill in (("key", 0), ("value", 0), ("valid", False), ("visual", False), ("source", -1))
+            ))  # fmt: skip
+        for i in set(self.states) | set(other.states):
+            a, b = self.states.get(i, {}), other.states.get(i, {})
+            if set(a) != set(b):
+                raise ValueError(f"layer {i}: recurrent states {sorted(a)} and {sorted(b)} cannot be joined")
+            self.states[i] = {k: torch.cat([a[k], b[k].to(a[k].dtype)], dim=0) for k in a}
+
+    def rows(self) -> int:
+        """Batch rows this cache holds."""
+        for e in self.layers.values():
+            return e.key.shape[0]
+        for st in self.states.values():
+            for t in st.values():
+                return t.shape[0]
+        return 0
+
     # ---- accounting ----
     def attention_bytes(self) -> int:
         own = sum(e.key.nbytes + e.value.nbytes for e in self.layers.values())
@@ -321,3 +360,16 @@ class KVCache:
 
     def state_bytes(self) -> int:
         return sum(t.nbytes for st in self.states.values() for t in st.values() if t is not None)
+
+
+def _left_pad(t: torch.Tensor | None, rows: int, k: int, fill, like: torch.Tensor | None) -> torch.Tensor:
+    """`t` ([B, H, K', d] entries or [B, K'] metadata) left-padded with `fill` to K = k columns; an absent `t`
+    (a layer this side never ran) is `rows` rows of padding shaped like `like`."""
+    ref = t if t is not None else like
+    four = ref.dim() == 4
+    have = 0 if t is None else t.shape[2 if four else 1]
+    if have == k:
+        return t
+    shape = (rows, *ref.shape[1:2], k - have, *ref.shape[3:]) if four else (rows, k - have)
+    pad = torch.full(shape, fill, dtype=ref.dtype, device=ref.device)
+    return pad if t is None else torch.cat([pad, t], dim=2 if four else 1)

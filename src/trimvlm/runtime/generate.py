@@ -1,7 +1,9 @@
 """Generation loop over the runner: greedy or seeded temperature / top-p sampling, stop tokens, max tokens.
 
 Decoding continues from the cache whatever its length: each new token's position is the sample's next
-original position (`next_pos`), never the (possibly shrunk) cache length.
+original position (`next_pos`), never the (possibly shrunk) cache length. `Decoding` is the decode batch
+itself, one step at a time: `generate` runs it to the end, a server's scheduler (continuous batching) lets
+rows join it between steps and leave it at any step.
 """
 
 from __future__ import annotations
@@ -55,6 +57,59 @@ def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+class Decoding:
+    """Rows decoding together against one cache: their next positions and decode layer plan (`skip`: the
+    plan's `skip_decode`, a set of layers, a per-sample [B, L] bool or a `LayerPlan`). `step(tokens)` runs
+    each row's newest token and returns the next logits [B, V]; `keep(rows)` lets the others leave (their cache
+    rows freed); `join(other)` appends another batch's rows (a request admitted between steps)."""
+
+    def __init__(self, runner: Runner, cache, next_pos: torch.Tensor, skip=frozenset()):
+        self.runner, self.cache, self.pos, self.skip = runner, cache, next_pos, skip
+
+    def __len__(self) -> int:
+        return int(self.pos.shape[0])
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, meter: Meter | None = None) -> torch.Tensor:
+        positions = self.runner.adapter.text_positions(self.pos, 1)
+        logits = self.runner.step(tokens[:, None], positions, self.cache, skip=self.skip, meter=meter)
+        self.pos += 1
+        return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.keep_rows(rows)
+        self.pos = self.pos[rows]
+        if isinstance(self.skip, torch.Tensor):  # a per-sample plan follows its rows
+            self.skip = self.skip.index_select(0, rows)
+        elif isinstance(self.skip, LayerPlan):
+            self.skip.rows(rows)
+
+    def join(self, other: Decoding) -> None:
+        a, b = _fixed(self.skip), _fixed(other.skip)
+        if not (isinstance(a, frozenset | set) and isinstance(b, frozenset | set) and set(a) == set(b)):
+            layers = self.runner.num_layers
+            dev = self.pos.device
+            a = torch.cat([_per_row(a, len(self), layers).to(dev), _per_row(b, len(other), layers).to(dev)])
+        self.cache.join(other.cache)
+        self.pos = torch.cat([self.pos, other.pos])
+        self.skip = a
+
+
+def _fixed(skip):
+    """A `LayerPlan` as what it holds (its [B, L] plan, or nothing skipped before one was set)."""
+    if isinstance(skip, LayerPlan):
+        return frozenset() if skip.plan is None else skip.plan
+    return skip
+
+
+def _per_row(skip, rows: int, layers: int) -> torch.Tensor:
+    if isinstance(skip, torch.Tensor):
+        return skip
+    out = torch.zeros(rows, layers, dtype=torch.bool)
+    out[:, sorted(int(i) for i in skip)] = True
+    return out
+
+
 @torch.no_grad()
 def generate(
     runner: Runner,
@@ -81,13 +136,12 @@ def generate(
     gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
     meter.start_memory()
     out = runner.prefill(prepared, plan, meter=meter)
-    skip_decode = plan.skip_decode
     b = prepared.batch
     stops = torch.tensor(stop_ids or [], dtype=torch.long, device=dev)
     tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=dev)
     lengths = torch.zeros(b, dtype=torch.long, device=dev)
     live = torch.arange(b, device=dev)  # rows of the batch still decoding, in cache order
-    cache, logits, pos = out.cache, out.logits, out.next_pos.clone()
+    rows, logits = Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), out.logits
     with meter.timer("decode"):
         for t in range(max_new_tokens):
             tok = choose(logits, sampling, gen)
@@ -97,17 +151,11 @@ def generate(
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
             if bool(done.any()):
-                meter.kv_end(cache)  # the cache is at its largest just before rows leave
+                meter.kv_end(rows.cache)  # the cache is at its largest just before rows leave
                 stay = torch.nonzero(~done).flatten()
-                cache.keep_rows(stay)
-                live, tok, pos = live[stay], tok[stay], pos[stay]
-                if isinstance(skip_decode, torch.Tensor):  # a per-sample plan follows its rows
-                    skip_decode = skip_decode.index_select(0, stay)
-                elif isinstance(skip_decode, LayerPlan):
-                    skip_decode.rows(stay)
-            positions = runner.adapter.text_positions(pos, 1)
-            logits = runner.step(tok[:, None], positions, cache, skip=skip_decode, meter=meter)
-            pos += 1
-    meter.kv_end(cache)
+                rows.keep(stay)
+                live, tok = live[stay], tok[stay]
+            logits = rows.step(tok, meter)
+    meter.kv_end(rows.cache)
     meter.stop_memory()
     return GenerationOutput(tokens[:, : int(lengths.max())], lengths, out.logits, meter.costs)

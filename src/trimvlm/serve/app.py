@@ -8,19 +8,23 @@ import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from trimvlm.errors import InputError
 from trimvlm.serve import chat, require, systemone
 from trimvlm.serve.errors import ApiError
 from trimvlm.serve.limits import ServerLimits
+from trimvlm.serve.logs import AccessLog, configure
 from trimvlm.serve.state import ServerState
 
 log = logging.getLogger("trimvlm.serve")
 
 
 def build_app(state: ServerState):
-    """The routes (docs/serving.md). The batcher's thread starts with the app and stops with it."""
+    """The routes (docs/serving.md), behind the access log. The scheduler's thread starts with the app and stops
+    with it (after the running streams and the queued requests are answered: uvicorn closes the app once its
+    open requests are done)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -33,6 +37,15 @@ def build_app(state: ServerState):
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _e: ClientDisconnect):  # during the upload: one line, no traceback
+        client = request.client
+        log.warning(
+            "%s %s: the client%s closed the connection during the upload", request.method, request.url.path,
+            f" {client.host}:{client.port}" if client else "",
+        )  # fmt: skip
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, e: Exception):  # a bug of ours: a 500, never a dead server
@@ -56,6 +69,11 @@ def build_app(state: ServerState):
             "endpoints": ["/v1/systemone"] + ([] if state.vlm.adapter.decision_head else ["/v1/chat/completions"]),
         }]}  # fmt: skip
 
+    @app.get("/metrics")
+    async def metrics():
+        body, kind = state.metrics.exposition()
+        return Response(body, media_type=kind)
+
     @app.get("/health")
     async def health():
         body = {
@@ -64,7 +82,7 @@ def build_app(state: ServerState):
         } | state.batcher.stats()  # fmt: skip
         return JSONResponse(body, status_code=200 if state.batcher.alive else 503)
 
-    return app
+    return AccessLog(app, state.metrics)
 
 
 def serve(
@@ -77,9 +95,13 @@ def serve(
     max_wait_ms: float = 10.0,
     limits: ServerLimits | None = None,
     decision_config=None,
-    threads: int = 0,
+    threads: int = 1,
     load_kw: dict | None = None,
     log_level: str = "info",
+    access_log: bool = True,
+    vision_cache_mb: float = 256,
+    prefix_cache_mb: float = 512,
+    request_cache_mb: float = 256,
 ) -> None:
     """Load `model`, check the server's recipe, and serve until interrupted."""
     require()
@@ -103,8 +125,10 @@ def serve(
         decision_config = resolve_config(vlm, decision_config)
     state = ServerState(
         vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
-        decision_config=decision_config,
+        decision_config=decision_config, vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb,
+        request_cache_mb=request_cache_mb,
     )  # fmt: skip
+    systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"
     try:  # the server's recipe, checked before it listens
         state.recipe(kind, None)
@@ -112,8 +136,10 @@ def serve(
         raise InputError(f"--recipe: {e}") from e
     print(
         f"trimvlm serve: {model} ({vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
-        f"max batch {max_batch}, max wait {max_wait_ms:g} ms",
+        f"max batch {max_batch}, max wait {max_wait_ms:g} ms, max prefill tokens {state.limits.max_prefill_tokens}, "
+        f"{torch.get_num_threads()} torch thread(s)",
         file=sys.stderr,
         flush=True,
     )
+    configure(log_level, access_log)
     uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, access_log=False)

@@ -10,7 +10,9 @@ queued. A lone request therefore runs at once. `run(key, payloads)` answers a ba
 (or exception) per payload.
 
 If a batch raises, each of its requests runs again alone, so one request that breaks the model fails only
-itself (500); the worker never stops on an error.
+itself (500); the worker never stops on an error. A request whose client has gone (`Job.cancel`, set by the
+event loop when the connection closes) is dropped wherever it waits and never run (`dropped` counts them).
+`serve/scheduler.py` extends this loop with step-level continuous batching for chat completions.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (its payload may hold tensors)
 class Job:
     key: Hashable
     payload: Any
@@ -36,6 +38,10 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when its batch began to run
     batch: int = 0  # requests in its batch
+    cancelled: bool = False  # its client has gone: never run it (read by the model thread)
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class Arrival:
@@ -74,6 +80,7 @@ class MicroBatcher:
         self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
         self.sizes: Counter[int] = Counter()  # batch size -> batches run
         self.failed_batches = 0
+        self.dropped = 0  # requests whose client left before they ran: never computed
 
     # ---- the event loop's side ----
     def start(self) -> None:
@@ -94,14 +101,24 @@ class MicroBatcher:
         """Say a request is coming (use as a context manager around its reading and preparation)."""
         return Arrival(self)
 
-    async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
-        """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised."""
+    def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
+        """Queue one request (from the event loop); its job, whose future holds its result."""
         loop = asyncio.get_running_loop()
         job = Job(key=key, payload=payload, future=loop.create_future(), loop=loop)
         self._queue.put(job)
         if arrival is not None:
             arrival.done()
-        return await job.future, job
+        return job
+
+    async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
+        """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised.
+        If the awaiting task is cancelled, the job is too (it will not run if it has not started)."""
+        job = self.enqueue(key, payload, arrival)
+        try:
+            return await job.future, job
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
 
     def stats(self) -> dict:
         n = sum(self.sizes.values())
@@ -109,7 +126,7 @@ class MicroBatcher:
         return {
             "batches": n, "requests": served, "mean_batch": served / n if n else 0.0,
             "largest_batch": max(self.sizes, default=0), "failed_batches": self.failed_batches,
-            "waiting": self.waiting(),
+            "waiting": self.waiting(), "dropped": self.dropped,
         }  # fmt: skip
 
     # ---- the worker thread ----
@@ -123,16 +140,26 @@ class MicroBatcher:
             self._closing = True
         return job
 
-    def _collect(self, first: Job) -> list[Job]:
-        batch = [first]
+    def _collect(self, first: Job, *, room: int | None = None, wait: bool = True, weight=None,
+                 budget: int = 0) -> list[Job]:  # fmt: skip
+        """`first` and the waiting jobs of its key, up to `room` (default max_batch) and, with `weight(job)`, up
+        to `budget` in all (`first` always goes); `wait`: wait for more up to max_wait after `first` arrived.
+        Jobs whose client has gone are dropped."""
+        room = self.max_batch if room is None else room
+        batch, used = [first], 0 if weight is None else weight(first)
+
+        def fits(job) -> bool:
+            return weight is None or used + weight(job) <= budget
+
         for job in list(self._pending):
-            if len(batch) >= self.max_batch:
+            if len(batch) >= room or not fits(job):
                 break
             if job.key == first.key:
                 self._pending.remove(job)
                 batch.append(job)
-        deadline = first.enqueued + self.max_wait_s
-        while len(batch) < self.max_batch and not self._closing:
+                used += 0 if weight is None else weight(job)
+        deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
+        while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
             try:
                 if left <= 0 or (self._arriving == 0 and self._queue.empty()):
@@ -145,18 +172,33 @@ class MicroBatcher:
                 continue
             if job is None:
                 self._closing = True
-            elif job.key == first.key:
+            elif job.key == first.key and fits(job):
                 batch.append(job)
+                used += 0 if weight is None else weight(job)
             else:
                 self._pending.append(job)
-        return batch
+                if job.key == first.key:
+                    break  # the budget is spent
+        return self._live(batch)
+
+    def _live(self, jobs: list[Job]) -> list[Job]:
+        """The jobs whose client is still there; the others are settled and counted, never run."""
+        live = [j for j in jobs if not (j.cancelled or j.future.cancelled())]
+        for job in jobs:
+            if job not in live:
+                self.dropped += 1
+                try:  # nobody awaits it any more
+                    job.loop.call_soon_threadsafe(job.future.cancel)
+                except RuntimeError:  # the event loop is closed
+                    pass
+        return live
 
     def _loop(self) -> None:
         while True:
             first = self._next()
             if first is None:
                 break
-            batch = [j for j in self._collect(first) if not j.future.cancelled()]  # gone clients
+            batch = self._collect(first)
             if batch:
                 self._run(batch)
         for job in list(self._pending):

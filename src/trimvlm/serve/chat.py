@@ -10,30 +10,27 @@ Fields: `model`?, `messages`, `max_tokens` / `max_completion_tokens` (default an
 `temperature` (default 0: greedy), `top_p`, `seed`, `stream`, `stream_options` (accepted; the usage is always
 sent), `n` (1 only), `user` (ignored), and trimvlm's `recipe` extension. Unknown fields: 422.
 
-Batching: greedy completions with the same recipe and max_tokens share one `vlm.generate` (each row is what the
-request alone returns). A sampled one (temperature > 0) runs alone: its draws would depend on its batch.
+Scheduling: continuous batching at the step level (serve/scheduler.py, serve/engine.py): a request is admitted
+between two decode steps, prefilled, and joins the running decode batch; each row is what the request alone
+returns from `vlm.generate`, greedy or sampled with its seed.
 
-Streaming: `data: {chunk}` server-sent events (a role chunk, one chunk per piece of text, a last chunk with
-`finish_reason` and `usage`), then `data: [DONE]`. `vlm.generate` returns when its batch is done, so the chunks
-are sent then: the concatenated deltas equal the non-streamed text, the first chunk does not come earlier.
+Streaming: `data: {chunk}` server-sent events (a role chunk, one chunk per token's new text as the step that
+made it ends, a last chunk with `finish_reason` and `usage`), then `data: [DONE]` (serve/reply.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
-import itertools
-import json
 import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trimvlm.decision.costs import split
 from trimvlm.errors import TrimVLMError
 from trimvlm.serve.errors import ApiError, from_trimvlm
 
@@ -89,9 +86,9 @@ class ChatJob:
     seed: int
     stream: bool
     preprocess_s: float
+    events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
 
 
-_sampled = itertools.count()
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 
 
@@ -168,7 +165,7 @@ async def handle(state, request):
 
 
 async def _handle(state, request, arrival):
-    from fastapi.responses import StreamingResponse
+    from trimvlm.serve.reply import ChatReply
 
     t0 = time.perf_counter()
     body = await state.read_json(request)
@@ -194,104 +191,8 @@ async def _handle(state, request, arrival):
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
         recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stream=req.stream, preprocess_s=time.perf_counter() - t1,
+        stream=req.stream, preprocess_s=time.perf_counter() - t1, events=asyncio.Queue(),
     )  # fmt: skip
-    key = ("chat", recipe.label, max_tokens) + (() if temperature == 0 else ("sampled", next(_sampled)))
-    out, job_info = await state.submit(key, job, arrival)
-    out["usage"] |= {
-        "recipe": recipe.label,
-        "queue_s": job_info.started - job_info.enqueued,
-        "server_latency_s": time.perf_counter() - t0,
-    }
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if not req.stream:
-        return {
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                         "finish_reason": out["finish_reason"]}],
-            "usage": out["usage"],
-        }  # fmt: skip
-
-    def chunk(delta: dict, finish=None, usage=None) -> str:
-        c = {
-            "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }  # fmt: skip
-        if usage is not None:
-            c["usage"] = usage
-        return f"data: {json.dumps(c)}\n\n"
-
-    def events():
-        yield chunk({"role": "assistant", "content": ""})
-        for piece in out["deltas"]:
-            yield chunk({"content": piece})
-        yield chunk({}, out["finish_reason"], out["usage"])
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def run(state, key, jobs: list[ChatJob]) -> list[dict]:
-    """On the model thread: one `vlm.generate` over the batch, then per request its text and its costs."""
-    vlm = state.vlm
-    j0 = jobs[0]  # each request was prepared once, alone, on the preparation thread: collated, not redone
-    res = vlm.generate(
-        None, None, prepared=vlm.adapter.collate([j.prepared for j in jobs]), recipe=j0.recipe,
-        max_new_tokens=j0.max_tokens, temperature=j0.temperature, top_p=j0.top_p, seed=j0.seed,
-    )  # fmt: skip
-    c, rows = res.costs, [1] * len(jobs)
-    # the batch's one vision encode, shared by the image tokens each request brought
-    image = vlm.adapter.image_token_id
-    vision = split(c.flops.get("vision", 0), [int((j.prepared.input_ids == image).sum()) for j in jobs])
-    lengths = [len(t) for t in res.tokens]  # the stop token is not in `tokens`
-    # decode steps a row took: its first token comes from the prefill, a row that stopped made one more
-    steps = [n + (n < j0.max_tokens) - 1 for n in lengths]
-    steps = steps if sum(steps) else rows
-    prefill = split(c.flops.get("prefill", 0), rows)
-    decode = split(c.decode_flops, steps)
-    method = [
-        a + b
-        for a, b in zip(split(c.method_prefill_flops, rows), split(c.method_decode_flops, steps), strict=True)
-    ]
-    kv, kv_peak, st = split(c.kv_bytes, rows), split(c.kv_bytes_peak, rows), split(c.state_bytes, rows)
-    forward_s = sum(c.seconds.values())
-    out = []
-    for i, j in enumerate(jobs):
-        model_flops = vision[i] + prefill[i] + decode[i]
-        usage = {
-            "prompt_tokens": j.prompt_tokens, "completion_tokens": lengths[i],
-            "total_tokens": j.prompt_tokens + lengths[i],
-            "vision_flops": vision[i], "prefill_flops": prefill[i], "decode_flops": decode[i],
-            "model_flops": model_flops, "method_flops": method[i], "total_flops": model_flops + method[i],
-            "kv_bytes": kv[i], "kv_bytes_peak": kv_peak[i], "state_bytes": st[i],
-            "preprocess_s": j.preprocess_s, "forward_s": forward_s, "latency_s": j.preprocess_s + forward_s,
-            "batch_requests": len(jobs),
-        }  # fmt: skip
-        item = {
-            "text": res.texts[i],
-            "finish_reason": "length" if lengths[i] >= j.max_tokens else "stop",
-            "usage": usage,
-        }
-        if j.stream:
-            item["deltas"] = deltas(vlm.tokenizer, res.tokens[i], res.texts[i])
-        out.append(item)
-    return out
-
-
-def deltas(tokenizer, tokens: list[int], text: str) -> list[str]:
-    """The text as it grows token by token (decoded as `generate` decodes it); the pieces concatenate to `text`.
-    A prefix that ends in an incomplete character waits for the next token."""
-    pieces, sent = [], ""
-    for k in range(1, len(tokens) + 1):
-        now = tokenizer.decode(tokens[:k], skip_special_tokens=True).strip()
-        if (
-            now.startswith(sent)
-            and not now.endswith("\ufffd")
-            and len(now) > len(sent)
-            and text.startswith(now)
-        ):
-            pieces.append(now[len(sent) :])
-            sent = now
-    if len(text) > len(sent):
-        pieces.append(text[len(sent) :])
-    return pieces
+    queued = state.batcher.enqueue(("chat", recipe.label), job, arrival)
+    reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)
+    return await (reply.stream() if req.stream else reply.whole())

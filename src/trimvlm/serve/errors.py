@@ -65,3 +65,12 @@ def model_failed(e: BaseException) -> ApiError:
     """The model raised on a batch: 500 for its requests (the server goes on serving)."""
     detail = " ".join(str(e).split())[:300]
     return ApiError(500, f"the model failed on this request ({type(e).__name__}: {detail})")
+
+
+def as_api_error(e: BaseException) -> ApiError:
+    """What a request's batch raised, as its answer: itself (an ApiError), 400 for a trimvlm error, else 500."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, TrimVLMError):
+        return from_trimvlm(e)
+    return model_failed(e)

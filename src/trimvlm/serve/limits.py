@@ -15,7 +15,9 @@ class ServerLimits:
     """`max_body_bytes`: the request body (413 past it); `max_images`: images per request (System One assets,
     chat `image_url` parts); `max_image_bytes`: one encoded image; `max_questions`: questions per System One
     request; `max_tokens`: the most a chat completion may ask for (`max_tokens` / `max_completion_tokens`);
-    `default_max_tokens`: what it gets when it asks for none."""
+    `default_max_tokens`: what it gets when it asks for none; `max_prefill_tokens`: prompt tokens admitted into
+    one prefill between two decode steps (a longer prompt runs alone), so a burst of long prompts cannot stall
+    the running streams for long."""
 
     max_body_bytes: int = 16 * MiB
     max_images: int = 8
@@ -23,6 +25,7 @@ class ServerLimits:
     max_questions: int = 64
     max_tokens: int = 256
     default_max_tokens: int = 32
+    max_prefill_tokens: int = 4096
 
     def __post_init__(self):
         for name, v in vars(self).items():

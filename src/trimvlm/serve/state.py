@@ -1,4 +1,5 @@
-"""What the endpoints share: the model, the batcher, the preparation thread, the limits, the recipes.
+"""What the endpoints share: the model, the scheduler, the preparation thread, the limits, the recipes, the
+metrics.
 
 Preparation (decoding images, rendering and tokenizing prompts) runs on one thread of its own, beside the model
 thread: the event loop never blocks on it, and the two CPU halves of serving overlap.
@@ -13,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from trimvlm.errors import RecipeError, TrimVLMError
-from trimvlm.serve.batching import MicroBatcher
-from trimvlm.serve.errors import ApiError, from_trimvlm, model_failed, schema_error
-from trimvlm.serve.limits import ServerLimits
+from trimvlm.errors import InputError, RecipeError, TrimVLMError
+from trimvlm.serve.engine import ChatEngine
+from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
+from trimvlm.serve.limits import MiB, ServerLimits
+from trimvlm.serve.metrics import ServeMetrics
+from trimvlm.serve.scheduler import Scheduler
 
 
 @dataclass
@@ -36,6 +39,16 @@ def reads_files(recipe) -> bool:
     return recipe.router is not None or any("file" in spec.options for spec in specs)
 
 
+CACHE_STATS = ("hits", "misses", "bytes", "max_bytes", "entries", "evictions")
+
+
+def cache_bytes(mb, flag: str) -> int | None:
+    """A cache's bound in bytes from MiB (0: the cache is off)."""
+    if isinstance(mb, bool) or not isinstance(mb, int | float) or not mb >= 0:
+        raise InputError(f"{flag} must be a number of MiB >= 0 (0: off), got {mb!r}")
+    return int(mb * MiB) or None
+
+
 class ServerState:
     def __init__(
         self,
@@ -47,29 +60,49 @@ class ServerState:
         max_batch: int = 32,
         max_wait_ms: float = 10.0,
         decision_config=None,
+        vision_cache_mb: float = 256,
+        prefix_cache_mb: float = 512,
+        request_cache_mb: float = 256,
     ):
+        from trimvlm.runtime.lru import ByteLRU
+
         self.vlm = vlm
+        vlm.use_caches(vision_bytes=cache_bytes(vision_cache_mb, "--vision-cache-mb"),
+                       prefix_bytes=cache_bytes(prefix_cache_mb, "--prefix-cache-mb"))  # fmt: skip
+        requests = cache_bytes(request_cache_mb, "--request-cache-mb")  # System One bodies, prepared
+        self.request_cache = None if requests is None else ByteLRU(requests, "request cache")
         self.model_id = model_id
         self.limits = limits or ServerLimits()
         self.default_recipe = recipe or ""
         self.decision_config = decision_config
         self.started = time.time()
-        self.batcher = MicroBatcher(
-            self._run_batch, max_batch=max_batch,
-            max_wait_s=max_wait_ms / 1000,
+        self.metrics = ServeMetrics(lambda: self.batcher.stats())
+        self.batcher = Scheduler(
+            self._run_batch, ChatEngine(vlm, self.metrics), max_batch=max_batch,
+            max_wait_s=max_wait_ms / 1000, max_prefill_tokens=self.limits.max_prefill_tokens,
         )  # fmt: skip
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
         self._recipes: dict[tuple[str, str], Recipe] = {}
+        for cache in ("vision", "prefix", "request"):  # on /metrics, read at each scrape
+            for stat in CACHE_STATS:
+                self.metrics.gauge(
+                    f"trimvlm_{cache}_cache_{stat}", f"the {cache} cache: {stat} (0 when it is off)",
+                    fn=lambda c=cache, s=stat: (self.cache_stats()[c] or {}).get(s, 0),
+                )  # fmt: skip
+
+    def cache_stats(self) -> dict:
+        """The vision, prefix and request caches' figures (None: off)."""
+        return self.vlm.cache_stats() | {"request": None if self.request_cache is None else self.request_cache.stats()}
 
     def start(self) -> None:
         self.batcher.start()
 
     def _run_batch(self, key, payloads: list) -> list:
-        """On the model thread: one batch of requests with the same key (`key[0]`: the endpoint)."""
-        from trimvlm.serve import chat, systemone  # (they import this module's names)
+        """On the model thread: one batch of System One requests with the same key (chat completions are
+        the scheduler's engine's, step by step)."""
+        from trimvlm.serve import systemone  # (it imports this module's names)
 
-        run = {"decide": systemone.run, "chat": chat.run}[key[0]]
-        return run(self, key, payloads)
+        return systemone.run(self, key, payloads)
 
     def close(self) -> None:
         self.batcher.close()
@@ -88,12 +121,8 @@ class ServerState:
         is the request's 400; any other, the model's failure: 500."""
         try:
             return await self.batcher.submit(key, payload, arrival)
-        except ApiError:
-            raise
-        except TrimVLMError as e:
-            raise from_trimvlm(e) from e
         except Exception as e:  # noqa: BLE001
-            raise model_failed(e) from e
+            raise as_api_error(e) from e
 
     def recipe(self, kind: str, value) -> Recipe:
         """The recipe of a request (`kind`: "decide" or "chat"): its `recipe` field, else the server's. Checked

@@ -1,0 +1,236 @@
+"""Step-level continuous batching of chat completions, on the model thread (the scheduler calls it).
+
+`admit(jobs)`: one `Runner.prefill` over requests of one recipe (each prepared alone on the preparation thread,
+collated here), their first tokens chosen and sent, then their rows join the running decode batch of that
+recipe (`runtime.generate.Decoding.join`: the caches are left-padded to one length, padding attended by no
+one). `step()`: one decode step of every running batch; each row's token is sent to its request at once
+(true streaming); a row that stopped, reached its `max_tokens` or whose client has gone leaves the batch at
+that step (its cache rows freed).
+
+Each row is what the request alone gets from `vlm.generate`: greedy rows take their argmax, a sampled row
+(temperature > 0) draws from its own `torch.Generator` seeded with its `seed`, one draw per token, exactly as
+a batch of one does. (Rows of one batch agree with their solo runs to float rounding, as a padded batch does.)
+
+Costs per request (its `usage`): its share of each model call it took part in: the prefill it was admitted
+with (vision by its image tokens, the rest by rows) and every decode step it ran in (split by the rows of that
+step); `forward_s` is the time of those calls; `batch_requests` the most rows a call of it held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from trimvlm.decision.costs import split
+from trimvlm.runtime.generate import Decoding, choose
+from trimvlm.runtime.meter import Meter
+
+
+@dataclass
+class Row:
+    job: object  # batching.Job; its payload is a chat.ChatJob
+    sampling: object  # runtime.generate.Sampling
+    gen: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # generated, the stop token included
+    usage: Counter = field(default_factory=Counter)
+    batch: int = 0
+
+
+@dataclass
+class Group:
+    """The running decode batch of one recipe: its rows (in cache order) and each row's newest token."""
+
+    rows: list[Row]
+    decoding: Decoding
+    last: torch.Tensor  # [B] long
+
+
+def post(job, event) -> None:
+    """Hand an event to the request's task on its event loop: ("token", id), ("done", result), ("error", exc)."""
+    try:
+        job.loop.call_soon_threadsafe(job.payload.events.put_nowait, event)
+    except RuntimeError:  # the event loop is closed
+        pass
+
+
+class ChatEngine:
+    kinds = frozenset({"chat"})
+
+    def __init__(self, vlm, metrics=None):
+        from trimvlm.runtime.generate import Sampling
+
+        self._sampling = Sampling
+        self.vlm, self.runner, self.metrics = vlm, vlm.runner, metrics
+        self.stops = set(vlm.stop_ids())
+        self.groups: dict[str, Group] = {}
+        self.steps: Counter[int] = Counter()  # rows in a decode call -> calls
+        self.cancelled = 0  # rows that left because their client had gone
+        self.failed = 0
+
+    @property
+    def running(self) -> int:
+        return sum(len(g.rows) for g in self.groups.values())
+
+    @staticmethod
+    def prefill_tokens(job) -> int:
+        return job.payload.prompt_tokens
+
+    def stats(self) -> dict:
+        n = sum(self.steps.values())
+        return {
+            "running": self.running, "decode_steps": n, "cancelled_running": self.cancelled,
+            "mean_decode_batch": sum(k * v for k, v in self.steps.items()) / n if n else 0.0,
+        }  # fmt: skip
+
+    # ---- admission ----
+    def admit(self, jobs: list) -> None:
+        """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
+        request is tried alone, so one that breaks the model fails only itself."""
+        t0 = time.perf_counter()
+        for job in jobs:
+            job.started, job.batch = t0, len(jobs)
+        try:
+            group = self._prefill(jobs)
+        except Exception as e:  # noqa: BLE001  (a model error must not end the loop)
+            self.failed += 1
+            if len(jobs) == 1:
+                post(jobs[0], ("error", e))
+            else:
+                for job in jobs:
+                    self.admit([job])
+            return
+        self._advance(group, group.last)
+        if not group.rows:
+            return
+        label = jobs[0].key[1]
+        if label in self.groups:
+            old = self.groups[label]
+            old.decoding.join(group.decoding)
+            old.rows += group.rows
+            old.last = torch.cat([old.last, group.last])
+        else:
+            self.groups[label] = group
+
+    def _prefill(self, jobs: list) -> Group:
+        runner, adapter = self.runner, self.runner.adapter
+        from trimvlm.plan import make_plan
+
+        payloads = [j.payload for j in jobs]
+        plan = make_plan(payloads[0].recipe, runner)
+        meter = Meter(device=runner.device)
+        t0 = time.perf_counter()
+        prepared = adapter.collate([p.prepared for p in payloads])
+        out = runner.prefill(prepared, plan, meter=meter)
+        rows = []
+        for job, p in zip(jobs, payloads, strict=True):
+            sampling = self._sampling(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+            gen = None
+            if p.temperature > 0:
+                gen = torch.Generator(device=runner.device).manual_seed(p.seed)
+            rows.append(Row(job=job, sampling=sampling, gen=gen, batch=len(jobs)))
+        last = self._choose(out.logits, rows)
+        seconds = time.perf_counter() - t0
+        c, ones = meter.costs, [1] * len(rows)
+        image = adapter.image_token_id
+        shares = {
+            "vision_flops": split(c.flops.get("vision", 0), [int((p.prepared.input_ids == image).sum()) for p in payloads]),
+            "prefill_flops": split(c.flops.get("prefill", 0), ones),
+            "method_flops": split(c.method_prefill_flops, ones),
+            "kv_bytes": split(c.kv_bytes, ones), "kv_bytes_peak": split(c.kv_bytes_peak, ones),
+            "state_bytes": split(c.state_bytes, ones),
+        }  # fmt: skip
+        for i, row in enumerate(rows):
+            row.usage.update({k: v[i] for k, v in shares.items()})
+            row.usage["forward_s"] += seconds
+        if self.metrics is not None:
+            self.metrics.prefill(len(rows), sum(p.prompt_tokens for p in payloads), seconds)
+        return Group(rows, Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), last)
+
+    # ---- decoding ----
+    def step(self) -> None:
+        """One decode step of every running batch."""
+        for label, group in list(self.groups.items()):
+            self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled], cancelled=True)
+            if group.rows:
+                self._step(group)
+            if not group.rows:
+                del self.groups[label]
+
+    def _step(self, group: Group) -> None:
+        meter = Meter(device=self.runner.device)
+        t0 = time.perf_counter()
+        try:
+            logits = group.decoding.step(group.last, meter)
+            last = self._choose(logits, group.rows)
+        except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other batches go on)
+            self.failed += 1
+            for row in group.rows:
+                post(row.job, ("error", e))
+            group.rows = []
+            return
+        seconds = time.perf_counter() - t0
+        n = len(group.rows)
+        self.steps[n] += 1
+        c = meter.costs
+        for row, d, m in zip(group.rows, split(c.decode_flops, [1] * n), split(c.method_decode_flops, [1] * n),
+                             strict=True):  # fmt: skip
+            row.usage["decode_flops"] += d
+            row.usage["method_flops"] += m
+            row.usage["forward_s"] += seconds
+            row.batch = max(row.batch, n)
+        if self.metrics is not None:
+            self.metrics.decode_step(n, seconds)
+        self._advance(group, last)
+
+    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Each row's next token: its argmax, or its own seeded draw (as its batch of one draws)."""
+        tok = logits.argmax(-1)
+        for i, row in enumerate(rows):
+            if row.gen is not None:
+                tok[i] = choose(logits[i : i + 1], row.sampling, row.gen)[0]
+        return tok
+
+    def _advance(self, group: Group, last: torch.Tensor) -> None:
+        """Give each row its new token (sent at once); the rows that are done leave."""
+        group.last = last
+        done = []
+        for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
+            row.tokens.append(t)
+            if t not in self.stops:
+                post(row.job, ("token", t))
+            if t in self.stops or len(row.tokens) >= row.job.payload.max_tokens:
+                done.append(i)
+        self._leave(group, done)
+
+    def _leave(self, group: Group, rows: list[int], cancelled: bool = False) -> None:
+        if not rows:
+            return
+        n = len(group.rows)
+        peak = split(
+            group.decoding.cache.attention_bytes(), [1] * n
+        )  # the cache is largest before rows leave
+        gone = set(rows)
+        for i in rows:
+            row = group.rows[i]
+            row.usage["kv_bytes_peak"] = max(row.usage["kv_bytes_peak"], peak[i])
+            if cancelled:
+                self.cancelled += 1
+            else:
+                self._finish(row)
+        stay = [i for i in range(n) if i not in gone]
+        if stay:
+            keep = torch.tensor(stay, device=group.last.device)
+            group.decoding.keep(keep)
+            group.last = group.last.index_select(0, keep)
+        group.rows = [group.rows[i] for i in stay]
+
+    def _finish(self, row: Row) -> None:
+        p = row.job.payload
+        tokens = [t for t in row.tokens if t not in self.stops]
+        post(row.job, ("done", {
+            "tokens": tokens, "finish_reason": "length" if len(tokens) >= p.max_tokens else "stop",
+            "usage": dict(row.usage), "batch": row.batch,
+        }))  # fmt: skip

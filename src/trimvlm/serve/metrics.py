@@ -1,0 +1,143 @@
+"""`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server.
+
+Requests by path and status, their latency, time to first token, inter-token latency, prompt and generated
+tokens, generated tokens per second (over the last 10 s), decode and prefill batch sizes, queue depth,
+running requests, requests cancelled by their client (queued or running: never computed further), failed
+model calls. Other parts of the server add their own figures with `counter`, `gauge` and `histogram`, e.g. a
+cache's hits and bytes: `state.metrics.gauge("trimvlm_vision_cache_bytes", "...", fn=lambda: cache.bytes)`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RATE_WINDOW_S = 10.0
+PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class ServeMetrics:
+    def __init__(self, stats: Callable[[], dict] | None = None):
+        """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape."""
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        self._stats = stats or dict
+        self._made: dict[str, object] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
+        self._lock = threading.Lock()
+        c, h, g = self.counter, self.histogram, self.gauge
+        self.requests = c(
+            "trimvlm_requests", "HTTP requests answered, by path and status", ("path", "status")
+        )
+        self.latency = h(
+            "trimvlm_request_seconds", "HTTP request latency (body read to answer sent)", ("path",)
+        )
+        self.ttft = h("trimvlm_time_to_first_token_seconds", "chat: request received to its first token")
+        self.itl = h("trimvlm_inter_token_seconds", "chat: time between a request's consecutive tokens")
+        self.tokens = c("trimvlm_generated_tokens", "tokens generated (chat completions)")
+        self.prompt = c("trimvlm_prompt_tokens", "prompt tokens prefilled (chat completions)")
+        self.decode_batch = h("trimvlm_decode_batch_size", "rows per decode step", buckets=SIZE_BUCKETS)
+        self.prefill_batch = h("trimvlm_prefill_batch_size", "requests per prefill", buckets=SIZE_BUCKETS)
+        self.step_s = h("trimvlm_decode_step_seconds", "one decode step of a running batch")
+        self.cancels = c(
+            "trimvlm_cancelled_requests", "requests whose client left, by where they were", ("stage",)
+        )
+        g(
+            "trimvlm_tokens_per_second",
+            f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+            fn=self.rate,
+        )
+        g(
+            "trimvlm_queue_depth",
+            "requests waiting to be admitted",
+            fn=lambda: self._stats().get("waiting", 0),
+        )
+        g("trimvlm_running_requests", "chat completions decoding", fn=lambda: self._stats().get("running", 0))
+        g(
+            "trimvlm_dropped_requests",
+            "queued requests whose client left: never computed",
+            fn=lambda: self._stats().get("dropped", 0),
+        )
+        g(
+            "trimvlm_failed_batches",
+            "model calls that raised",
+            fn=lambda: self._stats().get("failed_batches", 0),
+        )
+
+    # ---- registering figures ----
+    def _metric(self, kind, name: str, doc: str, labels=(), **kw):
+        if name not in self._made:
+            self._made[name] = kind(name, doc, list(labels), registry=self.registry, **kw)
+        return self._made[name]
+
+    def counter(self, name: str, doc: str, labels=()):
+        from prometheus_client import Counter
+
+        return self._metric(Counter, name, doc, labels)
+
+    def histogram(self, name: str, doc: str, labels=(), buckets=TIME_BUCKETS):
+        from prometheus_client import Histogram
+
+        return self._metric(Histogram, name, doc, labels, buckets=buckets)
+
+    def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
+        """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape."""
+        from prometheus_client import Gauge
+
+        made = self._metric(Gauge, name, doc, labels)
+        if fn is not None:
+            made.set_function(fn)
+        return made
+
+    # ---- what the server records ----
+    def request(self, path: str, status: int, seconds: float) -> None:
+        path = path if path in PATHS else "other"
+        self.requests.labels(path=path, status=str(status)).inc()
+        self.latency.labels(path=path).observe(seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def cancelled(self, stage: str) -> None:
+        self.cancels.labels(stage=stage).inc()
+
+    def prefill(self, rows: int, prompt_tokens: int, seconds: float) -> None:
+        self.prefill_batch.observe(rows)
+        self.prompt.inc(prompt_tokens)
+        self._generated(rows)  # each row's first token
+
+    def decode_step(self, rows: int, seconds: float) -> None:
+        self.decode_batch.observe(rows)
+        self.step_s.observe(seconds)
+        self._generated(rows)
+
+    def _generated(self, n: int) -> None:
+        self.tokens.inc(n)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, n))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
