@@ -209,3 +209,14 @@ def test_serve_cache(tmp_path):
     assert cached["request_cached"] > 0 and uncached["prefix_reused"] == uncached["request_cached"] == 0
     assert cached["mean_total_flops"] < uncached["mean_total_flops"]
     assert finite_positive(data["ratio"], cached["p50_ms"], uncached["p50_ms"])
+
+
+def test_budget_table(tmp_path):
+    """Issue 22's table at one budget: the tuned recipe, FastV alone and the naive combination side by side,
+    each at its realised total-FLOP ratio (the tuned one within the search's tolerance of the budget)."""
+    data = run("budget_table", tmp_path)
+    (row,) = data["rows"]
+    assert row["budget"] == "B75" and {"tuned", "fastv", "naive"} <= set(row)
+    for col in ("tuned", "fastv", "naive"):
+        assert 0 <= row[col]["accuracy"] <= 1 and finite_positive(row[col]["total_flops"])
+    assert row["tuned"]["total_flops"] <= 0.75 + 0.05

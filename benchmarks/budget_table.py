@@ -1,0 +1,132 @@
+"""Issue 22's table: at each total-FLOP budget, the best tuned static recipe (`trimvlm tune`) against FastV
+alone, the best naive FastV + ranker and the meta-router, all in one interleaved `trimvlm eval` on the test split.
+
+Inputs: a tune folder (`--tuned runs/tune-demo`: its best recipe per budget) and a matched-budget recipes file
+written by `benchmarks/depth_budget.py` (FastV alone, FastV + every ranker, the router, each bisected to the
+budget on the validation split: names `B85_fastv`, `B85_fastv+bi_s1`, `B85_router_s1`...). Every entry shows
+overall test accuracy, prefill / full-pipeline mismatch % and the realised total-FLOP ratio, so that "at the
+same budget (within 2%)" can be checked in the table itself.
+
+    python benchmarks/budget_table.py --model demo --tuned runs/tune-demo \
+        --matched benchmarks/recipes/budget-matched-demo.yaml --limit 600 --markdown docs/results/budget-demo.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+import trimvlm
+from trimvlm.evals.run import run_eval
+from trimvlm.evals.tasks import demo_task
+from trimvlm.recipe import load_recipes
+
+COLUMNS = ("tuned", "fastv", "naive", "router v1")
+
+
+def recipes_for(tuned: Path, matched: Path) -> tuple[list[dict], dict[str, dict[str, list[str]]]]:
+    """(the recipes, budget tag -> column -> the recipe names competing for that cell)."""
+    rep = json.loads((tuned / "tune.json").read_text())
+    by_spec = {e["spec"]: e for e in rep["entries"]}
+    recipes, cells = [], {}
+    for b in rep["budgets"]:
+        if b["best"] is None or set(b["budget"]) != {"total_flops"}:
+            continue
+        tag = f"B{round(100 * b['budget']['total_flops'])}"
+        name = f"{tag}_tuned"
+        recipes.append({**by_spec[b["best"]]["recipe"], "name": name, "tuned_for": rep["fingerprint"]})
+        cells.setdefault(tag, {}).setdefault("tuned", []).append(name)
+    for r in load_recipes(matched):
+        m = re.fullmatch(r"(B\d+)_(.+)", r.name or "")
+        if not m:
+            continue
+        tag, fam = m.groups()
+        col = "fastv" if fam == "fastv" else "router v1" if fam.startswith("router") else \
+            "naive" if fam.startswith("fastv+") else None  # fmt: skip
+        if col is None or tag not in cells:
+            continue
+        recipes.append({"name": r.name, **{a: str(getattr(r, a)) for a in ("tokens", "kv", "depth", "router")
+                                           if getattr(r, a) is not None}})  # fmt: skip
+        cells[tag].setdefault(col, []).append(r.name)
+    return recipes, cells
+
+
+def table(res, cells) -> tuple[list[dict], str]:
+    rows, lines = [], ["| budget | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    probes = [p for p in ("prefill", "full") if any(r["group"] == p for r in res.rows)]
+    for tag, cols in cells.items():
+        row, out = {"budget": tag}, [f"{int(tag[1:]) / 100:.2f}x"]
+        for col in COLUMNS:
+            names = cols.get(col, [])
+            if not names:
+                out.append("-")
+                continue
+            best = max(names, key=lambda n: (res.row(n)["accuracy"], -res.row(n)["mismatch_pct"]))
+            r = res.row(best)
+            mm = [res.row(best, p)["mismatch_pct"] for p in probes]
+            row[col] = {"recipe": best, "accuracy": r["accuracy"], "mismatch_pct": dict(zip(probes, mm, strict=True)),
+                        "total_flops": r["ratio"]["total_flops"]}  # fmt: skip
+            spec = ",".join(f"{a}={getattr(res.recipes[res.labels.index(best)], a)}" for a in ("tokens", "depth", "router")
+                            if getattr(res.recipes[res.labels.index(best)], a) is not None)  # fmt: skip
+            out.append(f"{100 * r['accuracy']:.1f}% ({' / '.join(f'{x:.1f}' for x in mm)}; "
+                       f"{r['ratio']['total_flops']:.3f}x) `{spec}`")  # fmt: skip
+        rows.append(row)
+        lines.append("| " + " | ".join(out) + " |")
+    return rows, "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--tuned", type=Path, help="a trimvlm tune --out folder")
+    ap.add_argument("--matched", type=Path, help="benchmarks/depth_budget.py's recipes file")
+    ap.add_argument("--limit", type=int, default=600, help="test items")
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="seconds: a tiny tune and depth_budget --quick, 16 items")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    vlm = trimvlm.load(a.model)
+    if a.quick:
+        a.tuned, a.matched, a.limit, a.batch_size = _quick(vlm, Path(tempfile.mkdtemp(prefix="budget-table-")))
+    recipes, cells = recipes_for(a.tuned, a.matched)
+    res = run_eval(vlm, demo_task(limit=a.limit, seed=0, split="test"), recipes, batch_size=a.batch_size,
+                   progress=not a.quick)  # fmt: skip
+    rows, md = table(res, cells)
+    print(md)
+    if a.markdown:
+        a.markdown.write_text(md)
+    if a.json:
+        a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "rows": rows}, indent=2) + "\n")
+
+
+def _quick(vlm, tmp: Path):
+    """A tune at 0.75 on a two-method space and depth_budget's quick file (FastV, FastV + tail at 0.75)."""
+    import importlib.util
+
+    from trimvlm.tune import Settings, tune
+    from trimvlm.tune.report import write_report
+
+    space = tmp / "space.yaml"
+    space.write_text(yaml.safe_dump({"tokens": [{"method": "fastv", "layer": [2]}, {"method": "random", "layer": [0]}],
+                                     "combine": ["tokens"]}))  # fmt: skip
+    rep = tune(vlm, "demo", ["total_flops=0.75"], space=space, out=tmp / "tune", n_val=16, n_test=8,
+               settings=Settings(start=8, batch_size=8), progress=False)  # fmt: skip
+    write_report(rep, tmp / "tune")
+    spec = importlib.util.spec_from_file_location("depth_budget", Path(__file__).with_name("depth_budget.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--quick", "--out", str(tmp / "matched.yaml")])
+    return tmp / "tune", tmp / "matched.yaml", 16, 16
+
+
+if __name__ == "__main__":
+    main()
