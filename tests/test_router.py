@@ -211,7 +211,7 @@ def test_router_recipe_errors(tiny_adapter, tmp_path):
     with pytest.raises(RecipeError, match="do not combine router= with tokens="):
         make_plan(f"router={path},tokens=random:keep=0.5", runner)
     with pytest.raises(RecipeError, match="unknown option"):
-        make_plan(f"router={path}:budget=2", runner)
+        make_plan(f"router={path}:threshold=2", runner)
     with pytest.raises(RecipeError, match="router checkpoint not found"):
         make_plan(f"router={tmp_path / 'missing'}", runner)
 

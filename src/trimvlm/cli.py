@@ -342,17 +342,28 @@ def train_router(
     lr: float = typer.Option(1e-3, help="Adam learning rate"),
     beta: float = typer.Option(0.1, help="DPO beta"),
     resume: bool = typer.Option(True, help="continue from the checkpoint in --out"),
+    keeps: str | None = typer.Option(
+        None, help="router v2: token keeps of the layouts, e.g. 0.25,0.4,0.55,0.7,0.85,1 (then router=OUT:budget=B)"
+    ),
+    max_skip: int | None = typer.Option(None, help="router v2: most candidate layers a layout skips"),
+    width: int = typer.Option(64, help="the router's width (its FLOPs are method FLOPs: narrower is cheaper)"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model)."""
+    kept = None
+    if keeps is not None:
+        try:
+            kept = [float(x) for x in keeps.split(",")]
+        except ValueError:
+            _fail(InputError(f"--keeps must be comma-separated fractions, got {keeps!r}"))
     from trimvlm.cli_train import train_router_command
 
     try:
         train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,
                              epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                              load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                             overwrite=overwrite)  # fmt: skip
+                             overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

@@ -1,4 +1,5 @@
-"""`router=PATH:token_keep=0.25:layers_skip=2`: run a trained meta-router per input and execute its layout.
+"""`router=PATH:token_keep=0.25:layers_skip=2` (v1) or `router=PATH:budget=0.75` (v2, router/budget.py): run a
+trained meta-router per input and execute its layout.
 
 Before decoder layer K (the checkpoint's `layer`, 0 by default: before the first layer) the router reads each
 sample's visual tokens (at K = 0 the projector's output, else the hidden states entering layer K) and its text
@@ -54,12 +55,21 @@ class Router:
     """The learned meta-router (PAR): per input, a token selection and a layer plan (`router=PATH|demo:...`)."""
 
     path: str
-    token_keep: float = 0.25
-    layers_skip: int = 2
+    token_keep: float | None = None  # v1: the fixed keep (0.25 when neither it nor budget is given)
+    layers_skip: int | None = None  # v1: the fixed number of candidate layers skipped (2 by default)
+    budget: float | None = None  # v2: a total-FLOP budget, the layout chosen per input (router/budget.py)
 
     excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
 
     def __post_init__(self):
+        if self.budget is not None:
+            if self.token_keep is not None or self.layers_skip is not None:
+                raise RecipeError("router budget= chooses the keep and the skipped layers per input; do not give "
+                                  "token_keep or layers_skip with it")  # fmt: skip
+            if not is_number(self.budget) or not 0 < self.budget <= 1:
+                raise RecipeError(f"router budget must be a total-FLOP ratio in (0, 1], got {self.budget!r}")
+        self.token_keep = 0.25 if self.token_keep is None else self.token_keep
+        self.layers_skip = 2 if self.layers_skip is None else self.layers_skip
         if not is_number(self.token_keep) or not 0 < self.token_keep <= 1:
             raise RecipeError(f"router token_keep must be in (0, 1], got {self.token_keep!r}")
         if not is_int(self.layers_skip) or self.layers_skip < 0:
@@ -69,6 +79,18 @@ class Router:
         if self.layers_skip > n:
             raise RecipeError(f"router layers_skip={self.layers_skip} exceeds its {n} candidate layers")
         self.layer = int(self.meta.get("layer", 0))
+        self.table = None
+        if self.budget is not None:
+            if "budget" not in self.meta:
+                raise RecipeError(f"router {self.path} is a v1 router (one fixed keep and layer count); budget= "
+                                  "needs one trained on several budgets (trimvlm train-router --keeps ...)")  # fmt: skip
+            from trimvlm.router.budget import BudgetTable
+
+            self.table = BudgetTable(self.meta["budget"])
+            low = min(self.table.choices, default=None)
+            if low is None or self.budget < low - 1e-9:
+                raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its calibrated budgets "
+                                  f"start at {low} (its cheapest layouts cost that much)")  # fmt: skip
 
     def check(self, runner) -> None:
         fp = model_fingerprint(runner.adapter)
@@ -88,13 +110,16 @@ class Router:
 
     def bind(self, runner, handoff):
         """(the token hook, the LayerPlan it fills) for the plan."""
-        tokens = RouterTokens(keep=float(self.token_keep), layer=self.layer)
+        keep, lam = float(self.token_keep), None
+        if self.table is not None:
+            keep, lam = (1.0, None) if self.budget >= 1 else self.table.choice(float(self.budget))
+        tokens = RouterTokens(keep=keep, layer=self.layer)
         layers = LayerPlan()
         cand = torch.tensor(self.meta["candidate_layers"], dtype=torch.long)
 
         def hook(i, seq, run):
-            if i != self.layer:
-                return seq
+            if i != self.layer or (self.budget is not None and self.budget >= 1):
+                return seq  # budget 1: nothing is pruned, and the router does not run
             vis = seq.visual & seq.valid
             v, vm, vcols = _packed(seq.hidden, vis)
             t, tm, _ = _packed(seq.hidden, ~seq.visual & seq.valid)
@@ -103,11 +128,15 @@ class Router:
             scores = torch.full(seq.valid.shape, float("-inf"), device=seq.hidden.device)
             handoff.router = scores.scatter(1, vcols, s_v.float().masked_fill(~vm, float("-inf")))
             plan = torch.zeros(seq.batch, run.num_layers, dtype=torch.bool, device=seq.hidden.device)
-            if self.layers_skip:
+            if lam is not None:  # v2: each input's layers under the budget's price
+                z_l = torch.logit(s_l.double().clamp(1e-12, 1 - 1e-12))
+                for b, sub in enumerate(self.table.skip(z_l, self.meta["candidate_layers"], keep, lam)):
+                    plan[b, list(sub)] = True
+            elif self.table is None and self.layers_skip:
                 low = torch.topk(s_l, self.layers_skip, dim=1, largest=False).indices  # ties: torch's order
                 plan.scatter_(1, cand.to(low.device)[low], True)
             layers.plan = plan
-            return tokens.reduce(seq, run, handoff) if self.token_keep < 1 else seq
+            return tokens.reduce(seq, run, handoff) if keep < 1 else seq
 
         return hook, layers
 

@@ -155,29 +155,57 @@ def layer_sets(gen, cand, layers_skip, order, max_sets: int = 8) -> list[list[in
     return out
 
 
-def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float, floor: float = 0.0) -> dict:
-    """Token pairs (same layer set) and layer pairs (same token set) of the [n_tok x n_lay] layout grid
-    (layout index = t * n_lay + l), the cheaper preferred when clearly cheaper: by more than `margin` times the
-    dearer one's cost and by more than `floor` nats (0.001 against 0.004 is a tie, not a preference)."""
-    c = cost.view(n_tok, n_lay)
+def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float, floor: float = 0.0, *,
+                     n_keep: int = 1, sizes=None, flops=None, iso: float = 0.05) -> dict:  # fmt: skip
+    """Preference pairs over the [n_keep x n_tok x n_lay] layout grid (index (k * n_tok + t) * n_lay + l), the
+    cheaper preferred when clearly cheaper: by more than `margin` times the dearer one's cost and by more than
+    `floor` nats (0.001 against 0.004 is a tie, not a preference).
+    - tokens: the same keep and layer set, different token sets;
+    - layers: the same keep and token set, different layer sets of the same size (`sizes[l]`; all one size
+      when None);
+    - iso (router v2, with `flops` [n_keep, n_lay] total-FLOP ratios): the same token set, layer sets of
+      different sizes, at FLOP ratios within `iso` of each other (more tokens and a skipped layer against fewer
+      tokens and none, at one cost)."""
+    sizes = sizes or [0] * n_lay
+    idx = [(k, t, j) for k in range(n_keep) for t in range(n_tok) for j in range(n_lay)]
+    flat = cost.view(-1)
+
+    def at(k, t, j):
+        return (k * n_tok + t) * n_lay + j
+
+    groups = {"tokens": lambda a, b: a[0] == b[0] and a[2] == b[2] and a[1] != b[1],
+              "layers": lambda a, b: a[0] == b[0] and a[1] == b[1] and a[2] != b[2] and sizes[a[2]] == sizes[b[2]]}  # fmt: skip
+    if flops is not None:
+        groups["iso"] = lambda a, b: (a[1] == b[1] and sizes[a[2]] != sizes[b[2]]
+                                      and abs(flops[a[0]][a[2]] - flops[b[0]][b[2]]) <= iso)  # fmt: skip
     out = {}
-    for kind, groups in (("tokens", [[(t, j) for t in range(n_tok)] for j in range(n_lay)]),
-                         ("layers", [[(t, j) for j in range(n_lay)] for t in range(n_tok)])):  # fmt: skip
+    for kind, same in groups.items():
         w, lo = [], []
-        for g in groups:
-            for a, b in itertools.permutations(g, 2):
-                if c[a] < (1 - margin) * c[b] and c[b] - c[a] > floor:
-                    w.append(a[0] * n_lay + a[1])
-                    lo.append(b[0] * n_lay + b[1])
+        for a, b in itertools.permutations(idx, 2):
+            ca, cb = flat[at(*a)], flat[at(*b)]
+            if same(a, b) and ca < (1 - margin) * cb and cb - ca > floor:
+                w.append(at(*a))
+                lo.append(at(*b))
         out[kind] = (torch.tensor(w, dtype=torch.long), torch.tensor(lo, dtype=torch.long))
     return out
+
+
+def all_subsets(cand: list[int], max_skip: int) -> list[list[int]]:
+    """Every subset of the candidate layers with at most `max_skip` layers, the empty one first."""
+    return [list(c) for s in range(max_skip + 1) for c in itertools.combinations(cand, s)]
 
 
 def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2, epochs: int = 3, seed: int = 0,
                  sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 8, beta: float = 0.1, lr: float = 1e-3,
                  width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, floor: float = 0.05, out=None,
-                 resume: bool = False, on_step=None) -> dict:  # fmt: skip
-    """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch."""
+                 resume: bool = False, on_step=None, keeps=None, max_skip: int | None = None,
+                 budgets=None) -> dict:  # fmt: skip
+    """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch.
+
+    v1 (default): layouts at one budget, `token_keep` and `layers_skip`. v2 (`keeps`, a list of token keeps,
+    and `max_skip`): layouts at every keep x every subset of at most `max_skip` candidate layers (skipping none
+    included), with iso-cost pairs besides the token and layer pairs; the checkpoint then carries the budget
+    table and its calibration at `budgets` (router/budget.py), for `router=PATH:budget=B`."""
     import copy
 
     from trimvlm.depth.base import model_fingerprint
@@ -189,6 +217,17 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     cand = list(range(n_layers // 2, n_layers))
     if not 0 <= layers_skip <= len(cand):
         raise InputError(f"layers_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
+    v2 = keeps is not None
+    if v2:
+        keeps = sorted({float(k) for k in keeps})
+        if not keeps or not all(0 < k <= 1 for k in keeps):
+            raise InputError(f"keeps must be token keep fractions in (0, 1], got {keeps!r}")
+        max_skip = len(cand) if max_skip is None else int(max_skip)
+        if not 0 <= max_skip <= len(cand):
+            raise InputError(f"max_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
+        flops = _flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer)
+    else:
+        keeps, flops = [token_keep], None
     if not 0 <= layer <= cand[0]:
         raise InputError(f"the router's layer must be in 0..{cand[0]} (before the first candidate layer)")
     hidden = vlm.adapter.text_config.hidden_size
@@ -205,6 +244,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     opt = torch.optim.Adam(router.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     data: list[Example] = []
+    kls: list[torch.Tensor] = []  # per input [keeps, layer sets]: KL of the plain-ranking layouts (v2 calibration)
     order = None
     torch.set_grad_enabled(False)
     for r in records:
@@ -218,23 +258,26 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         vis = (seq.visual & seq.valid)[0]
         cols = torch.nonzero(vis).flatten()
         toks = token_sets(gen, fv, cols, list(sigmas), seeds)
-        lays = layer_sets(gen, cand, layers_skip, order)
+        lays = all_subsets(cand, max_skip) if v2 else layer_sets(gen, cand, layers_skip, order)
         rows = [t for t in toks for _ in lays]
         plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
         for i in range(len(rows)):
             plans[i, lays[i % len(lays)]] = True
         scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
-        cost = layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, token_keep, layer)
-        chosen = torch.cat([_kept(seq, scores, token_keep, layer), ~plans[:, cand]], dim=1)
+        cost = torch.cat([layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, k, layer)
+                          for k in keeps])  # fmt: skip
+        chosen = torch.cat([torch.cat([_kept(seq, scores, k, layer), ~plans[:, cand]], dim=1) for k in keeps])
         feats = _features(seq)
         rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
-        pairs = preference_pairs(cost, len(toks), len(lays), margin, floor)
+        pairs = preference_pairs(cost, len(toks), len(lays), margin, floor, n_keep=len(keeps),
+                                 sizes=[len(x) for x in lays], flops=None if flops is None else flops["cost"])  # fmt: skip
         data.append(Example(feats, chosen, pairs, rp))
+        kls.append(cost.view(len(keeps), len(toks), len(lays))[:, 0])  # the plain FastV token set's KL
         if on_step is not None:
             on_step()
     torch.set_grad_enabled(True)
     log = {"epochs": [], "inputs": len(records),
-           "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in ("tokens", "layers")}}  # fmt: skip
+           "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in data[0].pairs} if data else {}}  # fmt: skip
     shuffle = torch.Generator().manual_seed(seed + 1)
     for _ in range(start):  # a resumed run sees the same input order as an uninterrupted one
         torch.randperm(len(data), generator=shuffle)
@@ -255,12 +298,62 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
             steps += 1
         log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, steps)})
         if out is not None:
-            save_router(router, out, fingerprint=model_fingerprint(vlm.adapter), hidden=hidden,
-                        extra={"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip,
-                               "layer": layer, "seed": seed, "log": log})  # fmt: skip
+            extra = {"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip, "layer": layer,
+                     "seed": seed, "log": log}  # fmt: skip
+            if v2 and epoch + 1 == epochs:  # calibrated once, on the trained router
+                extra["budget"] = _budget_section(router, data, kls, flops, cand, max_skip, budgets)
+            save_router(router, out, fingerprint=model_fingerprint(vlm.adapter), hidden=hidden, extra=extra)
         if on_step is not None:
             on_step()
     return log
+
+
+BUDGETS = tuple(round(0.40 + 0.01 * i, 2) for i in range(61))  # 0.40 .. 1.00: the calibrated budget grid
+
+
+def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
+    """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
+    tune.predict: any reducer's kept counts at the router's layer equal the router's), the router's own FLOPs
+    (measured by torch's counter on those inputs' router forward) added as a ratio."""
+    from trimvlm.evals.run import batches
+    from trimvlm.evals.tasks.base import Task
+    from trimvlm.tune.predict import predict, read_shapes
+
+    task = Task(name="router", records=list(records))
+    shapes = read_shapes(vlm, task, batches(task, 16))
+    base = predict(vlm, {}, shapes).prefill_flops
+    cost = []
+    for k in keeps:
+        row = []
+        for sub in subsets:
+            recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={layer}"}
+            if sub:
+                recipe["depth"] = f"skip:layers={'+'.join(map(str, sub))}:scope=all"
+            row.append(predict(vlm, recipe, shapes).prefill_flops / base)
+        cost.append(row)
+    return {"keeps": list(keeps), "subsets": [list(x) for x in subsets], "cost": cost, "base_prefill": base,
+            "inputs": len(records)}  # fmt: skip
+
+
+def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
+    """The checkpoint's `budget` section: the cost table (router FLOPs included) and the calibrated
+    (budget, keep, lambda) grid (router/budget.py)."""
+    from trimvlm.router.budget import BudgetTable, calibrate, interp
+    from trimvlm.runtime.meter import flop_counter
+
+    with torch.no_grad(), flop_counter() as fc:
+        z = torch.cat([_logits(router, ex.feats)[:, -len(cand):] for ex in data])
+    share = fc.get_total_flops() / (flops["base_prefill"] * len(data) / flops["inputs"]) if data else 0.0
+    table = {"keeps": flops["keeps"], "subsets": flops["subsets"], "max_skip": max_skip, "router_share": share,
+             "cost": [[c + share for c in row] for row in flops["cost"]]}  # fmt: skip
+    bt = BudgetTable(table)
+
+    def kl(x, keep, subset):
+        j = bt.subsets.index(tuple(sorted(subset)))
+        return interp(bt.keeps, kls[x][:, j].tolist(), keep)
+
+    table["choices"] = calibrate(bt, z, cand, kl, budgets or BUDGETS)
+    return table
 
 
 def _kept(seq, scores, token_keep, layer):

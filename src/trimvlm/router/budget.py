@@ -1,0 +1,101 @@
+"""Router v2's budget rule: `router=PATH:budget=0.75` chooses each input's layout under a total-FLOP budget.
+
+Per input x the router scores its visual tokens (s_v) and candidate layers (logits z_l, s_l = sigmoid(z_l)), as
+in v1. Under budget B the checkpoint's calibration gives a token keep k_B and a price lambda_B (nats per unit of
+total-FLOP ratio). Then, per input:
+- every image keeps its top ceil(N * k_B) tokens by s_v (the same count for every input, so a batch pads no
+  more than the baseline does);
+- the candidate layers are taken in order of their skip preference -z_l (the lowest keep scores first), and
+  layer j is skipped while -z_j > lambda_B * dc_j, dc_j the total-FLOP ratio that skipping it saves at keep
+  k_B; at most `max_skip` layers. Skipping no layer is a choice like any other, and a single input may spend
+  more or less than B.
+The calibration (`calibrate`) picks (k_B, lambda_B) on the training inputs: for every lambda of a grid, the
+keep whose mean cost over those inputs (with the layers each input would skip) equals B, and of those pairs the
+one with the smallest mean measured KL to the unpruned model (the training layouts' costs, interpolated in k).
+Costs: `cost[k, subset]`, the predicted total-FLOP ratio of keeping k and skipping that subset (prefill
+prediction, `tune.predict`, on the training inputs; the router's own FLOPs added). At B >= 1 nothing is pruned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+
+
+def interp(grid: list[float], values: list[float], x: float) -> float:
+    """Piecewise-linear interpolation of `values` over the sorted `grid` (clamped at the ends)."""
+    if x <= grid[0]:
+        return values[0]
+    if x >= grid[-1]:
+        return values[-1]
+    j = bisect.bisect_right(grid, x)
+    t = (x - grid[j - 1]) / (grid[j] - grid[j - 1])
+    return values[j - 1] * (1 - t) + values[j] * t
+
+
+class BudgetTable:
+    """The checkpoint's `budget` section: the cost table over keeps x skip subsets and the calibrated choices."""
+
+    def __init__(self, data: dict):
+        self.keeps = [float(k) for k in data["keeps"]]
+        self.subsets = [tuple(s) for s in data["subsets"]]  # candidate-layer subsets, () first
+        self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
+        self.max_skip = int(data["max_skip"])
+        self.choices = {float(b): (float(k), float(lam)) for b, k, lam in data.get("choices", [])}
+
+    def cost_of(self, keep: float, subset) -> float:
+        j = self.subsets.index(tuple(sorted(subset)))
+        return interp(self.keeps, [row[j] for row in self.cost], keep)
+
+    def choice(self, budget: float) -> tuple[float, float]:
+        """(keep, lambda) for a budget: the calibrated point, linearly interpolated between grid budgets."""
+        grid = sorted(self.choices)
+        ks = [self.choices[b][0] for b in grid]
+        lams = [self.choices[b][1] for b in grid]
+        return interp(grid, ks, budget), interp(grid, lams, budget)
+
+    def skip(self, z_l: torch.Tensor, cand: list[int], keep: float, lam: float) -> list[tuple[int, ...]]:
+        """Per row of layer logits z_l [B, N]: the candidate layers it skips (the threshold rule above)."""
+        out = []
+        for row in z_l.tolist():
+            order = sorted(range(len(cand)), key=lambda j: (row[j], j))  # the lowest keep logit first
+            chosen: list[int] = []
+            for j in order[: self.max_skip]:
+                saves = self.cost_of(keep, chosen) - self.cost_of(keep, [*chosen, cand[j]])
+                if -row[j] > lam * saves:
+                    chosen.append(cand[j])
+                else:
+                    break
+            out.append(tuple(sorted(chosen)))
+        return out
+
+    def mean_cost(self, z: torch.Tensor, cand, keep: float, lam: float) -> float:
+        subsets = self.skip(z, cand, keep, lam)
+        return sum(self.cost_of(keep, s) for s in subsets) / len(subsets)
+
+
+LAMBDAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
+
+
+def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets) -> list[tuple[float, float, float]]:
+    """(budget, keep, lambda) for each budget from the training inputs' layer logits z [X, N] and measured KL
+    `kl(x, keep, subset)` (interpolated in keep). Budgets no keep can meet are left out."""
+    out = []
+    for b in budgets:
+        best = None
+        for lam in LAMBDAS:
+            lo, hi = table.keeps[0], 1.0
+            if table.mean_cost(z, cand, lo, lam) > b:
+                continue
+            for _ in range(16):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if table.mean_cost(z, cand, mid, lam) <= b else (lo, mid)
+            subsets = table.skip(z, cand, lo, lam)
+            loss = sum(kl(x, lo, s) for x, s in enumerate(subsets)) / len(subsets)
+            if best is None or loss < best[0] - 1e-12:
+                best = (loss, lo, lam)
+        if best is not None:
+            out.append((float(b), best[1], best[2] if math.isfinite(best[2]) else 1e9))
+    return out

@@ -1,0 +1,87 @@
+"""Router v2 (`router=PATH:budget=B`, router/budget.py): trained on layouts at several keeps and skip sets, it
+chooses each input's layout under a total-FLOP budget. budget 1 is the unpruned model, a batch's mean total
+FLOPs meets the budget, a ragged batch of per-input layouts equals each input alone, and bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trimvlm
+from trimvlm.errors import RecipeError
+from trimvlm.evals.run import run_eval
+from trimvlm.evals.tasks import calibration_items
+from trimvlm.evals.tasks.base import Task
+from trimvlm.router.budget import BudgetTable
+from trimvlm.router.train import all_subsets, preference_pairs, train_router
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.set_num_threads(1)
+    vlm = trimvlm.load("demo")
+    records = calibration_items("demo", 12, 0)
+    out = tmp_path_factory.mktemp("router-v2")
+    log = train_router(vlm, records, epochs=2, seed=0, layer=2, keeps=[0.3, 0.6, 1.0], max_skip=1, out=out,
+                       width=32, lr=3e-3, budgets=[0.8, 0.9])  # fmt: skip
+    return vlm, records, out, log
+
+
+def test_budget_one_is_the_unpruned_model(trained):
+    vlm, records, out, _ = trained
+    images, prompts = [list(r.images) for r in records[:4]], [r.prompt_text() for r in records[:4]]
+    plain = vlm.generate(images, prompts, max_new_tokens=4)
+    full = vlm.generate(images, prompts, recipe=f"router={out}:budget=1.0", max_new_tokens=4)
+    assert full.texts == plain.texts and full.tokens == plain.tokens
+    assert full.costs.total_flops == plain.costs.total_flops  # at budget 1 the router does not even run
+
+
+def test_mean_total_flops_meets_the_budget_and_batch_equals_alone(trained):
+    vlm, records, out, _ = trained
+    task = Task(name="router-inputs", records=records, max_new_tokens=4)
+    res = run_eval(vlm, task, [f"router={out}:budget=0.8"], batch_size=12, warmup=False, memory="off", progress=False)
+    ratio = res.row(f"router={out}:budget=0.8")["ratio"]["total_flops"]
+    assert ratio <= 0.8 + 0.02  # calibrated on these inputs: their mean meets the budget
+    images, prompts = [list(r.images) for r in records[:5]], [r.prompt_text() for r in records[:5]]
+    recipe = f"router={out}:budget=0.8"
+    batch = vlm.generate(images, prompts, recipe=recipe, max_new_tokens=4)
+    for i in range(5):
+        alone = vlm.generate([images[i]], [prompts[i]], recipe=recipe, max_new_tokens=4)
+        assert alone.tokens[0] == batch.tokens[i]
+
+
+def test_skip_rule_spends_per_input_and_skipping_none_is_a_choice():
+    """The threshold rule on hand-made logits: a layer is skipped while its skip preference -z beats the
+    price times the FLOPs it saves; an input whose layers all score high skips none."""
+    table = BudgetTable({"keeps": [0.5, 1.0], "subsets": [[], [3], [4], [3, 4]], "max_skip": 2,
+                         "cost": [[0.8, 0.7, 0.7, 0.6], [1.0, 0.9, 0.9, 0.8]], "choices": [[0.8, 0.5, 1.0]]})  # fmt: skip
+    z = torch.tensor([[5.0, 6.0], [-3.0, 4.0], [-3.0, -2.0]])
+    assert table.skip(z, [3, 4], 0.5, lam=10.0) == [(), (3,), (3, 4)]  # saves 0.1 each: skip while -z > 1
+    assert table.skip(z, [3, 4], 0.5, lam=50.0) == [(), (), ()]  # dear enough: nobody skips
+    assert table.choice(0.8) == (0.5, 1.0)
+
+
+def test_iso_cost_pairs_compare_layer_counts_at_one_cost():
+    cost = torch.tensor([0.5, 0.2, 0.1, 0.4], dtype=torch.float64)  # keeps x (one token set) x subsets [(), (3,)]
+    flops = [[0.70, 0.62], [0.85, 0.66]]  # (keep 0.5, skip 3) ~ (keep 1.0, skip 3)... and (0.5, ()) vs (1.0, (3,))
+    pairs = preference_pairs(cost, 1, 2, 0.1, n_keep=2, sizes=[0, 1], flops=flops)
+    w, lo = pairs["iso"]
+    assert list(zip(w.tolist(), lo.tolist(), strict=True)) == [(3, 0)]  # 0.66 vs 0.70: within 0.05, 0.4 < 0.5
+    assert all_subsets([3, 4], 1) == [[], [3], [4]]
+
+
+def test_errors(trained, tmp_path):
+    vlm, records, out, log = trained
+    assert log["pairs"]["tokens"] > 0 and "iso" in log["pairs"]
+    for recipe, want in [(f"router={out}:budget=0.8:token_keep=0.5", "do not give token_keep"),
+                         (f"router={out}:budget=0", r"\(0, 1\]"), (f"router={out}:budget=0.3", "cannot meet budget"),
+                         ]:  # fmt: skip
+        with pytest.raises(RecipeError, match=want):
+            vlm.generate(None, "hi", recipe=recipe, max_new_tokens=1)
+    v1 = tmp_path / "v1"
+    train_router(vlm, records[:2], token_keep=0.5, layers_skip=1, epochs=1, seed=0, out=v1, width=32)
+    with pytest.raises(RecipeError, match="v1 router"):
+        vlm.generate(None, "hi", recipe=f"router={v1}:budget=0.8", max_new_tokens=1)
+    res = vlm.generate(records[0].images, records[0].prompt_text(), recipe=f"router={out}:token_keep=0.5:layers_skip=1",
+                       max_new_tokens=2)  # fmt: skip
+    assert res.costs.method_flops["prefill"] > 0  # v1 options on a v2 checkpoint
