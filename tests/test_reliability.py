@@ -341,7 +341,7 @@ def test_attention_probe_sees_no_plain_sdpa_mid_run(tiny):
 
 EXPECTED = {
     "tokens": {"cdpruner", "dart", "density", "divprune", "downsample", "fastv", "holov", "pool", "prumerge", "random",
-               "tome", "visionzip"},
+               "sparsevlm", "tome", "visionzip"},
     "kv": {"aircache", "density", "h2o", "lookm", "random", "snapkv", "streamingllm", "vlcache"},
     "depth": {"random", "ranking", "skip", "tail"},
     "router": {"PATH"},  # the meta-router: its method is the checkpoint (router=PATH|demo:...)

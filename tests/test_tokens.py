@@ -287,7 +287,7 @@ def test_pruned_flops_match_analytic_count(setup, layer):
         ("tokens=density:keep=0.5:beta=-1", ["beta"]),
         ("tokens=density:keep=0.5:alpha=2", ["alpha", "beta", "window", "select"]),
         ("tokens=fastv:keep=0.5:layer=0", ["layer", ">= 1"]),
-        ("tokens=sparsevlm:keep=0.5", ["sparsevlm", "density", "fastv", "tome", "visionzip"]),
+        ("tokens=sparsevit:keep=0.5", ["sparsevit", "density", "fastv", "tome", "visionzip"]),
     ],
 )
 def test_recipe_errors_name_what_is_allowed(recipe, words):

@@ -3,6 +3,7 @@ written here from its definition; a ragged batch equals each sample alone on eve
 nothing; the method FLOPs are exactly what torch's counter sees on top of the model's."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -368,3 +369,134 @@ def test_dpp_greedy_keeps_exactly_k_past_the_kernels_rank():
     assert picks[0, :4].tolist() == first
     rest = [i for i in sorted(range(30), key=lambda i: (-float(q[0, i]), i)) if i not in first]
     assert picks[0, 4:].tolist() == rest[:21]
+
+
+# ---- sparsevlm: raters, progressive stages, recycling ---------------------------------------------------
+def _raters_reference(seq, b):
+    vis = [c for c in range(seq.length) if seq.visual[b, c] and seq.valid[b, c]]
+    text = [c for c in range(seq.length) if seq.valid[b, c] and not seq.visual[b, c] and c > vis[-1]]
+    rel = []
+    for m in text:
+        acc = 0.0
+        for i in vis:
+            logits = torch.stack([seq.hidden[b, i].double() @ seq.hidden[b, t].double() for t in text])
+            acc += float(torch.softmax(logits, 0)[text.index(m)])
+        rel.append(acc / len(vis))
+    mean = sum(rel) / len(rel)
+    return sorted(int(seq.source[b, t]) for t, r in zip(text, rel, strict=True) if r > mean)
+
+
+def _dpc_reference(x: torch.Tensor, k: int) -> tuple[list[int], list[int]]:
+    m, d = x.shape
+    dist = [[float((x[i] - x[j]).norm()) / math.sqrt(d) for j in range(m)] for i in range(m)]
+    kk = min(k, m)
+    rho = [math.exp(-sum(v**2 for v in sorted(row)[:kk]) / kk) for row in dist]
+    top = max(max(row) for row in dist)
+    delta = []
+    for i in range(m):
+        denser = [dist[i][j] for j in range(m) if rho[j] > rho[i] or (rho[j] == rho[i] and j < i)]
+        delta.append(min(denser) if denser else top)
+    centers = sorted(range(m), key=lambda i: (-rho[i] * delta[i], i))[:kk]
+    assign = [centers.index(i) if i in centers else min(range(kk), key=lambda c: (dist[i][centers[c]], c))
+              for i in range(m)]  # fmt: skip
+    return centers, assign
+
+
+@torch.no_grad()
+def test_sparsevlm_raters_and_clustering_equal_loop_references(qwen):
+    from trimvlm.tokens.sparsevlm import dpc_knn, raters
+
+    adapter, _ = qwen
+    seq = adapter.embed(adapter.prepare(*ragged_batch()))
+    got = raters(seq)
+    for b in range(seq.batch):
+        assert sorted(got[b].tolist()) == _raters_reference(seq, b)
+        assert 0 < len(got[b]) < int((seq.valid[b] & ~seq.visual[b]).sum())
+    gen = torch.Generator().manual_seed(3)
+    for m, k in [(12, 2), (25, 3), (5, 5)]:
+        x = torch.randn(m, 16, dtype=torch.float64, generator=gen)
+        centers, assign = dpc_knn(x, k)
+        assert (centers.tolist(), assign.tolist()) == _dpc_reference(x, k)
+
+
+@torch.no_grad()
+def test_sparsevlm_stages_keep_the_rated_tokens_and_recycle_cluster_means(qwen):
+    """Each stage keeps the K_j tokens the raters attend most (mean over the raters' rows of the layer's
+    attention), plus one token per density-peak cluster of the int(0.3 D) + 1 best deleted ones, equal to its
+    cluster's mean; the last stage keeps K = ceil(N keep) plus its clusters."""
+    adapter, runner = qwen
+    images, prompts = ragged_batch()
+    keep = 0.3
+    plan = make_plan(f"tokens=sparsevlm:keep={keep}:layers=1-2", runner)
+    hook, checked = plan.hook, []
+
+    def spy(i, seq, run):
+        att = plan.handoff.probes["tokens"].results.get(i - 1) if i in (1, 2) else None
+        out = hook(i, seq, run)
+        if att is None:
+            return out
+        r = att.shape[1]
+        for (b, im), cols in _units(seq).items():
+            h, w = seq.grids[b][im]
+            n0, n = h * w, cols.numel()
+            j = 1 if i == 1 else 2
+            kj = math.ceil(n0 * keep - 1e-9) if j == 2 else min(n, round(n0 * keep ** (j / 2)))
+            rows = [q for q in range(r) if int(seq.source[b, seq.length - r + q]) in plan.handoff.raters[b].tolist()]
+            score = [sum(float(att[b, q, c]) for q in rows) / len(rows) for c in cols.tolist()]
+            order = sorted(range(n), key=lambda t: (-score[t], t))
+            selected, deleted = order[:kj], order[kj:]
+            expect = {int(seq.source[b, cols[t]]): seq.hidden[b, cols[t]].double() for t in selected}
+            if deleted:
+                cand = sorted(deleted[: int(0.3 * len(deleted)) + 1])
+                centers, assign = _dpc_reference(seq.hidden[b, cols[cand]].double(), len(cand) // 10 + 1)
+                for c, center in enumerate(centers):
+                    members = [cand[t] for t, a in enumerate(assign) if a == c]
+                    mean = torch.stack([seq.hidden[b, cols[t]].double() for t in members]).mean(0)
+                    expect[int(seq.source[b, cols[cand[center]]])] = mean
+            got = {int(out.source[b, c]): out.hidden[b, c].double() for c in _units(out)[(b, im)].tolist()}
+            assert sorted(got) == sorted(expect)
+            for src, v in expect.items():
+                torch.testing.assert_close(got[src], v, rtol=1e-5, atol=1e-5)
+            checked.append((i, b))
+        return out
+
+    plan.hook = spy
+    runner.prefill(adapter.prepare(images, prompts), plan)
+    assert sorted(checked) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_sparsevlm_ragged_batch_equals_each_sample_alone(tiny_adapter, family):
+    adapter = tiny_adapter(family)
+    runner = Runner(adapter)
+    ok = [i + 1 for i in range(runner.num_layers - 1) if runner.is_attention(i)]
+    if len(ok) < runner.num_layers - 1:  # a hybrid model: a stage after a linear layer is refused
+        bad = next(i + 1 for i in range(runner.num_layers - 1) if not runner.is_attention(i))
+        with pytest.raises(RecipeError, match=re.escape(f"allowed on this model: {ok}")):
+            make_plan(f"tokens=sparsevlm:keep=0.3:layers={bad}", runner)
+    if not ok:
+        return  # no attention layer before the last: nothing to rate with (refused above)
+    recipe = f"tokens=sparsevlm:keep=0.3:layers={'-'.join(str(x) for x in ok[:2])}"
+    images, prompts = ragged_batch()
+    images, prompts = images + [[]], prompts + ["what is the colour of a red circle"]
+    prep = adapter.prepare(images, prompts)
+    out, _, _ = plan_prefill(runner, prep, recipe)
+    assert ((out.seq.visual & out.seq.valid).sum(1)[:3] < (prep.attention_mask.sum(1)[:3])).all()
+    for b in range(len(prompts)):
+        alone, _, _ = plan_prefill(runner, adapter.prepare(images[b : b + 1], prompts[b : b + 1]), recipe)
+        assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
+
+
+def test_sparsevlm_keep_one_noop_and_flops_equal_torch_counter(qwen):
+    adapter, runner = qwen
+    prep = adapter.prepare(*ragged_batch())
+    base, bm, _ = plan_prefill(runner, prep, "", all_logits=True)
+    out, m, _ = plan_prefill(runner, prep, "tokens=sparsevlm:keep=1.0:layer=1", all_logits=True)
+    assert torch.equal(out.logits, base.logits) and m.costs.method_total_flops == 0
+    runner.vision_flops(prep)
+    plan = make_plan("tokens=sparsevlm:keep=0.3:layer=1", runner)
+    with flop_counter() as fc:
+        res = generate(runner, prep, plan, max_new_tokens=2, stop_ids=[], pad_id=0, meter=Meter())
+    c = res.costs
+    assert c.method_total_flops > 0
+    assert c.model_flops + c.method_total_flops == c.total_flops == fc.get_total_flops()

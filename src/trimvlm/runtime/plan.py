@@ -21,7 +21,8 @@ class Handoff:
         tokens), for a KV policy that reuses it;
     kept: [B, S_prefill] bool, the original positions the prefill reducer kept (None: no reduction ran);
     vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip);
-    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere).
+    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere);
+    raters: per sample, the original positions of the text tokens that rate the visual ones (tokens=sparsevlm).
     """
 
     probes: dict = field(default_factory=dict)
@@ -29,6 +30,7 @@ class Handoff:
     kept: object | None = None
     vision: object | None = None
     router: object | None = None
+    raters: object | None = None
 
 
 class LayerPlan:

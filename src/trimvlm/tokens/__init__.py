@@ -13,6 +13,7 @@ from trimvlm.tokens import (  # noqa: F401
     pool,
     prumerge,
     random,
+    sparsevlm,
     tome,
     visionzip,
 )

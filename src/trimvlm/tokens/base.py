@@ -189,8 +189,10 @@ class TokenReducer:
 
     # ---- the shared mechanics ------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce(self, seq: LiveSeq, runner, handoff) -> LiveSeq:
-        lay = self.at(runner)
+    def reduce(self, seq: LiveSeq, runner, handoff, layer: int | None = None) -> LiveSeq:
+        """Reduce `seq` before layer `layer` (None: the method's layer L; a progressive method reduces at
+        several layers, each one call)."""
+        lay = self.at(runner) if layer is None else layer
         handoff.rho = handoff.kept = None  # never leave a previous batch's results behind
         view = make_view(seq, self.ratio, lay)
         if view is None or bool((view.k == view.n).all()):
