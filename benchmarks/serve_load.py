@@ -1,21 +1,31 @@
-"""Load test of `trimvlm serve` on loopback: throughput and latency, micro-batching on vs off, a recipe vs none.
+"""Load test of `trimvlm serve` on loopback: throughput and latency, batching on vs off, a recipe vs none,
+time to first token, and cancellation.
 
-Two servers run side by side as subprocesses (one torch thread each, unless `--threads`): one micro-batching
-(`--max-batch`, default 32, `--max-wait-ms`) and one answering one request at a time (`--max-batch 1`); an
+Two servers run side by side as subprocesses (one torch thread each, unless `--threads`): one batching
+(`--max-batch`, default 32, `--max-wait-ms`: System One requests micro-batched, chat completions batched
+continuously, step by step) and one answering one request at a time (`--max-batch 1`); an
 idle one costs nothing, and every cell is measured on both in `--rounds` alternating slices. Against each,
 for `/v1/systemone` (three questions, noul / choice / score, about one image) and `/v1/chat/completions`
 (one image and one of the demo task's question kinds, short and long answers, `--max-new-tokens` 16), with no
 recipe and with a token-reduction recipe (the requests' `recipe` field), `--clients` closed-loop clients
 each send a request, wait for its answer and send the next, for `--seconds`; then they stop (a request in
 flight finishes and counts). A short warm-up precedes each cell. Reported per cell: requests/s, p50 / p99
-latency (client side), the mean batch the server reported (`usage.batch_requests`), failed requests (any
-status but 200). The summary: batched / one-at-a-time throughput at each client count.
+latency (client side: the whole answer), the mean batch the server reported (`usage.batch_requests`), failed
+requests (any status but 200); for chat completions, which are streamed, also the time to the first token
+(TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99.
+The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50.
+
+Cancellation (`--cancel-clients N`, on the batching server, chat): N streaming clients run for `--seconds`;
+half-way, half of them hang up (their request in flight is abandoned: the connection closes). The server's
+own counts (`/health`) say what became of those requests: dropped while queued (never computed) or left the
+decode batch at the next step; `cancelled_completed` (those neither) is what a server that ignores
+disconnects would show.
 
 The clients run in this process on the same machine as the server: on a small machine they take CPU from it
 (the one-at-a-time server pays the same; `client_cpu_share` says how much, in cores). Times are of this
 machine; the ratios are the result.
 
-    python benchmarks/serve_load.py --model demo --clients 1,8,32 --seconds 20 --json serve.json [--quick]
+    python benchmarks/serve_load.py --model demo --clients 1,8,32,64 --seconds 20 --json serve.json [--quick]
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ def bodies(endpoint: str, recipe: str, pool: list[str], max_tokens: int) -> list
         else:
             content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + img}},
                        {"type": "text", "text": PROMPTS[i % len(PROMPTS)]}]  # fmt: skip
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True}
         if recipe:
             body["recipe"] = recipe
         body.pop("model", None)
@@ -86,39 +96,77 @@ def bodies(endpoint: str, recipe: str, pool: list[str], max_tokens: int) -> list
     return out
 
 
-async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: float) -> dict:
-    """`clients` closed loops for `seconds`; what they saw (latencies, servers' batch sizes, failures)."""
+async def ask(c, path: str, body: bytes) -> dict:
+    """One request: its status, latency (the whole answer), the server's batch, and for a streamed chat
+    completion the time to its first text chunk and the gaps between text chunks."""
+    t0 = time.perf_counter()
+    out = {"ttft": None, "gaps": [], "batch": None}
+    async with c.stream("POST", path, content=body, headers={"content-type": "application/json"}) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = (await r.aread()).decode(errors="replace")[:200]
+        elif r.headers.get("content-type", "").startswith("text/event-stream"):
+            last = None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    out["status"], out["error"] = chunk["error"].get("code", 500), chunk["error"]["message"]
+                    break
+                if chunk["choices"][0]["delta"].get("content"):
+                    now = time.perf_counter()
+                    if last is None:
+                        out["ttft"] = now - t0
+                    else:
+                        out["gaps"].append(now - last)
+                    last = now
+                if "usage" in chunk:
+                    out["batch"] = chunk["usage"]["batch_requests"]
+        else:
+            out["batch"] = json.loads(await r.aread())["usage"]["batch_requests"]
+    out["latency"] = time.perf_counter() - t0
+    return out
+
+
+async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: float, hang_up: float = 0.0) -> dict:
+    """`clients` closed loops for `seconds`; what they saw (latencies, TTFTs, inter-token gaps, servers' batch
+    sizes, failures). `hang_up` > 0: after that many seconds, half the clients hang up (`abandoned`: their
+    requests in flight then)."""
     import httpx
 
-    latencies, batches, failures = [], [], []
+    seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         t0, cpu0 = time.perf_counter(), time.process_time()
         stop = t0 + seconds
+        busy = {}
 
         async def loop(k: int):
             i = k
             while time.perf_counter() < stop:
-                s = time.perf_counter()
-                r = await c.post(
-                    path, content=reqs[i % len(reqs)], headers={"content-type": "application/json"}
-                )
-                latencies.append(time.perf_counter() - s)
-                if r.status_code != 200:
-                    failures.append(f"{r.status_code}: {r.text[:200]}")
+                busy[k] = True
+                res = await ask(c, path, reqs[i % len(reqs)])
+                busy[k] = False
+                seen["latencies"].append(res["latency"])
+                if res["status"] != 200:
+                    seen["failures"].append(f"{res['status']}: {res.get('error', '')}")
                 else:
-                    batches.append(r.json()["usage"]["batch_requests"])
+                    seen["batches"].append(res["batch"])
+                    if res["ttft"] is not None:
+                        seen["ttft"].append(res["ttft"])
+                    seen["gaps"] += res["gaps"]
                 i += clients
 
-        await asyncio.gather(*(loop(k) for k in range(clients)))
+        tasks = [asyncio.ensure_future(loop(k)) for k in range(clients)]
+        if hang_up > 0:
+            await asyncio.sleep(hang_up)
+            for k in range(0, clients, 2):
+                seen["abandoned"] += bool(busy.get(k))
+                tasks[k].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {
-        "latencies": latencies,
-        "batches": batches,
-        "failures": failures,
-        "seconds": elapsed,
-        "client_cpu_s": cpu,
-    }
+    return seen | {"seconds": elapsed, "client_cpu_s": cpu}
 
 
 def free_port() -> int:
@@ -165,17 +213,26 @@ class Server:
             self.proc.kill()
 
 
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile of xs in ms (None if empty)."""
+    xs = sorted(xs)
+    return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
 def merge(parts: list[dict]) -> dict:
     """The slices of one cell (one server) as one measurement."""
     lat = sorted(x for p in parts for x in p["latencies"])
-    batches = [x for p in parts for x in p["batches"]]
+    ttft = [x for p in parts for x in p["ttft"]]
+    gaps = [x for p in parts for x in p["gaps"]]
+    batches = [x for p in parts for x in p["batches"] if x is not None]
     failures = [x for p in parts for x in p["failures"]]
     elapsed = sum(p["seconds"] for p in parts)
     return {
         "requests": len(lat), "failed": len(failures), "failures": failures[:5], "seconds": elapsed,
         "throughput_rps": len(lat) / elapsed,
-        "p50_ms": 1e3 * statistics.median(lat) if lat else None,
-        "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+        "p50_ms": 1e3 * statistics.median(lat) if lat else None, "p99_ms": pct(lat, 0.99),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None, "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": 1e3 * statistics.median(gaps) if gaps else None, "itl_p99_ms": pct(gaps, 0.99),
         "mean_batch": statistics.fmean(batches) if batches else None,
         "client_cpu_share": sum(p["client_cpu_s"] for p in parts) / elapsed,  # CPU the clients took (1 = a core)
     }  # fmt: skip
@@ -203,24 +260,70 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
                     row = {"server": mode, "max_batch": server.max_batch, "endpoint": ep,
                            "recipe": recipe or "baseline", "clients": n} | res  # fmt: skip
                     rows.append(row)
+                    ttft = "" if res["ttft_p50_ms"] is None else (
+                        f"  TTFT p50 {res['ttft_p50_ms']:6.1f} p99 {res['ttft_p99_ms']:6.1f} ms  "
+                        f"ITL p50 {res['itl_p50_ms'] or 0:5.1f} ms")  # fmt: skip
                     console.print(
                         f"{mode:14s} {ep:9s} {row['recipe'][:32]:32s} clients {n:3d}: "
                         f"{res['throughput_rps']:7.2f} req/s  p50 {res['p50_ms']:7.1f} ms  "
                         f"p99 {res['p99_ms']:7.1f} ms  batch {res['mean_batch'] or 0:5.1f}  failed {res['failed']}  "
-                        f"client CPU {res['client_cpu_share']:.2f} core"
+                        f"client CPU {res['client_cpu_share']:.2f} core{ttft}"
                     )
     return rows
+
+
+def cancellation(args, server, pool: list[str]) -> dict:
+    """`--cancel-clients` streaming clients on the batching server; half-way half of them hang up. What the
+    server did with the requests they abandoned, by its own counts (`/health`), once it is idle again."""
+    import httpx
+
+    def stages() -> dict:
+        """The server's counts of requests whose client left (/metrics), by where they were."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(server.url + "/metrics").text
+        out = {"queued": 0, "running": 0, "finished": 0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "trimvlm_cancelled_requests_total":
+                    out[sample.labels["stage"]] = int(sample.value)
+        return out
+
+    reqs = bodies("chat", "", pool, args.max_new_tokens)
+    before, gone0 = httpx.get(server.url + "/health").json(), stages()
+    seen = asyncio.run(load(server.url, "/v1/chat/completions", reqs, args.cancel_clients, args.seconds,
+                            hang_up=args.seconds / 2))  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        after = httpx.get(server.url + "/health").json()
+        if (after["running"] == 0 and after["waiting"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    gone = {k: v - gone0[k] for k, v in stages().items()}
+    return {
+        "clients": args.cancel_clients, "hung_up": (args.cancel_clients + 1) // 2, "abandoned": seen["abandoned"],
+        # the server's view: queued ones never computed, running ones left the batch at the next step,
+        # finished ones were already computed when their client left (too late to save anything)
+        "dropped_queued": after["dropped"] - before["dropped"], "seen_queued": gone["queued"],
+        "left_running": after["cancelled_running"] - before["cancelled_running"], "seen_running": gone["running"],
+        "already_finished": gone["finished"],
+        # cancelled before they finished, yet computed to the end: what this engine must keep at 0
+        "cancelled_computed": gone["queued"] + gone["running"] - (after["dropped"] - before["dropped"])
+        - (after["cancelled_running"] - before["cancelled_running"]),
+        "failed": len(seen["failures"]), "answered": len(seen["latencies"]),
+    }  # fmt: skip
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--clients", default="1,8,32", help="comma-separated client counts")
+    ap.add_argument("--clients", default="1,8,32,64", help="comma-separated client counts")
     ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per cell")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each measurement")
     ap.add_argument("--rounds", type=int, default=2, help="alternating slices of each cell per server")
     ap.add_argument("--max-batch", type=int, default=32, help="the batching server's --max-batch")
     ap.add_argument("--max-wait-ms", type=float, default=10.0)
+    ap.add_argument("--max-prefill-tokens", type=int, default=4096, help="the batching server's")
     ap.add_argument("--recipe", default="tokens=density:keep=0.25:layer=1", help="the token-reduction recipe")
     ap.add_argument("--endpoints", default="systemone,chat")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="chat completions' max_tokens")
@@ -228,27 +331,32 @@ def main(argv=None):
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cancel-clients", type=int, default=32,
+                    help="clients of the cancellation run (half hang up half-way; 0: no such run)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 2 clients, 0.5 s per "
-                    "cell in 1 slice, 0.2 s warm-up, 2 images, 4 new tokens")  # fmt: skip
+                    "cell in 1 slice, 0.2 s warm-up, 2 images, 4 new tokens, 4 cancellation clients")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         args.clients, args.seconds, args.warmup, args.rounds = "2", 0.5, 0.2, 1
-        args.images, args.max_new_tokens = 2, 4
+        args.images, args.max_new_tokens, args.cancel_clients = 2, 4, 4
     clients = [int(x) for x in args.clients.split(",")]
     endpoints = args.endpoints.split(",")
     pool = images(args.images, args.image_size)
     servers = {}
     try:
-        for mode, max_batch in (("batched", args.max_batch), ("one-at-a-time", 1)):
-            servers[mode] = Server(args, max_batch)
+        budget = ("--max-prefill-tokens", str(args.max_prefill_tokens))
+        for mode, max_batch, extra in (("batched", args.max_batch, budget), ("one-at-a-time", 1, ())):
+            servers[mode] = Server(args, max_batch, extra)
         rows = measure(args, servers, clients, endpoints, pool)
+        cancel = cancellation(args, servers["batched"], pool) if args.cancel_clients and "chat" in endpoints else None
     finally:
         for server in servers.values():
             server.close()
     table = Table(title=f"trimvlm serve on {args.model}: {args.seconds:g} s per cell")
     for col in ("endpoint", "recipe", "clients", "batched req/s", "one-at-a-time req/s", "ratio",
-                "p50 ms (b / 1)", "p99 ms (b / 1)", "mean batch", "failed"):  # fmt: skip
+                "p50 ms (b / 1)", "p99 ms (b / 1)", "TTFT p50 / p99 ms (b)", "TTFT / e2e p50 (b)", "mean batch",
+                "failed"):  # fmt: skip
         table.add_column(col)
     summary = []
     for row in rows:
@@ -259,20 +367,25 @@ def main(argv=None):
             and (r["endpoint"], r["recipe"], r["clients"]) == (row["endpoint"], row["recipe"], row["clients"])
         )  # fmt: skip
         ratio = row["throughput_rps"] / one["throughput_rps"]
+        ttft_share = None if row["ttft_p50_ms"] is None else row["ttft_p50_ms"] / row["p50_ms"]
         summary.append({"endpoint": row["endpoint"], "recipe": row["recipe"], "clients": row["clients"],
                         "batched_rps": row["throughput_rps"], "one_at_a_time_rps": one["throughput_rps"],
-                        "ratio": ratio})  # fmt: skip
+                        "ratio": ratio, "ttft_over_e2e_p50": ttft_share})  # fmt: skip
         table.add_row(
             row["endpoint"], row["recipe"], str(row["clients"]), f"{row['throughput_rps']:.2f}",
             f"{one['throughput_rps']:.2f}", f"{ratio:.2f}x", f"{row['p50_ms']:.0f} / {one['p50_ms']:.0f}",
-            f"{row['p99_ms']:.0f} / {one['p99_ms']:.0f}", f"{row['mean_batch'] or 0:.1f}",
+            f"{row['p99_ms']:.0f} / {one['p99_ms']:.0f}",
+            "" if ttft_share is None else f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f}",
+            "" if ttft_share is None else f"{ttft_share:.2f}", f"{row['mean_batch'] or 0:.1f}",
             str(row["failed"] + one["failed"]),
         )  # fmt: skip
     console.print(table)
     failed = sum(r["failed"] for r in rows)
     console.print(f"failed requests: {failed}")
+    if cancel is not None:
+        console.print(f"cancellation: {cancel}")
     if args.json:
-        out = {"args": vars(args), "cells": rows, "summary": summary, "failed": failed}
+        out = {"args": vars(args), "cells": rows, "summary": summary, "failed": failed, "cancellation": cancel}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         console.print(f"[dim]wrote {args.json}[/]")

@@ -251,7 +251,8 @@ def test_chat_text_only_and_recipe(client, demo):
 
 
 def test_sampled_completion_equals_generate(client, demo):
-    """temperature > 0 runs alone (its own batch): the same seed gives what vlm.generate gives."""
+    """temperature > 0, sent alone: the same seed gives what vlm.generate gives (a sampled row draws from its
+    own seeded generator, so it may share a decode batch: tests/test_serve_engine.py)."""
     req = chat_request(0, temperature=0.8, top_p=0.9, seed=7)
     r = client.post("/v1/chat/completions", json=req).json()
     images = [_decode(req["messages"][0]["content"][0]["image_url"]["url"])]

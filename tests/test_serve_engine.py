@@ -333,3 +333,40 @@ def test_graceful_shutdown_drains_a_running_stream(demo, monkeypatch):
         release.set()
         t.join(WAIT_S)
     assert got["text"] == solo(demo, 3).texts[0]
+
+
+def test_max_prefill_tokens_bounds_each_admission(demo, monkeypatch):
+    """--max-prefill-tokens below two prompts: four requests queued together are prefilled one per step (four
+    prefills, not one), each joins the running batch, and each equals its answer alone."""
+    from trimvlm.serve.limits import ServerLimits
+
+    refs = [solo(demo, 20 + i).texts[0] for i in range(4)]
+    prompt = int(demo.prepare(image(20), "describe ?").attention_mask.sum())
+    calls = RunnerCalls(demo.runner, monkeypatch)
+    held = HeldSteps(demo.runner, monkeypatch)
+    queued = threading.Event()
+    held.hold = lambda rows: queued if len(held.rows) == 1 else None
+    state = ServerState(demo, model_id="demo", limits=ServerLimits(max_prefill_tokens=prompt + prompt // 2))
+    try:
+        with live(state) as (url, _):
+            c = client(url)
+            out = {}
+
+            def ask(i):
+                out[i] = c.chat.completions.create(model="demo", messages=messages(20 + i), max_tokens=24)
+
+            threads = [threading.Thread(target=ask, args=(0,))]
+            threads[0].start()
+            wait_for(lambda: held.rows, "the first request to decode")
+            threads += [threading.Thread(target=ask, args=(i,)) for i in (1, 2, 3)]
+            for t in threads[1:]:
+                t.start()
+            wait_for(lambda: state.batcher.waiting() == 3, "3 queued requests")
+            queued.set()
+            for t in threads:
+                t.join(WAIT_S)
+    finally:
+        queued.set()
+        calls.close()
+    assert [out[i].choices[0].message.content for i in range(4)] == refs
+    assert calls.prefills == 4 and max(held.rows) >= 3  # one admission per step, all in one decode batch

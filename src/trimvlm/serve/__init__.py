@@ -2,13 +2,15 @@
 
 - `POST /v1/systemone`: System One decision requests, the request and response JSON of `transformers serve`
   (systemone.py), answered by `trimvlm.decision`;
-- `POST /v1/chat/completions`: OpenAI-style chat completions with base64 images, plain and streamed (chat.py),
-  answered by `VLM.generate`;
-- `GET /health`, `GET /v1/models` (app.py).
+- `POST /v1/chat/completions`: OpenAI-style chat completions with base64 images, plain and streamed token by
+  token (chat.py, reply.py), each what `VLM.generate` gives the request alone;
+- `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus; app.py, metrics.py); JSON access logs (logs.py).
 
-Concurrent requests are checked and tokenized one by one as they arrive, then micro-batched (batching.py): a
-single worker thread owns the model and runs, per batch, one `decision.run` or one `vlm.generate` over the
-requests that can share it. docs/serving.md describes the endpoints, the limits and the cost fields.
+Concurrent requests are checked and tokenized one by one as they arrive; one scheduler loop owns the model
+(scheduler.py): System One requests are micro-batched into one `decision.run` (batching.py), chat completions
+batched continuously at the step level (engine.py: admitted between decode steps, they join the running
+decode batch; finished and cancelled rows leave at once). A request whose client has gone is not computed.
+docs/serving.md describes the endpoints, the scheduling, the limits, the metrics and the cost fields.
 """
 
 from __future__ import annotations

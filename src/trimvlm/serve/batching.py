@@ -39,6 +39,7 @@ class Job:
     started: float = 0.0  # when its batch began to run
     batch: int = 0  # requests in its batch
     cancelled: bool = False  # its client has gone: never run it (read by the model thread)
+    finished: bool = False  # its answer is computed (set by the model thread)
 
     def cancel(self) -> None:
         self.cancelled = True

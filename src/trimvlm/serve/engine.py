@@ -48,12 +48,31 @@ class Group:
     last: torch.Tensor  # [B] long
 
 
-def post(job, event) -> None:
-    """Hand an event to the request's task on its event loop: ("token", id), ("done", result), ("error", exc)."""
-    try:
-        job.loop.call_soon_threadsafe(job.payload.events.put_nowait, event)
-    except RuntimeError:  # the event loop is closed
-        pass
+class Outbox:
+    """Events for the requests' tasks: ("token", id), ("done", result), ("error", exc), handed to their event
+    loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
+
+    def __init__(self):
+        self.items: list[tuple[object, tuple]] = []
+
+    def post(self, job, event) -> None:
+        self.items.append((job, event))
+
+    def flush(self) -> None:
+        by_loop: dict[object, list] = {}
+        for job, event in self.items:
+            by_loop.setdefault(job.loop, []).append((job.payload.events, event))
+        self.items = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed
+                pass
+
+
+def _deliver(items) -> None:
+    for events, event in items:
+        events.put_nowait(event)
 
 
 class ChatEngine:
@@ -69,6 +88,7 @@ class ChatEngine:
         self.steps: Counter[int] = Counter()  # rows in a decode call -> calls
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
+        self.outbox = Outbox()
 
     @property
     def running(self) -> int:
@@ -89,6 +109,10 @@ class ChatEngine:
     def admit(self, jobs: list) -> None:
         """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
         request is tried alone, so one that breaks the model fails only itself."""
+        self._admit(jobs)
+        self.outbox.flush()
+
+    def _admit(self, jobs: list) -> None:
         t0 = time.perf_counter()
         for job in jobs:
             job.started, job.batch = t0, len(jobs)
@@ -97,10 +121,10 @@ class ChatEngine:
         except Exception as e:  # noqa: BLE001  (a model error must not end the loop)
             self.failed += 1
             if len(jobs) == 1:
-                post(jobs[0], ("error", e))
+                self.outbox.post(jobs[0], ("error", e))
             else:
                 for job in jobs:
-                    self.admit([job])
+                    self._admit([job])
             return
         self._advance(group, group.last)
         if not group.rows:
@@ -158,6 +182,7 @@ class ChatEngine:
                 self._step(group)
             if not group.rows:
                 del self.groups[label]
+            self.outbox.flush()  # each batch's tokens as soon as its step is done
 
     def _step(self, group: Group) -> None:
         meter = Meter(device=self.runner.device)
@@ -168,7 +193,7 @@ class ChatEngine:
         except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other batches go on)
             self.failed += 1
             for row in group.rows:
-                post(row.job, ("error", e))
+                self.outbox.post(row.job, ("error", e))
             group.rows = []
             return
         seconds = time.perf_counter() - t0
@@ -200,7 +225,7 @@ class ChatEngine:
         for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
             row.tokens.append(t)
             if t not in self.stops:
-                post(row.job, ("token", t))
+                self.outbox.post(row.job, ("token", t))
             if t in self.stops or len(row.tokens) >= row.job.payload.max_tokens:
                 done.append(i)
         self._leave(group, done)
@@ -229,8 +254,9 @@ class ChatEngine:
 
     def _finish(self, row: Row) -> None:
         p = row.job.payload
+        row.job.finished = True  # computed to the end (a client that leaves now left too late to save work)
         tokens = [t for t in row.tokens if t not in self.stops]
-        post(row.job, ("done", {
+        self.outbox.post(row.job, ("done", {
             "tokens": tokens, "finish_reason": "length" if len(tokens) >= p.max_tokens else "stop",
             "usage": dict(row.usage), "batch": row.batch,
         }))  # fmt: skip

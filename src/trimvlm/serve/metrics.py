@@ -45,7 +45,10 @@ class ServeMetrics:
         self.prefill_batch = h("trimvlm_prefill_batch_size", "requests per prefill", buckets=SIZE_BUCKETS)
         self.step_s = h("trimvlm_decode_step_seconds", "one decode step of a running batch")
         self.cancels = c(
-            "trimvlm_cancelled_requests", "requests whose client left, by where they were", ("stage",)
+            "trimvlm_cancelled_requests",
+            "requests whose client left, by where they were: queued (never computed), running (left the batch "
+            "at the next step), finished (already computed)",
+            ("stage",),
         )
         g(
             "trimvlm_tokens_per_second",

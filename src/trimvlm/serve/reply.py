@@ -92,7 +92,8 @@ class ChatReply:
         """The client has gone: the request is not computed further (it leaves its queue or its batch)."""
         if not self.job.cancelled:
             self.job.cancel()
-            self.state.metrics.cancelled("running" if self.job.started else "queued")
+            stage = "finished" if self.job.finished else "running" if self.job.started else "queued"
+            self.state.metrics.cancelled(stage)
         self._stop_watching()
 
     def _stop_watching(self) -> None:
