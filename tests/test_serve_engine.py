@@ -136,18 +136,22 @@ def test_openai_client_metrics_and_access_log(demo, caplog):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.texts[0]
         assert chunks[-1].usage.completion_tokens == len(ref.tokens[0])
         assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+        one = httpx.post(url + "/v1/chat/completions", json={"messages": messages(3), "max_tokens": 1}).json()
+        assert one["choices"][0]["finish_reason"] == "length" and one["usage"]["completion_tokens"] == 1
+        assert one["usage"]["decode_flops"] == 0 and one["choices"][0]["message"]["content"] == solo(
+            demo, 3, max_tokens=1).texts[0]  # fmt: skip
         m = httpx.get(url + "/metrics")
         assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
         text = m.text
-    assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 2.0' in text
-    assert "trimvlm_time_to_first_token_seconds_count 2.0" in text
+    assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 3.0' in text
+    assert "trimvlm_time_to_first_token_seconds_count 3.0" in text
     stopped = r.choices[0].finish_reason == "stop"
-    assert f"trimvlm_generated_tokens_total {2.0 * (len(ref.tokens[0]) + stopped)}" in text  # a stop token too
+    assert f"trimvlm_generated_tokens_total {2.0 * (len(ref.tokens[0]) + stopped) + 1}" in text  # stop tokens too
     for name in ("trimvlm_queue_depth", "trimvlm_running_requests", "trimvlm_decode_batch_size_bucket",
                  "trimvlm_tokens_per_second", "trimvlm_inter_token_seconds_count"):  # fmt: skip
         assert name in text
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "trimvlm.serve.access"]
-    assert [(x["method"], x["path"], x["status"]) for x in lines[:2]] == [("POST", "/v1/chat/completions", 200)] * 2
+    assert [(x["method"], x["path"], x["status"]) for x in lines[:3]] == [("POST", "/v1/chat/completions", 200)] * 3
     assert all(x["bytes"] > 0 and x["seconds"] > 0 for x in lines)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trimvlm.decision.costs import split
-from trimvlm.runtime.generate import Decoding, choose
+from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
 
 
@@ -79,9 +79,6 @@ class ChatEngine:
     kinds = frozenset({"chat"})
 
     def __init__(self, vlm, metrics=None):
-        from trimvlm.runtime.generate import Sampling
-
-        self._sampling = Sampling
         self.vlm, self.runner, self.metrics = vlm, vlm.runner, metrics
         self.stops = set(vlm.stop_ids())
         self.groups: dict[str, Group] = {}
@@ -150,7 +147,7 @@ class ChatEngine:
         out = runner.prefill(prepared, plan, meter=meter)
         rows = []
         for job, p in zip(jobs, payloads, strict=True):
-            sampling = self._sampling(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+            sampling = Sampling(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
             gen = None
             if p.temperature > 0:
                 gen = torch.Generator(device=runner.device).manual_seed(p.seed)
@@ -258,5 +255,5 @@ class ChatEngine:
         tokens = [t for t in row.tokens if t not in self.stops]
         self.outbox.post(row.job, ("done", {
             "tokens": tokens, "finish_reason": "length" if len(tokens) >= p.max_tokens else "stop",
-            "usage": dict(row.usage), "batch": row.batch,
+            "usage": row.usage, "batch": row.batch,  # a Counter: a line it never ran (no decode step) is 0
         }))  # fmt: skip
