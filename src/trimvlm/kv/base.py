@@ -99,6 +99,12 @@ class KVPolicy:
     def is_noop(self) -> bool:
         return self.keep >= 1.0
 
+    @property
+    def predictable(self) -> bool:
+        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): true with the same budget in
+        every layer; a per-layer split that follows the attention is measured instead."""
+        return True
+
     def probe(self, runner, handoff) -> AttentionProbe | None:
         """The attention probe the prefill must record for this policy (kept in `handoff.probes`), or None."""
         handoff.probes.pop("kv", None)

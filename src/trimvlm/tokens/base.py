@@ -88,6 +88,10 @@ class TokenReducer:
     size_weighted: bool = False
 
     name: ClassVar[str] = "?"
+    # what `trimvlm tune` may know before running: whether the kept counts follow from the shapes
+    # (`kept_counts`), and the keeps the method accepts (None: any in (0, 1])
+    predictable: ClassVar[bool] = True
+    keep_grid: ClassVar[tuple[float, ...] | None] = None
     wants_text: ClassVar[bool] = False  # fill view.text with the instruction's hidden states (text-guided methods)
     default_layer: ClassVar[int] = 0
     min_layer: ClassVar[int] = 0
@@ -116,6 +120,10 @@ class TokenReducer:
     def ratio(self) -> float:
         """The kept fraction."""
         return float(self.keep) if self.keep is not None else 1.0 - float(self.prune)
+
+    def kept_counts(self, n: list[int], owner: list[tuple], grids: list[tuple[int, int]]) -> list[int]:
+        """Tokens each unit keeps, from its token count, owning image and grid alone (the shared rule)."""
+        return image_budgets(n, owner, self.ratio)
 
     def _layer_why(self) -> str:
         return ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -67,11 +68,22 @@ class Pool(TokenReducer):
     layer: int | None = None
     merge: bool = True
 
+    keep_grid: ClassVar[tuple[float, ...]] = tuple(1 / s for s in range(1, 65))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.merge is not True:
             raise ValueError("pool always averages each window (merge=true); for a strided subset use tokens=random")
         strides(self.ratio)
+
+    def kept_counts(self, n, owner, grids) -> list[int]:
+        """The number of windows of each unit's grid (the count `prepare` sets)."""
+        short, long = strides(self.ratio)
+        out = []
+        for h, w in grids:
+            sh, sw = (short, long) if w >= h else (long, short)
+            out.append(-(-h // sh) * -(-w // sw))
+        return out
 
     def prepare(self, view: VisualView, runner, handoff) -> None:
         # the kept count is the number of windows (see the class docstring), not the shared ceil(N * keep)

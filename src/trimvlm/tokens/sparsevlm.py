@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -89,6 +90,8 @@ class SparseVLM(TokenReducer):
     follows the image in every template; raters beyond them are not read); recycled tokens keep their center's
     position (the code appends them after the kept visual tokens); the density tie-break is by index (the code adds
     1e-6 noise). Method FLOPs: the rater products, the attention rows, the clustering distances."""
+
+    predictable: ClassVar[bool] = False  # its stages keep counts that follow the raters: measured, never predicted
 
     layer: int | None = None
     layers: str = ""

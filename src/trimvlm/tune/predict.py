@@ -4,15 +4,16 @@ For a task's batches (the harness' own `evals.run.batches`, so the padding is th
 shapes are read once: each row's real length, its visual tokens per image (the reducers' units) and the vision
 tower's FLOPs (`Runner.vision_flops`, remembered per input shape). A recipe's model prefill FLOPs then follow
 the runner's own count: every decoder layer that runs costs `Adapter.layer_flops(i, B, q, q)` on the batch's
-padded length q at that layer (a token reducer at layer L keeps K = ceil(N_image * keep) per image, as
-`tokens.base.image_budgets` says, and the batch shrinks to its longest kept row), plus the LM head at the last
+padded length q at that layer (a token reducer at layer L keeps what its `kept_counts` says: K =
+ceil(N_image * keep) per image by default, pooling's window count; the batch shrinks to its longest kept row), plus the LM head at the last
 position and the vision tower. KV bytes at the prefill/decode boundary: per attention layer that ran, key and
 value of [B, Hk, K, hd], K the longest row after the KV policy kept ceil(N_visual * keep) of the row's visual
 entries in that layer (text entries are never evicted).
 
-What the shapes cannot tell is refused with None: a router (its layer plan follows the input), a reducer that
-changes the vision tower's input (`TokenReducer.predictable = False`), candidate items (their branches follow
-the candidates). Such recipes are run to be measured. `tests/test_tune.py` checks prediction == measurement.
+What the shapes cannot tell is refused with None: a router (its layer plan follows the input), a reducer whose
+kept counts follow the data or that changes the vision tower's input (`TokenReducer.predictable = False`:
+SparseVLM, downsampling), a KV policy whose per-layer split follows the attention (`KVPolicy.predictable`:
+VL-Cache, AirCache), candidate items (their branches follow the candidates). Such recipes are run to be measured. `tests/test_tune.py` checks prediction == measurement.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from trimvlm.plan import LayerPlan, build_methods, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.meter import Meter
-from trimvlm.tokens.base import image_budgets
 
 
 @dataclass
 class BatchShape:
     rows: list[int]  # real prefill tokens per row
     visual: list[int]  # visual tokens per row
-    units: list[list[tuple[int, tuple]]]  # per row: (tokens, owning image) of each unit (image or tile)
+    units: list[list[tuple[int, tuple, tuple]]]  # per row: (tokens, owning image, grid) of each unit
     vision_flops: int
 
     @property
@@ -65,7 +65,8 @@ def read_shapes(vlm, task, batch_list: list[list[int]]) -> list[BatchShape] | No
         if view is not None:
             for u in range(view.mask.shape[0]):
                 b = int(view.sample[u])
-                units[b].append((int(view.n[u]), _image_of(seq, b, int(view.image[u]))))
+                grid = (int(view.grid[u, 0]), int(view.grid[u, 1]))
+                units[b].append((int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
         out.append(BatchShape(rows=[int(x) for x in seq.valid.sum(1)], visual=[int(x) for x in (seq.visual & seq.valid).sum(1)],
                               units=units, vision_flops=runner.vision_flops(prepared)))  # fmt: skip
     return out
@@ -80,7 +81,7 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
     methods = build_methods(recipe)
     runner, ad = vlm.runner, vlm.adapter
     tokens, kv = methods.get("tokens"), methods.get("kv")
-    if tokens is not None and not getattr(tokens, "predictable", True):
+    if (tokens is not None and not tokens.predictable) or (kv is not None and not kv.predictable):
         return None
     plan = make_plan(recipe, runner)
     skip = plan.skip_prefill
@@ -97,8 +98,8 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
         if lay is not None:
             for b, units in enumerate(s.units):
                 if units:
-                    n = [t for t, _ in units]
-                    dropped[b] = sum(n) - sum(image_budgets(n, [o for _, o in units], tokens.ratio))
+                    n = [t for t, _, _ in units]
+                    dropped[b] = sum(n) - sum(tokens.kept_counts(n, [o for _, o, _ in units], [g for *_, g in units]))
         flops += s.vision_flops + ad.head_flops(s.batch, 1)
         for i in range(runner.num_layers):
             after = lay is not None and i >= lay

@@ -5,6 +5,8 @@ For every budget point (`tune.budgets`) and every family of the space (`tune.spa
    FLOPs and KV bytes are exact from the shapes; total FLOPs are predicted as the prefill plus the baseline's
    decode): the largest keep in [low, high] whose predicted ratios meet the budget. A family that is over budget
    on those even at the lowest keep, or a fixed family over budget, is skipped before it runs.
+   With a beam (the space's `beam: B`), round 0 runs the one-axis families first, and the joint families
+   (tokens+kv, tokens+depth) are formed with the B best token families of that round only.
 2. **Successive halving.** Round r runs the surviving candidates on the first n_r items of a seeded permutation
    of the validation items (n_0 = `start`, then x `eta` up to all of them), in one interleaved `run_eval`
    call with the baseline. A candidate whose measured ratio is over the budget (beyond `tol`) gets its keep
@@ -89,7 +91,8 @@ class Search:
             return None
         key = (spec_of(recipe), self.journal.items_key(idx))
         if key not in self._pred:
-            self._pred[key] = predict(self.vlm, recipe, shapes)
+            p = predict(self.vlm, recipe, shapes)
+            self._pred[key] = p if p is not None else predict(self.vlm, self.proxy(recipe), shapes)
         p = self._pred[key]
         base = self._pred.setdefault(("baseline", key[1]), predict(self.vlm, {}, shapes))
         if p is None:
@@ -98,6 +101,20 @@ class Search:
         extra = bsum["total_flops"] - bsum["prefill_flops"]
         return {"prefill_flops": p.prefill_flops / base.prefill_flops, "kv_bytes": p.kv_bytes / base.kv_bytes,
                 "total_flops": (p.prefill_flops + extra) / bsum["total_flops"]}  # fmt: skip
+
+    def proxy(self, recipe: dict) -> dict:
+        """An estimate's stand-in for what the shapes cannot tell: a token reducer whose counts follow the data
+        (or that changes the vision input) is costed as the shared rule at its layer, a KV policy with a
+        per-layer split as the same keep in every layer. Its candidates are then measured and corrected."""
+        from trimvlm.plan import build_methods
+
+        methods, out = build_methods(recipe), dict(recipe)
+        tokens, kv = methods.get("tokens"), methods.get("kv")
+        if tokens is not None and not tokens.predictable:
+            out["tokens"] = f"random:keep={tokens.ratio}:layer={tokens.at(self.vlm.runner)}"
+        if kv is not None and not kv.predictable:
+            out["kv"] = f"random:keep={kv.keep}"
+        return out
 
     def over(self, pred: dict | None, point: dict, offset: dict) -> bool:
         if pred is None:
@@ -109,18 +126,27 @@ class Search:
         fam, lo, hi = cand.family, self.space.keep_low, self.space.keep_high
         if self.over(self.predicted(fam.recipe(lo), idx), point, cand.offset):
             return None
-        if self.predicted(fam.recipe(hi), idx) is None:
-            return cand.keep if cand.keep is not None else 0.5 * (lo + hi)  # unpredictable: measured only
+        if self.predicted(fam.recipe(hi), idx) is None:  # a router, candidate items: measured only
+            return cand.keep if cand.keep is not None else 0.5 * (lo + hi)
         if not self.over(self.predicted(fam.recipe(hi), idx), point, cand.offset):
             return hi
+        grid = self.keep_grid(fam)
+        if grid is not None:  # a method with discrete keeps (pooling: 1 / window area): the largest that fits
+            fit = [k for k in grid if lo <= k <= hi and not self.over(self.predicted(fam.recipe(k), idx), point, cand.offset)]
+            return max(fit) if fit else None
         for _ in range(self.s.steps):
             mid = round((lo + hi) / 2, 4)
             lo, hi = (mid, hi) if not self.over(self.predicted(fam.recipe(mid), idx), point, cand.offset) else (lo, mid)
         return lo
 
-    def start(self, point: dict, idx) -> list[Candidate]:
+    def keep_grid(self, fam: Family):
+        from trimvlm.plan import build_methods
+
+        return getattr(build_methods(fam.recipe(1.0)).get("tokens"), "keep_grid", None)
+
+    def start(self, point: dict, idx, families: list[Family]) -> list[Candidate]:
         out = []
-        for fam in self.space.families():
+        for fam in families:
             self.considered += 1
             cand = Candidate(fam)
             try:
@@ -195,10 +221,19 @@ class Search:
         return True
 
     def point(self, point: dict, rounds: list[list[int]], bar=None) -> list[Candidate]:
-        """The candidates of the last round, best first."""
-        cands = self.start(point, rounds[0])
+        """The candidates of the last round, best first. With a beam, round 0 runs the one-axis families first
+        and the joint families are formed with the `beam` best token families only."""
+        fams, beam = self.space.families(), self.space.beam
+        first = [f for f in fams if len(f.parts) == 1] if beam else fams
+        cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
             cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
+            if r == 0 and beam:
+                top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
+                joint = [f for f in fams if len(f.parts) > 1 and f.parts.get("tokens", top[0] if top else "") in top]
+                self.considered += len(fams) - len(first) - len(joint)  # joint families the beam left out
+                more = self.start(point, idx, joint)
+                cands = sorted(cands + self.measure(self.recheck(more, point, idx), point, idx), key=_rank)
             if r + 1 < len(rounds):
                 cands = cands[: max(1, math.ceil(len(cands) / self.s.eta))]
             if bar is not None:

@@ -32,7 +32,7 @@ class Family:
     free: bool  # whether `keep` is free (a token reducer is part of it)
 
     def recipe(self, keep: float | None = None, name: str | None = None) -> dict:
-        out = {a: s.format(keep=f"{keep:.4f}" if keep is not None else "?") for a, s in self.parts.items()}
+        out = {a: s.format(keep=f"{keep:.10g}" if keep is not None else "?") for a, s in self.parts.items()}
         return {"name": name or self.name, **out}
 
 
@@ -44,6 +44,7 @@ class Space:
     keep_low: float = 0.02
     keep_high: float = 1.0
     rankers: list[str] = field(default_factory=list)  # calibrated rankers the depth points read
+    beam: int | None = None  # joint families formed with the best `beam` token families only (None: all)
 
     def families(self) -> list[Family]:
         out = []
@@ -80,7 +81,7 @@ def load_space(path: str | Path | None = None, rankings: str | Path = "rankings"
         raise InputError(f"space file {path} does not parse as YAML: {e}") from e
     if not isinstance(data, dict):
         raise InputError(f"space file {path}: expected a mapping with tokens / kv / depth / combine / keep")
-    unknown = set(data) - {*AXES, "combine", "keep"}
+    unknown = set(data) - {*AXES, "combine", "keep", "beam"}
     if unknown:
         raise InputError(f"space file {path}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(AXES)}, combine, keep")
     points: dict[str, list[tuple[str, str]]] = {}
@@ -121,4 +122,7 @@ def load_space(path: str | Path | None = None, rankings: str | Path = "rankings"
     low, high = float(keep.get("low", 0.02)), float(keep.get("high", 1.0))
     if not 0 < low < high <= 1:
         raise InputError(f"space file {path}: keep needs 0 < low < high <= 1, got low={low}, high={high}")
-    return Space(str(path), points, combine, low, high, sorted(set(rankers)))
+    beam = data.get("beam")
+    if beam is not None and (not isinstance(beam, int) or isinstance(beam, bool) or beam < 1):
+        raise InputError(f"space file {path}: beam must be a positive integer (or left out: every combination)")
+    return Space(str(path), points, combine, low, high, sorted(set(rankers)), beam)
