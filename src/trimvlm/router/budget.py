@@ -44,13 +44,28 @@ class BudgetTable:
         self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
         self.max_skip = int(data["max_skip"])
         self.choices = {float(b): (float(k), float(lam)) for b, k, lam in data.get("choices", [])}
+        self.z = None if data.get("z") is None else torch.tensor(data["z"], dtype=torch.float64)  # [X, N]
+        self.kl = data.get("kl")  # [X][keep][subset]: measured KL of the training layouts
+        self.cand = data.get("candidate_layers")
 
     def cost_of(self, keep: float, subset) -> float:
         j = self.subsets.index(tuple(sorted(subset)))
         return interp(self.keeps, [row[j] for row in self.cost], keep)
 
+    def lowest(self) -> float:
+        """The smallest mean cost the calibration inputs can reach (the cheapest keep, every layer it may skip)."""
+        if self.z is None:
+            return min(self.choices, default=math.inf)
+        return self.mean_cost(self.z, self.cand, self.keeps[0], -math.inf)
+
     def choice(self, budget: float) -> tuple[float, float]:
-        """(keep, lambda) for a budget: the calibrated point, linearly interpolated between grid budgets."""
+        """(keep, lambda) for a budget: calibrated on the stored training inputs for exactly this budget (or,
+        for a table of precomputed choices, interpolated between them)."""
+        if self.z is not None:
+            if budget not in self.choices:
+                got = calibrate(self, self.z, self.cand, self.kl_at, [budget])
+                self.choices[budget] = got[0][1:] if got else (self.keeps[0], -math.inf)
+            return self.choices[budget]
         grid = sorted(self.choices)
         ks = [self.choices[b][0] for b in grid]
         lams = [self.choices[b][1] for b in grid]
@@ -64,19 +79,25 @@ class BudgetTable:
             chosen: list[int] = []
             for j in order[: self.max_skip]:
                 saves = self.cost_of(keep, chosen) - self.cost_of(keep, [*chosen, cand[j]])
-                if -row[j] > lam * saves:
+                if lam == -math.inf or -row[j] > lam * saves:
                     chosen.append(cand[j])
                 else:
                     break
             out.append(tuple(sorted(chosen)))
         return out
 
+    def kl_at(self, x: int, keep: float, subset) -> float:
+        j = self.subsets.index(tuple(sorted(subset)))
+        return interp(self.keeps, [row[j] for row in self.kl[x]], keep)
+
     def mean_cost(self, z: torch.Tensor, cand, keep: float, lam: float) -> float:
         subsets = self.skip(z, cand, keep, lam)
         return sum(self.cost_of(keep, s) for s in subsets) / len(subsets)
 
 
-LAMBDAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
+# prices (nats per unit of total-FLOP ratio); negative: skip even layers the router would keep, down to
+# max_skip, so that tight budgets are reachable; inf: skip nothing
+LAMBDAS = (-math.inf, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
 
 
 def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets) -> list[tuple[float, float, float]]:
@@ -97,5 +118,5 @@ def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets) -> list[tu
             if best is None or loss < best[0] - 1e-12:
                 best = (loss, lo, lam)
         if best is not None:
-            out.append((float(b), best[1], best[2] if math.isfinite(best[2]) else 1e9))
+            out.append((float(b), best[1], best[2]))
     return out

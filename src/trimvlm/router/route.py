@@ -87,10 +87,10 @@ class Router:
             from trimvlm.router.budget import BudgetTable
 
             self.table = BudgetTable(self.meta["budget"])
-            low = min(self.table.choices, default=None)
-            if low is None or self.budget < low - 1e-9:
-                raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its calibrated budgets "
-                                  f"start at {low} (its cheapest layouts cost that much)")  # fmt: skip
+            low = self.table.lowest()
+            if self.budget < low - 1e-9:
+                raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
+                                  f"{low:.3f}x on its calibration inputs")  # fmt: skip
 
     def check(self, runner) -> None:
         fp = model_fingerprint(runner.adapter)

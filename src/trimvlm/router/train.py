@@ -308,9 +308,6 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     return log
 
 
-BUDGETS = tuple(round(0.40 + 0.01 * i, 2) for i in range(61))  # 0.40 .. 1.00: the calibrated budget grid
-
-
 def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
     tune.predict: any reducer's kept counts at the router's layer equal the router's), the router's own FLOPs
@@ -338,7 +335,7 @@ def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
 def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
     """The checkpoint's `budget` section: the cost table (router FLOPs included) and the calibrated
     (budget, keep, lambda) grid (router/budget.py)."""
-    from trimvlm.router.budget import BudgetTable, calibrate, interp
+    from trimvlm.router.budget import BudgetTable, calibrate
     from trimvlm.runtime.meter import flop_counter
 
     with torch.no_grad(), flop_counter() as fc:
@@ -346,13 +343,11 @@ def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
     share = fc.get_total_flops() / (flops["base_prefill"] * len(data) / flops["inputs"]) if data else 0.0
     table = {"keeps": flops["keeps"], "subsets": flops["subsets"], "max_skip": max_skip, "router_share": share,
              "cost": [[c + share for c in row] for row in flops["cost"]]}  # fmt: skip
-    bt = BudgetTable(table)
-
-    def kl(x, keep, subset):
-        j = bt.subsets.index(tuple(sorted(subset)))
-        return interp(bt.keeps, kls[x][:, j].tolist(), keep)
-
-    table["choices"] = calibrate(bt, z, cand, kl, budgets or BUDGETS)
+    # the calibration inputs' layer logits and layouts' KL: any budget is calibrated on them when asked
+    table |= {"z": z.double().tolist(), "kl": [k.tolist() for k in kls], "candidate_layers": list(cand)}
+    if budgets:
+        bt = BudgetTable(table)
+        table["choices"] = calibrate(bt, bt.z, cand, bt.kl_at, budgets)
     return table
 
 
