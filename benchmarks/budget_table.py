@@ -27,11 +27,12 @@ from trimvlm.evals.run import run_eval
 from trimvlm.evals.tasks import demo_task
 from trimvlm.recipe import load_recipes
 
-COLUMNS = ("tuned", "fastv", "naive", "router v1")
+COLUMNS = ("tuned", "fastv", "naive", "router v1", "router v2")
 
 
-def recipes_for(tuned: Path, matched: Path) -> tuple[list[dict], dict[str, dict[str, list[str]]]]:
-    """(the recipes, budget tag -> column -> the recipe names competing for that cell)."""
+def recipes_for(tuned: Path, matched: Path, router2: str | None = None) -> tuple[list[dict], dict]:
+    """(the recipes, budget tag -> column -> the recipe names competing for that cell). `router2`: a v2 router
+    (`router=PATH:budget=B` at every budget), or None."""
     rep = json.loads((tuned / "tune.json").read_text())
     by_spec = {e["spec"]: e for e in rep["entries"]}
     recipes, cells = [], {}
@@ -42,6 +43,9 @@ def recipes_for(tuned: Path, matched: Path) -> tuple[list[dict], dict[str, dict[
         name = f"{tag}_tuned"
         recipes.append({**by_spec[b["best"]]["recipe"], "name": name, "tuned_for": rep["fingerprint"]})
         cells.setdefault(tag, {}).setdefault("tuned", []).append(name)
+        if router2 is not None:
+            recipes.append({"name": f"{tag}_router2", "router": f"{router2}:budget={b['budget']['total_flops']}"})
+            cells[tag]["router v2"] = [f"{tag}_router2"]
     for r in load_recipes(matched):
         m = re.fullmatch(r"(B\d+)_(.+)", r.name or "")
         if not m:
@@ -86,6 +90,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tuned", type=Path, help="a trimvlm tune --out folder")
     ap.add_argument("--matched", type=Path, help="benchmarks/depth_budget.py's recipes file")
+    ap.add_argument("--router2", default=None, help="a v2 router (default: the model's shipped one, if it is v2)")
     ap.add_argument("--limit", type=int, default=600, help="test items")
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
@@ -97,7 +102,7 @@ def main(argv=None) -> None:
     vlm = trimvlm.load(a.model)
     if a.quick:
         a.tuned, a.matched, a.limit, a.batch_size = _quick(vlm, Path(tempfile.mkdtemp(prefix="budget-table-")))
-    recipes, cells = recipes_for(a.tuned, a.matched)
+    recipes, cells = recipes_for(a.tuned, a.matched, a.router2 or _shipped_v2(a.model))
     res = run_eval(vlm, demo_task(limit=a.limit, seed=0, split="test"), recipes, batch_size=a.batch_size,
                    progress=not a.quick)  # fmt: skip
     rows, md = table(res, cells)
@@ -106,6 +111,16 @@ def main(argv=None) -> None:
         a.markdown.write_text(md)
     if a.json:
         a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "rows": rows}, indent=2) + "\n")
+
+
+def _shipped_v2(model: str) -> str | None:
+    from trimvlm.errors import TrimVLMError
+    from trimvlm.router.model import load_router
+
+    try:
+        return model if "budget" in load_router(model)[1] else None
+    except TrimVLMError:
+        return None
 
 
 def _quick(vlm, tmp: Path):

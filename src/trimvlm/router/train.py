@@ -23,6 +23,13 @@ For every unlabeled input x (the task's images and prompts; answers are never re
    of its initial self (the reference). log pi(layout) is computed from the logits (logsigmoid), never from
    clamped probabilities, so that saturated scores still carry gradient.
 Seeded; a checkpoint is written every epoch (`--resume` continues from it).
+
+Router v2 (`keeps`, `max_skip`): the grid is every keep x every subset of at most `max_skip` candidate layers
+(the empty one included) x the token sets; besides token and layer pairs (layer pairs: same size) it adds
+iso-cost pairs, two layouts of one token set with different numbers of skipped layers at total-FLOP ratios
+within 0.05 of each other (predicted from the shapes, `_flop_table`). The last checkpoint carries the budget
+section (router/budget.py): the cost table, and the training inputs' layer logits and plain-ranking KL on
+which `router=PATH:budget=B` calibrates its keep and price.
 """
 
 from __future__ import annotations
@@ -282,21 +289,8 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     for _ in range(start):  # a resumed run sees the same input order as an uninterrupted one
         torch.randperm(len(data), generator=shuffle)
     for epoch in range(start, epochs):
-        total, steps = 0.0, 0
-        for j in torch.randperm(len(data), generator=shuffle).tolist():
-            ex = data[j]
-            lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
-            terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta)
-                     for w, lo in ex.pairs.values() if len(w)]  # fmt: skip
-            if not terms:
-                continue
-            loss = sum(terms)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) / len(terms)
-            steps += 1
-        log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, steps)})
+        loss = _dpo_epoch(router, opt, data, torch.randperm(len(data), generator=shuffle).tolist(), beta)
+        log["epochs"].append({"epoch": epoch, "dpo_loss": loss})
         if out is not None:
             extra = {"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip, "layer": layer,
                      "seed": seed, "log": log}  # fmt: skip
@@ -306,6 +300,24 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         if on_step is not None:
             on_step()
     return log
+
+
+def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) -> float:
+    """One Adam step per input in `order` on the mean DPO loss of each pair kind; the epoch's mean loss."""
+    total, steps = 0.0, 0
+    for j in order:
+        ex = data[j]
+        lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
+        terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta) for w, lo in ex.pairs.values() if len(w)]
+        if not terms:
+            continue
+        loss = sum(terms)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += float(loss.detach()) / len(terms)
+        steps += 1
+    return total / max(1, steps)
 
 
 def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
