@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import trimvlm
+from trimvlm.cli_train import train_head_command
 from trimvlm.demo.task import generate_split
 from trimvlm.errors import CheckpointError, InputError, TrimVLMError
 from trimvlm.scoring import train_head as th
@@ -274,11 +275,11 @@ def test_head_readout_needs_a_head(tiny_adapter):
 
 def test_train_head_command_refuses(tmp_path):
     with pytest.raises(TrimVLMError, match="checkpoint not found"):
-        th.train_head_command(str(tmp_path / "missing"), None, steps=10, items=60, seed=0)
+        train_head_command(str(tmp_path / "missing"), None, steps=10, items=60, seed=0)
     with pytest.raises(InputError, match="--steps"):
-        th.train_head_command("demo", None, steps=0, items=60, seed=0)
+        train_head_command("demo", None, steps=0, items=60, seed=0)
     with pytest.raises(InputError, match="--items"):
-        th.train_head_command("demo", None, steps=10, items=3, seed=0)
+        train_head_command("demo", None, steps=10, items=3, seed=0)
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match="is a file"):
-        th.train_head_command("demo", tmp_path / "file", steps=10, items=60, seed=0)
+        train_head_command("demo", tmp_path / "file", steps=10, items=60, seed=0)

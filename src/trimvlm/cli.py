@@ -283,7 +283,7 @@ def train_head(
     dtype: str = DTYPE,
 ):
     """Train the decision head on the demo task's candidate questions (backbone frozen, seeded)."""
-    from trimvlm.scoring.train_head import train_head_command
+    from trimvlm.cli_train import train_head_command
 
     try:
         train_head_command(

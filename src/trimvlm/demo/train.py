@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -432,6 +433,164 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+@dataclass
+class _Run:
+    """A training run's mutable state: what `_save_state` writes and `_resume` restores."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    rng: np.random.Generator
+    fold: VisualFold | None
+    teacher: AttentionTeacher | None
+    probe: PairProbe | None
+    step: int = 0
+    best: float = -1.0
+
+
+def _setup(
+    config, seed: int, lr: float, warm_from, fold_visual: bool, attention_weight: float, pair_probe: bool,
+    aux_weight: float,
+) -> _Run:  # fmt: skip
+    """The seeded model (warm-started from `warm_from` when given), its AdamW, the training scaffolds, then
+    the training stream's numpy generator and the torch seed, in this order (the order of the random draws)."""
+    model = build_model(config, seed=seed)
+    if warm_from is not None:
+        print(f"warm start: {warm_start(model, warm_from)} tensors from {warm_from}", flush=True)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
+    fold = VisualFold(model) if fold_visual else None
+    teacher = AttentionTeacher(model) if attention_weight > 0 else None
+    probe = PairProbe(config.text_config.hidden_size, lr) if pair_probe and aux_weight > 0 else None
+    rng = task.split_rng("train", seed)
+    torch.manual_seed(seed)
+    return _Run(model, opt, rng, fold, teacher, probe)
+
+
+def _resume(run: _Run, state_path: Path, out_dir: Path) -> None:
+    """Restore the model, optimizer, RNG states, step and best score saved in `state_path`."""
+    st = torch.load(state_path, weights_only=False)
+    run.model.load_state_dict(st["model"])
+    run.opt.load_state_dict(st["optimizer"])
+    run.rng.bit_generator.state = st["np_rng"]
+    torch.set_rng_state(st["torch_rng"])
+    run.step, run.best = st["step"], st["best"]
+    if run.probe is not None and "pair_probe" in st:
+        run.probe.load_state_dict(st["pair_probe"])
+        run.probe.opt.load_state_dict(st["pair_probe_opt"])
+    if not out_dir.exists():  # a new output folder: its first evaluation is saved
+        run.best = -1.0
+    if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
+        run.best = -1.0
+    print(f"resumed from {state_path} at step {run.step} (best min-kind val acc {run.best:.3f})", flush=True)
+
+
+def _save_state(run: _Run, state_path: Path, model_kwargs: dict | None) -> None:
+    """Write the resumable state atomically (a temporary file, then a rename)."""
+    probe = run.probe
+    tmp = state_path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": run.model.state_dict(),
+            "optimizer": run.opt.state_dict(),
+            "np_rng": run.rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            "step": run.step,
+            "best": run.best,
+            "best_metric": BEST_METRIC,
+            "model_kwargs": model_kwargs or {},
+            **(
+                {"pair_probe": probe.state_dict(), "pair_probe_opt": probe.opt.state_dict()}
+                if probe is not None
+                else {}
+            ),
+        },
+        tmp,
+    )
+    tmp.replace(state_path)
+
+
+def _log(log_path: Path, rec: dict) -> None:
+    with log_path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _train_step(
+    run: _Run, enc: Encoder, steps: int, batch_size: int, lr: float, warmup: int, aux_weight: float,
+    attention_weight: float,
+) -> tuple[float, float | None]:  # fmt: skip
+    """One optimizer step on a fresh batch (then the probe's step and the visual fold); advances `run.step`.
+    Returns the batch's total loss and its attention-teacher loss (None without a teacher)."""
+    model, opt, probe = run.model, run.opt, run.probe
+    for g in opt.param_groups:
+        g["lr"] = lr_at(run.step, steps, lr, warmup)
+    samples = train_samples(run.rng, batch_size)
+    batch = enc.train_batch(samples, run.rng)
+    looks, asks = batch.pop("looks"), batch.pop("asks")
+    if aux_weight > 0:
+        out = model(**batch, output_hidden_states=True)
+        targets = enc.cell_targets(samples)
+        loss = out.loss + aux_weight * aux_cell_loss(model, out, targets)
+        if probe is not None:
+            loss = loss + aux_weight * probe.loss(model, out, targets["pair"], asks)
+    else:
+        loss = model(**batch).loss
+    att_loss = None
+    if run.teacher is not None:
+        att = run.teacher.loss(looks)
+        att_loss = att.item()
+        loss = loss + attention_weight * att
+    opt.zero_grad(set_to_none=True)
+    if probe is not None:
+        probe.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    if probe is not None:
+        for g in probe.opt.param_groups:
+            g["lr"] = opt.param_groups[0]["lr"]
+        probe.opt.step()
+    if run.fold is not None:
+        run.fold.apply()
+    run.step += 1
+    return loss.item(), att_loss
+
+
+def _validate(
+    run: _Run, enc: Encoder, val, val_base: dict, test, out_dir: Path, tokenizer, train_meta: dict
+) -> tuple[dict, str]:
+    """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
+    accuracy too, and the checkpoint is written to `out_dir`. Returns the log record and the console line."""
+    acc = evaluate(run.model, enc, val)
+    score = selection_score(acc, val_base)
+    rec = {"step": run.step, "val": acc, "val_score": score}
+    improved = score > run.best
+    if improved:
+        run.best = score
+        test_acc = evaluate(run.model, enc, test)
+        rec["test"] = test_acc
+        meta = {
+            "step": run.step,
+            "val_accuracy": acc,
+            "test_accuracy": test_acc,
+            "test_items": {
+                "split": "test",
+                "seed": 0,
+                "n_images": TEST_IMAGES,
+                "questions_per_kind": 1,
+            },
+            "train": dict(train_meta),
+        }
+        save_checkpoint(run.model, out_dir, meta, tokenizer)
+    line = f"step {run.step} val " + " ".join(f"{k}={v:.2f}" for k, v in acc.items())
+    return rec, line + (" *best" if improved else "")
+
+
 def train_demo(
     out_dir: str | Path,
     steps: int,
@@ -463,75 +622,23 @@ def train_demo(
 
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, **(model_kwargs or {}))
-    model = build_model(config, seed=seed)
-    if init_from is not None and not (resume and state_path.exists()):
-        print(f"warm start: {warm_start(model, init_from)} tensors from {init_from}", flush=True)
-    model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.98),
-    )
-    fold = VisualFold(model) if fold_visual else None
-    teacher = AttentionTeacher(model) if attention_weight > 0 else None
-    probe = PairProbe(config.text_config.hidden_size, lr) if pair_probe and aux_weight > 0 else None
-    rng = task.split_rng("train", seed)
-    torch.manual_seed(seed)
-    step, best = 0, -1.0
-    if resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        rng.bit_generator.state = st["np_rng"]
-        torch.set_rng_state(st["torch_rng"])
-        step, best = st["step"], st["best"]
-        if probe is not None and "pair_probe" in st:
-            probe.load_state_dict(st["pair_probe"])
-            probe.opt.load_state_dict(st["pair_probe_opt"])
-        if not out_dir.exists():  # a new output folder: its first evaluation is saved
-            best = -1.0
-        if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
-            best = -1.0
-        print(f"resumed from {state_path} at step {step} (best min-kind val acc {best:.3f})", flush=True)
+    resuming = resume and state_path.exists()
+    warm_from = init_from if init_from is not None and not resuming else None
+    run = _setup(config, seed, lr, warm_from, fold_visual, attention_weight, pair_probe, aux_weight)
+    if resuming:
+        _resume(run, state_path, out_dir)
 
     enc = Encoder()
     val = task.generate_split("val", VAL_IMAGES, seed=0)
     val_base = majority_baseline(val)
     test = task.generate_split("test", TEST_IMAGES, seed=0)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; training steps {step}..{steps}", flush=True)
-
-    def save_state():
-        tmp = state_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "np_rng": rng.bit_generator.state,
-                "torch_rng": torch.get_rng_state(),
-                "step": step,
-                "best": best,
-                "best_metric": BEST_METRIC,
-                "model_kwargs": model_kwargs or {},
-                **(
-                    {"pair_probe": probe.state_dict(), "pair_probe_opt": probe.opt.state_dict()}
-                    if probe is not None
-                    else {}
-                ),
-            },
-            tmp,
-        )
-        tmp.replace(state_path)
-
-    def log(rec: dict):
-        with log_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+    n_params = sum(p.numel() for p in run.model.parameters())
+    print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
+    train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
 
     bar = tqdm(
         total=steps,
-        initial=step,
+        initial=run.step,
         disable=not progress,
         mininterval=1.0 if sys.stderr.isatty() else 30.0,
         desc="train-demo",
@@ -539,86 +646,36 @@ def train_demo(
     losses: list[float] = []
     att_losses: list[float] = []
     t_last = time.time()
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
-        samples = train_samples(rng, batch_size)
-        batch = enc.train_batch(samples, rng)
-        looks, asks = batch.pop("looks"), batch.pop("asks")
-        if aux_weight > 0:
-            out = model(**batch, output_hidden_states=True)
-            targets = enc.cell_targets(samples)
-            loss = out.loss + aux_weight * aux_cell_loss(model, out, targets)
-            if probe is not None:
-                loss = loss + aux_weight * probe.loss(model, out, targets["pair"], asks)
-        else:
-            loss = model(**batch).loss
-        if teacher is not None:
-            att = teacher.loss(looks)
-            att_losses.append(att.item())
-            loss = loss + attention_weight * att
-        opt.zero_grad(set_to_none=True)
-        if probe is not None:
-            probe.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if probe is not None:
-            for g in probe.opt.param_groups:
-                g["lr"] = opt.param_groups[0]["lr"]
-            probe.opt.step()
-        if fold is not None:
-            fold.apply()
-        step += 1
-        losses.append(loss.item())
+    while run.step < steps:
+        loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight)
+        if att is not None:
+            att_losses.append(att)
+        losses.append(loss)
         bar.update(1)
+        step = run.step
         if step % 50 == 0:
             dt = (time.time() - t_last) / 50
             t_last = time.time()
             rec = {
                 "step": step,
                 "loss": float(np.mean(losses)),
-                "lr": opt.param_groups[0]["lr"],
+                "lr": run.opt.param_groups[0]["lr"],
                 "s_per_step": dt,
             }
             if att_losses:
                 rec["attention_loss"] = float(np.mean(att_losses))
                 att_losses = []
-            log(rec)
+            _log(log_path, rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}")
             losses = []
         if step % eval_every == 0 or step == steps:
-            acc = evaluate(model, enc, val)
-            score = selection_score(acc, val_base)
-            rec = {"step": step, "val": acc, "val_score": score}
-            improved = score > best
-            if improved:
-                best = score
-                test_acc = evaluate(model, enc, test)
-                rec["test"] = test_acc
-                meta = {
-                    "step": step,
-                    "val_accuracy": acc,
-                    "test_accuracy": test_acc,
-                    "test_items": {
-                        "split": "test",
-                        "seed": 0,
-                        "n_images": TEST_IMAGES,
-                        "questions_per_kind": 1,
-                    },
-                    "train": {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps},
-                }
-                save_checkpoint(model, out_dir, meta, tokenizer)
-            log(rec)
-            tqdm.write(
-                f"step {step} val "
-                + " ".join(f"{k}={v:.2f}" for k, v in acc.items())
-                + (" *best" if improved else "")
-            )
+            rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta)
+            _log(log_path, rec)
+            tqdm.write(line)
             sys.stdout.flush()
             t_last = time.time()
         if step % save_every == 0 or step == steps:
-            save_state()
+            _save_state(run, state_path, model_kwargs)
     bar.close()
     return out_dir
 

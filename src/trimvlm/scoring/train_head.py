@@ -21,20 +21,19 @@ the pooled accuracy of every validation request (choice and binary alike), then 
 
 Everything is seeded: the training split, the abstention picks and the mini-batch order come from numpy
 generators seeded with `seed`, the head's initialisation from a forked torch generator.
+
+The command itself (loading, the splits, progress, writing, the summary) is `trimvlm.cli_train.train_head_command`.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.progress import progress as progress_bar
 from trimvlm.scoring.head import DecisionHead
 from trimvlm.scoring.readout import N_FEATURES
 from trimvlm.scoring.request import ScoreRequest
@@ -439,141 +438,3 @@ def _binary_meta(split: str, rep: dict) -> dict:
         f"{split}_binary_items": rep["items"],
         f"{split}_binary_true_fraction": rep["true_fraction"],
     }
-
-
-# ------------------------------------------------------------------------------------------------ command
-
-
-def _check(steps: int, items: int, out) -> None:
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"--steps must be a positive integer, got {steps!r}")
-    if not isinstance(items, int) or items < 12:
-        raise InputError(f"--items must be an integer >= 12 (two images' questions), got {items!r}")
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise InputError(f"--out {out} is a file; give a folder to write the decision head to")
-
-
-def train_head_command(
-    model, out, steps: int, items: int, seed: int, console=None, threads: int = 1, load_kw: dict | None = None,
-    overwrite: bool = False,
-) -> dict:
-    """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta.
-    The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped demo
-    checkpoint is written to only with `overwrite`."""
-    import trimvlm
-    from trimvlm.demo.task import KINDS, generate_split
-    from trimvlm.loading import refuse_shipped, resolve
-
-    _check(steps, items, out)
-    refuse_shipped(out if out is not None else resolve(model), overwrite)
-    if not isinstance(threads, int) or threads < 1:
-        raise InputError(f"threads must be a positive integer, got {threads!r}")
-    torch.set_num_threads(threads)
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    folder = Path(out) if out is not None else vlm.adapter.folder
-    if folder is None:
-        raise InputError(f"model {model!r} has no checkpoint folder to write the head to; pass --out")
-    settings = Settings(steps=steps, items=items, seed=seed)
-    kinds = list(KINDS)
-    rng = np.random.default_rng([seed, 20250101])
-    n_images = math.ceil(items / len(kinds))
-    train_samples = generate_split("train", n_images, seed=seed)
-    train_items = make_items(train_samples, settings.abstain_fraction, rng, items)
-    val_items = make_items(generate_split("val", settings.val_images), settings.abstain_fraction, rng)
-    test_items = make_items(generate_split("test", TEST_IMAGES), 0.0, rng)
-    removed_items = [without_answer(it) for it in test_items if len(it.candidates) >= 3]
-    rng_b = np.random.default_rng([seed, 20250102])  # its own stream: the choice items stay as they were
-    bin_train = make_binary_items(train_samples, rng_b)
-    bin_val = make_binary_items(generate_split("val", settings.val_images), rng_b)
-    bin_test = make_binary_items(generate_split("test", TEST_IMAGES), rng_b)
-
-    t0 = time.perf_counter()
-    with progress_bar(console, enabled=console is not None) as progress:
-        train_set = extract(vlm, train_items, progress=progress, label="features: train")
-        val_set = extract(vlm, val_items, progress=progress, label="features: val")
-        test_set = extract(vlm, test_items, progress=progress, label="features: test")
-        removed_set = extract(vlm, removed_items, progress=progress, label="features: test, answer removed")
-        bin_train_set = extract(vlm, bin_train, progress=progress, label="features: binary train")
-        bin_val_set = extract(vlm, bin_val, progress=progress, label="features: binary val")
-        bin_test_set = extract(vlm, bin_test, progress=progress, label="features: binary test")
-        t1 = time.perf_counter()
-        head, fit = train(
-            vlm.adapter.text_config.hidden_size,
-            train_set,
-            val_set,
-            settings,
-            binary_train=bin_train_set,
-            binary_val=bin_val_set,
-            progress=progress,
-        )
-    t2 = time.perf_counter()
-    val_pred = predictions(head, val_set)
-    meta = {
-        "task": "demo",
-        "model": str(model),
-        "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
-        **test_report(head, test_set, removed_set, kinds, bin_test_set),
-        "val_accuracy": accuracy(val_pred, val_set, kinds),
-        "val_abstain_accuracy": _abstain_accuracy(val_pred, val_set),
-        "val_binary_accuracy": binary_report(head, bin_val_set)["accuracy"],
-        "train": {
-            **settings.as_dict(),
-            "split": "train",
-            "train_items": len(train_set),
-            "train_abstain_items": int(train_set.abstains.sum()),
-            "val_items": len(val_set),
-            "binary_kinds": list(BINARY_KINDS),
-            "binary_train_items": len(bin_train_set),
-            "binary_val_items": len(bin_val_set),
-            "executor": "batched",
-            "extract_batch": EXTRACT_BATCH,
-            "best_step": fit["best_step"],
-            "best_val_accuracy": fit["best_val_accuracy"],
-            "seconds_features": round(t1 - t0, 1),
-            "seconds_train": round(t2 - t1, 1),
-            "torch_threads": torch.get_num_threads(),
-        },
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    head.save(folder, meta=meta)
-    if vlm.adapter.folder is not None and folder.resolve() == Path(vlm.adapter.folder).resolve():
-        vlm.head = head
-    if console is not None:
-        _print_summary(console, folder, meta, kinds)
-    return meta
-
-
-def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
-    sel = c.abstains
-    return float((pred[sel] == c.target[sel]).float().mean()) if bool(sel.any()) else None
-
-
-def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
-    from rich.table import Table
-
-    ab = meta["test_abstention"]
-    table = Table(title=f"decision head -> {folder}")
-    table.add_column("kind")
-    table.add_column("head", justify="right")
-    table.add_column("loglik", justify="right")
-    table.add_column("abstains (answer present)", justify="right")
-    table.add_column("abstains (answer removed)", justify="right")
-    for k in [*kinds, "all"]:
-        present = ab["answer_present"]["by_kind"].get(k) if k != "all" else ab["answer_present"]["rate"]
-        removed = ab["answer_removed"]["by_kind"].get(k) if k != "all" else ab["answer_removed"]["rate"]
-        table.add_row(
-            k,
-            f"{meta['test_accuracy'][k]:.1%}",
-            f"{meta['test_accuracy_loglik'][k]:.1%}",
-            "-" if present is None else f"{present:.1%}",
-            "-" if removed is None else f"{removed:.1%}",
-        )
-    console.print(table)
-    if "test_binary_accuracy" in meta:
-        b = meta["test_binary_accuracy"]
-        console.print("binary accuracy (P(true) >= 0.5): " + ", ".join(f"{k} {v:.1%}" for k, v in b.items()))
-    t = meta["train"]
-    console.print(
-        f"best step {t['best_step']} (val accuracy {t['best_val_accuracy']:.3f}); features {t['seconds_features']} s, "
-        f"training {t['seconds_train']} s"
-    )
