@@ -187,7 +187,7 @@ def test_info_and_score_write_json(tiny_dir, tmp_path):
         (["--top-p", "0"], "top_p must be a number in (0, 1]"),
         (["--recipe", "tokens=fastv:keep=0.5,tokens=random:keep=0.5"], "gives tokens= twice"),
         (["--recipe", "tokens=density:keep=0.5:merge=off"], "merge must be true or false, got 'off'"),
-        (["--recipe", "tokens=nosuch"], "unknown tokens method 'nosuch'; known: dart, density"),
+        (["--recipe", "tokens=nosuch"], "unknown tokens method 'nosuch'; known: cdpruner, dart, density"),
         (["--image", "/no/such.png"], "image file not found"),
     ],
 )

@@ -45,6 +45,7 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
     base = by_spec["baseline"]["test"]
     console.print(f"baseline test accuracy {100 * base['accuracy']:.1f}%; candidates run {rep['ran']} of "
                   f"{rep['considered']} considered ({len(rep['skipped'])} skipped before running, "
+                  f"{rep.get('left_out_by_beam', 0)} joint families not formed by the beam, "
                   f"{rep['evaluated_recipes']} recipes evaluated with the keep corrections)")  # fmt: skip
     for path in write_report(rep, Path(out)):
         console.print(f"[dim]wrote {path}[/]")

@@ -44,6 +44,8 @@ class BudgetTable:
         self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
         self.max_skip = int(data["max_skip"])
         self.choices = {float(b): (float(k), float(lam)) for b, k, lam in data.get("choices", [])}
+        if data.get("z") is not None:  # calibrated on demand, keyed (budget, price)
+            self.choices = {(b, None): c for b, c in self.choices.items()}
         self.z = None if data.get("z") is None else torch.tensor(data["z"], dtype=torch.float64)  # [X, N]
         self.kl = data.get("kl")  # [X][keep][subset]: measured KL of the training layouts
         self.cand = data.get("candidate_layers")
@@ -52,20 +54,23 @@ class BudgetTable:
         j = self.subsets.index(tuple(sorted(subset)))
         return interp(self.keeps, [row[j] for row in self.cost], keep)
 
-    def lowest(self) -> float:
-        """The smallest mean cost the calibration inputs can reach (the cheapest keep, every layer it may skip)."""
+    def lowest(self, price: float | None = None) -> float:
+        """The smallest mean cost the calibration inputs can reach (the cheapest keep, every layer it may skip,
+        or the layers it skips at `price`)."""
         if self.z is None:
             return min(self.choices, default=math.inf)
-        return self.mean_cost(self.z, self.cand, self.keeps[0], -math.inf)
+        return self.mean_cost(self.z, self.cand, self.keeps[0], -math.inf if price is None else price)
 
-    def choice(self, budget: float) -> tuple[float, float]:
+    def choice(self, budget: float, price: float | None = None) -> tuple[float, float]:
         """(keep, lambda) for a budget: calibrated on the stored training inputs for exactly this budget (or,
-        for a table of precomputed choices, interpolated between them)."""
+        for a table of precomputed choices, interpolated between them). `price`: lambda given, only the keep
+        calibrated (the keep whose mean cost with that price's skips meets the budget)."""
         if self.z is not None:
-            if budget not in self.choices:
-                got = calibrate(self, self.z, self.cand, self.kl_at, [budget])
-                self.choices[budget] = got[0][1:] if got else (self.keeps[0], -math.inf)
-            return self.choices[budget]
+            key = (budget, price)
+            if key not in self.choices:
+                got = calibrate(self, self.z, self.cand, self.kl_at, [budget], None if price is None else (price,))
+                self.choices[key] = got[0][1:] if got else (self.keeps[0], -math.inf)
+            return self.choices[key]
         grid = sorted(self.choices)
         ks = [self.choices[b][0] for b in grid]
         lams = [self.choices[b][1] for b in grid]
@@ -100,13 +105,13 @@ class BudgetTable:
 LAMBDAS = (-math.inf, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
 
 
-def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets) -> list[tuple[float, float, float]]:
+def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=None) -> list[tuple[float, float, float]]:
     """(budget, keep, lambda) for each budget from the training inputs' layer logits z [X, N] and measured KL
     `kl(x, keep, subset)` (interpolated in keep). Budgets no keep can meet are left out."""
     out = []
     for b in budgets:
         best = None
-        for lam in LAMBDAS:
+        for lam in lambdas or LAMBDAS:
             lo, hi = table.keeps[0], 1.0
             if table.mean_cost(z, cand, lo, lam) > b:
                 continue

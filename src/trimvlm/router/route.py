@@ -14,6 +14,7 @@ another model's router is refused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,6 +59,8 @@ class Router:
     token_keep: float | None = None  # v1: the fixed keep (0.25 when neither it nor budget is given)
     layers_skip: int | None = None  # v1: the fixed number of candidate layers skipped (2 by default)
     budget: float | None = None  # v2: a total-FLOP budget, the layout chosen per input (router/budget.py)
+    select: str = "router"  # v2: which tokens: the router's scores, or a registered token method at its layer
+    price: float | str = "auto"  # v2: lambda, nats per unit of total-FLOP ratio (auto: calibrated; inf: no skip)
 
     excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
 
@@ -68,6 +71,17 @@ class Router:
                                   "token_keep or layers_skip with it")  # fmt: skip
             if not is_number(self.budget) or not 0 < self.budget <= 1:
                 raise RecipeError(f"router budget must be a total-FLOP ratio in (0, 1], got {self.budget!r}")
+        if self.price != "auto":
+            if self.budget is None:
+                raise RecipeError("router price= applies with budget= (v2)")
+            try:
+                self.price = float(self.price)
+            except (TypeError, ValueError):
+                raise RecipeError(f"router price must be a number, inf or auto, got {self.price!r}") from None
+            if math.isnan(self.price):
+                raise RecipeError("router price must be a number, inf or auto, got nan")
+        if self.select != "router" and self.budget is None:
+            raise RecipeError("router select= applies with budget= (v2); v1 keeps the router's own token scores")
         self.token_keep = 0.25 if self.token_keep is None else self.token_keep
         self.layers_skip = 2 if self.layers_skip is None else self.layers_skip
         if not is_number(self.token_keep) or not 0 < self.token_keep <= 1:
@@ -87,7 +101,9 @@ class Router:
             from trimvlm.router.budget import BudgetTable
 
             self.table = BudgetTable(self.meta["budget"])
-            low = self.table.lowest()
+            if self.select != "router":
+                self.selector(0.5)  # an unknown method, or one that cannot act at the router's layer, fails now
+            low = self.table.lowest(self._price)
             if self.budget < low - 1e-9:
                 raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
                                   f"{low:.3f}x on its calibration inputs")  # fmt: skip
@@ -102,24 +118,49 @@ class Router:
         if self.layers_skip >= runner.num_layers:
             raise RecipeError(f"router layers_skip={self.layers_skip} must leave one of {runner.num_layers} layers")
 
+    @property
+    def _price(self) -> float | None:
+        return None if self.price == "auto" else float(self.price)
+
+    def selector(self, keep: float):
+        """The token method `select=` names, at the router's layer and the budget's keep."""
+        from trimvlm.registry import build_method
+
+        if self.select == "router":
+            raise RecipeError("the router's own token scores are not a token method")
+        try:
+            return build_method("tokens", self.select, {"keep": keep, "layer": self.layer})
+        except RecipeError as e:
+            raise RecipeError(f"router select={self.select} (at the router's layer {self.layer}): {e}") from e
+
     def apply(self, plan, runner) -> None:
-        """The method protocol: the router's hook before layer K fills one LayerPlan for prefill and decode."""
+        """The method protocol: the router's hook before layer K fills one LayerPlan for prefill and decode.
+        With `select=METHOD` that token method applies to the plan first (its probes, its hook) and the
+        router's hook wraps it: the router decides the layers, the method the tokens."""
         self.check(runner)
-        plan.hook, plan.skip_prefill = self.bind(runner, plan.handoff)
+        inner = None
+        if self.select != "router":
+            keep = 1.0 if self.budget >= 1 else self.table.choice(float(self.budget), self._price)[0]
+            if keep < 1:
+                self.selector(keep).apply(plan, runner)
+                inner = plan.hook
+        plan.hook, plan.skip_prefill = self.bind(runner, plan.handoff, inner)
         plan.skip_decode = plan.skip_prefill
 
-    def bind(self, runner, handoff):
-        """(the token hook, the LayerPlan it fills) for the plan."""
+    def bind(self, runner, handoff, inner=None):
+        """(the token hook, the LayerPlan it fills) for the plan; `inner`: the `select=` method's hook."""
         keep, lam = float(self.token_keep), None
         if self.table is not None:
-            keep, lam = (1.0, None) if self.budget >= 1 else self.table.choice(float(self.budget))
+            keep, lam = (1.0, None) if self.budget >= 1 else self.table.choice(float(self.budget), self._price)
         tokens = RouterTokens(keep=keep, layer=self.layer)
         layers = LayerPlan()
         cand = torch.tensor(self.meta["candidate_layers"], dtype=torch.long)
 
         def hook(i, seq, run):
             if i != self.layer or (self.budget is not None and self.budget >= 1):
-                return seq  # budget 1: nothing is pruned, and the router does not run
+                return seq if inner is None else inner(i, seq, run)  # budget 1: the router does not run
+            if inner is not None and lam == math.inf:
+                return inner(i, seq, run)  # it skips no layer at this price: its scores are not needed
             vis = seq.visual & seq.valid
             v, vm, vcols = _packed(seq.hidden, vis)
             t, tm, _ = _packed(seq.hidden, ~seq.visual & seq.valid)
@@ -136,6 +177,8 @@ class Router:
                 low = torch.topk(s_l, self.layers_skip, dim=1, largest=False).indices  # ties: torch's order
                 plan.scatter_(1, cand.to(low.device)[low], True)
             layers.plan = plan
+            if inner is not None:
+                return inner(i, seq, run)
             return tokens.reduce(seq, run, handoff) if keep < 1 else seq
 
         return hook, layers

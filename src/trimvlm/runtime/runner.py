@@ -220,10 +220,10 @@ class Runner:
                         continue
                     if not bool(runs.all()):
                         rows = torch.nonzero(runs).flatten()
-                        if ctx is not None and (ctx.shares(i) or ctx.probe is not None):
+                        if ctx is not None and (ctx.shares(i) or (ctx.probe is not None and ctx.probe.wants(i))):
                             raise TrimVLMError(
                                 "per-sample layer plans do not combine with shared prefixes, candidate trees "
-                                "or attention probes yet"
+                                "or attention probes (in the layers they record) yet"
                             )
                 elif i in now:
                     continue

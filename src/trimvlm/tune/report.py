@@ -73,8 +73,8 @@ def markdown(rep: dict) -> str:
     lines = [f"# trimvlm tune: {rep['model'].get('family', '')} on {rep['task']}", "",
              f"Searched on {rep['n_val']} {rep['splits']['val']} items, reported on {rep['n_test']} "
              f"{rep['splits']['test']} items. Candidates run: {rep['ran']} of {rep['considered']} considered "
-             f"({len(rep['skipped'])} skipped before running; {rep['evaluated_recipes']} recipes evaluated, keep "
-             "corrections included).", "",
+             f"({len(rep['skipped'])} skipped before running, {rep.get('left_out_by_beam', 0)} joint families "
+             f"not formed by the beam; {rep['evaluated_recipes']} recipes evaluated, keep corrections included).", "",
              "| budget | best recipe | test accuracy (mismatch % prefill / full) | total FLOPs | KV bytes | latency |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for b in rep["budgets"]:

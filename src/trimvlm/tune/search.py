@@ -75,6 +75,7 @@ class Search:
         self.skipped: list[dict] = []  # (point, family, why): never run
         self.dropped: list[dict] = []  # (point, family, why): run, then left out (measured over budget)
         self.considered = 0
+        self.left_out = 0  # joint families the beam did not form (considered, never run)
 
     def shapes(self, idx):
         key = self.journal.items_key(idx)
@@ -231,7 +232,8 @@ class Search:
             if r == 0 and beam:
                 top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
                 joint = [f for f in fams if len(f.parts) > 1 and f.parts.get("tokens", top[0] if top else "") in top]
-                self.considered += len(fams) - len(first) - len(joint)  # joint families the beam left out
+                self.considered += len(fams) - len(first) - len(joint)
+                self.left_out += len(fams) - len(first) - len(joint)
                 more = self.start(point, idx, joint)
                 cands = sorted(cands + self.measure(self.recheck(more, point, idx), point, idx), key=_rank)
             if r + 1 < len(rounds):
@@ -344,6 +346,7 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
             "splits": {"val": val_split, "test": test_split}, "n_val": len(val.records), "n_test": len(test.records),
             "seed": seed, "space": space.path, "budgets": results, "entries": entries_l, "frontier": front,
             "min_retention": min_retention, "settings": vars(settings) | {"rounds": [len(r) for r in rounds]},
-            "considered": search.considered, "ran": search.considered - len(search.skipped),
+            "considered": search.considered, "ran": search.considered - len(search.skipped) - search.left_out,
+            "left_out_by_beam": search.left_out,
             "evaluated_recipes": len(journal.ran), "skipped": search.skipped, "dropped": search.dropped,
             "touched_val_items": len(journal.touched)}  # fmt: skip
