@@ -104,7 +104,7 @@ def test_select_a_token_method_and_a_price(trained):
     batch = vlm.generate(images, prompts, recipe=always, max_new_tokens=3)
     for i in range(4):
         assert vlm.generate([images[i]], [prompts[i]], recipe=always, max_new_tokens=3).tokens[0] == batch.tokens[i]
-    with pytest.raises(RecipeError, match="select=visionzip"):
-        vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:select=visionzip", max_new_tokens=1)
+    with pytest.raises(RecipeError, match="select=nosuch"):
+        vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:select=nosuch", max_new_tokens=1)
     with pytest.raises(RecipeError, match="price"):
         vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:price=cheap", max_new_tokens=1)

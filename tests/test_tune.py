@@ -20,7 +20,7 @@ from trimvlm.tune.space import load_space
 
 SPACE = """
 tokens:
-  - {method: fastv, layer: [2]}
+  - {method: fastv, layer: [2, 9]}
   - {method: random, layer: [0]}
 kv:
   - {method: snapkv, keep: [0.5]}
@@ -89,6 +89,7 @@ def test_never_runs_over_predicted_budget_and_never_reads_test(demo, space, tmp_
         assert row["ratio"]["prefill_flops"] <= point["prefill_flops"] + 1e-9
         assert row["ratio"]["kv_bytes"] <= point["kv_bytes"] + 1e-9
     assert any("predicted" in s["why"] for s in rep["skipped"])  # the depth-only family: over budget, not run
+    assert any("refused by the model" in s["why"] for s in rep["skipped"])  # fastv at layer 9 of 6: never run
 
 
 def _frontier(rep, out):

@@ -38,10 +38,20 @@ def interp(grid: list[float], values: list[float], x: float) -> float:
 class BudgetTable:
     """The checkpoint's `budget` section: the cost table over keeps x skip subsets and the calibrated choices."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, layer: int | None = None, router_runs: bool = True):
+        """`layer`: the tokens are reduced before that layer (a `select=` method's; None: the router's own);
+        `router_runs`: the router's FLOPs count (False where it does not run: a price that never skips)."""
         self.keeps = [float(k) for k in data["keeps"]]
         self.subsets = [tuple(s) for s in data["subsets"]]  # candidate-layer subsets, () first
         self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
+        share = float(data.get("router_share", 0.0))
+        if layer is not None:
+            by_layer = data.get("cost_by_layer", {})
+            if str(layer) not in by_layer:
+                raise ValueError(f"no cost table for tokens reduced before layer {layer} (have {sorted(by_layer)})")
+            self.cost = [[c + share for c in row] for row in by_layer[str(layer)]]
+        if not router_runs:
+            self.cost = [[c - share for c in row] for row in self.cost]
         self.max_skip = int(data["max_skip"])
         self.choices = {float(b): (float(k), float(lam)) for b, k, lam in data.get("choices", [])}
         if data.get("z") is not None:  # calibrated on demand, keyed (budget, price)

@@ -101,8 +101,13 @@ class Router:
             from trimvlm.router.budget import BudgetTable
 
             self.table = BudgetTable(self.meta["budget"])
-            if self.select != "router":
-                self.selector(0.5)  # an unknown method, or one that cannot act at the router's layer, fails now
+            if self.select != "router":  # the method at its own layer; the router's FLOPs only where it runs
+                at = self.selector(0.5).layer
+                try:
+                    self.table = BudgetTable(self.meta["budget"], layer=at, router_runs=self._price != math.inf)
+                except ValueError as e:
+                    raise RecipeError(f"router select={self.select}: {e} (a method acting by the router's layer "
+                                      f"{self.layer})") from None  # fmt: skip
             low = self.table.lowest(self._price)
             if self.budget < low - 1e-9:
                 raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
@@ -129,9 +134,12 @@ class Router:
         if self.select == "router":
             raise RecipeError("the router's own token scores are not a token method")
         try:
-            return build_method("tokens", self.select, {"keep": keep, "layer": self.layer})
+            method = build_method("tokens", self.select, {"keep": keep})
         except RecipeError as e:
-            raise RecipeError(f"router select={self.select} (at the router's layer {self.layer}): {e}") from e
+            raise RecipeError(f"router select={self.select}: {e}") from e
+        if method.layer is None:  # its default layer, at most the router's (the layer plan is made there)
+            method.layer = min(method.default_layer, self.layer)
+        return method
 
     def apply(self, plan, runner) -> None:
         """The method protocol: the router's hook before layer K fills one LayerPlan for prefill and decode.

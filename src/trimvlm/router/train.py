@@ -322,8 +322,9 @@ def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) 
 
 def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
-    tune.predict: any reducer's kept counts at the router's layer equal the router's), the router's own FLOPs
-    (measured by torch's counter on those inputs' router forward) added as a ratio."""
+    tune.predict: any reducer's kept counts at a layer equal the router's), with the tokens reduced at the
+    router's layer (`cost`) and at every layer up to it (`cost_by_layer`, for a `select=` method acting at its
+    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`)."""
     from trimvlm.evals.run import batches
     from trimvlm.evals.tasks.base import Task
     from trimvlm.tune.predict import predict, read_shapes
@@ -331,17 +332,22 @@ def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
     task = Task(name="router", records=list(records))
     shapes = read_shapes(vlm, task, batches(task, 16))
     base = predict(vlm, {}, shapes).prefill_flops
-    cost = []
-    for k in keeps:
-        row = []
-        for sub in subsets:
-            recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={layer}"}
-            if sub:
-                recipe["depth"] = f"skip:layers={'+'.join(map(str, sub))}:scope=all"
-            row.append(predict(vlm, recipe, shapes).prefill_flops / base)
-        cost.append(row)
-    return {"keeps": list(keeps), "subsets": [list(x) for x in subsets], "cost": cost, "base_prefill": base,
-            "inputs": len(records)}  # fmt: skip
+
+    def table(at: int) -> list[list[float]]:
+        cost = []
+        for k in keeps:
+            row = []
+            for sub in subsets:
+                recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={at}"}
+                if sub:
+                    recipe["depth"] = f"skip:layers={'+'.join(map(str, sub))}:scope=all"
+                row.append(predict(vlm, recipe, shapes).prefill_flops / base)
+            cost.append(row)
+        return cost
+
+    by_layer = {str(at): table(at) for at in range(layer + 1)}
+    return {"keeps": list(keeps), "subsets": [list(x) for x in subsets], "cost": by_layer[str(layer)],
+            "cost_by_layer": by_layer, "base_prefill": base, "inputs": len(records)}  # fmt: skip
 
 
 def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
@@ -354,7 +360,7 @@ def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
         z = torch.cat([_logits(router, ex.feats)[:, -len(cand):] for ex in data])
     share = fc.get_total_flops() / (flops["base_prefill"] * len(data) / flops["inputs"]) if data else 0.0
     table = {"keeps": flops["keeps"], "subsets": flops["subsets"], "max_skip": max_skip, "router_share": share,
-             "cost": [[c + share for c in row] for row in flops["cost"]]}  # fmt: skip
+             "cost": [[c + share for c in row] for row in flops["cost"]], "cost_by_layer": flops["cost_by_layer"]}  # fmt: skip
     # the calibration inputs' layer logits and layouts' KL: any budget is calibrated on them when asked
     table |= {"z": z.double().tolist(), "kl": [k.tolist() for k in kls], "candidate_layers": list(cand)}
     if budgets:

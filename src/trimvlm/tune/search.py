@@ -32,6 +32,7 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.evals.report import pareto_front
 from trimvlm.evals.run import batches
+from trimvlm.plan import make_plan
 from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
 from trimvlm.tune.journal import Journal, spec_of
 from trimvlm.tune.predict import predict, read_shapes
@@ -151,6 +152,7 @@ class Search:
             self.considered += 1
             cand = Candidate(fam)
             try:
+                make_plan(fam.recipe(0.5 if fam.free else None), self.vlm.runner)  # the model's own checks
                 if fam.free:
                     cand.keep = self.bisect(cand, point, idx)
                     why = None if cand.keep is not None else f"over budget at keep {self.space.keep_low} (predicted)"
