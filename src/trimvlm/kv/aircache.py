@@ -62,10 +62,6 @@ class AirCache(KVPolicy):
     elite: float = 0.5
     budgets: str = "adaptive"
 
-    @property
-    def predictable(self) -> bool:
-        return self.budgets == "uniform"  # the per-layer split follows the attention
-
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)

@@ -102,8 +102,9 @@ class KVPolicy:
     @property
     def predictable(self) -> bool:
         """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): true with the same budget in
-        every layer; a per-layer split that follows the attention is measured instead."""
-        return True
+        every layer; a per-layer split that follows the attention (a `budgets` option other than `uniform`:
+        VL-Cache, AirCache) is measured instead."""
+        return getattr(self, "budgets", "uniform") == "uniform"
 
     def probe(self, runner, handoff) -> AttentionProbe | None:
         """The attention probe the prefill must record for this policy (kept in `handoff.probes`), or None."""

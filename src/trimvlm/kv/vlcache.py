@@ -58,10 +58,6 @@ class VLCache(KVPolicy):
     threshold: float = 0.01
     budgets: str = "sparsity"
 
-    @property
-    def predictable(self) -> bool:
-        return self.budgets == "uniform"  # the per-layer split follows the attention
-
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)
