@@ -179,3 +179,18 @@ def test_cli_tune_writes_the_folder(space, tmp_path, one_thread):
         assert (out / name).exists(), name
     bad = CliRunner().invoke(app, [*args[:3], "--budget", "latency=2", "--out", str(out)])
     assert bad.exit_code == 2 and "(0, 1]" in bad.output
+
+
+def test_a_moved_tune_folder_finds_its_ranking_files(tmp_path):
+    """A tuned recipe's ranking file lives in its tune folder: copied elsewhere (docs/results), the recipe
+    file and tuned=DIR still find it there."""
+    import yaml
+
+    (tmp_path / "rankings").mkdir()
+    (tmp_path / "rankings" / "block-influence.json").write_text("{}")
+    recipe = {"name": "t", "tokens": "fastv:keep=0.5:layer=2", "tuned_for": "abc",
+              "depth": "ranking:file=gone/rankings/block-influence.json:budget=1:scope=all"}  # fmt: skip
+    (tmp_path / "best.yaml").write_text(yaml.safe_dump(recipe))
+    got = parse_recipe(str(tmp_path / "best.yaml"))
+    assert got.depth.options["file"] == str(tmp_path / "rankings" / "block-influence.json")
+    assert got.tokens.options == {"keep": 0.5, "layer": 2}

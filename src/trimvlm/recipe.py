@@ -171,7 +171,19 @@ def _one_recipe(path: Path) -> Recipe:
     if len(found) != 1:
         raise RecipeError(f"recipe file {path} holds {len(found)} recipes; one is expected here (a file of "
                           "several is for trimvlm eval --recipes)")  # fmt: skip
-    return found[0]
+    return _relocated(found[0], path.parent) if found[0].tuned_for else found[0]
+
+
+def _relocated(recipe: Recipe, folder: Path) -> Recipe:
+    """A tuned recipe's ranking file, found in its tune folder (`rankings/`) when the folder has moved."""
+    spec = recipe.depth
+    if spec is None or "file" not in spec.options or Path(str(spec.options["file"])).exists():
+        return recipe
+    moved = Path(folder) / "rankings" / Path(str(spec.options["file"])).name
+    if not moved.exists():
+        return recipe
+    depth = MethodSpec(method=spec.method, options={**spec.options, "file": str(moved)})
+    return recipe.model_copy(update={"depth": depth})
 
 
 def tuned_recipe(text: str) -> Recipe:
@@ -196,4 +208,5 @@ def tuned_recipe(text: str) -> Recipe:
         have = ", ".join(b["label"] for b in points) or "none"
         raise RecipeError(f"tuned recipe {text!r}: {len(found)} budget points of {path} match; it has: {have}")
     entry = next(e for e in rep["entries"] if e["spec"] == found[0]["best"])
-    return _from_mapping({**entry["recipe"], "name": f"tuned-{found[0]['label']}", "tuned_for": rep["fingerprint"]})
+    recipe = _from_mapping({**entry["recipe"], "name": f"tuned-{found[0]['label']}", "tuned_for": rep["fingerprint"]})
+    return _relocated(recipe, path.parent)
