@@ -27,7 +27,7 @@ import yaml
 import trimvlm
 from trimvlm.evals.run import run_eval
 from trimvlm.evals.tasks import demo_task
-from trimvlm.recipe import load_recipes
+from trimvlm.recipe import load_recipes, parse_method
 
 COLUMNS = ("tuned", "fastv", "naive", "router v1", "router v2")
 
@@ -76,7 +76,7 @@ def recipes_for(tuned: Path, matched: Path, router2: str | None = None, vlm=None
         recipes.append({**by_spec[b["best"]]["recipe"], "name": name, "tuned_for": rep["fingerprint"]})
         cells.setdefault(tag, {}).setdefault("tuned", []).append(name)
         if router2 is not None:
-            method = by_spec[b["best"]]["recipe"].get("tokens", "").split(":")[0] or None
+            method = _selector(by_spec[b["best"]]["recipe"].get("tokens"))
             best2 = pick_router2(vlm, router2, b["budget"]["total_flops"], method, n_val, batch_size)
             recipes.append({"name": f"{tag}_router2", "router": best2.removeprefix("router=")})
             cells[tag]["router v2"] = [f"{tag}_router2"]
@@ -148,6 +148,15 @@ def main(argv=None) -> None:
         a.markdown.write_text(md)
     if a.json:
         a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "rows": rows}, indent=2) + "\n")
+
+
+def _selector(tokens: str | None) -> str | None:
+    """The tuned recipe's token method as router v2's `select=` (NAME@LAYER when the recipe names a layer)."""
+    if not tokens:
+        return None
+    spec = parse_method(tokens)
+    layer = spec.options.get("layer")
+    return spec.method + (f"@{layer}" if layer is not None else "")
 
 
 def _shipped_v2(model: str) -> str | None:

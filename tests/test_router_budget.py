@@ -88,15 +88,15 @@ def test_errors(trained, tmp_path):
 
 
 def test_select_a_token_method_and_a_price(trained):
-    """`select=fastv`: the router decides the layers, FastV the tokens (its attention probe in layer 1, below the
+    """`select=fastv@2`: the router decides the layers, FastV the tokens (its attention probe in layer 1, below the
     per-input layer plans); price=inf never skips, so it is FastV alone at the budget's keep; price=-inf skips
     every layer it may. A ragged batch equals each input alone."""
     vlm, records, out, _ = trained
     images, prompts = [list(r.images) for r in records[:4]], [r.prompt_text() for r in records[:4]]
-    never = f"router={out}:budget=0.9:select=fastv:price=inf"
+    never = f"router={out}:budget=0.9:select=fastv@2:price=inf"
     from trimvlm.registry import build_method
 
-    keep = build_method("router", str(out), {"budget": 0.9, "select": "fastv", "price": "inf"}).table.choice(0.9, float("inf"))[0]
+    keep = build_method("router", str(out), {"budget": 0.9, "select": "fastv@2", "price": "inf"}).table.choice(0.9, float("inf"))[0]
     a = vlm.generate(images, prompts, recipe=never, max_new_tokens=3)
     b = vlm.generate(images, prompts, recipe=f"tokens=fastv:keep={keep}:layer=2", max_new_tokens=3)
     assert a.tokens == b.tokens and a.costs.total_flops == b.costs.total_flops  # the router did not even run
@@ -106,5 +106,7 @@ def test_select_a_token_method_and_a_price(trained):
         assert vlm.generate([images[i]], [prompts[i]], recipe=always, max_new_tokens=3).tokens[0] == batch.tokens[i]
     with pytest.raises(RecipeError, match="select=nosuch"):
         vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:select=nosuch", max_new_tokens=1)
+    with pytest.raises(RecipeError, match="the layer after @"):
+        vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:select=fastv@5", max_new_tokens=1)
     with pytest.raises(RecipeError, match="price"):
         vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:price=cheap", max_new_tokens=1)

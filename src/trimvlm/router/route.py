@@ -59,7 +59,7 @@ class Router:
     token_keep: float | None = None  # v1: the fixed keep (0.25 when neither it nor budget is given)
     layers_skip: int | None = None  # v1: the fixed number of candidate layers skipped (2 by default)
     budget: float | None = None  # v2: a total-FLOP budget, the layout chosen per input (router/budget.py)
-    select: str = "router"  # v2: which tokens: the router's scores, or a registered token method at its layer
+    select: str = "router"  # v2: which tokens: the router's scores, or a registered token method (NAME or NAME@L)
     price: float | str = "auto"  # v2: lambda, nats per unit of total-FLOP ratio (auto: calibrated; inf: no skip)
 
     excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
@@ -133,8 +133,13 @@ class Router:
 
         if self.select == "router":
             raise RecipeError("the router's own token scores are not a token method")
+        name, at, layer = str(self.select).partition("@")
+        if at and not (layer.isdigit() and int(layer) <= self.layer):
+            raise RecipeError(f"router select={self.select}: the layer after @ must be an integer in 0..{self.layer} "
+                              "(the method acts by the router's layer, where the layer plan is made)")  # fmt: skip
+        opts = {"keep": keep} | ({"layer": int(layer)} if at else {})
         try:
-            method = build_method("tokens", self.select, {"keep": keep})
+            method = build_method("tokens", name, opts)
         except RecipeError as e:
             raise RecipeError(f"router select={self.select}: {e}") from e
         if method.layer is None:  # its default layer, at most the router's (the layer plan is made there)
