@@ -228,12 +228,12 @@ def test_chunks_arrive_one_step_apart(demo, monkeypatch):
     assert len(pieces) == len(ref.tokens[0]) and "".join(pieces) == plain.choices[0].message.content == ref.texts[0]
 
 
-def _raw_post(url: str, body: dict) -> socket.socket:
-    """A complete POST /v1/chat/completions on a connection of its own, left open (the answer is not read)."""
+def _raw_post(url: str, body: dict, path: str = "/v1/chat/completions") -> socket.socket:
+    """A complete POST on a connection of its own, left open (the answer is not read)."""
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
               + f"content-length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
     return s
 
@@ -374,3 +374,37 @@ def test_max_prefill_tokens_bounds_each_admission(demo, monkeypatch):
         calls.close()
     assert [out[i].choices[0].message.content for i in range(4)] == refs
     assert calls.prefills == 4 and max(held.rows) >= 3  # one admission per step, all in one decode batch
+
+
+def test_closed_queued_system_one_connections_are_never_computed(demo, monkeypatch):
+    """System One requests queued behind a decoding chat request (held), their connections closed: none of them
+    reaches the model (one prefill: the chat request's), each counted as cancelled while queued."""
+    calls = RunnerCalls(demo.runner, monkeypatch)
+    held = HeldSteps(demo.runner, monkeypatch)
+    release = threading.Event()
+    held.hold = lambda rows: release
+    state = ServerState(demo, model_id="demo", max_wait_ms=0)
+    queued = lambda: state.metrics.registry.get_sample_value(  # noqa: E731
+        "trimvlm_cancelled_requests_total", {"stage": "queued"}
+    ) or 0
+    body = {"state": "a grid", "questions": {"q": {"type": "noul", "instructions": "is there a red circle ?"}}}
+    try:
+        with live(state) as (url, _):
+            c = client(url)
+            t = threading.Thread(target=lambda: c.chat.completions.create(model="demo", messages=messages(3),
+                                                                          max_tokens=24))  # fmt: skip
+            t.start()
+            wait_for(lambda: held.rows, "the chat request to decode")
+            socks = [_raw_post(url, body, "/v1/systemone") for _ in range(4)]
+            wait_for(lambda: state.batcher.waiting() == 4, "4 queued System One requests")
+            for sock in socks:
+                sock.close()
+            wait_for(lambda: queued() == 4, "the server to see 4 closed connections")
+            release.set()
+            t.join(WAIT_S)
+            answer = httpx.post(url + "/v1/systemone", json=body, timeout=300)
+    finally:
+        release.set()
+        calls.close()
+    assert answer.status_code == 200 and set(answer.json()["answers"]) == {"q"}
+    assert calls.prefills == 2  # the chat request's and the last System One request's: 0 of the 4

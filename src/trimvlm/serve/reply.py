@@ -52,6 +52,21 @@ async def disconnected(request) -> None:
         pass
 
 
+async def unless_gone(request, awaitable):
+    """The awaitable's result, or ClientGone when the client closes the connection first (the awaitable is then
+    cancelled: a queued job is never run)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work not in done:
+        work.cancel()
+        raise ClientGone()
+    return work.result()
+
+
 class ChatReply:
     def __init__(self, state, request, job, *, model: str, recipe: str, t0: float):
         self.state, self.request, self.job = state, request, job

@@ -116,6 +116,16 @@ class ServerState:
         except TrimVLMError as e:
             raise from_trimvlm(e) from e
 
+    async def result(self, job):
+        """A queued job's result, with `submit`'s error statuses (cancelled with the awaiting task)."""
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise as_api_error(e) from e
+
     async def submit(self, key, payload, arrival=None):
         """Queue a prepared request for its batch: (its result, its Job). A trimvlm error raised by the batch
         is the request's 400; any other, the model's failure: 500."""

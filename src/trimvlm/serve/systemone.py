@@ -13,7 +13,8 @@ exactly as `vlm.decide` gives them for the request alone, `usage` with trimvlm's
 `server_latency_s` (the body read -> the answer ready).
 
 Each request is checked and tokenized by `decision.prepare_request` as it arrives (its errors: 422 / 400, see
-errors.py); requests with the same recipe are then answered together by one `decision.run`.
+errors.py); requests with the same recipe are then answered together by one `decision.run`. A request whose client closes
+the connection while it is queued is never computed (`reply.unless_gone`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from trimvlm.runtime.lru import digest, nbytes
 from trimvlm.serve.errors import ApiError, schema_error
+from trimvlm.serve.reply import ClientGone, unless_gone
 
 
 @dataclass
@@ -47,9 +49,16 @@ async def _handle(state, request, arrival) -> dict:
     recipe = state.recipe("decide", extension)
     body.pop("model", None)
     prepared, hit = await state.prepare(prepare_cached, state, body)
-    (answers, costs), job = await state.submit(
-        ("decide", recipe.label), DecideJob(prepared, recipe.recipe), arrival
-    )
+    job = state.batcher.enqueue(("decide", recipe.label), DecideJob(prepared, recipe.recipe), arrival)
+    try:  # a client that has gone while its request is queued: the request is never computed
+        answers, costs = await unless_gone(request, state.result(job))
+    except ClientGone:
+        stage = "running" if job.started else "queued"  # a batch that has started runs to its end
+        job.cancel()
+        state.metrics.cancelled(stage)
+        from fastapi.responses import Response
+
+        return Response(status_code=499)  # nobody reads it
     usage = costs.usage() | cache_usage(state) | {"request_cached": hit}
     usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
               "server_latency_s": time.perf_counter() - t0}  # fmt: skip
