@@ -238,19 +238,27 @@ def _raw_post(url: str, body: dict, path: str = "/v1/chat/completions") -> socke
     return s
 
 
-def test_closed_queued_connections_are_never_computed(demo, monkeypatch):
-    """While one request decodes (held), 16 more are queued (half streamed) and their connections closed:
-    none of them reaches the model (the runner's prefills: only the first request's and the next one's),
-    and the next request is served at once, alone, with the right answer."""
-    ref_first, ref_next = solo(demo, 3).texts[0], solo(demo, 6).texts[0]  # before the runner's calls are counted
+def _held_server(demo, monkeypatch):
+    """(the runner's call counter, decode steps held until `release` is set, the release event, a server
+    state that batches at once, the count of requests cancelled while queued)."""
     calls = RunnerCalls(demo.runner, monkeypatch)
     held = HeldSteps(demo.runner, monkeypatch)
     release = threading.Event()
     held.hold = lambda rows: release
     state = ServerState(demo, model_id="demo", max_wait_ms=0)
-    queued = lambda: state.metrics.registry.get_sample_value(  # noqa: E731
-        "trimvlm_cancelled_requests_total", {"stage": "queued"}
-    ) or 0
+
+    def queued():
+        return state.metrics.registry.get_sample_value("trimvlm_cancelled_requests_total", {"stage": "queued"}) or 0
+
+    return calls, held, release, state, queued
+
+
+def test_closed_queued_connections_are_never_computed(demo, monkeypatch):
+    """While one request decodes (held), 16 more are queued (half streamed) and their connections closed:
+    none of them reaches the model (the runner's prefills: only the first request's and the next one's),
+    and the next request is served at once, alone, with the right answer."""
+    ref_first, ref_next = solo(demo, 3).texts[0], solo(demo, 6).texts[0]  # before the runner's calls are counted
+    calls, held, release, state, queued = _held_server(demo, monkeypatch)
     try:
         with live(state) as (url, _):
             c = client(url)
@@ -379,14 +387,7 @@ def test_max_prefill_tokens_bounds_each_admission(demo, monkeypatch):
 def test_closed_queued_system_one_connections_are_never_computed(demo, monkeypatch):
     """System One requests queued behind a decoding chat request (held), their connections closed: none of them
     reaches the model (one prefill: the chat request's), each counted as cancelled while queued."""
-    calls = RunnerCalls(demo.runner, monkeypatch)
-    held = HeldSteps(demo.runner, monkeypatch)
-    release = threading.Event()
-    held.hold = lambda rows: release
-    state = ServerState(demo, model_id="demo", max_wait_ms=0)
-    queued = lambda: state.metrics.registry.get_sample_value(  # noqa: E731
-        "trimvlm_cancelled_requests_total", {"stage": "queued"}
-    ) or 0
+    calls, held, release, state, queued = _held_server(demo, monkeypatch)
     body = {"state": "a grid", "questions": {"q": {"type": "noul", "instructions": "is there a red circle ?"}}}
     try:
         with live(state) as (url, _):

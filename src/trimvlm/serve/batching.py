@@ -115,8 +115,14 @@ class MicroBatcher:
         """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised.
         If the awaiting task is cancelled, the job is too (it will not run if it has not started)."""
         job = self.enqueue(key, payload, arrival)
+        return await self.result(job), job
+
+    @staticmethod
+    async def result(job: Job):
+        """A queued job's result (an exception of its batch is raised). If the awaiting task is cancelled, the
+        job is too (it will not run if it has not started)."""
         try:
-            return await job.future, job
+            return await job.future
         except asyncio.CancelledError:
             job.cancel()
             raise

@@ -117,20 +117,10 @@ class ServerState:
             raise from_trimvlm(e) from e
 
     async def result(self, job):
-        """A queued job's result, with `submit`'s error statuses (cancelled with the awaiting task)."""
+        """A queued job's result (`Batcher.result`: cancelled with the awaiting task). A trimvlm error raised by
+        the batch is the request's 400; any other, the model's failure: 500."""
         try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise as_api_error(e) from e
-
-    async def submit(self, key, payload, arrival=None):
-        """Queue a prepared request for its batch: (its result, its Job). A trimvlm error raised by the batch
-        is the request's 400; any other, the model's failure: 500."""
-        try:
-            return await self.batcher.submit(key, payload, arrival)
+            return await self.batcher.result(job)
         except Exception as e:  # noqa: BLE001
             raise as_api_error(e) from e
 
