@@ -151,20 +151,24 @@ class Router:
         With `select=METHOD` that token method applies to the plan first (its probes, its hook) and the
         router's hook wraps it: the router decides the layers, the method the tokens."""
         self.check(runner)
+        keep, lam = self.layout()
         inner = None
-        if self.select != "router":
-            keep = 1.0 if self.budget >= 1 else self.table.choice(float(self.budget), self._price)[0]
-            if keep < 1:
-                self.selector(keep).apply(plan, runner)
-                inner = plan.hook
-        plan.hook, plan.skip_prefill = self.bind(runner, plan.handoff, inner)
+        if self.select != "router" and keep < 1:
+            self.selector(keep).apply(plan, runner)
+            inner = plan.hook
+        plan.hook, plan.skip_prefill = self.bind(runner, plan.handoff, keep, lam, inner)
         plan.skip_decode = plan.skip_prefill
 
-    def bind(self, runner, handoff, inner=None):
+    def layout(self) -> tuple[float, float | None]:
+        """(the token keep, v2's layer price; None: v1's fixed layer count, or budget 1)."""
+        if self.table is None:
+            return float(self.token_keep), None
+        if self.budget >= 1:
+            return 1.0, None
+        return self.table.choice(float(self.budget), self._price)
+
+    def bind(self, runner, handoff, keep: float, lam: float | None, inner=None):
         """(the token hook, the LayerPlan it fills) for the plan; `inner`: the `select=` method's hook."""
-        keep, lam = float(self.token_keep), None
-        if self.table is not None:
-            keep, lam = (1.0, None) if self.budget >= 1 else self.table.choice(float(self.budget), self._price)
         tokens = RouterTokens(keep=keep, layer=self.layer)
         layers = LayerPlan()
         cand = torch.tensor(self.meta["candidate_layers"], dtype=torch.long)

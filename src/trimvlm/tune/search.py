@@ -96,7 +96,9 @@ class Search:
             p = predict(self.vlm, recipe, shapes)
             self._pred[key] = p if p is not None else predict(self.vlm, self.proxy(recipe), shapes)
         p = self._pred[key]
-        base = self._pred.setdefault(("baseline", key[1]), predict(self.vlm, {}, shapes))
+        if ("baseline", key[1]) not in self._pred:  # once per item set, not on every call
+            self._pred["baseline", key[1]] = predict(self.vlm, {}, shapes)
+        base = self._pred["baseline", key[1]]
         if p is None:
             return None
         bsum = self.journal.run([], idx)["baseline"]["sum"]
@@ -336,9 +338,9 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
         if e["spec"] in chosen or e["spec"] == "baseline":
             row = res.row(e["spec"])
             e["test"] = {k: row[k] for k in ("accuracy", "mismatch_pct", "retention", "n", "ratio")}
-            e["test"]["by_probe"] = {g: {"accuracy": res.row(e["spec"], g)["accuracy"],
-                                         "mismatch_pct": res.row(e["spec"], g)["mismatch_pct"]}
-                                     for g in ("prefill", "full") if any(r["group"] == g for r in res.rows)}  # fmt: skip
+            groups = [g for g in ("prefill", "full") if any(r["group"] == g for r in res.rows)]
+            e["test"]["by_probe"] = {g: {k: res.row(e["spec"], g)[k] for k in ("accuracy", "mismatch_pct")}
+                                     for g in groups}  # fmt: skip
     for r in results:
         r["best"] = r["ranking"][0] if r["ranking"] else None
         best = next((e for e in entries_l if e["spec"] == r["best"]), None)
