@@ -331,3 +331,43 @@ def test_questions_share_their_request_prefix_and_equal_the_unshared_forward(dem
     res = demo.decide(reqs[0], return_costs=True)
     one = demo.runner.vision_flops(demo.adapter.prepare_processed([prepared[0].prompts[0].inputs]))
     assert res.usage[0].vision_flops == one  # the image is encoded once for its three questions
+
+
+def test_per_request_layer_plans_run_on_the_shared_prefix(demo):
+    """A per-sample layer plan (the router's kind) on the shared-prefix path: each request's prefix and its
+    question tails skip that request's layers, and every state equals the plain forward with the plan repeated
+    for the request's prompts."""
+    from trimvlm.decision import prepare_request
+    from trimvlm.decision.forward import run_prompts
+    from trimvlm.decision.shared import prefix_cuts, run_shared
+    from trimvlm.runtime.meter import Meter
+    from trimvlm.runtime.plan import Plan
+
+    reqs = [{"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": scene(7)}},
+            {"state": "<b>", "questions": {"c": DEMO_QUESTIONS["circle"]}, "assets": {"<b>": scene(8, 96)}}]  # fmt: skip
+    groups = [prepare_request(demo, r).prompts for r in reqs]
+    skip = torch.zeros(2, demo.runner.num_layers, dtype=torch.bool)
+    skip[0, 1], skip[1, 2] = True, True
+    shared = run_shared(demo, groups, prefix_cuts(demo, groups), Plan(skip_prefill=skip), Meter())
+    per_prompt = skip.repeat_interleave(torch.tensor([len(g) for g in groups]), dim=0)
+    plain = run_prompts(demo, [p for g in groups for p in g], Plan(skip_prefill=per_prompt), Meter())
+    none = run_prompts(demo, [p for g in groups for p in g], Plan(), Meter())
+    assert torch.allclose(shared.hidden, plain.hidden, atol=1e-4)
+    assert not torch.allclose(shared.hidden, none.hidden, atol=1e-3)  # the layers were really skipped
+
+
+def test_router_decisions_take_the_shared_prefix_path(demo, monkeypatch):
+    """`router=` in decide runs on the same shared-prefix path as its baseline: one prefix row per request,
+    the router choosing each request's layout on its prefix (fewer FLOPs), and a batch answers each request as
+    alone."""
+    reqs = [{"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": scene(11)}},
+            {"state": "<b>", "questions": DEMO_QUESTIONS, "assets": {"<b>": scene(12, 96)}}]  # fmt: skip
+    rows, real = [], demo.runner.prefill
+    monkeypatch.setattr(demo.runner, "prefill", lambda prep, *a, **kw: rows.append(prep.batch) or real(prep, *a, **kw))
+    recipe = "router=demo:budget=0.7"
+    batch = demo.decide(reqs, recipe=recipe, return_costs=True)
+    base = demo.decide(reqs, return_costs=True)
+    assert rows == [2, 2]  # two requests of three questions each: two prefix rows, the questions as branches
+    assert batch.costs.total_flops < 0.9 * base.costs.total_flops
+    for r, got in zip(reqs, batch.answers, strict=True):
+        assert_same(got, demo.decide(r, recipe=recipe))

@@ -83,7 +83,7 @@ def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool 
     prompts = [p for r in prepared for p in r.prompts]
     groups = [r.prompts for r in prepared]
     meter = Meter(device=vlm.runner.device, track_tensors=track_memory)
-    cuts = None if plan.per_sample else prefix_cuts(vlm, groups)
+    cuts = prefix_cuts(vlm, groups)
     meter.start_memory()
     fwd = run_shared(vlm, groups, cuts, plan, meter) if cuts else run_prompts(vlm, prompts, plan, meter)
     before = meter.costs.flops.get("prefill", 0)

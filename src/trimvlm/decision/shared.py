@@ -12,8 +12,9 @@ once per question.
 
 A recipe's token reducer runs on the prefix (the state's images are reduced once per request, so a
 question-aware reducer such as FastV reads the prefix's last token, not each question); its layer plan applies
-to prefix and tails alike. A per-sample layer plan (the router), or a batch where some request's prompts share
-no such prefix, takes the plain forward (`forward.run_prompts`).
+to prefix and tails alike. A per-sample layer plan (the router) is chosen once per request, on its prefix, and
+each tail runs its request's layers (the prefix cache is not used then: a cached prefix holds no layer plan). A
+batch where some request's prompts share no such prefix takes the plain forward (`forward.run_prompts`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from trimvlm.decision.forward import Forward
+from trimvlm.runtime.plan import LayerPlan
 from trimvlm.scoring.executors import batched
-from trimvlm.scoring.executors.common import Work
+from trimvlm.scoring.executors.common import Work, request_rows
 from trimvlm.scoring.trie import build_forest
 
 PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # cut with the tokens
@@ -63,7 +65,7 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     runner, ad = vlm.runner, vlm.adapter
     inputs = [prefix_inputs(g, c) for g, c in zip(groups, cuts, strict=True)]
     reuse = None
-    if runner.prefix_cache is None:
+    if runner.prefix_cache is None or plan.per_sample:  # a cached prefix holds no per-sample layer plan
         prepared = ad.prepare_processed(inputs)
         prefix = runner.prefill(prepared, plan, meter=meter, lm_head=False)
     else:  # found prefixes are read from the cache, the others prefilled (runtime/prefix_cache.py)
@@ -72,11 +74,23 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
              for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
+    skip = tail_skip(plan.skip_prefill, forest)
     with meter.timer("branch"):  # the tails' FLOPs are on the branch line: their time is too
-        states = batched.run(Work(runner, prefix, forest, frozenset(plan.skip_prefill), meter, plan))
+        states = batched.run(Work(runner, prefix, forest, skip, meter, plan))
     rows = [forest.paths[r][j][int(m) - 1 - c]
             for r, (g, c) in enumerate(zip(groups, cuts, strict=True))
             for j, p in enumerate(g) for m in p.marks]  # fmt: skip
     layers = meter.costs.flops.get("prefill", 0) + meter.costs.flops.get("branch", 0)
     return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=prefix.cache,
                    layer_flops=layers, kv_rows=[1] * len(groups), reuse=reuse)  # fmt: skip
+
+
+def tail_skip(skip, forest):
+    """The layers the tails skip: the prefix's, each tail its request's row of a per-sample plan (the router
+    chose one layout per request, on its prefix), in the executor's row order (paths by request)."""
+    if isinstance(skip, LayerPlan):
+        skip = skip.plan
+    if not isinstance(skip, torch.Tensor):
+        return frozenset(skip)
+    owner = request_rows(forest, forest.paths, device=skip.device)
+    return skip.index_select(0, owner)

@@ -153,6 +153,21 @@ class KVCache:
             self.states.setdefault(layer_idx, {})["recurrent"] = new_state
         return new_state
 
+    def start_states(self, layer_idx: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """What a recurrent layer's rows start from, nothing copied: a table of states and the table row each
+        batch row reads (None: row b reads row b): the layer's own states, or the shared prefix's read by
+        `state_owner`; ({}, None) on a fresh state."""
+        own = self.states.get(layer_idx)
+        if own or self.prefix is None or not self.prefix.states.get(layer_idx):
+            return dict(own or {}), None
+        return self.prefix.states[layer_idx], self.prefix.state_owner
+
+    def set_states(self, layer_idx: int, states: dict[str, torch.Tensor]) -> None:
+        """Store a recurrent layer's final states (new tensors, one row per batch row); leaf branches, whose
+        final states have no reader, store nothing."""
+        if self.keep_final_states:
+            self.states[layer_idx] = dict(states)
+
     def is_recording_past(self, layer_idx) -> bool:
         # a branch reads shared states as broadcast views: the model's in-place single-token conv update
         # must not run on them, so branches always take the out-of-place path
@@ -254,7 +269,8 @@ class KVCache:
     def layer_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
         """A cache holding rows `rows` of one layer (its KV entries or recurrent states, and the chunk being
         written), to run that layer on a subset of the batch (a per-sample layer plan); write back with
-        `put_layer_rows`."""
+        `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
+        same tensors, read by the rows' owners."""
         sub = KVCache(self.num_layers)
         e = self.layers.get(layer_idx)
         if e is not None:
@@ -263,6 +279,9 @@ class KVCache:
         st = self.states.get(layer_idx)
         if st:
             sub.states[layer_idx] = {k: v.index_select(0, rows) for k, v in st.items() if v is not None}
+        if self.prefix is not None:  # branches off a shared prefix: the rows' owners, nothing copied
+            sub.prefix = SharedPrefix([SharedPart(p.layers, p.owner.index_select(0, rows)) for p in self.prefix.parts],
+                                      self.prefix.states, self.prefix.state_owner.index_select(0, rows))  # fmt: skip
         sub._pending = tuple(t.index_select(0, rows) for t in self._pending)
         sub.keep_final_states, sub.keep_kv = self.keep_final_states, self.keep_kv
         return sub

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -220,10 +220,10 @@ class Runner:
                         continue
                     if not bool(runs.all()):
                         rows = torch.nonzero(runs).flatten()
-                        if ctx is not None and (ctx.shares(i) or (ctx.probe is not None and ctx.probe.wants(i))):
+                        if ctx is not None and (ctx.tree is not None or (ctx.probe is not None and ctx.probe.wants(i))):
                             raise TrimVLMError(
-                                "per-sample layer plans do not combine with shared prefixes, candidate trees "
-                                "or attention probes (in the layers they record) yet"
+                                "per-sample layer plans do not combine with candidate trees or attention probes "
+                                "(in the layers they record) yet"
                             )
                 elif i in now:
                     continue
@@ -280,6 +280,8 @@ class Runner:
     def _run_rows(self, i, rows, hidden, pos_emb, mask, cache, ctx, valid) -> torch.Tensor:
         """Run layer i on batch rows `rows` only (gather, run, scatter); the other rows pass through."""
         sub = cache.layer_rows(i, rows)
+        if ctx is not None and ctx.shared:  # the rows read their own owners' rows of the shared prefix
+            ctx = replace(ctx, shared=sub.prefix.parts)
         pe = tuple(t.index_select(0, rows) for t in pos_emb)
         m = None if mask is None else mask.index_select(0, rows)
         out_rows = self.adapter.run_layer(i, hidden.index_select(0, rows), pe, m, sub, ctx, valid.index_select(0, rows))
