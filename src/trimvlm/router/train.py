@@ -216,27 +216,14 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     import copy
 
     from trimvlm.depth.base import model_fingerprint
-    from trimvlm.depth.block_influence import block_influence
     from trimvlm.router.model import MetaRouter, load_router, save_router
 
     runner = vlm.runner
-    n_layers = runner.num_layers
-    cand = list(range(n_layers // 2, n_layers))
-    if not 0 <= layers_skip <= len(cand):
-        raise InputError(f"layers_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
+    cand = list(range(runner.num_layers // 2, runner.num_layers))
     v2 = keeps is not None
-    if v2:
-        keeps = sorted({float(k) for k in keeps})
-        if not keeps or not all(0 < k <= 1 for k in keeps):
-            raise InputError(f"keeps must be token keep fractions in (0, 1], got {keeps!r}")
-        max_skip = len(cand) if max_skip is None else int(max_skip)
-        if not 0 <= max_skip <= len(cand):
-            raise InputError(f"max_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
-        flops = _flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer)
-    else:
-        keeps, flops = [token_keep], None
-    if not 0 <= layer <= cand[0]:
-        raise InputError(f"the router's layer must be in 0..{cand[0]} (before the first candidate layer)")
+    keeps, max_skip = _check_layouts(cand, layers_skip, keeps, max_skip, layer)
+    keeps = keeps or [token_keep]
+    flops = _flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer) if v2 else None
     hidden = vlm.adapter.text_config.hidden_size
     start = 0
     if resume and out is not None and (Path(out) / "router.json").exists():
@@ -249,40 +236,11 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         router = copy.deepcopy(ref).requires_grad_(True)
     router.train()
     opt = torch.optim.Adam(router.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    data: list[Example] = []
-    kls: list[torch.Tensor] = []  # per input [keeps, layer sets]: KL of the plain-ranking layouts (v2 calibration)
-    order = None
-    torch.set_grad_enabled(False)
-    for r in records:
-        prep = vlm.prepare([list(r.images)], [r.prompt_text()])
-        if order is None:
-            bi = block_influence(runner, [prep])
-            order = sorted(range(n_layers), key=lambda i: (bi[i], i))
-        tok, p_full, fv, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
-        fv = fv[0]
-        n_ans = answer_length(tok[0], vlm.stop_ids())
-        vis = (seq.visual & seq.valid)[0]
-        cols = torch.nonzero(vis).flatten()
-        toks = token_sets(gen, fv, cols, list(sigmas), seeds)
-        lays = all_subsets(cand, max_skip) if v2 else layer_sets(gen, cand, layers_skip, order)
-        rows = [t for t in toks for _ in lays]
-        plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
-        for i in range(len(rows)):
-            plans[i, lays[i % len(lays)]] = True
-        scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
-        cost = torch.cat([layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, k, layer)
-                          for k in keeps])  # fmt: skip
-        chosen = torch.cat([torch.cat([_kept(seq, scores, k, layer), ~plans[:, cand]], dim=1) for k in keeps])
-        feats = _features(seq)
-        rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
-        pairs = preference_pairs(cost, len(toks), len(lays), margin, floor, n_keep=len(keeps),
-                                 sizes=[len(x) for x in lays], flops=None if flops is None else flops["cost"])  # fmt: skip
-        data.append(Example(feats, chosen, pairs, rp))
-        kls.append(cost.view(len(keeps), len(toks), len(lays))[:, 0])  # the plain FastV token set's KL
-        if on_step is not None:
-            on_step()
-    torch.set_grad_enabled(True)
+    with torch.no_grad():
+        data, kls = _examples(vlm, records, ref, cand, keeps, flops, layer=layer, seed=seed, sigmas=sigmas,
+                              seeds=seeds, answer_tokens=answer_tokens, margin=margin, floor=floor,
+                              lays=all_subsets(cand, max_skip) if v2 else None, layers_skip=layers_skip,
+                              on_step=on_step)  # fmt: skip
     log = {"epochs": [], "inputs": len(records),
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in data[0].pairs} if data else {}}  # fmt: skip
     shuffle = torch.Generator().manual_seed(seed + 1)
@@ -300,6 +258,65 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         if on_step is not None:
             on_step()
     return log
+
+
+def _check_layouts(cand: list[int], layers_skip: int, keeps, max_skip, layer: int) -> tuple[list[float], int | None]:
+    """The token keeps and the most layers a v2 layout skips, checked (v1: `keeps` None, one keep set later)."""
+    if not 0 <= layers_skip <= len(cand):
+        raise InputError(f"layers_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
+    if not 0 <= layer <= cand[0]:
+        raise InputError(f"the router's layer must be in 0..{cand[0]} (before the first candidate layer)")
+    if keeps is None:
+        return [], max_skip
+    keeps = sorted({float(k) for k in keeps})
+    if not keeps or not all(0 < k <= 1 for k in keeps):
+        raise InputError(f"keeps must be token keep fractions in (0, 1], got {keeps!r}")
+    max_skip = len(cand) if max_skip is None else int(max_skip)
+    if not 0 <= max_skip <= len(cand):
+        raise InputError(f"max_skip must be in 0..{len(cand)} (the candidate layers: the last half)")
+    return keeps, max_skip
+
+
+def _examples(vlm, records, ref, cand, keeps, flops, *, layer, seed, sigmas, seeds, answer_tokens, margin, floor,
+              lays, layers_skip, on_step) -> tuple[list[Example], list[torch.Tensor]]:  # fmt: skip
+    """Per training input its layouts (token sets x layer sets at every keep; `lays` None: v1's sampled layer
+    sets), their measured cost (KL), the preference pairs and the reference router's log-probs; and per input
+    [keeps, layer sets] the KL of the plain-ranking token set (v2's calibration)."""
+    from trimvlm.depth.block_influence import block_influence
+
+    runner = vlm.runner
+    n_layers = runner.num_layers
+    gen = torch.Generator().manual_seed(seed)
+    data, kls, order = [], [], None
+    for r in records:
+        prep = vlm.prepare([list(r.images)], [r.prompt_text()])
+        if order is None:
+            bi = block_influence(runner, [prep])
+            order = sorted(range(n_layers), key=lambda i: (bi[i], i))
+        tok, p_full, fv, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
+        fv = fv[0]
+        n_ans = answer_length(tok[0], vlm.stop_ids())
+        vis = (seq.visual & seq.valid)[0]
+        cols = torch.nonzero(vis).flatten()
+        toks = token_sets(gen, fv, cols, list(sigmas), seeds)
+        sets = lays if lays is not None else layer_sets(gen, cand, layers_skip, order)
+        rows = [t for t in toks for _ in sets]
+        plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
+        for i in range(len(rows)):
+            plans[i, sets[i % len(sets)]] = True
+        scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
+        cost = torch.cat([layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, k, layer)
+                          for k in keeps])  # fmt: skip
+        chosen = torch.cat([torch.cat([_kept(seq, scores, k, layer), ~plans[:, cand]], dim=1) for k in keeps])
+        feats = _features(seq)
+        rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
+        pairs = preference_pairs(cost, len(toks), len(sets), margin, floor, n_keep=len(keeps),
+                                 sizes=[len(x) for x in sets], flops=None if flops is None else flops["cost"])  # fmt: skip
+        data.append(Example(feats, chosen, pairs, rp))
+        kls.append(cost.view(len(keeps), len(toks), len(sets))[:, 0])  # the plain FastV token set's KL
+        if on_step is not None:
+            on_step()
+    return data, kls
 
 
 def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) -> float:
