@@ -86,10 +86,13 @@ class ChatEngine:
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
         self.outbox = Outbox()
+        self.partial: list | None = None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
+        self.chunks = 0  # chunks of chunked prefills run
 
     @property
     def running(self) -> int:
-        return sum(len(g.rows) for g in self.groups.values())
+        """Rows decoding, and the request being prefilled in chunks (it holds a place in the batch)."""
+        return sum(len(g.rows) for g in self.groups.values()) + (self.partial is not None)
 
     @staticmethod
     def prefill_tokens(job) -> int:
@@ -99,14 +102,20 @@ class ChatEngine:
         n = sum(self.steps.values())
         return {
             "running": self.running, "decode_steps": n, "cancelled_running": self.cancelled,
+            "prefill_chunks": self.chunks,
             "mean_decode_batch": sum(k * v for k, v in self.steps.items()) / n if n else 0.0,
         }  # fmt: skip
 
     # ---- admission ----
-    def admit(self, jobs: list) -> None:
+    def admit(self, jobs: list, chunk: int | None = None) -> None:
         """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
-        request is tried alone, so one that breaks the model fails only itself."""
-        self._admit(jobs)
+        request is tried alone, so one that breaks the model fails only itself. `chunk`: a lone request whose
+        prompt is longer is prefilled `chunk` tokens now and the rest over the next turns (`prefill_chunk`),
+        when its recipe changes nothing inside the prefill (serve/prefill.py); else it is prefilled whole."""
+        if chunk is not None and len(jobs) == 1 and self.prefill_tokens(jobs[0]) > chunk and not self.partial:
+            self._begin_chunked(jobs[0], chunk)
+        else:
+            self._admit(jobs)
         self.outbox.flush()
 
     def _admit(self, jobs: list) -> None:
@@ -123,10 +132,13 @@ class ChatEngine:
                 for job in jobs:
                     self._admit([job])
             return
+        self._start(group, jobs[0].key[1])
+
+    def _start(self, group: Group, label: str) -> None:
+        """The prefilled rows' first tokens sent; those still going join the running batch of their recipe."""
         self._advance(group, group.last)
         if not group.rows:
             return
-        label = jobs[0].key[1]
         if label in self.groups:
             old = self.groups[label]
             old.decoding.join(group.decoding)
@@ -136,15 +148,68 @@ class ChatEngine:
             self.groups[label] = group
 
     def _prefill(self, jobs: list) -> Group:
-        runner, adapter = self.runner, self.runner.adapter
         from trimvlm.plan import make_plan
 
-        payloads = [j.payload for j in jobs]
-        plan = make_plan(payloads[0].recipe, runner)
+        runner = self.runner
+        plan = make_plan(jobs[0].payload.recipe, runner)
         meter = Meter(device=runner.device)
         t0 = time.perf_counter()
-        prepared = adapter.collate([p.prepared for p in payloads])
+        prepared = runner.adapter.collate([j.payload.prepared for j in jobs])
         out = runner.prefill(prepared, plan, meter=meter)
+        return self._group(jobs, plan, out, meter, time.perf_counter() - t0)
+
+    # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
+    def _begin_chunked(self, job, chunk: int) -> None:
+        from trimvlm.plan import make_plan
+        from trimvlm.serve.prefill import ChunkedPrefill, chunkable
+
+        plan = make_plan(job.payload.recipe, self.runner)
+        if not chunkable(plan):
+            self._admit([job])
+            return
+        job.started, job.batch = time.perf_counter(), 1
+        meter = Meter(device=self.runner.device)
+        try:
+            t0 = time.perf_counter()
+            work = ChunkedPrefill(self.runner, job.payload.prepared, plan, meter)
+        except Exception as e:  # noqa: BLE001
+            self.failed += 1
+            self.outbox.post(job, ("error", e))
+            return
+        self.partial = [job, work, plan, time.perf_counter() - t0]
+        self.prefill_chunk(chunk)
+
+    def prefill_chunk(self, tokens: int) -> int:
+        """Run the next chunk (at most `tokens` positions) of the prompt being prefilled in chunks; once it is
+        done its row joins the running batch (its first token sent). The positions run (0: none pending)."""
+        if not self.partial:
+            return 0
+        job, work, plan, seconds = self.partial
+        if job.cancelled:  # its client has gone: no more of it is computed
+            self.partial = None
+            self.cancelled += 1
+            return 0
+        n = min(tokens, work.left)
+        t0 = time.perf_counter()
+        try:
+            out = work.advance(n)
+            self.chunks += 1
+        except Exception as e:  # noqa: BLE001
+            self.partial, self.failed = None, self.failed + 1
+            self.outbox.post(job, ("error", e))
+            self.outbox.flush()
+            return n
+        self.partial[3] = seconds = seconds + time.perf_counter() - t0
+        if out is not None:
+            self.partial = None
+            self._start(self._group([job], plan, out, work.meter, seconds), job.key[1])
+            self.outbox.flush()
+        return n
+
+    def _group(self, jobs: list, plan, out, meter: Meter, seconds: float) -> Group:
+        """The decode batch of prefilled `jobs`: each row's sampler, first token and share of the prefill."""
+        runner, adapter = self.runner, self.runner.adapter
+        payloads = [j.payload for j in jobs]
         rows = []
         for job, p in zip(jobs, payloads, strict=True):
             sampling = Sampling(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
@@ -152,8 +217,9 @@ class ChatEngine:
             if p.temperature > 0:
                 gen = torch.Generator(device=runner.device).manual_seed(p.seed)
             rows.append(Row(job=job, sampling=sampling, gen=gen, batch=len(jobs)))
+        t0 = time.perf_counter()
         last = self._choose(out.logits, rows)
-        seconds = time.perf_counter() - t0
+        seconds += time.perf_counter() - t0
         c, ones = meter.costs, [1] * len(rows)
         image = adapter.image_token_id
         shares = {

@@ -4,13 +4,17 @@
 chat engine of serve/engine.py, for the keys whose endpoint is in `engine.kinds`). Each turn of the loop:
 
 1. take what has arrived (block only when nothing runs), and drop the requests whose client has gone;
-2. the oldest waiting request decides what runs next, in arrival order:
+2. the prompt being prefilled in chunks (if any) runs its next chunk: at most `max_prefill_tokens` positions;
+3. the oldest waiting request decides what runs next, in arrival order:
    - a decision: its batch (`run`, one `decision.run`) runs whole, as the micro-batcher runs it;
    - a chat completion: it is admitted with the waiting ones of its key (the same recipe) while the engine
-     has room (`max_batch` running rows at most) and the prompts' tokens fit `max_prefill_tokens` (the first
-     always goes, however long): one prefill over them, their first tokens sent, then they join the running
-     decode batch of their recipe;
-3. one decode step of every running batch: every row gets its next token, finished and cancelled rows leave.
+     has room (`max_batch` running rows at most) and the prompts' tokens fit what is left of the turn's
+     `max_prefill_tokens`: one prefill over them, their first tokens sent, then they join the running decode
+     batch of their recipe. A prompt longer than the budget is prefilled alone in chunks of the budget, one
+     per turn (serve/prefill.py; while it is, only prompts that fit the rest of the budget are admitted), so
+     the running rows keep getting a token every turn; a recipe that reads the whole prefill (a token
+     reducer, a KV policy) prefills it whole;
+4. one decode step of every running batch: every row gets its next token, finished and cancelled rows leave.
 
 So a request that arrives while others decode waits at most one step (plus one prefill) for its first token.
 The loop waits for more requests (up to `max_wait_s`, while more are being read) only when nothing is running:
@@ -70,7 +74,8 @@ class Scheduler(MicroBatcher):
                 if self._closing:
                     break
                 continue
-            if self._pending:
+            budget = self.max_prefill_tokens - engine.prefill_chunk(self.max_prefill_tokens)
+            if self._pending and budget > 0:
                 first = self._pending[0]
                 idle = not engine.running
                 if first.key[0] not in engine.kinds:
@@ -78,15 +83,17 @@ class Scheduler(MicroBatcher):
                     batch = self._collect(first, wait=idle)
                     if batch:
                         self._run(batch)
-                elif engine.running < self.max_batch:
+                elif engine.running < self.max_batch and (
+                    engine.partial is None or engine.prefill_tokens(first) <= budget
+                ):  # one prompt at a time is prefilled in chunks
                     self._pending.popleft()
                     batch = self._collect(
                         first, room=self.max_batch - engine.running, wait=idle,
-                        weight=engine.prefill_tokens, budget=self.max_prefill_tokens,
+                        weight=engine.prefill_tokens, budget=budget,
                     )  # fmt: skip
                     if batch:
                         self.sizes[len(batch)] += 1
-                        engine.admit(batch)
+                        engine.admit(batch, chunk=budget)
             if engine.running:
                 engine.step()
         for job in list(self._pending):
