@@ -86,7 +86,9 @@ class ChatEngine:
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
         self.outbox = Outbox()
-        self.partial: list | None = None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
+        self.partial: list | None = (
+            None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
+        )
         self.chunks = 0  # chunks of chunked prefills run
 
     @property
