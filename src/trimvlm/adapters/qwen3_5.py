@@ -27,9 +27,12 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from trimvlm.adapters.base import Adapter
 from trimvlm.adapters.qwen3_vl import QwenVLAdapterMixin
+from trimvlm.kernels.gated_delta import gated_delta_steps
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.layers import LINEAR
 
@@ -37,6 +40,10 @@ from trimvlm.runtime.layers import LINEAR
 class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
     family = "qwen3_5"
     recurrent_chunk = 64  # transformers' chunked gated-delta kernel pads every row to 64-token chunks
+    # segments of at most this many tokens (decode steps, candidate suffixes, tree chains) run the recurrent
+    # form at their own length instead of the chunked kernel (measured: docs/scoring.md, "Recurrent branches");
+    # 0 runs every segment through transformers' chunked kernel
+    recurrent_max_len = 24
 
     def __init__(self, model, tokenizer, image_processor, folder=None):
         super().__init__(model, _as_saved(tokenizer, folder), image_processor, folder=folder)
@@ -54,6 +61,8 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
     def _run_linear(self, i, hidden, position_embeddings, cache, valid):
         if cache is not None and cache.tree is not None:
             return self._run_tree_linear(i, hidden, cache)
+        if hidden.shape[1] <= self.recurrent_max_len:
+            return self._run_linear_steps(i, hidden, cache, valid)
         groups = None if cache is None else cache.state_groups(i)
         one_group = groups is None or bool((groups == groups[0]).all())
         if (valid is None or bool(valid.all())) and one_group:
@@ -95,17 +104,82 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         finals: dict[int, dict[str, torch.Tensor]] = {}  # chain id -> its final states (one row each)
         for call in cache.tree.calls:
             x = flat[call.nodes.clamp(min=0)]
-            sub = KVCache.branching(
-                [], {i: _start_states(i, call, cache, finals)}, _start_rows(call), keep_final_states=call.keep,
-                num_layers=cache.num_layers,
-            )  # fmt: skip
-            y = self._call(i, x, None, sub)
             real = call.nodes >= 0
+            table, rows = _start_states(i, call, cache, finals), _start_rows(call)
+            if x.shape[1] <= self.recurrent_max_len:  # padding after a chain's end: absent, not run
+                y, states = self._linear_steps(i, x, real, table, rows)
+            else:
+                sub = KVCache.branching(
+                    [], {i: table}, rows, keep_final_states=call.keep, num_layers=cache.num_layers
+                )  # fmt: skip
+                y = self._call(i, x, None, sub)
+                states = sub.states.get(i, {})
             out[call.nodes[real]] = y[real]
             if call.keep:
                 for r, chain in enumerate(call.chain.tolist()):
-                    finals[chain] = {k: v[r : r + 1] for k, v in sub.states[i].items()}
+                    finals[chain] = {k: v[r : r + 1] for k, v in states.items()}
         return out.view(b, m, d)
+
+    def _run_linear_steps(self, i, hidden, cache, valid):
+        """A short segment through the recurrent form: each row's valid tokens moved to the front (in order),
+        the rest absent, every row from its own start state in one call, whatever its count of valid tokens."""
+        table, rows = ({}, None) if cache is None else cache.start_states(i)
+        order = None
+        if valid is not None and not bool(valid.all()):
+            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid first, in order
+            ar = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
+            hidden, valid = hidden[ar, order], valid[ar, order]
+        else:
+            valid = None
+        out, states = self._linear_steps(i, hidden, valid, table, rows)
+        if cache is not None:
+            cache.set_states(i, states)
+        if order is not None:
+            back = torch.empty_like(out)
+            back[ar, order] = out
+            out = back
+        return out
+
+    def _linear_steps(self, i, x, valid, table, rows):
+        """Decoder layer i (a Gated DeltaNet layer) over x [B, T, D] in the recurrent form, the gated delta rule
+        stepped T times (`kernels.gated_delta`) instead of transformers' chunked kernel, which pads to 64 tokens.
+        The module's own weights and sub-modules compute everything around the recurrence (the layer's norms,
+        projections, conv, gated norm, MLP), in the order of transformers' layer. `valid` [B, T] (None: all)
+        holds each row's valid tokens first; rows start from `table` (conv / recurrent states, {}: fresh) rows
+        `rows` (None: row b from row b). Returns the layer's output and the rows' final states."""
+        layer = self.layers[i]
+        gdn = layer.linear_attn
+        h = layer.input_layernorm(x)
+        b, t, _ = h.shape
+        mixed = gdn.in_proj_qkv(h).transpose(1, 2)  # [B, C, T], the conv's input channels
+        kernel = gdn.conv_kernel_size
+        conv0 = table.get("conv")
+        if conv0 is None:
+            left = mixed.new_zeros(b, mixed.shape[1], kernel)
+        else:
+            left = conv0.to(mixed.dtype)
+            left = left.index_select(0, rows) if rows is not None else left
+        full = torch.cat([left.expand(b, -1, -1), mixed], dim=-1)  # [B, C, kernel + T]
+        w = gdn.conv1d.weight
+        conv = F.conv1d(full.to(w.dtype), w, gdn.conv1d.bias, groups=full.shape[1])[..., 1:]  # [B, C, T]
+        conv = ACT2FN[gdn.activation](conv).to(mixed.dtype).transpose(1, 2)
+        if valid is None:
+            conv_final = full[..., -kernel:].clone(memory_format=torch.contiguous_format)
+        else:  # each row's last `kernel` inputs end after its own valid tokens
+            at = valid.sum(1)[:, None] + torch.arange(kernel, device=x.device)[None]  # [B, kernel]
+            conv_final = full.gather(2, at[:, None].expand(-1, full.shape[1], -1))
+        q, k, v = torch.split(conv, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        q = q.reshape(b, t, -1, gdn.head_k_dim)
+        k = k.reshape(b, t, -1, gdn.head_k_dim)
+        v = v.reshape(b, t, -1, gdn.head_v_dim)
+        beta = gdn.in_proj_b(h).sigmoid()
+        g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(h).float() + gdn.dt_bias)
+        core, rec = gated_delta_steps(q, k, v, g, beta, state=table.get("recurrent"), rows=rows, valid=valid)
+        z = gdn.in_proj_z(h).reshape(-1, gdn.head_v_dim)
+        core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z).reshape(b, t, -1)
+        x = x + gdn.out_proj(core)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, {"conv": conv_final, "recurrent": rec}
 
     def linear_layer_core_flops(self, i: int, batch: int, q: int) -> int:
         # Gated delta rule, counted in its recurrent form per token and per value head h, with the state
