@@ -77,7 +77,7 @@ def train_head_command(
     The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped demo
     checkpoint is written to only with `overwrite`."""
     import trimvlm
-    from trimvlm.demo.task import KINDS, generate_split
+    from trimvlm.demo.task import KINDS
     from trimvlm.loading import refuse_shipped, resolve
     from trimvlm.progress import progress as progress_bar
 
@@ -92,71 +92,77 @@ def train_head_command(
         raise InputError(f"model {model!r} has no checkpoint folder to write the head to; pass --out")
     settings = Settings(steps=steps, items=items, seed=seed)
     kinds = list(KINDS)
-    rng = np.random.default_rng([seed, 20250101])
-    n_images = math.ceil(items / len(kinds))
-    train_samples = generate_split("train", n_images, seed=seed)
-    train_items = make_items(train_samples, settings.abstain_fraction, rng, items)
-    val_items = make_items(generate_split("val", settings.val_images), settings.abstain_fraction, rng)
-    test_items = make_items(generate_split("test", TEST_IMAGES), 0.0, rng)
-    removed_items = [without_answer(it) for it in test_items if len(it.candidates) >= 3]
-    rng_b = np.random.default_rng([seed, 20250102])  # its own stream: the choice items stay as they were
-    bin_train = make_binary_items(train_samples, rng_b)
-    bin_val = make_binary_items(generate_split("val", settings.val_images), rng_b)
-    bin_test = make_binary_items(generate_split("test", TEST_IMAGES), rng_b)
-
     t0 = time.perf_counter()
     with progress_bar(console, enabled=console is not None) as progress:
-        train_set = extract(vlm, train_items, progress=progress, label="features: train")
-        val_set = extract(vlm, val_items, progress=progress, label="features: val")
-        test_set = extract(vlm, test_items, progress=progress, label="features: test")
-        removed_set = extract(vlm, removed_items, progress=progress, label="features: test, answer removed")
-        bin_train_set = extract(vlm, bin_train, progress=progress, label="features: binary train")
-        bin_val_set = extract(vlm, bin_val, progress=progress, label="features: binary val")
-        bin_test_set = extract(vlm, bin_test, progress=progress, label="features: binary test")
+        sets = {name: extract(vlm, its, progress=progress, label=f"features: {LABELS[name]}")
+                for name, its in _item_sets(seed, items, settings).items()}  # fmt: skip
         t1 = time.perf_counter()
-        head, fit = train(
-            vlm.adapter.text_config.hidden_size,
-            train_set,
-            val_set,
-            settings,
-            binary_train=bin_train_set,
-            binary_val=bin_val_set,
-            progress=progress,
-        )
-    t2 = time.perf_counter()
-    val_pred = predictions(head, val_set)
-    meta = {
-        "task": "demo",
-        "model": str(model),
-        "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
-        **test_report(head, test_set, removed_set, kinds, bin_test_set),
-        "val_accuracy": accuracy(val_pred, val_set, kinds),
-        "val_abstain_accuracy": _abstain_accuracy(val_pred, val_set),
-        "val_binary_accuracy": binary_report(head, bin_val_set)["accuracy"],
-        "train": {
-            **settings.as_dict(),
-            "split": "train",
-            "train_items": len(train_set),
-            "train_abstain_items": int(train_set.abstains.sum()),
-            "val_items": len(val_set),
-            "binary_kinds": list(BINARY_KINDS),
-            "binary_train_items": len(bin_train_set),
-            "binary_val_items": len(bin_val_set),
-            "executor": "batched",
-            "extract_batch": EXTRACT_BATCH,
-            "best_step": fit["best_step"],
-            "best_val_accuracy": fit["best_val_accuracy"],
-            "seconds_features": round(t1 - t0, 1),
-            "seconds_train": round(t2 - t1, 1),
-            "torch_threads": torch.get_num_threads(),
-        },
-    }
+        head, fit = train(vlm.adapter.text_config.hidden_size, sets["train"], sets["val"], settings,
+                          binary_train=sets["bin_train"], binary_val=sets["bin_val"], progress=progress)  # fmt: skip
+    seconds = {"seconds_features": round(t1 - t0, 1), "seconds_train": round(time.perf_counter() - t1, 1)}
+    meta = _head_meta(model, head, sets, settings, fit, seconds)
     folder.mkdir(parents=True, exist_ok=True)
     head.save(folder, meta=meta)
     if vlm.adapter.folder is not None and folder.resolve() == Path(vlm.adapter.folder).resolve():
         vlm.head = head
     if console is not None:
         _print_summary(console, folder, meta, kinds)
+    return meta
+
+
+LABELS = {"train": "train", "val": "val", "test": "test", "removed": "test, answer removed",
+          "bin_train": "binary train", "bin_val": "binary val", "bin_test": "binary test"}  # fmt: skip
+
+
+def _item_sets(seed: int, items: int, settings: Settings) -> dict[str, list]:
+    """The head's training, validation and test items (choice items, then the binary ones from their own
+    random stream), in the order their features are extracted."""
+    from trimvlm.demo.task import KINDS, generate_split
+
+    rng = np.random.default_rng([seed, 20250101])
+    train_samples = generate_split("train", math.ceil(items / len(KINDS)), seed=seed)
+    out = {"train": make_items(train_samples, settings.abstain_fraction, rng, items),
+           "val": make_items(generate_split("val", settings.val_images), settings.abstain_fraction, rng),
+           "test": make_items(generate_split("test", TEST_IMAGES), 0.0, rng)}  # fmt: skip
+    out["removed"] = [without_answer(it) for it in out["test"] if len(it.candidates) >= 3]
+    rng_b = np.random.default_rng([seed, 20250102])  # its own stream: the choice items stay as they were
+    out["bin_train"] = make_binary_items(train_samples, rng_b)
+    out["bin_val"] = make_binary_items(generate_split("val", settings.val_images), rng_b)
+    out["bin_test"] = make_binary_items(generate_split("test", TEST_IMAGES), rng_b)
+    return out
+
+
+def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: dict) -> dict:
+    """What a trained head's checkpoint says of itself: its test report, validation figures, settings."""
+    from trimvlm.demo.task import KINDS
+
+    kinds = list(KINDS)
+    val_pred = predictions(head, sets["val"])
+    meta = {
+        "task": "demo",
+        "model": str(model),
+        "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
+        **test_report(head, sets["test"], sets["removed"], kinds, sets["bin_test"]),
+        "val_accuracy": accuracy(val_pred, sets["val"], kinds),
+        "val_abstain_accuracy": _abstain_accuracy(val_pred, sets["val"]),
+        "val_binary_accuracy": binary_report(head, sets["bin_val"])["accuracy"],
+        "train": {
+            **settings.as_dict(),
+            "split": "train",
+            "train_items": len(sets["train"]),
+            "train_abstain_items": int(sets["train"].abstains.sum()),
+            "val_items": len(sets["val"]),
+            "binary_kinds": list(BINARY_KINDS),
+            "binary_train_items": len(sets["bin_train"]),
+            "binary_val_items": len(sets["bin_val"]),
+            "executor": "batched",
+            "extract_batch": EXTRACT_BATCH,
+            "best_step": fit["best_step"],
+            "best_val_accuracy": fit["best_val_accuracy"],
+            **seconds,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
     return meta
 
 
