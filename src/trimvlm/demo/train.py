@@ -611,6 +611,7 @@ def train_demo(
     attention_weight: float = 1.0,
     pair_probe: bool = True,
 ) -> Path:
+    """Train (or resume) the demo model into `out_dir`; logs and resumable state in `work_dir`."""
     from tqdm import tqdm
 
     torch.set_num_threads(threads)
@@ -636,13 +637,8 @@ def train_demo(
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
 
-    bar = tqdm(
-        total=steps,
-        initial=run.step,
-        disable=not progress,
-        mininterval=1.0 if sys.stderr.isatty() else 30.0,
-        desc="train-demo",
-    )
+    bar = tqdm(total=steps, initial=run.step, disable=not progress, desc="train-demo",
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)  # fmt: skip
     losses: list[float] = []
     att_losses: list[float] = []
     t_last = time.time()
@@ -654,20 +650,10 @@ def train_demo(
         bar.update(1)
         step = run.step
         if step % 50 == 0:
-            dt = (time.time() - t_last) / 50
+            rec = _log_window(log_path, run, losses, att_losses, (time.time() - t_last) / 50)
             t_last = time.time()
-            rec = {
-                "step": step,
-                "loss": float(np.mean(losses)),
-                "lr": run.opt.param_groups[0]["lr"],
-                "s_per_step": dt,
-            }
-            if att_losses:
-                rec["attention_loss"] = float(np.mean(att_losses))
-                att_losses = []
-            _log(log_path, rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}")
-            losses = []
+            losses, att_losses = [], []
         if step % eval_every == 0 or step == steps:
             rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta)
             _log(log_path, rec)
@@ -678,6 +664,16 @@ def train_demo(
             _save_state(run, state_path, model_kwargs)
     bar.close()
     return out_dir
+
+
+def _log_window(log_path: Path, run, losses: list[float], att_losses: list[float], s_per_step: float) -> dict:
+    """Log the mean losses of the last steps (the attention loss when it was trained)."""
+    rec = {"step": run.step, "loss": float(np.mean(losses)), "lr": run.opt.param_groups[0]["lr"],
+           "s_per_step": s_per_step}  # fmt: skip
+    if att_losses:
+        rec["attention_loss"] = float(np.mean(att_losses))
+    _log(log_path, rec)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> None:
