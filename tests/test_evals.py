@@ -180,7 +180,7 @@ def test_jsonl_bad_records(tmp_path, line, message):
 
 
 def test_unknown_task_and_bad_limit(tmp_path):
-    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, demo-candidates, or a JSONL file"):
+    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, demo-candidates, demo-decisions, or a JSONL file"):
         get_task("vqa2")
     with pytest.raises(InputError, match="task file not found"):
         get_task(str(tmp_path / "missing.jsonl"))
@@ -489,7 +489,7 @@ def test_one_registry_lists_every_task():
     from trimvlm.evals.tasks import TASKS, benchmarks, calibration_items
     from trimvlm.testing.cli import run_cli
 
-    assert set(TASKS) == {"demo", "demo-candidates", *benchmarks()}
+    assert set(TASKS) == {"demo", "demo-candidates", "demo-decisions", *benchmarks()}
     assert set(benchmarks()) == {"pope", "scienceqa_img", "mmbench", "ai2d", "textvqa", "docvqa", "infovqa",
                                  "chartqa", "mmvet"}  # fmt: skip
     listed = [line.split(":")[0] for line in task_list().splitlines()]
@@ -513,3 +513,30 @@ def test_threads_option_sets_torch_threads(monkeypatch):
         eval_command("demo", "demo", limit=2, threads=3)
     with pytest.raises(InputError, match="threads must be a positive number of torch threads"):
         eval_command("demo", "demo", limit=2, threads=0)
+
+
+def test_one_loop_runs_generation_candidate_and_decision_items():
+    """One task holding the three item kinds runs in the one interleaved loop: each kind in batches of its own,
+    reported under its probe; a decision item's output is what `vlm.decide` answers its request alone, and its
+    score the fraction of its questions answered as expected."""
+    import trimvlm
+    from trimvlm.evals.items import picked
+
+    torch.set_num_threads(1)
+    vlm = trimvlm.load("demo")
+    gen, cand, dec = (get_task(n, limit=k) for n, k in (("demo", 6), ("demo-candidates", 3), ("demo-decisions", 3)))
+    mixed = Task(name="mixed", records=gen.records + cand.records + dec.records, max_new_tokens=gen.max_new_tokens,
+                 kind_max_new_tokens=gen.kind_max_new_tokens)  # fmt: skip
+    res = run_eval(vlm, mixed, ["tokens=fastv:keep=0.5:layer=2"], batch_size=2, progress=False)
+    probes = {r["group"] for r in res.rows if r["group_type"] == "probe"}
+    assert probes == {"prefill", "full", "candidates", "decision"}
+    first = len(gen.records) + len(cand.records)
+    for r, recipe in enumerate([None, "tokens=fastv:keep=0.5:layer=2"]):
+        for i, item in enumerate(dec.records):
+            alone = {q: picked(a) for q, a in vlm.decide(item.request, recipe=recipe).items()}
+            assert res.predictions[r][first + i] == alone
+            expected = sum(alone[q] == a for q, a in item.answers.items()) / len(item.answers)
+            assert res.scores[r][first + i] == expected
+    row = res.row("tokens=fastv:keep=0.5:layer=2", "decision")
+    assert row["n"] == 3 and set(row["by_question"]) == {"exist", "mc", "count"}
+    assert 0 < row["ratio"]["prefill_flops"] < 1

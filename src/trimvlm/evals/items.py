@@ -13,7 +13,8 @@ runs with one recipe. A new item kind (decisions, say) is one class with these m
     summary(items, outputs) -> dict  classmethod: a group's extras (POPE's F1, abstentions)
     as_json() -> dict                the item in the results JSON
 
-`Record` (trimvlm.evals.tasks.base) is the generation item, `CandidateItem` below the candidate item.
+`Record` (trimvlm.evals.tasks.base) is the generation item, `CandidateItem` below the candidate item and
+`DecisionItem` the System One request (`vlm.decide`).
 """
 
 from __future__ import annotations
@@ -86,3 +87,65 @@ class CandidateItem:
     def as_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "probe": self.probe, "metric": self.metric,
                 "question": self.question, "candidates": self.candidates, "answer": self.answer}  # fmt: skip
+
+
+@dataclass
+class DecisionItem:
+    """One System One request (`vlm.decide`: a state, its assets, several typed questions) with the expected
+    answer of each question: a noul question's `yes` / `no` (yes: the probability of true is above one half),
+    a choice question's option name, a score question's most probable criterion. Its output is the answer
+    picked per question; its score the fraction of its questions answered right."""
+
+    id: str
+    request: dict  # {"state", "questions", "assets"}
+    answers: dict[str, str]  # question name -> expected answer
+    kind: str = "decision"
+    probe: str = "decision"
+    metric: str = "decision"
+
+    def batch_key(self, task) -> tuple:
+        return (self.probe, self.kind)
+
+    @classmethod
+    def run(cls, vlm, items, recipe, task, opts: RunOptions, track_memory: bool = False):
+        res = vlm.decide([it.request for it in items], recipe=recipe, return_costs=True, track_memory=track_memory)
+        return [{q: picked(a) for q, a in out.items()} for out in res.answers], res.costs, ""
+
+    @classmethod
+    def prepare(cls, vlm, items, task, opts: RunOptions) -> RunOptions:
+        return opts
+
+    @classmethod
+    def untimed(cls, vlm, items, task, opts: RunOptions) -> None:
+        """One untimed baseline call takes the one-time costs (the vision FLOP count of new shapes)."""
+        cls.run(vlm, items, None, task, opts)
+
+    def score(self, output) -> float:
+        return sum(output.get(q) == a for q, a in self.answers.items()) / len(self.answers)
+
+    def canonical(self, output):
+        return tuple(sorted(output.items()))
+
+    @classmethod
+    def summary(cls, items, outputs) -> dict:
+        """Per question name, the fraction answered right."""
+        right: dict[str, list[bool]] = {}
+        for it, out in zip(items, outputs, strict=True):
+            for q, a in it.answers.items():
+                right.setdefault(q, []).append(out.get(q) == a)
+        return {"by_question": {q: sum(v) / len(v) for q, v in right.items()}}
+
+    def as_json(self) -> dict:
+        questions = self.request["questions"]
+        return {"id": self.id, "kind": self.kind, "probe": self.probe, "metric": self.metric,
+                "state": self.request["state"], "questions": questions, "answers": self.answers}  # fmt: skip
+
+
+def picked(answer: dict) -> str:
+    """The answer a System One answer dict picks: noul yes / no, a choice's option, a score's likeliest
+    criterion."""
+    if answer["type"] == "noul":
+        return "yes" if answer["noul"] > 0.5 else "no"
+    if answer["type"] == "choice":
+        return answer["choice"]
+    return max(answer["probabilities"], key=answer["probabilities"].get)

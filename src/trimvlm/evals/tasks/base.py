@@ -9,6 +9,7 @@ Probe kinds (../shared/REFERENCES.md section 1):
   the harness generates `prefill_tokens` (default 1) tokens, so decode-phase methods cannot change it.
 - `full`: the whole generated answer is scored (open text, reading, lists); up to `max_new_tokens` tokens.
 - `candidates`: a candidate item's fixed candidates are scored (trimvlm.evals.items.CandidateItem).
+- `decision`: a System One request's typed questions are answered (trimvlm.evals.items.DecisionItem).
 
 `TASKS` is the one registry (`get_task` builds by name): the demo tasks (`demo`, `demo-candidates`), every
 benchmark read from a local copy (`register_benchmark`; `data=PATH` required) and anything added with
@@ -30,7 +31,7 @@ from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.options import is_int
 
 PROBES = ("prefill", "full")  # of generation records
-GROUP_PROBES = (*PROBES, "candidates")  # every item kind's probes, in report order
+GROUP_PROBES = (*PROBES, "candidates", "decision")  # every item kind's probes, in report order
 OPTION_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
 SHORT_PROMPT = "<question>\\n" + SHORT_INSTRUCTION  # the format in words (Benchmark.prompt)

@@ -1,12 +1,14 @@
 """The synthetic demo tasks (`trimvlm.demo.task`): one question of every kind per image, image-major; `demo`
 generates answers, `demo-candidates` scores each question's fixed candidates (exist: yes/no, mc: A-D, colour:
-five colours and grey, count: 0-7, list / read: the answer and three near misses in a seeded order)."""
+five colours and grey, count: 0-7, list / read: the answer and three near misses in a seeded order), and
+`demo-decisions` asks each image's exist, mc and count questions as one System One request (a noul, a choice
+and a score question: the kinds the demo's decision labels, yes/no, A-F and 0-9, can answer)."""
 
 from __future__ import annotations
 
 import math
 
-from trimvlm.evals.items import CandidateItem
+from trimvlm.evals.items import CandidateItem, DecisionItem
 from trimvlm.evals.tasks.base import Record, Task, register_task
 
 DEMO_DEFAULT_ITEMS = 300
@@ -81,3 +83,33 @@ def demo_candidate_task(limit: int | None = None, seed: int = 0, split: str = "t
                            answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
     info = {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
     return Task(name="demo-candidates", records=items, max_new_tokens=1, info=info)
+
+
+DECISION_KINDS = ("exist", "mc", "count")
+
+
+def _decision_question(qa) -> tuple[dict, str]:
+    """(the System One question, its expected answer) of one demo question."""
+    if qa.kind == "exist":
+        return {"type": "noul", "instructions": qa.question}, qa.answer
+    if qa.kind == "count":
+        return {"type": "score", "instructions": qa.question, "criteria": list(qa.candidates)}, qa.answer
+    letters = list(qa.candidates)  # mc: A-D, the options written after the question by the decision template
+    stem = qa.question[: qa.question.index(f" {letters[0]} {qa.options[0]}")]
+    return {"type": "choice", "instructions": stem, "criteria": dict(zip(letters, qa.options, strict=True))}, qa.answer
+
+
+@register_task("demo-decisions", "the demo images as System One requests: exist, mc and count questions each",
+               splits=SPLITS)  # fmt: skip
+def demo_decision_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
+    """`limit` requests (default 100), one per image of the demo task's `split`, with three questions each."""
+    from trimvlm.demo import task as demo
+
+    n = limit if limit is not None else DEMO_DEFAULT_ITEMS // 3
+    items = []
+    for i, s in enumerate(demo.generate_split(split, n, seed=seed)):
+        asked = {qa.kind: _decision_question(qa) for qa in s.qas if qa.kind in DECISION_KINDS}
+        request = {"state": "<img>", "questions": {k: q for k, (q, _) in asked.items()}, "assets": {"<img>": s.image}}
+        items.append(DecisionItem(id=f"{split}-{seed}-{i}", request=request, answers={k: a for k, (_, a) in asked.items()}))
+    info = {"split": split, "seed": seed, "n_images": n, "questions_per_request": len(DECISION_KINDS)}
+    return Task(name="demo-decisions", records=items, max_new_tokens=1, info=info)
