@@ -129,3 +129,22 @@ def test_missing_extra_is_one_line(monkeypatch):
     with pytest.raises(MissingExtraError, match=r"pip install 'trimvlm\[serve\]'"):
         require()
     assert_one_line_error(run_cli("serve", "--model", "demo"), "pip install 'trimvlm[serve]'")
+
+
+def test_a_budgeted_batch_skips_waiting_jobs_of_other_keys():
+    """The budget's weight is asked only of the first job's key: waiting jobs of another endpoint (whose payload
+    has no weight) are passed over, not weighed (that used to raise on the model thread), and a job of the key
+    past them still joins."""
+    from trimvlm.serve.batching import Job
+
+    b = MicroBatcher(Recorder(), max_batch=8, max_wait_s=0.0)
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(key=k, payload=p, future=loop.create_future(), loop=loop)
+                for k, p in ((("chat", ""), 3), (("decide", ""), "no weight"), (("chat", ""), 4), (("chat", ""), 9))]  # fmt: skip
+        b._pending.extend(jobs[1:])
+        batch = b._collect(jobs[0], wait=False, weight=lambda j: j.payload, budget=8)
+    finally:
+        loop.close()
+    assert batch == [jobs[0], jobs[2]]  # 3 + 4 fit in 8, 9 does not
+    assert list(b._pending) == [jobs[1], jobs[3]]

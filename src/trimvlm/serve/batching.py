@@ -159,12 +159,15 @@ class MicroBatcher:
             return weight is None or used + weight(job) <= budget
 
         for job in list(self._pending):
-            if len(batch) >= room or not fits(job):
+            if len(batch) >= room:
                 break
-            if job.key == first.key:
-                self._pending.remove(job)
-                batch.append(job)
-                used += 0 if weight is None else weight(job)
+            if job.key != first.key:  # (a job of another endpoint may have no weight)
+                continue
+            if not fits(job):
+                break
+            self._pending.remove(job)
+            batch.append(job)
+            used += 0 if weight is None else weight(job)
         deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
         while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
