@@ -220,3 +220,17 @@ def test_budget_table(tmp_path):
     for col in ("tuned", "fastv", "naive"):
         assert 0 <= row[col]["accuracy"] <= 1 and finite_positive(row[col]["total_flops"])
     assert row["tuned"]["total_flops"] <= 0.75 + 0.05
+
+
+def test_recurrent_branch(tmp_path):
+    """Issue 20: both paths (chunked kernel, recurrent form) x both executors, the same scores (<= 1e-4) and the
+    same greedy tokens; the candidate phase really holds less memory in the recurrent form."""
+    data = run("recurrent_branch", tmp_path)
+    rows = {(r["path"], r["executor"]): r for r in data["rows"]}
+    assert set(rows) == {(p, e) for p in ("chunked", "recurrent") for e in ("batched", "tree")}
+    assert all(r["suffix_tokens"] == 8 and r["candidates"] == 8 for r in rows.values())
+    assert all(r["max_score_diff_vs_chunked"] <= 1e-4 for r in rows.values())
+    assert all(finite_positive(r["branch_s"], r["peak_branch_bytes"]) for r in rows.values())
+    for ex in ("batched", "tree"):
+        assert rows[("recurrent", ex)]["peak_branch_bytes"] < rows[("chunked", ex)]["peak_branch_bytes"]
+    assert all(d["same_tokens_as_chunked"] and finite_positive(d["decode_s"]) for d in data["decode"])

@@ -97,7 +97,9 @@ def test_layer_step_form_equals_the_module(tiny_adapter, t):
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(4, t, ad.text_config.hidden_size, generator=gen)
     for i in [j for j, kind in enumerate(ad.layer_types) if kind == LINEAR]:
-        sub = KVCache.branching([], pre.cache.states, owner, keep_final_states=True, num_layers=pre.cache.num_layers)
+        sub = KVCache.branching(
+            [], pre.cache.states, owner, keep_final_states=True, num_layers=pre.cache.num_layers
+        )
         with torch.no_grad():
             ref = ad._call(i, x, None, sub)
             got, states = ad._linear_steps(i, x, None, pre.cache.states[i], owner)
