@@ -2,7 +2,7 @@
 
 A `Benchmark` names its columns (those of the lmms-lab parquet copy), its probe kind, its metric, its prompt
 (the one lmms-eval gives it; `prompt` says it in words) and a `make(row, where)` that turns one row into the
-record's fields. `load_benchmark` finds the split in the local copy (`trimvlm.evals.tasks.layout`), checks the
+record's fields. `load_benchmark` finds the split in the local copy (`trimvlm.data.layout`), checks the
 columns, draws `limit` rows with `seed` (all rows without a limit; the drawn rows keep their file order),
 decodes their images under a progress bar and returns the Task.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.evals.tasks.base import PROBES, TASKS, Record, Task, TaskEntry, check_limit
-from trimvlm.evals.tasks.layout import ImageOpener, find_source, image_present, iter_images, read_columns
+from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 from trimvlm.progress import progress as progress_bar
 
 
@@ -129,7 +129,7 @@ def load_benchmark(
     seed: int = 0,
     progress: bool = True,
 ) -> Task:
-    """The Task of benchmark `bench` from its local copy at `data` (see trimvlm.evals.tasks.layout)."""
+    """The Task of benchmark `bench` from its local copy at `data` (see trimvlm.data.layout)."""
     limit = check_limit(limit)
     src = find_source(data, split, configs=bench.configs, default_split=bench.default_split, task=bench.name)
     absent = [c for c in bench.columns if c not in src.columns]

@@ -14,7 +14,7 @@ JSONL schema, one JSON object per line (blank lines and lines starting with `#` 
     prompt    the exact text given to the model (default: the question, plus options and an instruction)
 
 (A benchmark's own columns in JSONL + image files, read with `--task NAME --data PATH`, are another form:
-see `trimvlm.evals.tasks.layout`.)
+see `trimvlm.data.layout`.)
 """
 
 from __future__ import annotations
