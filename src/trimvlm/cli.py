@@ -431,7 +431,7 @@ def serve(
     max_body_mb: int = typer.Option(16, help="request body size limit, MiB"),
     decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
     max_prefill_tokens: int = typer.Option(
-        4096, help="prompt tokens admitted into one prefill between two decode steps (a longer prompt runs alone)"
+        4096, help="prompt tokens prefilled between two decode steps (a longer prompt is prefilled in chunks of this)"
     ),
     threads: int = typer.Option(1, help="torch threads (0: torch's default, all cores; docs/serving.md)"),
     vision_cache_mb: float = typer.Option(256, help="vision-feature cache bound, MiB (0: off; docs/serving.md)"),
@@ -439,6 +439,8 @@ def serve(
     request_cache_mb: float = typer.Option(256, help="prepared System One requests cache bound, MiB (0: off)"),
     log_level: str = typer.Option("info", help="uvicorn's log level"),
     access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
+    replicas: int = typer.Option(1, help="model replicas, a Ray Serve deployment behind one route (needs --ray)"),
+    ray: str | None = typer.Option(None, "--ray", help="run the replicas on Ray: local, auto or HOST:PORT"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -457,7 +459,8 @@ def serve(
         run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                    limits=limits, decision_config=decision_config, threads=threads,
                    vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
-                   load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log)  # fmt: skip
+                   load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
+                   replicas=replicas, ray=ray)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

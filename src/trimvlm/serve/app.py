@@ -4,6 +4,7 @@ needs the `serve` extra; `trimvlm.serve.require()` says so in one line)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import asynccontextmanager
 
@@ -77,7 +78,7 @@ def build_app(state: ServerState):
     @app.get("/health")
     async def health():
         body = {
-            "status": "ok" if state.batcher.alive else "unhealthy", "model": state.model_id,
+            "status": "ok" if state.batcher.alive else "unhealthy", "model": state.model_id, "pid": os.getpid(),
             "max_batch": state.batcher.max_batch, "max_wait_ms": state.batcher.max_wait_s * 1000,
         } | state.batcher.stats()  # fmt: skip
         return JSONResponse(body, status_code=200 if state.batcher.alive else 503)
@@ -85,28 +86,23 @@ def build_app(state: ServerState):
     return AccessLog(app, state.metrics)
 
 
-def serve(
+def make_state(
     model: str,
     *,
     recipe: str = "",
-    host: str = "127.0.0.1",
-    port: int = 8000,
     max_batch: int = 32,
     max_wait_ms: float = 10.0,
     limits: ServerLimits | None = None,
     decision_config=None,
     threads: int = 1,
     load_kw: dict | None = None,
-    log_level: str = "info",
-    access_log: bool = True,
     vision_cache_mb: float = 256,
     prefix_cache_mb: float = 512,
     request_cache_mb: float = 256,
-) -> None:
-    """Load `model`, check the server's recipe, and serve until interrupted."""
+) -> ServerState:
+    """Load `model` and check the server's options and recipe: what one server (or one replica) serves."""
     require()
     import torch
-    import uvicorn
 
     import trimvlm
 
@@ -114,8 +110,6 @@ def serve(
         raise InputError(f"--max-batch must be a positive integer, got {max_batch!r}")
     if not max_wait_ms >= 0:
         raise InputError(f"--max-wait-ms must be >= 0, got {max_wait_ms!r}")
-    if not 0 <= port <= 65535:
-        raise InputError(f"--port must be in 0..65535, got {port}")
     if threads:
         torch.set_num_threads(threads)
     vlm = trimvlm.load(model, **(load_kw or {}))
@@ -134,10 +128,41 @@ def serve(
         state.recipe(kind, None)
     except ApiError as e:
         raise InputError(f"--recipe: {e}") from e
+    return state
+
+
+def serve(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    access_log: bool = True,
+    replicas: int = 1,
+    ray: str | None = None,
+    **options,
+) -> None:
+    """Load `model`, check the server's options and recipe, and serve until interrupted: in this process
+    under uvicorn, or with `ray` (an address: auto, local, HOST:PORT) as `replicas` Ray Serve replicas behind
+    one HTTP route (serve/replicas.py). `options`: `make_state`'s."""
+    require()
+    import torch
+    import uvicorn
+
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {port}")
+    if ray is not None or replicas != 1:
+        from trimvlm.serve.replicas import serve_replicas
+
+        serve_replicas(model, replicas=replicas, ray_address=ray, host=host, port=port, log_level=log_level,
+                       access_log=access_log, **options)  # fmt: skip
+        return
+    state = make_state(model, **options)
+    limits, o = state.limits, options
     print(
-        f"trimvlm serve: {model} ({vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
-        f"max batch {max_batch}, max wait {max_wait_ms:g} ms, max prefill tokens {state.limits.max_prefill_tokens}, "
-        f"{torch.get_num_threads()} torch thread(s)",
+        f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
+        f"max batch {state.batcher.max_batch}, max wait {o.get('max_wait_ms', 10.0):g} ms, max prefill tokens "
+        f"{limits.max_prefill_tokens}, {torch.get_num_threads()} torch thread(s)",
         file=sys.stderr,
         flush=True,
     )
