@@ -13,6 +13,11 @@ executed candidate tokens, and the largest score difference to `independent`. Ti
 process; absolute CPU times mean little.
 
     .venv/bin/python benchmarks/scoring_scan.py --json scan.json [--quick] [--models qwen3_vl,qwen3_5]
+        [--threads 1] [--rounds 5] [--width 3b] [--grid full|small]
+
+`--width 3b` builds the random-weight models at the width of a real checkpoint (Qwen2.5-VL-3B: hidden 2048,
+16 heads, 2 KV heads; 4 layers so it runs in minutes) and scans the small grid by default (candidates {4, 64} x
+suffix tokens {8, 128} x shared {0, 75%} x both branchings = 16 conditions, the 64 x 128 x 75% ones included).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ CANDIDATES = [4, 8, 16, 64]
 LENGTHS = [8, 32, 128]
 SHARING = [0.0, 0.25, 0.5, 0.75]
 BRANCHING = ["flat", "two-level"]
+SMALL_GRID = ([4, 64], [8, 128], [0.0, 0.75])  # candidates, suffix tokens, shared content of `--grid small`
+WIDTHS = {  # --width: (hidden, heads, KV heads); `tiny` takes --hidden
+    "tiny": (None, 4, 2),
+    "3b": (2048, 16, 2),  # Qwen2.5-VL-3B's text width
+}
 GROUP = 4
 CONTENT = WORDS[20:]  # colour / shape / number words: no special tokens
 
@@ -70,10 +80,15 @@ def one_run(vlm, image, cands, executor, track=False):
 
 def scan_model(family: str, args) -> list[dict]:
     torch.manual_seed(0)
-    folder = tiny_checkpoint(family, tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers)
+    _, heads, kv_heads = WIDTHS[args.width]
+    folder = tiny_checkpoint(
+        family, tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=kv_heads
+    )
     vlm = VLM(load_adapter(folder))
     image = random_image(0, (128, 128))
     grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
+    if args.grid == "small":
+        grid = [g for g in grid if all(x in ok for x, ok in zip(g[:3], SMALL_GRID, strict=True))]
     if args.quick:  # two conditions: no sharing and 75% shared, 4 candidates of 8 tokens, flat
         grid = [g for g in grid if g[0] == 4 and g[1] == 8 and g[2] in (0.0, 0.75) and g[3] == "flat"]
     rows = []
@@ -193,13 +208,37 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="a smoke test in seconds: 2 conditions per model "
-                   "(4 candidates x 8 tokens, 0 and 75%% shared, flat), hidden 64, 2 layers, 1 round")
+    p.add_argument(
+        "--width",
+        choices=list(WIDTHS),
+        default="tiny",
+        help="tiny: --hidden, 4 heads, 2 KV heads; 3b: hidden 2048, 16 heads, 2 KV heads",
+    )
+    p.add_argument(
+        "--grid",
+        choices=["full", "small"],
+        default=None,
+        help="full: the 96 conditions; small: 16 of them (default with --width 3b)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test in seconds: 2 conditions per model "
+        "(4 candidates x 8 tokens, 0 and 75%% shared, flat), hidden 64, 2 layers, 1 round",
+    )
     args = p.parse_args(argv)
+    if args.width != "tiny":
+        args.hidden = WIDTHS[args.width][0]
+    args.grid = args.grid or ("full" if args.width == "tiny" else "small")
     if args.quick:
-        args.hidden, args.layers, args.rounds = 64, 2, 1
+        args.layers, args.rounds = 2, 1
+        args.hidden = 64 if args.width == "tiny" else args.hidden
     torch.set_num_threads(args.threads)
-    print(f"latencies: the median of {args.rounds} interleaved rounds per executor", flush=True)
+    print(
+        f"latencies: the median of {args.rounds} interleaved rounds per executor; hidden {args.hidden}, "
+        f"{args.layers} layers, {args.threads} thread(s), {args.grid} grid",
+        flush=True,
+    )
     rows = []
     for family in args.models.split(","):
         rows += scan_model(family, args)

@@ -20,12 +20,15 @@ import torch
 from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors import batched
+from trimvlm.scoring.executors.call_cost import call_cost
 from trimvlm.scoring.executors.common import Work, run_rows
-from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces
+from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces, recurrent_rows, worth_planning
 from trimvlm.scoring.trie import rows_tensor
 
 
-def schedule(pieces: list[Piece], order: list[int], device: torch.device | str = "cpu") -> TreeSchedule:
+def schedule(
+    pieces: list[Piece], order: list[int], device: torch.device | str = "cpu", short: int = 0
+) -> TreeSchedule:
     """`order`: piece ids in row order. Flat indices are into the [R * W] left-padded layout. Every tensor is
     made on `device` (the model's: the runner indexes its keys and states with them)."""
     width = max(len(pieces[p].nodes) for p in order)
@@ -42,21 +45,29 @@ def schedule(pieces: list[Piece], order: list[int], device: torch.device | str =
         anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
     ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
-    for level in range(1 + max(pieces[p].level for p in order)):
+    rrows = recurrent_rows(pieces, short)
+    for level in range(1 + max(level for _, level in rrows)):
         leaves, inner = [], defaultdict(list)
-        for p in order:
-            if pieces[p].level == level:
-                (inner[len(pieces[p].nodes)] if pieces[p].children else leaves).append(p)
+        for ids, lv in rrows:
+            if lv == level:
+                n = sum(len(pieces[p].nodes) for p in ids)
+                (inner[n] if pieces[ids[-1]].children else leaves).append(ids)
         for group, keep in [(leaves, False)] + [(g, True) for g in inner.values()]:
             if not group:
                 continue
-            nodes = rows_tensor([flat(p) for p in group], left=False, device=device)
+            nodes = rows_tensor(
+                [[i for p in ids for i in flat(p)] for ids in group], left=False, device=device
+            )
             calls.append(
                 RecurrentCall(
                     nodes=nodes,
-                    chain=torch.tensor(group, dtype=torch.long, device=device),
-                    parent=torch.tensor([pieces[p].parent for p in group], dtype=torch.long, device=device),
-                    owner=torch.tensor([pieces[p].request for p in group], dtype=torch.long, device=device),
+                    chain=torch.tensor([ids[-1] for ids in group], dtype=torch.long, device=device),
+                    parent=torch.tensor(
+                        [pieces[ids[0]].parent for ids in group], dtype=torch.long, device=device
+                    ),
+                    owner=torch.tensor(
+                        [pieces[ids[0]].request for ids in group], dtype=torch.long, device=device
+                    ),
                     keep=keep,
                 )
             )
@@ -65,21 +76,29 @@ def schedule(pieces: list[Piece], order: list[int], device: torch.device | str =
 
 
 def run(work: Work) -> torch.Tensor:
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
     ad = work.runner.adapter
     run = [t for i, t in enumerate(ad.layer_types) if i not in work.skip]
     mix = LayerMix(
         attention=sum(t == ATTENTION for t in run), recurrent=sum(t != ATTENTION for t in run),
-        chunk=ad.recurrent_chunk,
+        chunk=ad.recurrent_chunk, short=getattr(ad, "recurrent_max_len", 0),
     )  # fmt: skip
-    pieces = plan_pieces(work.forest, mix)
+    if worth_planning(work.forest):
+        mix.call_cost = call_cost(work, mix)  # measured once per model, device, threads and skip set
+    return run_pieces(work, plan_pieces(work.forest, mix))
+
+
+def run_pieces(work: Work, pieces: list[Piece]) -> torch.Tensor:
+    """Run one layout: exactly `batched` when it is one plain row per candidate, else the tree schedule."""
     if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
-        return batched.run(work)  # the layout is one plain row per candidate: exactly `batched`
+        return batched.run(work)
+    out = work.new_states(work.prefix.seq.hidden.shape[-1])
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long, device=work.device)
     cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
     cache.keep_kv = False
-    cache.tree = schedule(pieces, order, device=work.device)
+    cache.tree = schedule(
+        pieces, order, device=work.device, short=getattr(work.runner.adapter, "recurrent_max_len", 0)
+    )
     run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out

@@ -20,10 +20,13 @@ from trimvlm.scoring.trie import Forest
 
 ALPHA = 1 / 16  # cost of one gathered ancestor entry, in token slots
 MIN_SHARED = 1.02  # below this logical / unique ratio the candidates run as plain rows (no planning)
-# An extra kernel call (the ancestor part of an attention layer, one more recurrent call) costs about as much
-# as this many token slots of a layer on the tiny CPU models of benchmarks/scoring_scan.py (~0.7 ms per layer
-# against ~15 us per token): a layout that saves fewer slots runs as plain rows.
+# What an extra kernel call (the ancestor part of an attention layer, one more recurrent call) costs, in token
+# slots of a layer. The executor measures it on the model at first use (`executors/call_cost.py`); this is
+# the default when nothing is measured (~0.7 ms per layer against ~15 us per token on the tiny CPU models).
 CALL_COST = 64
+# A merged layout is taken only when it is predicted to cost at most (1 - MARGIN) x the plain rows, calls
+# included: a merge that saves less than that is within the model's error and may not pay.
+MARGIN = 0.05
 
 
 @dataclass
@@ -56,61 +59,144 @@ class LayerMix:
     attention: int = 1
     recurrent: int = 0
     chunk: int = 1
+    short: int = 0  # recurrent calls of at most this many tokens run at their own length (no chunk padding)
+    call_cost: float = CALL_COST  # token slots one extra kernel call costs (measured: executors/call_cost.py)
+
+    def padded(self, n: int) -> int:
+        """The slots a recurrent call of n tokens per row runs per row."""
+        return n if n <= self.short else -(-n // self.chunk) * self.chunk
 
 
 def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
-    """The cheapest layout over the candidate widths (every chain length and every candidate's path length):
-    for each width, absorb greedily, then cost the rows cut at that width; plain rows (one per candidate, the
-    `batched` layout) when they cost less over the executed layers once every extra call is counted."""
+    """The cheapest layout over the executed layers: plain rows (one per candidate, the `batched` layout), or
+    the trie's merged layout (`merged_layout`) when it is predicted to cost at most (1 - MARGIN) x the plain
+    rows once every extra kernel call is counted."""
     mix = mix or LayerMix()
     plain = [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
     saved = f.logical_tokens - f.num_nodes  # the most any merged layout can save per layer
-    if f.logical_tokens < MIN_SHARED * f.num_nodes or saved <= CALL_COST:
+    if not worth_planning(f) or saved <= mix.call_cost:
         return plain
-    merged = merged_layout(f)
-    return plain if layout_cost(plain, f, mix) <= layout_cost(merged, f, mix) else merged
+    limit = (1 - MARGIN) * layout_cost(plain, f, mix)
+    if merged_floor(f, mix) > limit:  # no merged layout can pay: skip planning one
+        return plain
+    merged = merged_layout(f, mix)
+    return merged if layout_cost(merged, f, mix) <= limit else plain
+
+
+def merged_floor(f: Forest, mix: LayerMix) -> float:
+    """A lower bound of `layout_cost` for any merged layout that has ancestors: every unique node once per
+    layer; in a recurrent layer at least the unique nodes and at least each leaf chain's own row padded to the
+    kernel's chunk (leaf rows are disjoint); one extra call per layer."""
+    leaves = sum(mix.padded(len(c.nodes)) for c in f.chains if not c.children)
+    slots = mix.attention * f.num_nodes + mix.recurrent * max(f.num_nodes, leaves)
+    return slots + mix.call_cost * (mix.attention + mix.recurrent)
+
+
+def worth_planning(f: Forest) -> bool:
+    """Whether the trie merges enough (logical / unique >= MIN_SHARED) for a merged layout to be costed."""
+    return f.logical_tokens >= MIN_SHARED * f.num_nodes
 
 
 def layout_cost(pieces: list[Piece], f: Forest, mix: LayerMix) -> float:
-    """Token slots (plus CALL_COST per extra kernel call) of one pass of the layout: an attention layer runs
-    the padded [rows, width] layout once, gathers the ancestors, and makes one more call when there are any; a
-    recurrent layer runs each level's rows (leaves in one call, rows with children one call per length), each
-    row padded to its call's length rounded up to the kernel's chunk."""
+    """Token slots of one pass of the layout, plus `mix.call_cost` per kernel call beyond the one a plain
+    layer makes (`layout_price`)."""
+    slots, calls = layout_price(pieces, f, mix)
+    return slots + mix.call_cost * calls
+
+
+def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, float]:
+    """(token slots, extra kernel calls) of one pass of the layout over the executed layers. An attention
+    layer runs the padded [rows, width] layout once, gathers the ancestors, and makes one more call when there
+    are any. A recurrent layer runs the recurrent rows (`recurrent_rows`: pieces joined along single-child
+    links) level by level, the leaves in one call and rows with children one call per length, each row padded
+    to its call's length rounded up to the kernel's chunk; plain rows (no parents) make one call per length,
+    as the runner groups rows by their count of valid tokens."""
     w = max_len(pieces)
     ancestors = [f.depth[p.nodes[0]] for p in pieces]
-    attention = len(pieces) * w + ALPHA * sum(ancestors) + CALL_COST * any(a > 0 for a in ancestors)
+    tree = any(a > 0 for a in ancestors)
+    att_slots, att_calls = len(pieces) * w + ALPHA * sum(ancestors), float(tree)
     calls: dict[tuple, list[int]] = {}
-    for p in pieces:
-        key = (p.level, len(p.nodes) if p.children else 0)
-        calls.setdefault(key, []).append(len(p.nodes))
-    recurrent = sum(len(n) * (-(-max(n) // mix.chunk) * mix.chunk) + CALL_COST for n in calls.values())
-    return mix.attention * attention + mix.recurrent * (recurrent - CALL_COST)
+    if tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
+        for ids, level in recurrent_rows(pieces, mix.short):
+            n = sum(len(pieces[p].nodes) for p in ids)
+            calls.setdefault((level, n if pieces[ids[-1]].children else 0), []).append(n)
+    else:
+        for p in pieces:
+            calls.setdefault((0, len(p.nodes)), []).append(len(p.nodes))
+    rec_slots = sum(len(n) * mix.padded(max(n)) for n in calls.values())
+    return (
+        mix.attention * att_slots + mix.recurrent * rec_slots,
+        mix.attention * att_calls + mix.recurrent * (len(calls) - 1),
+    )
+
+
+def recurrent_rows(pieces: list[Piece], short: int = 0) -> list[tuple[list[int], int]]:
+    """The rows a recurrent layer runs: (piece ids in order, level), parents' rows before their children's. A
+    piece with exactly one child continues into it (the same recurrence, nothing else starts from the state in
+    between), so a row ends at a fork or a leaf — except that pieces the kernel runs at their own length (at
+    most `short` tokens) are not joined past that length; a row's level counts the rows above it."""
+    out: list[tuple[list[int], int]] = []
+    todo = [(p, 0) for p, piece in enumerate(pieces) if piece.parent < 0]
+    while todo:
+        nxt = []
+        for p, level in todo:
+            ids, n = [p], len(pieces[p].nodes)
+            while len(pieces[ids[-1]].children) == 1:
+                c = pieces[ids[-1]].children[0]
+                m = len(pieces[c].nodes)
+                if short and n + m > short and min(n, m) <= short:
+                    break
+                ids.append(c)
+                n += m
+            out.append((ids, level))
+            nxt += [(c, level + 1) for c in pieces[ids[-1]].children]
+        todo = nxt
+    return out
 
 
 def max_len(pieces: list[Piece]) -> int:
     return max(len(p.nodes) for p in pieces)
 
 
-def merged_layout(f: Forest) -> list[Piece]:
-    """The trie layout: absorbed and cut at the best width (never plain rows)."""
+WIDTHS = 3  # widths whose layouts are costed over the executed layers (the best by padded slots)
+
+
+def merged_layout(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
+    """The trie layout (never plain rows): at every candidate width (each chain length and each candidate's
+    path length), the chains absorbed greedily (`_absorb`) and cut at that width; the WIDTHS best by padded
+    slots are then costed over the executed layers (`layout_cost`) with and without absorption — an absorbed
+    chain runs again in every child in every layer, which a recurrent layer may pay more for than the row it
+    saves — and the cheapest is taken."""
+    mix = mix or LayerMix()
     widths = {len(c.nodes) for c in f.chains} | {len(p) for req in f.paths for p in req}
-    best = None
+    if mix.recurrent and mix.short:  # widths whose pieces the recurrent kernel runs at their own length
+        widths |= {mix.short} | {-(-n // k) for n in widths for k in (2, 3) if n > mix.short}
+        widths = {w for w in widths if w > 0}
+    ranked = []
     for w in sorted(widths, reverse=True):
         rows, kept = _absorb(f, w)
         cost = row_cost([len(rows[r].nodes) for r in kept], [f.depth[rows[r].nodes[0]] for r in kept], w)
-        if best is None or cost < best[0]:
-            best = (cost, w, rows, kept)
-    _, w, rows, kept = best
-    return _cut(rows, kept, w)
+        ranked.append((cost, -w, rows, kept))
+    ranked.sort(key=lambda t: t[:2])
+    best = None
+    for _, w, rows, kept in ranked[:WIDTHS]:
+        options = [_cut(rows, kept, -w)]
+        if len(kept) < len(f.chains):  # something was absorbed: the same width without absorbing
+            options.append(_cut(*_absorb(f, -w, absorb=False), -w))
+        for pieces in options:
+            cost = layout_cost(pieces, f, mix)
+            if best is None or cost < best[0]:
+                best = (cost, pieces)
+    return best[1]
 
 
-def _absorb(f: Forest, w: int) -> tuple[list[Piece], list[int]]:
+def _absorb(f: Forest, w: int, absorb: bool = True) -> tuple[list[Piece], list[int]]:
     """Chains as rows; absorb a chain into its children wherever that lowers the cost at width w (cheapest
-    duplications first). Returns the rows and the ids of those kept."""
+    duplications first; none with absorb=False). Returns the rows and the ids of those kept."""
     rows = [Piece(list(c.nodes), c.parent, c.request, children=list(c.children)) for c in f.chains]
     alive = [True] * len(rows)
     order = sorted(
-        (r for r, p in enumerate(rows) if p.children),
+        (r for r, p in enumerate(rows) if p.children and absorb),
         key=lambda r: len(rows[r].nodes) * len(rows[r].children),
     )
     for r in order:
