@@ -110,3 +110,22 @@ def test_select_a_token_method_and_a_price(trained):
         vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:select=fastv@5", max_new_tokens=1)
     with pytest.raises(RecipeError, match="price"):
         vlm.generate(None, "hi", recipe=f"router={out}:budget=0.8:price=cheap", max_new_tokens=1)
+
+
+def test_anchored_layouts_include_every_static_layout():
+    """An anchor (S, tau): tau = inf is the static layout S for every input; a finite tau lets an input run a
+    layer of S, or skip one outside it, where its logit departs from the training mean by more than tau; the
+    calibration takes an anchor where it has the smallest KL at the budget."""
+    from trimvlm.router.budget import calibrate
+
+    data = {"keeps": [0.5, 1.0], "subsets": [[], [3], [4], [3, 4]], "max_skip": 2,
+            "cost": [[0.8, 0.7, 0.7, 0.6], [1.0, 0.9, 0.9, 0.8]],
+            "z": [[0.0, 0.0], [0.0, 0.0]], "candidate_layers": [3, 4],
+            # per input [keep][subset]: dropping tokens costs KL, skipping layer 4 little, layer 3 much
+            "kl": [[[3.0, 8.0, 3.1, 9.0], [0.0, 5.0, 0.1, 6.0]]] * 2}  # fmt: skip
+    table = BudgetTable(data)
+    z = torch.tensor([[0.0, 0.0], [3.0, 0.0], [0.0, -3.0]])
+    assert table.skip(z, [3, 4], 0.5, ((4,), float("inf"))) == [(4,), (4,), (4,)]
+    assert table.skip(z, [3, 4], 0.5, ((3,), 2.0)) == [(3,), (), (3, 4)]  # runs 3 at z=+3, skips 4 at z=-3
+    (budget, keep, policy), = calibrate(table, table.z, [3, 4], table.kl_at, [0.9])
+    assert policy == ((4,), float("inf")) and table.mean_cost(table.z, [3, 4], keep, policy) <= 0.9 + 1e-9

@@ -9,9 +9,14 @@ total-FLOP ratio). Then, per input:
   layer j is skipped while -z_j > lambda_B * dc_j, dc_j the total-FLOP ratio that skipping it saves at keep
   k_B; at most `max_skip` layers. Skipping no layer is a choice like any other, and a single input may spend
   more or less than B.
-The calibration (`calibrate`) picks (k_B, lambda_B) on the training inputs: for every lambda of a grid, the
-keep whose mean cost over those inputs (with the layers each input would skip) equals B, and of those pairs the
-one with the smallest mean measured KL to the unpruned model (the training layouts' costs, interpolated in k).
+Or the layers follow an anchor (S, tau): the static skip set S, from which an input deviates only where the
+router's logit departs from its mean over the training inputs by more than tau (a layer of S is run for an
+input whose z_j - mean_j > tau, a layer outside S skipped where z_j - mean_j < -tau). tau = inf is the static
+layout S itself, so the router's choices include every static layout a fixed recipe could take.
+The calibration (`calibrate`) picks (k_B, lambda_B) on the training inputs: for every lambda of a grid and every
+anchor (S, tau) of a grid, the keep whose mean cost over those inputs (with the layers each input would skip)
+equals B, and of those the one with the smallest mean measured KL to the unpruned model (the training layouts'
+costs, interpolated in k).
 Costs: `cost[k, subset]`, the predicted total-FLOP ratio of keeping k and skipping that subset (prefill
 prediction, `tune.predict`, on the training inputs; the router's own FLOPs added). At B >= 1 nothing is pruned.
 """
@@ -53,7 +58,7 @@ class BudgetTable:
         if not router_runs:
             self.cost = [[c - share for c in row] for row in self.cost]
         self.max_skip = int(data["max_skip"])
-        self.choices = {float(b): (float(k), float(lam)) for b, k, lam in data.get("choices", [])}
+        self.choices = {float(b): (float(k), _policy(lam)) for b, k, lam in data.get("choices", [])}
         if data.get("z") is not None:  # calibrated on demand, keyed (budget, price)
             self.choices = {(b, None): c for b, c in self.choices.items()}
         self.z = None if data.get("z") is None else torch.tensor(data["z"], dtype=torch.float64)  # [X, N]
@@ -86,8 +91,11 @@ class BudgetTable:
         lams = [self.choices[b][1] for b in grid]
         return interp(grid, ks, budget), interp(grid, lams, budget)
 
-    def skip(self, z_l: torch.Tensor, cand: list[int], keep: float, lam: float) -> list[tuple[int, ...]]:
-        """Per row of layer logits z_l [B, N]: the candidate layers it skips (the threshold rule above)."""
+    def skip(self, z_l: torch.Tensor, cand: list[int], keep: float, lam) -> list[tuple[int, ...]]:
+        """Per row of layer logits z_l [B, N]: the candidate layers it skips (the threshold rule above, or the
+        anchor (S, tau) when `lam` is one)."""
+        if isinstance(lam, tuple):
+            return self._anchored(z_l, cand, *lam)
         out = []
         for row in z_l.tolist():
             order = sorted(range(len(cand)), key=lambda j: (row[j], j))  # the lowest keep logit first
@@ -98,6 +106,16 @@ class BudgetTable:
                     chosen.append(cand[j])
                 else:
                     break
+            out.append(tuple(sorted(chosen)))
+        return out
+
+    def _anchored(self, z_l: torch.Tensor, cand: list[int], static: tuple, tau: float) -> list[tuple[int, ...]]:
+        mean = self.z.mean(0) if self.z is not None else torch.zeros(len(cand), dtype=torch.float64)
+        out = []
+        for row in (z_l.double() - mean).tolist():
+            chosen = [c for j, c in enumerate(cand) if (row[j] <= tau if c in static else row[j] < -tau)]
+            if len(chosen) > self.max_skip:  # the lowest logits first, as the threshold rule takes them
+                chosen = sorted(chosen, key=lambda c: (row[cand.index(c)], c))[: self.max_skip]
             out.append(tuple(sorted(chosen)))
         return out
 
@@ -113,6 +131,18 @@ class BudgetTable:
 # prices (nats per unit of total-FLOP ratio); negative: skip even layers the router would keep, down to
 # max_skip, so that tight budgets are reachable; inf: skip nothing
 LAMBDAS = (-math.inf, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
+# anchor deviations (logit units away from the training mean); inf: the static layout
+TAUS = (math.inf, 4.0, 2.0, 1.0, 0.5)
+
+
+def _policy(lam):
+    """A stored price (a number) or anchor ([subset, tau])."""
+    return (tuple(lam[0]), float(lam[1])) if isinstance(lam, list | tuple) else float(lam)
+
+
+def policies(table: BudgetTable) -> list:
+    """What `calibrate` chooses among by default: every price of the grid and every anchor (S, tau)."""
+    return [*LAMBDAS, *((tuple(sub), tau) for sub in table.subsets for tau in TAUS)]
 
 
 def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=None) -> list[tuple[float, float, float]]:
@@ -121,7 +151,7 @@ def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=No
     out = []
     for b in budgets:
         best = None
-        for lam in lambdas or LAMBDAS:
+        for lam in lambdas or policies(table):
             lo, hi = table.keeps[0], 1.0
             if table.mean_cost(z, cand, lo, lam) > b:
                 continue
