@@ -196,3 +196,33 @@ def test_no_caches_when_the_flags_are_0():
     state = ServerState(trimvlm.load("demo"), model_id="demo", vision_cache_mb=0, prefix_cache_mb=0,
                         request_cache_mb=0)  # fmt: skip
     assert state.cache_stats() == {"vision": None, "prefix": None, "request": None}
+
+
+@pytest.mark.parametrize("request_cache_mb", [256, 0])
+def test_identical_requests_of_one_batch_are_computed_once(plain, monkeypatch, request_cache_mb):
+    """Request coalescing: a batch of [A, A, B] runs A once (two requests reach the decision run) with the
+    request cache on; the copy has A's answers and no FLOPs or KV of its own. With the cache off nothing is
+    coalesced (three requests run). Every answer equals vlm.decide alone."""
+    need_extra("fastapi", "uvicorn", "prometheus_client")
+    from trimvlm import decision
+    from trimvlm.serve import systemone
+    from trimvlm.serve.state import ServerState
+
+    state = ServerState(trimvlm.load("demo"), model_id="demo", vision_cache_mb=0, prefix_cache_mb=0,
+                        request_cache_mb=request_cache_mb)  # fmt: skip
+    bodies = [request(1), request(1), request(2)]
+    jobs = []
+    for body in bodies:
+        prepared, _, key = systemone.prepare_cached(state, body)
+        jobs.append(systemone.DecideJob(prepared, None, key))
+    ran, real = [], decision.run
+    monkeypatch.setattr(decision, "run", lambda vlm, reqs, plan: ran.append(len(reqs)) or real(vlm, reqs, plan))
+    out = systemone.run(state, ("decide", "baseline"), jobs)
+    on = request_cache_mb > 0
+    assert ran == [2 if on else 3]
+    assert [c for _, _, c in out] == [False, on, False]
+    for (answers, _, _), ref in zip(out, plain.decide(bodies), strict=True):
+        assert_same(answers, ref)
+    copy = out[1][1].usage()
+    assert (copy["total_flops"] == 0 and copy["kv_bytes"] == 0) if on else copy["total_flops"] > 0
+    assert out[0][1].usage()["total_flops"] > 0

@@ -19,6 +19,7 @@ the connection while it is queued is never computed (`reply.unless_gone`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -33,6 +34,7 @@ from trimvlm.serve.reply import ClientGone, unless_gone
 class DecideJob:
     prepared: object  # decision.PreparedRequest
     recipe: object  # the parsed recipe (the batch key holds its label)
+    body: bytes | None = None  # the request cache's key of its body (None: the cache is off, never coalesced)
 
 
 async def handle(state, request) -> dict:
@@ -48,10 +50,10 @@ async def _handle(state, request, arrival) -> dict:
     model = state.model_name(body)
     recipe = state.recipe("decide", extension)
     body.pop("model", None)
-    prepared, hit = await state.prepare(prepare_cached, state, body)
-    job = state.batcher.enqueue(("decide", recipe.label), DecideJob(prepared, recipe.recipe), arrival)
+    prepared, hit, key = await state.prepare(prepare_cached, state, body)
+    job = state.batcher.enqueue(("decide", recipe.label), DecideJob(prepared, recipe.recipe, key), arrival)
     try:  # a client that has gone while its request is queued: the request is never computed
-        answers, costs = await unless_gone(request, state.result(job))
+        answers, costs, coalesced = await unless_gone(request, state.result(job))
     except ClientGone:
         stage = "running" if job.started else "queued"  # a batch that has started runs to its end
         job.cancel()
@@ -59,16 +61,16 @@ async def _handle(state, request, arrival) -> dict:
         from fastapi.responses import Response
 
         return Response(status_code=499)  # nobody reads it
-    usage = costs.usage() | cache_usage(state) | {"request_cached": hit}
+    usage = costs.usage() | cache_usage(state) | {"request_cached": hit, "request_coalesced": coalesced}
     usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
               "server_latency_s": time.perf_counter() - t0}  # fmt: skip
     return {"model": model, "answers": answers, "usage": usage}
 
 
 def prepare_cached(state, body: dict):
-    """(`decision.prepare_request` of the body, whether it was found): through the server's request cache when
-    it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or tokenized again
-    (its `preprocess_s` is the lookup's)."""
+    """(`decision.prepare_request` of the body, whether it was found, its key): through the server's request
+    cache when it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or
+    tokenized again (its `preprocess_s` is the lookup's)."""
     from trimvlm.decision import prepare_request
 
     t0 = time.perf_counter()
@@ -76,16 +78,20 @@ def prepare_cached(state, body: dict):
     key = None if cache is None else digest("request", json.dumps(body, sort_keys=True, ensure_ascii=False))
     found = None if key is None else cache.get(key)
     if found is not None:
-        return dataclasses.replace(found, seconds=time.perf_counter() - t0), True
-    prepared = prepare_request(state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision())
+        return dataclasses.replace(found, seconds=time.perf_counter() - t0), True, key
+    prepared = prepare_request(
+        state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision()
+    )
     if key is not None:
         cache.put(key, prepared, nbytes([(p.inputs, p.marks) for p in prepared.prompts]))
-    return prepared, False
+    return prepared, False, key
 
 
 def cache_usage(state) -> dict:
     """The caches' sizes now, for an answer's `usage` (0 for a cache that is off)."""
-    return {f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()}
+    return {
+        f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()
+    }
 
 
 def request_model():
@@ -123,10 +129,42 @@ def check_schema(state, body: dict) -> None:
 
 
 def run(state, key, jobs: list[DecideJob]) -> list:
-    """On the model thread: every prompt of every request in one forward."""
+    """On the model thread: every prompt of every request in one forward; (answers, costs, coalesced) per job.
+
+    Identical requests of one batch (the same body, by the request cache's key, and the same recipe: the batch
+    key) are computed once (request coalescing): the copies get the same answers, and, as for a cache hit,
+    costs of what ran for them: no FLOPs and no KV bytes of their own (`request_coalesced`). With the request
+    cache off, nothing is coalesced."""
     from trimvlm.decision import run as run_decisions
     from trimvlm.plan import decision_plan
 
+    first: dict[object, int] = {}  # body key -> index of its first job among the jobs run
+    runs, which = [], []
+    for j in jobs:
+        k = object() if j.body is None else j.body
+        if k not in first:
+            first[k] = len(runs)
+            runs.append(j)
+        which.append(first[k])
     plan = decision_plan(jobs[0].recipe, state.vlm.runner)
-    result = run_decisions(state.vlm, [j.prepared for j in jobs], plan)
-    return list(zip(result.answers, result.usage, strict=True))
+    result = run_decisions(state.vlm, [j.prepared for j in runs], plan)
+    out = []
+    for pos, (i, j) in enumerate(zip(which, jobs, strict=True)):
+        answers, costs = result.answers[i], result.usage[i]
+        copied = which.index(i) != pos  # not the job it was computed for
+        if copied:
+            answers = copy.deepcopy(answers)
+            costs = dataclasses.replace(costs, preprocess_s=j.prepared.seconds, **FREE)
+        out.append((answers, costs, copied))
+    return out
+
+
+# what a coalesced copy of a request did not cost
+FREE = {
+    "vision_flops": 0,
+    "layer_flops": 0,
+    "readout_flops": 0,
+    "method_flops": 0,
+    "kv_bytes": 0,
+    "state_bytes": 0,
+}
