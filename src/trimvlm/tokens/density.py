@@ -18,10 +18,12 @@ from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
-def view_density(view, window: int = 3) -> torch.Tensor:
+def view_density(view, window: int = 3, xn: torch.Tensor | None = None) -> torch.Tensor:
     """rho [U, N] of every token of a VisualView (each image on its own grid; grids of different sizes are
-    padded into one [U, Hmax, Wmax, d] tensor with a mask, one vectorised call). 0 on pads."""
+    padded into one [U, Hmax, Wmax, d] tensor with a mask, one vectorised call). 0 on pads. `xn`: the view's
+    features already unit-normalised (the selection's copy, so they are normalised once)."""
     u, n, d = view.features.shape
+    feats, normed = (view.features, False) if xn is None else (xn, True)
     hmax, wmax = (int(v) for v in view.grid.amax(0).tolist())
     full = bool((view.n == hmax * wmax).all()) and bool((view.grid == view.grid[:1]).all())
     if (
@@ -30,19 +32,20 @@ def view_density(view, window: int = 3) -> torch.Tensor:
         and torch.equal(view.cells, torch.arange(n, device=view.cells.device).expand(u, n))
     ):
         # every unit is a complete grid of the same size, in grid order: no scatter needed
-        return spatial_density(view.features.reshape(u, hmax, wmax, d), window).reshape(u, n)
+        return spatial_density(feats.reshape(u, hmax, wmax, d), window, normalized=normed).reshape(u, n)
     w = view.grid[:, 1:2]
     cells = view.cells.clamp(min=0)
     flat = (cells // w) * wmax + cells % w  # position in the padded [Hmax, Wmax] grid
     flat = torch.where(view.mask, flat, hmax * wmax)  # pads go to a spare slot
-    dt = torch.promote_types(view.features.dtype, torch.float32)
-    grid = view.features.new_zeros(u, hmax * wmax + 1, d, dtype=dt)
+    dt = torch.promote_types(feats.dtype, torch.float32)
+    grid = feats.new_zeros(u, hmax * wmax + 1, d, dtype=dt)
     rows = torch.arange(u, device=flat.device)[:, None].expand(u, n)
-    grid[rows[view.mask], flat[view.mask]] = view.features[view.mask].to(dt)
+    grid[rows[view.mask], flat[view.mask]] = feats[view.mask].to(dt)
     gmask = torch.zeros(u, hmax * wmax + 1, dtype=torch.bool, device=view.mask.device)
     gmask[rows[view.mask], flat[view.mask]] = True
     rho = spatial_density(
-        grid[:, :-1].reshape(u, hmax, wmax, d), window, mask=gmask[:, :-1].reshape(u, hmax, wmax)
+        grid[:, :-1].reshape(u, hmax, wmax, d), window, mask=gmask[:, :-1].reshape(u, hmax, wmax),
+        normalized=normed,
     )
     return rho.reshape(u, hmax * wmax).gather(1, flat.clamp(max=hmax * wmax - 1)).masked_fill(~view.mask, 0.0)
 
@@ -51,12 +54,12 @@ def density_select(
     view: VisualView, *, beta: float, window: int, select: str = "fps", track_nearest: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """TwinPrune's selection on a view: (keep [U, N] bool, nearest kept [U, N] or None, rho [U, N])."""
-    rho = view_density(view, window)
+    dt = torch.promote_types(view.features.dtype, torch.float32)
+    xn = F.normalize(view.features.to(dt), dim=-1, eps=1e-12)  # once, for rho and the selection
+    rho = view_density(view, window, xn)
     rt = masked_minmax(rho, view.mask)
     if select == "topk":
         return topk_mask(rt, view.k, view.mask), None, rho
-    dt = torch.promote_types(view.features.dtype, torch.float32)
-    xn = F.normalize(view.features.to(dt), dim=-1, eps=1e-12)
     first = rt.argmax(1)
     tilt = (beta * rt.masked_fill(~view.mask, 0.0)).to(dt)
     picks, nearest = farthest_point(xn, view.mask, view.k, tilt, first, track_nearest=track_nearest)
