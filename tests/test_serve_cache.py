@@ -226,3 +226,25 @@ def test_identical_requests_of_one_batch_are_computed_once(plain, monkeypatch, r
     copy = out[1][1].usage()
     assert (copy["total_flops"] == 0 and copy["kv_bytes"] == 0) if on else copy["total_flops"] > 0
     assert out[0][1].usage()["total_flops"] > 0
+
+
+def test_a_large_tensor_is_hashed_once_while_it_lives_unchanged(monkeypatch):
+    """The key of a large tensor is remembered for that tensor: asked again it is not hashed again; a copy has
+    the same key; written in place, it is hashed again (a new key); freed, it is forgotten."""
+    import gc
+
+    from trimvlm.runtime import lru
+
+    t = torch.randn(256, 256)
+    key = lru.digest("x", t)
+    hashed = []
+    real = lru._bytes
+    monkeypatch.setattr(lru, "_bytes", lambda x: hashed.append(x.numel()) or real(x))
+    assert lru.digest("x", t) == key and hashed == []  # remembered
+    assert lru.digest("x", t.clone()) == key and hashed == [t.numel()]  # same bytes, same key
+    t.add_(1)
+    assert lru.digest("x", t) != key and len(hashed) == 2  # written in place: hashed again
+    ident = id(t)
+    del t
+    gc.collect()
+    assert ident not in lru._memo

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -15,18 +16,39 @@ from trimvlm.errors import InputError
 MiB = 1024 * 1024
 
 
+MEMO_BYTES = 1 << 16  # a tensor this large is hashed once while it lives unchanged (`_tensor_digest`)
+_memo: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version, its digest)
+
+
 def digest(*parts) -> bytes:
     """A 128-bit key over strings, ints and tensors (a tensor by its dtype, shape and bytes)."""
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
         if isinstance(p, torch.Tensor):
-            t = p.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(f"{p.dtype}{tuple(p.shape)}".encode())
+            h.update(_tensor_digest(p) if p.nbytes >= MEMO_BYTES else _bytes(p))
         else:
             h.update(repr(p).encode())
         h.update(b"\x00")
     return h.digest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    """The digest of a large tensor's bytes, remembered for that very tensor until it is freed or written in
+    place (torch's version counter): a request found in the request cache brings the same pixel tensors back,
+    and its prefix key is then not hashed over its images' pixels again."""
+    hit = _memo.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    d = hashlib.blake2b(_bytes(t), digest_size=16).digest()
+    key = id(t)
+    _memo[key] = (weakref.ref(t, lambda _ref, k=key: _memo.pop(k, None)), t._version, d)
+    return d
 
 
 def nbytes(value) -> int:
