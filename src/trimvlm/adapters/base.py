@@ -320,8 +320,11 @@ class Adapter:
     # ---- shared behaviour ----
     @property
     def layer_types(self) -> list[str]:
-        types = getattr(self.text_config, "layer_types", None)
-        return list(types) if types else [ATTENTION] * len(self.layers)
+        """Per decoder layer its type (read once: the runner asks for it at every layer of every step)."""
+        if getattr(self, "_layer_types", None) is None:
+            types = getattr(self.text_config, "layer_types", None)
+            self._layer_types = list(types) if types else [ATTENTION] * len(self.layers)
+        return self._layer_types
 
     @property
     def num_layers(self) -> int:
@@ -566,11 +569,13 @@ class Adapter:
 
     def layer_flops(self, i: int, batch: int, q: int, k: int) -> int:
         """Matmul FLOPs of layer i for `batch` rows of q queries over k keys (2 per multiply-add)."""
-        cfg = self.text_config
         flops = 2 * batch * q * self._linear_macs[i]
         if self.layer_types[i] == ATTENTION:
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            flops += 4 * batch * cfg.num_attention_heads * q * k * head_dim
+            if getattr(self, "_score_macs", None) is None:  # heads x head_dim, read from the config once
+                cfg = self.text_config
+                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                self._score_macs = cfg.num_attention_heads * head_dim
+            flops += 4 * batch * q * k * self._score_macs
         else:
             flops += self.linear_layer_core_flops(i, batch, q)
         return flops

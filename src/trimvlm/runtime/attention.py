@@ -285,19 +285,24 @@ def use_trimvlm_attention(configs):
     inside; the first one in saves its implementation and selects trimvlm's, the last one out restores it."""
     configs = list({id(c): c for c in configs}.values())
     with _SELECT_LOCK:
-        saved = {id(c): c._attn_implementation for c in configs if id(c) not in _SELECTED}  # before any set
+        new = [c for c in configs if id(c) not in _SELECTED]
+        saved = {id(c): c._attn_implementation for c in new}  # before any set
         for c in configs:
             _SELECTED.setdefault(id(c), [c, saved.get(id(c)), 0])[2] += 1
+        for c in new:  # a nested run (a decode step inside generate's selection) sets nothing again
             c._attn_implementation = NAME
     try:
         yield
     finally:
         with _SELECT_LOCK:
+            restored = False
             for c in configs:
                 entry = _SELECTED[id(c)]
                 entry[2] -= 1
                 if entry[2] == 0:
                     del _SELECTED[id(c)]
                     c._attn_implementation = entry[1]
-            for c, _, _ in _SELECTED.values():  # a restore reaches sub-configs; keep the held ones selected
-                c._attn_implementation = NAME
+                    restored = True
+            if restored:  # a restore reaches sub-configs; keep the held ones selected
+                for c, _, _ in _SELECTED.values():
+                    c._attn_implementation = NAME

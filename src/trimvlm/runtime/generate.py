@@ -15,6 +15,7 @@ import torch
 
 from trimvlm.errors import InputError
 from trimvlm.options import is_int, is_number
+from trimvlm.runtime.attention import use_trimvlm_attention
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.runner import Runner
@@ -142,7 +143,8 @@ def generate(
     lengths = torch.zeros(b, dtype=torch.long, device=dev)
     live = torch.arange(b, device=dev)  # rows of the batch still decoding, in cache order
     rows, logits = Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), out.logits
-    with meter.timer("decode"):
+    # one attention selection for the whole loop (each step's own is then a counter, nothing set again)
+    with meter.timer("decode"), use_trimvlm_attention(runner.adapter.attn_configs):
         for t in range(max_new_tokens):
             tok = choose(logits, sampling, gen)
             tokens[live, t] = tok

@@ -271,6 +271,8 @@ class Runner:
         """The family's additions after a layer that ran on all rows (`rows` None) or on `rows`, keyed by the
         layer's index in each row's executed stack (its `layer_idx` in the model with that row's skipped layers
         removed; -1 where the row skipped it). Returns (hidden, the rows' counts of layers run)."""
+        if rows is None and not seq.adds:  # nothing the family adds (a decode step, a text-only chunk)
+            return hidden, ran + 1
         runs = torch.ones_like(ran, dtype=torch.bool)
         if rows is not None:
             runs = torch.zeros_like(runs).index_fill_(0, rows.cpu(), True)
