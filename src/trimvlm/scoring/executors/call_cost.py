@@ -71,7 +71,7 @@ def measure(work: Work, mix: LayerMix) -> float:
         for k, (f, pieces) in layouts.items():
             sub = Work(work.runner, work.prefix, f, work.skip, Meter(device=work.device), work.plan)
             t0 = time.perf_counter()
-            tree.run_pieces(sub, pieces)
+            tree.run_pieces(sub, pieces, free)
             if r:
                 times[k].append(time.perf_counter() - t0)
         if r and time.perf_counter() - spent > BUDGET_S:

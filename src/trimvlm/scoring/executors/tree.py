@@ -27,7 +27,7 @@ from trimvlm.scoring.trie import rows_tensor
 
 
 def schedule(
-    pieces: list[Piece], order: list[int], device: torch.device | str = "cpu", short: int = 0
+    pieces: list[Piece], order: list[int], device: torch.device | str = "cpu", mix: LayerMix | None = None
 ) -> TreeSchedule:
     """`order`: piece ids in row order. Flat indices are into the [R * W] left-padded layout. Every tensor is
     made on `device` (the model's: the runner indexes its keys and states with them)."""
@@ -45,7 +45,7 @@ def schedule(
         anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
     ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
-    rrows = recurrent_rows(pieces, short)
+    rrows = recurrent_rows(pieces, mix)
     for level in range(1 + max(level for _, level in rrows)):
         leaves, inner = [], defaultdict(list)
         for ids, lv in rrows:
@@ -76,18 +76,23 @@ def schedule(
 
 
 def run(work: Work) -> torch.Tensor:
+    mix = layer_mix(work)
+    if worth_planning(work.forest):
+        mix.call_cost = call_cost(work, mix)  # measured once per model, device, threads and skip set
+    return run_pieces(work, plan_pieces(work.forest, mix), mix)
+
+
+def layer_mix(work: Work) -> LayerMix:
+    """The executed layers' kinds and the recurrent kernel's granularity (call cost not measured yet)."""
     ad = work.runner.adapter
     run = [t for i, t in enumerate(ad.layer_types) if i not in work.skip]
-    mix = LayerMix(
+    return LayerMix(
         attention=sum(t == ATTENTION for t in run), recurrent=sum(t != ATTENTION for t in run),
         chunk=ad.recurrent_chunk, short=getattr(ad, "recurrent_max_len", 0),
     )  # fmt: skip
-    if worth_planning(work.forest):
-        mix.call_cost = call_cost(work, mix)  # measured once per model, device, threads and skip set
-    return run_pieces(work, plan_pieces(work.forest, mix))
 
 
-def run_pieces(work: Work, pieces: list[Piece]) -> torch.Tensor:
+def run_pieces(work: Work, pieces: list[Piece], mix: LayerMix) -> torch.Tensor:
     """Run one layout: exactly `batched` when it is one plain row per candidate, else the tree schedule."""
     if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
         return batched.run(work)
@@ -97,8 +102,6 @@ def run_pieces(work: Work, pieces: list[Piece]) -> torch.Tensor:
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long, device=work.device)
     cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
     cache.keep_kv = False
-    cache.tree = schedule(
-        pieces, order, device=work.device, short=getattr(work.runner.adapter, "recurrent_max_len", 0)
-    )
+    cache.tree = schedule(pieces, order, device=work.device, mix=mix)
     run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out

@@ -117,7 +117,7 @@ def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, 
     att_slots, att_calls = len(pieces) * w + ALPHA * sum(ancestors), float(tree)
     calls: dict[tuple, list[int]] = {}
     if tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
-        for ids, level in recurrent_rows(pieces, mix.short):
+        for ids, level in recurrent_rows(pieces, mix):
             n = sum(len(pieces[p].nodes) for p in ids)
             calls.setdefault((level, n if pieces[ids[-1]].children else 0), []).append(n)
     else:
@@ -130,11 +130,16 @@ def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, 
     )
 
 
-def recurrent_rows(pieces: list[Piece], short: int = 0) -> list[tuple[list[int], int]]:
+def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[tuple[list[int], int]]:
     """The rows a recurrent layer runs: (piece ids in order, level), parents' rows before their children's. A
-    piece with exactly one child continues into it (the same recurrence, nothing else starts from the state in
-    between), so a row ends at a fork or a leaf — except that pieces the kernel runs at their own length (at
-    most `short` tokens) are not joined past that length; a row's level counts the rows above it."""
+    piece with exactly one child may continue into it (the same recurrence, nothing else starts from the state
+    in between): it does unless the joined row would pay more padding (`LayerMix.padded`: a row past `short`
+    tokens pads to the chunk) than the call it saves, shared by the pieces of the child's level. A row ends at
+    a fork or a leaf; its level counts the rows above it."""
+    mix = mix or LayerMix()
+    per_level: dict[int, int] = {}
+    for piece in pieces:
+        per_level[piece.level] = per_level.get(piece.level, 0) + 1
     out: list[tuple[list[int], int]] = []
     todo = [(p, 0) for p, piece in enumerate(pieces) if piece.parent < 0]
     while todo:
@@ -144,7 +149,8 @@ def recurrent_rows(pieces: list[Piece], short: int = 0) -> list[tuple[list[int],
             while len(pieces[ids[-1]].children) == 1:
                 c = pieces[ids[-1]].children[0]
                 m = len(pieces[c].nodes)
-                if short and n + m > short and min(n, m) <= short:
+                share = mix.call_cost / per_level[pieces[c].level]
+                if mix.padded(n + m) > mix.padded(n) + mix.padded(m) + share:
                     break
                 ids.append(c)
                 n += m
@@ -163,8 +169,9 @@ WIDTHS = 3  # widths whose layouts are costed over the executed layers (the best
 
 def merged_layout(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     """The trie layout (never plain rows): at every candidate width (each chain length and each candidate's
-    path length), the chains absorbed greedily (`_absorb`) and cut at that width; the WIDTHS best by padded
-    slots are then costed over the executed layers (`layout_cost`) with and without absorption — an absorbed
+    path length; with a short recurrent form, widths it runs at their own length), the chains absorbed greedily
+    (`_absorb`) and cut at that width; the WIDTHS best by padded slots (and the WIDTHS best of the short
+    widths) are then costed over the executed layers (`layout_cost`) with and without absorption — an absorbed
     chain runs again in every child in every layer, which a recurrent layer may pay more for than the row it
     saves — and the cheapest is taken."""
     mix = mix or LayerMix()
@@ -178,8 +185,8 @@ def merged_layout(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
         cost = row_cost([len(rows[r].nodes) for r in kept], [f.depth[rows[r].nodes[0]] for r in kept], w)
         ranked.append((cost, -w, rows, kept))
     ranked.sort(key=lambda t: t[:2])
-    best = None
-    for _, w, rows, kept in ranked[:WIDTHS]:
+    best, short = None, [t for t in ranked if -t[1] <= mix.short] if mix.recurrent else []
+    for _, w, rows, kept in ranked[:WIDTHS] + short[:WIDTHS]:
         options = [_cut(rows, kept, -w)]
         if len(kept) < len(f.chains):  # something was absorbed: the same width without absorbing
             options.append(_cut(*_absorb(f, -w, absorb=False), -w))
