@@ -248,3 +248,49 @@ def test_a_large_tensor_is_hashed_once_while_it_lives_unchanged(monkeypatch):
     del t
     gc.collect()
     assert ident not in lru._memo
+
+
+def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
+    """serve/prompt_cache.py: a chat prompt sent again is read from the prefix cache (no vision tower, no
+    prefill: 0 FLOPs on both lines), alone and admitted together with new prompts; every answer (greedy and
+    seeded sampling) equals vlm.generate alone. With --prefix-cache-mb 0 nothing is reused."""
+    need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+    import threading
+
+    import httpx
+    from test_serve_engine import data_url, live
+
+    from trimvlm.serve.state import ServerState
+
+    def body(scene_seed, prompt="describe ?", **kw):
+        content = [{"type": "image_url", "image_url": {"url": data_url(scene_seed)}},
+                   {"type": "text", "text": prompt}]  # fmt: skip
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 16} | kw
+
+    sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 3}
+    asks = [body(3), body(4, "read text ?", **sampled), body(3), body(5), body(4, "read text ?", **sampled)]
+    refs = [plain.generate(scene(s), p, max_new_tokens=16, **kw).texts[0]
+            for s, p, kw in [(3, "describe ?", {}), (4, "read text ?", sampled), (3, "describe ?", {}),
+                             (5, "describe ?", {}), (4, "read text ?", sampled)]]  # fmt: skip
+    for mb, reused in ((512, [False, False, True, False, True]), (0, [False] * 5)):
+        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=300, prefix_cache_mb=mb)
+        got = [None] * len(asks)
+        with live(state) as (url, _):
+            for i in (0, 1):  # stored
+                got[i] = httpx.post(url + "/v1/chat/completions", json=asks[i], timeout=300).json()
+
+            def one(i, got=got):
+                got[i] = httpx.post(url + "/v1/chat/completions", json=asks[i], timeout=300).json()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in (2, 3, 4)]  # one admission, mixed
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert state.batcher.stats()["largest_batch"] >= 2  # found prompts assembled into a batch
+        assert [g["choices"][0]["message"]["content"] for g in got] == refs
+        assert [g["usage"]["prefix_reused"] for g in got] == reused
+        for g, hit in zip(got, reused, strict=True):
+            u = g["usage"]
+            assert (u["vision_flops"] == u["prefill_flops"] == 0) == hit
+            assert (u["prefix_tokens_reused"] == u["prompt_tokens"]) == hit

@@ -27,6 +27,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
+from trimvlm.serve import prompt_cache
 
 
 @dataclass
@@ -156,9 +157,13 @@ class ChatEngine:
         plan = make_plan(jobs[0].payload.recipe, runner)
         meter = Meter(device=runner.device)
         t0 = time.perf_counter()
-        prepared = runner.adapter.collate([j.payload.prepared for j in jobs])
-        out = runner.prefill(prepared, plan, meter=meter)
-        return self._group(jobs, plan, out, meter, time.perf_counter() - t0)
+        out, found = prompt_cache.prefill(runner, [j.payload.prepared for j in jobs], plan, meter)
+        group = self._group(jobs, plan, out, meter, time.perf_counter() - t0, found)
+        for row, hit in zip(group.rows, found, strict=True):
+            if hit:  # its prompt was found (serve/prompt_cache.py): no vision tower, no prefill ran for it
+                row.usage["prefix_reused"] = 1
+                row.usage["prefix_tokens_reused"] = row.job.payload.prompt_tokens
+        return group
 
     # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
     def _begin_chunked(self, job, chunk: int) -> None:
@@ -208,8 +213,11 @@ class ChatEngine:
             self.outbox.flush()
         return n
 
-    def _group(self, jobs: list, plan, out, meter: Meter, seconds: float) -> Group:
-        """The decode batch of prefilled `jobs`: each row's sampler, first token and share of the prefill."""
+    def _group(
+        self, jobs: list, plan, out, meter: Meter, seconds: float, found: list[bool] | None = None
+    ) -> Group:
+        """The decode batch of prefilled `jobs`: each row's sampler, first token and share of the prefill (none
+        for a row whose prompt was `found` in the prompt cache)."""
         runner, adapter = self.runner, self.runner.adapter
         payloads = [j.payload for j in jobs]
         rows = []
@@ -223,13 +231,18 @@ class ChatEngine:
         last = self._choose(out.logits, rows)
         seconds += time.perf_counter() - t0
         c, ones = meter.costs, [1] * len(rows)
+        ran = [0 if hit else 1 for hit in found or [False] * len(rows)]  # the rows whose prompt was prefilled
         image = adapter.image_token_id
+        kv, peak, states = c.kv_bytes, c.kv_bytes_peak, c.state_bytes
+        if 0 in ran:  # found prompts hold KV the prefill did not write: the assembled batch's, by rows
+            kv = peak = out.cache.attention_bytes()
+            states = out.cache.state_bytes()
         shares = {
-            "vision_flops": split(c.flops.get("vision", 0), [int((p.prepared.input_ids == image).sum()) for p in payloads]),
-            "prefill_flops": split(c.flops.get("prefill", 0), ones),
-            "method_flops": split(c.method_prefill_flops, ones),
-            "kv_bytes": split(c.kv_bytes, ones), "kv_bytes_peak": split(c.kv_bytes_peak, ones),
-            "state_bytes": split(c.state_bytes, ones),
+            "vision_flops": split(c.flops.get("vision", 0),
+                                  [r * int((p.prepared.input_ids == image).sum()) for r, p in zip(ran, payloads, strict=True)]),
+            "prefill_flops": split(c.flops.get("prefill", 0), ran),
+            "method_flops": split(c.method_prefill_flops, ran),
+            "kv_bytes": split(kv, ones), "kv_bytes_peak": split(peak, ones), "state_bytes": split(states, ones),
         }  # fmt: skip
         for i, row in enumerate(rows):
             row.usage.update({k: v[i] for k, v in shares.items()})
