@@ -106,6 +106,13 @@ def test_layer_step_form_equals_the_module(tiny_adapter, t):
         assert (got - ref).abs().max().item() <= TOL
         for name in ("conv", "recurrent"):
             assert (states[name] - sub.states[i][name]).abs().max().item() <= TOL, name
+        fresh = KVCache(pre.cache.num_layers)  # no state yet: a short prompt's first chunk
+        with torch.no_grad():
+            ref = ad._call(i, x, None, fresh)
+            got, states = ad._linear_steps(i, x, None, {}, None)
+        assert (got - ref).abs().max().item() <= TOL
+        for name in ("conv", "recurrent"):
+            assert (states[name] - fresh.states[i][name]).abs().max().item() <= TOL, name
 
 
 def _requests():
@@ -172,3 +179,33 @@ def test_greedy_tokens_equal_model_generate(tiny_adapter, monkeypatch, batch):
         )[:, prep.input_ids.shape[1]:]  # fmt: skip
     assert torch.equal(ours.tokens, ref)
     assert calls.count(1) >= ours.tokens.shape[1] - 1  # every decode step of every linear layer
+
+
+def test_ragged_rows_equal_each_row_alone(tiny_adapter):
+    """One call over rows whose valid positions differ (left padding, holes, a row with none) from different
+    prefix rows: each row's valid outputs and final states are those of the model's layer on that row's valid
+    tokens alone; a row with none keeps its start states exactly."""
+    ad = tiny_adapter("qwen3_5")
+    images, prompts = ragged_batch()
+    pre = Runner(ad).prefill(ad.prepare(images[:2], prompts[:2]))
+    owner = torch.tensor([1, 0, 1, 0])
+    valid = torch.tensor(
+        [[0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.bool
+    )
+    x = torch.randn(4, 6, ad.text_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    i = ad.layer_types.index(LINEAR)
+    num = pre.cache.num_layers
+    cache = KVCache.branching([], pre.cache.states, owner, keep_final_states=True, num_layers=num)
+    with torch.no_grad():
+        got = ad._run_linear(i, x, None, cache, valid)
+        for r in range(4):
+            start = {k: v[owner[r] : owner[r] + 1] for k, v in pre.cache.states[i].items()}
+            if not valid[r].any():
+                for k, v in start.items():
+                    assert torch.equal(cache.states[i][k][r : r + 1], v), k
+                continue
+            one = KVCache.branching([], {i: start}, torch.tensor([0]), keep_final_states=True, num_layers=num)
+            ref = ad._call(i, x[r : r + 1, valid[r]], None, one)
+            assert (got[r, valid[r]] - ref[0]).abs().max().item() <= TOL
+            for k in ("conv", "recurrent"):
+                assert (cache.states[i][k][r] - one.states[i][k][0]).abs().max().item() <= TOL, k

@@ -15,6 +15,12 @@ position is "absent" (as it is for attention layers), so a linear layer here
   neither decays a state nor enters a conv window.
 Dropping tokens mid-model (gather) and masking them (valid = False) therefore give the same states and logits.
 
+Short segments (at most `recurrent_max_len` tokens: decode steps, candidate suffixes, trie chains) run the
+gated delta rule's recurrent form at their own length (`kernels.gated_delta`, `_linear_steps`) instead of the
+chunked kernel, which pads every call to 64 tokens. There all rows run in one call: valid tokens first, absent
+positions leave the state unchanged, each row's conv state is taken after its own last valid token, and rows
+start from their prefix's states by index.
+
 Branches (candidate scoring) read the prefix's states as read-only broadcast views: rows that start from
 different prefixes run in separate calls, so no per-branch copy of a prefix state is made. A candidate tree
 (`cache.tree`, a `TreeSchedule`) cannot go through a recurrent scan as one sequence: its chains run as the
