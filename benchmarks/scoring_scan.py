@@ -33,6 +33,7 @@ import time
 import torch
 
 from trimvlm.loading import load_adapter
+from trimvlm.scoring.executors import call_cost
 from trimvlm.testing import WORDS, random_image, tiny_checkpoint
 from trimvlm.vlm import VLM
 
@@ -86,6 +87,12 @@ def scan_model(family: str, args) -> list[dict]:
     )
     vlm = VLM(load_adapter(folder))
     image = random_image(0, (128, 128))
+    t0 = time.perf_counter()  # load time: `tree` measures its call cost once (executors/call_cost.py)
+    one_run(vlm, image, candidates(4, 8, 0.75, "flat", seed=0), "tree")
+    calibration = {
+        "seconds": time.perf_counter() - t0,
+        "call_cost_slots": call_cost.measured(vlm.adapter.model),
+    }
     grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
     if args.grid == "small":
         grid = [g for g in grid if all(x in ok for x, ok in zip(g[:3], SMALL_GRID, strict=True))]
@@ -118,6 +125,8 @@ def scan_model(family: str, args) -> list[dict]:
             "unique_tokens": results["tree"].tokens["unique"],
             "tree_executed_tokens": results["tree"].tokens["executed"],
             "auto_chose": results["auto"].executor,
+            "tree_call_cost_slots": list(calibration["call_cost_slots"].values()),
+            "calibration_s": calibration["seconds"],
         }
         for e in EXECUTORS:
             err = max(
@@ -161,6 +170,9 @@ def summary(rows: list[dict]) -> dict:
         heavy = [r for r in rs if r["candidates"] == 64 and r["suffix_tokens"] == 128 and r["shared"] == 0.75]
         out[model] = {
             "conditions": len(rs),
+            "tree_call_cost_slots": rs[0]["tree_call_cost_slots"],
+            "first_tree_call_s (call-cost measurement included)": rs[0]["calibration_s"],
+            "tree_over_batched_median": statistics.median(ratio),
             "tree_within_1.05x_batched": sum(x <= 1.05 for x in ratio),
             "tree_faster_than_batched": sum(x < 1.0 for x in ratio),
             "segments_faster_than_batched": sum(

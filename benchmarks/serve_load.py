@@ -13,7 +13,10 @@ flight finishes and counts). A short warm-up precedes each cell. Reported per ce
 latency (client side: the whole answer), the mean batch the server reported (`usage.batch_requests`), failed
 requests (any status but 200); for chat completions, which are streamed, also the time to the first token
 (TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99.
-The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50.
+The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50, over all
+answers and over the multi-token answers alone (>= `LONG` text chunks: a one-token answer ends one decode step
+after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--no-caches`:
+both servers without their caches.
 
 Cancellation (`--cancel-clients N`, on the batching server, chat): N streaming clients run for `--seconds`;
 half-way, half of them hang up (their request in flight is abandoned: the connection closes). The server's
@@ -100,7 +103,7 @@ async def ask(c, path: str, body: bytes) -> dict:
     """One request: its status, latency (the whole answer), the server's batch, and for a streamed chat
     completion the time to its first text chunk and the gaps between text chunks."""
     t0 = time.perf_counter()
-    out = {"ttft": None, "gaps": [], "batch": None}
+    out = {"ttft": None, "gaps": [], "batch": None, "chunks": 0}
     async with c.stream("POST", path, content=body, headers={"content-type": "application/json"}) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -115,6 +118,7 @@ async def ask(c, path: str, body: bytes) -> dict:
                     out["status"], out["error"] = chunk["error"].get("code", 500), chunk["error"]["message"]
                     break
                 if chunk["choices"][0]["delta"].get("content"):
+                    out["chunks"] += 1
                     now = time.perf_counter()
                     if last is None:
                         out["ttft"] = now - t0
@@ -135,7 +139,7 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
     requests in flight then)."""
     import httpx
 
-    seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0}
+    seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0, "long": []}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -155,6 +159,8 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
                     seen["batches"].append(res["batch"])
                     if res["ttft"] is not None:
                         seen["ttft"].append(res["ttft"])
+                    if res["chunks"] >= LONG:  # (TTFT, end to end) of a multi-token answer
+                        seen["long"].append((res["ttft"], res["latency"]))
                     seen["gaps"] += res["gaps"]
                 i += clients
 
@@ -213,6 +219,9 @@ class Server:
             self.proc.kill()
 
 
+LONG = 4  # text chunks from which an answer counts as a multi-token one (its TTFT share reported apart)
+
+
 def pct(xs: list[float], q: float) -> float | None:
     """The q-quantile of xs in ms (None if empty)."""
     xs = sorted(xs)
@@ -226,6 +235,7 @@ def merge(parts: list[dict]) -> dict:
     gaps = [x for p in parts for x in p["gaps"]]
     batches = [x for p in parts for x in p["batches"] if x is not None]
     failures = [x for p in parts for x in p["failures"]]
+    long = [x for p in parts for x in p.get("long", [])]
     elapsed = sum(p["seconds"] for p in parts)
     return {
         "requests": len(lat), "failed": len(failures), "failures": failures[:5], "seconds": elapsed,
@@ -234,6 +244,10 @@ def merge(parts: list[dict]) -> dict:
         "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None, "ttft_p99_ms": pct(ttft, 0.99),
         "itl_p50_ms": 1e3 * statistics.median(gaps) if gaps else None, "itl_p99_ms": pct(gaps, 0.99),
         "mean_batch": statistics.fmean(batches) if batches else None,
+        # answers of >= LONG text chunks only: their TTFT p50 over their end-to-end p50
+        "long_answers": len(long),
+        "long_ttft_over_e2e_p50": statistics.median(t for t, _ in long) / statistics.median(e for _, e in long)
+        if long else None,
         "client_cpu_share": sum(p["client_cpu_s"] for p in parts) / elapsed,  # CPU the clients took (1 = a core)
     }  # fmt: skip
 
@@ -333,6 +347,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cancel-clients", type=int, default=32,
                     help="clients of the cancellation run (half hang up half-way; 0: no such run)")  # fmt: skip
+    ap.add_argument("--no-caches", action="store_true",
+                    help="both servers without their caches (vision features, prefixes and prompts, requests)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 2 clients, 0.5 s per "
                     "cell in 1 slice, 0.2 s warm-up, 2 images, 4 new tokens, 4 cancellation clients")  # fmt: skip
@@ -346,8 +362,9 @@ def main(argv=None):
     servers = {}
     try:
         budget = ("--max-prefill-tokens", str(args.max_prefill_tokens))
+        off = ("--vision-cache-mb", "0", "--prefix-cache-mb", "0", "--request-cache-mb", "0") if args.no_caches else ()
         for mode, max_batch, extra in (("batched", args.max_batch, budget), ("one-at-a-time", 1, ())):
-            servers[mode] = Server(args, max_batch, extra)
+            servers[mode] = Server(args, max_batch, extra + off)
         rows = measure(args, servers, clients, endpoints, pool)
         cancel = cancellation(args, servers["batched"], pool) if args.cancel_clients and "chat" in endpoints else None
     finally:
@@ -355,7 +372,7 @@ def main(argv=None):
             server.close()
     table = Table(title=f"trimvlm serve on {args.model}: {args.seconds:g} s per cell")
     for col in ("endpoint", "recipe", "clients", "batched req/s", "one-at-a-time req/s", "ratio",
-                "p50 ms (b / 1)", "p99 ms (b / 1)", "TTFT p50 / p99 ms (b)", "TTFT / e2e p50 (b)", "mean batch",
+                "p50 ms (b / 1)", "p99 ms (b / 1)", "TTFT p50 / p99 ms (b)", "TTFT / e2e p50 (b)", f"same, >= {LONG} chunks", "mean batch",
                 "failed"):  # fmt: skip
         table.add_column(col)
     summary = []
@@ -370,13 +387,16 @@ def main(argv=None):
         ttft_share = None if row["ttft_p50_ms"] is None else row["ttft_p50_ms"] / row["p50_ms"]
         summary.append({"endpoint": row["endpoint"], "recipe": row["recipe"], "clients": row["clients"],
                         "batched_rps": row["throughput_rps"], "one_at_a_time_rps": one["throughput_rps"],
-                        "ratio": ratio, "ttft_over_e2e_p50": ttft_share})  # fmt: skip
+                        "ratio": ratio, "ttft_over_e2e_p50": ttft_share,
+                        "long_ttft_over_e2e_p50": row["long_ttft_over_e2e_p50"]})  # fmt: skip
         table.add_row(
             row["endpoint"], row["recipe"], str(row["clients"]), f"{row['throughput_rps']:.2f}",
             f"{one['throughput_rps']:.2f}", f"{ratio:.2f}x", f"{row['p50_ms']:.0f} / {one['p50_ms']:.0f}",
             f"{row['p99_ms']:.0f} / {one['p99_ms']:.0f}",
             "" if ttft_share is None else f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f}",
-            "" if ttft_share is None else f"{ttft_share:.2f}", f"{row['mean_batch'] or 0:.1f}",
+            "" if ttft_share is None else f"{ttft_share:.2f}",
+            "" if row["long_ttft_over_e2e_p50"] is None else f"{row['long_ttft_over_e2e_p50']:.2f}",
+            f"{row['mean_batch'] or 0:.1f}",
             str(row["failed"] + one["failed"]),
         )  # fmt: skip
     console.print(table)

@@ -6,9 +6,9 @@ import math
 import torch
 
 from trimvlm.kernels.flops import counting
-from trimvlm.router.dpo import dpo_loss, layout_logprob, layout_logprob_logits
 from trimvlm.router.model import MetaRouter
 from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.training.dpo import dpo_loss, layout_logprob, layout_logprob_logits
 
 
 def test_dpo_loss_on_hand_made_log_probs_equals_the_closed_form():
@@ -42,7 +42,7 @@ def test_layout_logprob_from_logits_equals_the_probability_form_and_keeps_gradie
 
 
 def test_preference_pairs_compare_only_layouts_that_differ_in_one_part_and_skip_near_ties():
-    from trimvlm.router.train import layer_sets, preference_pairs
+    from trimvlm.training.router import layer_sets, preference_pairs
 
     # grid of 2 token sets x 2 layer sets, index = t * 2 + l
     cost = torch.tensor([1.0, 3.0, 0.5, 0.52], dtype=torch.float64)
@@ -61,7 +61,7 @@ def test_preference_pairs_compare_only_layouts_that_differ_in_one_part_and_skip_
 
 
 def test_answer_length_stops_at_the_first_stop_token():
-    from trimvlm.router.train import answer_length
+    from trimvlm.training.router import answer_length
 
     assert answer_length(torch.tensor([5, 7, 2, 2]), [2]) == 3
     assert answer_length(torch.tensor([5, 7, 8]), [2]) == 3
@@ -221,7 +221,7 @@ def test_train_router_runs_end_to_end_and_its_checkpoint_executes(tmp_path):
     log 2 (router == reference) and falls, the checkpoint resumes and runs as a recipe."""
     import trimvlm
     from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.router.train import train_router
+    from trimvlm.training.router import train_router
 
     vlm = trimvlm.load("demo")
     records = calibration_records("demo", 4, 0)

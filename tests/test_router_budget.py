@@ -13,7 +13,7 @@ from trimvlm.evals.run import run_eval
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.evals.tasks.base import Task
 from trimvlm.router.budget import BudgetTable
-from trimvlm.router.train import all_subsets, preference_pairs, train_router
+from trimvlm.training.router import all_subsets, preference_pairs, train_router
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The training commands' CLI glue (`trimvlm train-router`, `trimvlm train-head`): load, pick the inputs, show
-progress, write; the training itself is the method packages' (`trimvlm.router.train`,
+progress, write; the training itself is the method packages' (`trimvlm.training.router`,
 `trimvlm.scoring.train_head`)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.router.train import train_router
 from trimvlm.scoring.train_head import (
     BINARY_KINDS,
     EXTRACT_BATCH,
@@ -29,6 +28,7 @@ from trimvlm.scoring.train_head import (
     train,
     without_answer,
 )
+from trimvlm.training.router import train_router
 
 
 def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,

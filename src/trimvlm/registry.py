@@ -12,8 +12,7 @@ import re
 import sys
 from dataclasses import MISSING
 
-from trimvlm.errors import RecipeError
-from trimvlm.protocol import BY_PATH, REGISTRIES, register  # noqa: F401  (re-exported)
+from trimvlm.protocol import BY_PATH, REGISTRIES, build, register  # noqa: F401  (re-exported)
 
 
 def _load_methods() -> None:
@@ -25,26 +24,9 @@ def _load_methods() -> None:
 
 
 def build_method(axis: str, method: str, options: dict):
+    """The method `axis=method:options` (every method package loaded first)."""
     _load_methods()
-    reg = REGISTRIES.get(axis)
-    if reg is None:
-        raise RecipeError(f"unknown recipe axis {axis!r}; allowed: {', '.join(REGISTRIES)}")
-    by_path = BY_PATH.get(axis)
-    if by_path is None and method not in reg:
-        known = ", ".join(sorted(reg)) or "none yet"
-        raise RecipeError(f"unknown {axis} method {method!r}; known: {known}")
-    cls = by_path or reg[method]
-    allowed = {f.name for f in dataclasses.fields(cls) if f.init} - ({"path"} if by_path else set())
-    bad = sorted(set(options) - allowed)
-    if bad:
-        where = f"{axis}=PATH" if by_path else f"{axis} method {method!r}"
-        raise RecipeError(f"unknown option(s) {bad} for {where}; allowed: {sorted(allowed)}")
-    if by_path:
-        options = {"path": str(method)} | dict(options)
-    try:
-        return cls(**options)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"{axis}={method}: {e}") from e
+    return build(axis, method, options)
 
 
 def _summary(cls) -> str:

@@ -11,13 +11,13 @@ from trimvlm.evals.run import EvalResult
 
 
 def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
     import torch
     import transformers
 
-    import trimvlm
-
     return {
-        "trimvlm": trimvlm.__version__,
+        "trimvlm": version("trimvlm"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -129,7 +129,8 @@ class Router:
 
     def selector(self, keep: float):
         """The token method `select=` names, at the router's layer and the budget's keep."""
-        from trimvlm.registry import build_method
+        import trimvlm.tokens  # noqa: F401  (registers the token methods)
+        from trimvlm.protocol import build
 
         if self.select == "router":
             raise RecipeError("the router's own token scores are not a token method")
@@ -139,7 +140,7 @@ class Router:
                               "(the method acts by the router's layer, where the layer plan is made)")  # fmt: skip
         opts = {"keep": keep} | ({"layer": int(layer)} if at else {})
         try:
-            method = build_method("tokens", name, opts)
+            method = build("tokens", name, opts)
         except RecipeError as e:
             raise RecipeError(f"router select={self.select}: {e}") from e
         if method.layer is None:  # its default layer, at most the router's (the layer plan is made there)

@@ -42,10 +42,10 @@ import torch
 
 from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
-from trimvlm.router.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.router.route import RouterTokens, _packed
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.plan import Handoff, Plan
+from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
 
 
 @dataclass
