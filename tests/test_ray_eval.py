@@ -75,9 +75,9 @@ def test_ray_run_equals_single_process(local_ray, tmp_path):
 
 @needs_ray
 def test_shards_regroup_into_the_single_process_batches():
-    from trimvlm.evals.ray_eval import shards_of
     from trimvlm.evals.run import batches
     from trimvlm.evals.tasks import get_task
+    from trimvlm.integrations.ray_eval import shards_of
 
     task = get_task("demo", limit=50)
     whole = batches(task, 4)

@@ -141,10 +141,10 @@ def eval_command(
     generate the task's `prefill_tokens`); `readout` (auto | loglik | head) scores candidate items. Prints the
     tables, writes the JSON / Pareto PNG / Markdown summary when paths are given. Returns the JSON's content.
     `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
-    the model loaded once (trimvlm.evals.ray_eval, docs/scale-out.md); the results are the single process's.
+    the model loaded once (trimvlm.integrations.ray_eval, docs/scale-out.md); the results are the single process's.
     `threads`: torch threads of this process (None: torch's default)."""
     import trimvlm
-    from trimvlm.evals.ray_eval import check_workers
+    from trimvlm.integrations.ray_eval import check_workers
     from trimvlm.scoring.calibrate import check_readout_name
 
     console = _console(console)
@@ -163,7 +163,7 @@ def eval_command(
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     kw = {"batch_size": batch_size, "seed": seed, "readout": readout, "progress": progress, "console": console}
     if ray is not None:
-        from trimvlm.evals.ray_eval import run_eval_ray
+        from trimvlm.integrations.ray_eval import run_eval_ray
 
         result = run_eval_ray(model, the_task, chosen, workers=workers, ray_address=ray, load_kw=load_kw, **kw)
     else:

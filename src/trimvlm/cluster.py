@@ -1,6 +1,6 @@
-"""Connecting to a Ray cluster (`--ray auto|local|HOST:PORT`), for `trimvlm eval --ray` (trimvlm.evals.ray_eval)
-and `trimvlm serve --replicas N --ray` (trimvlm.serve.replicas): an address nobody answers on fails in seconds
-with a line naming it, not after Ray's minute of retries."""
+"""Connecting to a Ray cluster (`--ray auto|local|HOST:PORT`), for `trimvlm eval --ray`
+(trimvlm.integrations.ray_eval) and `trimvlm serve --replicas N --ray` (trimvlm.serve.replicas): an address
+nobody answers on fails in seconds with a line naming it, not after Ray's minute of retries."""
 
 from __future__ import annotations
 

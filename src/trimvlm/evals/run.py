@@ -191,7 +191,8 @@ def run_eval(
     so peak memory is measured in separate, untimed calls on the same batches: `first` (default) the first
     batch of each probe kind, `all` every batch, `off` none (reported as not measured). `data` / `split`: the
     local copy a benchmark task named by a string is read from (see `get_task`). `order_offset`: the recipe
-    order of batch b is the one of batch b + order_offset (a shard of a sharded run, trimvlm.evals.ray_eval)."""
+    order of batch b is the one of batch b + order_offset (a shard of a sharded run,
+    trimvlm.integrations.ray_eval)."""
     check_run_args(memory, batch_size, max_new_tokens)
     task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
                         progress=progress)  # fmt: skip

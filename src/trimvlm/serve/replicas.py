@@ -9,7 +9,7 @@ what the single-process server gives; continuous batching, streaming and the cac
 (requests on different replicas do not batch together and do not share caches). `GET /metrics` and `/health`
 are those of the replica that answered.
 
-`--ray` is the address `trimvlm eval --ray` takes (evals/ray_eval.py `connect`): `local` (a Ray started here),
+`--ray` is the address `trimvlm eval --ray` takes (`trimvlm.cluster.connect`): `local` (a Ray started here),
 `auto` (the running cluster: RAY_ADDRESS or `ray start` on this machine) or HOST:PORT. Each replica asks Ray for
 `--threads` CPUs (one GPU with `--device cuda`). Needs `pip install "trimvlm[ray]"` (Ray Serve) besides the
 serve extra.
@@ -71,7 +71,7 @@ def serve_replicas(model: str, *, replicas: int, ray_address: str | None, host: 
     replicas = check_replicas(replicas)
     if ray_address is None:
         raise InputError(f"--replicas {replicas} runs replicas on Ray: give --ray local, auto or HOST:PORT")
-    from trimvlm.evals.ray_eval import connect
+    from trimvlm.cluster import connect
 
     ray, started, where = connect(ray_address)
     try:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.evals.tasks.base import PROBES, TASKS, Record, Task, TaskEntry, check_limit
-from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 from trimvlm.progress import progress as progress_bar
 
 
