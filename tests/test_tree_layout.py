@@ -95,3 +95,33 @@ def test_merge_taken_only_past_the_margin():
         took[call_cost] = any(p.parent >= 0 for p in plan_pieces(f, mix))
         assert took[call_cost] == (layout_cost(merged, f, mix) <= (1 - MARGIN) * layout_cost(plain, f, mix))
     assert took[0.0] and not took[1000.0]
+
+
+def test_call_cost_measured_once_per_model_and_threads(vlms, monkeypatch):
+    """The call cost is measured on the model at the first merged scoring (not a constant), then cached per
+    model, device, thread count and skip set; scores stay those of `independent`."""
+    import torch
+
+    from trimvlm.scoring.executors import call_cost
+    from trimvlm.testing import WORDS, random_image
+
+    vlm = vlms("qwen3_vl")
+    model = vlm.adapter.model
+    call_cost._CACHE.pop(model, None)
+    calls = []
+    real = call_cost.measure
+    monkeypatch.setattr(call_cost, "measure", lambda w, m: calls.append(1) or real(w, m))
+    shared = " ".join(WORDS[20:32])
+    cands = [f"{shared} {w}" for w in WORDS[32:40]]
+    ref = vlm.score(random_image(1), "what is the colour", cands, executor="independent")
+    for _ in range(2):
+        got = vlm.score(random_image(1), "what is the colour", cands, executor="tree")
+        assert max(abs(a - b) for a, b in zip(ref[0].logits, got[0].logits, strict=True)) <= 1e-4
+    assert len(calls) == 1
+    ((key, cost),) = call_cost.measured(model).items()
+    assert key == ("cpu", torch.get_num_threads(), frozenset())
+    assert 0.0 <= cost <= call_cost.MAX_CALL_COST
+    vlm.score(
+        random_image(1), "what is the colour", cands[:2], executor="tree"
+    )  # no sharing: nothing to cost
+    assert len(calls) == 1

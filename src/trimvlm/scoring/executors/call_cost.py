@@ -4,20 +4,22 @@ The layout's cost model (`tree_layout.layout_price`) counts token slots and extr
 part of an attention layer, one more recurrent call per level). Their exchange rate depends on the model's
 width, the kernels and the threads, so it is measured, once per model, device, thread count and skipped-layer
 set, at the executor's first use, on the request's own prefix cache (read-only), with three tiny layouts of
-two candidates of L tokens (L = the recurrent kernel's chunk, at least 16):
+two candidates of L tokens (`_length`: 16, or what keeps every probe on one recurrent kernel path):
 
     P1  plain rows 2 x L           (the `batched` layout)
     P2  plain rows 2 x 2L
     T   a root of L with two children of L, as the merged trie layout (one extra call per layer)
 
-Interleaved rounds (the median of each; at most ROUNDS, fewer when a round is slow, so the whole measurement
-stays near BUDGET_S): the slope s = (P2 - P1) / (slots(P2) - slots(P1)) is the price of a slot, the rest of
+Interleaved rounds after a warm-up (the median of each; at most ROUNDS, fewer when a round is slow, so the
+whole measurement stays near BUDGET_S; on a model so wide that the warm-up alone takes half of it, the warm-up
+is the measurement): the slope s = (P2 - P1) / (slots(P2) - slots(P1)) is the price of a slot, the rest of
 P1 the fixed cost of a pass, and call_cost = (T - fixed - s * slots(T)) / (s * calls(T)), clamped to
 [0, MAX_CALL_COST].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
@@ -35,6 +37,11 @@ MAX_CALL_COST = 1024.0
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, threads, skip): cost}
 
 
+def measured(model) -> dict:
+    """{(device, threads, skip): call cost} measured so far for `model`."""
+    return dict(_CACHE.get(model, {}))
+
+
 def call_cost(work: Work, mix: LayerMix) -> float:
     """The measured price of one extra kernel call, in token slots (cached; see the module docstring)."""
     model = work.runner.adapter.model
@@ -45,10 +52,18 @@ def call_cost(work: Work, mix: LayerMix) -> float:
     return per_model[key]
 
 
+def _length(mix: LayerMix) -> int:
+    """Candidate length L of the probes: every probe row (up to 2L) on one recurrent path — the short form
+    when the kernel has one (L = short // 2), else whole chunks (L = chunk) — and 16 for attention-only."""
+    if mix.recurrent and mix.short >= 8:
+        return mix.short // 2
+    return max(16, mix.chunk) if mix.recurrent else 16
+
+
 def measure(work: Work, mix: LayerMix) -> float:
     from trimvlm.scoring.executors import tree
 
-    length = max(16, mix.chunk)
+    length = _length(mix)
     start = work.forest.starts[0]
     root = [1] * length
 
@@ -58,7 +73,7 @@ def measure(work: Work, mix: LayerMix) -> float:
     p1 = build_forest([[sfx(i, length) for i in range(2)]], [start], merge=False)
     p2 = build_forest([[sfx(i, 2 * length) for i in range(2)]], [start], merge=False)
     t = build_forest([[root + sfx(i, length) for i in range(2)]], [start], merge=True)
-    free = LayerMix(mix.attention, mix.recurrent, mix.chunk, call_cost=0.0)
+    free = dataclasses.replace(mix, call_cost=0.0)
     layouts = {
         "p1": (p1, plan_pieces(p1, free)),
         "p2": (p2, plan_pieces(p2, free)),
@@ -67,14 +82,16 @@ def measure(work: Work, mix: LayerMix) -> float:
     price = {k: layout_price(pieces, f, free) for k, (f, pieces) in layouts.items()}
     times: dict[str, list[float]] = {k: [] for k in layouts}
     spent = time.perf_counter()
-    for r in range(ROUNDS + 1):  # round 0 warms up
+    for r in range(ROUNDS + 1):  # round 0 warms up (and is the measurement when it alone is slow)
         for k, (f, pieces) in layouts.items():
             sub = Work(work.runner, work.prefix, f, work.skip, Meter(device=work.device), work.plan)
             t0 = time.perf_counter()
             tree.run_pieces(sub, pieces, free)
-            if r:
-                times[k].append(time.perf_counter() - t0)
-        if r and time.perf_counter() - spent > BUDGET_S:
+            times[k].append(time.perf_counter() - t0)
+        took = time.perf_counter() - spent
+        if r == 0 and took <= BUDGET_S / 2:
+            times = {k: [] for k in layouts}  # a cheap warm-up: measure from the next round
+        elif took > BUDGET_S:
             break
     med = {k: statistics.median(v) for k, v in times.items()}
     slots = {k: s for k, (s, _) in price.items()}
