@@ -273,7 +273,7 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
             for s, p, kw in [(3, "describe ?", {}), (4, "read text ?", sampled), (3, "describe ?", {}),
                              (5, "describe ?", {}), (4, "read text ?", sampled)]]  # fmt: skip
     for mb, reused in ((512, [False, False, True, False, True]), (0, [False] * 5)):
-        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=300, prefix_cache_mb=mb)
+        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=10_000, prefix_cache_mb=mb)
         got = [None] * len(asks)
         with live(state) as (url, _):
             for i in (0, 1):  # stored
@@ -287,10 +287,43 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
                 t.start()
             for t in threads:
                 t.join(300)
-            assert state.batcher.stats()["largest_batch"] >= 2  # found prompts assembled into a batch
         assert [g["choices"][0]["message"]["content"] for g in got] == refs
         assert [g["usage"]["prefix_reused"] for g in got] == reused
         for g, hit in zip(got, reused, strict=True):
             u = g["usage"]
             assert (u["vision_flops"] == u["prefill_flops"] == 0) == hit
             assert (u["prefix_tokens_reused"] == u["prompt_tokens"]) == hit
+
+
+def test_found_and_new_prompts_are_assembled_into_one_batch(plain):
+    """serve/prompt_cache.prefill over [A, B, A] with A stored before: A found twice, B prefilled; the batch's
+    first logits and greedy continuations equal the plain prefill of the three prompts."""
+    from trimvlm.plan import make_plan
+    from trimvlm.runtime.generate import Decoding
+    from trimvlm.runtime.meter import Meter
+    from trimvlm.runtime.prefix_cache import PrefixCache
+    from trimvlm.serve import prompt_cache
+
+    runner = plain.runner
+    a, b = plain.prepare(scene(3), "describe ?"), plain.prepare(scene(4), "read text ?")
+    plan = make_plan(None, runner)
+
+    def greedy(out, steps=8):
+        dec, logits, seen = Decoding(runner, out.cache, out.next_pos.clone()), out.logits, []
+        for _ in range(steps):
+            tok = logits.argmax(-1)
+            seen.append(tok.tolist())
+            logits = dec.step(tok)
+        return seen
+
+    ref = runner.prefill(runner.adapter.collate([a, b, a]), plan)
+    runner.prefix_cache = PrefixCache(64 * MiB)
+    try:
+        assert prompt_cache.prefill(runner, [a], plan, Meter())[1] == [False]
+        out, hits = prompt_cache.prefill(runner, [a, b, a], plan, Meter())
+    finally:
+        runner.prefix_cache = None
+    assert hits == [True, False, True]
+    torch.testing.assert_close(out.logits, ref.logits, atol=2e-4, rtol=1e-4)
+    assert torch.equal(out.next_pos, ref.next_pos)
+    assert greedy(out) == greedy(ref)

@@ -87,6 +87,7 @@ class ChatJob:
     stream: bool
     preprocess_s: float
     events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
+    prompt_key: bytes | None = None  # its key in the prompt cache (serve/prompt_cache.py), made when prepared
 
 
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
@@ -148,15 +149,17 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int):
+def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, label: str):
     """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
-    or a prompt + max_tokens past the model's positions, fails here, never in a batch)."""
+    or a prompt + max_tokens past the model's positions, fails here, never in a batch); (it, its key in the
+    prompt cache: hashed here, not on the model thread; None when the cache is off)."""
     from trimvlm.runtime.limits import check_generation
+    from trimvlm.serve.prompt_cache import prompt_key
 
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
     prepared = vlm.prepare(images or None, prompt)
     check_generation(vlm.adapter, prepared, max_tokens)
-    return prepared
+    return prepared, None if vlm.runner.prefix_cache is None else prompt_key(label, prepared)
 
 
 async def handle(state, request):
@@ -187,11 +190,13 @@ async def _handle(state, request, arrival):
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    prepared = await state.prepare(prepare, state.vlm, prompt, urls, state.limits, max_tokens)
+    prepared, key = await state.prepare(
+        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.label
+    )
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
         recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stream=req.stream, preprocess_s=time.perf_counter() - t1, events=asyncio.Queue(),
+        stream=req.stream, preprocess_s=time.perf_counter() - t1, events=asyncio.Queue(), prompt_key=key,
     )  # fmt: skip
     queued = state.batcher.enqueue(("chat", recipe.label), job, arrival)
     reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)

@@ -157,7 +157,8 @@ class ChatEngine:
         plan = make_plan(jobs[0].payload.recipe, runner)
         meter = Meter(device=runner.device)
         t0 = time.perf_counter()
-        out, found = prompt_cache.prefill(runner, [j.payload.prepared for j in jobs], plan, meter)
+        parts, keys = [j.payload.prepared for j in jobs], [j.payload.prompt_key for j in jobs]
+        out, found = prompt_cache.prefill(runner, parts, plan, meter, keys)
         group = self._group(jobs, plan, out, meter, time.perf_counter() - t0, found)
         for row, hit in zip(group.rows, found, strict=True):
             if hit:  # its prompt was found (serve/prompt_cache.py): no vision tower, no prefill ran for it

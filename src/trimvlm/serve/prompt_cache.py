@@ -34,13 +34,17 @@ def prompt_key(label: str, prepared) -> bytes:
                   *(x for k in sorted(inputs) for x in (k, inputs[k])))  # fmt: skip
 
 
-def prefill(runner, parts: list, plan, meter) -> tuple[PrefillOutput, list[bool]]:
+def prefill(runner, parts: list, plan, meter, keys: list | None = None) -> tuple[PrefillOutput, list[bool]]:
     """The prefill of the requests `parts` (each prepared alone) as one batch, found prompts read from the
-    cache, the others prefilled together (and stored); (the output, per request whether it was found)."""
+    cache, the others prefilled together (and stored); (the output, per request whether it was found). `keys`:
+    their `prompt_key`s with the plan's label, when the preparation made them (None: made here)."""
     cache = runner.prefix_cache
     if cache is None or not reusable(plan):
         return runner.prefill(runner.adapter.collate(parts), plan, meter=meter), [False] * len(parts)
-    keys = [prompt_key(plan.label(), p) for p in parts]
+    keys = [
+        k if k is not None else prompt_key(plan.label(), p)
+        for k, p in zip(keys or [None] * len(parts), parts, strict=True)
+    ]
     found = [cache.get(k) for k in keys]
     todo = [i for i, f in enumerate(found) if f is None]
     out = None
