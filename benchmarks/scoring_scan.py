@@ -33,7 +33,6 @@ import time
 import torch
 
 from trimvlm.loading import load_adapter
-from trimvlm.scoring.executors import call_cost
 from trimvlm.testing import WORDS, random_image, tiny_checkpoint
 from trimvlm.vlm import VLM
 
@@ -91,7 +90,7 @@ def scan_model(family: str, args) -> list[dict]:
     one_run(vlm, image, candidates(4, 8, 0.75, "flat", seed=0), "tree")
     calibration = {
         "seconds": time.perf_counter() - t0,
-        "call_cost_slots": call_cost.measured(vlm.adapter.model),
+        "call_cost_slots": _measured(vlm.adapter.model),
     }
     grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
     if args.grid == "small":
@@ -148,6 +147,16 @@ def scan_model(family: str, args) -> list[dict]:
     return rows
 
 
+def _measured(model) -> dict:
+    """The tree executor's measured call costs (none before issue 20: this scan also runs older checkouts, for
+    before/after tables with PYTHONPATH=<checkout>/src)."""
+    try:
+        from trimvlm.scoring.executors.call_cost import measured
+    except ImportError:
+        return {}
+    return measured(model)
+
+
 def _line(r) -> str:
     b, t, i = r["batched"], r["tree"], r["independent"]
     return (
@@ -170,7 +179,7 @@ def summary(rows: list[dict]) -> dict:
         heavy = [r for r in rs if r["candidates"] == 64 and r["suffix_tokens"] == 128 and r["shared"] == 0.75]
         out[model] = {
             "conditions": len(rs),
-            "tree_call_cost_slots": rs[0]["tree_call_cost_slots"],
+            "tree_call_cost_slots": rs[0]["tree_call_cost_slots"],  # [] when not measured (older code)
             "first_tree_call_s (call-cost measurement included)": rs[0]["calibration_s"],
             "tree_over_batched_median": statistics.median(ratio),
             "tree_within_1.05x_batched": sum(x <= 1.05 for x in ratio),
