@@ -298,18 +298,25 @@ class ChatEngine:
         return tok
 
     def _advance(self, group: Group, last: torch.Tensor) -> None:
-        """Give each row its new token (sent at once); the rows that are done leave."""
+        """Give each row its new token (sent at once); the rows that are done leave. A row whose client left
+        while this step ran leaves as cancelled (nothing more is sent to it: it is not finished for nobody)."""
         group.last = last
-        done = []
+        done, gone = [], set()
         for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
+            if row.job.cancelled:
+                done.append(i)
+                gone.add(i)
+                continue
             row.tokens.append(t)
             if t not in self.stops:
                 self.outbox.post(row.job, ("token", t))
             if t in self.stops or len(row.tokens) >= row.job.payload.max_tokens:
                 done.append(i)
-        self._leave(group, done)
+        self._leave(group, done, cancelled=gone)
 
-    def _leave(self, group: Group, rows: list[int], cancelled: bool = False) -> None:
+    def _leave(self, group: Group, rows: list[int], cancelled: bool | set = False) -> None:
+        """Rows `rows` leave the batch (their cache rows freed): finished, or cancelled (`cancelled`: all of them,
+        or the set of those that were)."""
         if not rows:
             return
         n = len(group.rows)
@@ -320,7 +327,7 @@ class ChatEngine:
         for i in rows:
             row = group.rows[i]
             row.usage["kv_bytes_peak"] = max(row.usage["kv_bytes_peak"], peak[i])
-            if cancelled:
+            if cancelled is True or (cancelled and i in cancelled):
                 self.cancelled += 1
             else:
                 self._finish(row)
