@@ -389,13 +389,16 @@ def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> li
 
 def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:
     """[U, nmax, D] features of each unit, zero on pads. An image's tokens are one contiguous run of columns
-    in practice: then slices are copied (a single unit that fills its row is returned as a view); otherwise
-    advanced indexing."""
+    in practice: then slices are copied (one unit per sample, all at the same columns, is returned as a view);
+    otherwise advanced indexing."""
     spans = [(b, int(c[0]), c.numel()) for b, _, _, _, c, _ in rows]
     if all(int(c[-1]) - int(c[0]) + 1 == c.numel() for *_, c, _ in rows):
         if len(rows) == 1 and spans[0][2] == nmax:
             b, c0, n = spans[0]
             return hidden[b : b + 1, c0 : c0 + n]
+        if [b for b, _, _ in spans] == list(range(hidden.shape[0])) and len({(c, n) for _, c, n in spans}) == 1:
+            c0 = spans[0][1]  # one full-length image per sample, all at the same columns: a view, no copy
+            return hidden[:, c0 : c0 + nmax]
         out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
         for i, (b, c0, n) in enumerate(spans):
             out[i, :n] = hidden[b, c0 : c0 + n]
@@ -438,12 +441,27 @@ def merge_dropped(
     w_drop = weight[drop]
     w_sum = w_self + torch.zeros_like(w_self).index_add_(0, inv, w_drop)
 
+    unit = bool((weight == 1).all())  # plain means: no weight products
+    src_at = d_rows * seq.length + d_cols  # flat [B * S] row of every dropped token
+    dst_at = r_rows * new_len + r_cols  # flat [B * S'] row of every receiving kept token
+    w_drop_c = w_drop[:, None]
+    w_self_c = w_self[:, None]
+    w_sum_c = w_sum[:, None]
+
     def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
+        """One index_add over the whole batch: the dropped rows (taken by one flat index_select) summed into
+        their receivers, then each receiver's own row added and the sum divided, written back in place."""
         dt = torch.promote_types(src.dtype, torch.float32)
-        acc = torch.zeros(recv.numel(), src.shape[-1], dtype=dt, device=src.device)
-        acc.index_add_(0, inv, src[d_rows, d_cols].to(dt) * w_drop[:, None].to(dt))
-        mine = dst[r_rows, r_cols].to(dt) * w_self[:, None].to(dt)
-        dst[r_rows, r_cols] = ((mine + acc) / w_sum[:, None].to(dt)).to(dst.dtype)
+        flat_src = src.reshape(-1, src.shape[-1])
+        flat_dst = dst.view(-1, dst.shape[-1])  # the gathered tensors are fresh, contiguous ones
+        moved = flat_src.index_select(0, src_at).to(dt)
+        if not unit:
+            moved = moved * w_drop_c.to(dt)
+        acc = torch.zeros(recv.numel(), src.shape[-1], dtype=dt, device=src.device).index_add_(0, inv, moved)
+        mine = flat_dst.index_select(0, dst_at).to(dt)
+        if not unit:
+            mine = mine * w_self_c.to(dt)
+        flat_dst.index_copy_(0, dst_at, ((mine + acc) / w_sum_c.to(dt)).to(dst.dtype))
 
     fold(seq.hidden, out.hidden)
     for name, ts in seq.adds.items():
