@@ -28,6 +28,10 @@ CALL_COST = 64
 # included: a merge that saves less than that is within the model's error and may not pay (on the scan's
 # 8-token suffixes, merges predicted at 0.87-0.93x of plain ran 1.07-1.13x slower than `batched`).
 MARGIN = 0.15
+# ... and only when the slots it saves pay for its extra calls SAVING_OVER_CALLS times over: the overhead of
+# the tree's calls grows with its rows beyond what the call cost measures (16 x 8-token suffixes of a
+# 6-token shared run, saving 2x their calls' price, ran 1.08-1.11x slower than `batched` on Qwen3.5).
+SAVING_OVER_CALLS = 3
 
 
 @dataclass
@@ -71,7 +75,8 @@ class LayerMix:
 def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     """The cheapest layout over the executed layers: plain rows (one per candidate, the `batched` layout), or
     the trie's merged layout (`merged_layout`) when it is predicted to cost at most (1 - MARGIN) x the plain
-    rows once every extra kernel call is counted."""
+    rows once every extra kernel call is counted, and the slots it saves are at least SAVING_OVER_CALLS x the
+    price of its extra calls."""
     mix = mix or LayerMix()
     plain = [Piece(list(p), -1, r) for r, req in enumerate(f.paths) for p in req]
     saved = f.logical_tokens - f.num_nodes  # the most any merged layout can save per layer
@@ -81,7 +86,10 @@ def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     if merged_floor(f, mix) > limit:  # no merged layout can pay: skip planning one
         return plain
     merged = merged_layout(f, mix)
-    return merged if layout_cost(merged, f, mix) <= limit else plain
+    slots, calls = layout_price(merged, f, mix)
+    saving = layout_price(plain, f, mix)[0] - slots
+    pays = saving >= SAVING_OVER_CALLS * mix.call_cost * calls
+    return merged if pays and slots + mix.call_cost * calls <= limit else plain
 
 
 def merged_floor(f: Forest, mix: LayerMix) -> float:
