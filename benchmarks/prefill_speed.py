@@ -6,14 +6,19 @@ supported checkpoint with `--model PATH`. Input: `--batch` (default 4) images of
 merge 2 -> 32x32 = 1024 visual tokens on the random model) plus a short prompt. Recipes: `--methods` (default
 density) at prune 50/75/80/90% inserted at L = 0 and L = 3.
 
+`--width 3b`: the width of Qwen2.5-VL-3B (hidden 2048, 16 heads, 2 KV heads) with 4 layers and random weights.
+
 Timing: median over interleaved repeats (every recipe once per round, so drift on a shared machine hits all
 alike) of the LLM prefill: the decoder layers, the method's own work (selection, merge, probes) and the LM
 head; the vision tower runs identically for every recipe and is reported apart. FLOPs: the model's prefill
 FLOPs plus the method's own (`Costs.method_flops`), so the FLOP-ratio bound = baseline FLOPs / (recipe model +
-method FLOPs) is the speedup the work alone allows; `efficiency` = measured speedup / bound (issue 10's target:
->= 0.85 at L = 0, prune 80%, at the default shape).
+method FLOPs) is the speedup the work alone allows; `efficiency` = measured speedup / bound (issue 20's target:
+>= 0.92 at L = 0, prune 80%, >= 0.88 at prune 90%, at the default shape, on 1 and 2 threads). `reduce ms` is the
+reduction step itself (the hook call that shrinks the sequence), `reduce %` its median share of the prefill
+(issue 20: <= 5%).
 
-    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--tiny] [--model PATH] [--quick]
+    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--threads 2] [--width 3b] [--tiny]
+        [--model PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 
 import torch
 from rich.console import Console
@@ -33,11 +39,32 @@ from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image, tiny_checkpoint
 
+WIDTHS = {"3b": dict(hidden=2048, heads=16, kv_heads=2, num_layers=4)}  # Qwen2.5-VL-3B's width, 4 layers
 
-def run_once(runner, prep, plan) -> Meter:
+
+def timed_hook(plan, spent: list[float]):
+    """The plan with its reduction hook timed: `spent` collects the seconds of every hook call that changed the
+    sequence (the reduction step: view, density, selection, merge, gather)."""
+    if plan.hook is None:
+        return plan
+    inner = plan.hook
+
+    def hook(i, seq, run):
+        t0 = time.perf_counter()
+        out = inner(i, seq, run)
+        if out is not seq:
+            spent.append(time.perf_counter() - t0)
+        return out
+
+    plan.hook = hook
+    return plan
+
+
+def run_once(runner, prep, plan, spent: list[float]) -> tuple[Meter, float]:
     meter = Meter(device=runner.device)  # synchronizes its phase timers on a GPU
+    spent.clear()
     runner.prefill(prep, plan, meter=meter)
-    return meter
+    return meter, sum(spent)
 
 
 def main(argv=None):
@@ -55,6 +82,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=None, help="default hidden / 64")
     ap.add_argument("--kv-heads", type=int, default=None, help="default hidden / 128")
     ap.add_argument("--tiny", action="store_true", help="the small shape: hidden 256, 8 layers, batch 1")
+    ap.add_argument("--width", choices=sorted(WIDTHS), default=None,
+                    help="a real checkpoint's width with random weights: 3b = hidden 2048, 16 heads, 2 KV heads, "
+                    "4 layers (Qwen2.5-VL-3B)")  # fmt: skip
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: hidden 64, 2 layers, batch 1, "
                     "a 128 px image, prune 75% at L = 0 and 1, 1 repeat")  # fmt: skip
@@ -62,6 +92,9 @@ def main(argv=None):
     if args.quick:
         args.hidden, args.num_layers, args.batch, args.image = 64, 2, 1, 128
         args.prunes, args.layers, args.repeats = [0.75], [0, 1], 1
+    if args.width:
+        for key, v in WIDTHS[args.width].items():
+            setattr(args, key, getattr(args, key) or v)
     small = args.tiny
     args.batch = args.batch or (1 if small else 4)
     args.hidden = args.hidden or (256 if small else 1024)
@@ -85,17 +118,20 @@ def main(argv=None):
     recipes = ["baseline"] + [
         f"tokens={m}:prune={p}:layer={lay}" for m in args.methods for lay in args.layers for p in args.prunes
     ]
-    plans = {r: make_plan("" if r == "baseline" else r, runner) for r in recipes}
+    spent: list[float] = []
+    plans = {r: timed_hook(make_plan("" if r == "baseline" else r, runner), spent) for r in recipes}
     times: dict[str, list[float]] = {r: [] for r in recipes}
+    reduce_s: dict[str, list[float]] = {r: [] for r in recipes}  # the reduction step inside the prefill
     vision: dict[str, list[float]] = {r: [] for r in recipes}
     flops: dict[str, int] = {}  # the model's prefill FLOPs (decoder layers + head)
     method: dict[str, int] = {}  # the method's own FLOPs
     for r in recipes:  # warm-up
-        run_once(runner, prep, plans[r])
+        run_once(runner, prep, plans[r], spent)
     for rep in range(args.repeats):
         for r in recipes:
-            m = run_once(runner, prep, plans[r])
+            m, red = run_once(runner, prep, plans[r], spent)
             times[r].append(m.costs.seconds["prefill"])
+            reduce_s[r].append(red)
             vision[r].append(m.costs.seconds["vision"])
             flops[r] = m.costs.flops["prefill"]
             method[r] = m.costs.method_prefill_flops
@@ -111,26 +147,29 @@ def main(argv=None):
         rows.append(
             dict(recipe=r, prefill_ms=t * 1e3, vision_ms=statistics.median(vision[r]) * 1e3, prefill_flops=flops[r],
                  method_flops=method[r], total_flops=total, flop_ratio=total / base_f, speedup=base_t / t,
-                 bound=bound, efficiency=(base_t / t) / bound, times_ms=[x * 1e3 for x in times[r]])
+                 bound=bound, efficiency=(base_t / t) / bound, times_ms=[x * 1e3 for x in times[r]],
+                 reduce_ms=statistics.median(reduce_s[r]) * 1e3,
+                 reduce_share=statistics.median(a / b for a, b in zip(reduce_s[r], times[r], strict=True)))
         )  # fmt: skip
     name = args.model or "random Qwen3-VL"
     table = Table(
         title=f"prefill, {name} (hidden {args.hidden}, {args.num_layers} layers), {n_vis} visual tokens, "
         f"batch {args.batch}; FLOP ratio and bound include the method's own FLOPs"
     )
-    for c in ("recipe", "prefill ms", "model GFLOPs", "method GFLOPs", "FLOP ratio", "speedup", "bound",
-              "efficiency"):  # fmt: skip
+    for c in ("recipe", "prefill ms", "reduce ms", "reduce %", "model GFLOPs", "method GFLOPs", "FLOP ratio",
+              "speedup", "bound", "efficiency"):  # fmt: skip
         table.add_column(c, justify="left" if c == "recipe" else "right", no_wrap=True)
     for x in rows:
         table.add_row(
-            x["recipe"], f"{x['prefill_ms']:.1f}", f"{x['prefill_flops'] / 1e9:.2f}",
+            x["recipe"], f"{x['prefill_ms']:.1f}", f"{x['reduce_ms']:.1f}", f"{x['reduce_share']:.1%}",
+            f"{x['prefill_flops'] / 1e9:.2f}",
             f"{x['method_flops'] / 1e9:.3f}", f"{x['flop_ratio']:.3f}", f"{x['speedup']:.2f}x",
             f"{x['bound']:.2f}x", f"{x['efficiency']:.0%}",
         )  # fmt: skip
     console.print(table)
     console.print(f"vision tower (same for all recipes): {rows[0]['vision_ms']:.1f} ms")
     meta = dict(visual_tokens=n_vis, batch=args.batch, repeats=args.repeats, threads=args.threads, model=name,
-                hidden=args.hidden, layers=args.num_layers, torch=torch.__version__)  # fmt: skip
+                hidden=args.hidden, layers=args.num_layers, width=args.width, torch=torch.__version__)  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     console.print(f"wrote {args.json}")

@@ -11,10 +11,12 @@ Density's farthest-point loop is compared with two references of the same rule, 
 batch would run once more): `naive` builds the full N x N distance matrix and, one Python step per pick, takes
 the min over the rows of every token picked so far (the straightforward form, as DivPrune's reference code
 does), and `incremental` builds the full matrix and keeps a running min (one row per pick). Identical picks are
-checked. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
+checked, and `ours` is set against its compute roofline: K x N x d multiply-adds at the matmul rate measured
+for one [K, d] x [d, N] product (issue 20's target: within 2x at N = 4096). Times are medians of interleaved
+rounds (every method, or every form, once per round). `--width 3b`: d = 2048 only. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
 selects (`merge=false`); assigning every dropped token to its nearest kept token is O(N * K * d) in any method.
 
-    python benchmarks/token_selection.py --json sel.json [--quick]
+    python benchmarks/token_selection.py --json sel.json [--threads 2] [--width 3b] [--quick]
 """
 
 from __future__ import annotations
@@ -170,14 +172,27 @@ def reducer_for(method: str, keep: float, seq: LiveSeq):
     return red, call
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each call over `repeats` rounds that run every call once (after one warm-up each), so
+    drift on a shared machine hits all of them alike."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    ts: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
+def matmul_rate(k: int, n: int, d: int, repeats: int) -> float:
+    """FLOP/s of the product farthest point needs in all, [K, d] x [d, N] (one call: the matmul rate at its
+    best shape), median of `repeats` (at least 3)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(k, d, generator=g), torch.randn(n, d, generator=g)
+    sec = interleaved_medians({"mm": lambda: a @ b.T}, max(3, repeats))["mm"]
+    return 2 * k * n * d / sec
 
 
 def ref_naive(x: torch.Tensor, k: int, tilt: torch.Tensor, first: int) -> list[int]:
@@ -226,9 +241,16 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: d=64, N 144 and 256, batch 1 "
-                    "and 2, 1 repeat")
+    ap.add_argument("--width", choices=["3b"], default=None,
+                    help="a real checkpoint's width: 3b = d 2048 (Qwen2.5-VL-3B's hidden size)")  # fmt: skip
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test in seconds: d=64, N 144 and 256, batch 1 and 2, 1 repeat",
+    )
     args = ap.parse_args(argv)
+    if args.width == "3b":
+        args.dims = [2048]
     if args.quick:
         args.dims, args.ns, args.batches, args.repeats = [64], [144, 256], [1, 2], 1
     torch.set_num_threads(args.threads)
@@ -240,10 +262,13 @@ def main(argv=None):
                 side = SIDES.get(n) or int(math.isqrt(n))
                 x = features(batch, side, d, seed=n + d)
                 seq, with_text = visual_seq(x, side), visual_seq(x, side, TEXT)
+                calls = {}
                 for method in args.methods:
                     guided = build_methods(f"tokens={method}:keep=0.5")["tokens"].wants_text
-                    _, call = reducer_for(method, args.keep, with_text if guided else seq)
-                    t = median_time(call, args.repeats)
+                    calls[method] = reducer_for(method, args.keep, with_text if guided else seq)[1]
+                med = interleaved_medians(calls, args.repeats)  # every method once per round
+                for method, call in calls.items():
+                    t = med[method]
                     with LiveBytes() as mem:
                         call()
                     rows.append(
@@ -266,19 +291,26 @@ def main(argv=None):
                 def ours(xn=xn, view=view, rt=rt):
                     return farthest_point(xn, view.mask, view.k, rt, rt.argmax(1))[0][0].tolist()
 
-                t_ours = median_time(ours, args.repeats)
+                med = interleaved_medians(
+                    dict(ours=ours, incremental=lambda: ref_incremental(x[0], k, tilt, first),  # noqa: B023
+                         naive=lambda: ref_naive(x[0], k, tilt, first)),  # noqa: B023
+                    args.repeats,
+                )  # fmt: skip
+                t_ours, t_inc, t_naive = med["ours"], med["incremental"], med["naive"]
                 picks = ours()
                 p_inc, p_naive = (ref(x[0], k, tilt, first) for ref in (ref_incremental, ref_naive))
-                t_inc = median_time(lambda: ref_incremental(x[0], k, tilt, first), args.repeats)  # noqa: B023
-                t_naive = median_time(lambda: ref_naive(x[0], k, tilt, first), args.repeats)  # noqa: B023
                 same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
+                rate = matmul_rate(k, side * side, d, args.repeats)
+                roof = k * side * side * d * 2 / rate  # K x N x d multiply-adds at the measured matmul rate
                 refs.append(
                     dict(d=d, n=side * side, k=k, ours_s=t_ours, naive_s=t_naive, incremental_s=t_inc,
+                         matmul_gflops=rate / 1e9, roofline_s=roof, over_roofline=t_ours / roof,
                          speedup_vs_naive=t_naive / t_ours, speedup_vs_incremental=t_inc / t_ours,
                          identical_picks=picks == p_naive == p_inc, first_divergence=same if picks != p_naive else None)
                 )  # fmt: skip
                 console.log(
-                    f"FPS d={d} N={side * side}: ours {t_ours:.3f}s naive {t_naive:.3f}s inc {t_inc:.3f}s"
+                    f"FPS d={d} N={side * side}: ours {t_ours:.3f}s naive {t_naive:.3f}s inc {t_inc:.3f}s, "
+                    f"roofline {roof:.3f}s ({t_ours / roof:.2f}x)"
                 )
 
     fits = []
@@ -316,21 +348,13 @@ def main(argv=None):
             console.print(table)
     if refs:
         table = Table(title="density farthest-point loop vs references of the same rule (batch 1, keep 20%)")
-        for c in (
-            "d",
-            "N",
-            "K",
-            "ours s",
-            "naive s",
-            "incremental s",
-            "x vs naive",
-            "x vs incr.",
-            "same picks",
-        ):
+        for c in ("d", "N", "K", "ours s", "roofline s", "x roofline", "naive s", "incremental s", "x vs naive",
+                  "x vs incr.", "same picks"):  # fmt: skip
             table.add_column(c, justify="right")
         for r in refs:
             table.add_row(
-                str(r["d"]), str(r["n"]), str(r["k"]), f"{r['ours_s']:.3f}", f"{r['naive_s']:.3f}",
+                str(r["d"]), str(r["n"]), str(r["k"]), f"{r['ours_s']:.3f}", f"{r['roofline_s']:.3f}",
+                f"{r['over_roofline']:.2f}", f"{r['naive_s']:.3f}",
                 f"{r['incremental_s']:.3f}", f"{r['speedup_vs_naive']:.1f}", f"{r['speedup_vs_incremental']:.1f}",
                 "yes" if r["identical_picks"] else f"first {r['first_divergence']}",
             )  # fmt: skip
