@@ -4,9 +4,11 @@ their own length, absorption is costed over the executed layers, a merge is take
 from trimvlm.scoring.executors.tree import schedule
 from trimvlm.scoring.executors.tree_layout import (
     MARGIN,
+    SAVING_OVER_CALLS,
     LayerMix,
     Piece,
     layout_cost,
+    layout_price,
     merged_floor,
     merged_layout,
     plan_pieces,
@@ -93,7 +95,10 @@ def test_merge_taken_only_past_the_margin():
         if any(p.parent >= 0 for p in merged):  # (the floor holds for layouts with ancestors)
             assert merged_floor(f, mix) <= layout_cost(merged, f, mix)
         took[call_cost] = any(p.parent >= 0 for p in plan_pieces(f, mix))
-        assert took[call_cost] == (layout_cost(merged, f, mix) <= (1 - MARGIN) * layout_cost(plain, f, mix))
+        slots, calls = layout_price(merged, f, mix)
+        pays = layout_price(plain, f, mix)[0] - slots >= SAVING_OVER_CALLS * call_cost * calls
+        cheaper = layout_cost(merged, f, mix) <= (1 - MARGIN) * layout_cost(plain, f, mix)
+        assert took[call_cost] == (pays and cheaper)
     assert took[0.0] and not took[1000.0]
 
 
