@@ -1,6 +1,10 @@
 import importlib
 import importlib.util
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -156,3 +160,34 @@ class RunnerCalls:
 
     def close(self):
         self._hook.remove()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live(state):
+    """A real uvicorn server over `state` on 127.0.0.1 in a thread; its base URL. It is shut down gracefully
+    at the end (uvicorn waits for the open requests, then the app's scheduler stops)."""
+    port = free_port()
+    import uvicorn
+
+    from trimvlm.serve.app import build_app
+
+    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_config=None, log_level="info",
+                            access_log=False, lifespan="on")  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(60)

@@ -65,6 +65,38 @@ def test_generate_score_decide_take_the_one_runner_path(demo, monkeypatch):
         calls.close()
 
 
+def test_chat_route_takes_the_one_runner_path(demo, monkeypatch):
+    """A chat completion through the server (a real uvicorn server in this process, plain HTTP): the request is
+    prepared once, prefilled once through `Runner.prefill` and its image encoded once; its answer is
+    `vlm.generate`'s."""
+    import base64
+    import io
+
+    from conftest import live, need_extra
+
+    httpx = need_extra("fastapi", "uvicorn", "httpx")
+    from trimvlm.serve.state import ServerState
+
+    img = random_image(4, (96, 96))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "how many red shapes ?"}]}],
+            "max_tokens": 4}  # fmt: skip
+    want = demo.generate(img, "how many red shapes ?", max_new_tokens=4).texts[0]
+    prepares, real = [], demo.adapter.prepare
+    monkeypatch.setattr(demo.adapter, "prepare", lambda *a, **kw: prepares.append(1) or real(*a, **kw))
+    calls = RunnerCalls(demo.runner, monkeypatch)
+    try:
+        with live(ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0)) as (base, _):
+            got = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["message"]["content"] == want
+        assert (len(prepares), calls.prefills, calls.vision) == (1, 1, 1)
+    finally:
+        calls.close()
+
+
 def test_decision_tails_time_and_flops_on_one_line(demo):
     """A shared-prefix decision books its question tails' FLOPs and time on the same (branch) line."""
     img = random_image(2, (96, 96))

@@ -7,7 +7,6 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import need_extra
+from conftest import free_port, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
 
@@ -74,12 +73,6 @@ def chat_request(i: int, **kw) -> dict:
         {"type": "text", "text": PROMPTS[i % len(PROMPTS)]},
     ]
     return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 24} | kw
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -258,7 +258,8 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
     import threading
 
     import httpx
-    from test_serve_engine import data_url, live
+    from conftest import live
+    from test_serve_engine import data_url
 
     from trimvlm.serve.state import ServerState
 

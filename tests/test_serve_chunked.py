@@ -63,7 +63,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
     chunks, one per turn, each followed by a decode step of A (A keeps getting tokens); B then joins A's
     batch. Both equal their answers alone; A's first request and B each take one vision encode."""
     need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
-    from test_serve_engine import WAIT_S, HeldSteps, client, image, live, messages, solo, wait_for
+    from conftest import live
+    from test_serve_engine import WAIT_S, HeldSteps, client, image, messages, solo, wait_for
 
     import trimvlm
     from trimvlm.serve import prefill

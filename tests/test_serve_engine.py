@@ -11,21 +11,18 @@ import logging
 import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
-from conftest import RunnerCalls, need_extra
+from conftest import RunnerCalls, live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 
 import trimvlm  # noqa: E402
-from trimvlm.serve.app import build_app  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 WAIT_S = 120  # how long a held step waits for what the engine must deliver before it gives up (test fails)
@@ -61,33 +58,6 @@ def messages(seed: int, prompt: str = "describe ?") -> list[dict]:
 def solo(demo, scene, prompt="describe ?", max_tokens=24, **sampling):
     """What `vlm.generate` gives the request alone."""
     return demo.generate(image(scene), prompt, max_new_tokens=max_tokens, **sampling)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def live(state: ServerState):
-    """A real uvicorn server over `state` on 127.0.0.1 in a thread; its base URL. It is shut down gracefully
-    at the end (uvicorn waits for the open requests, then the app's scheduler stops)."""
-    port = free_port()
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_config=None, log_level="info",
-                            access_log=False, lifespan="on")  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(60)
 
 
 def client(url: str) -> openai.OpenAI:

@@ -34,8 +34,9 @@ def _port() -> int:
 def test_two_replicas_answer_as_the_single_process_server():
     need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
     import httpx
+    from conftest import live
     from test_serve import chat_request, decide_request
-    from test_serve_engine import client, live
+    from test_serve_engine import client
 
     import trimvlm
     from trimvlm.serve.replicas import APP_NAME, start_replicas
