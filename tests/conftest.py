@@ -24,17 +24,25 @@ def fail_if_required(error: str | None) -> None:
         pytest.fail(f"{error} (TRIMVLM_REQUIRE_EXTRAS is set: .ci/run installs every extra)", pytrace=False)
 
 
+def optional(module: str, hint: str):
+    """(the optional `module`, or None; a skip marker for the tests that need it). Under TRIMVLM_REQUIRE_EXTRAS
+    a failed import fails the module instead."""
+    try:
+        mod, error = importlib.import_module(module), None
+    except Exception as e:  # ImportError, or an extra failing to import beside this torch
+        mod, error = None, f"{module} cannot be imported ({type(e).__name__}: {e}); {hint}"
+    fail_if_required(error)
+    return mod, pytest.mark.skipif(error is not None, reason=str(error))
+
+
 def need_extra(*modules: str, hint: str = "the serve extra (pip install 'trimvlm[serve]')"):
     """Import the optional `modules` a test needs (the last one is returned): skip when one is missing,
     fail instead under TRIMVLM_REQUIRE_EXTRAS. Works at module level and inside a test."""
     mod = None
     for name in modules:
-        try:
-            mod = importlib.import_module(name)
-        except Exception as e:  # ImportError, or an extra failing to import beside this torch
-            error = f"{name} cannot be imported ({type(e).__name__}: {e}); {hint}"
-            fail_if_required(error)
-            pytest.skip(error, allow_module_level=True)
+        mod, mark = optional(name, hint)
+        if mod is None:
+            pytest.skip(mark.kwargs["reason"], allow_module_level=True)
     return mod
 
 

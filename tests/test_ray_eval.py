@@ -6,20 +6,12 @@ import json
 
 import pytest
 import torch
-from conftest import fail_if_required
+from conftest import optional
 
 from trimvlm.testing.cli import assert_one_line_error as _one_line_error
 from trimvlm.testing.cli import run_cli as _cli
 
-try:
-    import ray
-
-    RAY_ERROR = None
-except Exception as e:
-    RAY_ERROR = f"Ray cannot be imported ({type(e).__name__}: {e}); `make ray` installs trimvlm[ray]"
-
-fail_if_required(RAY_ERROR)
-needs_ray = pytest.mark.skipif(RAY_ERROR is not None, reason=str(RAY_ERROR))
+ray, needs_ray = optional("ray", "`make ray` installs trimvlm[ray]")
 
 RECIPES = ["tokens=density:keep=0.5:layer=3", "kv=density:keep=0.25"]
 LIMIT, BATCH = 24, 4  # 6 kinds x 4 items: 6 batches, cut into shards of consecutive batches

@@ -3,31 +3,15 @@ deployment on a local Ray (started here, 2 CPUs), behind one HTTP route. Every a
 and streamed, a bad request's status) equals the single-process server's; the two replicas both run. Needs Ray
 Serve (`pip install "trimvlm[ray]"`): skipped without Ray unless TRIMVLM_REQUIRE_EXTRAS is set."""
 
-import socket
 import threading
 
-import pytest
 import torch
-from conftest import fail_if_required, need_extra
+from conftest import free_port, need_extra, optional
 
 from trimvlm.testing.cli import assert_one_line_error, run_cli
 
-try:
-    import ray
-    from ray import serve
-
-    RAY_ERROR = None
-except Exception as e:
-    RAY_ERROR = f'Ray Serve cannot be imported ({type(e).__name__}: {e}); pip install "trimvlm[ray]"'
-
-fail_if_required(RAY_ERROR)
-needs_ray = pytest.mark.skipif(RAY_ERROR is not None, reason=str(RAY_ERROR))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ray, _ = optional("ray", 'pip install "trimvlm[ray]"')
+serve, needs_ray = optional("ray.serve", 'Ray Serve: pip install "trimvlm[ray]"')
 
 
 @needs_ray
@@ -71,7 +55,7 @@ def test_two_replicas_answer_as_the_single_process_server():
         ref = answers(url)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        url = start_replicas("demo", replicas=2, port=_port(), threads=1)
+        url = start_replicas("demo", replicas=2, port=free_port(), threads=1)
         status = serve.status().applications[APP_NAME].deployments["TrimvlmServer"]
         assert status.replica_states.get("RUNNING") == 2, status
         got = answers(url)

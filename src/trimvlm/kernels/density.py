@@ -163,14 +163,7 @@ def farthest_point(
             break
         s_list = s.tolist()
         if any(j not in c for j, c in zip(s_list, cached, strict=True)):
-            # refill: s itself, then the best other candidates by current score
-            sc = live2d.copy() if mind is None else mind + live2d
-            sc[np.arange(u), s] = np.inf
-            idx = torch.from_numpy(sc).to(dev).topk(m, dim=1).indices
-            rows = xn.gather(1, idx[..., None].expand(-1, -1, d))
-            dist_rows = 1.0 - bmm(rows, xn.transpose(1, 2))  # [U, m, N] rows of D
-            rows_np = dist_rows.reshape(u * m, n).cpu().numpy()
-            cached = [{j: r for r, j in enumerate(row)} for row in idx.tolist()]
+            rows_np, cached = _distance_rows(xn, live2d if mind is None else mind + live2d, s, m)
         if u == 1:
             dist = rows_np[cached[0][s_list[0]]][None]  # [1, N] = D[s_t, :] (a view)
         else:
@@ -191,6 +184,18 @@ def farthest_point(
     picks = torch.from_numpy(np.stack(out, 1)).to(dev)
     nearest = picks.gather(1, torch.from_numpy(near_t).to(dev)) if track_nearest else None
     return picks, nearest
+
+
+def _distance_rows(xn: torch.Tensor, score: np.ndarray, s: np.ndarray, m: int):
+    """Refill of farthest point's cache: the distance rows [U * m, N] (host) of each unit's pick `s` and its
+    m - 1 best other candidates by the current `score` [U, N], and per unit token -> row of the block."""
+    u, n, d = xn.shape
+    sc = score.copy()
+    sc[np.arange(u), s] = np.inf
+    idx = torch.from_numpy(sc).to(xn.device).topk(m, dim=1).indices
+    rows = xn.gather(1, idx[..., None].expand(-1, -1, d))
+    dist_rows = 1.0 - bmm(rows, xn.transpose(1, 2))  # [U, m, N] rows of D
+    return dist_rows.reshape(u * m, n).cpu().numpy(), [{j: r for r, j in enumerate(row)} for row in idx.tolist()]
 
 
 def most_isolated(xn: torch.Tensor, mask: torch.Tensor, block: int = 256) -> torch.Tensor:

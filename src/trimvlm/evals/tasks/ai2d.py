@@ -22,15 +22,6 @@ def make(row: dict, where: str) -> dict:
     return {"question": question, "answers": [letter], "options": options, "prompt": prompt}
 
 
-AI2D = register_benchmark(
-    Benchmark(
-        name="ai2d",
-        title="AI2D",
-        columns=("question", "options", "answer", "image"),
-        make=make,
-        probe="prefill",
-        metric="option",
-        prompt="<question>\\nA. ...\\nB. ...\\n" + OPTION_INSTRUCTION,
-        default_split="test",
-    )
-)
+AI2D = register_benchmark(Benchmark(name="ai2d", title="AI2D", columns=("question", "options", "answer", "image"),
+    make=make, probe="prefill", metric="option", prompt="<question>\\nA. ...\\nB. ...\\n" + OPTION_INSTRUCTION,
+    default_split="test"))  # fmt: skip

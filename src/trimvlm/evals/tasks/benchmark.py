@@ -19,7 +19,7 @@ from pathlib import Path
 from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
-from trimvlm.evals.tasks.base import PROBES, TASKS, Record, Task, TaskEntry, check_limit
+from trimvlm.evals.tasks.base import PROBES, SHORT_INSTRUCTION, TASKS, Record, Task, TaskEntry, check_limit
 from trimvlm.progress import progress as progress_bar
 
 
@@ -87,6 +87,21 @@ def _no_answer(column: str, where: str) -> InputError:
         f"{where}: no reference answer in column {column!r}; the test splits of several benchmarks "
         "withhold their answers (use a split that has them, e.g. --split validation or dev)"
     )
+
+
+def open_answer(answers: str, *, kind: str | None = None, default_kind: str = "", prefix: str = "",
+                suffix: str = "\n" + SHORT_INSTRUCTION):  # fmt: skip
+    """The `make` of an open-answer benchmark: the question, its reference answers (column `answers`), the prompt
+    `prefix + question + suffix`, and, with `kind`, that column as the record's kind (`default_kind` without)."""
+
+    def make(row: dict, where: str) -> dict:
+        question = text(row, "question", where)
+        out = {"question": question, "answers": answer_texts(row, answers, where), "prompt": prefix + question + suffix}
+        if kind is not None:
+            out["kind"] = default_kind if missing(row.get(kind)) else str(row[kind])
+        return out
+
+    return make
 
 
 def option_letter(index, n_options: int, where: str, column: str = "answer") -> str:

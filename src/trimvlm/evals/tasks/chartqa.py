@@ -10,33 +10,9 @@
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
-from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, missing, register_benchmark, text
+from trimvlm.evals.tasks.base import SHORT_PROMPT
+from trimvlm.evals.tasks.benchmark import Benchmark, open_answer, register_benchmark
 
-
-def make(row: dict, where: str) -> dict:
-    question = text(row, "question", where)
-    answers = answer_texts(row, "answer", where)
-    kind = "chartqa" if missing(row.get("type")) else str(row["type"])
-    return {
-        "question": question,
-        "answers": answers,
-        "prompt": f"{question}\n{SHORT_INSTRUCTION}",
-        "kind": kind,
-    }
-
-
-CHARTQA = register_benchmark(
-    Benchmark(
-        name="chartqa",
-        title="ChartQA",
-        columns=("question", "answer", "image"),
-        optional=("type",),
-        make=make,
-        probe="full",
-        metric="relaxed",
-        prompt=SHORT_PROMPT,
-        default_split="test",
-        max_new_tokens=16,
-    )
-)
+CHARTQA = register_benchmark(Benchmark(name="chartqa", title="ChartQA", columns=("question", "answer", "image"),
+    optional=("type",), make=open_answer("answer", kind="type", default_kind="chartqa"), probe="full",
+    metric="relaxed", prompt=SHORT_PROMPT, default_split="test", max_new_tokens=16))  # fmt: skip

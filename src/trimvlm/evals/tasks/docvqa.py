@@ -13,30 +13,14 @@ on infographics, answered with text read from the image.
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
-from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
-
-
-def make(row: dict, where: str) -> dict:
-    question = text(row, "question", where)
-    answers = answer_texts(row, "answers", where)
-    return {"question": question, "answers": answers, "prompt": f"{question}\n{SHORT_INSTRUCTION}"}
+from trimvlm.evals.tasks.base import SHORT_PROMPT
+from trimvlm.evals.tasks.benchmark import Benchmark, open_answer, register_benchmark
 
 
 def _bench(name: str, title: str, config: str) -> Benchmark:
-    return Benchmark(
-        name=name,
-        title=title,
-        columns=("question", "answers", "image"),
-        id_column="questionId",
-        configs=(config,),
-        make=make,
-        probe="full",
-        metric="anls",
-        prompt=SHORT_PROMPT,
-        default_split="validation",
-        max_new_tokens=128,
-    )
+    return Benchmark(name=name, title=title, columns=("question", "answers", "image"), id_column="questionId",
+        configs=(config,), make=open_answer("answers"), probe="full", metric="anls", prompt=SHORT_PROMPT,
+        default_split="validation", max_new_tokens=128)  # fmt: skip
 
 
 DOCVQA = register_benchmark(_bench("docvqa", "DocVQA", "DocVQA"))

@@ -36,18 +36,8 @@ def make(row: dict, where: str) -> dict:
     return {"question": question, "answers": [answer], "options": options, "prompt": prompt, "kind": kind}
 
 
-MMBENCH = register_benchmark(
-    Benchmark(
-        name="mmbench",
-        title="MMBench",
-        columns=("question", "A", "B", "answer", "image"),
-        optional=("C", "D", "E", "hint", "L2-category"),
-        id_column="index",
-        configs=("en",),
-        make=make,
-        probe="prefill",
-        metric="option",
-        prompt="[<hint> ]<question> There are several options:\\nA. ...\\nB. ...\\n\\n" + OPTION_INSTRUCTION,
-        default_split="dev",
-    )
-)
+MMBENCH = register_benchmark(Benchmark(name="mmbench", title="MMBench",
+    columns=("question", "A", "B", "answer", "image"), optional=("C", "D", "E", "hint", "L2-category"),
+    id_column="index", configs=("en",), make=make, probe="prefill", metric="option",
+    prompt="[<hint> ]<question> There are several options:\\nA. ...\\nB. ...\\n\\n" + OPTION_INSTRUCTION,
+    default_split="dev"))  # fmt: skip

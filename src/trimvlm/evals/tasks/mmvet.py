@@ -12,7 +12,7 @@ generation, spatial awareness and maths; references may join parts with <AND> / 
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
+from trimvlm.evals.tasks.benchmark import Benchmark, open_answer, register_benchmark
 
 PRE_PROMPT = (
     "First please perform reasoning, and think step by step to provide best answer to the following "
@@ -20,23 +20,7 @@ PRE_PROMPT = (
 )
 
 
-def make(row: dict, where: str) -> dict:
-    question = text(row, "question", where)
-    answers = answer_texts(row, "answer", where)
-    return {"question": question, "answers": answers, "prompt": f"{PRE_PROMPT}{question}"}
-
-
-MMVET = register_benchmark(
-    Benchmark(
-        name="mmvet",
-        title="MM-Vet",
-        columns=("question", "answer", "image"),
-        id_column="question_id",
-        make=make,
-        probe="full",
-        metric="open_match",
-        prompt=PRE_PROMPT.replace("\n", "\\n") + "<question>",
-        default_split="test",
-        max_new_tokens=1024,
-    )
-)
+MMVET = register_benchmark(Benchmark(name="mmvet", title="MM-Vet", columns=("question", "answer", "image"),
+    id_column="question_id", make=open_answer("answer", prefix=PRE_PROMPT, suffix=""), probe="full",
+    metric="open_match", prompt=PRE_PROMPT.replace("\n", "\\n") + "<question>", default_split="test",
+    max_new_tokens=1024))  # fmt: skip

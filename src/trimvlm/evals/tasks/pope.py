@@ -29,17 +29,6 @@ def make(row: dict, where: str) -> dict:
     }
 
 
-POPE = register_benchmark(
-    Benchmark(
-        name="pope",
-        title="POPE",
-        columns=("question", "answer", "image"),
-        optional=("category",),
-        id_column="question_id",
-        make=make,
-        probe="prefill",
-        metric="yesno",
-        prompt=SHORT_PROMPT,
-        default_split="test",
-    )
-)
+POPE = register_benchmark(Benchmark(name="pope", title="POPE", columns=("question", "answer", "image"),
+    optional=("category",), id_column="question_id", make=make, probe="prefill", metric="yesno", prompt=SHORT_PROMPT,
+    default_split="test"))  # fmt: skip

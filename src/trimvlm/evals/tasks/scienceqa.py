@@ -33,18 +33,8 @@ def make(row: dict, where: str) -> dict:
     return {"question": question, "answers": [letter], "options": choices, "prompt": prompt, "kind": kind}
 
 
-SCIENCEQA_IMG = register_benchmark(
-    Benchmark(
-        name="scienceqa_img",
-        title="ScienceQA-IMG",
-        columns=("question", "choices", "answer", "image"),
-        optional=("hint", "subject"),
-        configs=("ScienceQA-IMG", "ScienceQA-FULL"),
-        make=make,
-        probe="prefill",
-        metric="option",
-        prompt="[Context: <hint>\\n]<question>\\nA. ...\\nB. ...\\n" + OPTION_INSTRUCTION,
-        default_split="test",
-        only_with_image=True,
-    )
-)
+SCIENCEQA_IMG = register_benchmark(Benchmark(name="scienceqa_img", title="ScienceQA-IMG",
+    columns=("question", "choices", "answer", "image"), optional=("hint", "subject"),
+    configs=("ScienceQA-IMG", "ScienceQA-FULL"), make=make, probe="prefill", metric="option",
+    prompt="[Context: <hint>\\n]<question>\\nA. ...\\nB. ...\\n" + OPTION_INSTRUCTION, default_split="test",
+    only_with_image=True))  # fmt: skip

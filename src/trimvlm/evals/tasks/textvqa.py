@@ -10,27 +10,9 @@
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, SHORT_PROMPT
-from trimvlm.evals.tasks.benchmark import Benchmark, answer_texts, register_benchmark, text
+from trimvlm.evals.tasks.base import SHORT_PROMPT
+from trimvlm.evals.tasks.benchmark import Benchmark, open_answer, register_benchmark
 
-
-def make(row: dict, where: str) -> dict:
-    question = text(row, "question", where)
-    answers = answer_texts(row, "answers", where)
-    return {"question": question, "answers": answers, "prompt": f"{question}\n{SHORT_INSTRUCTION}"}
-
-
-TEXTVQA = register_benchmark(
-    Benchmark(
-        name="textvqa",
-        title="TextVQA",
-        columns=("question", "answers", "image"),
-        id_column="question_id",
-        make=make,
-        probe="full",
-        metric="vqa",
-        prompt=SHORT_PROMPT,
-        default_split="validation",
-        max_new_tokens=32,
-    )
-)
+TEXTVQA = register_benchmark(Benchmark(name="textvqa", title="TextVQA", columns=("question", "answers", "image"),
+    id_column="question_id", make=open_answer("answers"), probe="full", metric="vqa", prompt=SHORT_PROMPT,
+    default_split="validation", max_new_tokens=32))  # fmt: skip
