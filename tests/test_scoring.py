@@ -152,7 +152,12 @@ def test_batched_copies_no_prefix(vlms, family):
         assert peaks[("batched", size)] < peaks[("independent", size)]
 
 
-def test_tree_runs_fewer_tokens_and_flops(vlms):
+def test_tree_runs_fewer_tokens_and_flops(vlms, monkeypatch):
+    """With a kernel call priced at 16 token slots (the price is measured on the model at first use; fixed here
+    so the layout does not follow this machine's load), the merged trie is taken and runs fewer tokens."""
+    from trimvlm.scoring.executors import tree
+
+    monkeypatch.setattr(tree, "call_cost", lambda work, mix: 16.0)
     vlm = vlms("qwen3_vl")
     shared = " ".join(WORDS[20:32])  # 12 shared tokens x 16 candidates: far more than one extra call saves
     cands = [f"{shared} {w}" for w in WORDS[32:48]]
