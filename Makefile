@@ -24,7 +24,7 @@ test: venv
 
 # Optional extras, installed into the same venv with the installed torch pinned ($(PIN), written from
 # `torch.__version__`), so the CPU torch stays (each target checks that torch's version did not change).
-# `make ray`: trimvlm[ray] (Ray, for `trimvlm eval --ray`). `make lmms`: lmms-eval for the bridge
+# `make ray`: trimvlm[ray] (Ray and Ray Serve, for `trimvlm eval --ray` and `trimvlm serve --replicas N --ray`). `make lmms`: lmms-eval for the bridge
 # (`python -m lmms_eval --model trimvlm ...`) without torchvision, which cannot import beside the CPU torch
 # (constraints/lmms-cpu.txt says why and lists lmms-eval's other requirements).
 LMMS_EVAL ?= lmms-eval==0.7.3
