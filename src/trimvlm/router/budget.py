@@ -62,6 +62,7 @@ class BudgetTable:
         if data.get("z") is not None:  # calibrated on demand, keyed (budget, price)
             self.choices = {(b, None): c for b, c in self.choices.items()}
         self.z = None if data.get("z") is None else torch.tensor(data["z"], dtype=torch.float64)  # [X, N]
+        self.z_mean = None if self.z is None else self.z.mean(0)  # what an anchor's deviations are measured from
         self.kl = data.get("kl")  # [X][keep][subset]: measured KL of the training layouts
         self.cand = data.get("candidate_layers")
 
@@ -110,9 +111,9 @@ class BudgetTable:
         return out
 
     def _anchored(self, z_l: torch.Tensor, cand: list[int], static: tuple, tau: float) -> list[tuple[int, ...]]:
-        mean = self.z.mean(0) if self.z is not None else torch.zeros(len(cand), dtype=torch.float64)
+        dev = z_l.double() if self.z_mean is None else z_l.double() - self.z_mean
         out = []
-        for row in (z_l.double() - mean).tolist():
+        for row in dev.tolist():
             chosen = [c for j, c in enumerate(cand) if (row[j] <= tau if c in static else row[j] < -tau)]
             if len(chosen) > self.max_skip:  # the lowest logits first, as the threshold rule takes them
                 chosen = sorted(chosen, key=lambda c: (row[cand.index(c)], c))[: self.max_skip]
