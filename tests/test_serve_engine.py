@@ -223,6 +223,17 @@ def _held_server(demo, monkeypatch):
     return calls, held, release, state, queued
 
 
+def _close_queued(url: str, state, queued, bodies: list[dict], path: str = "/v1/chat/completions") -> None:
+    """Queue `bodies` (raw connections) behind the held request, close them, and wait for the server to have
+    seen every close."""
+    socks = [_raw_post(url, body, path) for body in bodies]
+    n = len(socks)
+    wait_for(lambda: state.batcher.waiting() == n, f"{n} queued requests")
+    for sock in socks:
+        sock.close()
+    wait_for(lambda: queued() == n, f"the server to see {n} closed connections")
+
+
 def test_closed_queued_connections_are_never_computed(demo, monkeypatch):
     """While one request decodes (held), 16 more are queued (half streamed) and their connections closed:
     none of them reaches the model (the runner's prefills: only the first request's and the next one's),
@@ -237,12 +248,8 @@ def test_closed_queued_connections_are_never_computed(demo, monkeypatch):
                 model="demo", messages=messages(3), max_tokens=24)))  # fmt: skip
             t.start()
             wait_for(lambda: held.rows, "the first request to decode")
-            socks = [_raw_post(url, {"messages": messages(10 + i), "max_tokens": 24, "stream": i % 2 == 0})
-                     for i in range(16)]  # fmt: skip
-            wait_for(lambda: state.batcher.waiting() == 16, "16 queued requests")
-            for s in socks:
-                s.close()
-            wait_for(lambda: queued() == 16, "the server to see 16 closed connections")
+            _close_queued(url, state, queued, [{"messages": messages(10 + i), "max_tokens": 24, "stream": i % 2 == 0}
+                                               for i in range(16)])  # fmt: skip
             release.set()
             t.join(WAIT_S)
             assert first["r"].choices[0].message.content == ref_first
@@ -366,11 +373,7 @@ def test_closed_queued_system_one_connections_are_never_computed(demo, monkeypat
                                                                           max_tokens=24))  # fmt: skip
             t.start()
             wait_for(lambda: held.rows, "the chat request to decode")
-            socks = [_raw_post(url, body, "/v1/systemone") for _ in range(4)]
-            wait_for(lambda: state.batcher.waiting() == 4, "4 queued System One requests")
-            for sock in socks:
-                sock.close()
-            wait_for(lambda: queued() == 4, "the server to see 4 closed connections")
+            _close_queued(url, state, queued, [body] * 4, "/v1/systemone")
             release.set()
             t.join(WAIT_S)
             answer = httpx.post(url + "/v1/systemone", json=body, timeout=300)
