@@ -129,3 +129,57 @@ def test_anchored_layouts_include_every_static_layout():
     assert table.skip(z, [3, 4], 0.5, ((3,), 2.0)) == [(3,), (), (3, 4)]  # runs 3 at z=+3, skips 4 at z=-3
     (budget, keep, policy), = calibrate(table, table.z, [3, 4], table.kl_at, [0.9])
     assert policy == ((4,), float("inf")) and table.mean_cost(table.z, [3, 4], keep, policy) <= 0.9 + 1e-9
+
+
+def test_a_policy_that_cannot_spend_the_budget_is_taken_only_when_none_can():
+    """Skipping both layers is nearly free in KL here, but even at full keep it costs 0.8 against a budget of
+    0.9: "meets the budget" is within 2%, so the calibration takes a layout that spends it."""
+    from trimvlm.router.budget import REACH, calibrate
+
+    data = {"keeps": [0.5, 1.0], "subsets": [[], [3], [4], [3, 4]], "max_skip": 2,
+            "cost": [[0.8, 0.7, 0.7, 0.6], [1.0, 0.9, 0.9, 0.8]], "z": [[0.0, 0.0], [0.0, 0.0]],
+            "candidate_layers": [3, 4], "kl": [[[3.0, 8.0, 3.1, 0.05], [0.0, 5.0, 0.1, 0.05]]] * 2}  # fmt: skip
+    table = BudgetTable(data)
+    (_, keep, policy), = calibrate(table, table.z, [3, 4], table.kl_at, [0.9])
+    assert table.mean_cost(table.z, [3, 4], keep, policy) >= (1 - REACH) * 0.9
+    (_, keep, policy), = calibrate(table, table.z, [3, 4], table.kl_at, [0.8])  # now it can: the cheapest KL
+    assert table.skip(table.z, [3, 4], keep, policy) == [(3, 4), (3, 4)]
+
+
+def test_held_out_calibration_measures_each_selector(trained, tmp_path):
+    """`trimvlm calibrate-router`: on val inputs after the training ones, the router's layer logits and every
+    layout's KL with each selector's own tokens; `select=` then calibrates on them. The unpruned layout's KL is
+    0 (it is the model), a pruned one's is not, and the selectors' tokens differ."""
+    import io
+    import json
+    import shutil
+
+    from rich.console import Console
+
+    from trimvlm.cli_train import calibrate_router_command
+    from trimvlm.errors import InputError
+    from trimvlm.registry import build_method
+
+    vlm, records, out, _ = trained
+    folder = tmp_path / "router"
+    shutil.copytree(out, folder)
+    quiet = Console(file=io.StringIO())
+    calibrate_router_command(str(folder), model="demo", n=3, select=("router", "fastv"), console=quiet)
+    meta = json.loads((folder / "router.json").read_text())
+    held = meta["budget"]["held_out"]
+    assert held["inputs"] == 3 and held["skip"] == len(records) and len(held["z"]) == 3
+    assert sorted(held["kl"]) == ["fastv@2", "router"]  # fastv at its layer by the router's: the key names it
+    keeps, subsets = meta["budget"]["keeps"], meta["budget"]["subsets"]
+    for kl in held["kl"].values():
+        assert [len(x) for x in kl] == [len(keeps)] * 3 and all(len(r) == len(subsets) for x in kl for r in x)
+        assert all(abs(x[keeps.index(1.0)][0]) < 1e-6 for x in kl)  # keep 1, skip nothing: the model itself
+        assert max(x[0][0] for x in kl) > 1e-4  # keep 0.3 moves the answer's distributions
+    assert held["kl"]["fastv@2"][0][0] != held["kl"]["router"][0][0]
+    table = build_method("router", str(folder), {"budget": 0.9, "select": "fastv@2"}).table
+    assert table.held_out and table.kl == held["kl"]["fastv@2"] and table.z.shape == (3, len(meta["candidate_layers"]))
+    assert not build_method("router", str(out), {"budget": 0.9}).table.held_out  # none measured: the training KL
+    v1 = tmp_path / "v1"
+    train_router(vlm, records[:2], token_keep=0.5, layers_skip=1, epochs=1, seed=0, out=v1, width=32)
+    for router, want in [(str(v1), "v1 router"), ("demo", "shipped demo checkpoint")]:
+        with pytest.raises((InputError, RecipeError), match=want):
+            calibrate_router_command(router, model="demo", n=1, console=quiet)

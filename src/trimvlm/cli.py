@@ -368,6 +368,29 @@ def train_router(
         _fail(e)
 
 
+@app.command("calibrate-router")
+def calibrate_router(
+    router: str = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)"),
+    model: str = MODEL,
+    overwrite: bool = OVERWRITE,
+    task: str = typer.Option("demo", help="unlabeled inputs: the task's val split after the training ones"),
+    n: int = typer.Option(64, help="held-out calibration inputs"),
+    skip: int | None = typer.Option(None, help="val inputs to skip (default: the router's training inputs)"),
+    select: str = typer.Option("router", help="selectors, comma-separated: router and/or token methods NAME@LAYER"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Calibrate a v2 router's budgets on held-out inputs with the tokens each selector executes."""
+    from trimvlm.cli_train import calibrate_router_command
+
+    try:
+        calibrate_router_command(router, model=model, task=task, n=n, skip=skip,
+                                 select=tuple(x.strip() for x in select.split(",") if x.strip()), console=console,
+                                 load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 @app.command()
 def calibrate(
     model: str = MODEL,

@@ -57,6 +57,47 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
     return {"out": str(out), **log}
 
 
+def calibrate_router_command(router, model="demo", task="demo", n: int = 64, skip: int | None = None,
+                             select: tuple[str, ...] = ("router",), console=None, load_kw: dict | None = None,
+                             overwrite: bool = False) -> dict:  # fmt: skip
+    """`trimvlm calibrate-router`: measure a v2 router's held-out calibration (training/calibration.py) on `n`
+    val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
+    checkpoint (a shipped demo router only with `overwrite`)."""
+    import json
+
+    from rich.console import Console
+
+    import trimvlm
+    from trimvlm.evals.tasks import calibration_items as calibration_records
+    from trimvlm.loading import DEMO_DIR, DEMO_MODELS, refuse_shipped
+    from trimvlm.progress import progress as progress_bar
+    from trimvlm.router.model import CONFIG
+    from trimvlm.router.route import Router
+    from trimvlm.training.calibration import measure
+
+    folder = DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
+    refuse_shipped(folder, overwrite)
+    console = console or Console()
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    r = Router(path=str(folder), budget=1.0)
+    if "budget" not in r.meta:
+        raise InputError(f"router {router} is a v1 router: only a v2 one (train-router --keeps) is calibrated")
+    r.check(vlm.runner)
+    skip = int(r.meta.get("log", {}).get("inputs", 0)) if skip is None else skip
+    if not isinstance(n, int) or n < 1 or skip < 0:
+        raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
+    seed = int(r.meta.get("seed", 0))
+    records = calibration_records(task, skip + n, seed)[skip:]
+    with progress_bar(console) as bar:
+        job = bar.add_task("calibrate-router", total=len(records))
+        held = measure(vlm, r, records, list(select), on_step=lambda: bar.advance(job))
+    meta = json.loads((folder / CONFIG).read_text())
+    meta["budget"]["held_out"] = held | {"task": task, "skip": skip, "seed": seed}
+    (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    console.print(f"wrote the held-out calibration ({len(records)} inputs; {', '.join(held['kl'])}) into {folder}")
+    return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
+
+
 # ------------------------------------------------------------------------------------------- train-head
 
 

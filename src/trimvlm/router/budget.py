@@ -43,9 +43,11 @@ def interp(grid: list[float], values: list[float], x: float) -> float:
 class BudgetTable:
     """The checkpoint's `budget` section: the cost table over keeps x skip subsets and the calibrated choices."""
 
-    def __init__(self, data: dict, layer: int | None = None, router_runs: bool = True):
+    def __init__(self, data: dict, layer: int | None = None, router_runs: bool = True, select: str = "router"):
         """`layer`: the tokens are reduced before that layer (a `select=` method's; None: the router's own);
-        `router_runs`: the router's FLOPs count (False where it does not run: a price that never skips)."""
+        `router_runs`: the router's FLOPs count (False where it does not run: a price that never skips);
+        `select`: the selector whose held-out KL calibrates, when the checkpoint has it (training/calibration.py:
+        `router` or NAME@LAYER); else the training inputs' plain-ranking KL."""
         self.keeps = [float(k) for k in data["keeps"]]
         self.subsets = [tuple(s) for s in data["subsets"]]  # candidate-layer subsets, () first
         self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
@@ -65,6 +67,11 @@ class BudgetTable:
         self.z_mean = None if self.z is None else self.z.mean(0)  # what an anchor's deviations are measured from
         self.kl = data.get("kl")  # [X][keep][subset]: measured KL of the training layouts
         self.cand = data.get("candidate_layers")
+        held = data.get("held_out", {})
+        self.held_out = select in held.get("kl", {})  # calibrated on inputs it never trained on, its own tokens
+        if self.held_out:
+            self.z = torch.tensor(held["z"], dtype=torch.float64)
+            self.kl = held["kl"][select]
 
     def cost_of(self, keep: float, subset) -> float:
         j = self.subsets.index(tuple(sorted(subset)))
@@ -132,6 +139,9 @@ class BudgetTable:
 # prices (nats per unit of total-FLOP ratio); negative: skip even layers the router would keep, down to
 # max_skip, so that tight budgets are reachable; inf: skip nothing
 LAMBDAS = (-math.inf, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, math.inf)
+# a policy whose mean cost stays more than this fraction under the budget even at full keep (it skips more than
+# the budget asks) is taken only where no policy can spend the budget: "meets the budget" is within 2%
+REACH = 0.02
 # anchor deviations (logit units away from the training mean); inf: the static layout
 TAUS = (math.inf, 4.0, 2.0, 1.0, 0.5)
 
@@ -161,8 +171,9 @@ def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=No
                 lo, hi = (mid, hi) if table.mean_cost(z, cand, mid, lam) <= b else (lo, mid)
             subsets = table.skip(z, cand, lo, lam)
             loss = sum(kl(x, lo, s) for x, s in enumerate(subsets)) / len(subsets)
-            if best is None or loss < best[0] - 1e-12:
-                best = (loss, lo, lam)
+            short = table.mean_cost(z, cand, lo, lam) < (1 - REACH) * b  # cannot spend the budget, even at keep 1
+            if best is None or (short, loss) < (best[0], best[1] - 1e-12):
+                best = (short, loss, lo, lam)
         if best is not None:
-            out.append((float(b), best[1], best[2]))
+            out.append((float(b), best[2], best[3]))
     return out

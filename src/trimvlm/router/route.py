@@ -104,7 +104,8 @@ class Router:
             if self.select != "router":  # the method at its own layer; the router's FLOPs only where it runs
                 at = self.selector(0.5).layer
                 try:
-                    self.table = BudgetTable(self.meta["budget"], layer=at, router_runs=self._price != math.inf)
+                    self.table = BudgetTable(self.meta["budget"], layer=at, router_runs=self._price != math.inf,
+                                             select=self.select_key)  # fmt: skip
                 except ValueError as e:
                     raise RecipeError(f"router select={self.select}: {e} (a method acting by the router's layer "
                                       f"{self.layer})") from None  # fmt: skip
@@ -126,6 +127,13 @@ class Router:
     @property
     def _price(self) -> float | None:
         return None if self.price == "auto" else float(self.price)
+
+    @property
+    def select_key(self) -> str:
+        """The selector's name in a held-out calibration (training/calibration.py): `router` or NAME@LAYER."""
+        if self.select == "router":
+            return "router"
+        return f"{str(self.select).partition('@')[0]}@{self.selector(0.5).layer}"
 
     def selector(self, keep: float):
         """The token method `select=` names, at the router's layer and the budget's keep."""

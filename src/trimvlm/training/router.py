@@ -99,15 +99,21 @@ def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, tok
     `token_scores[m]` (a [M, S] column score) before layer `layer` and skips `plans[m]` ([M, L] bool),
     teacher-forced on the answer."""
 
-    m = plans.shape[0]
-    prep = _repeat(prepared1, m)
+    prep = _repeat(prepared1, plans.shape[0])
     handoff = Handoff(router=token_scores)  # what the router's hook hands its token half
     red = RouterTokens(keep=token_keep, layer=layer)
 
     def hook(i, seq, run):
         return red.reduce(seq, run, handoff) if i == layer and token_keep < 1 else seq
 
-    layout = Plan(hook=hook, skip_prefill=plans, skip_decode=plans)
+    return forced_kl(runner, prep, Plan(hook=hook, skip_prefill=plans, skip_decode=plans), answer_tok, p_full)
+
+
+@torch.no_grad()
+def forced_kl(runner, prep, layout: Plan, answer_tok, p_full) -> torch.Tensor:
+    """[M] sum over the answer's positions of KL(p_full || p_layout) for the M rows of `prep` run under
+    `layout`, teacher-forced on the unpruned answer `answer_tok` [n] (p_full [n, V] its log-probs)."""
+    m = prep.input_ids.shape[0]
     out = runner.prefill(prep, layout)
     logits, pos = out.logits, out.next_pos.clone()
     cost = torch.zeros(m, dtype=torch.float64)

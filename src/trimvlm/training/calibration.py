@@ -1,0 +1,72 @@
+"""Held-out calibration of a v2 router (`trimvlm calibrate-router`): what `router=PATH:budget=B` calibrates on.
+
+A v2 checkpoint carries its training inputs' layer logits and layouts' KL, and `router/budget.py` chooses each
+budget's keep and layer policy on them. Two things make that choice wrong:
+- the router was fit to those inputs, so its per-input layer choices look better on them than on new inputs
+  (on demo-qwen35 the training inputs ranked "skip each input's two lowest-scoring layers" well ahead of the
+  static "skip blocks 6 and 7"; on validation it lost by 29 points);
+- their KL was measured with FastV-ranked tokens, not the tokens a recipe executes (`select=density@0` prunes
+  far more gently, so the balance between dropping tokens and skipping layers is another).
+This measures, on `n` inputs the router never trained on (the task's val split after its training inputs) and
+for each selector (`router`: its own token scores; or a token method NAME@LAYER, as `select=` takes it), the
+router's layer logits z and the KL to the unpruned model of every layout of the table (each keep x each skip
+subset), teacher-forced on the unpruned greedy answer, every subset of one keep as rows of one batch with per-row
+layer plans. `BudgetTable(select=...)` then calibrates on those (the anchors' deviations are still measured
+from the training inputs' mean logit, a constant of the checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trimvlm.runtime.plan import Plan
+from trimvlm.training.router import (
+    _features,
+    _logits,
+    _repeat,
+    answer_length,
+    forced_kl,
+    layout_costs,
+    unpruned_pass,
+)
+
+
+@torch.no_grad()
+def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=None) -> dict:
+    """The `held_out` section: {"inputs": n, "z": [X][N] layer logits, "kl": {selector: [X][keep][subset]}}.
+    `router`: a `trimvlm.router.route.Router` built with `budget=` (its model, meta and `selector`)."""
+    runner = vlm.runner
+    table, cand, layer = router.meta["budget"], router.meta["candidate_layers"], router.layer
+    plans = torch.zeros(len(table["subsets"]), runner.num_layers, dtype=torch.bool)
+    for i, sub in enumerate(table["subsets"]):
+        plans[i, sub] = True
+    methods = {s: type(router)(path=router.path, budget=router.budget, select=s) for s in selectors}
+    zs, kl = [], {r.select_key: [] for s, r in methods.items()}
+    for rec in records:
+        prep = vlm.prepare([list(rec.images)], [rec.prompt_text()])
+        tok, p_full, _, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
+        n = answer_length(tok[0], vlm.stop_ids())
+        ans, p = tok[0, :n], p_full[0, :n]
+        feats = _features(seq)
+        logits = _logits(router.model, feats)
+        zs.append(logits[0, -len(cand):].double().tolist())
+        own = torch.full(seq.valid.shape, float("-inf"))
+        own[0, torch.nonzero((seq.visual & seq.valid)[0]).flatten()] = logits[0, : int(feats[1].sum())].float()
+        own = own.expand(len(plans), -1)
+        full = layout_costs(runner, prep, ans, p, own, plans, 1.0, layer)  # nothing dropped: any selector's
+        for s, r in methods.items():
+            rows = [full if k >= 1 else _costs(runner, prep, ans, p, r, s, k, own, plans) for k in table["keeps"]]
+            kl[r.select_key].append([row.tolist() for row in rows])
+        if on_step is not None:
+            on_step()
+    return {"inputs": len(records), "z": zs, "kl": kl}
+
+
+def _costs(runner, prep, ans, p, router, select: str, keep: float, own, plans) -> torch.Tensor:
+    """[M] the KL of every skip subset at one keep, the tokens chosen by `select`."""
+    if select == "router":
+        return layout_costs(runner, prep, ans, p, own, plans, keep, router.layer)
+    plan = Plan()
+    router.selector(keep).apply(plan, runner)
+    plan.skip_prefill = plan.skip_decode = plans
+    return forced_kl(runner, _repeat(prep, len(plans)), plan, ans, p)
