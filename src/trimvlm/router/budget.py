@@ -13,10 +13,13 @@ Or the layers follow an anchor (S, tau): the static skip set S, from which an in
 router's logit departs from its mean over the training inputs by more than tau (a layer of S is run for an
 input whose z_j - mean_j > tau, a layer outside S skipped where z_j - mean_j < -tau). tau = inf is the static
 layout S itself, so the router's choices include every static layout a fixed recipe could take.
-The calibration (`calibrate`) picks (k_B, lambda_B) on the training inputs: for every lambda of a grid and every
-anchor (S, tau) of a grid, the keep whose mean cost over those inputs (with the layers each input would skip)
-equals B, and of those the one with the smallest mean measured KL to the unpruned model (the training layouts'
-costs, interpolated in k).
+The calibration (`calibrate`) picks (k_B, lambda_B) on the calibration inputs: for every lambda of a grid and
+every anchor (S, tau) of a grid, the keep whose mean cost over those inputs (with the layers each input would
+skip) equals B, and of those the one with the smallest mean measured KL to the unpruned model (the layouts'
+measured KL, interpolated in k); a policy that stays more than `REACH` under B even at full keep only where none
+can spend B. The calibration inputs are the checkpoint's held-out ones for the selector in use where it has them
+(training/calibration.py: inputs it never trained on, KL with that selector's tokens), else its training inputs
+(KL of FastV-ranked tokens).
 Costs: `cost[k, subset]`, the predicted total-FLOP ratio of keeping k and skipping that subset (prefill
 prediction, `tune.predict`, on the training inputs; the router's own FLOPs added). At B >= 1 nothing is pruned.
 """
