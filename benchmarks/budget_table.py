@@ -6,8 +6,9 @@ written by `benchmarks/depth_budget.py` (FastV alone, FastV + every ranker, the 
 budget on the validation split: names `B85_fastv`, `B85_fastv+bi_s1`, `B85_router_s1`...). Every entry shows
 overall test accuracy, prefill / full-pipeline mismatch % and the realised total-FLOP ratio, so that "at the
 same budget (within 2%)" can be checked in the table itself. Router v2 (the model's shipped v2 router, or
-`--router2`): per budget, the variant with the best validation accuracy among its own token scores and the
-tuned recipe's token method as `select=`, at the price auto / 0 / inf.
+`--router2`): per budget, the variant with the best validation accuracy (on val items after those it trained
+and calibrated on) among its own token scores and the tuned recipe's token method as `select=`, at the price
+auto / 0 / inf.
 
     python benchmarks/budget_table.py --model demo --tuned runs/tune-demo \
         --matched benchmarks/recipes/budget-matched-demo.yaml --limit 600 --markdown docs/results/budget-demo.md
@@ -45,9 +46,14 @@ def router2_variants(router2: str, budget: float, method: str | None) -> list[st
 
 
 def pick_router2(vlm, router2: str, budget: float, method: str | None, n_val: int, batch_size: int) -> str:
-    """The variant with the best validation accuracy (val split, never the test items); refused ones skipped."""
+    """The variant with the best validation accuracy (val split, never the test items; after the val inputs the
+    router trained and calibrated on, which would favour its own choices); refused ones skipped."""
+    from dataclasses import replace
+
+    from trimvlm.cli_train import trained_inputs
     from trimvlm.errors import TrimVLMError
     from trimvlm.plan import make_plan
+    from trimvlm.router.model import load_router
 
     ok = []
     for r in router2_variants(router2, budget, method):
@@ -56,7 +62,11 @@ def pick_router2(vlm, router2: str, budget: float, method: str | None, n_val: in
             ok.append(r)
         except TrimVLMError:
             continue
-    res = run_eval(vlm, demo_task(limit=n_val, seed=0, split="val"), ok, batch_size=batch_size, warmup=False,
+    meta = load_router(router2)[1]
+    held = meta["budget"].get("held_out", {})
+    seen = max(trained_inputs(meta), int(held.get("skip", 0)) + int(held.get("inputs", 0)))
+    val = demo_task(limit=seen + n_val, seed=0, split="val")
+    res = run_eval(vlm, replace(val, records=val.records[seen:]), ok, batch_size=batch_size, warmup=False,
                    memory="off", progress=False)  # fmt: skip
     return max(ok, key=lambda r: (res.row(r)["accuracy"], -res.row(r)["mismatch_pct"]))
 

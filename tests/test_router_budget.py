@@ -183,3 +183,34 @@ def test_held_out_calibration_measures_each_selector(trained, tmp_path):
     for router, want in [(str(v1), "v1 router"), ("demo", "shipped demo checkpoint")]:
         with pytest.raises((InputError, RecipeError), match=want):
             calibrate_router_command(router, model="demo", n=1, console=quiet)
+
+
+def test_refit_trains_the_layer_scores_on_the_selectors_layouts(trained, tmp_path):
+    """`trimvlm refit-router`: the layouts of the budget table run with the selector's tokens give layer and
+    iso-cost pairs; DPO moves the layer scores; the calibration inputs become the refit's (their logits under
+    the refit router) and the stale held-out calibration is dropped."""
+    import io
+    import json
+    import shutil
+
+    from rich.console import Console
+
+    from trimvlm.cli_train import calibrate_router_command, refit_router_command, trained_inputs
+    from trimvlm.router.model import load_router
+
+    _, records, out, _ = trained
+    folder = tmp_path / "router"
+    shutil.copytree(out, folder)
+    quiet = Console(file=io.StringIO())
+    calibrate_router_command(str(folder), model="demo", n=2, console=quiet)
+    before, _ = load_router(folder)
+    got = refit_router_command(str(folder), model="demo", n=4, select="fastv@2", epochs=3, out=tmp_path / "refit",
+                               console=quiet, lr=1e-2)  # fmt: skip
+    assert got["pairs"]["layers"] > 0 and got["pairs"]["iso"] > 0 and got["select"] == "fastv@2"
+    after, meta = load_router(tmp_path / "refit")
+    assert "held_out" not in meta["budget"] and len(meta["budget"]["z"]) == 4 and trained_inputs(meta) == len(records)
+    d = meta["hidden"]
+    feats = (torch.randn(1, 5, d), torch.ones(1, 5, dtype=torch.bool), torch.randn(1, 3, d),
+             torch.ones(1, 3, dtype=torch.bool))  # fmt: skip
+    assert not torch.allclose(before.logits(*feats)[1], after.logits(*feats)[1])
+    json.loads((folder / "router.json").read_text())["budget"]["held_out"]  # the source is left as it was

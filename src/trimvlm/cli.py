@@ -368,6 +368,29 @@ def train_router(
         _fail(e)
 
 
+@app.command("refit-router")
+def refit_router(
+    router: str = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)"),
+    model: str = MODEL,
+    out: Path | None = typer.Option(None, help="folder to write the refit router to (default: in place)"),
+    overwrite: bool = OVERWRITE,
+    task: str = typer.Option("demo", help="unlabeled inputs: the task's first val inputs"),
+    n: int = typer.Option(512, help="inputs whose layouts are measured"),
+    select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
+    epochs: int = typer.Option(20),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Train a v2 router's layer scores (DPO) on layouts run with the tokens a recipe executes."""
+    from trimvlm.cli_train import refit_router_command
+
+    try:
+        refit_router_command(router, model=model, task=task, n=n, select=select, epochs=epochs, out=out,
+                             console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 @app.command("calibrate-router")
 def calibrate_router(
     router: str = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)"),

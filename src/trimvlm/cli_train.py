@@ -83,7 +83,7 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     if "budget" not in r.meta:
         raise InputError(f"router {router} is a v1 router: only a v2 one (train-router --keeps) is calibrated")
     r.check(vlm.runner)
-    skip = int(r.meta.get("log", {}).get("inputs", 0)) if skip is None else skip
+    skip = trained_inputs(r.meta) if skip is None else skip
     if not isinstance(n, int) or n < 1 or skip < 0:
         raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
     seed = int(r.meta.get("seed", 0))
@@ -96,6 +96,53 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     console.print(f"wrote the held-out calibration ({len(records)} inputs; {', '.join(held['kl'])}) into {folder}")
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
+
+
+def trained_inputs(meta: dict) -> int:
+    """How many of the task's first val inputs (at the router's seed) its training and refits have seen."""
+    return max(int(meta.get("log", {}).get("inputs", 0)), int(meta.get("refit", {}).get("inputs", 0)))
+
+
+def refit_router_command(router, model="demo", task="demo", n: int = 512, select: str = "router", epochs: int = 20,
+                         out=None, console=None, load_kw: dict | None = None, overwrite: bool = False,
+                         **fit_kw) -> dict:  # fmt: skip
+    """`trimvlm refit-router`: train a v2 router's layer scores on layouts run with `select`'s tokens
+    (training/layer_pairs.py) on the task's first `n` val inputs; write it to `out` (default: in place; a
+    shipped demo router only with `overwrite`)."""
+    from rich.console import Console
+
+    import trimvlm
+    from trimvlm.depth.base import model_fingerprint
+    from trimvlm.evals.tasks import calibration_items as calibration_records
+    from trimvlm.loading import DEMO_DIR, DEMO_MODELS, refuse_shipped
+    from trimvlm.progress import progress as progress_bar
+    from trimvlm.router.model import save_router
+    from trimvlm.router.route import Router
+    from trimvlm.training.layer_pairs import refit_layers
+
+    folder = DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
+    out = folder if out is None else Path(out)
+    refuse_shipped(out, overwrite)
+    if not isinstance(n, int) or n < 1 or not isinstance(epochs, int) or epochs < 1:
+        raise InputError(f"--n and --epochs must be positive integers, got n={n!r}, epochs={epochs!r}")
+    console = console or Console()
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    r = Router(path=str(folder), budget=1.0)
+    if "budget" not in r.meta:
+        raise InputError(f"router {router} is a v1 router: only a v2 one (train-router --keeps) is refit")
+    r.check(vlm.runner)
+    records = calibration_records(task, n, int(r.meta.get("seed", 0)))
+    with progress_bar(console) as bar:
+        job = bar.add_task("refit-router", total=len(records))
+        fit, budget, log = refit_layers(vlm, r, records, select, epochs=epochs, on_step=lambda: bar.advance(job),
+                                        **fit_kw)  # fmt: skip
+    own = ("hidden", "candidate_layers", "width", "heads", "ff", "fingerprint")
+    extra = {k: v for k, v in r.meta.items() if k not in own} | {"budget": budget, "refit": log}
+    save_router(fit, out, fingerprint=model_fingerprint(vlm.adapter), hidden=r.meta["hidden"], extra=extra)
+    console.print(f"refit on {len(records)} inputs ({log['pairs']['layers']} layer pairs, {log['pairs']['iso']} "
+                  f"iso-cost pairs; DPO loss {log['epochs'][0]['dpo_loss']:.4f} -> {log['epochs'][-1]['dpo_loss']:.4f}); "
+                  f"wrote {out}: calibrate it on later inputs (trimvlm calibrate-router)")  # fmt: skip
+    return {"out": str(out), **log}
 
 
 # ------------------------------------------------------------------------------------------- train-head

@@ -32,9 +32,10 @@ from trimvlm.training.router import (
 
 
 @torch.no_grad()
-def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=None) -> dict:
+def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=None, features=None) -> dict:
     """The `held_out` section: {"inputs": n, "z": [X][N] layer logits, "kl": {selector: [X][keep][subset]}}.
-    `router`: a `trimvlm.router.route.Router` built with `budget=` (its model, meta and `selector`)."""
+    `router`: a `trimvlm.router.route.Router` built with `budget=` (its model, meta and `selector`);
+    `features`: a list that receives each input's router inputs (training/layer_pairs.py trains on them)."""
     runner = vlm.runner
     table, cand, layer = router.meta["budget"], router.meta["candidate_layers"], router.layer
     plans = torch.zeros(len(table["subsets"]), runner.num_layers, dtype=torch.bool)
@@ -48,6 +49,8 @@ def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=Non
         n = answer_length(tok[0], vlm.stop_ids())
         ans, p = tok[0, :n], p_full[0, :n]
         feats = _features(seq)
+        if features is not None:
+            features.append(feats)
         logits = _logits(router.model, feats)
         zs.append(logits[0, -len(cand):].double().tolist())
         own = torch.full(seq.valid.shape, float("-inf"))

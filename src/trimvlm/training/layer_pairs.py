@@ -1,0 +1,62 @@
+"""Refit a v2 router's layer scores on layouts run with the tokens a recipe executes (`trimvlm refit-router`).
+
+The router's layer half learns, in `train_router`, from layer pairs of FastV-ranked token sets on a few dozen
+inputs. On demo-qwen35 that did not carry over: on held-out inputs with the tuned recipe's tokens (density at
+layer 0) the best pair of blocks to skip depends on the question ("color at ..." loses least without blocks 4
+and 7, "which is ..." without 5 and 6, most others without 6 and 7), and the trained router's choices lost to
+the static "skip 6 and 7". This measures (training/calibration.py's `measure`), on `n` val inputs, every layout
+of the checkpoint's budget table (each keep x each skip subset) with the selector's own tokens, KL to the
+unpruned model along its greedy answer, and trains the layer scores further with PAR's DPO objective (beta,
+the router before the refit as the frozen reference) on the pairs that grid gives (`preference_pairs`: layer
+pairs, one keep and two subsets of one size; iso-cost pairs, subsets of different sizes at total-FLOP ratios
+within 0.05). Every layout of one input keeps the same token half, so the token scores cancel in every pair's
+margin and only the layer scores move. The checkpoint's calibration inputs become these inputs (their logits
+under the refit router, their measured KL); its held-out calibration is dropped, being the old router's: run
+`trimvlm calibrate-router` again on inputs after these.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from trimvlm.training.calibration import measure
+from trimvlm.training.dpo import layout_logprob_logits
+from trimvlm.training.router import Example, _dpo_epoch, _logits, preference_pairs
+
+
+def refit_layers(vlm, router, records, select: str, *, epochs: int = 20, beta: float = 0.1, lr: float = 1e-3,
+                 margin: float = 0.1, floor: float = 0.05, seed: int = 0, on_step=None):  # fmt: skip
+    """(the refit MetaRouter, its budget section, the log). `router`: a `Router` built with `budget=`."""
+    table = router.meta["budget"]
+    cand, keeps, subsets = router.meta["candidate_layers"], table["keeps"], table["subsets"]
+    sel = type(router)(path=router.path, budget=router.budget, select=select)
+    cost = sel.table.cost  # [keep][subset] at the selector's layer
+    feats: list = []
+    measured = measure(vlm, router, records, [select], features=feats, on_step=on_step)
+    kl = measured["kl"][sel.select_key]
+    ref = copy.deepcopy(router.model).eval().requires_grad_(False)
+    model = copy.deepcopy(router.model).train().requires_grad_(True)
+    kept = torch.tensor([[c not in s for c in cand] for s in subsets] * len(keeps))  # [K * S, N] layers run
+    data = []
+    for f, x in zip(feats, kl, strict=True):
+        pairs = preference_pairs(torch.tensor(x, dtype=torch.float64), 1, len(subsets), margin, floor,
+                                 n_keep=len(keeps), sizes=[len(s) for s in subsets], flops=cost)  # fmt: skip
+        pairs.pop("tokens")  # one token set: there are none
+        nv = int(f[1].sum())
+        chosen = torch.cat([torch.ones(len(kept), nv, dtype=torch.bool), kept], dim=1)  # the same tokens everywhere
+        rp = layout_logprob_logits(_logits(ref, f).expand(len(kept), -1), chosen)
+        data.append(Example(f, chosen, pairs, rp))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    shuffle = torch.Generator().manual_seed(seed)
+    log = {"inputs": len(records), "select": sel.select_key,
+           "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in ("layers", "iso")}, "epochs": []}  # fmt: skip
+    for epoch in range(epochs):
+        loss = _dpo_epoch(model, opt, data, torch.randperm(len(data), generator=shuffle).tolist(), beta)
+        log["epochs"].append({"epoch": epoch, "dpo_loss": loss})
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        z = torch.cat([_logits(model, f)[:, -len(cand):] for f in feats]).double().tolist()
+    budget = {k: v for k, v in table.items() if k not in ("held_out", "choices")} | {"z": z, "kl": kl}
+    return model, budget, log
