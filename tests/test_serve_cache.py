@@ -77,6 +77,23 @@ def test_decisions_equal_without_caches_and_a_repeat_costs_less(plain, cached, r
     assert sum(u.total_flops for u in again.usage) == again.costs.total_flops
 
 
+def test_requests_with_one_prefix_share_its_row_and_their_common_tails(plain, cached):
+    """[A, A', B], A' the state of A with two of its questions: with the prefixes cached, A and A' read one
+    prefix row and A' runs no tail of its own (both of its questions are A's): the branch pass costs what
+    [A, B]'s does, and every answer equals the uncached one."""
+    names = list(QUESTIONS)
+    sub = request(0) | {"questions": {q: QUESTIONS[q] for q in names[1:]}}
+    reqs = [request(0), sub, request(1)]
+    cached.decide(reqs)  # the prefixes stored
+    res = cached.decide(reqs, return_costs=True)
+    for got, ref in zip(res.answers, plain.decide(reqs), strict=True):
+        assert_same(got, ref)
+    assert all(u.prefix_reused for u in res.usage)
+    pair = cached.decide([request(0), request(1)], return_costs=True)
+    assert res.costs.flops["branch"] == pair.costs.flops["branch"] > 0
+    assert sum(u.layer_flops for u in res.usage) == res.costs.flops["branch"]
+
+
 def test_a_cached_prefix_is_only_for_its_recipe(plain, cached):
     req = request(3)
     cached.decide(req, return_costs=True)

@@ -71,18 +71,38 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     else:  # found prefixes are read from the cache, the others prefilled (runtime/prefix_cache.py)
         prepared = None
         prefix, reuse = runner.prefix_cache.prefill(runner, inputs, plan, meter)
-    tails = [[p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist() for p in g]
-             for g, c in zip(groups, cuts, strict=True)]  # fmt: skip
+    owner = list(range(len(groups))) if reuse is None else reuse.rows  # each request's prefix row
+    tails, where = tails_by_row(groups, cuts, owner, int(prefix.next_pos.shape[0]))
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
     skip = tail_skip(plan.skip_prefill, forest)
     with meter.timer("branch"):  # the tails' FLOPs are on the branch line: their time is too
         states = batched.run(Work(runner, prefix, forest, skip, meter, plan))
-    rows = [forest.paths[r][j][int(m) - 1 - c]
-            for r, (g, c) in enumerate(zip(groups, cuts, strict=True))
-            for j, p in enumerate(g) for m in p.marks]  # fmt: skip
+    rows = [forest.paths[a][u][int(m) - 1 - c]
+            for g, c, at in zip(groups, cuts, where, strict=True)
+            for p, (a, u) in zip(g, at, strict=True) for m in p.marks]  # fmt: skip
     layers = meter.costs.flops.get("prefill", 0) + meter.costs.flops.get("branch", 0)
     return Forward(hidden=states[torch.tensor(rows, device=states.device)], prepared=prepared, cache=prefix.cache,
                    layer_flops=layers, kv_rows=[1] * len(groups), reuse=reuse)  # fmt: skip
+
+
+def tails_by_row(groups: list[list], cuts: list[int], owner: list[int], n_rows: int):
+    """Each prompt's tail (its tokens after its request's prefix, up to its last read position), gathered by
+    the prefix row it reads (`owner[r]`: request r's): the requests that read one row (the same prefix, from
+    the prefix cache) branch off it together, and a tail they share runs once (the same tokens at the same
+    positions off the same KV: the same states). (tails per row, per request per prompt its (row, index))."""
+    tails: list[list[list[int]]] = [[] for _ in range(n_rows)]
+    index: list[dict[tuple, int]] = [{} for _ in range(n_rows)]
+    where = []
+    for g, c, row in zip(groups, cuts, owner, strict=True):
+        at = []
+        for p in g:
+            t = tuple(p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist())
+            if t not in index[row]:
+                index[row][t] = len(tails[row])
+                tails[row].append(list(t))
+            at.append((row, index[row][t]))
+        where.append(at)
+    return tails, where
 
 
 def tail_skip(skip, forest):

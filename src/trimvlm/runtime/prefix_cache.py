@@ -8,7 +8,9 @@ the processor's tensors of the prefix (token ids, and each image by its pixel co
 placeholder) and the plan's label (a cached prefix is valid only for the same recipe). Only prefixes not found
 are prefilled, one batch for the distinct ones (two requests of one batch with the same prefix prefill it
 once). Each row is stored with its padding removed; a batch of prefixes is assembled by left padding them again
-(padding is masked: the tails read the same keys and values). Bounded in bytes, least recently used evicted
+(padding is masked: the tails read the same keys and values), one row per distinct prefix: requests of one batch
+with the same prefix read the same row (`PrefixReuse.rows`), so its KV is assembled once and attended by one call
+per layer for all of their tails. Bounded in bytes, least recently used evicted
 first (`lru.ByteLRU`). Off unless turned on: evaluations never read it.
 """
 
@@ -56,6 +58,7 @@ class PrefixReuse:
     n_images: list[int]
     prefill_flops: int
     computed: list[int] = field(default_factory=list)  # the requests whose prefix was prefilled
+    rows: list[int] = field(default_factory=list)  # per request its row of the batch (a row per prefix)
 
 
 class PrefixCache(ByteLRU):
@@ -68,8 +71,9 @@ class PrefixCache(ByteLRU):
         return digest("prefix", label, *(x for k in sorted(inputs) for x in (k, inputs[k])))
 
     def prefill(self, runner, inputs: list[dict], plan, meter) -> tuple[PrefillOutput, PrefixReuse]:
-        """The prefixes `inputs` (processor outputs, one per request) as one left-padded `PrefillOutput`:
-        found ones from the cache, the others prefilled (`runner.prefill` on the adapter's batch of them)."""
+        """The distinct prefixes of `inputs` (processor outputs, one per request) as one left-padded
+        `PrefillOutput`, a row per distinct prefix (`PrefixReuse.rows`: each request's): found ones from the
+        cache, the others prefilled (`runner.prefill` on the adapter's batch of them)."""
         keys = [self.key(plan.label(), x) for x in inputs]
         entries: dict[bytes, PrefixEntry | None] = {}
         for k in keys:
@@ -86,12 +90,13 @@ class PrefixCache(ByteLRU):
                 entries[k] = entry = take_row(out, b, prepared.n_images[b], tokens)
                 self.put(k, entry, entry.nbytes)
         rows = [entries[k] for k in keys]
+        order = list(entries)  # the distinct keys, in order of first use
         reuse = PrefixReuse(
             hits=[i not in computed for i in range(len(keys))], tokens=[e.tokens for e in rows],
             n_images=[e.n_images for e in rows], prefill_flops=meter.costs.flops.get("prefill", 0) - before,
-            computed=computed,
+            computed=computed, rows=[order.index(k) for k in keys],
         )  # fmt: skip
-        return assemble(rows, runner.num_layers), reuse
+        return assemble([entries[k] for k in order], runner.num_layers), reuse
 
 
 def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:
