@@ -345,3 +345,34 @@ def test_found_and_new_prompts_are_assembled_into_one_batch(plain):
     torch.testing.assert_close(out.logits, ref.logits, atol=2e-4, rtol=1e-4)
     assert torch.equal(out.next_pos, ref.next_pos)
     assert greedy(out) == greedy(ref)
+
+
+def test_a_repeated_chat_request_is_not_prepared_again(plain, monkeypatch):
+    """The request cache serves chat completions too: the same request (prompt, images, max_tokens, recipe)
+    sent again is not decoded, processed or hashed again (`usage.request_cached`) and gets the same answer;
+    another max_tokens is another request. With --request-cache-mb 0 nothing is found."""
+    need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
+    import httpx
+    from conftest import live
+    from test_serve_engine import data_url, image
+
+    from trimvlm.serve import chat
+    from trimvlm.serve.state import ServerState
+
+    decoded, real = [], chat.decode_image
+    monkeypatch.setattr(chat, "decode_image", lambda *a: decoded.append(a[0]) or real(*a))
+
+    def body(max_tokens):
+        content = [{"type": "image_url", "image_url": {"url": data_url(3)}}, {"type": "text", "text": "describe ?"}]
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+
+    for mb in (256, 0):
+        decoded.clear()
+        state = ServerState(trimvlm.load("demo"), model_id="demo", request_cache_mb=mb)
+        with live(state) as (url, _):
+            got = [httpx.post(url + "/v1/chat/completions", json=body(n), timeout=300).json() for n in (16, 16, 12)]
+        assert [g["usage"]["request_cached"] for g in got] == [False, mb > 0, False]
+        assert len(decoded) == (2 if mb else 3)
+        texts = [g["choices"][0]["message"]["content"] for g in got]
+        assert texts[:2] == [plain.generate(image(3), "describe ?", max_new_tokens=16).texts[0]] * 2
+        assert texts[2] == plain.generate(image(3), "describe ?", max_new_tokens=12).texts[0]

@@ -88,6 +88,7 @@ class ChatJob:
     preprocess_s: float
     events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
     prompt_key: bytes | None = None  # its key in the prompt cache (serve/prompt_cache.py), made when prepared
+    request_cached: bool = False  # it was found prepared in the request cache
 
 
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
@@ -149,17 +150,29 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, label: str):
+def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, label: str, cache=None):
     """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
     or a prompt + max_tokens past the model's positions, fails here, never in a batch); (it, its key in the
-    prompt cache: hashed here, not on the model thread; None when the cache is off)."""
+    prompt cache: hashed here, not on the model thread, None when that cache is off; whether it was found in
+    the request cache). With the server's request cache (`cache`), a request seen before (the same prompt
+    text, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again (as
+    System One bodies are not: serve/systemone.py; a content-keyed cache of processed inputs, as vLLM's
+    multimodal processor cache)."""
     from trimvlm.runtime.limits import check_generation
+    from trimvlm.runtime.lru import digest, nbytes
     from trimvlm.serve.prompt_cache import prompt_key
 
+    key = None if cache is None else digest("chat request", label, max_tokens, prompt, *urls)
+    found = None if key is None else cache.get(key)
+    if found is not None:
+        return (*found, True)
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
     prepared = vlm.prepare(images or None, prompt)
     check_generation(vlm.adapter, prepared, max_tokens)
-    return prepared, None if vlm.runner.prefix_cache is None else prompt_key(label, prepared)
+    out = prepared, None if vlm.runner.prefix_cache is None else prompt_key(label, prepared)
+    if key is not None:
+        cache.put(key, out, nbytes([prepared.input_ids, prepared.attention_mask, prepared.model_inputs]))
+    return (*out, False)
 
 
 async def handle(state, request):
@@ -190,13 +203,14 @@ async def _handle(state, request, arrival):
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    prepared, key = await state.prepare(
-        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.label
+    prepared, key, hit = await state.prepare(
+        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.label, state.request_cache
     )
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
         recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         stream=req.stream, preprocess_s=time.perf_counter() - t1, events=asyncio.Queue(), prompt_key=key,
+        request_cached=hit,
     )  # fmt: skip
     queued = state.batcher.enqueue(("chat", recipe.label), job, arrival)
     reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)

@@ -128,6 +128,7 @@ class ChatReply:
             "model_flops": model_flops, "method_flops": u["method_flops"], "total_flops": model_flops + u["method_flops"],
             "kv_bytes": u["kv_bytes"], "kv_bytes_peak": u["kv_bytes_peak"], "state_bytes": u["state_bytes"],
             "prefix_reused": bool(u["prefix_reused"]), "prefix_tokens_reused": u["prefix_tokens_reused"],
+            "request_cached": p.request_cached,
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
             "batch_requests": result["batch"], "recipe": self.recipe,
             "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
