@@ -15,8 +15,10 @@ requests (any status but 200); for chat completions, which are streamed, also th
 (TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99.
 The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50, over all
 answers and over the multi-token answers alone (>= `LONG` text chunks: a one-token answer ends one decode step
-after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--no-caches`:
-both servers without their caches.
+after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--chat-prompts
+long` asks only the question whose answers run to many tokens (a description), a chat workload where the
+time to the first token and the whole answer differ by more than one step. `--no-caches`: both servers without
+their caches.
 
 Cancellation (`--cancel-clients N`, on the batching server, chat): N streaming clients run for `--seconds`;
 half-way, half of them hang up (their request in flight is abandoned: the connection closes). The server's
@@ -55,15 +57,12 @@ from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS
 console = Console(width=200)
 
 # the demo task's question kinds: short answers (a count, yes / no, a color) and long ones (a description, a
-# row's objects, the text read)
-PROMPTS = [
-    "how many red ?",
-    "is there a blue circle ?",
-    "describe ?",
-    "color at r2 c3 ?",
-    "list row r1 ?",
-    "read text ?",
-]
+# row's objects, the text read); `--chat-prompts long`: the description alone (5-16 tokens on the demo model)
+PROMPTS = {
+    "mixed": ["how many red ?", "is there a blue circle ?", "describe ?", "color at r2 c3 ?", "list row r1 ?",
+              "read text ?"],  # fmt: skip
+    "long": ["describe ?"],
+}
 
 
 def images(n: int, size: int) -> list[str]:
@@ -81,8 +80,9 @@ def images(n: int, size: int) -> list[str]:
     return out
 
 
-def bodies(endpoint: str, recipe: str, pool: list[str], max_tokens: int) -> list[bytes]:
-    """The requests the clients cycle through, encoded once."""
+def bodies(endpoint: str, recipe: str, pool: list[str], max_tokens: int, kinds: str = "mixed") -> list[bytes]:
+    """The requests the clients cycle through, encoded once (`kinds`: the chat questions, a key of PROMPTS)."""
+    prompts = PROMPTS[kinds]
     out = []
     for i, img in enumerate(pool):
         if endpoint == "systemone":
@@ -90,7 +90,7 @@ def bodies(endpoint: str, recipe: str, pool: list[str], max_tokens: int) -> list
                     "assets": {"<img>": {"type": "image", "format": "png", "data_base64": img}}}  # fmt: skip
         else:
             content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + img}},
-                       {"type": "text", "text": PROMPTS[i % len(PROMPTS)]}]  # fmt: skip
+                       {"type": "text", "text": prompts[i % len(prompts)]}]  # fmt: skip
             body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True}
         if recipe:
             body["recipe"] = recipe
@@ -259,7 +259,7 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
     rows = []
     for ep in endpoints:
         for recipe in ("", args.recipe):
-            reqs = bodies(ep, recipe, pool, args.max_new_tokens)
+            reqs = bodies(ep, recipe, pool, args.max_new_tokens, args.chat_prompts)
             for n in clients:
                 parts = {mode: [] for mode in servers}
                 for server in servers.values():
@@ -303,7 +303,7 @@ def cancellation(args, server, pool: list[str]) -> dict:
                     out[sample.labels["stage"]] = int(sample.value)
         return out
 
-    reqs = bodies("chat", "", pool, args.max_new_tokens)
+    reqs = bodies("chat", "", pool, args.max_new_tokens, args.chat_prompts)
     before, gone0 = httpx.get(server.url + "/health").json(), stages()
     seen = asyncio.run(load(server.url, "/v1/chat/completions", reqs, args.cancel_clients, args.seconds,
                             hang_up=args.seconds / 2))  # fmt: skip
@@ -341,6 +341,9 @@ def main(argv=None):
     ap.add_argument("--recipe", default="tokens=density:keep=0.25:layer=1", help="the token-reduction recipe")
     ap.add_argument("--endpoints", default="systemone,chat")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="chat completions' max_tokens")
+    ap.add_argument("--chat-prompts", choices=sorted(PROMPTS), default="mixed",
+                    help="the chat questions: mixed (six kinds, most answered in 1-3 tokens) or long (the "
+                    "description alone: every answer 5-16 tokens)")  # fmt: skip
     ap.add_argument("--images", type=int, default=16, help="distinct images the requests cycle through")
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
