@@ -187,7 +187,7 @@ def test_held_out_calibration_measures_each_selector(trained, tmp_path):
 
 def test_refit_trains_the_layer_scores_on_the_selectors_layouts(trained, tmp_path):
     """`trimvlm refit-router`: the layouts of the budget table run with the selector's tokens give layer and
-    iso-cost pairs; DPO moves the layer scores; the calibration inputs become the refit's (their logits under
+    iso-cost pairs; DPO moves the layer scores and leaves the token scores exactly as they were; the calibration inputs become the refit's (their logits under
     the refit router) and the stale held-out calibration is dropped."""
     import io
     import json
@@ -213,4 +213,5 @@ def test_refit_trains_the_layer_scores_on_the_selectors_layouts(trained, tmp_pat
     feats = (torch.randn(1, 5, d), torch.ones(1, 5, dtype=torch.bool), torch.randn(1, 3, d),
              torch.ones(1, 3, dtype=torch.bool))  # fmt: skip
     assert not torch.allclose(before.logits(*feats)[1], after.logits(*feats)[1])
+    assert torch.equal(before.logits(*feats)[0], after.logits(*feats)[0])  # the layer head alone: tokens as they were
     json.loads((folder / "router.json").read_text())["budget"]["held_out"]  # the source is left as it was

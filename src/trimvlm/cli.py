@@ -377,7 +377,8 @@ def refit_router(
     task: str = typer.Option("demo", help="unlabeled inputs: the task's first val inputs"),
     n: int = typer.Option(512, help="inputs whose layouts are measured"),
     select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
-    epochs: int = typer.Option(20),
+    epochs: int = typer.Option(40),
+    head_only: bool = typer.Option(True, help="train the layer head alone (the token scores stay as they are)"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -386,7 +387,8 @@ def refit_router(
 
     try:
         refit_router_command(router, model=model, task=task, n=n, select=select, epochs=epochs, out=out,
-                             console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+                             console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite,
+                             head_only=head_only)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

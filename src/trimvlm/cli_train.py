@@ -103,7 +103,7 @@ def trained_inputs(meta: dict) -> int:
     return max(int(meta.get("log", {}).get("inputs", 0)), int(meta.get("refit", {}).get("inputs", 0)))
 
 
-def refit_router_command(router, model="demo", task="demo", n: int = 512, select: str = "router", epochs: int = 20,
+def refit_router_command(router, model="demo", task="demo", n: int = 512, select: str = "router", epochs: int = 40,
                          out=None, console=None, load_kw: dict | None = None, overwrite: bool = False,
                          **fit_kw) -> dict:  # fmt: skip
     """`trimvlm refit-router`: train a v2 router's layer scores on layouts run with `select`'s tokens

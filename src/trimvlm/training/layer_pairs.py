@@ -2,17 +2,18 @@
 
 The router's layer half learns, in `train_router`, from layer pairs of FastV-ranked token sets on a few dozen
 inputs. On demo-qwen35 that did not carry over: on held-out inputs with the tuned recipe's tokens (density at
-layer 0) the best pair of blocks to skip depends on the question ("color at ..." loses least without blocks 4
-and 7, "which is ..." without 5 and 6, most others without 6 and 7), and the trained router's choices lost to
-the static "skip 6 and 7". This measures (training/calibration.py's `measure`), on `n` val inputs, every layout
-of the checkpoint's budget table (each keep x each skip subset) with the selector's own tokens, KL to the
-unpruned model along its greedy answer, and trains the layer scores further with PAR's DPO objective (beta,
-the router before the refit as the frozen reference) on the pairs that grid gives (`preference_pairs`: layer
-pairs, one keep and two subsets of one size; iso-cost pairs, subsets of different sizes at total-FLOP ratios
+layer 0) the best pair of blocks to skip depends on the question ("color at ..." loses least without blocks 4 and
+7, "which is ..." without 5 and 6, most others without 6 and 7), and the trained router's choices lost to the
+static "skip 6 and 7". This measures (training/calibration.py's `measure`), on `n` val inputs, every layout of the
+checkpoint's budget table (each keep x each skip subset) with the selector's own tokens, KL to the unpruned model
+along its greedy answer, and trains the layer scores further with PAR's DPO objective (beta, the frozen reference
+its training used: the initial router, rebuilt from its seed) on the pairs that grid gives (`preference_pairs`:
+layer pairs, one keep and two subsets of one size; iso-cost pairs, subsets of different sizes at total-FLOP ratios
 within 0.05). Every layout of one input keeps the same token half, so the token scores cancel in every pair's
-margin and only the layer scores move. The checkpoint's calibration inputs become these inputs (their logits
-under the refit router, their measured KL); its held-out calibration is dropped, being the old router's: run
-`trimvlm calibrate-router` again on inputs after these.
+margin. Only the layer head is trained by default: the block under both heads is shared, and training it would move
+the router's own token scores too, untrained (`head_only=False` does). The checkpoint's
+calibration inputs become these inputs (their logits under the refit router, their measured KL); its held-out
+calibration is dropped, being the old router's: run `trimvlm calibrate-router` again on inputs after these.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import torch
 
 from trimvlm.training.calibration import measure
 from trimvlm.training.dpo import layout_logprob_logits
-from trimvlm.training.router import Example, _dpo_epoch, _logits, preference_pairs
+from trimvlm.training.router import Example, _dpo_epoch, _logits, initial_router, preference_pairs
 
 
 def refit_layers(vlm, router, records, select: str, *, epochs: int = 20, beta: float = 0.1, lr: float = 1e-3,
-                 margin: float = 0.1, floor: float = 0.05, seed: int = 0, on_step=None):  # fmt: skip
-    """(the refit MetaRouter, its budget section, the log). `router`: a `Router` built with `budget=`."""
+                 margin: float = 0.1, floor: float = 0.05, seed: int = 0, head_only: bool = True,
+                 on_step=None):  # fmt: skip
+    """(the refit MetaRouter, its budget section, the log). `router`: a `Router` built with `budget=`;
+    `head_only`: train the layer head alone (the token scores then stay exactly the router's; on demo-qwen35 it
+    did as well as training the whole router, which overfit by 40 epochs); False: the whole router."""
     table = router.meta["budget"]
     cand, keeps, subsets = router.meta["candidate_layers"], table["keeps"], table["subsets"]
     sel = type(router)(path=router.path, budget=router.budget, select=select)
@@ -36,7 +40,8 @@ def refit_layers(vlm, router, records, select: str, *, epochs: int = 20, beta: f
     feats: list = []
     measured = measure(vlm, router, records, [select], features=feats, on_step=on_step)
     kl = measured["kl"][sel.select_key]
-    ref = copy.deepcopy(router.model).eval().requires_grad_(False)
+    meta = router.meta
+    ref = initial_router(int(meta["hidden"]), cand, int(meta["width"]), int(meta["heads"]), int(meta.get("seed", 0)))
     model = copy.deepcopy(router.model).train().requires_grad_(True)
     kept = torch.tensor([[c not in s for c in cand] for s in subsets] * len(keeps))  # [K * S, N] layers run
     data = []
@@ -48,7 +53,9 @@ def refit_layers(vlm, router, records, select: str, *, epochs: int = 20, beta: f
         chosen = torch.cat([torch.ones(len(kept), nv, dtype=torch.bool), kept], dim=1)  # the same tokens everywhere
         rp = layout_logprob_logits(_logits(ref, f).expand(len(kept), -1), chosen)
         data.append(Example(f, chosen, pairs, rp))
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    if head_only:
+        model.requires_grad_(False).head_l.requires_grad_(True)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     shuffle = torch.Generator().manual_seed(seed)
     log = {"inputs": len(records), "select": sel.select_key,
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in ("layers", "iso")}, "epochs": []}  # fmt: skip

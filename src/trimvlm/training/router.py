@@ -222,7 +222,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     import copy
 
     from trimvlm.depth.base import model_fingerprint
-    from trimvlm.router.model import MetaRouter, load_router, save_router
+    from trimvlm.router.model import load_router, save_router
 
     runner = vlm.runner
     cand = list(range(runner.num_layers // 2, runner.num_layers))
@@ -236,8 +236,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         router, meta = load_router(out)
         start, layer = int(meta.get("epochs_done", 0)), int(meta.get("layer", 0))
         width, heads = router.width, router.heads
-    torch.manual_seed(seed)  # the reference is the initial router (rebuilt from the seed when resuming)
-    ref = MetaRouter(hidden, cand, width=width, heads=heads).eval().requires_grad_(False)
+    ref = initial_router(hidden, cand, width, heads, seed)  # rebuilt from the seed when resuming
     if not start:
         router = copy.deepcopy(ref).requires_grad_(True)
     router.train()
@@ -264,6 +263,14 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         if on_step is not None:
             on_step()
     return log
+
+
+def initial_router(hidden: int, cand: list[int], width: int, heads: int, seed: int):
+    """The router before training, from its seed: DPO's frozen reference (in training and in refits)."""
+    from trimvlm.router.model import MetaRouter
+
+    torch.manual_seed(seed)
+    return MetaRouter(hidden, cand, width=width, heads=heads).eval().requires_grad_(False)
 
 
 def _check_layouts(cand: list[int], layers_skip: int, keeps, max_skip, layer: int) -> tuple[list[float], int | None]:
