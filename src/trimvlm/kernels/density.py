@@ -116,7 +116,8 @@ def farthest_point(
     first: torch.Tensor,
     *,
     track_nearest: bool = False,
-    block: int = 32,
+    block: int = 64,
+    pool: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Density-tilted farthest-point selection, vectorised over the rows (units) of a padded batch.
 
@@ -125,15 +126,16 @@ def farthest_point(
     xn [U, N, d] unit-normalised features; mask [U, N] real tokens; k [U] picks per row; tilt [U, N]
     (beta * rho~); first [U] the first pick. Ties go to the lowest index.
 
-    Each pick needs one distance row D[s_t, :] per unit: O(N d) time, and the per-pick update is O(N). The
-    rows are computed `block` at a time, for the `block` candidates with the highest current score (the next
-    picks are almost always among them, since scores only decrease), as one [block, d] x [d, N] product, and
-    recomputed only when a pick falls outside the cached candidates: on a CPU this turns a memory-bound
-    matrix-vector product per pick into a compute-bound matrix product per block. The rule is unchanged: every
-    pick is the exact argmax of the exact current scores (block = 1 is the plain one-row-per-pick loop).
-    The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the host, whose
-    per-call overhead is a fraction of a torch op's (about 25 us per pick at N = 1024 instead of 60-150).
-    Memory O(U * block * N) beyond the features: no N x N matrix.
+    Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
+    floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
+    product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
+    make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
+    [pool, pool] distances (`_predict`). A unit whose pick is not among its cached rows refills (only that
+    unit). The prediction only chooses which rows to compute: every pick is still the exact argmax of the
+    exact current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick
+    loop). The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the
+    host, whose per-call overhead is a fraction of a torch op's. Memory O(U * block * N) beyond the features:
+    no N x N matrix.
 
     Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
     row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).
@@ -144,15 +146,17 @@ def farthest_point(
     dev = xn.device
     ks = np.asarray(k.tolist())
     ragged = int(ks.min()) != kmax
-    # The per-pick bookkeeping is O(N) work on [U, N] vectors: it runs in numpy, whose per-call overhead is a
-    # fraction of a torch op's; the O(N d) distance rows come from torch on the features' device.
     live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(-1).copy()
     live2d = live.reshape(u, n)  # -inf marks pads and tokens already picked
     base = np.arange(u) * n
     mind = score = None
     near_t = np.zeros((u, n), dtype=np.int64) if track_nearest else None  # pick step of the nearest pick
-    cached: list[dict[int, int]] = [{} for _ in range(u)]  # token -> row of the cached block, per unit
-    rows_np = None
+    xf = xn.reshape(u * n, d).contiguous()  # the rows the products gather (copied once if xn is strided)
+    rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
+    host = None if dev.type == "cpu" else np.empty((u, m, n), dtype=live.dtype)
+    rows_np = rows.numpy() if host is None else host  # what the loop reads (on the CPU: the same memory)
+    slot = np.full((u, n), -1, dtype=np.int64)  # per unit, token -> its row in rows_np (-1: not cached)
+    ar = np.arange(u)
     out = []
     s = np.asarray(first.tolist(), dtype=np.int64)
     for t in range(kmax):
@@ -161,17 +165,16 @@ def farthest_point(
         last = t == kmax - 1
         if last and not track_nearest:
             break
-        s_list = s.tolist()
-        if any(j not in c for j, c in zip(s_list, cached, strict=True)):
-            rows_np, cached = _distance_rows(xn, live2d if mind is None else mind + live2d, s, m)
-        if u == 1:
-            dist = rows_np[cached[0][s_list[0]]][None]  # [1, N] = D[s_t, :] (a view)
-        else:
-            dist = rows_np[[i * m + c[j] for i, (j, c) in enumerate(zip(s_list, cached, strict=True))]]
+        at = slot[ar, s]
+        miss = (at < 0) & (t < ks)  # a unit past its k reads any row (set to inf below)
+        if miss.any():
+            _refill((xn, xf), mind, live2d, s, miss, ks - t, (rows, host), slot, pool or 2 * m)
+            at = slot[ar, s]
+        dist = rows_np[ar, at]  # [U, N] = D[s_t, :] (a copy)
         if ragged and t >= ks.min():  # rows that already have their k picks stop updating
             dist[t >= ks] = np.inf
         if mind is None:
-            mind = dist.copy()
+            mind = dist
             score = np.empty_like(mind)
         else:
             if track_nearest:
@@ -186,16 +189,64 @@ def farthest_point(
     return picks, nearest
 
 
-def _distance_rows(xn: torch.Tensor, score: np.ndarray, s: np.ndarray, m: int):
-    """Refill of farthest point's cache: the distance rows [U * m, N] (host) of each unit's pick `s` and its
-    m - 1 best other candidates by the current `score` [U, N], and per unit token -> row of the block."""
+def _refill(xs, mind, live, s, miss, left, cache, slot, pool: int) -> None:
+    """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` has no cached row: the
+    distance rows [m, N] of `s` and of the m - 1 picks `_predict` expects next, written into `cache` (a torch
+    tensor [U, m, N] on the features' device and the host array the loop reads, one memory on the CPU), with
+    `slot` [U, N] (token -> row) updated."""
+    (xn, xf), (rows, host) = xs, cache
     u, n, d = xn.shape
-    sc = score.copy()
-    sc[np.arange(u), s] = np.inf
-    idx = torch.from_numpy(sc).to(xn.device).topk(m, dim=1).indices
-    rows = xn.gather(1, idx[..., None].expand(-1, -1, d))
-    dist_rows = 1.0 - bmm(rows, xn.transpose(1, 2))  # [U, m, N] rows of D
-    return dist_rows.reshape(u * m, n).cpu().numpy(), [{j: r for r, j in enumerate(row)} for row in idx.tolist()]
+    m = rows.shape[1]
+    who = np.flatnonzero(miss)
+    cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
+    mw = None if mind is None else mind[who]
+    picks = _predict(xs, who, cur, mw, live[who], s[who], min(m, int(left[who].max())), min(pool, n))
+    q = picks.shape[1]
+    flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
+    want = xf.index_select(0, flat).reshape(len(who), q, d)
+    # the whole batch in one product, or each unit that missed against its own tokens (no copy of features)
+    parts = (
+        [(slice(None), want, xn)]
+        if len(who) == u
+        else [(slice(i, i + 1), want[j : j + 1], xn[i : i + 1]) for j, i in enumerate(who.tolist())]
+    )
+    for at, a, b in parts:
+        dst = rows[at, :q]
+        bmm(a, b.transpose(1, 2), out=dst)
+        dst.neg_().add_(1.0)  # 1 - <xn_i, xn_j>, the same float as 1.0 - product
+    if host is not None:
+        host[who, :q] = rows[torch.from_numpy(who).to(rows.device), :q].cpu().numpy()
+    slot[who] = -1
+    for j in range(q - 1, -1, -1):  # a token predicted twice (out of candidates) keeps its first row
+        slot[who, picks[:, j]] = j
+
+
+def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
+    """[U', q] per unit `who` the picks the rule makes from `s` on, run ahead on the unit's `pool` best current
+    candidates (by `cur` [U', N]; the other tokens assumed out of reach) with their [pool, pool] distances
+    (one counted product). A guess of which rows to compute, nothing more: the caller checks every pick."""
+    (xn, xf), w = xs, len(who)
+    n, d = xn.shape[1:]
+    if q == 1 or pool <= 1:
+        return s[:, None]
+    rr = np.arange(w)
+    sc = cur.copy()
+    sc[rr, s] = np.inf
+    cand = np.sort(np.argpartition(-sc, pool - 1, axis=1)[:, :pool], axis=1)  # index order, as argmax ties
+    flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
+    c = xf.index_select(0, flat).reshape(w, pool, d)
+    g = (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
+    mc = np.full((w, pool), np.inf, dtype=g.dtype) if mind is None else np.take_along_axis(mind, cand, 1)
+    lc = np.take_along_axis(live, cand, 1)
+    pos = (cand == s[:, None]).argmax(1)
+    out = np.empty((w, q), dtype=np.int64)
+    out[:, 0] = s
+    for j in range(1, q):
+        np.minimum(mc, g[rr, pos], out=mc)
+        lc[rr, pos] = -np.inf
+        pos = (mc + lc).argmax(1)
+        out[:, j] = cand[rr, pos]
+    return out
 
 
 def most_isolated(xn: torch.Tensor, mask: torch.Tensor, block: int = 256) -> torch.Tensor:

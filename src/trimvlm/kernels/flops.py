@@ -55,9 +55,9 @@ def matmul_flops(a_shape, b_shape) -> int:
     return 2 * batch * m * k * n
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     count(matmul_flops(a.shape, b.shape))
-    return torch.bmm(a, b)
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
