@@ -178,7 +178,7 @@ def farthest_point(
             score = np.empty_like(mind)
         else:
             if track_nearest:
-                near_t[dist < mind] = t
+                np.putmask(near_t, dist < mind, t)
             np.minimum(mind, dist, out=mind)
         if last:
             break
