@@ -47,6 +47,7 @@ MODEL = typer.Option(
     "demo-qwen35; loaded with --device and --dtype",
 )  # fmt: skip
 OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shipped demo checkpoint")
+ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)")
 
 
 def _load_kw(device: str, dtype: str) -> dict:
@@ -370,7 +371,7 @@ def train_router(
 
 @app.command("refit-router")
 def refit_router(
-    router: str = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)"),
+    router: str = ROUTER,
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the refit router to (default: in place)"),
     overwrite: bool = OVERWRITE,
@@ -395,7 +396,7 @@ def refit_router(
 
 @app.command("calibrate-router")
 def calibrate_router(
-    router: str = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)"),
+    router: str = ROUTER,
     model: str = MODEL,
     overwrite: bool = OVERWRITE,
     task: str = typer.Option("demo", help="unlabeled inputs: the task's val split after the training ones"),

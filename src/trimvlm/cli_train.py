@@ -67,22 +67,16 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
 
     from rich.console import Console
 
-    import trimvlm
     from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.loading import DEMO_DIR, DEMO_MODELS, refuse_shipped
+    from trimvlm.loading import refuse_shipped
     from trimvlm.progress import progress as progress_bar
     from trimvlm.router.model import CONFIG
-    from trimvlm.router.route import Router
     from trimvlm.training.calibration import measure
 
-    folder = DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
+    folder = router_folder(router)
     refuse_shipped(folder, overwrite)
     console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    r = Router(path=str(folder), budget=1.0)
-    if "budget" not in r.meta:
-        raise InputError(f"router {router} is a v1 router: only a v2 one (train-router --keeps) is calibrated")
-    r.check(vlm.runner)
+    vlm, r = _v2_router(model, folder, load_kw, "calibrated")
     skip = trained_inputs(r.meta) if skip is None else skip
     if not isinstance(n, int) or n < 1 or skip < 0:
         raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
@@ -98,6 +92,26 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
+def router_folder(router) -> Path:
+    """A router folder, or a demo model's name: the router shipped next to its checkpoint."""
+    from trimvlm.loading import DEMO_DIR, DEMO_MODELS
+
+    return DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
+
+
+def _v2_router(model, folder: Path, load_kw, verb: str):
+    """(the loaded model, the v2 router in `folder` checked against it as a `Router` at budget 1)."""
+    import trimvlm
+    from trimvlm.router.route import Router
+
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    r = Router(path=str(folder), budget=1.0)
+    if "budget" not in r.meta:
+        raise InputError(f"router {folder} is a v1 router: only a v2 one (train-router --keeps) is {verb}")
+    r.check(vlm.runner)
+    return vlm, r
+
+
 def trained_inputs(meta: dict) -> int:
     """How many of the task's first val inputs (at the router's seed) its training and refits have seen."""
     return max(int(meta.get("log", {}).get("inputs", 0)), int(meta.get("refit", {}).get("inputs", 0)))
@@ -111,26 +125,20 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     shipped demo router only with `overwrite`)."""
     from rich.console import Console
 
-    import trimvlm
     from trimvlm.depth.base import model_fingerprint
     from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.loading import DEMO_DIR, DEMO_MODELS, refuse_shipped
+    from trimvlm.loading import refuse_shipped
     from trimvlm.progress import progress as progress_bar
     from trimvlm.router.model import save_router
-    from trimvlm.router.route import Router
     from trimvlm.training.layer_pairs import refit_layers
 
-    folder = DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
+    folder = router_folder(router)
     out = folder if out is None else Path(out)
     refuse_shipped(out, overwrite)
     if not isinstance(n, int) or n < 1 or not isinstance(epochs, int) or epochs < 1:
         raise InputError(f"--n and --epochs must be positive integers, got n={n!r}, epochs={epochs!r}")
     console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    r = Router(path=str(folder), budget=1.0)
-    if "budget" not in r.meta:
-        raise InputError(f"router {router} is a v1 router: only a v2 one (train-router --keeps) is refit")
-    r.check(vlm.runner)
+    vlm, r = _v2_router(model, folder, load_kw, "refit")
     records = calibration_records(task, n, int(r.meta.get("seed", 0)))
     with progress_bar(console) as bar:
         job = bar.add_task("refit-router", total=len(records))
