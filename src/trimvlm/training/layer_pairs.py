@@ -27,7 +27,7 @@ from trimvlm.training.dpo import layout_logprob_logits
 from trimvlm.training.router import Example, _dpo_epoch, _logits, initial_router, preference_pairs
 
 
-def refit_layers(vlm, router, records, select: str, *, epochs: int = 20, beta: float = 0.1, lr: float = 1e-3,
+def refit_layers(vlm, router, records, select: str, *, epochs: int = 40, beta: float = 0.1, lr: float = 1e-3,
                  margin: float = 0.1, floor: float = 0.05, seed: int = 0, head_only: bool = True,
                  on_step=None):  # fmt: skip
     """(the refit MetaRouter, its budget section, the log). `router`: a `Router` built with `budget=`;
