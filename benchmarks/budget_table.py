@@ -50,10 +50,10 @@ def pick_router2(vlm, router2: str, budget: float, method: str | None, n_val: in
     router trained and calibrated on, which would favour its own choices); refused ones skipped."""
     from dataclasses import replace
 
-    from trimvlm.cli_train import trained_inputs
     from trimvlm.errors import TrimVLMError
     from trimvlm.plan import make_plan
     from trimvlm.router.model import load_router
+    from trimvlm.training.calibration import seen_inputs
 
     ok = []
     for r in router2_variants(router2, budget, method):
@@ -62,9 +62,7 @@ def pick_router2(vlm, router2: str, budget: float, method: str | None, n_val: in
             ok.append(r)
         except TrimVLMError:
             continue
-    meta = load_router(router2)[1]
-    held = meta["budget"].get("held_out", {})
-    seen = max(trained_inputs(meta), int(held.get("skip", 0)) + int(held.get("inputs", 0)))
+    seen = seen_inputs(load_router(router2)[1])
     val = demo_task(limit=seen + n_val, seed=0, split="val")
     res = run_eval(vlm, replace(val, records=val.records[seen:]), ok, batch_size=batch_size, warmup=False,
                    memory="off", progress=False)  # fmt: skip

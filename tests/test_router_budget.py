@@ -195,8 +195,9 @@ def test_refit_trains_the_layer_scores_on_the_selectors_layouts(trained, tmp_pat
 
     from rich.console import Console
 
-    from trimvlm.cli_train import calibrate_router_command, refit_router_command, trained_inputs
+    from trimvlm.cli_train import calibrate_router_command, refit_router_command
     from trimvlm.router.model import load_router
+    from trimvlm.training.calibration import trained_inputs
 
     _, records, out, _ = trained
     folder = tmp_path / "router"

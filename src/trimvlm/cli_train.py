@@ -70,8 +70,8 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     from trimvlm.evals.tasks import calibration_items as calibration_records
     from trimvlm.loading import refuse_shipped
     from trimvlm.progress import progress as progress_bar
-    from trimvlm.router.model import CONFIG
-    from trimvlm.training.calibration import measure
+    from trimvlm.router.model import CONFIG, router_folder
+    from trimvlm.training.calibration import measure, trained_inputs
 
     folder = router_folder(router)
     refuse_shipped(folder, overwrite)
@@ -92,13 +92,6 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
-def router_folder(router) -> Path:
-    """A router folder, or a demo model's name: the router shipped next to its checkpoint."""
-    from trimvlm.loading import DEMO_DIR, DEMO_MODELS
-
-    return DEMO_DIR / DEMO_MODELS[str(router)] / "router" if str(router) in DEMO_MODELS else Path(router)
-
-
 def _v2_router(model, folder: Path, load_kw, verb: str):
     """(the loaded model, the v2 router in `folder` checked against it as a `Router` at budget 1)."""
     import trimvlm
@@ -110,11 +103,6 @@ def _v2_router(model, folder: Path, load_kw, verb: str):
         raise InputError(f"router {folder} is a v1 router: only a v2 one (train-router --keeps) is {verb}")
     r.check(vlm.runner)
     return vlm, r
-
-
-def trained_inputs(meta: dict) -> int:
-    """How many of the task's first val inputs (at the router's seed) its training and refits have seen."""
-    return max(int(meta.get("log", {}).get("inputs", 0)), int(meta.get("refit", {}).get("inputs", 0)))
 
 
 def refit_router_command(router, model="demo", task="demo", n: int = 512, select: str = "router", epochs: int = 40,
@@ -129,7 +117,7 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     from trimvlm.evals.tasks import calibration_items as calibration_records
     from trimvlm.loading import refuse_shipped
     from trimvlm.progress import progress as progress_bar
-    from trimvlm.router.model import save_router
+    from trimvlm.router.model import router_folder, save_router
     from trimvlm.training.layer_pairs import refit_layers
 
     folder = router_folder(router)

@@ -91,18 +91,25 @@ def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, ex
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def router_folder(folder):
+    """A router folder, or a demo model's name ("demo", "demo-qwen35"): the router shipped next to its
+    checkpoint."""
+    from pathlib import Path
+
+    from trimvlm.loading import DEMO_DIR, DEMO_MODELS
+
+    key = str(folder)
+    return DEMO_DIR / DEMO_MODELS[key] / "router" if key in DEMO_MODELS else Path(folder)
+
+
 def load_router(folder) -> tuple[MetaRouter, dict]:
     """The router saved in `folder` and its config (TrimVLMError when it is not a router checkpoint).
     `folder` may name a demo model ("demo", "demo-qwen35"): the router shipped next to its checkpoint.
     Read from disk once per checkpoint (and again only when its files change); the module is shared, in eval
     mode, and never trained by its readers."""
-    from pathlib import Path
-
     from trimvlm.errors import RecipeError
-    from trimvlm.loading import DEMO_DIR, DEMO_MODELS
 
-    key = str(folder)
-    folder = DEMO_DIR / DEMO_MODELS[key] / "router" if key in DEMO_MODELS else Path(folder)
+    folder = router_folder(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
         raise RecipeError(f"router checkpoint not found: {folder} needs {CONFIG} and {WEIGHTS} (trimvlm train-router)")
     stamp = tuple((folder / f).stat().st_mtime_ns for f in (CONFIG, WEIGHTS))

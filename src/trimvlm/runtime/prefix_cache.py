@@ -90,13 +90,13 @@ class PrefixCache(ByteLRU):
                 entries[k] = entry = take_row(out, b, prepared.n_images[b], tokens)
                 self.put(k, entry, entry.nbytes)
         rows = [entries[k] for k in keys]
-        order = list(entries)  # the distinct keys, in order of first use
+        row_of = {k: i for i, k in enumerate(entries)}  # the distinct keys, in order of first use
         reuse = PrefixReuse(
             hits=[i not in computed for i in range(len(keys))], tokens=[e.tokens for e in rows],
             n_images=[e.n_images for e in rows], prefill_flops=meter.costs.flops.get("prefill", 0) - before,
-            computed=computed, rows=[order.index(k) for k in keys],
+            computed=computed, rows=[row_of[k] for k in keys],
         )  # fmt: skip
-        return assemble([entries[k] for k in order], runner.num_layers), reuse
+        return assemble([entries[k] for k in row_of], runner.num_layers), reuse
 
 
 def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:

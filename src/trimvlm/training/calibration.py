@@ -31,6 +31,18 @@ from trimvlm.training.router import (
 )
 
 
+def trained_inputs(meta: dict) -> int:
+    """How many of the task's first val inputs (at the router's seed) its training and refits have seen."""
+    return max(int(meta.get("log", {}).get("inputs", 0)), int(meta.get("refit", {}).get("inputs", 0)))
+
+
+def seen_inputs(meta: dict) -> int:
+    """How many of the task's first val inputs the router trained, refit or was calibrated on (validation
+    that should not favour its own choices starts after them)."""
+    held = meta.get("budget", {}).get("held_out", {})
+    return max(trained_inputs(meta), int(held.get("skip", 0)) + int(held.get("inputs", 0)))
+
+
 @torch.no_grad()
 def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=None, features=None) -> dict:
     """The `held_out` section: {"inputs": n, "z": [X][N] layer logits, "kl": {selector: [X][keep][subset]}}.
