@@ -65,22 +65,14 @@ def spatial_density(
     xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
     if m is not None:
         xn = xn * m[..., None]
-    r = window // 2
     # Neighbours outside the grid (or masked) add 0 to the similarity sum and 0 to the count. Since
-    # sum_n cos(x, x_n) = <xn, sum_n xn_n>, accumulate the neighbours' unit vectors, then take one dot product.
-    # (One dot product per neighbour pair, added to both cells, runs 3x faster, but it is element-wise work,
-    # which neither the method line nor torch's FlopCounterMode counts: see docs/tokens.md, issue 20.)
-    acc = torch.zeros_like(xn)
+    # sum_n cos(x, x_n) = <xn, sum_n xn_n>, the neighbours' unit vectors are summed first: a window box sum
+    # (sum pooling over each feature plane, read in place from the [B, h, w, d] layout) minus the cell itself,
+    # then one dot product. The box sum is element-wise work, uncounted here as by torch's FlopCounterMode; it
+    # is 3-4x faster than the shifted adds it replaced (docs/tokens.md, issue 20).
     ones = m if m is not None else xn.new_ones(b, h, w)
-    count = xn.new_zeros(b, h, w)
-    for di in range(-r, r + 1):
-        for dj in range(-r, r + 1):
-            if (di == 0 and dj == 0) or abs(di) >= h or abs(dj) >= w:
-                continue
-            dst = (slice(None), slice(max(0, -di), h - max(0, di)), slice(max(0, -dj), w - max(0, dj)))
-            src = (slice(None), slice(max(0, di), h + min(0, di)), slice(max(0, dj), w + min(0, dj)))
-            acc[dst] += xn[src]
-            count[dst] += ones[src]
+    acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
+    count = _box_sum(ones[:, None], window)[:, 0] - ones
     sim = rowdot(xn, acc)  # counted as method FLOPs: 2 * N * d
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:
@@ -90,6 +82,12 @@ def spatial_density(
     if flat:
         rho = rho.reshape(*rho.shape[:-2], h * w)
     return rho
+
+
+def _box_sum(x: torch.Tensor, window: int) -> torch.Tensor:
+    """Sum of each [h, w] plane of x [B, C, h, w] over the `window` x `window` box around every cell, clipped at
+    the border (sum pooling with zero padding)."""
+    return F.avg_pool2d(x, window, stride=1, padding=window // 2, divisor_override=1)
 
 
 def normalize_density(rho: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -448,20 +448,33 @@ def merge_dropped(
     w_self_c = w_self[:, None]
     w_sum_c = w_sum[:, None]
 
+    every = None  # per source row [B * S], its receiver in `acc`, or a spare row for the tokens not dropped
+
     def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
-        """One index_add over the whole batch: the dropped rows (taken by one flat index_select) summed into
-        their receivers, then each receiver's own row added and the sum divided, written back in place."""
+        """One index_add over the whole batch: the dropped rows summed into their receivers, then each
+        receiver's own row added and the sum divided, written back in place. Unweighted float32 rows are added
+        straight from the source through `every` (no copy of the dropped rows; the same rows in the same order,
+        so the same sums); the arithmetic runs in place, as fresh scratch pages cost more than the adds."""
+        nonlocal every
         dt = torch.promote_types(src.dtype, torch.float32)
         flat_src = src.reshape(-1, src.shape[-1])
         flat_dst = dst.view(-1, dst.shape[-1])  # the gathered tensors are fresh, contiguous ones
-        moved = flat_src.index_select(0, src_at).to(dt)
-        if not unit:
-            moved = moved * w_drop_c.to(dt)
-        acc = torch.zeros(recv.numel(), src.shape[-1], dtype=dt, device=src.device).index_add_(0, inv, moved)
+        acc = torch.zeros(recv.numel() + 1, src.shape[-1], dtype=dt, device=src.device)
+        if unit and src.dtype == dt:
+            if every is None:
+                every = torch.full((flat_src.shape[0],), recv.numel(), dtype=inv.dtype, device=inv.device)
+                every[src_at] = inv
+            acc.index_add_(0, every, flat_src)
+        else:
+            moved = flat_src.index_select(0, src_at).to(dt)
+            if not unit:
+                moved.mul_(w_drop_c.to(dt))
+            acc.index_add_(0, inv, moved)
+        acc = acc[:-1]
         mine = flat_dst.index_select(0, dst_at).to(dt)
         if not unit:
-            mine = mine * w_self_c.to(dt)
-        flat_dst.index_copy_(0, dst_at, ((mine + acc) / w_sum_c.to(dt)).to(dst.dtype))
+            mine.mul_(w_self_c.to(dt))
+        flat_dst.index_copy_(0, dst_at, mine.add_(acc).div_(w_sum_c.to(dt)).to(dst.dtype))
 
     fold(seq.hidden, out.hidden)
     for name, ts in seq.adds.items():
