@@ -37,9 +37,9 @@ from trimvlm.loading import load_adapter
 from trimvlm.plan import make_plan
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.runner import Runner
-from trimvlm.testing import random_image, tiny_checkpoint
+from trimvlm.testing import REAL_WIDTHS, random_image, tiny_checkpoint
 
-WIDTHS = {"3b": dict(hidden=2048, heads=16, kv_heads=2, num_layers=4)}  # Qwen2.5-VL-3B's width, 4 layers
+WIDTHS = {name: dict(w, num_layers=4) for name, w in REAL_WIDTHS.items()}  # a real width, 4 layers
 
 
 def timed_hook(plan, spent: list[float]):

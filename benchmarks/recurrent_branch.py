@@ -2,7 +2,7 @@
 length against transformers' chunked kernel (every call padded to 64-token chunks), in one process (issue 20).
 
 A random-weight Qwen3.5 (`--hidden`, `--layers`, `--heads`: three Gated DeltaNet layers per full-attention
-layer) scores `--candidates` candidates of `--suffix` tokens each (content words plus the close marker) after
+layer; `--width 3b`: hidden 2048, 16 heads, 2 KV heads) scores `--candidates` candidates of `--suffix` tokens each (content words plus the close marker) after
 one image prompt, with the `batched` and `tree` executors. Two paths of the same model and requests:
 - `chunked`: the adapter's `recurrent_max_len` = 0, every segment through transformers' chunked kernel: the
   path of commit 69b53e3 (before issue 20);
@@ -15,7 +15,7 @@ batch 4 (the decode phase's median seconds; the tokens must be equal). Ratios ar
 Run against an older checkout (PYTHONPATH=/tmp/before-gdn/src) it measures what that checkout has (an adapter
 without `recurrent_max_len` only has the chunked path).
 
-    python benchmarks/recurrent_branch.py [--candidates 64] [--suffix 8] [--rounds 5] [--threads 1] [--quick]
+    python benchmarks/recurrent_branch.py [--candidates 64] [--suffix 8] [--rounds 5] [--threads 1] [--width 3b] [--quick]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 from trimvlm.loading import load_adapter
-from trimvlm.testing import WORDS, random_image, tiny_checkpoint
+from trimvlm.testing import REAL_WIDTHS, WORDS, random_image, tiny_checkpoint
 from trimvlm.vlm import VLM
 
 EXECUTORS = ["batched", "tree"]
@@ -58,6 +58,8 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", choices=sorted(REAL_WIDTHS), default=None,
+                   help="a real checkpoint's width with random weights (3b: hidden 2048, 16 heads, 2 KV heads)")
     p.add_argument("--decode", type=int, default=16, help="greedy tokens per row of the decode measurement")
     p.add_argument("--max-len", type=int, default=None, help="the recurrent path's recurrent_max_len (default: "
                    "the adapter's; a larger one measures where the step form stops paying)")  # fmt: skip
@@ -68,11 +70,12 @@ def main(argv=None) -> None:
                    "1 round, 4 decode tokens")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
-        args.candidates, args.hidden, args.rounds, args.decode = 8, 64, 1, 4
+        args.candidates, args.hidden, args.rounds, args.decode, args.width = 8, 64, 1, 4, None
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    folder = tiny_checkpoint("qwen3_5", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
-                             heads=args.heads)  # fmt: skip
+    shape = dict(hidden=args.hidden, heads=args.heads)
+    shape.update(REAL_WIDTHS.get(args.width, {}))
+    folder = tiny_checkpoint("qwen3_5", tempfile.mkdtemp(), layers=args.layers, **shape)
     vlm = VLM(load_adapter(folder))
     ad = vlm.adapter
     default = getattr(ad, "recurrent_max_len", None)

@@ -2,9 +2,9 @@
 
 Tiny Qwen3-VL (hidden 256, 8 layers, 256 visual tokens per image; `--hidden`, `--layers`) or any supported
 checkpoint (`--model PATH`), batch 1 and 8 (`--batches`), median of interleaved runs in one process. Prints a table and
-writes JSON.
+writes JSON. `--width 3b`: Qwen2.5-VL-3B's text width (hidden 2048, 16 heads, 2 KV heads), 4 layers, random weights.
 
-    python benchmarks/runner_overhead.py --json out.json [--quick]
+    python benchmarks/runner_overhead.py --json out.json [--width 3b] [--quick]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.table import Table
 from trimvlm.loading import load_adapter
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.runner import Runner
-from trimvlm.testing import random_image, tiny_checkpoint
+from trimvlm.testing import REAL_WIDTHS, random_image, tiny_checkpoint
 
 
 def timed(fn) -> float:
@@ -39,17 +39,21 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="default 8 (4 with --width)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--width", choices=sorted(REAL_WIDTHS), default=None,
+                    help="a real checkpoint's width with random weights (3b: hidden 2048, 16 heads, 2 KV heads; "
+                    "4 layers unless --layers says otherwise)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: hidden 64, 2 layers, batch 1 "
                     "and 2, 4 new tokens, 1 repeat")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
-        args.hidden, args.layers, args.batches, args.new_tokens, args.repeats = 64, 2, [1, 2], 4, 1
+        args.hidden, args.layers, args.batches, args.new_tokens, args.repeats, args.width = 64, 2, [1, 2], 4, 1, None
     torch.set_num_threads(args.threads)
-    folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
-                                           heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64),
-                                           vision_hidden=64)  # fmt: skip
+    shape = dict(heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64), hidden=args.hidden)
+    shape.update(REAL_WIDTHS.get(args.width, {}))
+    layers = args.layers or (4 if args.width else 8)
+    folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), layers=layers, vision_hidden=64, **shape)
     adapter = load_adapter(folder)
     runner = Runner(adapter)
     model = adapter.model

@@ -41,6 +41,7 @@ from trimvlm.plan import Handoff, build_methods
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionProbe, VisionUnit
+from trimvlm.testing import REAL_WIDTHS
 from trimvlm.tokens.base import make_view
 from trimvlm.tokens.density import view_density
 
@@ -241,7 +242,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--width", choices=["3b"], default=None,
+    ap.add_argument("--width", choices=sorted(REAL_WIDTHS), default=None,
                     help="a real checkpoint's width: 3b = d 2048 (Qwen2.5-VL-3B's hidden size)")  # fmt: skip
     ap.add_argument(
         "--quick",
@@ -249,8 +250,8 @@ def main(argv=None):
         help="a smoke test in seconds: d=64, N 144 and 256, batch 1 and 2, 1 repeat",
     )
     args = ap.parse_args(argv)
-    if args.width == "3b":
-        args.dims = [2048]
+    if args.width:
+        args.dims = [REAL_WIDTHS[args.width]["hidden"]]
     if args.quick:
         args.dims, args.ns, args.batches, args.repeats = [64], [144, 256], [1, 2], 1
     torch.set_num_threads(args.threads)

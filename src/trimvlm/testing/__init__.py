@@ -64,6 +64,11 @@ def qwen_image_processor(patch: int = 8, merge: int = 2):
     )
 
 
+# Text widths of real checkpoints for the benchmarks' `--width`: a random-weight model at that width (with few
+# layers, so it runs in minutes) shows what the tiny shapes cannot: the same figures at a real matrix size.
+REAL_WIDTHS = {"3b": dict(hidden=2048, heads=16, kv_heads=2)}  # Qwen2.5-VL-3B's text model
+
+
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava", "idefics3", "qwen3_5", "internvl")
 
 
