@@ -190,32 +190,83 @@ def trimvlm_attention(
             is_causal=None if attention_mask is None else False,  # None: a plain causal chunk
             **kwargs,
         )
-    # shared parts + own keys: one exact softmax over all of them, computed part by part with each part's
-    # log-sum-exp and merged; a shared part is never copied per branch
+    return _shared_attention(ctx, layer_idx, query, key, value, attention_mask, scaling), None
+
+
+def _shared_attention(ctx: AttentionContext, layer_idx, query, key, value, attention_mask, scaling):
+    """Shared parts + own keys: one exact softmax over all of them, computed part by part with each part's
+    log-sum-exp and merged; a shared part is never copied per branch. A tree's rows also attend to their
+    ancestors: with one shared part and few runs of rows that share their context (`TreeSchedule.context_runs`),
+    prefix and ancestors are one part, one call per run; otherwise the ancestors are gathered per row and
+    attended in one more call."""
     b, h, q, d = query.shape
     n_kv = key.shape[1]
-    outs = []  # (out [B, H, Q, d], lse [B, H, Q]) per part
-    for part in ctx.layer_parts(layer_idx):
-        kv = part.layers[layer_idx]
-        outs.append(_shared_part(query, kv, part.owner, scaling))
-    if ctx.tree is not None:  # each chain's ancestors, whose keys this same call computed
-        anc = ctx.tree.ancestor_valid
-        if anc.shape[1]:
-            ka, va = _ancestor_kv(key, ctx.tree.ancestors), _ancestor_kv(value, ctx.tree.ancestors)
-            o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)
-            o, lse = _ungrouped(o, h), lse.reshape(b, h, q)
-            lse = lse.masked_fill(~anc.any(1)[:, None, None], float("-inf"))  # chains without ancestors
-            outs.append((o, lse))
+    parts = ctx.layer_parts(layer_idx)
+    tree = ctx.tree
+    runs = tree.context_runs(parts[0].owner) if tree is not None and len(parts) == 1 else None
+    if runs is not None:
+        return _tree_attention(query, key, value, attention_mask, parts[0].layers[layer_idx], runs, scaling)
+    outs = [_shared_part(query, part.layers[layer_idx], part.owner, scaling) for part in parts]
+    anc = None if tree is None else tree.ancestor_valid
+    if anc is not None and anc.shape[1]:  # each chain's ancestors, whose keys this same call computed
+        ka, va = _ancestor_kv(key, tree.ancestors), _ancestor_kv(value, tree.ancestors)
+        o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)
+        o, lse = _ungrouped(o, h), lse.reshape(b, h, q)
+        lse = lse.masked_fill(~anc.any(1)[:, None, None], float("-inf"))  # chains without ancestors
+        outs.append((o, lse))
     g = h // n_kv
-    own = _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), attention_mask, scaling)
-    outs.append(own)
-    lse_all = torch.logsumexp(torch.stack([lse for _, lse in outs]), dim=0)
-    # a part a row cannot see (lse = -inf) adds nothing, whatever its kernel left in that row
-    out = sum(
-        torch.where(torch.isfinite(lse)[..., None], o.float(), 0.0) * torch.exp(lse - lse_all)[..., None]
-        for o, lse in outs
+    outs.append(
+        _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), attention_mask, scaling)
     )
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return _merge(outs).to(query.dtype).transpose(1, 2).contiguous()
+
+
+def _merge(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The exact softmax over all parts from each part's (out [B, H, Q, d], lse [B, H, Q]): sum of out x
+    exp(lse - lse of all), accumulated in place (float). A part a row cannot see has lse = -inf there and adds
+    nothing (`_attend` leaves its out finite, 0 on every device)."""
+    lse_all = outs[0][1]
+    for _, lse in outs[1:]:
+        lse_all = torch.logaddexp(lse_all, lse)
+    acc = None
+    for o, lse in outs:
+        w = torch.exp(lse - lse_all).unsqueeze(-1)
+        if acc is None:
+            acc = o.float() * w
+        else:
+            acc.addcmul_(o.float(), w)
+    return acc
+
+
+def _tree_attention(query, key, value, mask, kv, runs, scaling):
+    """A tree's rows over two parts: their context (the prefix row and the ancestors; per run of rows with the
+    same context, their queries folded into one call against [prefix keys | ancestor keys], the ancestors'
+    keys gathered once per run) and their own keys (causal within the row). Written in the output's
+    [B, Q, H, d] layout: one copy of the queries per run, one of the context's out, the merge in place."""
+    b, h, q, d = query.shape
+    n_kv = key.shape[1]
+    g = h // n_kv
+    acc = torch.empty(b, q, n_kv, g, d, dtype=torch.float32, device=query.device)
+    lse_ctx = torch.empty(b, q, n_kv, g, dtype=torch.float32, device=query.device)
+    flat_k, flat_v = (x.transpose(1, 2).reshape(-1, n_kv, d) for x in (key, value))  # [C * L, Hk, d]
+    for a, e, o, idx in runs:
+        n = e - a
+        qf = query[a:e].reshape(n, n_kv, g, q, d).transpose(0, 1).reshape(1, n_kv, n * g * q, d)
+        ks, vs, valid = kv.key[o : o + 1], kv.value[o : o + 1], kv.valid[o]
+        if idx.numel():
+            ks = torch.cat([ks, flat_k.index_select(0, idx).transpose(0, 1)[None]], dim=2)
+            vs = torch.cat([vs, flat_v.index_select(0, idx).transpose(0, 1)[None]], dim=2)
+            valid = torch.cat([valid, valid.new_ones(idx.numel())])
+        out, lse = _attend(qf, ks, vs, valid[None, None, None, :], scaling)
+        acc[a:e] = out.reshape(n_kv, n, g, q, d).permute(1, 3, 0, 2, 4)
+        lse_ctx[a:e] = lse.reshape(n_kv, n, g, q).permute(1, 3, 0, 2)
+    own, lse_own = _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), mask, scaling)
+    acc, lse_ctx = acc.view(b, q, h, d), lse_ctx.view(b, q, h)
+    lse_own = lse_own.transpose(1, 2)
+    lse_all = torch.logaddexp(lse_ctx, lse_own)
+    acc.mul_(torch.exp(lse_ctx - lse_all).unsqueeze(-1))
+    acc.addcmul_(own.transpose(1, 2).float(), torch.exp(lse_own - lse_all).unsqueeze(-1))
+    return acc.to(query.dtype)
 
 
 def _attend(query, key, value, mask, scaling):
@@ -235,7 +286,8 @@ def _attend(query, key, value, mask, scaling):
     if add is not None:
         s = s + add.float()
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]).to(value.dtype), value), lse
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)  # a row that sees no key: out 0 (as the CPU kernel)
+    return torch.matmul(torch.exp(s - safe[..., None]).to(value.dtype), value), lse
 
 
 def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

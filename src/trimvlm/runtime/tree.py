@@ -9,9 +9,15 @@ parent chain's final state (or the prefix's); only calls whose chains have child
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Rows with the same prefix row and the same ancestors (the leaves of one fork) read one context: the prefix's
+# keys and their ancestors' keys, in one attention call with their queries folded together (no per-row copy of
+# the ancestors). That is one call per run of such rows; past this many runs the rows gather their ancestors
+# per row instead (one call for all of them, next to the prefix's).
+MAX_CONTEXT_RUNS = 8
 
 
 @dataclass
@@ -28,7 +34,31 @@ class TreeSchedule:
     ancestors: torch.Tensor  # [C, A] flat indices of each chain's ancestor nodes (root first), -1 = padding
     calls: list[RecurrentCall]
     tokens_run: int  # tokens one recurrent layer processes over all calls (padding included)
+    _runs: tuple | None = field(default=None, repr=False)  # (owner, context_runs(owner)) of the last call
 
     @property
     def ancestor_valid(self) -> torch.Tensor:
         return self.ancestors >= 0
+
+    def context_runs(self, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
+        """(start, end, prefix row, ancestor flat indices [A]) of each maximal run of rows that read the same
+        prefix row and have the same ancestors; None past MAX_CONTEXT_RUNS runs. Computed once per schedule
+        (every attention layer asks with the same `owner`)."""
+        if self._runs is None or self._runs[0] is not owner:
+            self._runs = (owner, _runs(self.ancestors, owner))
+        return self._runs[1]
+
+
+def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
+    c = ancestors.shape[0]
+    same = (ancestors[1:] == ancestors[:-1]).all(1) & (owner[1:] == owner[:-1])
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
+    if len(starts) > MAX_CONTEXT_RUNS:
+        return None
+    ends = [*starts[1:], c]
+    rows = owner.tolist()
+    out = []
+    for a, e in zip(starts, ends, strict=True):
+        idx = ancestors[a]
+        out.append((a, e, rows[a], idx[idx >= 0]))
+    return out
