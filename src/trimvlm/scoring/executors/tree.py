@@ -22,6 +22,7 @@ from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.call_cost import call_cost
 from trimvlm.scoring.executors.common import Work, run_rows
+from trimvlm.scoring.executors.plan_cache import planned
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, plan_pieces, recurrent_rows, worth_planning
 from trimvlm.scoring.trie import rows_tensor
 
@@ -79,7 +80,7 @@ def run(work: Work) -> torch.Tensor:
     mix = layer_mix(work)
     if worth_planning(work.forest):
         mix.call_cost = call_cost(work, mix)  # measured once per model, device, threads and skip set
-    return run_pieces(work, plan_pieces(work.forest, mix), mix)
+    return run_pieces(work, planned(work.forest, mix, plan_pieces), mix)  # planned once per trie shape
 
 
 def layer_mix(work: Work) -> LayerMix:

@@ -47,12 +47,13 @@ def _pieces(n: int, w: int) -> int:
     return -(-n // w)
 
 
-def row_cost(lengths: list[int], depth0: list[int], w: int) -> float:
-    """Padded slots + ALPHA x gathered ancestors of rows (length, depth of first node) cut at width w."""
-    cost = 0.0
+def row_cost(lengths: list[int], depth0: list[int], w: int, pad: int | None = None) -> float:
+    """Padded slots + ALPHA x gathered ancestors of rows (length, depth of first node) cut at width w, each
+    piece padded to `pad` (default w; the longest piece's length makes it the attention layer's exact price)."""
+    cost, pad = 0.0, w if pad is None else pad
     for n, a in zip(lengths, depth0, strict=True):
         k = _pieces(n, w)
-        cost += k * w + ALPHA * (k * a + w * k * (k - 1) / 2)
+        cost += k * pad + ALPHA * (k * a + w * k * (k - 1) / 2)
     return cost
 
 
@@ -85,7 +86,9 @@ def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     limit = (1 - MARGIN) * layout_cost(plain, f, mix)
     if merged_floor(f, mix) > limit:  # no merged layout can pay: skip planning one
         return plain
-    merged = merged_layout(f, mix)
+    merged = merged_layout(f, mix, limit)
+    if merged is None:  # no merged layout can cost <= limit: none was built
+        return plain
     slots, calls = layout_price(merged, f, mix)
     saving = layout_price(plain, f, mix)[0] - slots
     pays = saving >= SAVING_OVER_CALLS * mix.call_cost * calls
@@ -125,14 +128,16 @@ def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, 
     tree = any(a > 0 for a in ancestors)
     att_slots, att_calls = len(pieces) * w + ALPHA * sum(ancestors), float(tree)
     calls: dict[tuple, list[int]] = {}
-    if tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
+    if not mix.recurrent:  # attention only: no recurrent rows to price
+        calls[()] = []
+    elif tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
         for ids, level in recurrent_rows(pieces, mix):
             n = sum(len(pieces[p].nodes) for p in ids)
             calls.setdefault((level, n if pieces[ids[-1]].children else 0), []).append(n)
     else:
         for p in pieces:
             calls.setdefault((0, len(p.nodes)), []).append(len(p.nodes))
-    rec_slots = sum(len(n) * mix.padded(max(n)) for n in calls.values())
+    rec_slots = sum(len(n) * mix.padded(max(n)) for n in calls.values() if n)
     return (
         mix.attention * att_slots + mix.recurrent * rec_slots,
         mix.attention * att_calls + mix.recurrent * (len(calls) - 1),
@@ -176,13 +181,14 @@ def max_len(pieces: list[Piece]) -> int:
 WIDTHS = 3  # widths whose layouts are costed over the executed layers (the best by padded slots)
 
 
-def merged_layout(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
+def merged_layout(f: Forest, mix: LayerMix | None = None, limit: float | None = None) -> list[Piece] | None:
     """The trie layout (never plain rows): at every candidate width (each chain length and each candidate's
     path length; with a short recurrent form, widths it runs at their own length), the chains absorbed greedily
     (`_absorb`) and cut at that width; the WIDTHS best by padded slots (and the WIDTHS best of the short
     widths) are then costed over the executed layers (`layout_cost`) with and without absorption — an absorbed
     chain runs again in every child in every layer, which a recurrent layer may pay more for than the row it
-    saves — and the cheapest is taken."""
+    saves — and the cheapest is taken. Options are cut and costed cheapest bound first (`_floor`), only while
+    their bound can beat the best so far; None, with nothing cut, when no bound is <= `limit`."""
     mix = mix or LayerMix()
     widths = {len(c.nodes) for c in f.chains} | {len(p) for req in f.paths for p in req}
     if mix.recurrent and mix.short:  # widths whose pieces the recurrent kernel runs at their own length
@@ -194,16 +200,40 @@ def merged_layout(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
         cost = row_cost([len(rows[r].nodes) for r in kept], [f.depth[rows[r].nodes[0]] for r in kept], w)
         ranked.append((cost, -w, rows, kept))
     ranked.sort(key=lambda t: t[:2])
-    best, short = None, [t for t in ranked if -t[1] <= mix.short] if mix.recurrent else []
+    short = [t for t in ranked if -t[1] <= mix.short] if mix.recurrent else []
+    options = []  # (lower bound of its layout_cost, order, rows, kept, width)
     for _, w, rows, kept in ranked[:WIDTHS] + short[:WIDTHS]:
-        options = [_cut(rows, kept, -w)]
+        options.append((_floor(f, rows, kept, -w, mix), len(options), rows, kept, -w))
         if len(kept) < len(f.chains):  # something was absorbed: the same width without absorbing
-            options.append(_cut(*_absorb(f, -w, absorb=False), -w))
-        for pieces in options:
-            cost = layout_cost(pieces, f, mix)
-            if best is None or cost < best[0]:
-                best = (cost, pieces)
-    return best[1]
+            rows, kept = _absorb(f, -w, absorb=False)
+            options.append((_floor(f, rows, kept, -w, mix), len(options), rows, kept, -w))
+    if limit is not None and min(o[0] for o in options) > limit:
+        return None
+    best = None  # (cost, order, pieces): the cheapest, the first in order among equals
+    for floor, order, rows, kept, w in sorted(options, key=lambda t: t[:2]):
+        if best is not None and floor > best[0]:  # this one and all after it cost more than the best
+            break
+        pieces = _cut(rows, kept, w)
+        cost = layout_cost(pieces, f, mix)
+        if best is None or (cost, order) < best[:2]:
+            best = (cost, order, pieces)
+    return best[2]
+
+
+def _floor(f: Forest, rows: list[Piece], kept: list[int], w: int, mix: LayerMix) -> float:
+    """A lower bound of `layout_cost` of the kept rows cut at width w, without cutting them: the attention
+    layers' price exactly (`row_cost`, pieces padded to the longest), every recurrent layer at least each row's
+    nodes once, and when a piece will have ancestors (a row off another, or one cut) the one extra call of
+    every layer (an attention layer's ancestors; a recurrent layer's second level)."""
+    lengths = [len(rows[r].nodes) for r in kept]
+    depth0 = [f.depth[rows[r].nodes[0]] for r in kept]
+    att = row_cost(lengths, depth0, w, pad=min(w, max(lengths)))
+    tree = any(a > 0 for a in depth0) or max(lengths) > w
+    return (
+        mix.attention * att
+        + mix.recurrent * sum(lengths)
+        + tree * mix.call_cost * (mix.attention + mix.recurrent)
+    )
 
 
 def _absorb(f: Forest, w: int, absorb: bool = True) -> tuple[list[Piece], list[int]]:
