@@ -9,7 +9,10 @@ prepared requests), one with all three off (`--vision-cache-mb 0 --prefix-cache-
 server in turn, `--rounds` times in alternating order. Both servers start cold (their first round pays the
 misses). Reported per server: requests/s, p50 / p99 latency, failed requests, and how many answers reused a
 prefix / a prepared request; the ratio of the throughputs; and whether every answer of the cached server equals
-the uncached server's for the same request (`assert_same_answers`, 1e-5).
+the uncached server's for the same request (`assert_same_answers`, 1e-5). The clients run in this process, on
+the same host: `--client streams` (default) are plain keep-alive HTTP/1.1 connections (`Connection`, ~0.3 ms of
+CPU per request), `--client httpx` httpx's pool (~3 ms per request, what the figures before issue 18's last
+session used: on a 2-core host that client took CPU from the server it measured).
 
     python benchmarks/serve_cache.py --requests 512 --states 8 --clients 32 --json serve-cache.json [--quick]
 """
@@ -58,27 +61,84 @@ def workload(n: int, states: int, size: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-async def replay(url: str, reqs: list[bytes], clients: int) -> dict:
-    """Every request once, by `clients` closed loops taking the next one; what they saw."""
+class Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio streams, POSTing JSON bodies: the lightest client this
+    Python can run (`--client streams`; httpx costs the 2-core host ~3 ms of CPU per request, ~10x this, taken
+    from the server it measures). It reads what `trimvlm serve` sends: a status line, headers, a body of
+    `content-length` bytes (anything else is an error, counted as a failed request)."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+        self.writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+        await self.writer.drain()
+        status = int((await self.reader.readline()).split()[1])
+        length, close = None, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection":
+                close = value.strip().lower() == b"close"
+        if length is None:
+            raise ConnectionError(f"an answer without content-length (status {status})")
+        data = await self.reader.readexactly(length)
+        if close:
+            self.close()
+        return status, data
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def replay(url: str, reqs: list[bytes], clients: int, client: str = "streams") -> dict:
+    """Every request once, by `clients` closed loops taking the next one (each its own keep-alive connection:
+    `Connection`, or httpx's pool); what they saw."""
     import httpx
 
     latencies, failures, answers, usage = [], [], [None] * len(reqs), []
     todo = iter(range(len(reqs)))
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
-        t0 = time.perf_counter()
+
+        async def send(conn, body: bytes) -> tuple[int, bytes]:
+            if conn is not None:
+                return await conn.post("/v1/systemone", body)
+            r = await c.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
+            return r.status_code, r.content
 
         async def loop():
-            for i in todo:
-                s = time.perf_counter()
-                r = await c.post("/v1/systemone", content=reqs[i], headers={"content-type": "application/json"})
-                latencies.append(time.perf_counter() - s)
-                if r.status_code != 200:
-                    failures.append(f"{r.status_code}: {r.text[:200]}")
-                    continue
-                answers[i] = r.json()["answers"]
-                usage.append(r.json()["usage"])
+            conn = Connection(url) if client == "streams" else None
+            try:
+                for i in todo:
+                    s = time.perf_counter()
+                    try:
+                        status, data = await send(conn, reqs[i])
+                    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+                        failures.append(f"{type(e).__name__}: {e}")
+                        conn = Connection(url) if conn is not None else None
+                        continue
+                    latencies.append(time.perf_counter() - s)
+                    if status != 200:
+                        failures.append(f"{status}: {data[:200]!r}")
+                        continue
+                    out = json.loads(data)
+                    answers[i] = out["answers"]
+                    usage.append(out["usage"])
+            finally:
+                if conn is not None:
+                    conn.close()
 
+        t0 = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(clients)))
         elapsed = time.perf_counter() - t0
     return {"latencies": latencies, "failures": failures, "answers": answers, "usage": usage, "seconds": elapsed}
@@ -120,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--client", choices=("streams", "httpx"), default="streams",
+                    help="the load generator: keep-alive connections on asyncio streams (light), or httpx")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test: 48 requests, 4 states, 4 clients, 1 round")
     args = ap.parse_args(argv)
@@ -137,7 +199,7 @@ def main(argv=None):
         for r in range(args.rounds):
             order = list(servers) if r % 2 == 0 else list(servers)[::-1]
             for name in order:
-                parts[name].append(asyncio.run(replay(servers[name].url, reqs, args.clients)))
+                parts[name].append(asyncio.run(replay(servers[name].url, reqs, args.clients, args.client)))
     finally:
         for s in servers.values():
             s.close()
@@ -148,6 +210,7 @@ def main(argv=None):
     ratio = cells[0]["throughput_rps"] / cells[1]["throughput_rps"]
     out = {
         "requests": args.requests, "states": args.states, "clients": args.clients, "rounds": args.rounds,
+        "client": args.client,
         "cells": cells, "ratio": ratio, "compared": len(pairs), "mismatches": mismatches,
         "failed": sum(c["failed"] for c in cells),
     }  # fmt: skip

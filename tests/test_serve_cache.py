@@ -376,3 +376,56 @@ def test_a_repeated_chat_request_is_not_prepared_again(plain, monkeypatch):
         texts = [g["choices"][0]["message"]["content"] for g in got]
         assert texts[:2] == [plain.generate(image(3), "describe ?", max_new_tokens=16).texts[0]] * 2
         assert texts[2] == plain.generate(image(3), "describe ?", max_new_tokens=12).texts[0]
+
+
+def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
+    """The same bytes again (request cache on): found by their digest, not parsed, schema-checked or sent to the
+    preparation thread, and answered as the first time. The same JSON with its keys in another order is another
+    body (checked again) but the same prepared request; a refused body is never remembered; with the request
+    cache off nothing is remembered."""
+    need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
+    import json
+
+    import httpx
+
+    from trimvlm.serve import systemone
+    from trimvlm.serve.state import ServerState
+    from trimvlm.testing.live_server import live_server
+
+    checks, real = [], systemone.check_schema
+    monkeypatch.setattr(systemone, "check_schema", lambda state, body: checks.append(1) or real(state, body))
+    body = request(9) | {"model": "demo", "recipe": ""}
+    raw = json.dumps(body).encode()
+    reordered = json.dumps(dict(reversed(list(body.items())))).encode()
+    bad = json.dumps(body | {"questions": {}}).encode()
+    post = {"headers": {"content-type": "application/json"}, "timeout": 120}
+    for mb in (256, 0):
+        checks.clear()
+        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1, request_cache_mb=mb)
+        with live_server(state) as url:
+            out = [httpx.post(url + "/v1/systemone", content=c, **post) for c in (raw, raw, reordered, bad, bad)]
+        assert [r.status_code for r in out] == [200, 200, 200, 422, 422]
+        assert len(checks) == (4 if mb else 5)  # the repeat of `raw` is not checked again (cache on)
+        assert len(state.seen_bodies) == (2 if mb else 0)
+        first, again, other = (r.json() for r in out[:3])
+        assert again["answers"] == first["answers"] == other["answers"]
+        assert again["model"] == first["model"] == "demo"
+        assert [x["usage"]["request_cached"] for x in (first, again, other)] == [False, bool(mb), bool(mb)]
+        assert_same(first["answers"], plain.decide(request(9)))
+
+
+def test_the_answer_is_the_json_fastapi_would_send(plain):
+    """`json_response` skips FastAPI's `jsonable_encoder`: the bytes are the same for a real answer and usage."""
+    need_extra("fastapi")
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
+
+    from trimvlm.decision import prepare_request
+    from trimvlm.decision import run as run_decisions
+    from trimvlm.plan import decision_plan
+    from trimvlm.recipe import parse_recipe
+    from trimvlm.serve.systemone import json_response
+
+    result = run_decisions(plain, [prepare_request(plain, request(3))], decision_plan(parse_recipe(""), plain.runner))
+    content = {"model": "demo", "answers": result.answers[0], "usage": result.usage[0].usage() | {"recipe": "x"}}
+    assert json_response(content).body == JSONResponse(jsonable_encoder(content)).body

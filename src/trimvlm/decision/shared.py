@@ -23,6 +23,7 @@ import torch
 
 from trimvlm.decision.forward import Forward
 from trimvlm.runtime.plan import LayerPlan
+from trimvlm.runtime.tensor_memo import remembered
 from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.common import Work, request_rows
 from trimvlm.scoring.trie import build_forest
@@ -39,24 +40,58 @@ def prefix_cuts(vlm, groups: list[list]) -> list[int] | None:
         image = None  # a text-only backbone
     cuts = []
     for prompts in groups:
-        ids = [p.inputs["input_ids"].reshape(-1) for p in prompts]
-        cut = min(len(x) for x in ids)
-        for x in ids[1:]:
-            differ = torch.nonzero(x[:cut] != ids[0][:cut]).flatten()
-            if len(differ):
-                cut = int(differ[0])
-        cut = min([cut] + [int(p.marks.min()) - 1 for p in prompts])
-        if cut < 1:
-            return None
-        if image is not None and any(bool((x[cut:] == image).any()) for x in ids):
+        cut = remembered(("cut", image), prompt_tensors(prompts), lambda p=prompts: request_cut(p, image))
+        if cut is None:
             return None
         cuts.append(cut)
     return cuts
 
 
+def prompt_tensors(prompts: list) -> list:
+    """The tensors a request's cut and tails are computed from: per prompt its token ids and marks."""
+    return [t for p in prompts for t in (p.inputs["input_ids"], p.marks)]
+
+
+def request_cut(prompts: list, image: int | None) -> int | None:
+    """One request's `prefix_cuts`."""
+    ids = [p.inputs["input_ids"].reshape(-1) for p in prompts]
+    cut = min(len(x) for x in ids)
+    for x in ids[1:]:
+        differ = torch.nonzero(x[:cut] != ids[0][:cut]).flatten()
+        if len(differ):
+            cut = int(differ[0])
+    cut = min([cut] + [int(p.marks.min()) - 1 for p in prompts])
+    if cut < 1:
+        return None
+    if image is not None and any(bool((x[cut:] == image).any()) for x in ids):
+        return None
+    return cut
+
+
+def request_tails(prompts: list, cut: int) -> list[tuple[int, ...]]:
+    """A request's tails: per prompt its tokens after the prefix, up to its last read position."""
+
+    def compute():
+        return [tuple(p.inputs["input_ids"].reshape(-1)[cut : int(p.marks.max())].tolist()) for p in prompts]
+
+    return remembered(("tails", cut), prompt_tensors(prompts), compute)
+
+
 def prefix_inputs(prompts: list, cut: int) -> dict:
     """The processor tensors of a request's shared prefix: its first prompt's, cut to `cut` tokens."""
     return {k: (v[..., :cut] if k in PER_TOKEN else v) for k, v in prompts[0].inputs.items()}
+
+
+def prefix_key(label: str, prompts: list, cut: int) -> bytes:
+    """The prefix cache's key of a request's prefix (`PrefixCache.key` of its `prefix_inputs`), remembered for
+    its first prompt's tensors."""
+    from trimvlm.runtime.prefix_cache import PrefixCache
+
+    items = prompts[0].inputs.items()
+    tensors = [v for _, v in items if isinstance(v, torch.Tensor)]
+    other = repr([(k, None if isinstance(v, torch.Tensor) else v) for k, v in items])  # the names, the rest
+    return remembered(("prefix", label, cut, other), tensors,
+                      lambda: PrefixCache.key(label, prefix_inputs(prompts, cut)))  # fmt: skip
 
 
 @torch.no_grad()
@@ -70,7 +105,8 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
         prefix = runner.prefill(prepared, plan, meter=meter, lm_head=False)
     else:  # found prefixes are read from the cache, the others prefilled (runtime/prefix_cache.py)
         prepared = None
-        prefix, reuse = runner.prefix_cache.prefill(runner, inputs, plan, meter)
+        keys = [prefix_key(plan.label(), g, c) for g, c in zip(groups, cuts, strict=True)]
+        prefix, reuse = runner.prefix_cache.prefill(runner, inputs, plan, meter, keys)
     owner = list(range(len(groups))) if reuse is None else reuse.rows  # each request's prefix row
     tails, where = tails_by_row(groups, cuts, owner, int(prefix.next_pos.shape[0]))
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
@@ -95,8 +131,7 @@ def tails_by_row(groups: list[list], cuts: list[int], owner: list[int], n_rows: 
     where = []
     for g, c, row in zip(groups, cuts, owner, strict=True):
         at = []
-        for p in g:
-            t = tuple(p.inputs["input_ids"].reshape(-1)[c : int(p.marks.max())].tolist())
+        for t in request_tails(g, c):
             if t not in index[row]:
                 index[row][t] = len(tails[row])
                 tails[row].append(list(t))

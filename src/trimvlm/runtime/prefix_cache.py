@@ -70,11 +70,13 @@ class PrefixCache(ByteLRU):
         """The processor's tensors of a prefix and the recipe it runs with."""
         return digest("prefix", label, *(x for k in sorted(inputs) for x in (k, inputs[k])))
 
-    def prefill(self, runner, inputs: list[dict], plan, meter) -> tuple[PrefillOutput, PrefixReuse]:
+    def prefill(self, runner, inputs: list[dict], plan, meter, keys: list[bytes] | None = None
+                ) -> tuple[PrefillOutput, PrefixReuse]:  # fmt: skip
         """The distinct prefixes of `inputs` (processor outputs, one per request) as one left-padded
         `PrefillOutput`, a row per distinct prefix (`PrefixReuse.rows`: each request's): found ones from the
-        cache, the others prefilled (`runner.prefill` on the adapter's batch of them)."""
-        keys = [self.key(plan.label(), x) for x in inputs]
+        cache, the others prefilled (`runner.prefill` on the adapter's batch of them). `keys`: their `key`s,
+        when the caller has them."""
+        keys = [self.key(plan.label(), x) for x in inputs] if keys is None else keys
         entries: dict[bytes, PrefixEntry | None] = {}
         for k in keys:
             if k not in entries:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ class ServerState:
         )  # fmt: skip
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
         self._recipes: dict[tuple[str, str], Recipe] = {}
+        self.seen_bodies: OrderedDict[bytes, object] = OrderedDict()  # System One bodies answered (systemone.Seen)
         for cache in ("vision", "prefix", "request"):  # on /metrics, read at each scrape
             for stat in CACHE_STATS:
                 self.metrics.gauge(
@@ -174,6 +176,10 @@ class ServerState:
     async def read_json(self, request) -> dict:
         """The request body as a JSON object: 413 past `max_body_bytes` (by its Content-Length or as it is read),
         422 for text that is not a JSON object."""
+        return parse_json(await self.read_body(request))
+
+    async def read_body(self, request) -> bytes:
+        """The request body's bytes: 413 past `max_body_bytes` (by its Content-Length or as it is read)."""
         limit = self.limits.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -184,10 +190,15 @@ class ServerState:
             if size > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise schema_error(f"JSON decode error: {e}", kind="json_invalid") from e
-        if not isinstance(body, dict):
-            raise schema_error(f"the body is a JSON object, got a {type(body).__name__}", kind="dict_type")
-        return body
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (422 for text that is not one)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise schema_error(f"JSON decode error: {e}", kind="json_invalid") from e
+    if not isinstance(body, dict):
+        raise schema_error(f"the body is a JSON object, got a {type(body).__name__}", kind="dict_type")
+    return body

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from trimvlm.runtime.lru import digest, nbytes
 from trimvlm.serve.errors import ApiError, schema_error
 from trimvlm.serve.reply import ClientGone, unless_gone
+from trimvlm.serve.state import parse_json
 
 
 @dataclass
@@ -44,13 +46,21 @@ async def handle(state, request) -> dict:
 
 async def _handle(state, request, arrival) -> dict:
     t0 = time.perf_counter()
-    body = await state.read_json(request)
-    extension = body.pop("recipe", None)
-    check_schema(state, body)
-    model = state.model_name(body)
-    recipe = state.recipe("decide", extension)
-    body.pop("model", None)
-    prepared, hit, key = await state.prepare(prepare_cached, state, body)
+    raw = await state.read_body(request)
+    tag, seen = recall(state, raw)
+    if seen is not None:  # a body seen before, found prepared: its checks passed then and pass again
+        model, recipe = seen.model, state.recipe("decide", seen.recipe)
+        prepared, hit, key = found_request(seen.prepared, t0), True, seen.key
+    else:
+        body = parse_json(raw)
+        extension = body.pop("recipe", None)
+        check_schema(state, body)
+        model = state.model_name(body)
+        recipe = state.recipe("decide", extension)
+        body.pop("model", None)
+        prepared, hit, key = await state.prepare(prepare_cached, state, body)
+        if tag is not None:
+            remember(state, tag, Seen(model, extension, key))
     job = state.batcher.enqueue(("decide", recipe.label), DecideJob(prepared, recipe.recipe, key), arrival)
     try:  # a client that has gone while its request is queued: the request is never computed
         answers, costs, coalesced = await unless_gone(request, state.result(job))
@@ -64,7 +74,59 @@ async def _handle(state, request, arrival) -> dict:
     usage = costs.usage() | cache_usage(state) | {"request_cached": hit, "request_coalesced": coalesced}
     usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
               "server_latency_s": time.perf_counter() - t0}  # fmt: skip
-    return {"model": model, "answers": answers, "usage": usage}
+    return json_response({"model": model, "answers": answers, "usage": usage})
+
+
+@dataclass
+class Seen:
+    """A body answered before, known by its bytes' digest: what its checks gave (the same bytes give the same
+    again: the schema, the model, the recipe field), and its request cache key. `prepared`: set by `recall`."""
+
+    model: str
+    recipe: object  # its `recipe` field (None: the server's)
+    key: bytes
+    prepared: object = None
+
+
+SEEN = 1 << 16  # bodies remembered by their digest (~200 bytes each), least recently seen forgotten first
+
+
+def recall(state, raw: bytes) -> tuple[bytes | None, Seen | None]:
+    """(the body's digest, what was seen of it with its prepared request, or None): with the request cache on,
+    a body whose bytes were answered before and whose prepared request is still cached is not parsed, checked
+    or keyed again, and not sent to the preparation thread (on the event loop: a digest and two lookups)."""
+    cache = state.request_cache
+    if cache is None:
+        return None, None
+    tag = hashlib.blake2b(raw, digest_size=16).digest()
+    seen = state.seen_bodies.get(tag)
+    if seen is None:
+        return tag, None
+    prepared = cache.get(seen.key)
+    if prepared is None:  # evicted: prepared again (and remembered again)
+        del state.seen_bodies[tag]
+        return tag, None
+    state.seen_bodies.move_to_end(tag)
+    return tag, dataclasses.replace(seen, prepared=prepared)
+
+
+def remember(state, tag: bytes, seen: Seen) -> None:
+    state.seen_bodies[tag] = seen
+    if len(state.seen_bodies) > SEEN:
+        state.seen_bodies.popitem(last=False)
+
+
+def found_request(found, t0: float):
+    """A prepared request found in the request cache: its `preprocess_s` is the lookup's."""
+    return dataclasses.replace(found, seconds=time.perf_counter() - t0)
+
+
+def json_response(content: dict):
+    """The answer as FastAPI would send the dict (its JSONResponse: compact, UTF-8, no NaN), without its
+    `jsonable_encoder` walk: the answer holds only JSON types (str, int, float, bool, None, lists, dicts)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(content)
 
 
 def prepare_cached(state, body: dict):
@@ -78,7 +140,7 @@ def prepare_cached(state, body: dict):
     key = None if cache is None else digest("request", json.dumps(body, sort_keys=True, ensure_ascii=False))
     found = None if key is None else cache.get(key)
     if found is not None:
-        return dataclasses.replace(found, seconds=time.perf_counter() - t0), True, key
+        return found_request(found, t0), True, key
     prepared = prepare_request(
         state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision()
     )
