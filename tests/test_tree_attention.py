@@ -1,5 +1,6 @@
 """A tree's attention (issue 20): rows that share their context (prefix row and ancestors) read it in one call
-per run (`runtime.tree.context_runs`); past MAX_CONTEXT_RUNS runs each row gathers its ancestors. Both paths
+per run (`runtime.tree.context_runs`); past MAX_CONTEXT_RUNS runs (or too few rows per run) each row gathers
+its ancestors. Both paths
 give the scores of `independent`, and each is the one that ran."""
 
 import pytest
@@ -20,6 +21,7 @@ def test_tree_attention_paths_equal_independent(vlms, family, case, max_runs, mo
     reqs = _requests(CASES[case])
     ref = vlm.score(reqs, readout="loglik", executor="independent")
     monkeypatch.setattr(tree, "MAX_CONTEXT_RUNS", max_runs)
+    monkeypatch.setattr(tree, "MIN_ROWS_PER_RUN", 1)
     fused = []
     real = attention._tree_attention
     monkeypatch.setattr(attention, "_tree_attention", lambda *a: fused.append(1) or real(*a))

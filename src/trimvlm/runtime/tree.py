@@ -15,9 +15,12 @@ import torch
 
 # Rows with the same prefix row and the same ancestors (the leaves of one fork) read one context: the prefix's
 # keys and their ancestors' keys, in one attention call with their queries folded together (no per-row copy of
-# the ancestors). That is one call per run of such rows; past this many runs the rows gather their ancestors
-# per row instead (one call for all of them, next to the prefix's).
+# the ancestors). That is one call per run of such rows; past MAX_CONTEXT_RUNS runs, or fewer than
+# MIN_ROWS_PER_RUN rows per run on average (small calls cost more than the gather they save: 16 candidates in
+# groups of 4 ran 1.14-1.21x slower fused), the rows gather their ancestors per row instead (one call for all
+# of them, next to the prefix's).
 MAX_CONTEXT_RUNS = 8
+MIN_ROWS_PER_RUN = 8
 
 
 @dataclass
@@ -42,7 +45,8 @@ class TreeSchedule:
 
     def context_runs(self, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
         """(start, end, prefix row, ancestor flat indices [A]) of each maximal run of rows that read the same
-        prefix row and have the same ancestors; None past MAX_CONTEXT_RUNS runs. Computed once per schedule
+        prefix row and have the same ancestors; None past MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows
+        per run. Computed once per schedule
         (every attention layer asks with the same `owner`)."""
         if self._runs is None or self._runs[0] is not owner:
             self._runs = (owner, _runs(self.ancestors, owner))
@@ -53,7 +57,7 @@ def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[tuple[int, int, 
     c = ancestors.shape[0]
     same = (ancestors[1:] == ancestors[:-1]).all(1) & (owner[1:] == owner[:-1])
     starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
-    if len(starts) > MAX_CONTEXT_RUNS:
+    if len(starts) > min(MAX_CONTEXT_RUNS, c / MIN_ROWS_PER_RUN):
         return None
     ends = [*starts[1:], c]
     rows = owner.tolist()
