@@ -429,3 +429,23 @@ def test_the_answer_is_the_json_fastapi_would_send(plain):
     result = run_decisions(plain, [prepare_request(plain, request(3))], decision_plan(parse_recipe(""), plain.runner))
     content = {"model": "demo", "answers": result.answers[0], "usage": result.usage[0].usage() | {"recipe": "x"}}
     assert json_response(content).body == JSONResponse(jsonable_encoder(content)).body
+
+
+@pytest.mark.parametrize("recipe", ["", REDUCE])
+def test_found_prefixes_of_different_lengths_are_assembled_as_before(cached, recipe):
+    """Entries whose layers have one length are stored stacked (one tensor per field) and assembled with one copy
+    per field and row; the batch equals the per-layer assembly exactly (left padding with the same fills). A
+    reducer that drops tokens at a layer leaves layers of different lengths: those entries stay per layer."""
+    from trimvlm.runtime import prefix_cache as pc
+
+    one = request(0) | {"questions": {"circle": QUESTIONS["circle"]}}  # a one-question prefix: longer
+    cached.decide([request(0), one, request(1, " and more words here")], recipe=recipe)
+    entries = [e for e, _ in cached.runner.prefix_cache._items.values()]
+    assert len(entries) == 3 and len({e.layers[0].key.shape[2] for e in entries}) > 1
+    assert all((e.stacked is not None) == (recipe == "") for e in entries)
+    fast = pc.assemble(entries, cached.runner.num_layers)
+    slow = pc.assemble([pc.PrefixEntry(**{**e.__dict__, "stacked": None}) for e in entries], cached.runner.num_layers)
+    assert fast.cache.layers.keys() == slow.cache.layers.keys()
+    for i, kv in slow.cache.layers.items():
+        for n in pc.FILL:
+            assert torch.equal(getattr(fast.cache.layers[i], n), getattr(kv, n)), (i, n)

@@ -41,6 +41,9 @@ class PrefixEntry:
     )  # [1, 1, D] its last final-normed state (the branch executors read its width and dtype)
     n_images: int
     tokens: int
+    # per field of LayerKV, its layers stacked ([layers, 1, ...]; `layers` are views of it), when every layer
+    # holds the same columns: a batch of such entries is assembled with one copy per field and row
+    stacked: dict[str, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -114,10 +117,24 @@ def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEn
         i: {k: v[b : b + 1].clone() for k, v in st.items() if v is not None}
         for i, st in out.cache.states.items()
     }
+    layers, stacked = stack_layers(layers)
     return PrefixEntry(
         layers=layers, states=states, next_pos=out.next_pos[b : b + 1].clone(),
-        hidden=out.seq.hidden[b : b + 1, -1:].clone(), n_images=n_images, tokens=tokens,
+        hidden=out.seq.hidden[b : b + 1, -1:].clone(), n_images=n_images, tokens=tokens, stacked=stacked,
     )  # fmt: skip
+
+
+def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[str, torch.Tensor] | None]:
+    """(the layers as views of one tensor per field, those tensors), when every layer has the same shapes
+    (a reducer that drops tokens at some layer leaves layers of different lengths: kept as they are, None)."""
+    parts = list(layers.values())
+    if not parts or any(
+        getattr(e, n).shape != getattr(parts[0], n).shape for e in parts for n in FILL
+    ):  # fmt: skip
+        return layers, None
+    stacked = {n: torch.stack([getattr(e, n) for e in parts]) for n in FILL}
+    views = {i: LayerKV(**{n: stacked[n][j] for n in FILL}) for j, i in enumerate(layers)}
+    return views, stacked
 
 
 def _left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
@@ -128,10 +145,30 @@ def _left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
     return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim=dim)
 
 
+def assemble_stacked(rows: list[PrefixEntry]) -> dict[int, LayerKV] | None:
+    """The layers of a left-padded batch of stacked entries (`PrefixEntry.stacked`, the same layers): per field
+    one tensor, each row copied into its columns once for all layers; None unless every entry is stacked."""
+    if any(r.stacked is None or r.layers.keys() != rows[0].layers.keys() for r in rows):
+        return None
+    out = {}
+    for n, fill in FILL.items():
+        first = rows[0].stacked[n]  # [L, 1, Hk, K, hd] (key, value) or [L, 1, K]
+        dim = 3 if n in ("key", "value") else 2
+        width = max(r.stacked[n].shape[dim] for r in rows)
+        shape = list(first.shape)
+        shape[1], shape[dim] = len(rows), width
+        out[n] = torch.full(shape, fill, dtype=first.dtype, device=first.device)
+        for b, r in enumerate(rows):
+            t = r.stacked[n]
+            out[n][:, b : b + 1].narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
+    return {i: LayerKV(**{n: out[n][j] for n in FILL}) for j, i in enumerate(rows[0].layers)}
+
+
 def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
     """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read)."""
     cache = KVCache(num_layers)
-    for i in rows[0].layers:
+    stacked = assemble_stacked(rows)
+    for i in [] if stacked is not None else rows[0].layers:
         parts = [r.layers[i] for r in rows]
         width = max(p.key.shape[2] for p in parts)
         cache.layers[i] = LayerKV(**{
@@ -139,6 +176,8 @@ def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
                           for p in parts])
             for n in FILL
         })  # fmt: skip
+    if stacked is not None:
+        cache.layers.update(stacked)
     cache.states = {
         i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
     }
