@@ -33,7 +33,7 @@ import time
 import torch
 
 from trimvlm.loading import load_adapter
-from trimvlm.testing import WORDS, random_image, tiny_checkpoint
+from trimvlm.testing import REAL_WIDTHS, WORDS, random_image, tiny_checkpoint
 from trimvlm.vlm import VLM
 
 EXECUTORS = ["independent", "batched", "segments", "tree", "auto"]
@@ -42,9 +42,9 @@ LENGTHS = [8, 32, 128]
 SHARING = [0.0, 0.25, 0.5, 0.75]
 BRANCHING = ["flat", "two-level"]
 SMALL_GRID = ([4, 64], [8, 128], [0.0, 0.75])  # candidates, suffix tokens, shared content of `--grid small`
-WIDTHS = {  # --width: (hidden, heads, KV heads); `tiny` takes --hidden
+WIDTHS = {  # --width: (hidden, heads, KV heads); `tiny` takes --hidden; the others are real checkpoints' widths
     "tiny": (None, 4, 2),
-    "3b": (2048, 16, 2),  # Qwen2.5-VL-3B's text width
+    **{name: (w["hidden"], w["heads"], w["kv_heads"]) for name, w in REAL_WIDTHS.items()},
 }
 GROUP = 4
 CONTENT = WORDS[20:]  # colour / shape / number words: no special tokens

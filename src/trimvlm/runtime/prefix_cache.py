@@ -168,16 +168,17 @@ def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
     """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read)."""
     cache = KVCache(num_layers)
     stacked = assemble_stacked(rows)
-    for i in [] if stacked is not None else rows[0].layers:
-        parts = [r.layers[i] for r in rows]
-        width = max(p.key.shape[2] for p in parts)
-        cache.layers[i] = LayerKV(**{
-            n: torch.cat([_left_pad(getattr(p, n), width, FILL[n], 2 if n in ("key", "value") else 1)
-                          for p in parts])
-            for n in FILL
-        })  # fmt: skip
     if stacked is not None:
         cache.layers.update(stacked)
+    else:
+        for i in rows[0].layers:
+            parts = [r.layers[i] for r in rows]
+            width = max(p.key.shape[2] for p in parts)
+            cache.layers[i] = LayerKV(**{
+                n: torch.cat([_left_pad(getattr(p, n), width, FILL[n], 2 if n in ("key", "value") else 1)
+                              for p in parts])
+                for n in FILL
+            })  # fmt: skip
     cache.states = {
         i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
     }

@@ -46,8 +46,7 @@ class TreeSchedule:
     def context_runs(self, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
         """(start, end, prefix row, ancestor flat indices [A]) of each maximal run of rows that read the same
         prefix row and have the same ancestors; None past MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows
-        per run. Computed once per schedule
-        (every attention layer asks with the same `owner`)."""
+        per run. Computed once per schedule (every attention layer asks with the same `owner`)."""
         if self._runs is None or self._runs[0] is not owner:
             self._runs = (owner, _runs(self.ancestors, owner))
         return self._runs[1]
