@@ -12,8 +12,8 @@ batch would run once more): `naive` builds the full N x N distance matrix and, o
 the min over the rows of every token picked so far (the straightforward form, as DivPrune's reference code
 does), and `incremental` builds the full matrix and keeps a running min (one row per pick). Identical picks are
 checked, and `ours` is set against its compute roofline: K x N x d multiply-adds at the matmul rate measured
-for one [K, d] x [d, N] product (issue 20's target: within 2x at N = 4096). Times are medians of interleaved
-rounds (every method, or every form, once per round). `--width 3b`: d = 2048 only. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
+for one [K, d] x [d, N] product, timed in the same interleaved rounds (issue 20's target: within 2x at
+N = 4096). Times are medians of interleaved rounds (every method, or every form, once per round). `--width 3b`: d = 2048 only. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
 selects (`merge=false`); assigning every dropped token to its nearest kept token is O(N * K * d) in any method.
 
     python benchmarks/token_selection.py --json sel.json [--threads 2] [--width 3b] [--quick]
@@ -187,13 +187,12 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in ts.items()}
 
 
-def matmul_rate(k: int, n: int, d: int, repeats: int) -> float:
-    """FLOP/s of the product farthest point needs in all, [K, d] x [d, N] (one call: the matmul rate at its
-    best shape), median of `repeats` (at least 3)."""
+def product(k: int, n: int, d: int):
+    """The product farthest point needs in all, [K, d] x [d, N], as one call (the matmul rate at its best shape):
+    timed in the same interleaved rounds as the loop it bounds, so both see the same machine."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(k, d, generator=g), torch.randn(n, d, generator=g)
-    sec = interleaved_medians({"mm": lambda: a @ b.T}, max(3, repeats))["mm"]
-    return 2 * k * n * d / sec
+    return lambda: a @ b.T
 
 
 def ref_naive(x: torch.Tensor, k: int, tilt: torch.Tensor, first: int) -> list[int]:
@@ -294,14 +293,15 @@ def main(argv=None):
 
                 med = interleaved_medians(
                     dict(ours=ours, incremental=lambda: ref_incremental(x[0], k, tilt, first),  # noqa: B023
-                         naive=lambda: ref_naive(x[0], k, tilt, first)),  # noqa: B023
-                    args.repeats,
+                         naive=lambda: ref_naive(x[0], k, tilt, first),  # noqa: B023
+                         product=product(k, side * side, d)),
+                    max(3, args.repeats),
                 )  # fmt: skip
                 t_ours, t_inc, t_naive = med["ours"], med["incremental"], med["naive"]
                 picks = ours()
                 p_inc, p_naive = (ref(x[0], k, tilt, first) for ref in (ref_incremental, ref_naive))
                 same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
-                rate = matmul_rate(k, side * side, d, args.repeats)
+                rate = 2 * k * side * side * d / med["product"]
                 roof = k * side * side * d * 2 / rate  # K x N x d multiply-adds at the measured matmul rate
                 refs.append(
                     dict(d=d, n=side * side, k=k, ours_s=t_ours, naive_s=t_naive, incremental_s=t_inc,

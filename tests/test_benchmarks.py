@@ -164,6 +164,10 @@ def test_scoring_scan(tmp_path, capsys):
         for e in ("independent", "batched", "segments", "tree", "auto"):
             assert r[e]["max_score_error"] <= 1e-4
             assert r[e]["latency_s"] == statistics.median(r[e]["latency_rounds_s"]) > 0
+        t, b = r["tree"]["latency_rounds_s"], r["batched"]["latency_rounds_s"]
+        assert r["tree_over_batched_paired"] == statistics.median(x / y for x, y in zip(t, b, strict=True))
+        assert r["calls_per_timing"] == 1  # --quick: one call per timing
+    assert all(r["tree_plain_layout"] for r in rows if r["shared"] == 0)  # nothing to merge: batched's code
     assert set(data["summary"]) == {"qwen3_vl", "qwen3_5"}
 
 

@@ -43,6 +43,7 @@ def test_repeated_shape_is_planned_once():
     plan_cache.planned(shorter, mix, planner)  # another shape
     assert len(calls) == 3
     assert _same(plan_cache.planned(shorter, mix, planner), plan_pieces(shorter, mix)) and len(calls) == 3
+    assert plan_cache.stats() == {"entries": 3, "hits": 2, "misses": 3}  # what /metrics reports
 
 
 def test_cache_is_bounded():

@@ -404,7 +404,10 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
         state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1, request_cache_mb=mb)
         with live_server(state) as url:
             out = [httpx.post(url + "/v1/systemone", content=c, **post) for c in (raw, raw, reordered, bad, bad)]
+            metrics = httpx.get(url + "/metrics").text
         assert [r.status_code for r in out] == [200, 200, 200, 422, 422]
+        assert f"trimvlm_seen_bodies {2.0 if mb else 0.0}" in metrics  # on /metrics: entries and hits
+        assert f"trimvlm_seen_body_hits_total {1.0 if mb else 0.0}" in metrics
         assert len(checks) == (4 if mb else 5)  # the repeat of `raw` is not checked again (cache on)
         assert len(state.seen_bodies) == (2 if mb else 0)
         first, again, other = (r.json() for r in out[:3])

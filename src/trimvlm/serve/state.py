@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
+from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve.engine import ChatEngine
 from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
 from trimvlm.serve.limits import MiB, ServerLimits
@@ -91,6 +92,18 @@ class ServerState:
                     f"trimvlm_{cache}_cache_{stat}", f"the {cache} cache: {stat} (0 when it is off)",
                     fn=lambda c=cache, s=stat: (self.cache_stats()[c] or {}).get(s, 0),
                 )  # fmt: skip
+        self.seen_hits = self.metrics.counter(
+            "trimvlm_seen_body_hits", "System One bodies answered from their digest (not parsed or prepared again)"
+        )
+        self.metrics.gauge(
+            "trimvlm_seen_bodies", "System One bodies remembered by their digest (bounded by entries)",
+            fn=lambda: len(self.seen_bodies),
+        )  # fmt: skip
+        for stat in ("entries", "hits", "misses"):
+            self.metrics.gauge(
+                f"trimvlm_plan_cache_{stat}", f"the tree executor's layout cache: {stat} (this process)",
+                fn=lambda s=stat: plan_cache.stats()[s],
+            )  # fmt: skip
 
     def cache_stats(self) -> dict:
         """The vision, prefix and request caches' figures (None: off)."""

@@ -107,6 +107,7 @@ def recall(state, raw: bytes) -> tuple[bytes | None, Seen | None]:
         del state.seen_bodies[tag]
         return tag, None
     state.seen_bodies.move_to_end(tag)
+    state.seen_hits.inc()
     return tag, dataclasses.replace(seen, prepared=prepared)
 
 

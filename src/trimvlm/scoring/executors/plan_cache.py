@@ -19,6 +19,7 @@ from trimvlm.scoring.trie import Forest
 SIZE = 64
 _LOCK = threading.Lock()
 _CACHE: OrderedDict = OrderedDict()  # shape key -> pieces
+_COUNTS = {"hits": 0, "misses": 0}
 
 
 def shape_key(f: Forest, mix: LayerMix, planner) -> tuple:
@@ -35,6 +36,7 @@ def planned(f: Forest, mix: LayerMix, planner) -> list[Piece]:
         pieces = _CACHE.get(key)
         if pieces is not None:
             _CACHE.move_to_end(key)
+        _COUNTS["hits" if pieces is not None else "misses"] += 1
     if pieces is None:
         pieces = planner(f, mix)
         with _LOCK:
@@ -44,6 +46,13 @@ def planned(f: Forest, mix: LayerMix, planner) -> list[Piece]:
     return [Piece(list(p.nodes), p.parent, p.request, p.level, list(p.children)) for p in pieces]
 
 
+def stats() -> dict:
+    """Shapes kept, and lookups that found their layout (hits) or planned it (misses), since the last clear."""
+    with _LOCK:
+        return {"entries": len(_CACHE), **_COUNTS}
+
+
 def clear() -> None:
     with _LOCK:
         _CACHE.clear()
+        _COUNTS.update(hits=0, misses=0)
