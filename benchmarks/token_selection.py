@@ -301,8 +301,8 @@ def main(argv=None):
                 picks = ours()
                 p_inc, p_naive = (ref(x[0], k, tilt, first) for ref in (ref_incremental, ref_naive))
                 same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
-                rate = 2 * k * side * side * d / med["product"]
-                roof = k * side * side * d * 2 / rate  # K x N x d multiply-adds at the measured matmul rate
+                roof = med["product"]  # K x N x d multiply-adds at the rate of one product of that size
+                rate = 2 * k * side * side * d / roof
                 refs.append(
                     dict(d=d, n=side * side, k=k, ours_s=t_ours, naive_s=t_naive, incremental_s=t_inc,
                          matmul_gflops=rate / 1e9, roofline_s=roof, over_roofline=t_ours / roof,
