@@ -205,6 +205,21 @@ def test_farthest_point_order_matches_slow_reference(beta, block):
         assert nearest[u, :n].tolist() == ref_near
 
 
+def test_farthest_point_default_block_with_many_picks_matches_reference():
+    """From LARGE_K picks on the default block is the larger one: the picks and nearest picks stay the formula's."""
+    from trimvlm.kernels import density
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 520, density.LARGE_K + 10
+    x = torch.randn(1, n, 8, dtype=torch.float64, generator=gen)
+    rt = masked_minmax(torch.rand(1, n, dtype=torch.float64, generator=gen), torch.ones(1, n, dtype=torch.bool))
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    picks, nearest = farthest_point(xn, mask, torch.tensor([k]), rt, rt.argmax(1), track_nearest=True)
+    ref, ref_near = _fps_reference(x[0], k, 1.0, rt[0])
+    assert picks[0].tolist() == ref and nearest[0].tolist() == ref_near
+
+
 def test_merge_conserves_size_weighted_sum():
     gen = torch.Generator().manual_seed(3)
     u, n, d = 3, 20, 8
