@@ -106,7 +106,9 @@ def masked_minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~mask, float("-inf"))
 
 
-BLOCK, BLOCK_LARGE, LARGE_K = 64, 128, 400  # farthest point's rows per product: more when there are many picks
+# farthest point's rows per product: 64, and 128 from 400 picks on (one thread, interleaved, the same picks: at
+# N = 4096, K = 820, d = 1024 the loop took 141-172 against 171-202 ms; at N = 1024, K = 205 / 102, 64 is fastest)
+BLOCK, BLOCK_LARGE, LARGE_K = 64, 128, 400
 
 
 def farthest_point(
@@ -131,9 +133,7 @@ def farthest_point(
     floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
     product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
     make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
-    [pool, pool] distances (`_predict`). `block` defaults to 64, and to 128 from 400 picks on (measured, one
-    thread, interleaved, same picks: at N = 4096, K = 820, d = 1024 the loop took 172 against 202 ms; at N = 1024,
-    K = 205 or 102, 64 is fastest; docs/tokens.md). A unit whose pick is not among its cached rows refills (only that
+    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit whose pick is not among its cached rows refills (only that
     unit). The prediction only chooses which rows to compute: every pick is still the exact argmax of the
     exact current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick
     loop). The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the
