@@ -133,10 +133,10 @@ def farthest_point(
     floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
     product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
     make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
-    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit whose pick is not among its cached rows refills (only that
-    unit). The prediction only chooses which rows to compute: every pick is still the exact argmax of the
-    exact current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick
-    loop). The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the
+    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit
+    whose pick is not among its cached rows refills (only that unit). The prediction only chooses which rows
+    to compute: every pick is still the exact argmax of the exact current scores over all N tokens, from the
+    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the
     host, whose per-call overhead is a fraction of a torch op's. Memory O(U * block * N) beyond the features:
     no N x N matrix.
 
