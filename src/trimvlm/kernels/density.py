@@ -136,9 +136,9 @@ def farthest_point(
     [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit
     whose pick is not among its cached rows refills (only that unit). The prediction only chooses which rows
     to compute: every pick is still the exact argmax of the exact current scores over all N tokens, from the
-    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min, tilt, argmax) is done on [U, N] numpy arrays on the
-    host, whose per-call overhead is a fraction of a torch op's. Memory O(U * block * N) beyond the features:
-    no N x N matrix.
+    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min,
+    tilt, argmax) is done on [U, N] numpy arrays on the host, whose per-call overhead is a fraction of a torch
+    op's. Memory O(U * block * N) beyond the features: no N x N matrix.
 
     Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
     row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).

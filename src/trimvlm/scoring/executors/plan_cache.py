@@ -10,16 +10,13 @@ planning would have returned; at most SIZE shapes are kept (least recently used 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import OrderedDict
 
+from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece
 from trimvlm.scoring.trie import Forest
 
 SIZE = 64
-_LOCK = threading.Lock()
-_CACHE: OrderedDict = OrderedDict()  # shape key -> pieces
-_COUNTS = {"hits": 0, "misses": 0}
+_CACHE = ByteLRU(SIZE, "plan cache")  # shape key -> pieces, each entry of size 1: at most SIZE shapes
 
 
 def shape_key(f: Forest, mix: LayerMix, planner) -> tuple:
@@ -32,27 +29,20 @@ def planned(f: Forest, mix: LayerMix, planner) -> list[Piece]:
     """`planner(f, mix)`, from the cache when this shape and mix were planned before (a fresh copy: callers
     may hold it)."""
     key = shape_key(f, mix, planner)
-    with _LOCK:
-        pieces = _CACHE.get(key)
-        if pieces is not None:
-            _CACHE.move_to_end(key)
-        _COUNTS["hits" if pieces is not None else "misses"] += 1
+    pieces = _CACHE.get(key)
     if pieces is None:
         pieces = planner(f, mix)
-        with _LOCK:
-            _CACHE[key] = pieces
-            while len(_CACHE) > SIZE:
-                _CACHE.popitem(last=False)
+        _CACHE.put(key, pieces, size=1)
     return [Piece(list(p.nodes), p.parent, p.request, p.level, list(p.children)) for p in pieces]
 
 
 def stats() -> dict:
     """Shapes kept, and lookups that found their layout (hits) or planned it (misses), since the last clear."""
-    with _LOCK:
-        return {"entries": len(_CACHE), **_COUNTS}
+    s = _CACHE.stats()
+    return {k: s[k] for k in ("entries", "hits", "misses")}
 
 
 def clear() -> None:
-    with _LOCK:
-        _CACHE.clear()
-        _COUNTS.update(hits=0, misses=0)
+    """Forget every layout and the counts."""
+    global _CACHE
+    _CACHE = ByteLRU(SIZE, "plan cache")
