@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean lmms ray serve
+.PHONY: venv demo test lint bench clean lmms ray serve results docs
 
 $(BIN)/trimvlm: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,18 @@ lmms: $(PIN)
 	$(BIN)/pip install -q -c $(PIN) --no-deps "$(LMMS_EVAL)"
 	$(BIN)/pip install -q -c $(PIN) -r constraints/lmms-cpu.txt
 	@echo "torch $$($(TORCH_VERSION))"; grep -qx "torch==$$($(TORCH_VERSION))" $(PIN)
+
+# `make results`: write every figure table of README.md and docs/ from docs/results/*.json (between
+# `<!-- results:NAME -->` markers); tests/test_results_tables.py checks that the committed tables are what it writes
+results: venv
+	$(BIN)/python benchmarks/write_results.py
+
+# `make docs`: the documentation site (MkDocs, Material theme, API reference from the docstrings) in site/,
+# built strictly: a broken link, a missing page or an unresolved docstring reference fails it
+docs: $(PIN)
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || \
+		$(BIN)/pip install -q -c $(PIN) -e ".[dev,docs]"
+	$(BIN)/mkdocs build --strict
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

@@ -172,13 +172,13 @@ def _share(costs: dict) -> str:
 # --------------------------------------------------------------------------------------------- markdown
 
 
-def markdown_summary(result: EvalResult) -> str:
-    """One Markdown row per recipe: what it skips, accuracy and mismatch % per probe, retention, cost ratios to
-    the baseline; then per ranker the largest budget reaching 90% retention."""
+def summary_table(result: EvalResult) -> tuple[list[str], list[list[str]]]:
+    """The summary's heading and one row of cells per recipe: what it skips, accuracy and mismatch % per probe,
+    retention, cost ratios to the baseline, the methods' share of the FLOPs."""
     probes = [g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"]
     head = ["recipe", "skipped", *(f"{p} {x}" for p in probes for x in ("acc", "mismatch %")), "retention %",
             *(h for k, h in COST_COLUMNS if k != "total_flops"), "total FLOPs", "method share"]  # fmt: skip
-    lines = [_md_row(head), "|" + "---|" * len(head)]
+    rows = []
     depths = result.depths or [None] * len(result.labels)
     for label, depth in zip(result.labels, depths, strict=True):
         cells = [label, _skipped(depth)]
@@ -188,7 +188,19 @@ def markdown_summary(result: EvalResult) -> str:
         row = result.row(label)
         keys = [k for k, _ in COST_COLUMNS if k != "total_flops"] + ["total_flops"]
         cells += [_pct(row["retention"]), *(_ratio(row["ratio"][k]) for k in keys), _share(row["costs"])]
-        lines.append(_md_row(cells))
+        rows.append(cells)
+    return head, rows
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table, one line per row, no trailing newline."""
+    return "\n".join([_md_row(head), "|" + "---|" * len(head), *map(_md_row, rows)])
+
+
+def markdown_summary(result: EvalResult) -> str:
+    """One Markdown row per recipe (`summary_table`); then per ranker the largest budget reaching 90%
+    retention."""
+    lines = [markdown_table(*summary_table(result))]
     if result.largest_budget:
         lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
                   "|---|---|---|---|"]  # fmt: skip
@@ -196,6 +208,28 @@ def markdown_summary(result: EvalResult) -> str:
             tested = ",".join(map(str, e["tested"]))
             lines.append(_md_row([ranker, tested, _budget(e), _pct(e["retention"])]))
     return "\n".join(lines) + "\n"
+
+
+class SavedResult:
+    """An `EvalResult` read back from its JSON file (`write_json`), with what the Markdown writers read: rows,
+    labels, depths, `row()` and the largest budgets."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        self.rows = data["results"]
+        self.labels = [r["label"] for r in data["recipes"]]
+        self.depths = [r.get("depth") for r in data["recipes"]]
+        self.largest_budget = data.get("largest_budget_90") or {}
+
+    @classmethod
+    def load(cls, path: str | Path) -> SavedResult:
+        return cls(json.loads(Path(path).read_text()))
+
+    def row(self, recipe: str, group: str = "all") -> dict:
+        for r in self.rows:
+            if r["recipe"] == recipe and r["group"] == group:
+                return r
+        raise KeyError((recipe, group))
 
 
 def _budget(entry: dict) -> str:

@@ -1,0 +1,69 @@
+"""The figure tables in README.md and docs/ are what `make results` writes from docs/results/*.json."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _writer():
+    spec = importlib.util.spec_from_file_location("write_results", ROOT / "benchmarks" / "write_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_committed_tables_equal_what_make_results_writes(capsys):
+    assert _writer().main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_every_table_marker_names_an_existing_results_file():
+    w = _writer()
+    names = [m["name"] for doc in w.documents() for m in w.MARKER.finditer(doc.read_text())]
+    assert len(names) >= 20
+    missing = [n for n in names if not (ROOT / "docs" / "results" / f"{n}.json").is_file()]
+    assert missing == []
+
+
+def _copy(tmp_path: Path) -> Path:
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    for p in (ROOT / "docs").glob("*.md"):
+        shutil.copy(p, tmp_path / "docs" / p.name)
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
+    return tmp_path
+
+
+def test_one_changed_number_in_a_results_file_fails_the_check(tmp_path, capsys):
+    root = _copy(tmp_path)
+    w = _writer()
+    assert w.main(["--check", "--root", str(root)]) == 0
+    path = root / "docs" / "results" / "serve-load-idle.json"
+    data = json.loads(path.read_text())
+    data["cells"][0]["throughput_rps"] = 12.5  # the README's serving table shows it as 12.5
+    path.write_text(json.dumps(data))
+    assert w.main(["--check", "--root", str(root)]) == 1
+    assert "| 12.5 |" in capsys.readouterr().out
+    assert w.main(["--root", str(root)]) == 0  # `make results` rewrites the table ...
+    assert "| batched | baseline | 32 | 12.5 |" in (root / "README.md").read_text()
+    assert w.main(["--check", "--root", str(root)]) == 0  # ... and then the check passes
+
+
+def test_a_hand_edited_table_fails_the_check(tmp_path):
+    root = _copy(tmp_path)
+    readme = root / "README.md"
+    text = readme.read_text()
+    assert "| 182.1 |" in text
+    readme.write_text(text.replace("| 182.1 |", "| 182.2 |", 1))
+    assert _writer().main(["--check", "--root", str(root)]) == 1
+
+
+def test_eval_tables_reproduce_the_eval_commands_own_markdown():
+    """An eval result's table is `trimvlm eval --markdown`'s, read back from its JSON (no second writer)."""
+    from trimvlm.evals.report import SavedResult, markdown_summary
+
+    results = ROOT / "docs" / "results"
+    for name in ("tokens-demo", "kv-demo"):
+        assert markdown_summary(SavedResult.load(results / f"{name}.json")) == (results / f"{name}.md").read_text()
