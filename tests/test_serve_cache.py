@@ -268,7 +268,7 @@ def test_a_large_tensor_is_hashed_once_while_it_lives_unchanged(monkeypatch):
 
 
 def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
-    """serve/prompt_cache.py: a chat prompt sent again is read from the prefix cache (no vision tower, no
+    """Runner.prefill_prompts (runtime/prefix_cache.py): a chat prompt sent again is read from the prefix cache (no vision tower, no
     prefill: 0 FLOPs on both lines), alone and admitted together with new prompts; every answer (greedy and
     seeded sampling) equals vlm.generate alone. With --prefix-cache-mb 0 nothing is reused."""
     need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
@@ -314,13 +314,12 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
 
 
 def test_found_and_new_prompts_are_assembled_into_one_batch(plain):
-    """serve/prompt_cache.prefill over [A, B, A] with A stored before: A found twice, B prefilled; the batch's
+    """Runner.prefill_prompts over [A, B, A] with A stored before: A found twice, B prefilled; the batch's
     first logits and greedy continuations equal the plain prefill of the three prompts."""
     from trimvlm.plan import make_plan
     from trimvlm.runtime.generate import Decoding
     from trimvlm.runtime.meter import Meter
     from trimvlm.runtime.prefix_cache import PrefixCache
-    from trimvlm.serve import prompt_cache
 
     runner = plain.runner
     a, b = plain.prepare(scene(3), "describe ?"), plain.prepare(scene(4), "read text ?")
@@ -337,8 +336,8 @@ def test_found_and_new_prompts_are_assembled_into_one_batch(plain):
     ref = runner.prefill(runner.adapter.collate([a, b, a]), plan)
     runner.prefix_cache = PrefixCache(64 * MiB)
     try:
-        assert prompt_cache.prefill(runner, [a], plan, Meter())[1] == [False]
-        out, hits = prompt_cache.prefill(runner, [a, b, a], plan, Meter())
+        assert runner.prefill_prompts([a], plan, meter=Meter())[1] == [False]
+        out, hits = runner.prefill_prompts([a, b, a], plan, meter=Meter())
     finally:
         runner.prefix_cache = None
     assert hits == [True, False, True]

@@ -1,4 +1,4 @@
-"""Chunked prefill (serve/prefill.py, the scheduler's `--max-prefill-tokens`): a prompt prefilled a few tokens
+"""Chunked prefill (`Runner.prefill_chunked`, runtime/chunked.py; the scheduler's `--max-prefill-tokens`): a prompt prefilled a few tokens
 at a time equals the prompt prefilled whole, on every family (recurrent Gated DeltaNet layers included); behind
 a real server a long prompt is prefilled in chunks between the running rows' decode steps, and every answer
 equals the request alone."""
@@ -11,9 +11,9 @@ from conftest import AVAILABLE, RunnerCalls, need_extra
 
 from trimvlm.plan import make_plan
 from trimvlm.recipe import parse_recipe
+from trimvlm.runtime.chunked import ChunkedPrefill
 from trimvlm.runtime.generate import Decoding
 from trimvlm.runtime.meter import Meter
-from trimvlm.serve.prefill import ChunkedPrefill, chunkable
 from trimvlm.testing import random_image
 
 
@@ -37,7 +37,7 @@ def test_chunked_prefill_equals_the_whole_prefill(vlms, family, chunk, one_threa
     plan = make_plan(None, runner)
     whole = runner.prefill(prepared, plan, meter=Meter())
     meter = Meter()
-    work = ChunkedPrefill(runner, prepared, plan, meter)
+    work = runner.prefill_chunked(prepared, plan, meter=meter)
     n, out = work.left, None
     advances = 0
     while out is None:
@@ -52,10 +52,11 @@ def test_chunked_prefill_equals_the_whole_prefill(vlms, family, chunk, one_threa
 
 def test_only_plans_that_read_nothing_of_the_whole_prefill_are_chunked(vlms):
     runner = vlms("qwen3_vl").runner
-    assert chunkable(make_plan(None, runner))
-    assert chunkable(make_plan(parse_recipe("depth=skip:layers=1"), runner))
-    assert not chunkable(make_plan(parse_recipe("tokens=density:keep=0.5:layer=1"), runner))
-    assert not chunkable(make_plan(parse_recipe("kv=snapkv:keep=0.5"), runner))
+    assert make_plan(None, runner).chunkable
+    assert make_plan(parse_recipe("depth=skip:layers=1"), runner).chunkable
+    assert make_plan(parse_recipe("tokens=downsample:keep=0.25"), runner).chunkable  # acts when prepared
+    assert not make_plan(parse_recipe("tokens=density:keep=0.5:layer=1"), runner).chunkable
+    assert not make_plan(parse_recipe("kv=snapkv:keep=0.5"), runner).chunkable
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
@@ -67,7 +68,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
     from test_serve_engine import WAIT_S, HeldSteps, client, image, messages, solo, wait_for
 
     import trimvlm
-    from trimvlm.serve import prefill
     from trimvlm.serve.limits import ServerLimits
     from trimvlm.serve.state import ServerState
 
@@ -78,14 +78,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
     tokens_b = int(demo.prepare(image(8), "read text ?").attention_mask.sum())
     assert len(solo(demo, 3).tokens[0]) >= 6
     events, lock = [], threading.Lock()
-    real_advance = prefill.ChunkedPrefill.advance
+    real_advance = ChunkedPrefill.advance
 
     def advance(self, n):
         with lock:
             events.append(("chunk", min(n, self.left)))
         return real_advance(self, n)
 
-    monkeypatch.setattr(prefill.ChunkedPrefill, "advance", advance)
+    monkeypatch.setattr(ChunkedPrefill, "advance", advance)
     calls = RunnerCalls(demo.runner, monkeypatch)
     held = HeldSteps(demo.runner, monkeypatch)
     b_queued = threading.Event()

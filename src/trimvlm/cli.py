@@ -486,6 +486,9 @@ def serve(
     vision_cache_mb: float = typer.Option(256, help="vision-feature cache bound, MiB (0: off; docs/serving.md)"),
     prefix_cache_mb: float = typer.Option(512, help="System One prefix cache bound, MiB (0: off)"),
     request_cache_mb: float = typer.Option(256, help="prepared System One requests cache bound, MiB (0: off)"),
+    recipe_dir: Path | None = typer.Option(
+        None, help="a folder of `trimvlm tune` outputs: clients may name them (recipe tuned=NAME:budget=X)"
+    ),
     log_level: str = typer.Option("info", help="uvicorn's log level"),
     access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
     replicas: int = typer.Option(1, help="model replicas, a Ray Serve deployment behind one route (needs --ray)"),
@@ -509,7 +512,7 @@ def serve(
                    limits=limits, decision_config=decision_config, threads=threads,
                    vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
                    load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
-                   replicas=replicas, ray=ray)  # fmt: skip
+                   replicas=replicas, ray=ray, recipe_dir=recipe_dir)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

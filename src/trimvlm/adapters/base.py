@@ -58,6 +58,14 @@ class Prepared:
         )  # fmt: skip
 
 
+def _one_resolution(parts: list[Prepared]):
+    """The resolution the parts of one batch were prepared at (they must agree: one plan prepares them)."""
+    found = {p.resolution for p in parts}
+    if len(found) > 1:
+        raise InputError(f"a batch's parts were prepared at different resolutions ({sorted(map(repr, found))})")
+    return found.pop()
+
+
 def _cat_padded(vals: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along axis 0, zero-padding the other axes up to the largest part's."""
     shape = [max(v.shape[d] for v in vals) for d in range(1, vals[0].dim())]
@@ -419,6 +427,7 @@ class Adapter:
             n_images=[n for p in parts for n in p.n_images],
             tiles=[t for p in parts for t in p.tiles],
             image_keys=[k for p in parts for k in p.image_keys],
+            resolution=_one_resolution(parts),
         )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,18 @@ class Plan:
         """Whether the prefill's layer plan differs per sample (the router's)."""
         return isinstance(self.skip_prefill, LayerPlan | torch.Tensor)
 
+    @property
+    def chunkable(self) -> bool:
+        """Whether a prefill under this plan may run in chunks (runtime/chunked.py): nothing in it reads the
+        whole prompt at once (no token hook, KV step at the boundary, attention probe or per-sample plan)."""
+        return self.hook is None and self.after_prefill is None and self.attention_context() is None and not self.per_sample
+
+    @property
+    def reuses_prompts(self) -> bool:
+        """Whether a prompt's prefill under this plan may be stored and reused (runtime/prefix_cache.py): its KV
+        is not changed at the boundary by a policy that keeps state for the decode, and no per-sample plan."""
+        return self.after_prefill is None and not self.per_sample
+
     def label(self) -> str:
         return "baseline" if self.recipe is None else self.recipe.label()
 

@@ -191,3 +191,54 @@ def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
         image_id=torch.full((b, 1), -1, dtype=torch.long, device=dev),
     )  # fmt: skip
     return PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=torch.cat([r.next_pos for r in rows]))
+
+
+def prompt_key(label: str, prepared, tokens: int | None = None) -> bytes:
+    """A request's prompt (a batch of one, unpadded) by what its prefill reads, or its first `tokens` tokens (an
+    earlier turn of a conversation: the same images, a prefix of the ids), and the recipe it runs with."""
+    inputs, ids = prepared.model_inputs, prepared.input_ids
+    if tokens is not None:  # the inputs with one entry per token (shaped as the ids) cut as the ids are
+        inputs = {k: v[:, :tokens] if _per_token(v, ids) else v for k, v in inputs.items()}
+        ids = ids[:, :tokens]
+    return digest("chat", label, ids, *(x for k in sorted(inputs) for x in (k, inputs[k])))
+
+
+def _per_token(v, ids: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == ids.shape
+
+
+def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) -> tuple[PrefillOutput, list[bool]]:
+    """The prefill of the requests `parts` (each prepared alone) as one batch (`Runner.prefill_prompts`): with the
+    runner's prefix cache on and a plan whose prompts are reusable, the prompts found there are read from it (no
+    vision tower, no prefill), the others prefilled together and stored (their rows, padding removed, and the
+    logits of their last token); found and prefilled rows are assembled as one left-padded batch. (The output,
+    per request whether it was found.) `keys`: their `prompt_key`s, when the preparation made them."""
+    cache = runner.prefix_cache
+    if cache is None or not plan.reuses_prompts:
+        return runner.prefill(runner.adapter.collate(parts), plan, meter=meter), [False] * len(parts)
+    keys = [
+        k if k is not None else prompt_key(plan.label(), p)
+        for k, p in zip(keys or [None] * len(parts), parts, strict=True)
+    ]
+    found = [cache.get(k) for k in keys]
+    todo = [i for i, f in enumerate(found) if f is None]
+    out = None
+    if todo:
+        prepared = runner.adapter.collate([parts[i] for i in todo])
+        out = runner.prefill(prepared, plan, meter=meter)
+        for b, i in enumerate(todo):
+            found[i] = store(cache, keys[i], out, b, prepared.n_images[b], int(parts[i].attention_mask.sum()))
+    hits = [i not in todo for i in range(len(parts))]
+    if len(todo) == len(parts):
+        return out, hits  # all prefilled now: their batch as it is
+    rows = assemble([e for e, _ in found], runner.num_layers)
+    logits = torch.cat([lg for _, lg in found])
+    return PrefillOutput(logits=logits, seq=rows.seq, cache=rows.cache, next_pos=rows.next_pos), hits
+
+
+def store(cache: PrefixCache, key: bytes, out: PrefillOutput, b: int, n_images: int, tokens: int) -> tuple:
+    """Row b of a prompt's prefill stored under `key`: (its entry, the logits of its last token)."""
+    entry = take_row(out, b, n_images, tokens)
+    item = (entry, out.logits[b : b + 1].clone())
+    cache.put(key, item, entry.nbytes + item[1].nbytes)
+    return item

@@ -139,6 +139,33 @@ class Runner:
                     f"{what} index {i} out of range: this model has layers 0..{self.num_layers - 1}"
                 )
 
+    def check_prepared(self, prepared, plan: Plan) -> None:
+        """A batch fits `plan`: prepared at the plan's resolution (tokens=downsample resizes the images when
+        they are prepared) and its layer plan valid for the batch; else a one-line error."""
+        if getattr(prepared, "resolution", None) != plan.resolution:
+            raise TrimVLMError(
+                f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
+                "resizes the images when they are prepared): prepare it with vlm.prepare(images, prompts, "
+                "plan=plan) (vlm.generate and vlm.score do)"
+            )
+        self.check_skip(plan.skip_prefill, prepared.batch)
+
+    def prefill_chunked(self, prepared, plan: Plan | None = None, *, meter: Meter | None = None, prefix=None):
+        """A `ChunkedPrefill` of one prepared request (runtime/chunked.py): its prompt run `advance(n)`
+        positions at a time, so a caller can interleave other work between two chunks. `prefix`: a
+        `PrefixEntry` of the prompt's first tokens (runtime/prefix_cache.py): only the rest is run."""
+        from trimvlm.runtime.chunked import ChunkedPrefill
+
+        return ChunkedPrefill(self, prepared, plan or Plan(), meter or Meter(device=self.device), prefix)
+
+    def prefill_prompts(self, parts: list, plan: Plan, *, meter: Meter, keys: list | None = None):
+        """The prefill of requests `parts` (each prepared alone) as one batch, the prompts found in the
+        runner's prefix cache read from it and the others prefilled together (and stored); (the output, per
+        request whether it was found). runtime/prefix_cache.py, `prefill_prompts`."""
+        from trimvlm.runtime.prefix_cache import prefill_prompts
+
+        return prefill_prompts(self, parts, plan, meter, keys)
+
     @torch.no_grad()
     def prefill(
         self,
@@ -154,19 +181,14 @@ class Runner:
         stops at the final-normed states (logits None: a caller that reads states, e.g. a decision readout)."""
         plan = plan or Plan()
         meter = meter or Meter(device=self.device)
-        if plan.resolution is not None and getattr(prepared, "resolution", None) is not plan.resolution:
-            raise TrimVLMError(
-                f"{plan.label()} resizes the images when they are prepared: prepare the batch with "
-                "vlm.prepare(images, prompts, plan=plan) (vlm.generate and vlm.score do)"
-            )
-        self.check_skip(plan.skip_prefill, prepared.batch)
+        self.check_prepared(prepared, plan)
         ctx = plan.attention_context()
         seq = self.encode(prepared, meter, None if ctx is None else ctx.vision)
-        next_pos = _next_positions(seq)
+        next_pos = next_positions(seq)
         cache = KVCache(self.num_layers)
         with meter.timer("prefill"):
             seq = self.run(seq, cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
-            logits = self._logits(seq, meter, "prefill", all_logits) if lm_head else None
+            logits = self.logits(seq, meter, "prefill", all_logits) if lm_head else None
         meter.kv(cache)
         out = PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
         if plan.after_prefill is not None:
@@ -263,7 +285,7 @@ class Runner:
         meter = Meter(device=self.device)
         with paused():
             out = self.run(seq, KVCache(self.num_layers), phase="lookahead", meter=meter, start=start)
-            logits = self._logits(out, meter, "lookahead", False)
+            logits = self.logits(out, meter, "lookahead", False)
         count(meter.costs.model_flops)
         return logits
 
@@ -290,7 +312,7 @@ class Runner:
         cache.put_layer_rows(i, rows, sub)
         return hidden.index_copy(0, rows, out_rows.to(hidden.dtype))
 
-    def _logits(self, seq: LiveSeq, meter: Meter | None, phase: str, all_logits: bool) -> torch.Tensor:
+    def logits(self, seq: LiveSeq, meter: Meter | None, phase: str, all_logits: bool) -> torch.Tensor:
         h = seq.hidden if all_logits else seq.hidden[:, -1]
         if meter is not None:
             meter.add(phase, self.adapter.head_flops(seq.batch, seq.length if all_logits else 1))
@@ -301,7 +323,7 @@ class Runner:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache with the plan's decode layers
         (its candidate-branch layers for phase "branch"); return logits (the options of `step_hidden`)."""
         seq = self.step_hidden(tokens, positions, cache, plan=plan, **kw)
-        return self._logits(seq, kw.get("meter"), kw.get("phase", "decode"), all_logits)
+        return self.logits(seq, kw.get("meter"), kw.get("phase", "decode"), all_logits)
 
     @torch.no_grad()
     def step_hidden(
@@ -345,7 +367,8 @@ def _phase_skip(plan: Plan | None, phase: str, skip):
     return plan.skip_branch if phase == "branch" else plan.skip_decode
 
 
-def _next_positions(seq: LiveSeq) -> torch.Tensor:
+def next_positions(seq: LiveSeq) -> torch.Tensor:
+    """[B] the position id each row's next token takes (its largest valid position + 1)."""
     pos = seq.positions.masked_fill(~seq.valid[None], -1)
     return pos.amax(dim=(0, 2)) + 1
 

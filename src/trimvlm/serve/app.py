@@ -99,6 +99,7 @@ def make_state(
     vision_cache_mb: float = 256,
     prefix_cache_mb: float = 512,
     request_cache_mb: float = 256,
+    recipe_dir=None,
 ) -> ServerState:
     """Load `model` and check the server's options and recipe: what one server (or one replica) serves."""
     require()
@@ -120,7 +121,7 @@ def make_state(
     state = ServerState(
         vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
         decision_config=decision_config, vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb,
-        request_cache_mb=request_cache_mb,
+        request_cache_mb=request_cache_mb, recipe_dir=recipe_dir,
     )  # fmt: skip
     systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"

@@ -87,7 +87,7 @@ class ChatJob:
     stream: bool
     preprocess_s: float
     events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
-    prompt_key: bytes | None = None  # its key in the prompt cache (serve/prompt_cache.py), made when prepared
+    prompt_key: bytes | None = None  # its key in the prompt cache (runtime/prefix_cache.py), made when prepared
     request_cached: bool = False  # it was found prepared in the request cache
 
 
@@ -150,7 +150,7 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, label: str, cache=None):
+def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, plan, cache=None):
     """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
     or a prompt + max_tokens past the model's positions, fails here, never in a batch); (it, its key in the
     prompt cache: hashed here, not on the model thread, None when that cache is off; whether it was found in
@@ -160,14 +160,15 @@ def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, label: s
     multimodal processor cache)."""
     from trimvlm.runtime.limits import check_generation
     from trimvlm.runtime.lru import digest, nbytes
-    from trimvlm.serve.prompt_cache import prompt_key
+    from trimvlm.runtime.prefix_cache import prompt_key
 
+    label = plan.label()
     key = None if cache is None else digest("chat request", label, max_tokens, prompt, *urls)
     found = None if key is None else cache.get(key)
     if found is not None:
         return (*found, True)
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
-    prepared = vlm.prepare(images or None, prompt)
+    prepared = vlm.prepare(images or None, prompt, plan=plan)  # at the plan's resolution (tokens=downsample)
     check_generation(vlm.adapter, prepared, max_tokens)
     out = prepared, None if vlm.runner.prefix_cache is None else prompt_key(label, prepared)
     if key is not None:
@@ -204,7 +205,7 @@ async def _handle(state, request, arrival):
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
     prepared, key, hit = await state.prepare(
-        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.label, state.request_cache
+        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.plan, state.request_cache
     )
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),

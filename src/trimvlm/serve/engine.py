@@ -27,7 +27,6 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
-from trimvlm.serve import prompt_cache
 
 
 @dataclass
@@ -114,7 +113,7 @@ class ChatEngine:
         """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
         request is tried alone, so one that breaks the model fails only itself. `chunk`: a lone request whose
         prompt is longer is prefilled `chunk` tokens now and the rest over the next turns (`prefill_chunk`),
-        when its recipe changes nothing inside the prefill (serve/prefill.py); else it is prefilled whole."""
+        when its recipe changes nothing inside the prefill (runtime/chunked.py); else it is prefilled whole."""
         if chunk is not None and len(jobs) == 1 and self.prefill_tokens(jobs[0]) > chunk and not self.partial:
             self._begin_chunked(jobs[0], chunk)
         else:
@@ -158,10 +157,10 @@ class ChatEngine:
         meter = Meter(device=runner.device)
         t0 = time.perf_counter()
         parts, keys = [j.payload.prepared for j in jobs], [j.payload.prompt_key for j in jobs]
-        out, found = prompt_cache.prefill(runner, parts, plan, meter, keys)
+        out, found = runner.prefill_prompts(parts, plan, meter=meter, keys=keys)
         group = self._group(jobs, plan, out, meter, time.perf_counter() - t0, found)
         for row, hit in zip(group.rows, found, strict=True):
-            if hit:  # its prompt was found (serve/prompt_cache.py): no vision tower, no prefill ran for it
+            if hit:  # its prompt was found (runtime/prefix_cache.py): no vision tower, no prefill ran for it
                 row.usage["prefix_reused"] = 1
                 row.usage["prefix_tokens_reused"] = row.job.payload.prompt_tokens
         return group
@@ -169,17 +168,16 @@ class ChatEngine:
     # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
     def _begin_chunked(self, job, chunk: int) -> None:
         from trimvlm.plan import make_plan
-        from trimvlm.serve.prefill import ChunkedPrefill, chunkable
 
         plan = make_plan(job.payload.recipe, self.runner)
-        if not chunkable(plan):
+        if not plan.chunkable:
             self._admit([job])
             return
         job.started, job.batch = time.perf_counter(), 1
         meter = Meter(device=self.runner.device)
         try:
             t0 = time.perf_counter()
-            work = ChunkedPrefill(self.runner, job.payload.prepared, plan, meter)
+            work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=meter)
         except Exception as e:  # noqa: BLE001
             self.failed += 1
             self.outbox.post(job, ("error", e))

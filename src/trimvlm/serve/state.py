@@ -26,10 +26,12 @@ from trimvlm.serve.scheduler import Scheduler
 
 @dataclass
 class Recipe:
-    """A recipe a request may run with: `label` (the batching key) and the parsed recipe."""
+    """A recipe a request may run with: `label` (the batching key), the parsed recipe, and the plan built when it
+    was checked (its `resolution` is what the request is prepared at: tokens=downsample)."""
 
     label: str
     recipe: object
+    plan: object = None
 
 
 def reads_files(recipe) -> bool:
@@ -39,6 +41,34 @@ def reads_files(recipe) -> bool:
 
     specs = [getattr(recipe, a) for a in AXES if getattr(recipe, a) is not None]
     return recipe.router is not None or any("file" in spec.options for spec in specs)
+
+
+def client_recipe(text: str, recipe_dir: Path | None):
+    """A client's recipe text as `parse_recipe` may read it, or a 400 before anything is read: a recipe file
+    (.yaml / .json) is refused, and `tuned=NAME` only names a tuned folder inside the server's `--recipe-dir`
+    (a relative name; a path leaving the folder is refused). (The text to parse, whether it names the
+    operator's folder.)"""
+    from trimvlm.recipe import AXES
+
+    stripped = text.strip()
+    if stripped.startswith("tuned="):
+        name, sep, options = stripped.removeprefix("tuned=").partition(":")
+        if recipe_dir is None:
+            raise ApiError(400, "recipe: tuned= names a folder on the server; this server takes no client tuned "
+                                "recipes (its operator may allow some with --recipe-dir)")  # fmt: skip
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            raise ApiError(400, f"recipe: tuned={name!r} is not a folder name inside the server's recipe folder "
+                                "(a relative name, no '..')")  # fmt: skip
+        root = recipe_dir.resolve()
+        folder = (root / name).resolve()
+        if not folder.is_relative_to(root) or folder == root:
+            raise ApiError(400, f"recipe: tuned={name!r} is not a folder inside the server's recipe folder")
+        return f"tuned={folder}{sep}{options}", True
+    if stripped.endswith((".yaml", ".yml", ".json")) and not any(stripped.startswith(f"{a}=") for a in AXES):
+        raise ApiError(400, "recipe: a recipe file names a path on the server; send the recipe itself "
+                            "(axis=method:option=value,...)")  # fmt: skip
+    return text, False
 
 
 CACHE_STATS = ("hits", "misses", "bytes", "max_bytes", "entries", "evictions")
@@ -65,8 +95,13 @@ class ServerState:
         vision_cache_mb: float = 256,
         prefix_cache_mb: float = 512,
         request_cache_mb: float = 256,
+        recipe_dir: str | Path | None = None,
     ):
         from trimvlm.runtime.lru import ByteLRU
+
+        if recipe_dir is not None and not Path(recipe_dir).is_dir():
+            raise InputError(f"--recipe-dir {recipe_dir}: not a folder")
+        self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
 
         self.vlm = vlm
         vlm.use_caches(vision_bytes=cache_bytes(vision_cache_mb, "--vision-cache-mb"),
@@ -153,22 +188,26 @@ class ServerState:
             from trimvlm.plan import decision_plan, make_plan
             from trimvlm.recipe import parse_recipe
 
+            own = value == self.default_recipe
+            text, operators = (value, True) if own else client_recipe(value, self.recipe_dir)
             try:
-                parsed = parse_recipe(value)
-                if value != self.default_recipe and reads_files(parsed):
+                parsed = parse_recipe(text)
+                if not operators and reads_files(parsed):
                     raise ApiError(
                         400,
                         f"recipe {value!r} reads files on the server (router=, file=): only the server's own "
                         "--recipe may; start the server with it",
                     )
-                (decision_plan if kind == "decide" else make_plan)(parsed, self.vlm.runner)
+                plan = (decision_plan if kind == "decide" else make_plan)(parsed, self.vlm.runner)
             except RecipeError as e:
+                if not own and self.recipe_dir is not None:  # never the server's paths in a client's answer
+                    raise ApiError(400, f"recipe {value!r}: {_hide(str(e), self.recipe_dir)}") from e
                 raise ApiError(400, f"recipe {value!r}: {' '.join(str(e).split())}") from e
             except TrimVLMError as e:
                 raise from_trimvlm(e) from e
             if len(self._recipes) > 256:  # a bounded memo of texts seen
                 self._recipes.clear()
-            self._recipes[key] = Recipe(label=parsed.label(), recipe=parsed)
+            self._recipes[key] = Recipe(label=parsed.label(), recipe=parsed, plan=plan)
         return self._recipes[key]
 
     def model_name(self, body: dict) -> str:
@@ -204,6 +243,11 @@ class ServerState:
                 raise ApiError(413, f"the request body is over {limit} bytes")
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _hide(message: str, folder: Path) -> str:
+    """An error's text with the server's recipe folder written as `--recipe-dir`."""
+    return " ".join(message.replace(str(folder.resolve()), "<--recipe-dir>").split())
 
 
 def parse_json(raw: bytes) -> dict:
