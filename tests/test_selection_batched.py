@@ -1,12 +1,15 @@
 """Issue 20: the batched selection (every image of a ragged batch in one padded call of density, farthest point
-and the merge) keeps exactly what a per-sample loop of the plain formulas keeps, and merges to the same values."""
+and the merge) keeps exactly what a per-sample loop of the plain formulas keeps, and merges to the same values;
+issue 33: with the compiled per-pick loops and with their numpy fallback."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from trimvlm.kernels import jit
 from trimvlm.plan import Handoff, build_methods
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.tokens.base import make_view
@@ -14,6 +17,15 @@ from trimvlm.tokens.density import density_select
 
 GRIDS = [(6, 7), (3, 3), (8, 5), (1, 4)]  # ragged: 42, 9, 40 and 4 tokens
 TEXT = 3
+
+
+@pytest.fixture(autouse=True, params=["compiled", "fallback"])
+def loops(request):
+    """Every test here with the compiled per-pick loops and with the fallback (numba switched off)."""
+    if request.param == "compiled" and not jit.compiled():
+        pytest.skip("numba is not installed")
+    with jit.disabled() if request.param == "fallback" else contextlib.nullcontext():
+        yield request.param
 
 
 def ragged_seq(grids, d=12, seed=0) -> LiveSeq:
@@ -91,7 +103,7 @@ def test_batched_selection_keeps_what_the_per_sample_loop_keeps(keep, beta):
         assert torch.allclose(rho[u, :n], ref_rho, atol=1e-12)
 
 
-@pytest.mark.parametrize("recipe", ["density", "density:size_weighted=true", "divprune:merge=true"])
+@pytest.mark.parametrize("recipe", ["density", "density:size_weighted=true", "divprune:merge=true", "cdpruner"])
 def test_batched_reduce_equals_each_sample_alone(recipe):
     """The whole reduction (view, selection, merge, gather) on the ragged batch gives each sample the same kept
     sources, merged hidden states and sizes as that sample reduced alone."""

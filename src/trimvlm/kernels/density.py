@@ -1,13 +1,17 @@
 """Density kernels shared by the prefill reducers and the KV policies (TwinPrune, REFERENCES.md section 1):
-spatial density rho on a patch grid, its normalisations, and density-tilted farthest-point selection."""
+spatial density rho on a patch grid, its normalisations, DivPrune's most isolated token, and (from
+`kernels.farthest`) density-tilted farthest-point selection."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trimvlm.kernels.farthest import BLOCK, BLOCK_LARGE, LARGE_K, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
+
+__all__ = ["BLOCK", "BLOCK_LARGE", "LARGE_K", "farthest_point", "masked_minmax", "most_isolated",
+           "normalize_density", "spatial_density"]  # fmt: skip
 
 
 def spatial_density(
@@ -104,153 +108,6 @@ def masked_minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     hi = x.masked_fill(~mask, float("-inf")).amax(1, keepdim=True)
     out = (x - lo) / (hi - lo).clamp(min=1e-12)
     return out.masked_fill(~mask, float("-inf"))
-
-
-# farthest point's rows per product: 64, and 128 from 400 picks on (one thread, interleaved, the same picks: at
-# N = 4096, K = 820, d = 1024 the loop took 141-172 against 171-202 ms; at N = 1024, K = 205 / 102, 64 is fastest)
-BLOCK, BLOCK_LARGE, LARGE_K = 64, 128, 400
-
-
-def farthest_point(
-    xn: torch.Tensor,
-    mask: torch.Tensor,
-    k: torch.Tensor,
-    tilt: torch.Tensor,
-    first: torch.Tensor,
-    *,
-    track_nearest: bool = False,
-    block: int | None = None,
-    pool: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Density-tilted farthest-point selection, vectorised over the rows (units) of a padded batch.
-
-        s_0 = first;  s_t = argmax_{j not in S} (mind_j + tilt_j),  mind_j <- min(mind_j, 1 - <xn_j, xn_{s_t}>)
-
-    xn [U, N, d] unit-normalised features; mask [U, N] real tokens; k [U] picks per row; tilt [U, N]
-    (beta * rho~); first [U] the first pick. Ties go to the lowest index.
-
-    Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
-    floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
-    product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
-    make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
-    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit
-    whose pick is not among its cached rows refills (only that unit). The prediction only chooses which rows
-    to compute: every pick is still the exact argmax of the exact current scores over all N tokens, from the
-    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min,
-    tilt, argmax) is done on [U, N] numpy arrays on the host, whose per-call overhead is a fraction of a torch
-    op's. Memory O(U * block * N) beyond the features: no N x N matrix.
-
-    Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
-    row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).
-    """
-    u, n, d = xn.shape
-    kmax = int(k.max())
-    block = block or (BLOCK_LARGE if kmax >= LARGE_K else BLOCK)
-    m = max(1, min(block, n))
-    dev = xn.device
-    ks = np.asarray(k.tolist())
-    ragged = int(ks.min()) != kmax
-    live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(-1).copy()
-    live2d = live.reshape(u, n)  # -inf marks pads and tokens already picked
-    base = np.arange(u) * n
-    mind = score = None
-    near_t = np.zeros((u, n), dtype=np.int64) if track_nearest else None  # pick step of the nearest pick
-    xf = xn.reshape(u * n, d).contiguous()  # the rows the products gather (copied once if xn is strided)
-    rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
-    host = None if dev.type == "cpu" else np.empty((u, m, n), dtype=live.dtype)
-    rows_np = rows.numpy() if host is None else host  # what the loop reads (on the CPU: the same memory)
-    slot = np.full((u, n), -1, dtype=np.int64)  # per unit, token -> its row in rows_np (-1: not cached)
-    ar = np.arange(u)
-    out = []
-    s = np.asarray(first.tolist(), dtype=np.int64)
-    for t in range(kmax):
-        out.append(s)
-        live[base + s] = -np.inf
-        last = t == kmax - 1
-        if last and not track_nearest:
-            break
-        at = slot[ar, s]
-        miss = (at < 0) & (t < ks)  # a unit past its k reads any row (set to inf below)
-        if miss.any():
-            _refill((xn, xf), mind, live2d, s, miss, ks - t, (rows, host), slot, pool or 2 * m)
-            at = slot[ar, s]
-        dist = rows_np[ar, at]  # [U, N] = D[s_t, :] (a copy)
-        if ragged and t >= ks.min():  # rows that already have their k picks stop updating
-            dist[t >= ks] = np.inf
-        if mind is None:
-            mind = dist
-            score = np.empty_like(mind)
-        else:
-            if track_nearest:
-                np.putmask(near_t, dist < mind, t)
-            np.minimum(mind, dist, out=mind)
-        if last:
-            break
-        np.add(mind, live2d, out=score)
-        s = score.argmax(1)
-    picks = torch.from_numpy(np.stack(out, 1)).to(dev)
-    nearest = picks.gather(1, torch.from_numpy(near_t).to(dev)) if track_nearest else None
-    return picks, nearest
-
-
-def _refill(xs, mind, live, s, miss, left, cache, slot, pool: int) -> None:
-    """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` has no cached row: the
-    distance rows [m, N] of `s` and of the m - 1 picks `_predict` expects next, written into `cache` (a torch
-    tensor [U, m, N] on the features' device and the host array the loop reads, one memory on the CPU), with
-    `slot` [U, N] (token -> row) updated."""
-    (xn, xf), (rows, host) = xs, cache
-    u, n, d = xn.shape
-    m = rows.shape[1]
-    who = np.flatnonzero(miss)
-    cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
-    mw = None if mind is None else mind[who]
-    picks = _predict(xs, who, cur, mw, live[who], s[who], min(m, int(left[who].max())), min(pool, n))
-    q = picks.shape[1]
-    flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
-    want = xf.index_select(0, flat).reshape(len(who), q, d)
-    # the whole batch in one product, or each unit that missed against its own tokens (no copy of features)
-    parts = (
-        [(slice(None), want, xn)]
-        if len(who) == u
-        else [(slice(i, i + 1), want[j : j + 1], xn[i : i + 1]) for j, i in enumerate(who.tolist())]
-    )
-    for at, a, b in parts:
-        dst = rows[at, :q]
-        bmm(a, b.transpose(1, 2), out=dst)
-        dst.neg_().add_(1.0)  # 1 - <xn_i, xn_j>, the same float as 1.0 - product
-    if host is not None:
-        host[who, :q] = rows[torch.from_numpy(who).to(rows.device), :q].cpu().numpy()
-    slot[who] = -1
-    for j in range(q - 1, -1, -1):  # a token predicted twice (out of candidates) keeps its first row
-        slot[who, picks[:, j]] = j
-
-
-def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
-    """[U', q] per unit `who` the picks the rule makes from `s` on, run ahead on the unit's `pool` best current
-    candidates (by `cur` [U', N]; the other tokens assumed out of reach) with their [pool, pool] distances
-    (one counted product). A guess of which rows to compute, nothing more: the caller checks every pick."""
-    (xn, xf), w = xs, len(who)
-    n, d = xn.shape[1:]
-    if q == 1 or pool <= 1:
-        return s[:, None]
-    rr = np.arange(w)
-    sc = cur.copy()
-    sc[rr, s] = np.inf
-    cand = np.sort(np.argpartition(-sc, pool - 1, axis=1)[:, :pool], axis=1)  # index order, as argmax ties
-    flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
-    c = xf.index_select(0, flat).reshape(w, pool, d)
-    g = (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
-    mc = np.full((w, pool), np.inf, dtype=g.dtype) if mind is None else np.take_along_axis(mind, cand, 1)
-    lc = np.take_along_axis(live, cand, 1)
-    pos = (cand == s[:, None]).argmax(1)
-    out = np.empty((w, q), dtype=np.int64)
-    out[:, 0] = s
-    for j in range(1, q):
-        np.minimum(mc, g[rr, pos], out=mc)
-        lc[rr, pos] = -np.inf
-        pos = (mc + lc).argmax(1)
-        out[:, j] = cand[rr, pos]
-    return out
 
 
 def most_isolated(xn: torch.Tensor, mask: torch.Tensor, block: int = 256) -> torch.Tensor:

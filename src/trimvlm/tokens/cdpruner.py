@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trimvlm.kernels import jit
+from trimvlm.kernels import picks as picks_kernel
 from trimvlm.kernels.flops import bmm
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -36,12 +39,14 @@ def dpp_greedy(
     `quality` (Chen et al. stop there; the budget here is exact), so rounding noise never decides a pick."""
     u, n, _ = xn.shape
     kmax = int(k.max())
-    rows = torch.arange(u, device=xn.device)
     d2 = (quality * quality * (xn * xn).sum(-1)).masked_fill(~mask, float("-inf"))
     floor = d2.clamp(min=0) * eps  # below it a gain is rounding noise (the kernel's rank is spent)
     fallback = quality - 2.0  # ... then the most relevant remaining token, deterministically
     c = xn.new_zeros(u, kmax, n)
     picks = torch.zeros(u, kmax, dtype=torch.long, device=xn.device)
+    if jit.compiled() and xn.device.type == "cpu" and kmax > 0:
+        return _greedy_compiled(xn, quality, k, d2, floor, fallback, c, picks)
+    rows = torch.arange(u, device=xn.device)
     for t in range(kmax):
         j = torch.where(d2 > floor, d2, torch.where(torch.isinf(d2), d2, fallback)).argmax(1)
         active = t < k
@@ -56,6 +61,32 @@ def dpp_greedy(
         c[:, t] = e
         d2 = d2 - e * e
         d2[rows, j] = float("-inf")
+    return picks
+
+
+def _greedy_compiled(xn, quality, k, d2, floor, fallback, c, picks) -> torch.Tensor:
+    """`dpp_greedy`'s loop with its O(N) work per pick compiled (`kernels.picks.dpp_step`): the same two counted
+    products per pick on the same operands (the gathered rows written into buffers of the shapes the torch loop
+    builds), the same float operations in the same order, so the same picks."""
+    u, kmax, n = c.shape
+    arr = [t.detach().contiguous().numpy() for t in (xn, quality, d2, floor, fallback)]
+    xn_np, q_np, d2_np, floor_np, fb_np = arr
+    k_np, c_np, picks_np = k.detach().cpu().numpy().astype(np.int64), c.numpy(), picks.numpy()
+    j = np.zeros(u, dtype=np.int64)
+    picks_kernel.dpp_first(d2_np, floor_np, fb_np, j)
+    xj = torch.from_numpy(xn_np[np.arange(u), j][:, None, :].copy())  # [U, 1, D]
+    cj = torch.zeros(u * kmax, dtype=xn.dtype)  # flat: [U, t] for pick t
+    xt = xn.transpose(1, 2)
+    tiny = d2_np.dtype.type(1e-12)
+    cprod = row = None
+    for t in range(kmax):
+        row = bmm(xj, xt)[:, 0]  # <x_j, x_i>
+        if t:
+            cprod = bmm(cj[: u * t].view(u, 1, t), c[:, :t])[:, 0].numpy()
+        picks_kernel.dpp_step(
+            t, k_np, j, picks_np, q_np, row.numpy(), cprod if t else row.numpy(), d2_np, floor_np, fb_np,
+            c_np, tiny, xn_np, xj.numpy(), cj.numpy(),
+        )  # fmt: skip
     return picks
 
 

@@ -1,0 +1,201 @@
+"""Density-tilted farthest-point selection (TwinPrune, REFERENCES.md section 1; DivPrune's max-min with no tilt):
+the distance rows computed a block at a time as matrix products, the per-pick loop compiled (`kernels.picks`)
+or in numpy (`kernels.jit`: the fallback), the same picks either way."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from trimvlm.kernels import jit
+from trimvlm.kernels.flops import bmm
+from trimvlm.kernels.threads import for_units
+
+# farthest point's rows per product: 64, and 128 from 400 picks on (one thread, interleaved, the same picks: at
+# N = 4096, K = 820, d = 1024 the loop took 141-172 against 171-202 ms; at N = 1024, K = 205 / 102, 64 is fastest)
+BLOCK, BLOCK_LARGE, LARGE_K = 64, 128, 400
+
+
+def farthest_point(
+    xn: torch.Tensor,
+    mask: torch.Tensor,
+    k: torch.Tensor,
+    tilt: torch.Tensor,
+    first: torch.Tensor,
+    *,
+    track_nearest: bool = False,
+    block: int | None = None,
+    pool: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Density-tilted farthest-point selection, vectorised over the rows (units) of a padded batch.
+
+        s_0 = first;  s_t = argmax_{j not in S} (mind_j + tilt_j),  mind_j <- min(mind_j, 1 - <xn_j, xn_{s_t}>)
+
+    xn [U, N, d] unit-normalised features; mask [U, N] real tokens; k [U] picks per row; tilt [U, N]
+    (beta * rho~); first [U] the first pick. Ties go to the lowest index.
+
+    Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
+    floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
+    product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
+    make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
+    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit
+    whose pick is not among its cached rows refills (only that unit). The prediction only chooses which rows
+    to compute: every pick is still the exact argmax of the exact current scores over all N tokens, from the
+    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min,
+    tilt, argmax) runs on [U, N] host arrays: compiled, one fused pass per pick, each unit up to its next miss
+    (units on the threads of `kernels.threads`), or as numpy array operations, all units in step (the
+    fallback). Both refill the same units at the same step with the same rows, so picks, rows and method FLOPs
+    are the same. Memory O(U * block * N) beyond the features: no N x N matrix.
+
+    Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
+    row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).
+    """
+    u, n, _ = xn.shape
+    kmax = int(k.max())
+    block = block or (BLOCK_LARGE if kmax >= LARGE_K else BLOCK)
+    m = max(1, min(block, n))
+    dev = xn.device
+    live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(u, n).copy()
+    rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
+    host = None if dev.type == "cpu" else np.empty((u, m, n), dtype=live.dtype)
+    st = SimpleNamespace(
+        xs=(xn, xn.reshape(u * n, -1).contiguous()),  # the rows the products gather (copied once if strided)
+        ks=np.asarray(k.tolist(), dtype=np.int64), kmax=kmax, live=live, track=track_nearest,
+        near=np.zeros((u, n) if track_nearest else (1, 1), dtype=np.int64),  # pick step of the nearest pick
+        cache=(rows, host), rows_np=rows.numpy() if host is None else host,  # on the CPU: the same memory
+        slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
+        pool=pool or 2 * m, s=np.asarray(first.tolist(), dtype=np.int64),
+    )  # fmt: skip
+    out = _compiled(st) if jit.compiled() and kmax > 0 else _numpy_loop(st)
+    picks = torch.from_numpy(out).to(dev)
+    nearest = picks.gather(1, torch.from_numpy(st.near).to(dev)) if track_nearest else None
+    return picks, nearest
+
+
+def _numpy_loop(st) -> np.ndarray:
+    """The loop as numpy array operations, every unit in step: [U, kmax] picks."""
+    u, n = st.live.shape
+    live, s, ks, kmax = st.live.reshape(-1), st.s, st.ks, st.kmax
+    ragged = kmax > 0 and int(ks.min()) != kmax
+    base, ar = np.arange(u) * n, np.arange(u)
+    mind = score = None
+    out = []
+    for t in range(kmax):
+        out.append(s)
+        live[base + s] = -np.inf
+        last = t == kmax - 1
+        if last and not st.track:
+            break
+        at = st.slot[ar, s]
+        miss = (at < 0) & (t < ks)  # a unit past its k reads any row (set to inf below)
+        if miss.any():
+            _refill(st, mind, s, miss, ks - t)
+            at = st.slot[ar, s]
+        dist = st.rows_np[ar, at]  # [U, N] = D[s_t, :] (a copy)
+        if ragged and t >= ks.min():  # rows that already have their k picks stop updating
+            dist[t >= ks] = np.inf
+        if mind is None:
+            mind = dist
+            score = np.empty_like(mind)
+        else:
+            if st.track:
+                np.putmask(st.near, dist < mind, t)
+            np.minimum(mind, dist, out=mind)
+        if last:
+            break
+        np.add(mind, st.live, out=score)
+        s = score.argmax(1)
+    return np.stack(out, 1) if out else np.zeros((u, 0), dtype=np.int64)
+
+
+def _compiled(st) -> np.ndarray:
+    """The loop compiled (`picks.fps_advance`), each unit on its own up to its next miss; the units that miss at
+    the earliest step are refilled together, as the numpy loop does at that step: [U, kmax] picks."""
+    from trimvlm.kernels.picks import fps_advance
+
+    u, n = st.live.shape
+    out = np.zeros((u, st.kmax), dtype=np.int64)
+    mind = np.empty_like(st.live)
+    tt = np.zeros(u, dtype=np.int64)
+    s = st.s.copy()
+
+    def advance(units):
+        fps_advance(st.rows_np, st.slot, mind, st.live, st.near, st.ks, s, tt, out, st.kmax, st.track, units)
+
+    todo = np.arange(u)
+    while True:
+        for_units(advance, todo, n * st.kmax)
+        waiting = tt < st.kmax
+        if not waiting.any():
+            return out
+        t = int(tt[waiting].min())
+        miss = tt == t
+        _refill(st, mind if t else None, s, miss, st.ks - t)
+        todo = np.flatnonzero(miss)
+
+
+def _refill(st, mind, s, miss, left) -> None:
+    """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` has no cached row: the
+    distance rows [m, N] of `s` and of the m - 1 picks `_predict` expects next, written into the cache (a torch
+    tensor [U, m, N] on the features' device and the host array the loop reads, one memory on the CPU), with
+    `slot` [U, N] (token -> row) updated."""
+    (xn, xf), (rows, host), live = st.xs, st.cache, st.live
+    u, n, d = xn.shape
+    m = rows.shape[1]
+    who = np.flatnonzero(miss)
+    cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
+    mw = None if mind is None else mind[who]
+    picks = _predict(st.xs, who, cur, mw, live[who], s[who], min(m, int(left[who].max())), min(st.pool, n))
+    q = picks.shape[1]
+    flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
+    want = xf.index_select(0, flat).reshape(len(who), q, d)
+    # the whole batch in one product, or each unit that missed against its own tokens (no copy of features)
+    parts = (
+        [(slice(None), want, xn)]
+        if len(who) == u
+        else [(slice(i, i + 1), want[j : j + 1], xn[i : i + 1]) for j, i in enumerate(who.tolist())]
+    )
+    for at, a, b in parts:
+        dst = rows[at, :q]
+        bmm(a, b.transpose(1, 2), out=dst)
+        dst.neg_().add_(1.0)  # 1 - <xn_i, xn_j>, the same float as 1.0 - product
+    if host is not None:
+        host[who, :q] = rows[torch.from_numpy(who).to(rows.device), :q].cpu().numpy()
+    st.slot[who] = -1
+    for j in range(q - 1, -1, -1):  # a token predicted twice (out of candidates) keeps its first row
+        st.slot[who, picks[:, j]] = j
+
+
+def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
+    """[U', q] per unit `who` the picks the rule makes from `s` on, run ahead on the unit's `pool` best current
+    candidates (by `cur` [U', N]; the other tokens assumed out of reach) with their [pool, pool] distances
+    (one counted product). A guess of which rows to compute, nothing more: the caller checks every pick."""
+    (xn, xf), w = xs, len(who)
+    n, d = xn.shape[1:]
+    if q == 1 or pool <= 1:
+        return s[:, None]
+    rr = np.arange(w)
+    sc = cur.copy()
+    sc[rr, s] = np.inf
+    cand = np.sort(np.argpartition(-sc, pool - 1, axis=1)[:, :pool], axis=1)  # index order, as argmax ties
+    flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
+    c = xf.index_select(0, flat).reshape(w, pool, d)
+    g = (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
+    mc = np.full((w, pool), np.inf, dtype=g.dtype) if mind is None else np.take_along_axis(mind, cand, 1)
+    lc = np.take_along_axis(live, cand, 1)
+    pos = (cand == s[:, None]).argmax(1)
+    out = np.empty((w, q), dtype=np.int64)
+    out[:, 0] = s
+    if jit.compiled():
+        from trimvlm.kernels.picks import predict_run
+
+        predict_run(g, mc, lc, pos, cand, out)
+        return out
+    for j in range(1, q):
+        np.minimum(mc, g[rr, pos], out=mc)
+        lc[rr, pos] = -np.inf
+        pos = (mc + lc).argmax(1)
+        out[:, j] = cand[rr, pos]
+    return out

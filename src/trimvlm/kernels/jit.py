@@ -1,0 +1,41 @@
+"""The switch for the compiled per-pick loops (issue 33): numba when it is installed, the numpy / torch loops
+they replace when it is not, or when `TRIMVLM_JIT=0` (read at import) or `ENABLED = False` (tests) asks for them.
+
+Both paths make the same picks bit for bit: a compiled loop does the same float operations, in the same order
+and precision, as the array code it replaces (no fast-math, no reordering), and reads the same matrix products,
+which stay torch calls (counted as method FLOPs, so the FLOPs are the work, whichever loop ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; the fallback is tested by switching it off
+    numba = None
+
+ENABLED = numba is not None and os.environ.get("TRIMVLM_JIT", "1") != "0"
+
+
+def compiled() -> bool:
+    """Whether the compiled loops run (numba present and not switched off)."""
+    return ENABLED and numba is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the numpy / torch fallback loops inside the block (tests, benchmarks)."""
+    global ENABLED
+    before, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = before
+
+
+def njit(fn):
+    """`numba.njit(cache=True, nogil=True)` (compiled on first call, cached on disk; releases the GIL, so two
+    threads can run two samples' loops at once), or `fn` itself without numba (never called then)."""
+    return fn if numba is None else numba.njit(cache=True, nogil=True)(fn)

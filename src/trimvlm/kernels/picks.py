@@ -1,0 +1,142 @@
+"""The compiled per-pick loops (numba; `kernels.jit`): one pass over the tokens per pick where the array code
+makes several, with numpy's / torch's rules kept exactly (argmax: the first NaN, else the first maximum;
+minimum: NaN propagates), so the picks are the fallback's bit for bit. The matrix products they read are
+computed by the callers (torch, counted); these loops only do the O(N) work between products."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trimvlm.kernels.jit import njit
+
+
+@njit
+def argmax_sum(a, b):
+    """argmax(a + b) of two 1-D arrays as numpy's: the first NaN if there is one, else the first maximum."""
+    best = a[0] + b[0]
+    if best != best:
+        return 0
+    at = 0
+    for i in range(1, a.shape[0]):
+        v = a[i] + b[i]
+        if v > best:
+            best, at = v, i
+        elif v != v:
+            return i
+    return at
+
+
+@njit
+def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units):
+    """Farthest point's loop (`kernels.farthest`) for each unit of `units`, from its step tt[u] and pick s[u]:
+    record the pick, fold its cached distance row rows[u, slot[u, s]] into the running min `mind` (and the
+    nearest pick's step `near`), take the next pick argmax(mind + live); until the unit is done (tt[u] = kmax)
+    or its pick has no cached row (a miss: tt[u], s[u] left at that step for the caller to refill and call
+    again; recording the pick twice is harmless). A unit past its k[u] stops updating `mind`."""
+    n = live.shape[1]
+    for u in units:
+        t, su = tt[u], s[u]
+        while t < kmax:
+            out[u, t] = su
+            live[u, su] = -np.inf
+            last = t == kmax - 1
+            if last and not track:
+                t = kmax
+                break
+            if t < ks[u]:
+                a = slot[u, su]
+                if a < 0:
+                    break
+                if t == 0:
+                    mind[u] = rows[u, a]
+                else:
+                    for i in range(n):
+                        d = rows[u, a, i]
+                        if d < mind[u, i]:
+                            if track:
+                                near[u, i] = t
+                            mind[u, i] = d
+                        elif d != d:
+                            mind[u, i] = d
+            elif t == 0:
+                mind[u] = np.inf
+            if last:
+                t = kmax
+                break
+            su = argmax_sum(mind[u], live[u])
+            t += 1
+        tt[u], s[u] = t, su
+
+
+@njit
+def predict_run(g, mc, lc, pos, cand, out):
+    """Farthest point's look-ahead (`kernels.farthest._predict`) on each unit's candidate pool: g [W, P, P]
+    distances, mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens;
+    writes out[:, 1:] (out[:, 0] is the current pick)."""
+    w, q = out.shape
+    pool = mc.shape[1]
+    for r in range(w):
+        p = pos[r]
+        for j in range(1, q):
+            for i in range(pool):
+                v = g[r, p, i]
+                if v < mc[r, i] or v != v:
+                    mc[r, i] = v
+            lc[r, p] = -np.inf
+            p = argmax_sum(mc[r], lc[r])
+            out[r, j] = cand[r, p]
+
+
+@njit
+def _gain_argmax(d2, floor, fallback):
+    """argmax over i of (d2 if d2 > floor or d2 is infinite else fallback), the first maximum / NaN."""
+    at = 0
+    best = d2[0] if (d2[0] > floor[0] or np.isinf(d2[0])) else fallback[0]
+    if best != best:
+        return 0
+    for i in range(1, d2.shape[0]):
+        v = d2[i] if (d2[i] > floor[i] or np.isinf(d2[i])) else fallback[i]
+        if v > best:
+            best, at = v, i
+        elif v != v:
+            return i
+    return at
+
+
+@njit
+def dpp_first(d2, floor, fallback, j):
+    """The DPP's first pick of every unit into j [U]."""
+    for u in range(d2.shape[0]):
+        j[u] = _gain_argmax(d2[u], floor[u], fallback[u])
+
+
+@njit
+def dpp_step(t, k, j, picks, quality, row, cprod, d2, floor, fallback, c, tiny, xn, xj, cj):
+    """Pick t of CDPruner's greedy DPP (`tokens.cdpruner.dpp_greedy`) for every unit, from its kernel row
+    row [U, N] = <x_j, x_i> and cprod [U, N] = <c_j, c_i> (ignored at t = 0): record j, the Cholesky column
+    e_i = (q_j row_i q_i - cprod_i) / sqrt(max(d2_j, tiny)) into c[:, t], d2 -= e^2, then the next pick into j
+    with its feature row gathered into xj [U, 1, D] and its column c[u, :t + 1, j] into cj (flat, [U, t + 1])."""
+    u_n, n = d2.shape
+    zero = d2.dtype.type(0)
+    for u in range(u_n):
+        jj = j[u]
+        active = t < k[u]
+        picks[u, t] = jj if (active or t == 0) else picks[u, t - 1]
+        qj, dj = quality[u, jj], d2[u, jj]
+        den = np.sqrt(tiny if dj < tiny else dj)
+        real = active and dj > floor[u, jj]
+        for i in range(n):
+            e = zero
+            if real:
+                lj = qj * row[u, i] * quality[u, i]
+                if t:
+                    lj = lj - cprod[u, i]
+                e = lj / den
+            c[u, t, i] = e
+            d2[u, i] = d2[u, i] - e * e
+        d2[u, jj] = -np.inf
+        nj = _gain_argmax(d2[u], floor[u], fallback[u])
+        j[u] = nj
+        xj[u, 0] = xn[u, nj]
+        for r in range(t + 1):
+            cj[u * (t + 1) + r] = c[u, r, nj]

@@ -1,0 +1,165 @@
+"""Issue 33: every compiled per-pick loop (farthest point and its look-ahead, CDPruner's greedy DPP) makes the
+picks of the numpy / torch loop it replaces, bit for bit, on random inputs of several N, d and keep, with ties
+and N = 1; the method FLOPs are the same whichever loop ran; samples on two threads give the one-thread result."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trimvlm.kernels import flops, jit, threads
+from trimvlm.kernels.density import farthest_point, masked_minmax
+from trimvlm.tokens.cdpruner import dpp_greedy
+
+pytestmark = pytest.mark.skipif(jit.numba is None, reason="numba is not installed: only the fallback exists")
+
+# (sizes of the units, feature width, kept fraction)
+SHAPES = [([1], 8, 1.0), ([1, 5, 3], 4, 0.5), ([40, 25, 33], 16, 0.3), ([300, 130], 32, 0.2), ([700], 24, 0.6)]
+
+
+class Meter:
+    def __init__(self):
+        self.flops = 0
+
+    def add_method(self, phase, f):
+        self.flops += f
+
+
+def units(sizes, d, seed, dtype=torch.float32, ties=False):
+    """Padded features [U, N, d], mask, and a rho-like tilt; `ties`: features drawn from a few repeated rows and
+    a tilt of a few levels, so many distances and scores tie exactly."""
+    g = torch.Generator().manual_seed(seed)
+    nmax = max(sizes)
+    x = torch.zeros(len(sizes), nmax, d, dtype=dtype)
+    tilt = torch.zeros(len(sizes), nmax, dtype=dtype)
+    mask = torch.zeros(len(sizes), nmax, dtype=torch.bool)
+    for u, n in enumerate(sizes):
+        if ties:
+            base = torch.randn(3, d, dtype=dtype, generator=g)
+            x[u, :n] = base[torch.randint(0, 3, (n,), generator=g)]
+            tilt[u, :n] = torch.randint(0, 2, (n,), generator=g).to(dtype)
+        else:
+            x[u, :n] = torch.randn(n, d, dtype=dtype, generator=g)
+            tilt[u, :n] = torch.rand(n, dtype=dtype, generator=g)
+        mask[u, :n] = True
+    return x, mask, masked_minmax(tilt, mask).masked_fill(~mask, 0.0)
+
+
+def both(fn):
+    """fn() with the compiled loops and with the fallback, each with its method FLOPs."""
+    out = []
+    for off in (False, True):
+        meter = Meter()
+        with flops.counting(meter, "prefill"), (jit.disabled() if off else contextlib.nullcontext()):
+            assert jit.compiled() is not off
+            out.append((fn(), meter.flops))
+    return out
+
+
+def keeps(sizes, keep):
+    return torch.tensor([max(1, int(np.ceil(n * keep))) for n in sizes])
+
+
+@pytest.mark.parametrize("sizes, d, keep", SHAPES)
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("block", [None, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_farthest_point_compiled_equals_fallback(sizes, d, keep, ties, block, dtype):
+    x, mask, tilt = units(sizes, d, seed=len(sizes) * 7 + d, dtype=dtype, ties=ties)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    k = keeps(sizes, keep)
+    for track in (False, True):
+        (a, fa), (b, fb) = both(
+            lambda track=track: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=track, block=block)
+        )
+        assert torch.equal(a[0], b[0]) and fa == fb and (fa > 0 or (int(k.max()) == 1 and not track))
+        if track:
+            assert torch.equal(a[1], b[1])
+        for u, n in enumerate(sizes):  # every pick a real token, none twice
+            p = a[0][u, : int(k[u])].tolist()
+            assert len(set(p)) == len(p) and max(p) < n
+
+
+def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
+    """N = 1, and a unit asked for more picks than it has tokens (the numpy loop's rule: the rest repeat index
+    0 on -inf scores): the same output from both."""
+    x, mask, tilt = units([1, 6], 4, seed=3)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    for k in ([1, 1], [1, 6], [3, 6], [4, 2]):
+        (a, fa), (b, fb) = both(
+            lambda k=k: farthest_point(xn, mask, torch.tensor(k), tilt, tilt.argmax(1), track_nearest=True)
+        )
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    (a, _), (b, _) = both(lambda: farthest_point(xn[:1], mask[:1], torch.tensor([1]), tilt[:1], tilt[:1].argmax(1)))
+    assert a[0].tolist() == b[0].tolist() == [[0]]
+
+
+def test_farthest_point_compiled_matches_the_formula():
+    """Against the plain formula (full distance matrix, one step per pick), float64, no ties."""
+    x, mask, tilt = units([50, 37], 8, seed=5, dtype=torch.float64)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    k = torch.tensor([20, 11])
+    picks, _ = farthest_point(xn, mask, k, tilt, tilt.argmax(1))
+    for u, n in enumerate((50, 37)):
+        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
+        ref = [int(tilt[u, :n].argmax())]
+        mind = dist[ref[0]].clone()
+        while len(ref) < int(k[u]):
+            score = mind + tilt[u, :n]
+            score[ref] = float("-inf")
+            ref.append(int(score.argmax()))
+            mind = torch.minimum(mind, dist[ref[-1]])
+        assert picks[u, : int(k[u])].tolist() == ref
+
+
+@pytest.mark.parametrize("sizes, d, keep", SHAPES + [([30, 20], 4, 0.9)])  # the last: more picks than rank
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dpp_greedy_compiled_equals_fallback(sizes, d, keep, ties, dtype):
+    x, mask, tilt = units(sizes, d, seed=len(sizes) + d, dtype=dtype, ties=ties)
+    xn = F.normalize(x, dim=-1, eps=1e-12).masked_fill(~mask[..., None], 0.0)
+    quality = (tilt + 0.1).masked_fill(~mask, 0.0)
+    k = keeps(sizes, keep)
+    (a, fa), (b, fb) = both(lambda: dpp_greedy(xn, quality, mask, k))
+    assert torch.equal(a, b) and fa == fb and fa > 0
+
+
+@pytest.mark.parametrize("recipe", ["density", "density:merge=false", "divprune:merge=true", "cdpruner"])
+def test_reducers_compiled_equal_fallback_with_the_same_flops(recipe):
+    """The whole reduction on a ragged batch (tests/test_selection_batched.py's): same kept tokens, merged hidden
+    states bit for bit, same method FLOPs."""
+    from test_selection_batched import GRIDS, ragged_seq
+
+    from trimvlm.plan import Handoff, build_methods
+
+    red = build_methods(f"tokens={recipe}:keep=0.3:layer=0")["tokens"]
+    (a, fa), (b, fb) = both(lambda: red.reduce(ragged_seq(GRIDS, seed=2), None, Handoff()))
+    assert torch.equal(a.source, b.source) and torch.equal(a.valid, b.valid)
+    assert torch.equal(a.hidden, b.hidden) and fa == fb and fa > 0
+
+
+def test_two_threads_give_the_one_thread_picks(monkeypatch):
+    """Samples split over two threads (every chunk size allowed): the same picks and nearest picks."""
+    x, mask, tilt = units([300, 260, 280, 120, 90], 16, seed=9)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    k = keeps([300, 260, 280, 120, 90], 0.25)
+    before = torch.get_num_threads()
+    one = farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True)
+    monkeypatch.setattr(threads, "MIN_WORK", 0)
+    calls = []
+    real = threads.for_units
+
+    def spy(fn, todo, work):
+        calls.append(len(todo))
+        return real(fn, todo, work)
+
+    monkeypatch.setattr("trimvlm.kernels.farthest.for_units", spy)
+    try:
+        torch.set_num_threads(2)
+        two = farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert calls[0] == 5  # the first pass runs all five units, split over the threads
