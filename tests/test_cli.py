@@ -330,3 +330,58 @@ def test_tables_keep_their_full_width_when_piped():
     assert len(rows) == 1 and ", ".join(["full_attention"] * 6) in rows[0], res.stdout
     widths = {len(line) for line in res.stdout.splitlines() if line.startswith(("┃", "│", "┏", "└"))}
     assert len(widths) == 1 and widths.pop() > 80
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    res = _cli("--version")
+    assert res.exit_code == 0 and res.output.strip() == f"trimvlm {version('trimvlm')}"
+
+
+def test_help_groups_the_commands_for_users_and_for_training():
+    out = _cli("--help").output
+    use, train = out.index("Use a model"), out.index("Train and calibrate")
+    assert use < out.index("│ generate ") < train < out.index("│ train-router ")
+
+
+def test_demo_image_writes_a_scene_and_its_questions_which_the_demo_model_answers(tmp_path):
+    """The questions `demo-image` prints are ones the demo model answers: on its scene it gets them right."""
+    import trimvlm
+    from trimvlm.demo.task import make_sample, split_rng
+
+    out = tmp_path / "scene.png"
+    res = _cli("demo-image", out, "--seed", 3)
+    assert res.exit_code == 0, res.output
+    sample = make_sample(split_rng("test", 3))
+    for qa in sample.qas:
+        assert qa.question in res.output
+    vlm = trimvlm.load("demo")
+    texts = vlm.generate([str(out)] * 2, [sample.qas[0].question, sample.qas[3].question]).texts
+    assert texts == [sample.qas[0].answer, sample.qas[3].answer]
+
+
+def test_a_prompt_of_mostly_unknown_words_is_warned_about(demo_vlm):
+    from trimvlm.cli import unknown_words
+
+    assert unknown_words(demo_vlm.tokenizer, "What is written here?") == ["What", "written", "here?"]
+    assert unknown_words(demo_vlm.tokenizer, "how many blue ?") == []
+    warned = _cli("generate", "--prompt", "What is written here?")
+    assert warned.exit_code == 0 and "3 of the prompt's 4 words are unknown" in " ".join(warned.output.split())
+    assert "unknown" not in _cli("generate", "--prompt", "how many blue ?").output
+
+
+def test_methods_names_tuned_recipes_and_where_to_start():
+    out = " ".join(_cli("methods").output.split())
+    assert "tuned=FOLDER:budget=RATIO" in out and "Where to start" in out
+    assert "papers/" not in out
+
+
+def test_decide_counts_the_request_images_not_the_image_inputs(tmp_path, demo_image):
+    path, _, _ = demo_image
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"state": "<img>", "assets": {"<img>": str(path)}, "questions": {
+        "a": {"type": "noul", "instructions": "is there a blue circle ?"},
+        "b": {"type": "noul", "instructions": "is there a red square ?"}}}))  # fmt: skip
+    out = " ".join(_cli("decide", "--request", req).output.split())
+    assert "2 prompts" in out and "1 image (2 image inputs over the prompts)" in out and "image(s)" not in out

@@ -86,7 +86,9 @@ def test_cpu_peak_memory_is_measured_on_tensors(tiny_adapter):
         peaks[recipe] = c.peak_memory_bytes
     assert peaks["tokens=random:keep=0.25:layer=0"] < peaks[""]
     plain = generate(runner, prep, max_new_tokens=1, stop_ids=[], pad_id=0).costs
-    assert plain.peak_memory_kind == "not_measured" and plain.peak_memory_bytes == 0
+    assert plain.peak_memory_kind == "not_measured"
+    reported = plain.as_dict()
+    assert reported["peak_memory_kind"] == "not_measured" and reported["peak_memory_bytes"] is None  # never a 0
 
 
 def test_vision_flops_are_counted_once_per_input_shape_and_bounded(tiny_adapter):

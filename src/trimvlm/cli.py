@@ -14,8 +14,26 @@ from rich.table import Table
 from trimvlm.errors import InputError, TrimVLMError
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Cheaper VLM inference, honestly measured."
-)
+    add_completion=False, no_args_is_help=True,
+    help="Cheaper VLM inference, honestly measured. New here? `trimvlm demo-image scene.png`, then `trimvlm "
+    "generate --model demo --image scene.png --prompt \"how many blue ?\"`; `trimvlm methods` lists the recipes.",
+)  # fmt: skip
+USE, MEASURE, TRAIN = "Use a model", "Measure and choose recipes", "Train and calibrate (writes files)"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from trimvlm import __version__
+
+        print(f"trimvlm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+) -> None:
+    """Cheaper VLM inference, honestly measured."""
 # Piped (not a terminal), rich would fold every table to 80 columns: results keep their full width instead.
 PIPED_WIDTH = 240
 console = Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
@@ -50,6 +68,26 @@ OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shippe
 ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)")
 
 
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The words of `text` that the tokenizer can only read as its unknown token (a word-level vocabulary,
+    like the demo models'; byte-level tokenizers have none)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    return [w for w in text.split() if set(tokenizer(w, add_special_tokens=False)["input_ids"]) == {unk}]
+
+
+def _warn_unknown(vlm, text: str) -> None:
+    """Most of a prompt's words unknown to the model: say so (the answer is then a guess)."""
+    words, unknown = text.split(), unknown_words(vlm.tokenizer, text)
+    if words and len(unknown) * 2 > len(words):
+        err_console.print(
+            f"[yellow]warning:[/] {len(unknown)} of the prompt's {len(words)} words are unknown to this model's "
+            f"tokenizer ({escape(' '.join(unknown[:6]))}{' ...' if len(unknown) > 6 else ''}); its answer will be "
+            "a guess. The demo models read the questions `trimvlm demo-image` prints.", soft_wrap=True,
+        )  # fmt: skip
+
+
 def _load_kw(device: str, dtype: str) -> dict:
     """Checked --device / --dtype for trimvlm.load (bad values: the one-line error)."""
     from trimvlm.loading import parse_device, parse_dtype
@@ -60,7 +98,7 @@ def _load_kw(device: str, dtype: str) -> dict:
         _fail(e)
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def generate(
     model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
@@ -80,6 +118,7 @@ def generate(
 
     try:
         vlm = trimvlm.load(model, **_load_kw(device, dtype))
+        _warn_unknown(vlm, prompt)
         res = vlm.generate(
             [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, seed=seed,
@@ -96,7 +135,7 @@ def generate(
                            "costs": res.costs.as_dict()})  # fmt: skip
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def info(
     model: str = MODEL, json_out: Path | None = JSON_OUT,
     device: str = DEVICE,
@@ -119,7 +158,7 @@ def info(
     _write_json(json_out, data)
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def methods(json_out: Path | None = JSON_OUT):
     """Every registered method, per recipe axis: its options (type, default) and what it does."""
     from trimvlm.registry import describe_methods
@@ -133,10 +172,20 @@ def methods(json_out: Path | None = JSON_OUT):
             opts = "\n".join(f"{o['name']}: {o['type']} = {o['default']!r}" for o in m["options"])
             table.add_row(m["name"], opts, m["summary"])
         console.print(table)
+    console.print(TUNED_AND_START)
     _write_json(json_out, data)
 
 
-@app.command()
+TUNED_AND_START = (
+    "[bold]tuned=[/]FOLDER:budget=RATIO  a `trimvlm tune` result: the best recipe it found for that budget "
+    "(e.g. tuned=runs/tune:budget=0.75)\n\n"
+    "Where to start: give a budget, not knobs: `trimvlm tune --model M --task T --budget total_flops=0.75`. By "
+    "hand: tokens=density:keep=0.5:layer=2 (or dart) inside the model, tokens=visionzip:keep=0.5 before it, "
+    "kv=snapkv:keep=0.5 for long answers; `trimvlm eval` compares recipes on your task."
+)
+
+
+@app.command(rich_help_panel=MEASURE)
 def demo(
     limit: int = typer.Option(300, help="test items"),
     json_out: Path = typer.Option(Path("trimvlm-demo.json"), "--json"),
@@ -155,13 +204,37 @@ def demo(
         _fail(e)
 
 
+@app.command("demo-image", rich_help_panel=USE)
+def demo_image(
+    out: Path = typer.Argument(Path("scene.png"), help="PNG file to write"),
+    seed: int = typer.Option(0, help="which scene"),
+):
+    """Write a demo scene (the image the demo models read) and print the questions they answer about it."""
+    from trimvlm.demo.task import make_sample, split_rng
+
+    sample = make_sample(split_rng("test", seed))
+    qa = [(q.question, q.answer) for q in sample.qas]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sample.image.save(out)
+    except OSError as e:
+        _fail(InputError(f"cannot write {out}: {e.strerror or e}"))
+    table = Table(title=f"{out}: questions the demo models answer (seed {seed})")
+    table.add_column("question")
+    table.add_column("answer")
+    for question, answer in qa:
+        table.add_row(question, answer)
+    console.print(table)
+    console.print(f'[dim]e.g. trimvlm generate --model demo --image {out} --prompt "{qa[0][0]}"[/]')
+
+
 def _tasks_epilog() -> str:
     from trimvlm.cli_eval import task_list
 
     return "Tasks (--task; or PATH.jsonl):\n\n" + "\n\n".join(task_list().splitlines())
 
 
-@app.command("eval", epilog=_tasks_epilog())
+@app.command("eval", epilog=_tasks_epilog(), rich_help_panel=MEASURE)
 def eval_(
     model: str = MODEL,
     task: str = typer.Option("demo", help="a registered task (listed below) or PATH.jsonl"),
@@ -214,7 +287,7 @@ def eval_(
         _fail(e)
 
 
-@app.command("train-demo")
+@app.command("train-demo", rich_help_panel=TRAIN)
 def train_demo(
     out: Path = typer.Option(
         Path("runs/demo-qwen3vl"), help="checkpoint folder the best model is written to"
@@ -239,7 +312,7 @@ def train_demo(
         _fail(e)
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def score(
     model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
@@ -260,6 +333,7 @@ def score(
 
     try:
         vlm = trimvlm.load(model, **_load_kw(device, dtype))
+        _warn_unknown(vlm, question)
         res = vlm.score(
             [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
             recipe=recipe or None, binary=binary,
@@ -270,7 +344,7 @@ def score(
     _write_json(json_out, res.as_dict())
 
 
-@app.command("train-head")
+@app.command("train-head", rich_help_panel=TRAIN)
 def train_head(
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the head to (default: the checkpoint's)"),
@@ -295,7 +369,7 @@ def train_head(
         _fail(e)
 
 
-@app.command()
+@app.command(rich_help_panel=MEASURE)
 def tune(
     model: str = MODEL,
     task: str = typer.Option("demo", help="a registered task with a validation split (searched) and a test split"),
@@ -328,7 +402,7 @@ def tune(
         _fail(e)
 
 
-@app.command("train-router")
+@app.command("train-router", rich_help_panel=TRAIN)
 def train_router(
     model: str = MODEL,
     out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
@@ -369,7 +443,7 @@ def train_router(
         _fail(e)
 
 
-@app.command("refit-router")
+@app.command("refit-router", rich_help_panel=TRAIN)
 def refit_router(
     router: str = ROUTER,
     model: str = MODEL,
@@ -394,7 +468,7 @@ def refit_router(
         _fail(e)
 
 
-@app.command("calibrate-router")
+@app.command("calibrate-router", rich_help_panel=TRAIN)
 def calibrate_router(
     router: str = ROUTER,
     model: str = MODEL,
@@ -417,7 +491,7 @@ def calibrate_router(
         _fail(e)
 
 
-@app.command()
+@app.command(rich_help_panel=TRAIN)
 def calibrate(
     model: str = MODEL,
     task: str = typer.Option("demo", help="task whose candidate questions calibrate (labels are not used)"),
@@ -444,7 +518,7 @@ def calibrate(
         _fail(e)
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def decide(
     model: str = MODEL,
     request: Path = typer.Option(..., help="JSON file: one System One request, or a list of them"),
@@ -466,7 +540,7 @@ def decide(
     _write_json(json_out, out)
 
 
-@app.command()
+@app.command(rich_help_panel=USE)
 def serve(
     model: str = MODEL,
     recipe: str = typer.Option("", help="the default recipe (a request's `recipe` field overrides it)"),

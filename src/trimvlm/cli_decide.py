@@ -42,8 +42,20 @@ def _answer_text(answer: dict) -> str:
     return json.dumps(answer)
 
 
-def print_decisions(result, console) -> None:
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _assets(request) -> int | None:
+    """How many images a System One request names (its assets), when it is a dict."""
+    return len(request.get("assets") or {}) if isinstance(request, dict) else None
+
+
+def print_decisions(result, console, requests=None) -> None:
+    """A table of answers per request and one line of its costs. `requests`: the requests as sent (their
+    assets are the images counted; without them, the images the prompts carried)."""
     many = len(result.answers) > 1
+    sent = requests if isinstance(requests, list) else [requests] * len(result.answers)
     for i, (answers, usage) in enumerate(zip(result.answers, result.usage, strict=True)):
         table = Table(title=f"request {i}" if many else None)
         for col in ("question", "type", "answer", "confidence", "probabilities"):
@@ -54,8 +66,11 @@ def print_decisions(result, console) -> None:
             conf = a.get("confidence")
             table.add_row(name, a["type"], _answer_text(a), "" if conf is None else f"{conf:.3f}", probs)
         console.print(table)
+        images = _assets(sent[i])
+        images = (f"{_count(images, 'image')} ({usage.images} image inputs over the prompts)"
+                  if images is not None and images != usage.images else _count(usage.images, "image input"))  # fmt: skip
         console.print(
-            f"[dim]{usage.prompts} prompt(s), {usage.input_tokens} input tokens, {usage.images} image(s); "
+            f"[dim]{_count(usage.prompts, 'prompt')}, {usage.input_tokens} input tokens, {images}; "
             f"{usage.model_flops / 1e9:.4f} GFLOP model + {usage.method_flops / 1e9:.6f} method, "
             f"KV {usage.kv_bytes / 1024:.1f} KiB, {usage.latency_s * 1e3:.0f} ms[/]"
         )
@@ -73,7 +88,7 @@ def decide_command(*, model, request, recipe, decision_config, load_kw, console)
     requests = read_requests(request)
     vlm = trimvlm.load(model, **load_kw)
     result = vlm.decide(requests, recipe=recipe or None, decision_config=decision_config, return_costs=True)
-    print_decisions(result, console)
+    print_decisions(result, console, requests)
     single = not isinstance(requests, list)
     return {
         "answers": result.answers[0] if single else result.answers,

@@ -8,13 +8,13 @@ from rich.table import Table
 def print_scores(batch, console) -> None:
     for res in batch.results:
         table = Table(title=res.question)
-        for col in ("", "candidate", "logit", "prob", "loglik sum", "mean", "tokens", "greedy"):
+        for col in ("", "candidate", "logit", "prob", "loglik sum", "mean", "tokens", "matches greedy"):
             table.add_column(col)
         for k, c in enumerate(res.candidates):
             mark = "*" if k == res.chosen else ""
             table.add_row(
                 mark, c.text, f"{c.logit:.4f}", f"{c.prob:.4f}", f"{c.loglik_sum:.4f}",
-                f"{c.loglik_mean:.4f}", str(c.n_tokens), "yes" if c.is_greedy else "no",
+                f"{c.loglik_mean:.4f}", str(c.n_tokens), "yes" if c.is_greedy else "",
             )  # fmt: skip
         if res.abstain_logit is not None:
             table.add_row("*" if res.chosen < 0 else "", "(abstain)", f"{res.abstain_logit:.4f}",
@@ -23,6 +23,7 @@ def print_scores(batch, console) -> None:
         if res.binary_prob is not None:
             console.print(f"P(true) = {res.binary_prob:.4f}")
         console.print(f"chosen: {res.chosen_text if res.chosen >= 0 else '(abstain)'}")
+        console.print("[dim]matches greedy: greedy decoding would produce this candidate (each of its tokens is the model's top choice)[/]")
     c = batch.costs
     console.print(
         f"[dim]{batch.executor} executor, {batch.tokens['executed']} of {batch.tokens['logical']} candidate "

@@ -1,4 +1,4 @@
-"""TwinPrune decode phase: keep the top-k visual KV entries by spatial density rho (papers/twinprune.txt 4.3).
+"""TwinPrune decode phase: keep the top-k visual KV entries by spatial density rho (TwinPrune, section 4.3).
 
     rho_ij = 1 - (1/|N_w(i,j)|) * sum_{(i',j') in N_w(i,j)} cos(x_ij, x_i'j')      (trimvlm.tokens.density)
 

@@ -85,8 +85,9 @@ class Costs:
             "state_bytes": self.state_bytes,
             "seconds": dict(self.seconds),
             "latency_s": sum(self.seconds.values()),
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "peak_memory_kind": self.peak_memory_kind,
+            # not measured (a CPU call without the tensor tracker): None beside the kind, never a 0
+            "peak_memory_bytes": self.peak_memory_bytes if self.peak_memory_kind not in ("", "not_measured") else None,
+            "peak_memory_kind": self.peak_memory_kind or "not_measured",
             "peak_memory_phase": dict(self.peak_memory_phase),
             "layers_run": dict(self.layers_run),
         }
