@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trimvlm.kernels import jit
 from trimvlm.kernels.farthest import BLOCK, BLOCK_LARGE, LARGE_K, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
+from trimvlm.kernels.windows import compiled_density
 
 __all__ = ["BLOCK", "BLOCK_LARGE", "LARGE_K", "farthest_point", "masked_minmax", "most_isolated",
            "normalize_density", "spatial_density"]  # fmt: skip
@@ -63,10 +65,13 @@ def spatial_density(
         x = x[None]
     b, h, w, _ = x.shape
     dt = torch.promote_types(x.dtype, torch.float32)
+    xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
+    if jit.compiled() and xn.device.type == "cpu":  # one fused pass per grid (kernels.windows)
+        rho = compiled_density(xn, None if mask is None else mask.reshape(b, h, w).bool().cpu(), window)
+        return _shaped(rho, squeeze, flat)
     m = None
     if mask is not None:
         m = mask.reshape(b, h, w).to(device=x.device, dtype=dt)
-    xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
     if m is not None:
         xn = xn * m[..., None]
     # Neighbours outside the grid (or masked) add 0 to the similarity sum and 0 to the count. Since
@@ -81,10 +86,15 @@ def spatial_density(
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:
         rho = rho * m
+    return _shaped(rho, squeeze, flat)
+
+
+def _shaped(rho: torch.Tensor, squeeze: bool, flat: bool) -> torch.Tensor:
+    """rho [B, h, w] in the caller's shape: [h, w] for one grid, flat [.., h * w] for flat features."""
     if squeeze:
         rho = rho[0]
     if flat:
-        rho = rho.reshape(*rho.shape[:-2], h * w)
+        rho = rho.reshape(*rho.shape[:-2], rho.shape[-2] * rho.shape[-1])
     return rho
 
 

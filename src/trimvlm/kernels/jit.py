@@ -35,7 +35,9 @@ def disabled():
         ENABLED = before
 
 
-def njit(fn):
-    """`numba.njit(cache=True, nogil=True)` (compiled on first call, cached on disk; releases the GIL, so two
-    threads can run two samples' loops at once), or `fn` itself without numba (never called then)."""
-    return fn if numba is None else numba.njit(cache=True, nogil=True)(fn)
+def njit(fn=None, **options):
+    """`numba.njit(cache=True, nogil=True, **options)` (compiled on first call, cached on disk; releases the
+    GIL, so two threads can run two samples' loops at once), or `fn` itself without numba (never called then)."""
+    if fn is None:
+        return lambda f: njit(f, **options)
+    return fn if numba is None else numba.njit(cache=True, nogil=True, **options)(fn)
