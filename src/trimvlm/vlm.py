@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trimvlm.adapters.base import resolution
+from trimvlm.adapters.base import Conversation, resolution
 from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
@@ -55,12 +55,13 @@ class VLM:
         return sorted(i for i in ids if i is not None)
 
     def prepare(self, images, prompts, plan=None):
-        """One prompt (a string; images: None, one image or path, or a list of them) or a batch (a list of
-        prompts and a list with one such image entry per prompt). `plan`: a plan whose methods act when the
+        """One prompt (a string, or a `Conversation` of system, user and assistant turns; images: None, one
+        image or path, or a list of them) or a batch (a list of prompts and a list with one such image entry
+        per prompt). `plan`: a plan whose methods act when the
         images are prepared (its `resolution`, tokens=downsample)."""
-        if isinstance(prompts, str):
+        if isinstance(prompts, str | Conversation):
             prompts, images = [prompts], [images]
-        elif not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
+        elif not isinstance(prompts, list | tuple) or not all(isinstance(p, str | Conversation) for p in prompts):
             raise InputError(f"prompts must be a string or a list of strings, got {prompts!r:.80}")
         elif not isinstance(images, list | tuple):
             raise InputError(
@@ -70,7 +71,7 @@ class VLM:
         if not prompts:
             raise InputError("no prompts given")
         marker = self.tokenizer.convert_ids_to_tokens(self.adapter.image_token_id)
-        if any(marker in p for p in prompts):  # the adapter writes each image's tokens itself
+        if any(marker in t for p in prompts for t in (p.texts() if isinstance(p, Conversation) else [p])):  # the adapter writes each image's tokens itself
             raise InputError(f"a prompt contains the image token {marker!r}: pass the images instead")
         target = None if plan is None else plan.resolution
         with resolution(target):
@@ -89,17 +90,21 @@ class VLM:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         track_memory: bool = False,
         prepared=None,
     ) -> GenerationResult:
         """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length).
         `track_memory`: measure peak memory on the tensors (slower; on CUDA the allocator's peak is always
-        measured). `prepared`: a batch already prepared (`vlm.prepare`, or `adapter.collate` of several;
+        measured). `presence_penalty`, `frequency_penalty`: OpenAI's (runtime/generate.py, `Sampling`).
+        `prepared`: a batch already prepared (`vlm.prepare`, or `adapter.collate` of several;
         images and prompts are then None), so nothing is prepared twice."""
         self._needs_lm_head("generate")
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them, before any work
+        sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty)  # checks them, before any work  # fmt: skip
         plan = make_plan(recipe, self.runner)
         if prepared is None:
             prepared = self.prepare(images, prompts, plan=plan)

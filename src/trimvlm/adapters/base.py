@@ -25,7 +25,7 @@ from trimvlm.kernels.flops import count
 from trimvlm.runtime.layers import ATTENTION, LINEAR
 from trimvlm.runtime.sequence import LiveSeq
 
-__all__ = ["ATTENTION", "LINEAR", "Adapter", "Prepared"]
+__all__ = ["ATTENTION", "LINEAR", "Adapter", "Conversation", "Prepared", "Turn"]
 
 
 @dataclass
@@ -56,6 +56,41 @@ class Prepared:
             self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
             model_inputs=inputs,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation: its role, its text and how many of the conversation's images it holds
+    (given to `prepare` in the order of the turns)."""
+
+    role: str  # "system", "user" or "assistant"
+    text: str
+    images: int = 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A prompt of several messages (system text, earlier user and assistant turns, then the user turn the
+    model answers): `Adapter.render_conversation` writes it in the model's prompt format."""
+
+    turns: tuple[Turn, ...]
+
+    def __post_init__(self):
+        roles = [t.role for t in self.turns]
+        body = roles[roles.count("system") :]
+        if "system" in body:
+            raise InputError(f"the messages are {roles}: system messages come first")
+        if not body or body[-1] != "user" or any(r not in ("user", "assistant") for r in body):
+            raise InputError(f"the messages are {roles}: after the system messages, user and assistant turns "
+                             "ending with the user turn to answer")  # fmt: skip
+        for t in self.turns:
+            if not t.text.strip() and not (t.role == "user" and t.images):
+                raise InputError(f"an empty {t.role} message: give its text")
+            if t.images and t.role != "user":
+                raise InputError(f"a {t.role} message holds images: only user messages may")
+
+    def texts(self) -> list[str]:
+        return [t.text for t in self.turns]
 
 
 def _one_resolution(parts: list[Prepared]):
@@ -374,7 +409,11 @@ class Adapter:
         pos = next_pos[:, None] + torch.arange(n, device=next_pos.device)[None]
         return pos[None].expand(self.rope_axes, -1, -1)
 
-    def render_prompt(self, prompt: str, n_images: int, image_block) -> str:
+    def render_prompt(self, prompt, n_images: int, image_block) -> str:
+        """The text of one prompt (a string: one user turn with its images; or a `Conversation`), each image
+        written by `image_block(k)`."""
+        if isinstance(prompt, Conversation):
+            return self.render_conversation(prompt, n_images, image_block)
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("empty prompt: give a non-empty question or instruction")
         images = "".join(image_block(k) for k in range(n_images))
@@ -385,6 +424,32 @@ class Adapter:
             )
             return self._expand_chat_images(text, image_block)
         return images + self.prompt_template.format(prompt=prompt, question=prompt)
+
+    def render_conversation(self, conv: Conversation, n_images: int, image_block) -> str:
+        """A conversation ending with a user turn, rendered for the next assistant turn. With a chat template:
+        the template's own rendering (each user turn's images before its text). Without one (the demo
+        models): every image first (in order), then the turns joined by spaces: each user turn through the
+        prompt template (the first one preceded by the system text), each assistant turn as its text and the
+        end-of-turn token. An earlier turn's prompt is then the start of a later turn's prompt."""
+        if n_images != sum(t.images for t in conv.turns):
+            raise InputError(f"the conversation holds {sum(t.images for t in conv.turns)} images, got {n_images}")
+        if self.use_chat_template:
+            messages = [
+                {"role": t.role, "content": [{"type": "image"}] * t.images + [{"type": "text", "text": t.text}]}
+                for t in conv.turns
+            ]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._expand_chat_images(text, image_block)
+        system = " ".join(t.text for t in conv.turns if t.role == "system")
+        parts, first = [], True
+        for t in conv.turns:
+            if t.role == "user":
+                q = f"{system} {t.text}" if first and system else t.text
+                parts.append(self.prompt_template.format(prompt=q, question=q))
+                first = False
+            elif t.role == "assistant":
+                parts.append(f"{t.text} {self.tokenizer.eos_token}")
+        return "".join(image_block(k) for k in range(n_images)) + " ".join(parts)
 
     # what a chat template writes for one image; each occurrence becomes that image's full block
     chat_image_marker: str = ""

@@ -243,8 +243,8 @@ class KVCache:
         """A new cache for len(owner) branches that reads this cache as a shared, uncopied prefix: attention
         reads its KV rows `owner`, recurrent layers start from its states as read-only broadcast views (each
         branch's working state is the kernel's own output; the prefix's tensors are never written)."""
-        return KVCache.branching(
-            [SharedPart(self.layers, owner)], self.states, owner, keep_final_states=keep_final_states,
+        return KVCache.branching(  # the dicts copied (this cache may change later), never the tensors
+            [SharedPart(dict(self.layers), owner)], dict(self.states), owner, keep_final_states=keep_final_states,
             num_layers=self.num_layers,
         )  # fmt: skip
 
@@ -330,6 +330,10 @@ class KVCache:
             else:
                 metas[key] = new
         self.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
+        if self.prefix is not None:  # branches off a shared prefix: the rows that stay keep their owners
+            p = self.prefix
+            self.prefix = SharedPrefix([SharedPart(q.layers, q.owner.index_select(0, rows)) for q in p.parts],
+                                       p.states, p.state_owner.index_select(0, rows))  # fmt: skip
 
     def join(self, other: KVCache) -> None:
         """Append the rows of `other` after this cache's rows, in place (a request admitted into a running decode

@@ -23,11 +23,26 @@ from trimvlm.runtime.runner import Runner
 
 @dataclass
 class Sampling:
+    """How each next token is chosen: greedy (temperature 0) or drawn at `temperature` from the top-p nucleus
+    with a generator seeded by `seed`; `presence_penalty` and `frequency_penalty` (-2..2) as OpenAI defines them:
+    before the choice, each token's logit falls by `frequency_penalty` times the times it was generated so far,
+    plus `presence_penalty` once it was generated at all (the prompt's tokens are not counted)."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -2 <= v <= 2:  # NaN fails the comparison
+                raise InputError(f"{name} must be a number in [-2, 2], got {v!r}")
         t, p, s = self.temperature, self.top_p, self.seed
         if not is_number(t) or not math.isfinite(t) or t < 0:
             raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
@@ -45,7 +60,19 @@ class GenerationOutput:
     costs: Costs
 
 
-def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+def penalize(logits: torch.Tensor, sampling: Sampling, counts: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [B, V] less the sampling's penalties for `counts` [B, V] (each token's generations so far)."""
+    if counts is None or not sampling.penalized:
+        return logits
+    return logits - counts * sampling.frequency_penalty - (counts > 0).to(logits.dtype) * sampling.presence_penalty
+
+
+def choose(
+    logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The next token of each row of `logits` [B, V] (`counts`: the rows' generated-token counts, for the
+    penalties)."""
+    logits = penalize(logits, sampling, counts)
     if sampling.temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
@@ -143,10 +170,13 @@ def generate(
     lengths = torch.zeros(b, dtype=torch.long, device=dev)
     live = torch.arange(b, device=dev)  # rows of the batch still decoding, in cache order
     rows, logits = Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), out.logits
+    counts = torch.zeros_like(logits) if sampling.penalized else None  # [B, V] generated so far, per row
     # one attention selection for the whole loop (each step's own is then a counter, nothing set again)
     with meter.timer("decode"), use_trimvlm_attention(runner.adapter.attn_configs):
         for t in range(max_new_tokens):
-            tok = choose(logits, sampling, gen)
+            tok = choose(logits, sampling, gen, None if counts is None else counts.index_select(0, live))
+            if counts is not None:
+                counts[live, tok] += 1
             tokens[live, t] = tok
             lengths[live] += 1
             done = torch.isin(tok, stops)

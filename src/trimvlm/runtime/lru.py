@@ -105,6 +105,11 @@ class ByteLRU:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether `key` is stored (neither a hit nor a miss, nor a use)."""
+        with self._lock:
+            return key in self._items
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -26,13 +26,17 @@ import binascii
 import io
 import re
 import time
-from dataclasses import dataclass
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
 from trimvlm.serve.errors import ApiError, from_trimvlm
+from trimvlm.serve.stops import StopText
 
 
 class _Strict(BaseModel):
@@ -70,9 +74,18 @@ class ChatBody(_Strict):
     seed: int | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
     recipe: str | None = None  # trimvlm's extension
+
+
+MAX_N = 16  # choices per request
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 
 
 @dataclass
@@ -81,21 +94,37 @@ class ChatJob:
     prompt_tokens: int
     recipe: object
     max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
+    sampling: object  # runtime.generate.Sampling (choice i draws with seed + i)
     stream: bool
     preprocess_s: float
     events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
+    n: int = 1  # choices, decoded off one prefill
+    stop: StopText | None = None
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
     prompt_key: bytes | None = None  # its key in the prompt cache (runtime/prefix_cache.py), made when prepared
+    prefix_key: bytes | None = None  # the key its earlier turns' prompt was stored under (a conversation)
     request_cached: bool = False  # it was found prepared in the request cache
+    usage: Counter = field(default_factory=Counter)  # its costs, added to by the model thread
+    open: int = 0  # its choices still decoding
+    batch: int = 0  # the most rows a model call of it held
+
+
+@dataclass
+class Parsed:
+    """A checked chat request: the body, the prompt (a string: one user message; or a `Conversation`), the
+    images' data URLs (in the order of the messages), max_tokens."""
+
+    req: ChatBody
+    prompt: object
+    urls: list[str]
+    max_tokens: int
 
 
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 
 
-def parse(body: dict, limits) -> tuple[ChatBody, str, list[str], int]:
-    """(the body, the prompt, the images' base64 texts, max_tokens), or a 422 / 400."""
+def parse(body: dict, limits) -> Parsed:
+    """The checked request, or a 422 (not of the schema) / 400 (what this server cannot honour, named)."""
     try:
         req = ChatBody.model_validate(body)
     except ValidationError as e:
@@ -104,28 +133,38 @@ def parse(body: dict, limits) -> tuple[ChatBody, str, list[str], int]:
             for item in e.errors(include_url=False)
         ]
         raise ApiError(422, detail) from e
-    if req.n not in (None, 1):
-        raise ApiError(400, f"n={req.n}: one choice per request (n=1)")
-    roles = [m.role for m in req.messages]
-    if roles != ["user"]:
-        raise ApiError(
-            400,
-            f"the messages are {roles}: this server answers one user message (trimvlm's generate renders one "
-            "user turn); send the question and its images as one user message",
-        )
-    content = req.messages[0].content
-    texts, images = [], []
-    for part in [TextPart(type="text", text=content)] if isinstance(content, str) else content or []:
-        if isinstance(part, TextPart):
-            texts.append(part.text)
-        else:
-            images.append(part.image_url if isinstance(part.image_url, str) else part.image_url.url)
-    if len(images) > limits.max_images:
-        raise ApiError(400, f"too many images: {len(images)}, at most {limits.max_images} per request")
+    if req.n is not None and req.n > MAX_N:
+        raise ApiError(400, f"n={req.n}: at most {MAX_N} choices per request")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise ApiError(400, f"stop: up to {MAX_STOPS} non-empty strings, got {stops!r:.200}")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: set logprobs to true to ask for them")
+    urls, turns = [], []
+    for i, m in enumerate(req.messages):
+        if m.role == "tool":
+            raise ApiError(400, f"messages[{i}]: role 'tool': this server runs no tools")
+        texts, images = [], []
+        for part in [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []:
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            else:
+                images.append(part.image_url if isinstance(part.image_url, str) else part.image_url.url)
+        urls += images
+        turns.append(Turn("system" if m.role == "developer" else m.role, "\n".join(texts), len(images)))
+    if len(urls) > limits.max_images:
+        raise ApiError(400, f"too many images: {len(urls)}, at most {limits.max_images} per request")
+    if [t.role for t in turns] == ["user"]:
+        prompt = turns[0].text  # one user message: the prompt `vlm.generate` takes
+    else:
+        try:
+            prompt = Conversation(tuple(turns))
+        except TrimVLMError as e:
+            raise ApiError(400, f"messages: {e}") from e
     max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
     if max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
-    return req, "\n".join(texts), images, max_tokens
+    return Parsed(req, prompt, urls, max_tokens)
 
 
 def decode_image(i: int, url: str, limits):
@@ -150,10 +189,11 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, plan, cache=None):
-    """On the preparation thread: the images decoded and the request alone prepared (a bad prompt or image,
-    or a prompt + max_tokens past the model's positions, fails here, never in a batch); (it, its key in the
-    prompt cache: hashed here, not on the model thread, None when that cache is off; whether it was found in
+def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=None):
+    """On the preparation thread: the images decoded and the request alone prepared at the plan's resolution
+    (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch);
+    (it, its key in the prompt cache: hashed here, not on the model thread, None when that cache is off; the
+    key of its earlier turns' prompt (a conversation with an assistant turn), or None; whether it was found in
     the request cache). With the server's request cache (`cache`), a request seen before (the same prompt
     text, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again (as
     System One bodies are not: serve/systemone.py; a content-keyed cache of processed inputs, as vLLM's
@@ -163,17 +203,41 @@ def prepare(vlm, prompt: str, urls: list[str], limits, max_tokens: int, plan, ca
     from trimvlm.runtime.prefix_cache import prompt_key
 
     label = plan.label()
-    key = None if cache is None else digest("chat request", label, max_tokens, prompt, *urls)
+    key = None if cache is None else digest("chat request", label, max_tokens, repr(prompt), *urls)
     found = None if key is None else cache.get(key)
     if found is not None:
         return (*found, True)
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
     prepared = vlm.prepare(images or None, prompt, plan=plan)  # at the plan's resolution (tokens=downsample)
     check_generation(vlm.adapter, prepared, max_tokens)
-    out = prepared, None if vlm.runner.prefix_cache is None else prompt_key(label, prepared)
+    keys = (None, None)
+    if vlm.runner.prefix_cache is not None:
+        keys = prompt_key(label, prepared), earlier_key(vlm, prompt, images, prepared, plan)
+    out = (prepared, *keys)
     if key is not None:
         cache.put(key, out, nbytes([prepared.input_ids, prepared.attention_mask, prepared.model_inputs]))
     return (*out, False)
+
+
+def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
+    """The prompt key of a conversation's earlier turns (the messages before its last assistant turn, as that
+    turn's request sent them), when their prompt is the start of this one's; else None."""
+    from trimvlm.runtime.prefix_cache import prompt_key
+
+    if not isinstance(prompt, Conversation):
+        return None
+    turns = prompt.turns
+    last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=None)
+    if last is None or last == 0 or turns[last - 1].role != "user":
+        return None
+    before = turns[:last]
+    shown = sum(t.images for t in before)
+    earlier = before[0].text if [t.role for t in before] == ["user"] else Conversation(before)
+    part = vlm.prepare(images[:shown] or None, earlier, plan=plan)
+    m = part.input_ids.shape[1]
+    if m >= prepared.input_ids.shape[1] or not bool((prepared.input_ids[:, :m] == part.input_ids).all()):
+        return None
+    return prompt_key(plan.label(), part)
 
 
 async def handle(state, request):
@@ -186,7 +250,8 @@ async def _handle(state, request, arrival):
 
     t0 = time.perf_counter()
     body = await state.read_json(request)
-    req, prompt, urls, max_tokens = parse(body, state.limits)
+    parsed = parse(body, state.limits)
+    req = parsed.req
     model = state.model_name(body)
     recipe = state.recipe("chat", req.recipe)
     if state.vlm.adapter.decision_head is not None:
@@ -194,25 +259,32 @@ async def _handle(state, request, arrival):
             400,
             "this server holds a decision model (no LM head): ask it System One requests at /v1/systemone",
         )
+    n = req.n or 1
+    if n > 1 and recipe.plan.per_sample:
+        raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
     from trimvlm.runtime.generate import Sampling
 
-    temperature = req.temperature or 0.0
-    top_p = 1.0 if req.top_p is None else req.top_p
-    seed = req.seed or 0
     try:
-        Sampling(temperature=temperature, top_p=top_p, seed=seed)  # checks them
+        sampling = Sampling(  # checks them
+            temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        )  # fmt: skip
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    prepared, key, hit = await state.prepare(
-        prepare, state.vlm, prompt, urls, state.limits, max_tokens, recipe.plan, state.request_cache
-    )
-    job = ChatJob(
-        prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()),
-        recipe=recipe.recipe, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stream=req.stream, preprocess_s=time.perf_counter() - t1, events=asyncio.Queue(), prompt_key=key,
-        request_cached=hit,
+    prepared, key, earlier, hit = await state.prepare(
+        prepare, state.vlm, parsed.prompt, parsed.urls, state.limits, parsed.max_tokens, recipe.plan,
+        state.request_cache,
     )  # fmt: skip
-    queued = state.batcher.enqueue(("chat", recipe.label), job, arrival)
+    job = ChatJob(
+        prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()), recipe=recipe.recipe,
+        max_tokens=parsed.max_tokens, sampling=sampling, stream=req.stream, preprocess_s=time.perf_counter() - t1,
+        events=asyncio.Queue(), n=n, stop=StopText(tuple([req.stop] if isinstance(req.stop, str) else req.stop))
+        if req.stop else None, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_key=key,
+        prefix_key=earlier, request_cached=hit,
+    )  # fmt: skip
+    # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
+    batch_key = ("chat", recipe.label) if n == 1 else ("chat", recipe.label, "n", uuid.uuid4().hex)
+    queued = state.batcher.enqueue(batch_key, job, arrival)
     reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)
     return await (reply.stream() if req.stream else reply.whole())

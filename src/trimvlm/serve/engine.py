@@ -31,17 +31,24 @@ from trimvlm.runtime.meter import Meter
 
 @dataclass
 class Row:
+    """One choice of a request decoding: its sampler, its tokens and what its answer needs."""
+
     job: object  # batching.Job; its payload is a chat.ChatJob
-    sampling: object  # runtime.generate.Sampling
+    index: int  # its choice among the request's n
+    sampling: Sampling
     gen: torch.Generator | None
+    counts: torch.Tensor | None = None  # [V] each token's generations so far (the penalties)
     tokens: list[int] = field(default_factory=list)  # generated, the stop token included
-    usage: Counter = field(default_factory=Counter)
-    batch: int = 0
+    ends: list[int] = field(default_factory=list)  # the text's length after each token (rows with stop strings)
+    logprobs: list = field(default_factory=list)  # per token (id, logprob, [(id, logprob) of the top k])
+    cut: int | None = None  # where a stop string begins in the text
+    reason: str = "length"
 
 
 @dataclass
 class Group:
-    """The running decode batch of one recipe: its rows (in cache order) and each row's newest token."""
+    """Rows decoding together (one recipe; or the n choices of one request, off its shared prompt KV): its rows
+    (in cache order) and each row's newest token."""
 
     rows: list[Row]
     decoding: Decoding
@@ -49,8 +56,9 @@ class Group:
 
 
 class Outbox:
-    """Events for the requests' tasks: ("token", id), ("done", result), ("error", exc), handed to their event
-    loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
+    """Events for the requests' tasks: ("token", choice, id, logprobs), ("end", choice, its answer), ("done",
+    the request's costs), ("error", exc), handed to their event loop together once a model call is done (one
+    wake-up of the loop per step, not one per row)."""
 
     def __init__(self):
         self.items: list[tuple[object, tuple]] = []
@@ -81,14 +89,12 @@ class ChatEngine:
     def __init__(self, vlm, metrics=None):
         self.vlm, self.runner, self.metrics = vlm, vlm.runner, metrics
         self.stops = set(vlm.stop_ids())
-        self.groups: dict[str, Group] = {}
+        self.groups: dict[object, Group] = {}
         self.steps: Counter[int] = Counter()  # rows in a decode call -> calls
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
         self.outbox = Outbox()
-        self.partial: list | None = (
-            None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
-        )
+        self.partial: list | None = None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
         self.chunks = 0  # chunks of chunked prefills run
 
     @property
@@ -111,69 +117,85 @@ class ChatEngine:
     # ---- admission ----
     def admit(self, jobs: list, chunk: int | None = None) -> None:
         """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
-        request is tried alone, so one that breaks the model fails only itself. `chunk`: a lone request whose
+        request is tried alone, so one that breaks the model fails only itself. A request whose earlier turns
+        are in the prefix cache prefills only its new tokens on top of them. `chunk`: a lone request whose
         prompt is longer is prefilled `chunk` tokens now and the rest over the next turns (`prefill_chunk`),
         when its recipe changes nothing inside the prefill (runtime/chunked.py); else it is prefilled whole."""
-        if chunk is not None and len(jobs) == 1 and self.prefill_tokens(jobs[0]) > chunk and not self.partial:
-            self._begin_chunked(jobs[0], chunk)
-        else:
-            self._admit(jobs)
-        self.outbox.flush()
+        from trimvlm.plan import make_plan
 
-    def _admit(self, jobs: list) -> None:
         t0 = time.perf_counter()
         for job in jobs:
             job.started, job.batch = t0, len(jobs)
+            job.payload.batch = len(jobs)
+        plan = make_plan(jobs[0].payload.recipe, self.runner)
+        earlier = {id(j): self._earlier(j, plan) for j in jobs}
+        rest = [j for j in jobs if earlier[id(j)] is None]
+        for job in jobs:
+            if earlier[id(job)] is not None:
+                self._continue(job, plan, earlier[id(job)])
+        long = chunk is not None and len(rest) == 1 and self.prefill_tokens(rest[0]) > chunk
+        if long and not self.partial and plan.chunkable and not self._stored(rest[0]):
+            self._begin_chunked(rest[0], plan, chunk)
+        elif rest:
+            self._admit(rest, plan)
+        self.outbox.flush()
+
+    def _stored(self, job) -> bool:
+        cache, key = self.runner.prefix_cache, job.payload.prompt_key
+        return cache is not None and key is not None and key in cache
+
+    def _earlier(self, job, plan):
+        """The prefix-cache entry of the request's earlier turns (its prompt's start), when its own prompt is
+        not stored and the plan lets a prompt be prefilled on top of a stored one; else None."""
+        cache, p = self.runner.prefix_cache, job.payload
+        if cache is None or p.prefix_key is None or not (plan.reuses_prompts and plan.chunkable):
+            return None
+        if self._stored(job) or p.prefix_key not in cache:
+            return None
+        return cache.get(p.prefix_key)
+
+    def _admit(self, jobs: list, plan) -> None:
+        t0 = time.perf_counter()
+        meter = Meter(device=self.runner.device)
+        parts, keys = [j.payload.prepared for j in jobs], [j.payload.prompt_key for j in jobs]
         try:
-            group = self._prefill(jobs)
+            out, found = self.runner.prefill_prompts(parts, plan, meter=meter, keys=keys)
         except Exception as e:  # noqa: BLE001  (a model error must not end the loop)
             self.failed += 1
             if len(jobs) == 1:
                 self.outbox.post(jobs[0], ("error", e))
             else:
                 for job in jobs:
-                    self._admit([job])
+                    self._admit([job], plan)
             return
-        self._start(group, jobs[0].key[1])
+        reused = [j.payload.prompt_tokens if hit else 0 for j, hit in zip(jobs, found, strict=True)]
+        self._start(jobs, plan, out, meter, time.perf_counter() - t0, reused)
 
-    def _start(self, group: Group, label: str) -> None:
-        """The prefilled rows' first tokens sent; those still going join the running batch of their recipe."""
-        self._advance(group, group.last)
-        if not group.rows:
-            return
-        if label in self.groups:
-            old = self.groups[label]
-            old.decoding.join(group.decoding)
-            old.rows += group.rows
-            old.last = torch.cat([old.last, group.last])
-        else:
-            self.groups[label] = group
-
-    def _prefill(self, jobs: list) -> Group:
-        from trimvlm.plan import make_plan
-
-        runner = self.runner
-        plan = make_plan(jobs[0].payload.recipe, runner)
-        meter = Meter(device=runner.device)
+    def _continue(self, job, plan, entry) -> None:
+        """Prefill the request's new tokens on top of its earlier turns' stored KV (all of them now), store its
+        prompt, and let its rows join."""
         t0 = time.perf_counter()
-        parts, keys = [j.payload.prepared for j in jobs], [j.payload.prompt_key for j in jobs]
-        out, found = runner.prefill_prompts(parts, plan, meter=meter, keys=keys)
-        group = self._group(jobs, plan, out, meter, time.perf_counter() - t0, found)
-        for row, hit in zip(group.rows, found, strict=True):
-            if hit:  # its prompt was found (runtime/prefix_cache.py): no vision tower, no prefill ran for it
-                row.usage["prefix_reused"] = 1
-                row.usage["prefix_tokens_reused"] = row.job.payload.prompt_tokens
-        return group
+        meter = Meter(device=self.runner.device)
+        try:
+            work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=meter, prefix=entry[0])
+            out = work.advance(work.left)
+        except Exception as e:  # noqa: BLE001
+            self.failed += 1
+            self.outbox.post(job, ("error", e))
+            return
+        self._store(job, out)
+        self._start([job], plan, out, meter, time.perf_counter() - t0, [work.reused])
+
+    def _store(self, job, out) -> None:
+        """A request's prompt prefilled alone (in chunks, or on top of its earlier turns), stored for reuse."""
+        from trimvlm.runtime.prefix_cache import store
+
+        cache, p = self.runner.prefix_cache, job.payload
+        if cache is not None and p.prompt_key is not None:
+            store(cache, p.prompt_key, out, 0, p.prepared.n_images[0], p.prompt_tokens)
 
     # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
-    def _begin_chunked(self, job, chunk: int) -> None:
-        from trimvlm.plan import make_plan
-
-        plan = make_plan(job.payload.recipe, self.runner)
-        if not plan.chunkable:
-            self._admit([job])
-            return
-        job.started, job.batch = time.perf_counter(), 1
+    def _begin_chunked(self, job, plan, chunk: int) -> None:
         meter = Meter(device=self.runner.device)
         try:
             t0 = time.perf_counter()
@@ -187,7 +209,7 @@ class ChatEngine:
 
     def prefill_chunk(self, tokens: int) -> int:
         """Run the next chunk (at most `tokens` positions) of the prompt being prefilled in chunks; once it is
-        done its row joins the running batch (its first token sent). The positions run (0: none pending)."""
+        done its rows join the running batch (their first tokens sent). The positions run (0: none pending)."""
         if not self.partial:
             return 0
         job, work, plan, seconds = self.partial
@@ -208,32 +230,53 @@ class ChatEngine:
         self.partial[3] = seconds = seconds + time.perf_counter() - t0
         if out is not None:
             self.partial = None
-            self._start(self._group([job], plan, out, work.meter, seconds), job.key[1])
+            if plan.reuses_prompts:
+                self._store(job, out)
+            self._start([job], plan, out, work.meter, seconds, [0])
             self.outbox.flush()
         return n
 
-    def _group(
-        self, jobs: list, plan, out, meter: Meter, seconds: float, found: list[bool] | None = None
-    ) -> Group:
-        """The decode batch of prefilled `jobs`: each row's sampler, first token and share of the prefill (none
-        for a row whose prompt was `found` in the prompt cache)."""
+    # ---- the rows of prefilled requests ----
+    def _start(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]) -> None:
+        """The prefilled requests' rows: their first tokens chosen and sent; those still going join the running
+        batch of their recipe (a request of n > 1 choices decodes as a group of its own, its n rows reading its
+        prompt's KV as a shared, uncopied prefix)."""
+        group, logits = self._group(jobs, plan, out, meter, seconds, reused)
+        self._advance(group, logits)
+        if not group.rows:
+            return
+        key = jobs[0].key
+        if key in self.groups:
+            old = self.groups[key]
+            old.decoding.join(group.decoding)
+            old.rows += group.rows
+            old.last = torch.cat([old.last, group.last])
+        else:
+            self.groups[key] = group
+
+    def _group(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]):
+        """(the decode group of prefilled `jobs`, its rows' first logits): each row's sampler; each request's
+        share of the prefill (none for one whose prompt was found whole in the prompt cache)."""
         runner, adapter = self.runner, self.runner.adapter
         payloads = [j.payload for j in jobs]
-        rows = []
-        for job, p in zip(jobs, payloads, strict=True):
-            sampling = Sampling(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
-            gen = None
-            if p.temperature > 0:
-                gen = torch.Generator(device=runner.device).manual_seed(p.seed)
-            rows.append(Row(job=job, sampling=sampling, gen=gen, batch=len(jobs)))
-        t0 = time.perf_counter()
-        last = self._choose(out.logits, rows)
-        seconds += time.perf_counter() - t0
-        c, ones = meter.costs, [1] * len(rows)
-        ran = [0 if hit else 1 for hit in found or [False] * len(rows)]  # the rows whose prompt was prefilled
+        rows, owner = [], []
+        for b, (job, p) in enumerate(zip(jobs, payloads, strict=True)):
+            p.open = p.n
+            for i in range(p.n):  # choice i draws as the request alone with seed + i
+                s = p.sampling
+                sampling = Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed + i,
+                                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)  # fmt: skip
+                gen = None
+                if s.temperature > 0:
+                    gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
+                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if s.penalized else None
+                rows.append(Row(job=job, index=i, sampling=sampling, gen=gen, counts=counts))
+                owner.append(b)
+        c, ones = meter.costs, [1] * len(jobs)
+        ran = [0 if r == p.prompt_tokens else 1 for r, p in zip(reused, payloads, strict=True)]
         image = adapter.image_token_id
         kv, peak, states = c.kv_bytes, c.kv_bytes_peak, c.state_bytes
-        if 0 in ran:  # found prompts hold KV the prefill did not write: the assembled batch's, by rows
+        if any(reused):  # KV this prefill did not write (read from the prefix cache): what the batch holds
             kv = peak = out.cache.attention_bytes()
             states = out.cache.state_bytes()
         shares = {
@@ -243,34 +286,43 @@ class ChatEngine:
             "method_flops": split(c.method_prefill_flops, ran),
             "kv_bytes": split(kv, ones), "kv_bytes_peak": split(peak, ones), "state_bytes": split(states, ones),
         }  # fmt: skip
-        for i, row in enumerate(rows):
-            row.usage.update({k: v[i] for k, v in shares.items()})
-            row.usage["forward_s"] += seconds
+        for i, p in enumerate(payloads):
+            p.usage.update({k: v[i] for k, v in shares.items()})
+            p.usage["forward_s"] += seconds
+            p.usage["prefix_reused"] = int(reused[i] > 0)
+            p.usage["prefix_tokens_reused"] = reused[i]
         if self.metrics is not None:
-            self.metrics.prefill(len(rows), sum(p.prompt_tokens for p in payloads), seconds)
-        return Group(rows, Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), last)
+            self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads), seconds)
+        idx = torch.tensor(owner, device=out.next_pos.device)
+        cache, logits = out.cache, out.logits
+        if len(rows) > len(jobs):  # n > 1 (a request alone): its rows branch off its prompt, nothing copied
+            cache, logits = cache.share_prefix(idx), logits.index_select(0, idx)
+        skip = plan.skip_decode
+        if isinstance(skip, torch.Tensor):
+            skip = skip.index_select(0, idx.to(skip.device))
+        decoding = Decoding(runner, cache, out.next_pos.index_select(0, idx).clone(), skip)
+        return Group(rows, decoding, torch.zeros(len(rows), dtype=torch.long, device=idx.device)), logits
 
     # ---- decoding ----
     def step(self) -> None:
-        """One decode step of every running batch."""
-        for label, group in list(self.groups.items()):
+        """One decode step of every running group."""
+        for key, group in list(self.groups.items()):
             self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled], cancelled=True)
             if group.rows:
                 self._step(group)
             if not group.rows:
-                del self.groups[label]
-            self.outbox.flush()  # each batch's tokens as soon as its step is done
+                del self.groups[key]
+            self.outbox.flush()  # each group's tokens as soon as its step is done
 
     def _step(self, group: Group) -> None:
         meter = Meter(device=self.runner.device)
         t0 = time.perf_counter()
         try:
             logits = group.decoding.step(group.last, meter)
-            last = self._choose(logits, group.rows)
-        except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other batches go on)
+        except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other groups go on)
             self.failed += 1
-            for row in group.rows:
-                self.outbox.post(row.job, ("error", e))
+            for job in {id(r.job): r.job for r in group.rows}.values():
+                self.outbox.post(job, ("error", e))
             group.rows = []
             return
         seconds = time.perf_counter() - t0
@@ -279,52 +331,89 @@ class ChatEngine:
         c = meter.costs
         for row, d, m in zip(group.rows, split(c.decode_flops, [1] * n), split(c.method_decode_flops, [1] * n),
                              strict=True):  # fmt: skip
-            row.usage["decode_flops"] += d
-            row.usage["method_flops"] += m
-            row.usage["forward_s"] += seconds
-            row.batch = max(row.batch, n)
+            u = row.job.payload.usage
+            u["decode_flops"] += d
+            u["method_flops"] += m
+            row.job.payload.batch = max(row.job.payload.batch, n)
+        for job in {id(r.job): r.job for r in group.rows}.values():
+            job.payload.usage["forward_s"] += seconds
         if self.metrics is not None:
             self.metrics.decode_step(n, seconds)
-        self._advance(group, last)
+        self._advance(group, logits)
 
-    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-        """Each row's next token: its argmax, or its own seeded draw (as its batch of one draws)."""
+    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, list]:
+        """Each row's next token (its argmax, or its own seeded draw as its batch of one draws; its penalties
+        first) and, for a request that asked for them, the token's log-probability and the top ones (of the
+        model's distribution: before the penalties and the temperature)."""
         tok = logits.argmax(-1)
+        lps = [None] * len(rows)
         for i, row in enumerate(rows):
-            if row.gen is not None:
-                tok[i] = choose(logits[i : i + 1], row.sampling, row.gen)[0]
-        return tok
+            if row.gen is not None or row.counts is not None:
+                counts = None if row.counts is None else row.counts[None]
+                tok[i] = choose(logits[i : i + 1], row.sampling, row.gen, counts)[0]
+            k = row.job.payload.logprobs
+            if k is not None:
+                lp = torch.log_softmax(logits[i].float(), -1)
+                t = int(tok[i])
+                top = torch.topk(lp, k) if k else None
+                pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                lps[i] = (t, float(lp[t]), pairs)
+        return tok, lps
 
-    def _advance(self, group: Group, last: torch.Tensor) -> None:
-        """Give each row its new token (sent at once); the rows that are done leave. A row whose client left
-        while this step ran leaves as cancelled (nothing more is sent to it: it is not finished for nobody)."""
+    def _text(self, tokens: list[int]) -> str:
+        return self.vlm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def _advance(self, group: Group, logits: torch.Tensor) -> None:
+        """Choose each row's new token from `logits` and send it at once; the rows that are done leave: the
+        stop token, a stop string in the text, or `max_tokens`. A row whose client left while this step ran
+        leaves as cancelled (nothing more is sent to it: it is not finished for nobody)."""
+        last, lps = self._choose(logits, group.rows)
         group.last = last
         done, gone = [], set()
         for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
+            p = row.job.payload
             if row.job.cancelled:
                 done.append(i)
                 gone.add(i)
                 continue
             row.tokens.append(t)
-            if t not in self.stops:
-                self.outbox.post(row.job, ("token", t))
-            if t in self.stops or len(row.tokens) >= row.job.payload.max_tokens:
+            if row.counts is not None:
+                row.counts[t] += 1
+            if t in self.stops:
+                row.reason = "stop"
+                done.append(i)
+                continue
+            if lps[i] is not None:
+                row.logprobs.append(lps[i])
+            self.outbox.post(row.job, ("token", row.index, t, lps[i]))
+            if p.stop is not None:
+                text = self._text([x for x in row.tokens if x not in self.stops])
+                row.ends.append(len(text))
+                row.cut = p.stop.find(text)
+                if row.cut is not None:
+                    row.reason = "stop"
+                    done.append(i)
+                    continue
+            if len(row.tokens) >= p.max_tokens:
+                row.reason = "length"
                 done.append(i)
         self._leave(group, done, cancelled=gone)
 
     def _leave(self, group: Group, rows: list[int], cancelled: bool | set = False) -> None:
-        """Rows `rows` leave the batch (their cache rows freed): finished, or cancelled (`cancelled`: all of them,
+        """Rows `rows` leave the group (their cache rows freed): finished, or cancelled (`cancelled`: all of them,
         or the set of those that were)."""
         if not rows:
             return
         n = len(group.rows)
-        peak = split(
-            group.decoding.cache.attention_bytes(), [1] * n
-        )  # the cache is largest before rows leave
+        peak = split(group.decoding.cache.attention_bytes(), [1] * n)  # the cache is largest before rows leave
+        held: Counter = Counter()
+        for row, b in zip(group.rows, peak, strict=True):
+            held[id(row.job)] += b
         gone = set(rows)
         for i in rows:
             row = group.rows[i]
-            row.usage["kv_bytes_peak"] = max(row.usage["kv_bytes_peak"], peak[i])
+            u = row.job.payload.usage
+            u["kv_bytes_peak"] = max(u["kv_bytes_peak"], held[id(row.job)])
             if cancelled is True or (cancelled and i in cancelled):
                 self.cancelled += 1
             else:
@@ -337,10 +426,19 @@ class ChatEngine:
         group.rows = [group.rows[i] for i in stay]
 
     def _finish(self, row: Row) -> None:
+        """Send the row's choice: its text (cut where a stop string begins), its tokens' count, why it ended, the
+        log-probabilities of the tokens whose text was returned; the request's result once all its rows are
+        done."""
         p = row.job.payload
-        row.job.finished = True  # computed to the end (a client that leaves now left too late to save work)
         tokens = [t for t in row.tokens if t not in self.stops]
-        self.outbox.post(row.job, ("done", {
-            "tokens": tokens, "finish_reason": "length" if len(tokens) >= p.max_tokens else "stop",
-            "usage": row.usage, "batch": row.batch,  # a Counter: a line it never ran (no decode step) is 0
+        text, logprobs = self._text(tokens), row.logprobs
+        if row.cut is not None:
+            text = text[: row.cut].rstrip()
+            logprobs = logprobs[: sum(1 for start in [0, *row.ends[:-1]] if start < row.cut)]
+        self.outbox.post(row.job, ("end", row.index, {
+            "text": text, "completion_tokens": len(tokens), "finish_reason": row.reason, "logprobs": logprobs,
         }))  # fmt: skip
+        p.open -= 1
+        if p.open == 0:
+            row.job.finished = True  # computed to the end (a client that leaves now left too late to save work)
+            self.outbox.post(row.job, ("done", {"usage": p.usage, "batch": p.batch}))

@@ -1,14 +1,20 @@
-"""A chat completion's answer, built from what the model thread sends its request (serve/engine.py): a token at
-each step, then the result (or an error).
+"""A chat completion's answer, built from what the model thread sends its request (serve/engine.py): each
+choice's tokens as they come, each choice's end, then the request's costs (or an error).
 
-- `whole()`: the `chat.completion` object, once the result is there.
-- `stream()`: server-sent events as the tokens come: a role chunk when the first token is there, a chunk per
-  token with the new text (a token that ends inside a character waits for the next), a last chunk with
-  `finish_reason` and `usage`, then `[DONE]`. An error before the first token is the request's status code
-  (500, 400); after it the stream ends with an error event.
+- `whole()`: the `chat.completion` object, once every choice has ended.
+- `stream()`: server-sent events as the tokens come: a role chunk per choice when the first token is there, a
+  chunk per token with the new text (a token that ends inside a character waits for the next; with `stop`,
+  text that could still become a stop string is held back until it is resolved, and a stop string is never
+  sent), each choice's last chunk with its `finish_reason`, then `[DONE]`. The request's `usage` rides on the
+  last choice chunk when n = 1, else on a chunk of its own with no choices (as OpenAI's `include_usage`).
+  An error before the first token is the request's status code (500, 400); after it the stream ends with an
+  error event.
+- `logprobs` (when asked): OpenAI's shape, `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
+  the log-probabilities of the model's distribution (before penalties and temperature), for the tokens whose
+  text is returned; streamed with the chunk that sends the start of their text.
 
 A request whose client closes the connection is cancelled (`Job.cancel`): still queued, it is never computed;
-running, its row leaves the batch at the next step. Nothing is sent to a gone client.
+running, its rows leave the batch at the next step. Nothing is sent to a gone client.
 """
 
 from __future__ import annotations
@@ -27,23 +33,40 @@ class ClientGone(Exception):
 
 
 class TextStream:
-    """The text of a growing list of tokens, piece by piece, decoded as `vlm.generate` decodes the whole: `push`
-    returns the new text ("" while the decoded prefix ends inside a character or is not yet a prefix of what
-    was sent); `rest(text)` is what the final text adds to the pieces."""
+    """One choice's text as its tokens come, piece by piece, decoded as `vlm.generate` decodes the whole: `push`
+    returns the new text that may be sent ("" while the decoded text ends inside a character or could still
+    become a stop string) and the log-probability entries of the tokens whose text has begun to be sent;
+    `end(text, logprobs)` what the final text and entries add to those."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+    def __init__(self, tokenizer, stop=None):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids, self.text, self.sent = [], "", ""
+        self.starts, self.entries, self.given = [], [], 0  # per token where its text starts; entries sent
 
-    def push(self, token: int) -> str:
+    def push(self, token: int, entry=None) -> tuple[str, list]:
+        self.starts.append(len(self.text))
         self.ids.append(token)
-        now = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
-        if len(now) > len(self.sent) and now.startswith(self.sent) and not now.endswith("\ufffd"):
-            piece, self.sent = now[len(self.sent) :], now
-            return piece
-        return ""
+        if entry is not None:
+            self.entries.append(entry)
+        self.text = now = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        ok = len(now) if self.stop is None else self.stop.safe(now)
+        if now.endswith("\ufffd"):
+            ok = min(ok, len(now) - 1)
+        piece = ""
+        if ok > len(self.sent) and now.startswith(self.sent):
+            piece, self.sent = now[len(self.sent) : ok], now[:ok]
+        return piece, self._entries(lambda k: self.starts[k] < len(self.sent))
 
-    def rest(self, text: str) -> str:
-        return text[len(self.sent) :] if text.startswith(self.sent) else ""
+    def end(self, text: str, entries: list) -> tuple[str, list]:
+        self.entries = entries
+        return (text[len(self.sent) :] if text.startswith(self.sent) else ""), self._entries(lambda k: True)
+
+    def _entries(self, sent) -> list:
+        out = []
+        while self.given < len(self.entries) and sent(self.given):
+            out.append(self.entries[self.given])
+            self.given += 1
+        return out
 
 
 async def disconnected(request) -> None:
@@ -90,7 +113,7 @@ class ChatReply:
         return self._seen(get.result())
 
     def _seen(self, event):
-        kind, value = event
+        kind, value = event[0], event[-1]
         now = time.perf_counter()
         metrics = self.state.metrics
         if kind == "token":
@@ -101,7 +124,7 @@ class ChatReply:
             self._last = now
         elif kind == "error":
             raise as_api_error(value)
-        return kind, value
+        return event
 
     def cancel(self) -> None:
         """The client has gone: the request is not computed further (it leaves its queue or its batch)."""
@@ -117,13 +140,13 @@ class ChatReply:
             self._gone = None
 
     # ---- the answer ----
-    def _usage(self, result: dict) -> dict:
+    def _usage(self, result: dict, completion: int) -> dict:
         u, p = result["usage"], self.job.payload
-        n = len(result["tokens"])
         model_flops = u["vision_flops"] + u["prefill_flops"] + u["decode_flops"]
         forward = u["forward_s"]
         return {
-            "prompt_tokens": p.prompt_tokens, "completion_tokens": n, "total_tokens": p.prompt_tokens + n,
+            "prompt_tokens": p.prompt_tokens, "completion_tokens": completion, "total_tokens": p.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": u["prefix_tokens_reused"]},
             "vision_flops": u["vision_flops"], "prefill_flops": u["prefill_flops"], "decode_flops": u["decode_flops"],
             "model_flops": model_flops, "method_flops": u["method_flops"], "total_flops": model_flops + u["method_flops"],
             "kv_bytes": u["kv_bytes"], "kv_bytes_peak": u["kv_bytes_peak"], "state_bytes": u["state_bytes"],
@@ -134,33 +157,49 @@ class ChatReply:
             "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
         }  # fmt: skip
 
-    def _text(self, tokens: list[int]) -> str:
-        return self.state.vlm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    def _logprobs(self, entries: list) -> dict | None:
+        """OpenAI's `logprobs` of a choice (or of a chunk) from the engine's (id, logprob, top) entries; None
+        when the request did not ask for them."""
+        if self.job.payload.logprobs is None:
+            return None
+        tok = self.state.vlm.tokenizer
+
+        def one(i: int, lp: float) -> dict:
+            text = tok.decode([i])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [one(i, lp) | {"top_logprobs": [one(j, q) for j, q in top]} for i, lp, top in entries],
+                "refusal": None}  # fmt: skip
 
     async def whole(self):
         from fastapi.responses import Response
 
+        ends = {}
         try:
             while True:
-                kind, value = await self._next()
-                if kind == "done":
+                event = await self._next()
+                if event[0] == "end":
+                    ends[event[1]] = event[2]
+                elif event[0] == "done":
                     break
         except ClientGone:
             return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
         finally:
             self._stop_watching()
+        choices = [{
+            "index": i, "message": {"role": "assistant", "content": e["text"]},
+            "logprobs": self._logprobs(e["logprobs"]), "finish_reason": e["finish_reason"],
+        } for i, e in sorted(ends.items())]  # fmt: skip
+        completion = sum(e["completion_tokens"] for e in ends.values())
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(value["tokens"])},
-                         "finish_reason": value["finish_reason"]}],
-            "usage": self._usage(value),
+            "choices": choices, "usage": self._usage(event[1], completion),
         }  # fmt: skip
 
-    def chunk(self, delta: dict, finish=None, usage=None) -> str:
-        c = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }  # fmt: skip
+    def chunk(self, index: int | None, delta: dict, finish=None, usage=None, logprobs=None) -> str:
+        c = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+             "choices": [] if index is None else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                   "finish_reason": finish}]}  # fmt: skip
         if usage is not None:
             c["usage"] = usage
         return f"data: {json.dumps(c)}\n\n"
@@ -178,24 +217,38 @@ class ChatReply:
         return StreamingResponse(self._events(first), media_type="text/event-stream")
 
     async def _events(self, first):
-        text = TextStream(self.state.vlm.tokenizer)
-        yield self.chunk({"role": "assistant", "content": ""})
-        event, finished = first, False
+        p = self.job.payload
+        tok = self.state.vlm.tokenizer
+        texts = [TextStream(tok, p.stop) for _ in range(p.n)]
+        for i in range(p.n):
+            yield self.chunk(i, {"role": "assistant", "content": ""})
+        event, finished, ends = first, False, {}
         try:
             while True:
-                kind, value = event
-                if kind == "done":
+                kind = event[0]
+                if kind == "token":
+                    _, i, token, entry = event
+                    piece, entries = texts[i].push(token, entry)
+                    if piece or entries:
+                        yield self.chunk(i, {"content": piece}, logprobs=self._logprobs(entries))
+                elif kind == "end":
+                    _, i, e = event
+                    ends[i] = e
+                    rest, entries = texts[i].end(e["text"], e["logprobs"])
+                    if rest or entries:
+                        yield self.chunk(i, {"content": rest}, logprobs=self._logprobs(entries))
+                    if p.n > 1:
+                        yield self.chunk(i, {}, e["finish_reason"])
+                elif kind == "done":
                     finished = True
-                    rest = text.rest(self._text(value["tokens"]))
-                    if rest:
-                        yield self.chunk({"content": rest})
-                    yield self.chunk({}, value["finish_reason"], self._usage(value))
+                    usage = self._usage(event[1], sum(e["completion_tokens"] for e in ends.values()))
+                    if p.n == 1:
+                        yield self.chunk(0, {}, ends[0]["finish_reason"], usage)
+                    else:
+                        yield self.chunk(None, {}, usage=usage)
                     yield "data: [DONE]\n\n"
                     return
-                piece = text.push(value)
-                if piece:
-                    yield self.chunk({"content": piece})
-                kind, value = event = self._seen(await self.job.payload.events.get())
+                event = self._seen(await self.job.payload.events.get())
         except ApiError as e:
             finished = True
             yield f"data: {json.dumps(e.body())}\n\n"

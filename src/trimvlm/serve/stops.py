@@ -1,0 +1,31 @@
+"""OpenAI's `stop`: up to 4 strings; generation ends where one first appears in the answer's text, and the
+text from there on is not returned. `find` says where (the model thread ends the row there); `safe` says how
+much of a growing text a stream may send: up to a match, and short of a tail that could still become one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StopText:
+    stops: tuple[str, ...]
+
+    def find(self, text: str) -> int | None:
+        """Where the first stop string begins in `text` (the earliest one), or None."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def safe(self, text: str) -> int:
+        """How many characters of `text` may be sent: up to a match; else all but the longest tail that is the
+        start of a stop string (it may complete with the next tokens)."""
+        at = self.find(text)
+        if at is not None:
+            return at
+        held = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:k]):
+                    held = k
+                    break
+        return len(text) - held
