@@ -14,7 +14,9 @@ A table lives between two markers; the opening one names its results file (relat
 - `rows`: for an eval result, the recipe labels to keep (default: all); otherwise the key of the list of rows in
   the file (default `rows`).
 - `where`: `key=value` filters on rows (`;`-separated, all must hold).
-- `table`: a renderer for a file of its own shape (`budget`, `tune`, `scoring`, `scan`).
+- `table`: `rows` (the generic rows renderer, also for an eval result), `pivot` (an eval result as a grid of
+  recipes: `pattern`, `cell`), or a renderer for a file of its
+  own shape (`budget`, `tune`, `scoring`, `scan`).
 
 `python benchmarks/write_results.py` rewrites the tables in place; `--check` writes nothing and exits 1 when a
 table differs from what its results file gives (tests/test_results_tables.py runs it).
@@ -98,6 +100,28 @@ def eval_table(data: dict, args: dict) -> str:
     return markdown_table([h for _, h in cols], [[r[i] for i in index] for r in rows])
 
 
+def pivot_table(data: dict, args: dict) -> str:
+    """An eval result as a grid: `pattern` (a regex on the recipe labels, groups named row... and col) puts each
+    recipe in a row and a column, `cell` names the summary column shown; labels that do not match are left out.
+    `rows` / `cols` (`;`-separated) fix their order, otherwise the order of first appearance."""
+    head, rows = summary_table(SavedResult(data))
+    at = head.index(args.get("cell", "full acc"))
+    pattern = re.compile(args["pattern"])
+    grid: dict[str, dict[str, str]] = {}
+    cols: list[str] = []
+    for r in rows:
+        m = pattern.fullmatch(r[0])
+        if m is None:
+            continue
+        row = " ".join(v for k, v in sorted(m.groupdict().items()) if k.startswith("row") and v)
+        grid.setdefault(row, {})[m["col"]] = r[at]
+        cols += [m["col"]] if m["col"] not in cols else []
+    order = [x.strip() for x in args.get("rows", "").split(";") if x.strip()] or list(grid)
+    cols = [x.strip() for x in args.get("cols", "").split(";") if x.strip()] or cols
+    cells = [[row, *(grid.get(row, {}).get(c, "-") for c in cols)] for row in order]
+    return markdown_table([args.get("corner", "recipe"), *cols], cells)
+
+
 def rows_table(data: dict, args: dict) -> str:
     rows = [r for r in _get(data, args.get("rows", "rows")) if _matches(r, args.get("where"))]
     cols = _columns(args.get("cols")) or [(k, k) for k, v in rows[0].items() if not isinstance(v, dict | list)]
@@ -165,7 +189,7 @@ def scan_table(data: dict, args: dict) -> str:
     return markdown_table(["model", *(h for _, h in cols)], rows)
 
 
-TABLES = {"budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table}
+TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table}
 
 
 def render(name: str, args: dict, results: Path) -> str:

@@ -187,7 +187,7 @@ def summary_table(result: EvalResult) -> tuple[list[str], list[list[str]]]:
             cells += [_pct(row["accuracy"]), f"{row['mismatch_pct']:.1f}"]
         row = result.row(label)
         keys = [k for k, _ in COST_COLUMNS if k != "total_flops"] + ["total_flops"]
-        cells += [_pct(row["retention"]), *(_ratio(row["ratio"][k]) for k in keys), _share(row["costs"])]
+        cells += [_pct(row.get("retention")), *(_ratio(row["ratio"].get(k)) for k in keys), _share(row["costs"])]
         rows.append(cells)
     return head, rows
 
