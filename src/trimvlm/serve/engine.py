@@ -433,7 +433,7 @@ class ChatEngine:
         tokens = [t for t in row.tokens if t not in self.stops]
         text, logprobs = self._text(tokens), row.logprobs
         if row.cut is not None:
-            text = text[: row.cut].rstrip()
+            text = text[: row.cut]
             logprobs = logprobs[: sum(1 for start in [0, *row.ends[:-1]] if start < row.cut)]
         self.outbox.post(row.job, ("end", row.index, {
             "text": text, "completion_tokens": len(tokens), "finish_reason": row.reason, "logprobs": logprobs,
