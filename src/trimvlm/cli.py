@@ -563,6 +563,11 @@ def serve(
     recipe_dir: Path | None = typer.Option(
         None, help="a folder of `trimvlm tune` outputs: clients may name them (recipe tuned=NAME:budget=X)"
     ),
+    api_key: str | None = typer.Option(
+        None, envvar="TRIMVLM_API_KEY", show_default=False,
+        help="requests to /v1/... need 'Authorization: Bearer KEY' (401 else); /health stays open",
+    ),  # fmt: skip
+    key_metrics: bool = typer.Option(False, help="/metrics needs the API key too"),
     log_level: str = typer.Option("info", help="uvicorn's log level"),
     access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
     replicas: int = typer.Option(1, help="model replicas, a Ray Serve deployment behind one route (needs --ray)"),
@@ -586,7 +591,8 @@ def serve(
                    limits=limits, decision_config=decision_config, threads=threads,
                    vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
                    load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
-                   replicas=replicas, ray=ray, recipe_dir=recipe_dir)  # fmt: skip
+                   replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
+                   key_metrics=key_metrics)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

@@ -83,6 +83,10 @@ def build_app(state: ServerState):
         } | state.batcher.stats()  # fmt: skip
         return JSONResponse(body, status_code=200 if state.batcher.alive else 503)
 
+    if state.api_key is not None:
+        from trimvlm.serve.keys import ApiKey
+
+        app = ApiKey(app, state.api_key, metrics=state.key_metrics)
     return AccessLog(app, state.metrics)
 
 
@@ -100,6 +104,8 @@ def make_state(
     prefix_cache_mb: float = 512,
     request_cache_mb: float = 256,
     recipe_dir=None,
+    api_key: str | None = None,
+    key_metrics: bool = False,
 ) -> ServerState:
     """Load `model` and check the server's options and recipe: what one server (or one replica) serves."""
     require()
@@ -121,7 +127,7 @@ def make_state(
     state = ServerState(
         vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
         decision_config=decision_config, vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb,
-        request_cache_mb=request_cache_mb, recipe_dir=recipe_dir,
+        request_cache_mb=request_cache_mb, recipe_dir=recipe_dir, api_key=api_key, key_metrics=key_metrics,
     )  # fmt: skip
     systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"
@@ -163,7 +169,8 @@ def serve(
     print(
         f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
         f"max batch {state.batcher.max_batch}, max wait {o.get('max_wait_ms', 10.0):g} ms, max prefill tokens "
-        f"{limits.max_prefill_tokens}, {torch.get_num_threads()} torch thread(s)",
+        f"{limits.max_prefill_tokens}, {torch.get_num_threads()} torch thread(s), "
+        f"{'an API key on /v1' + (' and /metrics' if state.key_metrics else '') if state.api_key else 'no API key'}",
         file=sys.stderr,
         flush=True,
     )

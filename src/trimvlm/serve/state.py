@@ -96,12 +96,19 @@ class ServerState:
         prefix_cache_mb: float = 512,
         request_cache_mb: float = 256,
         recipe_dir: str | Path | None = None,
+        api_key: str | None = None,
+        key_metrics: bool = False,
     ):
         from trimvlm.runtime.lru import ByteLRU
 
         if recipe_dir is not None and not Path(recipe_dir).is_dir():
             raise InputError(f"--recipe-dir {recipe_dir}: not a folder")
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise InputError("--api-key must be a non-empty string")
+        if key_metrics and api_key is None:
+            raise InputError("--key-metrics needs --api-key (or TRIMVLM_API_KEY)")
+        self.api_key, self.key_metrics = api_key, key_metrics  # (never logged)
 
         self.vlm = vlm
         vlm.use_caches(vision_bytes=cache_bytes(vision_cache_mb, "--vision-cache-mb"),

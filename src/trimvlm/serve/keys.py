@@ -1,0 +1,48 @@
+"""API keys (`trimvlm serve --api-key KEY`, or the environment variable TRIMVLM_API_KEY), as vLLM and the OpenAI
+client expect: every model route (`/v1/...`) answers 401 unless the request carries `Authorization: Bearer
+KEY`. `/health` stays open; `/metrics` is open unless the operator keys it too (`--key-metrics`). The key is
+compared in constant time (`hmac.compare_digest`) and never logged or echoed. (Every other path is keyed
+too: an unknown one answers 401 before 404.)"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+ENV = "TRIMVLM_API_KEY"
+OPEN = ("/health",)
+
+
+class ApiKey:
+    """ASGI middleware: requests to keyed paths without the key get a 401 before the app sees them."""
+
+    def __init__(self, app, key: str, *, metrics: bool = False):
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError("the API key must be a non-empty string")
+        self.app, self._key, self.metrics = app, key.encode(), metrics
+
+    def keyed(self, path: str) -> bool:
+        """Every path but /health, and /metrics only when the operator keyed it."""
+        if path in OPEN:
+            return False
+        return self.metrics if path == "/metrics" else True
+
+    def allowed(self, headers: list) -> bool:
+        given = b""
+        for name, value in headers:
+            if name.lower() == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
+        return hmac.compare_digest(given, self._key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keyed(scope["path"]) or self.allowed(scope.get("headers", [])):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": {"message": "a valid API key is required: send it as 'Authorization: Bearer "
+                                                "KEY'", "type": "invalid_request_error", "code": "invalid_api_key"}}).encode()  # fmt: skip
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer"),
+        ]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
