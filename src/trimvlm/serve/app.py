@@ -62,12 +62,18 @@ def build_app(state: ServerState):
     async def chat_route(request: Request):
         return await chat.handle(state, request)
 
+    @app.post("/v1/score")
+    async def score_route(request: Request):
+        from trimvlm.serve import score
+
+        return await score.handle(state, request)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "trimvlm",
             "family": state.vlm.family, "recipe": state.default_recipe or "baseline",
-            "endpoints": ["/v1/systemone"] + ([] if state.vlm.adapter.decision_head else ["/v1/chat/completions"]),
+            "endpoints": ["/v1/systemone", "/v1/score"] + ([] if state.vlm.adapter.decision_head else ["/v1/chat/completions"]),
         }]}  # fmt: skip
 
     @app.get("/metrics")

@@ -13,16 +13,17 @@ MiB = 1024 * 1024
 @dataclass(frozen=True)
 class ServerLimits:
     """`max_body_bytes`: the request body (413 past it); `max_images`: images per request (System One assets,
-    chat `image_url` parts); `max_image_bytes`: one encoded image; `max_questions`: questions per System One
-    request; `max_tokens`: the most a chat completion may ask for (`max_tokens` / `max_completion_tokens`);
-    `default_max_tokens`: what it gets when it asks for none; `max_prefill_tokens`: prompt tokens admitted into
-    one prefill between two decode steps (a longer prompt runs alone), so a burst of long prompts cannot stall
-    the running streams for long."""
+    chat `image_url` parts, score `images`); `max_image_bytes`: one encoded image; `max_questions`: questions
+    per System One request; `max_candidates`: candidates per score request; `max_tokens`: the most a chat
+    completion may ask for (`max_tokens` / `max_completion_tokens`); `default_max_tokens`: what it gets when it
+    asks for none; `max_prefill_tokens`: prompt tokens admitted into one prefill between two decode steps (a
+    longer prompt runs alone), so a burst of long prompts cannot stall the running streams for long."""
 
     max_body_bytes: int = 16 * MiB
     max_images: int = 8
     max_image_bytes: int = 8 * MiB
     max_questions: int = 64
+    max_candidates: int = 64
     max_tokens: int = 256
     default_max_tokens: int = 32
     max_prefill_tokens: int = 4096

@@ -155,10 +155,12 @@ class ServerState:
         self.batcher.start()
 
     def _run_batch(self, key, payloads: list) -> list:
-        """On the model thread: one batch of System One requests with the same key (chat completions are
-        the scheduler's engine's, step by step)."""
-        from trimvlm.serve import systemone  # (it imports this module's names)
+        """On the model thread: one batch of System One or score requests with the same key (chat completions
+        are the scheduler's engine's, step by step)."""
+        from trimvlm.serve import score, systemone  # (they import this module's names)
 
+        if key[0] == "score":
+            return score.run(self, key, payloads)
         return systemone.run(self, key, payloads)
 
     def close(self) -> None:

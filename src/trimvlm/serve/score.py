@@ -1,0 +1,155 @@
+"""`POST /v1/score`: candidate scoring over HTTP, answered by `vlm.score` (its executors and readouts).
+
+The shape follows vLLM's score API (`POST /v1/score`: `text_1` the query, `text_2` the documents; the answer a
+`list` of `{"index", "object": "score", "score"}` and `usage`), with these differences: `text_1` is one question
+(vLLM also takes a list of pairs); `text_2` are the candidate answers, and each `score` is the candidate's
+probability among them (the softmax of their log-likelihoods, or the decision head's), not a cross-encoder's
+similarity; trimvlm's fields: `images` (base64 data URLs, never fetched), `readout` (`loglik` | `head`),
+`executor` (`auto` | `independent` | `batched` | `segments` | `tree`), `recipe`; each item also carries
+`logprob` (the candidate's summed log-likelihood), `logprob_mean`, `tokens`, `greedy`, and the answer
+`chosen` (-1: the head abstains) and the costs.
+
+Concurrent requests with the same readout, executor and recipe run as one `vlm.score` call; with the loglik
+readout, requests on the same images and question share one prefix (their candidates are scored off it
+together; a candidate's log-likelihood does not depend on the others, and each request's probabilities are
+those of its own candidates). The call's costs are split evenly between its requests (`batch_requests`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from pydantic import Field, ValidationError
+
+from trimvlm.serve.chat import _Strict, decode_image
+from trimvlm.serve.errors import ApiError
+
+
+class ScoreBody(_Strict):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    images: list[str] = Field(default_factory=list)
+    readout: str = "loglik"
+    executor: str = "auto"
+    recipe: str | None = None
+
+
+@dataclass
+class ScoreJob:
+    images: list  # decoded
+    question: str
+    candidates: list[str]
+    recipe: object
+    prefix: tuple  # what its prefix is made of: its images' data URLs and question (requests that share it)
+
+
+def parse(body: dict, limits) -> ScoreBody:
+    from trimvlm.scoring.executors import NAMES
+    from trimvlm.scoring.request import READOUTS
+
+    try:
+        req = ScoreBody.model_validate(body)
+    except ValidationError as e:
+        detail = [{"loc": ["body", *i["loc"]], "msg": i["msg"], "type": i["type"]} for i in e.errors(include_url=False)]
+        raise ApiError(422, detail) from e
+    if not isinstance(req.text_1, str):
+        raise ApiError(400, "text_1: one question per request (a string)")
+    if not req.text_1.strip():
+        raise ApiError(400, "text_1: an empty question")
+    cands = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    if not cands or not all(isinstance(c, str) and c.strip() for c in cands):
+        raise ApiError(400, "text_2: one or more non-empty candidate strings")
+    if len(cands) > limits.max_candidates:
+        raise ApiError(400, f"text_2: {len(cands)} candidates, at most {limits.max_candidates} per request")
+    if len(req.images) > limits.max_images:
+        raise ApiError(400, f"too many images: {len(req.images)}, at most {limits.max_images} per request")
+    if req.readout not in READOUTS:
+        raise ApiError(400, f"readout {req.readout!r}: one of {', '.join(READOUTS)}")
+    if req.executor not in NAMES:
+        raise ApiError(400, f"executor {req.executor!r}: one of {', '.join(NAMES)}")
+    req.text_2 = cands
+    return req
+
+
+async def handle(state, request) -> dict:
+    with state.batcher.arrival() as arrival:
+        return await _handle(state, request, arrival)
+
+
+async def _handle(state, request, arrival) -> dict:
+    from trimvlm.serve.reply import ClientGone, unless_gone
+
+    t0 = time.perf_counter()
+    body = await state.read_json(request)
+    req = parse(body, state.limits)
+    model = state.model_name(body)
+    recipe = state.recipe("score", req.recipe)
+    if state.vlm.adapter.decision_head is not None and req.readout != "head":
+        raise ApiError(400, "readout: this server holds a decision model (no LM head): ask for readout 'head'")
+    if req.readout == "head" and state.vlm.head is None:
+        raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")
+    images = await state.prepare(lambda: [decode_image(i + 1, u, state.limits) for i, u in enumerate(req.images)])
+    job = ScoreJob(images, req.text_1, req.text_2, recipe.recipe, (*req.images, req.text_1))
+    queued = state.batcher.enqueue(("score", recipe.label, req.readout, req.executor), job, arrival)
+    try:
+        result, usage = await unless_gone(request, state.result(queued))
+    except ClientGone:
+        queued.cancel()
+        from fastapi.responses import Response
+
+        return Response(status_code=499)
+    data = [{
+        "index": k, "object": "score", "score": c.prob, "text": c.text, "logit": c.logit, "logprob": c.loglik_sum,
+        "logprob_mean": c.loglik_mean, "tokens": c.n_tokens, "greedy": c.is_greedy,
+    } for k, c in enumerate(result.candidates)]  # fmt: skip
+    usage |= {"recipe": recipe.label, "queue_s": queued.started - queued.enqueued,
+              "server_latency_s": time.perf_counter() - t0}  # fmt: skip
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "chosen": result.chosen, "abstain_prob": result.abstain_prob, "usage": usage}  # fmt: skip
+
+
+def run(state, key, jobs: list[ScoreJob]) -> list:
+    """On the model thread: the batch's requests as one `vlm.score` call; (its result, its usage) per job. With
+    the loglik readout, jobs on the same prefix are one request over the union of their candidates."""
+    from trimvlm.decision.costs import split
+    from trimvlm.scoring.request import CandidateScore, ScoreRequest, ScoreResult
+
+    _, _, readout, executor = key
+    groups: dict[tuple, list[int]] = {}
+    for i, j in enumerate(jobs):
+        groups.setdefault(j.prefix if readout == "loglik" else (i,), []).append(i)
+    requests, where = [], {}
+    for members in groups.values():
+        cands = list(dict.fromkeys(c for i in members for c in jobs[i].candidates))
+        first = jobs[members[0]]
+        for i in members:
+            where[i] = (len(requests), {c: k for k, c in enumerate(cands)})
+        requests.append(ScoreRequest(first.images or None, first.question, cands))
+    out = state.vlm.score(requests, readout=readout, executor=executor, recipe=jobs[0].recipe)
+    c, n = out.costs, len(jobs)
+    shares = {
+        "vision_flops": c.flops.get("vision", 0), "prefill_flops": c.flops.get("prefill", 0),
+        "branch_flops": c.flops.get("branch", 0), "method_flops": c.method_total_flops, "kv_bytes": c.kv_bytes,
+    }  # fmt: skip
+    shares = {k: split(v, [1] * n) for k, v in shares.items()}
+    results = []
+    for i, j in enumerate(jobs):
+        r, index = where[i]
+        got = out.results[r]
+        if readout == "loglik" and [x.text for x in got.candidates] != j.candidates:  # its own candidates' softmax
+            import torch
+
+            mine = [got.candidates[index[cand]] for cand in j.candidates]
+            probs = torch.softmax(torch.tensor([m.loglik_sum for m in mine], dtype=torch.float64), 0).tolist()
+            cands = [CandidateScore(**{**vars(m), "logit": m.loglik_sum, "prob": p}) for m, p in zip(mine, probs, strict=True)]
+            got = ScoreResult(question=got.question, candidates=cands, chosen=max(range(len(cands)),
+                              key=lambda k: cands[k].logit))  # fmt: skip
+        usage = {k: v[i] for k, v in shares.items()}
+        usage |= {"candidates": len(j.candidates), "executor": out.executor, "readout": readout,
+                  "batch_requests": n, "shared_prefix_requests": len(groups[jobs[i].prefix if readout == "loglik"
+                                                                            else (i,)])}  # fmt: skip
+        results.append((got, usage))
+    return results
