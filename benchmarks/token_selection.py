@@ -8,15 +8,22 @@ dispatch-level tracker: works on any device; the inputs are not counted), and pe
 of time and memory vs N (least squares on log-log). A memory exponent near 1 means no N x N matrix.
 
 Density's farthest-point loop is compared with two references of the same rule, at batch 1 (each image of a
-batch would run once more): `naive` builds the full N x N distance matrix and, one Python step per pick, takes
-the min over the rows of every token picked so far (the straightforward form, as DivPrune's reference code
-does), and `incremental` builds the full matrix and keeps a running min (one row per pick). Identical picks are
-checked, and `ours` is set against its compute roofline: K x N x d multiply-adds at the matmul rate measured
-for one [K, d] x [d, N] product, timed in the same interleaved rounds (issue 20's target: within 2x at
-N = 4096). Times are medians of interleaved rounds (every method, or every form, once per round). `--width 3b`: d = 2048 only. `select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only
-selects (`merge=false`); assigning every dropped token to its nearest kept token is O(N * K * d) in any method.
+batch would run once more), at d = 1024 and 2048 (`--ref-dims`) for every N: `naive` builds the full N x N
+distance matrix and, one Python step per pick, takes the min over the rows of every token picked so far (the
+straightforward form, as DivPrune's reference code does), and `incremental` builds the full matrix and keeps a
+running min (one row per pick). Identical picks are checked, and `ours` is set against its compute roofline:
+K x N x d multiply-adds at the matmul rate measured for one [K, d] x [d, N] product, timed in the same
+interleaved rounds. `numpy loop` is ours with the per-pick loop uncompiled (issue 33's fallback). Each round
+gives paired ratios (ours against the product and the naive loop of the same round): the table shows their
+median and spread (min-max) over >= 5 rounds. Issue 33's targets: >= 5x the naive loop at N = 576, >= 10x at
+N >= 1024; <= 2.5x the roofline at N = 1024, <= 2x at N >= 2304.
 
-    python benchmarks/token_selection.py --json sel.json [--threads 2] [--width 3b] [--quick]
+Default run (bounded, a few minutes on 2 idle cores): the references at both widths, the method table at d = 1024
+and batch 1 and 4. `--full`: the method table at both widths and batch 1 and 8 too. `--width 3b`: d = 2048 only.
+`select=topk` (density top-k, TwinPrune's ablation and decode rule) should scale linearly when it only selects
+(`merge=false`); assigning every dropped token to its nearest kept token is O(N * K * d) in any method.
+
+    python benchmarks/token_selection.py --json sel.json [--threads 2] [--width 3b] [--full] [--quick]
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trimvlm.kernels import farthest_point, masked_minmax
+from trimvlm.kernels import farthest_point, jit, masked_minmax
 from trimvlm.plan import Handoff, build_methods
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
@@ -117,7 +124,7 @@ def features(batch: int, side: int, d: int, seed: int) -> torch.Tensor:
     low = torch.randn(batch, d, max(2, side // 4), max(2, side // 4), generator=g)
     up = F.interpolate(low, size=(side, side), mode="bilinear", align_corners=False)
     x = up.permute(0, 2, 3, 1).reshape(batch, side * side, d)
-    return x + 0.3 * torch.randn(x.shape, generator=g)
+    return (x + 0.3 * torch.randn(x.shape, generator=g)).contiguous()  # token-major, as hidden states are
 
 
 def visual_seq(x: torch.Tensor, side: int, text: int = 0) -> LiveSeq:
@@ -173,8 +180,8 @@ def reducer_for(method: str, keep: float, seq: LiveSeq):
     return red, call
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each call over `repeats` rounds that run every call once (after one warm-up each), so
+def interleaved_rounds(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call in each of `repeats` rounds that run every call once (after one warm-up each), so
     drift on a shared machine hits all of them alike."""
     for fn in fns.values():
         fn()
@@ -184,7 +191,18 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             ts[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in ts.items()}
+    return ts
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each call over `interleaved_rounds`."""
+    return {name: statistics.median(v) for name, v in interleaved_rounds(fns, repeats).items()}
+
+
+def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the per-round ratios num / den."""
+    r = [a / b for a, b in zip(num, den, strict=True)]
+    return statistics.median(r), min(r), max(r)
 
 
 def product(k: int, n: int, d: int):
@@ -230,32 +248,49 @@ def exponent(ns, ys) -> float:
     return float(a)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default="token_selection.json")
-    ap.add_argument("--ns", type=int, nargs="+", default=list(SIDES))
-    ap.add_argument("--dims", type=int, nargs="+", default=[1024, 2048])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--keep", type=float, default=0.2)
-    ap.add_argument("--methods", nargs="+", default=METHODS)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--width", choices=sorted(REAL_WIDTHS), default=None,
-                    help="a real checkpoint's width: 3b = d 2048 (Qwen2.5-VL-3B's hidden size)")  # fmt: skip
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke test in seconds: d=64, N 144 and 256, batch 1 and 2, 1 repeat",
-    )
-    args = ap.parse_args(argv)
-    if args.width:
-        args.dims = [REAL_WIDTHS[args.width]["hidden"]]
-    if args.quick:
-        args.dims, args.ns, args.batches, args.repeats = [64], [144, 256], [1, 2], 1
-    torch.set_num_threads(args.threads)
-    console = Console(width=170)
-    rows, refs = [], []
+def fps_vs_reference(d: int, n: int, keep: float, rounds: int) -> dict:
+    """Farthest point (compiled and its numpy loop) against the naive and incremental references and the
+    roofline product, at batch 1, in interleaved rounds; per-round paired ratios."""
+    side = SIDES.get(n) or int(math.isqrt(n))
+    x = features(1, side, d, seed=n + d)
+    view = make_view(visual_seq(x, side), keep, 0)
+    rt = masked_minmax(view_density(view, 3), view.mask)
+    tilt, first, k = rt[0], int(rt[0].argmax()), int(view.k[0])
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+
+    def ours():
+        return farthest_point(xn, view.mask, view.k, rt, rt.argmax(1))[0][0].tolist()
+
+    def numpy_loop():
+        with jit.disabled():
+            return ours()
+
+    ts = interleaved_rounds(
+        dict(ours=ours, numpy_loop=numpy_loop, incremental=lambda: ref_incremental(x[0], k, tilt, first),
+             naive=lambda: ref_naive(x[0], k, tilt, first), product=product(k, side * side, d)),
+        rounds,
+    )  # fmt: skip
+    med = {name: statistics.median(v) for name, v in ts.items()}
+    picks, p_loop = ours(), numpy_loop()
+    p_inc, p_naive = (ref(x[0], k, tilt, first) for ref in (ref_incremental, ref_naive))
+    same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
+    over, over_lo, over_hi = paired(ts["ours"], ts["product"])
+    vs_naive, naive_lo, naive_hi = paired(ts["naive"], ts["ours"])
+    return dict(
+        d=d, n=side * side, k=k, ours_s=med["ours"], numpy_loop_s=med["numpy_loop"], naive_s=med["naive"],
+        incremental_s=med["incremental"], roofline_s=med["product"],
+        matmul_gflops=2 * k * side * side * d / med["product"] / 1e9,
+        over_roofline=over, over_roofline_spread=[over_lo, over_hi],
+        speedup_vs_naive=vs_naive, speedup_vs_naive_spread=[naive_lo, naive_hi],
+        speedup_vs_incremental=paired(ts["incremental"], ts["ours"])[0],
+        compiled_vs_numpy=paired(ts["numpy_loop"], ts["ours"])[0], rounds=rounds,
+        identical_picks=picks == p_naive == p_inc == p_loop, first_divergence=same if picks != p_naive else None,
+    )  # fmt: skip
+
+
+def method_rows(args, console) -> list[dict]:
+    """Every method's real reduce at each width, batch and N: median seconds of interleaved rounds, peak bytes."""
+    rows = []
     for d in args.dims:
         for batch in args.batches:
             for n in args.ns:
@@ -278,42 +313,56 @@ def main(argv=None):
                     console.log(
                         f"d={d} B={batch} N={side * side} {method}: {t * 1e3:.1f} ms, {mem.peak / 2**20:.1f} MiB"
                     )
-            if args.no_reference or batch != 1:
-                continue
-            for n in args.ns:
-                side = SIDES.get(n) or int(math.isqrt(n))
-                x = features(1, side, d, seed=n + d)
-                view = make_view(visual_seq(x, side), args.keep, 0)
-                rt = masked_minmax(view_density(view, 3), view.mask)
-                tilt, first, k = rt[0], int(rt[0].argmax()), int(view.k[0])
-                xn = F.normalize(x, dim=-1, eps=1e-12)
+    return rows
 
-                def ours(xn=xn, view=view, rt=rt):
-                    return farthest_point(xn, view.mask, view.k, rt, rt.argmax(1))[0][0].tolist()
 
-                med = interleaved_medians(
-                    dict(ours=ours, incremental=lambda: ref_incremental(x[0], k, tilt, first),  # noqa: B023
-                         naive=lambda: ref_naive(x[0], k, tilt, first),  # noqa: B023
-                         product=product(k, side * side, d)),
-                    max(3, args.repeats),
-                )  # fmt: skip
-                t_ours, t_inc, t_naive = med["ours"], med["incremental"], med["naive"]
-                picks = ours()
-                p_inc, p_naive = (ref(x[0], k, tilt, first) for ref in (ref_incremental, ref_naive))
-                same = sum(a == b for a, b in zip(picks, p_naive, strict=True))
-                roof = med["product"]  # K x N x d multiply-adds at the rate of one product of that size
-                rate = 2 * k * side * side * d / roof
-                refs.append(
-                    dict(d=d, n=side * side, k=k, ours_s=t_ours, naive_s=t_naive, incremental_s=t_inc,
-                         matmul_gflops=rate / 1e9, roofline_s=roof, over_roofline=t_ours / roof,
-                         speedup_vs_naive=t_naive / t_ours, speedup_vs_incremental=t_inc / t_ours,
-                         identical_picks=picks == p_naive == p_inc, first_divergence=same if picks != p_naive else None)
-                )  # fmt: skip
-                console.log(
-                    f"FPS d={d} N={side * side}: ours {t_ours:.3f}s naive {t_naive:.3f}s inc {t_inc:.3f}s, "
-                    f"roofline {roof:.3f}s ({t_ours / roof:.2f}x)"
-                )
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default="token_selection.json")
+    ap.add_argument("--ns", type=int, nargs="+", default=list(SIDES))
+    ap.add_argument("--dims", type=int, nargs="+", default=None, help="the method table's widths (default 1024; "
+                    "--full: 1024 2048)")  # fmt: skip
+    ap.add_argument("--ref-dims", type=int, nargs="+", default=[1024, 2048], help="farthest point vs references")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 4 (--full: 1 8)")
+    ap.add_argument("--keep", type=float, default=0.2)
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the method table")
+    ap.add_argument("--ref-rounds", type=int, default=5, help="rounds of the reference comparison (>= 5)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--full", action="store_true", help="the method table at both widths, batch 1 and 8")
+    ap.add_argument("--width", choices=sorted(REAL_WIDTHS), default=None,
+                    help="a real checkpoint's width: 3b = d 2048 (Qwen2.5-VL-3B's hidden size)")  # fmt: skip
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test in seconds: d=64, N 144 and 256, batch 1 and 2, 1 repeat",
+    )
+    args = ap.parse_args(argv)
+    args.dims = args.dims or ([1024, 2048] if args.full else [1024])
+    args.batches = args.batches or ([1, 8] if args.full else [1, 4])
+    if args.width:
+        args.dims = args.ref_dims = [REAL_WIDTHS[args.width]["hidden"]]
+    if args.quick:
+        args.dims, args.ref_dims, args.ns, args.batches, args.repeats = [64], [64], [144, 256], [1, 2], 1
+        args.ref_rounds = 1
+    return args
 
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    console = Console(width=170)
+    rows = method_rows(args, console)
+    refs = []
+    for d in [] if args.no_reference else args.ref_dims:
+        for n in args.ns:
+            refs.append(fps_vs_reference(d, n, args.keep, max(1 if args.quick else 5, args.ref_rounds)))
+            r = refs[-1]
+            console.log(
+                f"FPS d={d} N={r['n']}: ours {r['ours_s']:.3f}s ({r['over_roofline']:.2f}x roofline), "
+                f"{r['speedup_vs_naive']:.1f}x naive, numpy loop {r['numpy_loop_s']:.3f}s"
+            )
     fits = []
     for d in args.dims:
         for batch in args.batches:
@@ -324,7 +373,15 @@ def main(argv=None):
                     dict(method=method, d=d, batch=batch, time_exponent=exponent(ns, [r["seconds"] for r in sel]),
                          memory_exponent=exponent(ns, [r["peak_bytes"] for r in sel]))
                 )  # fmt: skip
+    print_tables(args, console, rows, fits, refs)
+    meta = dict(keep=args.keep, threads=args.threads, repeats=args.repeats, ref_rounds=args.ref_rounds,
+                device="cpu", torch=torch.__version__, compiled=jit.compiled())  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, fits=fits, fps_vs_reference=refs), f, indent=1)
+    console.print(f"wrote {args.json}")
 
+
+def print_tables(args, console, rows, fits, refs) -> None:
     for d in args.dims:
         for batch in args.batches:
             table = Table(
@@ -347,25 +404,24 @@ def main(argv=None):
             nxn = [f"{batch * n * n * 4 / 2**20:.0f}" for n in args.ns]
             table.add_row("(N x N fp32 matrix, MiB)", *nxn, "", "", style="dim")
             console.print(table)
-    if refs:
-        table = Table(title="density farthest-point loop vs references of the same rule (batch 1, keep 20%)")
-        for c in ("d", "N", "K", "ours s", "roofline s", "x roofline", "naive s", "incremental s", "x vs naive",
-                  "x vs incr.", "same picks"):  # fmt: skip
-            table.add_column(c, justify="right")
-        for r in refs:
-            table.add_row(
-                str(r["d"]), str(r["n"]), str(r["k"]), f"{r['ours_s']:.3f}", f"{r['roofline_s']:.3f}",
-                f"{r['over_roofline']:.2f}", f"{r['naive_s']:.3f}",
-                f"{r['incremental_s']:.3f}", f"{r['speedup_vs_naive']:.1f}", f"{r['speedup_vs_incremental']:.1f}",
-                "yes" if r["identical_picks"] else f"first {r['first_divergence']}",
-            )  # fmt: skip
-        console.print(table)
-    meta = dict(
-        keep=args.keep, threads=args.threads, repeats=args.repeats, device="cpu", torch=torch.__version__
+    if not refs:
+        return
+    table = Table(
+        title=f"density farthest-point loop vs references of the same rule (batch 1, keep {args.keep:.0%}, "
+        f"{args.threads} thread(s)); ratios: median (min-max) of paired rounds"
     )
-    with open(args.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, fits=fits, fps_vs_reference=refs), f, indent=1)
-    console.print(f"wrote {args.json}")
+    for c in ("d", "N", "K", "ours s", "numpy loop s", "roofline s", "x roofline", "naive s", "x vs naive",
+              "x vs incr.", "same picks"):  # fmt: skip
+        table.add_column(c, justify="right")
+    for r in refs:
+        (olo, ohi), (nlo, nhi) = r["over_roofline_spread"], r["speedup_vs_naive_spread"]
+        table.add_row(
+            str(r["d"]), str(r["n"]), str(r["k"]), f"{r['ours_s']:.4f}", f"{r['numpy_loop_s']:.4f}",
+            f"{r['roofline_s']:.4f}", f"{r['over_roofline']:.2f} [{olo:.2f}-{ohi:.2f}]", f"{r['naive_s']:.3f}",
+            f"{r['speedup_vs_naive']:.1f} [{nlo:.1f}-{nhi:.1f}]", f"{r['speedup_vs_incremental']:.1f}",
+            "yes" if r["identical_picks"] else f"first {r['first_divergence']}",
+        )  # fmt: skip
+    console.print(table)
 
 
 if __name__ == "__main__":
