@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from types import SimpleNamespace
 
 from trimvlm.evals.run import EvalResult
 
@@ -96,7 +97,9 @@ def print_report(result: EvalResult, console=None) -> None:
     labels = result.labels
     groups = [r for r in result.rows if r["recipe"] == labels[0]]
     summaries = [g for g in groups if g["group_type"] != "kind"]
-    for title, first in [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else []):
+    if len(labels) > WIDE:
+        _accuracy_rows(result, groups, console)
+    for title, first in [] if len(labels) > WIDE else [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else []):
         t = _table(f"{result.task.name}: {title}", ["kind", "probe", "metric", "n", *map(escape, labels[first:])], 3)
         for n, g in enumerate(groups):
             if g["group_type"] != "kind" and n > 0 and groups[n - 1]["group_type"] == "kind":
@@ -116,6 +119,24 @@ def print_report(result: EvalResult, console=None) -> None:
     console.print(f"[dim]FLOPs: the model's (vision included) plus the methods' own (selection, attention probes, "
                   f"merges); KV bytes: held after any eviction, KV peak: the most held during a call; peak mem: "
                   f"{MEMORY_KINDS.get(kind, kind or 'not measured')}[/dim]")  # fmt: skip
+
+
+WIDE = 6  # more recipes than this: one row per recipe instead of one column
+
+
+def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> None:
+    """Many recipes: accuracy % per kind and probe, then mismatch % per probe, one row per recipe."""
+    from rich.markup import escape
+
+    summaries = [g for g in groups if g["group_type"] != "kind"]
+    heads = [f"{g['group']} acc" for g in groups] + [f"{g['group']} mismatch" for g in summaries if g["group"] != "all"]
+    t = _table(f"{result.task.name}: accuracy % and mismatch % vs baseline ({len(result.labels)} recipes)",
+               ["recipe", *heads])  # fmt: skip
+    for label in result.labels:
+        acc = [_pct(result.row(label, g["group"])["accuracy"]) for g in groups]
+        mm = [f"{result.row(label, g['group'])['mismatch_pct']:.1f}" for g in summaries if g["group"] != "all"]
+        t.add_row(escape(label), *acc, *mm, style="bold" if label == result.labels[0] else None)
+    console.print(t)
 
 
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
@@ -220,6 +241,7 @@ class SavedResult:
         self.labels = [r["label"] for r in data["recipes"]]
         self.depths = [r.get("depth") for r in data["recipes"]]
         self.largest_budget = data.get("largest_budget_90") or {}
+        self.task = SimpleNamespace(name=data["task"]["name"])
 
     @classmethod
     def load(cls, path: str | Path) -> SavedResult:
@@ -297,6 +319,16 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 MARKERS = ["*", "o", "s", "^", "D", "v", "P", "X", "<", ">"]
+PALETTE = 20  # matplotlib's tab20: with MARKERS, 200 recipes before a (colour, marker) pair repeats
+LEGEND_ROWS_PER_INCH = 6.5  # legend entries at fontsize 7 per inch of figure height
+
+
+def recipe_style(k: int) -> tuple[str, tuple]:
+    """Recipe k's marker and colour: the colour cycles through the palette, the marker changes every cycle
+    (recipe 0, the baseline, is the first colour's star)."""
+    import matplotlib
+
+    return MARKERS[(k // PALETTE) % len(MARKERS)], matplotlib.colormaps["tab20"](k % PALETTE)
 PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items",
                 "candidates": "candidate items"}  # fmt: skip
 
@@ -307,14 +339,25 @@ def plot_pareto(result: EvalResult, path: str | Path) -> Path:
     markers, the same colour), and peak memory; one point per recipe (the same colour and marker in every
     panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of
     panels per probe kind. A panel whose cost was not measured stays empty."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pareto_figure(result).savefig(path, dpi=110)
+    return path
+
+
+def pareto_figure(result: EvalResult):
+    """The figure `plot_pareto` writes: the legend in as many columns as the recipes need, the figure widened
+    for them."""
+    import math
+
     from matplotlib.figure import (
         Figure,  # a bare Figure renders PNG with Agg; pyplot's global state untouched
     )
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     probes = [r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"]
-    fig = Figure(figsize=(15.5, 3.8 * max(1, len(probes))), layout="constrained")
+    height = 3.8 * max(1, len(probes))
+    ncol = math.ceil(len(result.labels) / max(1, int(height * LEGEND_ROWS_PER_INCH)))
+    fig = Figure(figsize=(15.5 + 2.6 * ncol, height), layout="constrained")
     grid = fig.subplots(max(1, len(probes)), 3, squeeze=False)
     for i, probe in enumerate(probes):
         flops = "branch_flops" if probe == "candidates" else "total_flops"
@@ -323,10 +366,9 @@ def plot_pareto(result: EvalResult, path: str | Path) -> Path:
         for j, (key, xlabel) in enumerate(panels):
             _panel(grid[i][j], result, probe, key, xlabel)
     handles, names = grid[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside right upper", fontsize=8, title="recipe")
+    fig.legend(handles, names, loc="outside right upper", fontsize=7, title="recipe", ncol=ncol)
     fig.suptitle(f"trimvlm eval: {result.task.name}, accuracy vs cost (Pareto front in grey)")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 def _panel(ax, result: EvalResult, probe: str, key: str, xlabel: str) -> None:
@@ -334,13 +376,15 @@ def _panel(ax, result: EvalResult, probe: str, key: str, xlabel: str) -> None:
     for k, label in enumerate(result.labels):
         row = result.row(label, probe)
         y = 100 * row["accuracy"]
-        style = {"s": 140 if k == 0 else 60, "marker": MARKERS[k % len(MARKERS)], "zorder": 3 + k}
-        marks = [(key, label, f"C{k % 10}")] + ([("kv_bytes_peak", None, "none")] if key == "kv_bytes" else [])
+        marker, colour = recipe_style(k)
+        style = {"s": 140 if k == 0 else 60, "marker": marker, "zorder": 3 + k}
+        marks = [(key, label, colour)] + ([("kv_bytes_peak", None, "none")] if key == "kv_bytes" else [])
         for col, name, face in marks:
-            x = row["ratio"][col]
+            x = row["ratio"].get(col)
             if x is None:  # the baseline spent nothing of this kind either
                 x = 1.0 if k == 0 else float("nan")
-            ax.scatter([x], [y], facecolors=face, edgecolors=f"C{k % 10}", alpha=0.85, label=name, **style)
+            ax.scatter([x], [y], facecolors=[face] if face != "none" else "none", edgecolors=[colour], alpha=0.85,
+                       label=name, **style)  # fmt: skip
             if x == x and name is not None:
                 pts.append((x, y))
                 shown.append(y)
