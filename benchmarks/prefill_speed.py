@@ -15,10 +15,13 @@ FLOPs plus the method's own (`Costs.method_flops`), so the FLOP-ratio bound = ba
 method FLOPs) is the speedup the work alone allows; `efficiency` = measured speedup / bound (issue 20's target:
 >= 0.92 at L = 0, prune 80%, >= 0.88 at prune 90%, at the default shape, on 1 and 2 threads). `reduce ms` is the
 reduction step itself (the hook call that shrinks the sequence), `reduce %` its median share of the prefill
-(issue 20: <= 5%).
+(issues 20 and 33: <= 5%). Each thread count (`--threads 1 2`, the default) runs its own interleaved rounds
+(>= 5); efficiency and reduce % are also given per round (each recipe against the baseline of the same round)
+as the median and the spread (min-max) of those paired values. The per-pick loops run compiled (numba) unless
+TRIMVLM_JIT=0. `--full`: density, divprune, cdpruner and dart, 9 rounds.
 
-    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--threads 2] [--width 3b] [--tiny]
-        [--model PATH] [--quick]
+    python benchmarks/prefill_speed.py --json pre.json [--repeats 5] [--threads 1 2] [--width 3b] [--tiny]
+        [--model PATH] [--full] [--quick]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from trimvlm.kernels import jit
 from trimvlm.loading import load_adapter
 from trimvlm.plan import make_plan
 from trimvlm.runtime.meter import Meter
@@ -67,12 +71,12 @@ def run_once(runner, prep, plan, spent: list[float]) -> tuple[Meter, float]:
     return meter, sum(spent)
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="prefill_speed.json")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--methods", nargs="+", default=["density"])
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds per thread count (default 5)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--methods", nargs="+", default=None, help="default density (--full: four selections)")
     ap.add_argument("--prunes", type=float, nargs="+", default=[0.5, 0.75, 0.8, 0.9])
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 3])
     ap.add_argument("--image", type=int, default=512)
@@ -86,12 +90,15 @@ def main(argv=None):
                     help="a real checkpoint's width with random weights: 3b = hidden 2048, 16 heads, 2 KV heads, "
                     "4 layers (Qwen2.5-VL-3B)")  # fmt: skip
     ap.add_argument("--model", default=None, help="a supported checkpoint folder instead of the random model")
+    ap.add_argument("--full", action="store_true", help="density, divprune, cdpruner and dart; 9 rounds")
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: hidden 64, 2 layers, batch 1, "
-                    "a 128 px image, prune 75% at L = 0 and 1, 1 repeat")  # fmt: skip
+                    "a 128 px image, prune 75% at L = 0 and 1, 1 repeat, 1 thread")  # fmt: skip
     args = ap.parse_args(argv)
+    args.methods = args.methods or (["density", "divprune", "cdpruner", "dart"] if args.full else ["density"])
+    args.repeats = args.repeats or (9 if args.full else 5)
     if args.quick:
         args.hidden, args.num_layers, args.batch, args.image = 64, 2, 1, 128
-        args.prunes, args.layers, args.repeats = [0.75], [0, 1], 1
+        args.prunes, args.layers, args.repeats, args.threads = [0.75], [0, 1], 1, [1]
     if args.width:
         for key, v in WIDTHS[args.width].items():
             setattr(args, key, getattr(args, key) or v)
@@ -99,8 +106,68 @@ def main(argv=None):
     args.batch = args.batch or (1 if small else 4)
     args.hidden = args.hidden or (256 if small else 1024)
     args.num_layers = args.num_layers or (8 if small else 4)
-    torch.set_num_threads(args.threads)
-    console = Console(width=160)
+    return args
+
+
+def rounds(runner, prep, plans, repeats: int, console, spent: list[float]) -> dict:
+    """Interleaved rounds (every recipe once per round, after a warm-up): per recipe the prefill, reduction and
+    vision seconds of every round, and the model's and the method's FLOPs. `spent`: the list the plans' timed
+    hooks fill."""
+    out = {r: dict(times=[], reduce=[], vision=[], flops=0, method=0) for r in plans}
+    for r in plans:  # warm-up
+        run_once(runner, prep, plans[r], spent)
+    for rep in range(repeats):
+        for r, plan in plans.items():
+            m, red = run_once(runner, prep, plan, spent)
+            o = out[r]
+            o["times"].append(m.costs.seconds["prefill"])
+            o["reduce"].append(red)
+            o["vision"].append(m.costs.seconds["vision"])
+            o["flops"], o["method"] = m.costs.flops["prefill"], m.costs.method_prefill_flops
+        console.log(f"{torch.get_num_threads()} thread(s), round {rep + 1}/{repeats}: baseline "
+                    f"{statistics.median(out['baseline']['times']) * 1e3:.1f} ms")  # fmt: skip
+    return out
+
+
+def summarise(res: dict, threads: int) -> list[dict]:
+    base = res["baseline"]
+    base_t, base_f = statistics.median(base["times"]), base["flops"] + base["method"]
+    rows = []
+    for r, o in res.items():
+        t, total = statistics.median(o["times"]), o["flops"] + o["method"]
+        bound = base_f / total
+        eff = [b / x / bound for b, x in zip(base["times"], o["times"], strict=True)]  # paired, per round
+        share = [a / b for a, b in zip(o["reduce"], o["times"], strict=True)]
+        rows.append(
+            dict(recipe=r, threads=threads, prefill_ms=t * 1e3, vision_ms=statistics.median(o["vision"]) * 1e3,
+                 prefill_flops=o["flops"], method_flops=o["method"], total_flops=total, flop_ratio=total / base_f,
+                 speedup=base_t / t, bound=bound, efficiency=(base_t / t) / bound,
+                 efficiency_paired=statistics.median(eff), efficiency_spread=[min(eff), max(eff)],
+                 times_ms=[x * 1e3 for x in o["times"]], reduce_ms=statistics.median(o["reduce"]) * 1e3,
+                 reduce_share=statistics.median(share), reduce_share_spread=[min(share), max(share)])
+        )  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for c in ("recipe", "prefill ms", "reduce ms", "reduce % (min-max)", "model GFLOPs", "method GFLOPs",
+              "FLOP ratio", "speedup", "bound", "efficiency", "paired eff. (min-max)"):  # fmt: skip
+        t.add_column(c, justify="left" if c == "recipe" else "right", no_wrap=True)
+    for x in rows:
+        (slo, shi), (elo, ehi) = x["reduce_share_spread"], x["efficiency_spread"]
+        t.add_row(
+            x["recipe"], f"{x['prefill_ms']:.1f}", f"{x['reduce_ms']:.1f}",
+            f"{x['reduce_share']:.1%} ({slo:.1%}-{shi:.1%})", f"{x['prefill_flops'] / 1e9:.2f}",
+            f"{x['method_flops'] / 1e9:.3f}", f"{x['flop_ratio']:.3f}", f"{x['speedup']:.2f}x",
+            f"{x['bound']:.2f}x", f"{x['efficiency']:.0%}", f"{x['efficiency_paired']:.0%} ({elo:.0%}-{ehi:.0%})",
+        )  # fmt: skip
+    return t
+
+
+def main(argv=None):
+    args = parse(argv)
+    console = Console(width=180)
     if args.model:
         folder = args.model
     else:
@@ -120,56 +187,19 @@ def main(argv=None):
     ]
     spent: list[float] = []
     plans = {r: timed_hook(make_plan("" if r == "baseline" else r, runner), spent) for r in recipes}
-    times: dict[str, list[float]] = {r: [] for r in recipes}
-    reduce_s: dict[str, list[float]] = {r: [] for r in recipes}  # the reduction step inside the prefill
-    vision: dict[str, list[float]] = {r: [] for r in recipes}
-    flops: dict[str, int] = {}  # the model's prefill FLOPs (decoder layers + head)
-    method: dict[str, int] = {}  # the method's own FLOPs
-    for r in recipes:  # warm-up
-        run_once(runner, prep, plans[r], spent)
-    for rep in range(args.repeats):
-        for r in recipes:
-            m, red = run_once(runner, prep, plans[r], spent)
-            times[r].append(m.costs.seconds["prefill"])
-            reduce_s[r].append(red)
-            vision[r].append(m.costs.seconds["vision"])
-            flops[r] = m.costs.flops["prefill"]
-            method[r] = m.costs.method_prefill_flops
-        console.log(
-            f"round {rep + 1}/{args.repeats}: baseline {statistics.median(times['baseline']) * 1e3:.1f} ms"
-        )
-    base_t, base_f = statistics.median(times["baseline"]), flops["baseline"] + method["baseline"]
     rows = []
-    for r in recipes:
-        t = statistics.median(times[r])
-        total = flops[r] + method[r]
-        bound = base_f / total
-        rows.append(
-            dict(recipe=r, prefill_ms=t * 1e3, vision_ms=statistics.median(vision[r]) * 1e3, prefill_flops=flops[r],
-                 method_flops=method[r], total_flops=total, flop_ratio=total / base_f, speedup=base_t / t,
-                 bound=bound, efficiency=(base_t / t) / bound, times_ms=[x * 1e3 for x in times[r]],
-                 reduce_ms=statistics.median(reduce_s[r]) * 1e3,
-                 reduce_share=statistics.median(a / b for a, b in zip(reduce_s[r], times[r], strict=True)))
-        )  # fmt: skip
     name = args.model or "random Qwen3-VL"
-    table = Table(
-        title=f"prefill, {name} (hidden {args.hidden}, {args.num_layers} layers), {n_vis} visual tokens, "
-        f"batch {args.batch}; FLOP ratio and bound include the method's own FLOPs"
-    )
-    for c in ("recipe", "prefill ms", "reduce ms", "reduce %", "model GFLOPs", "method GFLOPs", "FLOP ratio",
-              "speedup", "bound", "efficiency"):  # fmt: skip
-        table.add_column(c, justify="left" if c == "recipe" else "right", no_wrap=True)
-    for x in rows:
-        table.add_row(
-            x["recipe"], f"{x['prefill_ms']:.1f}", f"{x['reduce_ms']:.1f}", f"{x['reduce_share']:.1%}",
-            f"{x['prefill_flops'] / 1e9:.2f}",
-            f"{x['method_flops'] / 1e9:.3f}", f"{x['flop_ratio']:.3f}", f"{x['speedup']:.2f}x",
-            f"{x['bound']:.2f}x", f"{x['efficiency']:.0%}",
-        )  # fmt: skip
-    console.print(table)
-    console.print(f"vision tower (same for all recipes): {rows[0]['vision_ms']:.1f} ms")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        got = summarise(rounds(runner, prep, plans, args.repeats, console, spent), threads)
+        rows += got
+        console.print(table(got, f"prefill, {name} (hidden {args.hidden}, {args.num_layers} layers), {n_vis} visual "
+                      f"tokens, batch {args.batch}, {threads} thread(s), {args.repeats} rounds; FLOP ratio and "
+                      "bound include the method's own FLOPs"))  # fmt: skip
+        console.print(f"vision tower (same for all recipes): {got[0]['vision_ms']:.1f} ms")
     meta = dict(visual_tokens=n_vis, batch=args.batch, repeats=args.repeats, threads=args.threads, model=name,
-                hidden=args.hidden, layers=args.num_layers, width=args.width, torch=torch.__version__)  # fmt: skip
+                hidden=args.hidden, layers=args.num_layers, width=args.width, torch=torch.__version__,
+                compiled=jit.compiled())  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     console.print(f"wrote {args.json}")

@@ -1,16 +1,19 @@
 """Samples in parallel: a compiled loop that releases the GIL (`kernels.jit`) run on chunks of a batch's units
 in a small thread pool, one chunk per thread torch is allowed (`torch.get_num_threads()`). Each unit's work
-reads and writes only that unit's rows, so the result does not depend on the threads or on the split."""
+reads and writes only that unit's rows, so the result does not depend on the threads or on the split.
+`TRIMVLM_UNIT_THREADS=0` (read at import) keeps every chunk on the calling thread."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-MIN_WORK = 1 << 15  # per unit, token-steps below which one thread does it all (a pool call costs ~50 us)
+# per unit, token-steps below which one thread does it all (a pool call costs ~50 us); TRIMVLM_UNIT_THREADS=0: never
+MIN_WORK = 1 << 62 if os.environ.get("TRIMVLM_UNIT_THREADS", "1") == "0" else 1 << 15
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
