@@ -135,13 +135,15 @@ def main(argv=None) -> None:
     ap.add_argument("--router2", default=None, help="a v2 router (default: the model's shipped one, if it is v2); "
                     "its variant per budget (own tokens or the tuned method's, price auto / 0 / inf) is picked on "
                     "96 validation items")  # fmt: skip
-    ap.add_argument("--limit", type=int, default=600, help="test items")
+    ap.add_argument("--limit", type=int, default=None, help="test items (default 200; --full: 600)")
+    ap.add_argument("--full", action="store_true", help="600 test items, as the docs' tables (about 15 minutes)")
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="seconds: a tiny tune and depth_budget --quick, 16 items")
     a = ap.parse_args(argv)
+    a.limit = a.limit or (600 if a.full else 200)
     torch.set_num_threads(a.threads)
     vlm = trimvlm.load(a.model)
     if a.quick:

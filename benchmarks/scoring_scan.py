@@ -15,11 +15,14 @@ executed candidate tokens, and the largest score difference to `independent`. Ti
 process; absolute CPU times mean little.
 
     .venv/bin/python benchmarks/scoring_scan.py --json scan.json [--quick] [--models qwen3_vl,qwen3_5]
-        [--threads 1] [--rounds 5] [--width 3b] [--grid full|small]
+        [--threads 1] [--rounds 5] [--width 3b] [--full | --grid full|small]
+
+By default it scans the small grid (below, about 4 minutes); `--full` scans all 96 conditions per model
+(about 20 minutes on one thread), as `docs/results/scan.json` was measured.
 
 `--width 3b` builds the random-weight models at the width of a real checkpoint (Qwen2.5-VL-3B: hidden 2048,
-16 heads, 2 KV heads; 4 layers so it runs in minutes) and scans the small grid by default (candidates {4, 64} x
-suffix tokens {8, 128} x shared {0, 75%} x both branchings = 16 conditions, the 64 x 128 x 75% ones included).
+16 heads, 2 KV heads; 4 layers so it runs in minutes). The small grid is candidates {4, 64} x
+suffix tokens {8, 128} x shared {0, 75%} x both branchings = 16 conditions, the 64 x 128 x 75% ones included.
 """
 
 from __future__ import annotations
@@ -262,8 +265,10 @@ def main(argv=None) -> None:
         "--grid",
         choices=["full", "small"],
         default=None,
-        help="full: the 96 conditions; small: 16 of them (default with --width 3b)",
+        help="full: the 96 conditions (--full); small: 16 of them (the default)",
     )
+    p.add_argument("--full", action="store_true", help="the 96 conditions per model (about 20 minutes on one "
+                   "thread; the default small grid takes about 4)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -273,7 +278,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.width != "tiny":
         args.hidden = WIDTHS[args.width][0]
-    args.grid = args.grid or ("full" if args.width == "tiny" else "small")
+    args.grid = args.grid or ("full" if args.full else "small")
     if args.quick:
         args.layers, args.rounds, args.min_time = 2, 1, 0.0
         args.hidden = 64 if args.width == "tiny" else args.hidden

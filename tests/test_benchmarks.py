@@ -1,12 +1,14 @@
 """Every benchmark in benchmarks/ runs its `--quick` mode here (in process: its `main(argv)`), so none can rot,
-and what it writes is checked to be real: the rows it should have, finite numbers, and the invariants it
-states (identical picks, the analytic KV bytes, equal scores, no failed request)."""
+and what it writes is checked to be real: the rows it should have, the invariants it states (identical picks,
+the analytic KV bytes, equal scores, no failed request), and, with a clock whose durations the test sets, the
+medians and ratios it reports (known values, not the benchmark's own formula run again)."""
 
 import importlib.util
 import json
 import math
-import statistics
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +40,22 @@ def finite_positive(*xs) -> bool:
 @pytest.fixture(autouse=True)
 def _one():
     torch.set_num_threads(1)
+
+
+def scripted_clock(durations: dict[str, list[float]]) -> SimpleNamespace:
+    """A stand-in for a benchmark's `time` module: the interval its loop times for the method named by the
+    caller's `name` variable lasts the next of `durations[name]` (two readings per interval: start, end)."""
+    state = {"t": 0.0, "open": False}
+
+    def perf_counter() -> float:
+        name = sys._getframe(1).f_locals.get("name")
+        if name in durations:
+            if state["open"]:
+                state["t"] += durations[name].pop(0)
+            state["open"] = not state["open"]
+        return state["t"]
+
+    return SimpleNamespace(perf_counter=perf_counter)
 
 
 def test_every_benchmark_has_a_quick_mode_and_a_test():
@@ -73,10 +91,23 @@ def test_decide_speed(tmp_path):
     assert list(rows) == ["pipeline", "trimvlm-alone", "trimvlm-batched", "trimvlm-batched+recipe"]
     for name in ("trimvlm-alone", "trimvlm-batched"):
         assert rows[name]["max_prob_diff"] <= 1e-5 and rows[name]["same_answers"] == 1.0
-    for r in rows.values():
-        assert len(r["times_s"]) == 1 and r["median_s"] == r["times_s"][0]
-        assert finite_positive(r["median_s"], r["speedup"])
-    assert rows["pipeline"]["speedup"] == 1.0
+    assert all(len(r["times_s"]) == 1 for r in rows.values())  # --quick: one round
+
+
+def test_decide_speed_reports_medians_and_speedups_of_known_times(tmp_path, monkeypatch):
+    """Three rounds of set durations: the medians, per-request times and speed-ups are known numbers."""
+    mod = bench("decide_speed")
+    monkeypatch.setattr(mod, "time", scripted_clock({
+        "pipeline": [4.0, 9.0, 1.0], "trimvlm-alone": [2.0, 2.5, 0.5],
+        "trimvlm-batched": [1.0, 3.0, 0.1], "trimvlm-batched+recipe": [0.5, 0.4, 8.0]}))  # fmt: skip
+    out = tmp_path / "d.json"
+    mod.main(["--requests", "2", "--questions", "1", "--rounds", "3", "--json", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {k: r["median_s"] for k, r in rows.items()} == {
+        "pipeline": 4.0, "trimvlm-alone": 2.0, "trimvlm-batched": 1.0, "trimvlm-batched+recipe": 0.5}  # fmt: skip
+    assert {k: r["speedup"] for k, r in rows.items()} == {
+        "pipeline": 1.0, "trimvlm-alone": 2.0, "trimvlm-batched": 4.0, "trimvlm-batched+recipe": 8.0}  # fmt: skip
+    assert rows["pipeline"]["per_request_ms"] == 2000.0  # 4 s over 2 requests
 
 
 def test_decode_memory(tmp_path):
@@ -146,7 +177,18 @@ def test_runner_overhead(tmp_path):
     assert rows[0]["seq_len"] == rows[1]["seq_len"] > 256  # 256 visual tokens and the prompt
     for r in rows:
         assert finite_positive(r["ours_fwd_s"], r["ref_fwd_s"], r["forward_ratio"], r["generate_ratio"])
-        assert r["forward_ratio"] == r["ours_fwd_s"] / r["ref_fwd_s"]
+
+
+def test_runner_overhead_ratios_of_known_times(tmp_path, monkeypatch):
+    """With set durations per call the ratios are known: trimvlm's forward 1.5x the model's, generate 1.25x."""
+    mod = bench("runner_overhead")
+    durations = {"ours_fwd": 3.0, "ref_fwd": 2.0, "ours_gen": 5.0, "ref_gen": 4.0}
+    monkeypatch.setattr(mod, "timed", lambda fn: durations[fn.__name__])
+    out = tmp_path / "r.json"
+    mod.main(["--quick", "--threads", "1", "--json", str(out)])
+    for r in json.loads(out.read_text())["rows"]:
+        assert (r["ours_fwd_s"], r["ref_fwd_s"]) == (3.0, 2.0)
+        assert (r["forward_ratio"], r["generate_ratio"]) == (1.5, 1.25)
 
 
 def test_scoring_scan(tmp_path, capsys):
@@ -163,12 +205,42 @@ def test_scoring_scan(tmp_path, capsys):
         assert r["unique_tokens"] == (36 if r["shared"] == 0 else 4 * 3 + 6)  # 6 shared tokens once
         for e in ("independent", "batched", "segments", "tree", "auto"):
             assert r[e]["max_score_error"] <= 1e-4
-            assert r[e]["latency_s"] == statistics.median(r[e]["latency_rounds_s"]) > 0
-        t, b = r["tree"]["latency_rounds_s"], r["batched"]["latency_rounds_s"]
-        assert r["tree_over_batched_paired"] == statistics.median(x / y for x, y in zip(t, b, strict=True))
+            assert len(r[e]["latency_rounds_s"]) == 1 and r[e]["latency_s"] > 0  # --quick: one round
         assert r["calls_per_timing"] == 1  # --quick: one call per timing
     assert all(r["tree_plain_layout"] for r in rows if r["shared"] == 0)  # nothing to merge: batched's code
     assert set(data["summary"]) == {"qwen3_vl", "qwen3_5"}
+
+
+def _scan_row(shared, lat, paired, peaks, plain=False):
+    """A scan row with set latencies (independent, batched, segments, tree, auto) and peaks (independent,
+    batched)."""
+    names = ("independent", "batched", "segments", "tree", "auto")
+    row = {"model": "m", "candidates": 4, "suffix_tokens": 8, "shared": shared, "branching": "flat",
+           "logical_tokens": 36, "unique_tokens": 36 if shared == 0 else 18, "tree_call_cost_slots": [],
+           "calibration_s": 0.0, "tree_over_batched_paired": paired, "tree_plain_layout": plain}  # fmt: skip
+    for name, latency in zip(names, lat, strict=True):
+        row[name] = {"latency_s": latency, "max_score_error": 1e-6, "peak_branch_bytes": 100}
+    row["independent"]["peak_branch_bytes"], row["batched"]["peak_branch_bytes"] = peaks
+    return row
+
+
+def test_scoring_scan_summary_counts_known_conditions():
+    """Three conditions with set latencies: the summary's counts are the ones read off by hand."""
+    mod = bench("scoring_scan")
+    rows = [  # latencies: independent, batched, segments, tree, auto
+        _scan_row(0.0, (1.0, 1.0, 0.9, 1.04, 1.2), paired=1.06, peaks=(200, 100), plain=True),  # a plain miss
+        _scan_row(0.75, (3.0, 2.0, 2.5, 1.0, 1.05), paired=0.5, peaks=(200, 100)),
+        _scan_row(0.5, (1.0, 1.0, 1.1, 1.2, 1.0), paired=1.2, peaks=(100, 150)),
+    ]
+    s = mod.summary(rows)["m"]
+    assert s["conditions"] == 3
+    assert s["tree_within_1.05x_batched (ratio of medians)"] == 2  # 1.04 and 0.5 of batched; 1.2 is out
+    assert s["tree_within_1.05x_batched (median of paired ratios)"] == 1  # 1.06 and 1.2 are misses
+    assert s["misses_where_tree_ran_batched_code"] == 1
+    assert s["tree_faster_than_batched"] == 1 and s["segments_faster_than_batched"] == 1
+    assert s["batched_peak_below_independent"] == 2
+    assert s["auto_within_1.05x_best"] == 2  # 1.2 > 1.05 x min(1.0, 1.04); 1.05 <= 1.05 x 1.0; 1.0 <= 1.05
+    assert s["tree_over_batched_median"] == 1.04
 
 
 def test_serve_load(tmp_path):
@@ -216,7 +288,7 @@ def test_serve_cache(tmp_path):
 
 
 def test_budget_table(tmp_path):
-    """Issue 22's table at one budget: the tuned recipe, FastV alone and the naive combination side by side,
+    """The budget table at one budget: the tuned recipe, FastV alone and the naive combination side by side,
     each at its realised total-FLOP ratio (the tuned one within the search's tolerance of the budget)."""
     data = run("budget_table", tmp_path)
     (row,) = data["rows"]
@@ -227,7 +299,7 @@ def test_budget_table(tmp_path):
 
 
 def test_recurrent_branch(tmp_path):
-    """Issue 20: both paths (chunked kernel, recurrent form) x both executors, the same scores (<= 1e-4) and the
+    """Both paths (chunked kernel, recurrent form) x both executors, the same scores (<= 1e-4) and the
     same greedy tokens; the candidate phase really holds less memory in the recurrent form."""
     data = run("recurrent_branch", tmp_path)
     rows = {(r["path"], r["executor"]): r for r in data["rows"]}
