@@ -85,7 +85,7 @@ def server(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
-        "--max-batch", "32", "--max-wait-ms", "40", "--max-new-tokens", str(MAX_TOKENS),
+        "--max-batch", "32", "--max-wait-ms", "5000", "--max-new-tokens", str(MAX_TOKENS),
         "--max-body-mb", str(MAX_BODY_MB), "--log-level", "warning",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect
 
 from trimvlm.errors import InputError
 from trimvlm.serve import chat, require, systemone
+from trimvlm.serve.batching import ShuttingDown
 from trimvlm.serve.errors import ApiError
 from trimvlm.serve.limits import ServerLimits
 from trimvlm.serve.logs import AccessLog, configure
@@ -38,6 +39,11 @@ def build_app(state: ServerState):
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ShuttingDown)
+    async def _closing(_request: Request, e: ShuttingDown):  # queued after the server began to stop
+        err = ApiError(503, str(e))
+        return JSONResponse(err.body(), status_code=503)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, _e: ClientDisconnect):  # during the upload: one line, no traceback
@@ -73,7 +79,8 @@ def build_app(state: ServerState):
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "trimvlm",
             "family": state.vlm.family, "recipe": state.default_recipe or "baseline",
-            "endpoints": ["/v1/systemone", "/v1/score"] + ([] if state.vlm.adapter.decision_head else ["/v1/chat/completions"]),
+            "endpoints": ["/v1/systemone"] + ([] if state.vlm.adapter.decision_head
+                                              else ["/v1/chat/completions", "/v1/score"]),
         }]}  # fmt: skip
 
     @app.get("/metrics")

@@ -29,6 +29,10 @@ from typing import Any
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
 
+class ShuttingDown(RuntimeError):
+    """The server is shutting down: a request it will not answer any more (503)."""
+
+
 @dataclass(eq=False)  # a job is itself (its payload may hold tensors)
 class Job:
     key: Hashable
@@ -76,7 +80,9 @@ class MicroBatcher:
         self.max_wait_s = max(0.0, max_wait_s)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: deque[Job] = deque()  # taken from the queue, waiting for a batch of their key
-        self._closing = False
+        self._closing = False  # the worker has seen the end of the queue: it drains what is there, then stops
+        self._closed = False  # close() was called: nothing more is queued
+        self._abort = False  # the drain took too long: the worker answers what is left "shutting down" and stops
         self._thread = threading.Thread(target=self._loop, name="trimvlm-serve-model", daemon=True)
         self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
         self.sizes: Counter[int] = Counter()  # batch size -> batches run
@@ -88,8 +94,35 @@ class MicroBatcher:
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop: the requests queued and running are answered (drained) for up to `timeout`; past it, the worker
+        answers every request still waiting or running with `ShuttingDown` at its next turn and stops."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort = True
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # (queued after the worker's last look)
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        """Answer every request still waiting `ShuttingDown` (never computed)."""
+        left = list(self._pending)
+        self._pending.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                left.append(job)
+        for job in left:
+            _settle(job, ShuttingDown("the server is shutting down"))
+
+    @property
+    def closed(self) -> bool:
+        """close() was called: nothing more is queued (`ShuttingDown`)."""
+        return self._closed
 
     @property
     def alive(self) -> bool:
@@ -103,7 +136,12 @@ class MicroBatcher:
         return Arrival(self)
 
     def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
-        """Queue one request (from the event loop); its job, whose future holds its result."""
+        """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
+        the server is closing."""
+        if self._closed:
+            if arrival is not None:
+                arrival.done()
+            raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         job = Job(key=key, payload=payload, future=loop.create_future(), loop=loop)
         self._queue.put(job)
@@ -204,15 +242,14 @@ class MicroBatcher:
         return live
 
     def _loop(self) -> None:
-        while True:
+        while not self._abort:
             first = self._next()
             if first is None:
                 break
             batch = self._collect(first)
             if batch:
                 self._run(batch)
-        for job in list(self._pending):
-            _settle(job, RuntimeError("the server is shutting down"))
+        self._fail_waiting()
 
     def _run(self, batch: list[Job]) -> None:
         t0 = time.perf_counter()
@@ -236,6 +273,15 @@ class MicroBatcher:
 
 
 def _settle(job: Job, result) -> None:
+    """Hand a job its result on its event loop: its future's, or (an error) the event a request that is
+    answered by events waits for (`payload.events`: a chat completion)."""
+    events = getattr(job.payload, "events", None)
+    if events is not None and isinstance(result, BaseException):
+        try:
+            job.loop.call_soon_threadsafe(events.put_nowait, ("error", result))
+        except RuntimeError:  # the event loop is closed
+            pass
+
     def put():
         if job.future.done():  # the client went away
             return

@@ -303,6 +303,16 @@ class ChatEngine:
         decoding = Decoding(runner, cache, out.next_pos.index_select(0, idx).clone(), skip)
         return Group(rows, decoding, torch.zeros(len(rows), dtype=torch.long, device=idx.device)), logits
 
+    def abort(self, error: Exception) -> None:
+        """Answer every running request `error` and drop its rows (the server stops)."""
+        jobs = {id(r.job): r.job for g in self.groups.values() for r in g.rows}
+        if self.partial:
+            jobs[id(self.partial[0])] = self.partial[0]
+        for job in jobs.values():
+            self.outbox.post(job, ("error", error))
+        self.groups, self.partial = {}, None
+        self.outbox.flush()
+
     # ---- decoding ----
     def step(self) -> None:
         """One decode step of every running group."""

@@ -69,8 +69,12 @@ def model_failed(e: BaseException) -> ApiError:
 
 def as_api_error(e: BaseException) -> ApiError:
     """What a request's batch raised, as its answer: itself (an ApiError), 400 for a trimvlm error, else 500."""
+    from trimvlm.serve.batching import ShuttingDown
+
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e))
     if isinstance(e, TrimVLMError):
         return from_trimvlm(e)
     return model_failed(e)

@@ -27,7 +27,7 @@ import queue
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from trimvlm.serve.batching import MicroBatcher, _settle
+from trimvlm.serve.batching import MicroBatcher, ShuttingDown
 
 
 class Scheduler(MicroBatcher):
@@ -68,7 +68,7 @@ class Scheduler(MicroBatcher):
 
     def _loop(self) -> None:
         engine = self.engine
-        while True:
+        while not self._abort:
             self._take()
             if not self._pending and not engine.running:
                 if self._closing:
@@ -96,5 +96,6 @@ class Scheduler(MicroBatcher):
                         engine.admit(batch, chunk=budget)
             if engine.running:
                 engine.step()
-        for job in list(self._pending):
-            _settle(job, RuntimeError("the server is shutting down"))
+        if self._abort:  # the running rows too: nothing more of them is computed
+            engine.abort(ShuttingDown("the server is shutting down"))
+        self._fail_waiting()

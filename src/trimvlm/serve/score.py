@@ -87,8 +87,9 @@ async def _handle(state, request, arrival) -> dict:
     req = parse(body, state.limits)
     model = state.model_name(body)
     recipe = state.recipe("score", req.recipe)
-    if state.vlm.adapter.decision_head is not None and req.readout != "head":
-        raise ApiError(400, "readout: this server holds a decision model (no LM head): ask for readout 'head'")
+    if state.vlm.adapter.decision_head is not None:
+        raise ApiError(400, "this server holds a decision model (no LM head): ask it System One requests at "
+                            "/v1/systemone")  # fmt: skip
     if req.readout == "head" and state.vlm.head is None:
         raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")
     images = await state.prepare(lambda: [decode_image(i + 1, u, state.limits) for i, u in enumerate(req.images)])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
 from trimvlm.scoring.executors import plan_cache
+from trimvlm.serve.batching import ShuttingDown
 from trimvlm.serve.engine import ChatEngine
 from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
 from trimvlm.serve.limits import MiB, ServerLimits
@@ -163,12 +164,17 @@ class ServerState:
             return score.run(self, key, payloads)
         return systemone.run(self, key, payloads)
 
-    def close(self) -> None:
-        self.batcher.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the model thread: what is queued and running is answered (drained) for up to `timeout`, then
+        answered 503 (`MicroBatcher.close`)."""
+        self.batcher.close(timeout)
         self._prep.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the preparation thread; a trimvlm error becomes its HTTP error."""
+        """`fn(*args, **kwargs)` on the preparation thread; a trimvlm error becomes its HTTP error (503 once the
+        server is shutting down)."""
+        if self.batcher.closed:
+            raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._prep, lambda: fn(*args, **kwargs))
