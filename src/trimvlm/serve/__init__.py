@@ -3,7 +3,10 @@
 - `POST /v1/systemone`: System One decision requests, the request and response JSON of `transformers serve`
   (systemone.py), answered by `trimvlm.decision`;
 - `POST /v1/chat/completions`: OpenAI-style chat completions with base64 images, plain and streamed token by
-  token (chat.py, reply.py), each what `VLM.generate` gives the request alone;
+  token (chat.py, reply.py), each what `VLM.generate` gives the request alone: system messages and
+  conversations, `n` choices off one prefill, `stop` (stops.py), `logprobs`, OpenAI's penalties;
+- `POST /v1/score`: candidate scoring in vLLM's score shape, answered by `VLM.score` (score.py);
+- `--api-key` (keys.py): a bearer key on every route but `/health`;
 - `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus; app.py, metrics.py); JSON access logs (logs.py).
 
 Concurrent requests are checked and tokenized one by one as they arrive; one scheduler loop owns the model
