@@ -1,4 +1,4 @@
-"""The server's micro-batcher (no HTTP): batches by key, up to max_batch, within max_wait, waits only for
+"""The server's scheduler without a step-level engine, a plain micro-batcher (no HTTP): batches by key, up to max_batch, within max_wait, waits only for
 requests on their way (each test's requests are announced: its batches close when they are all queued, never on
 a time window); a failing request fails alone and the worker goes on. The serve extra missing is one
 line naming it."""
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from trimvlm.serve.batching import MicroBatcher
+from trimvlm.serve.scheduler import Scheduler
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def run_all(batcher, jobs, announce=True):
 
 def test_batches_by_key_and_size():
     rec = Recorder()
-    b = MicroBatcher(rec, max_batch=3, max_wait_s=60)  # the batches close on the announcements, not a window
+    b = Scheduler(rec, None, max_batch=3, max_wait_s=60)  # the batches close on the announcements, not a window
     jobs = [("a", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 5)]
     out = run_all(b, jobs)
     assert [r[0] for r in out] == [(k, p) for k, p in jobs]  # each its own result
@@ -65,14 +65,14 @@ def test_batches_by_key_and_size():
 
 def test_max_batch_one_runs_each_alone():
     rec = Recorder()
-    out = run_all(MicroBatcher(rec, max_batch=1, max_wait_s=60), [("a", i) for i in range(4)])
+    out = run_all(Scheduler(rec, None, max_batch=1, max_wait_s=60), [("a", i) for i in range(4)])
     assert [len(p) for _, p in rec.batches] == [1, 1, 1, 1]
     assert [r[0][1] for r in out] == [0, 1, 2, 3]
 
 
 def test_a_failing_request_fails_alone():
     rec = Recorder()
-    b = MicroBatcher(rec, max_batch=8, max_wait_s=60)
+    b = Scheduler(rec, None, max_batch=8, max_wait_s=60)
     out = run_all(b, [("a", 0), ("a", "boom"), ("a", 2), ("a", "bad")])
     assert out[0][0] == ("a", 0) and out[2][0] == ("a", 2)
     assert isinstance(out[1], RuntimeError) and isinstance(out[3], ValueError)
@@ -84,7 +84,7 @@ def test_a_lone_request_does_not_wait():
     """Nothing else on its way: the batch runs at once, not after max_wait (60 s here): the worker takes the
     request and never polls the queue with a timeout for more."""
     rec = Recorder()
-    b = MicroBatcher(rec, max_batch=32, max_wait_s=60)
+    b = Scheduler(rec, None, max_batch=32, max_wait_s=60)
     real, polls = b._queue.get, []
 
     def get(*args, **kw):
@@ -101,7 +101,7 @@ def test_a_lone_request_does_not_wait():
 def test_waits_for_announced_requests():
     """A request still being prepared is waited for (up to max_wait), and joins the batch."""
     rec = Recorder()
-    b = MicroBatcher(rec, max_batch=32, max_wait_s=60)
+    b = Scheduler(rec, None, max_batch=32, max_wait_s=60)
 
     async def main():
         b.start()
@@ -136,9 +136,9 @@ def test_a_budgeted_batch_skips_waiting_jobs_of_other_keys():
     """The budget's weight is asked only of the first job's key: waiting jobs of another endpoint (whose payload
     has no weight) are passed over, not weighed (that used to raise on the model thread), and a job of the key
     past them still joins."""
-    from trimvlm.serve.batching import Job
+    from trimvlm.serve.jobs import Job
 
-    b = MicroBatcher(Recorder(), max_batch=8, max_wait_s=0.0)
+    b = Scheduler(Recorder(), None, max_batch=8, max_wait_s=0.0)
     loop = asyncio.new_event_loop()
     try:
         jobs = [Job(key=k, payload=p, future=loop.create_future(), loop=loop)

@@ -10,7 +10,7 @@
 - `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus; app.py, metrics.py); JSON access logs (logs.py).
 
 Concurrent requests are checked and tokenized one by one as they arrive; one scheduler loop owns the model
-(scheduler.py): System One requests are micro-batched into one `decision.run` (batching.py), chat completions
+(scheduler.py): System One requests are micro-batched into one `decision.run`, chat completions
 batched continuously at the step level (engine.py: admitted between decode steps, they join the running
 decode batch; finished and cancelled rows leave at once). A request whose client has gone is not computed.
 docs/serving.md describes the endpoints, the scheduling, the limits, the metrics and the cost fields.

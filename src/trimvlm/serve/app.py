@@ -14,8 +14,8 @@ from starlette.requests import ClientDisconnect
 
 from trimvlm.errors import InputError
 from trimvlm.serve import chat, require, systemone
-from trimvlm.serve.batching import ShuttingDown
 from trimvlm.serve.errors import ApiError
+from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.limits import ServerLimits
 from trimvlm.serve.logs import AccessLog, configure
 from trimvlm.serve.state import ServerState

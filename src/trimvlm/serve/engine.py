@@ -33,7 +33,7 @@ from trimvlm.runtime.meter import Meter
 class Row:
     """One choice of a request decoding: its sampler, its tokens and what its answer needs."""
 
-    job: object  # batching.Job; its payload is a chat.ChatJob
+    job: object  # jobs.Job; its payload is a chat.ChatJob
     index: int  # its choice among the request's n
     sampling: Sampling
     gen: torch.Generator | None

@@ -69,7 +69,7 @@ def model_failed(e: BaseException) -> ApiError:
 
 def as_api_error(e: BaseException) -> ApiError:
     """What a request's batch raised, as its answer: itself (an ApiError), 400 for a trimvlm error, else 500."""
-    from trimvlm.serve.batching import ShuttingDown
+    from trimvlm.serve.jobs import ShuttingDown
 
     if isinstance(e, ApiError):
         return e

@@ -1,12 +1,19 @@
 """The one loop that owns the model: continuous batching for chat completions, whole batches for decisions.
 
-`Scheduler` is the micro-batcher's worker (batching.py) with a step-level engine beside it (`engine`, the
-chat engine of serve/engine.py, for the keys whose endpoint is in `engine.kinds`). Each turn of the loop:
+`submit` / `enqueue` queue a request (checked and tokenized before it gets here: a bad one never joins a batch)
+under a key: only requests with the same key share a batch (the same endpoint and recipe; a chat completion
+with n > 1 choices has a key of its own). A request still being read or prepared is announced (`arrival()`):
+the loop waits for it (up to `max_wait_s` after the first of a batch arrived) only while more may come, so a
+lone request runs at once. Requests whose key is the step-level engine's (`engine`, the chat engine of
+serve/engine.py, for the endpoints in `engine.kinds`) are batched continuously; the others (System One
+decisions, scores) run whole, `run(key, payloads)` answering a batch with one result (or exception) per
+payload; if such a batch raises, each of its requests runs again alone, so one that breaks the model fails
+only itself. Without an engine the loop is a plain micro-batcher. Each turn of the loop:
 
 1. take what has arrived (block only when nothing runs), and drop the requests whose client has gone;
 2. the prompt being prefilled in chunks (if any) runs its next chunk: at most `max_prefill_tokens` positions;
 3. the oldest waiting request decides what runs next, in arrival order:
-   - a decision: its batch (`run`, one `decision.run`) runs whole, as the micro-batcher runs it;
+   - a decision or a score: its batch (`run`: one `decision.run`, one `vlm.score`) runs whole;
    - a chat completion: it is admitted with the waiting ones of its key (the same recipe) while the engine
      has room (`max_batch` running rows at most) and the prompts' tokens fit what is left of the turn's
      `max_prefill_tokens`: one prefill over them, their first tokens sent, then they join the running decode
@@ -18,40 +25,225 @@ chat engine of serve/engine.py, for the keys whose endpoint is in `engine.kinds`
 
 So a request that arrives while others decode waits at most one step (plus one prefill) for its first token.
 The loop waits for more requests (up to `max_wait_s`, while more are being read) only when nothing is running:
-a burst arriving at an idle server is prefilled together; under load nothing waits for anything.
+a burst arriving at an idle server is prefilled together; under load nothing waits for anything. A request
+whose client has gone (`Job.cancel`) is dropped wherever it waits and never run (`dropped` counts them); the
+loop never stops on a model error. `close` drains what is queued and running, then answers what is left
+`ShuttingDown` (503).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
-from collections import deque
+import threading
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
+from typing import Any
 
-from trimvlm.serve.batching import MicroBatcher, ShuttingDown
+from trimvlm.serve.jobs import Job, ShuttingDown, settle
+
+POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
 
-class Scheduler(MicroBatcher):
+class Arrival:
+    """A request on its way to the batcher (being read, checked, tokenized): the loop waits for it."""
+
+    def __init__(self, batcher: Scheduler):
+        self._batcher = batcher
+        self._open = True
+        batcher._arriving += 1
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            self._batcher._arriving -= 1
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done()
+
+
+class Scheduler:
     def __init__(
         self,
         run: Callable[[Hashable, list], list],
-        engine,
+        engine=None,
         *,
         max_batch: int = 32,
         max_wait_s: float = 0.01,
         max_prefill_tokens: int = 4096,
     ):
-        super().__init__(run, max_batch=max_batch, max_wait_s=max_wait_s)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        self.engine = engine
+        self.engine = engine  # the step-level engine (serve/engine.py) of the keys whose endpoint is in its kinds
         self.max_prefill_tokens = max_prefill_tokens
+        self.run = run
+        self.max_batch = max_batch
+        self.max_wait_s = max(0.0, max_wait_s)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._pending: deque[Job] = deque()  # taken from the queue, waiting for a batch of their key
+        self._closing = False  # the worker has seen the end of the queue: it drains what is there, then stops
+        self._closed = False  # close() was called: nothing more is queued
+        self._abort = False  # the drain took too long: the worker answers what is left "shutting down" and stops
+        self._thread = threading.Thread(target=self._loop, name="trimvlm-serve-model", daemon=True)
+        self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
+        self.sizes: Counter[int] = Counter()  # batch size -> batches run
+        self.failed_batches = 0
+        self.dropped = 0  # requests whose client left before they ran: never computed
+
+    # ---- the event loop's side ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: the requests queued and running are answered (drained) for up to `timeout`; past it, the worker
+        answers every request still waiting or running with `ShuttingDown` at its next turn and stops."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort = True
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # (queued after the worker's last look)
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        """Answer every request still waiting `ShuttingDown` (never computed)."""
+        left = list(self._pending)
+        self._pending.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                left.append(job)
+        for job in left:
+            settle(job, ShuttingDown("the server is shutting down"))
+
+    @property
+    def closed(self) -> bool:
+        """close() was called: nothing more is queued (`ShuttingDown`)."""
+        return self._closed
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def waiting(self) -> int:
+        return self._queue.qsize() + len(self._pending)
+
+    def arrival(self) -> Arrival:
+        """Say a request is coming (use as a context manager around its reading and preparation)."""
+        return Arrival(self)
+
+    def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
+        """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
+        the server is closing."""
+        if self._closed:
+            if arrival is not None:
+                arrival.done()
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        job = Job(key=key, payload=payload, future=loop.create_future(), loop=loop)
+        self._queue.put(job)
+        if arrival is not None:
+            arrival.done()
+        return job
+
+    async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
+        """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised.
+        If the awaiting task is cancelled, the job is too (it will not run if it has not started)."""
+        job = self.enqueue(key, payload, arrival)
+        return await self.result(job), job
+
+    @staticmethod
+    async def result(job: Job):
+        """A queued job's result (an exception of its batch is raised). If the awaiting task is cancelled, the
+        job is too (it will not run if it has not started)."""
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
 
     def stats(self) -> dict:
-        return super().stats() | self.engine.stats() | {"max_prefill_tokens": self.max_prefill_tokens}
+        n = sum(self.sizes.values())
+        served = sum(k * v for k, v in self.sizes.items())
+        return {
+            "batches": n, "requests": served, "mean_batch": served / n if n else 0.0,
+            "largest_batch": max(self.sizes, default=0), "failed_batches": self.failed_batches,
+            "waiting": self.waiting(), "dropped": self.dropped,
+        } | ({} if self.engine is None else self.engine.stats()) | {"max_prefill_tokens": self.max_prefill_tokens}  # fmt: skip
+
+    # ---- the worker thread ----
+    def _collect(self, first: Job, *, room: int | None = None, wait: bool = True, weight=None,
+                 budget: int = 0) -> list[Job]:  # fmt: skip
+        """`first` and the waiting jobs of its key, up to `room` (default max_batch) and, with `weight(job)`, up
+        to `budget` in all (`first` always goes); `wait`: wait for more up to max_wait after `first` arrived.
+        Jobs whose client has gone are dropped."""
+        room = self.max_batch if room is None else room
+        batch, used = [first], 0 if weight is None else weight(first)
+
+        def fits(job) -> bool:
+            return weight is None or used + weight(job) <= budget
+
+        for job in list(self._pending):
+            if len(batch) >= room:
+                break
+            if job.key != first.key:  # (a job of another endpoint may have no weight)
+                continue
+            if not fits(job):
+                break
+            self._pending.remove(job)
+            batch.append(job)
+            used += 0 if weight is None else weight(job)
+        deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
+        while len(batch) < room and not self._closing:
+            left = deadline - time.perf_counter()
+            try:
+                if left <= 0 or (self._arriving == 0 and self._queue.empty()):
+                    job = self._queue.get_nowait()  # what is there; nothing more is on its way
+                else:
+                    job = self._queue.get(timeout=min(left, POLL_S))
+            except queue.Empty:
+                if left <= 0 or self._arriving == 0:
+                    break
+                continue
+            if job is None:
+                self._closing = True
+            elif job.key == first.key and fits(job):
+                batch.append(job)
+                used += 0 if weight is None else weight(job)
+            else:
+                self._pending.append(job)
+                if job.key == first.key:
+                    break  # the budget is spent
+        return self._live(batch)
+
+    def _live(self, jobs: list[Job]) -> list[Job]:
+        """The jobs whose client is still there; the others are settled and counted, never run."""
+        live = [j for j in jobs if not (j.cancelled or j.future.cancelled())]
+        for job in jobs:
+            if job not in live:
+                self.dropped += 1
+                try:  # nobody awaits it any more
+                    job.loop.call_soon_threadsafe(job.future.cancel)
+                except RuntimeError:  # the event loop is closed
+                    pass
+        return live
+
+    def _running(self) -> int:
+        return 0 if self.engine is None else self.engine.running
 
     def _take(self) -> None:
         """Move what has arrived to the waiting list; block for one request when nothing else is to do."""
-        if not self._pending and not self.engine.running and not self._closing:
+        if not self._pending and not self._running() and not self._closing:
             self._arrived(self._queue.get())
         while True:
             try:
@@ -70,15 +262,15 @@ class Scheduler(MicroBatcher):
         engine = self.engine
         while not self._abort:
             self._take()
-            if not self._pending and not engine.running:
+            if not self._pending and not self._running():
                 if self._closing:
                     break
                 continue
-            budget = self.max_prefill_tokens - engine.prefill_chunk(self.max_prefill_tokens)
+            budget = self.max_prefill_tokens - (0 if engine is None else engine.prefill_chunk(self.max_prefill_tokens))
             if self._pending and budget > 0:
                 first = self._pending[0]
-                idle = not engine.running
-                if first.key[0] not in engine.kinds:
+                idle = not self._running()
+                if engine is None or first.key[0] not in engine.kinds:  # a batch run whole
                     self._pending.popleft()
                     batch = self._collect(first, wait=idle)
                     if batch:
@@ -94,8 +286,28 @@ class Scheduler(MicroBatcher):
                     if batch:
                         self.sizes[len(batch)] += 1
                         engine.admit(batch, chunk=budget)
-            if engine.running:
+            if self._running():
                 engine.step()
-        if self._abort:  # the running rows too: nothing more of them is computed
+        if self._abort and engine is not None:  # the running rows too: nothing more of them is computed
             engine.abort(ShuttingDown("the server is shutting down"))
         self._fail_waiting()
+
+    def _run(self, batch: list[Job]) -> None:
+        t0 = time.perf_counter()
+        for job in batch:
+            job.started, job.batch = t0, len(batch)
+        try:
+            results = self.run(batch[0].key, [j.payload for j in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for a batch of {len(batch)}")
+        except Exception as e:  # noqa: BLE001  (a model error must not end the worker)
+            self.failed_batches += 1
+            if len(batch) == 1:
+                results = [e]
+            else:  # alone, each request fails or succeeds by itself
+                for job in batch:
+                    self._run([job])
+                return
+        self.sizes[len(batch)] += 1
+        for job, result in zip(batch, results, strict=True):
+            settle(job, result)

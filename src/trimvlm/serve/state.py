@@ -17,9 +17,9 @@ from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
 from trimvlm.scoring.executors import plan_cache
-from trimvlm.serve.batching import ShuttingDown
 from trimvlm.serve.engine import ChatEngine
 from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
+from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.limits import MiB, ServerLimits
 from trimvlm.serve.metrics import ServeMetrics
 from trimvlm.serve.scheduler import Scheduler
@@ -166,7 +166,7 @@ class ServerState:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the model thread: what is queued and running is answered (drained) for up to `timeout`, then
-        answered 503 (`MicroBatcher.close`)."""
+        answered 503 (`Scheduler.close`)."""
         self.batcher.close(timeout)
         self._prep.shutdown(wait=False, cancel_futures=True)
 
