@@ -416,19 +416,16 @@ def test_bad_options_are_recipe_errors(spec):
         build_methods(spec)
 
 
-def _token_density_available() -> str | None:
+def _need_token_methods(*names: str) -> None:
+    """The token methods these tests combine with a KV policy are registered (a missing one fails the test)."""
     from trimvlm.registry import _load_methods
 
-    _load_methods()  # an import error fails the test (tests/test_reliability.py imports every method module)
-    if "density" not in REGISTRIES["tokens"]:
-        return "tokens=density is not registered yet (prefill token reduction, issue 4)"
-    return None
+    _load_methods()
+    assert set(names) <= set(REGISTRIES["tokens"]), sorted(REGISTRIES["tokens"])
 
 
 def test_joint_recipe(tiny_adapter):
-    why = _token_density_available()
-    if why is not None:
-        pytest.skip(why)
+    _need_token_methods("density")
     adapter = tiny_adapter("qwen3_vl")
     runner = Runner(adapter)
     images, prompts = ragged_batch()
@@ -464,9 +461,7 @@ def test_joint_recipe(tiny_adapter):
 def test_joint_with_an_attention_reducer(tiny_adapter):
     """tokens=fastv (last-query attention at L-1) + kv=h2o (last 64 rows everywhere): one merged probe, both
     read their rows; the eviction still equals masking."""
-    why = _token_density_available()
-    if why is not None or "fastv" not in REGISTRIES["tokens"]:
-        pytest.skip(why or "tokens=fastv is not registered yet (issue 4)")
+    _need_token_methods("density", "fastv")
     adapter = tiny_adapter("qwen3_vl")
     runner = Runner(adapter)
     images, prompts = ragged_batch()

@@ -233,7 +233,10 @@ def test_train_router_runs_end_to_end_and_its_checkpoint_executes(tmp_path):
     assert [e["epoch"] for e in more["epochs"]] == [2]  # resumed after the two epochs on disk
     res = vlm.generate(records[0].images, records[0].prompt_text(), recipe=f"router={out}:token_keep=0.5:layers_skip=1",
                        max_new_tokens=3)  # fmt: skip
-    assert res.costs.method_flops["prefill"] > 0 and res.texts[0] is not None
+    base = vlm.generate(records[0].images, records[0].prompt_text(), max_new_tokens=3)
+    assert res.costs.method_flops["prefill"] > 0
+    # the trained router ran as a recipe: half the visual tokens and one of six layers gone from the prefill
+    assert res.costs.layers_run["prefill"] == 5 and res.costs.prefill_flops < 0.8 * base.costs.prefill_flops
 
 
 def test_shipped_routers_load_by_demo_name_and_refuse_the_other_model():
