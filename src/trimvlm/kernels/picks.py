@@ -88,26 +88,19 @@ def predict_run(g, mc, lc, pos, cand, out):
 
 
 @njit
-def _gain_argmax(d2, floor, fallback):
-    """argmax over i of (d2 if d2 > floor or d2 is infinite else fallback), the first maximum / NaN."""
-    at = 0
-    best = d2[0] if (d2[0] > floor[0] or np.isinf(d2[0])) else fallback[0]
-    if best != best:
-        return 0
-    for i in range(1, d2.shape[0]):
-        v = d2[i] if (d2[i] > floor[i] or np.isinf(d2[i])) else fallback[i]
-        if v > best:
-            best, at = v, i
-        elif v != v:
-            return i
-    return at
+def _gain(d2, floor, fallback):
+    """A DPP candidate's score: its gain d2, or `fallback` once the gain is rounding noise (not above `floor`)."""
+    return d2 if (d2 > floor or np.isinf(d2)) else fallback
 
 
 @njit
 def dpp_first(d2, floor, fallback, j):
     """The DPP's first pick of every unit into j [U]."""
+    gain, zeros = np.empty(d2.shape[1], dtype=d2.dtype), np.zeros(d2.shape[1], dtype=d2.dtype)
     for u in range(d2.shape[0]):
-        j[u] = _gain_argmax(d2[u], floor[u], fallback[u])
+        for i in range(d2.shape[1]):
+            gain[i] = _gain(d2[u, i], floor[u, i], fallback[u, i])
+        j[u] = argmax_sum(gain, zeros)
 
 
 @njit
@@ -118,6 +111,7 @@ def dpp_step(t, k, j, picks, quality, row, cprod, d2, floor, fallback, c, tiny, 
     with its feature row gathered into xj [U, 1, D] and its column c[u, :t + 1, j] into cj (flat, [U, t + 1])."""
     u_n, n = d2.shape
     zero = d2.dtype.type(0)
+    gain, zeros = np.empty(n, dtype=d2.dtype), np.zeros(n, dtype=d2.dtype)
     for u in range(u_n):
         jj = j[u]
         active = t < k[u]
@@ -134,8 +128,9 @@ def dpp_step(t, k, j, picks, quality, row, cprod, d2, floor, fallback, c, tiny, 
                 e = lj / den
             c[u, t, i] = e
             d2[u, i] = d2[u, i] - e * e
-        d2[u, jj] = -np.inf
-        nj = _gain_argmax(d2[u], floor[u], fallback[u])
+            gain[i] = _gain(d2[u, i], floor[u, i], fallback[u, i])
+        d2[u, jj] = gain[jj] = -np.inf
+        nj = argmax_sum(gain, zeros)
         j[u] = nj
         xj[u, 0] = xn[u, nj]
         for r in range(t + 1):
