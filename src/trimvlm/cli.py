@@ -568,6 +568,12 @@ def serve(
         help="requests to /v1/... need 'Authorization: Bearer KEY' (401 else); /health stays open",
     ),  # fmt: skip
     key_metrics: bool = typer.Option(False, help="/metrics needs the API key too"),
+    tuned: Path | None = typer.Option(
+        None, help="a `trimvlm tune` folder: requests naming no recipe take its frontier's by the load (--slo-ttft-ms)"
+    ),
+    slo_ttft_ms: float | None = typer.Option(
+        None, help="the time-to-first-token objective: past it, new requests take the next cheaper tuned recipe"
+    ),
     log_level: str = typer.Option("info", help="uvicorn's log level"),
     access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
     replicas: int = typer.Option(1, help="model replicas, a Ray Serve deployment behind one route (needs --ray)"),
@@ -592,7 +598,7 @@ def serve(
                    vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
                    load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
                    replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
-                   key_metrics=key_metrics)  # fmt: skip
+                   key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

@@ -119,6 +119,8 @@ def make_state(
     recipe_dir=None,
     api_key: str | None = None,
     key_metrics: bool = False,
+    tuned=None,
+    slo_ttft_ms: float | None = None,
 ) -> ServerState:
     """Load `model` and check the server's options and recipe: what one server (or one replica) serves."""
     require()
@@ -141,6 +143,7 @@ def make_state(
         vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
         decision_config=decision_config, vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb,
         request_cache_mb=request_cache_mb, recipe_dir=recipe_dir, api_key=api_key, key_metrics=key_metrics,
+        tuned=tuned, slo_ttft_ms=slo_ttft_ms,
     )  # fmt: skip
     systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"

@@ -253,7 +253,10 @@ async def _handle(state, request, arrival):
     parsed = parse(body, state.limits)
     req = parsed.req
     model = state.model_name(body)
-    recipe = state.recipe("chat", req.recipe)
+    if req.recipe is None and state.load is not None:  # the ladder's rung that fits the load (serve/budgets.py)
+        recipe = state.recipe("chat", state.load.choose(state.batcher.waiting()).text, own=True)
+    else:
+        recipe = state.recipe("chat", req.recipe)
     if state.vlm.adapter.decision_head is not None:
         raise ApiError(
             400,
@@ -286,5 +289,6 @@ async def _handle(state, request, arrival):
     # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
     batch_key = ("chat", recipe.label) if n == 1 else ("chat", recipe.label, "n", uuid.uuid4().hex)
     queued = state.batcher.enqueue(batch_key, job, arrival)
+    state.recipes_run.labels(recipe=recipe.label).inc()
     reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)
     return await (reply.stream() if req.stream else reply.whole())

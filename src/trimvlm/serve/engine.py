@@ -86,8 +86,9 @@ def _deliver(items) -> None:
 class ChatEngine:
     kinds = frozenset({"chat"})
 
-    def __init__(self, vlm, metrics=None):
+    def __init__(self, vlm, metrics=None, load=None):
         self.vlm, self.runner, self.metrics = vlm, vlm.runner, metrics
+        self.load = load  # a serve.budgets.LoadBudget told what each prefill and step took, or None
         self.stops = set(vlm.stop_ids())
         self.groups: dict[object, Group] = {}
         self.steps: Counter[int] = Counter()  # rows in a decode call -> calls
@@ -293,6 +294,9 @@ class ChatEngine:
             p.usage["prefix_tokens_reused"] = reused[i]
         if self.metrics is not None:
             self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads), seconds)
+        if self.load is not None:
+            self.load.prefilled(jobs[0].key[1], sum(ran), sum(p.prompt_tokens - r for p, r in zip(payloads, reused,
+                                                                                          strict=True)), seconds)  # fmt: skip
         idx = torch.tensor(owner, device=out.next_pos.device)
         cache, logits = out.cache, out.logits
         if len(rows) > len(jobs):  # n > 1 (a request alone): its rows branch off its prompt, nothing copied
@@ -349,6 +353,8 @@ class ChatEngine:
             job.payload.usage["forward_s"] += seconds
         if self.metrics is not None:
             self.metrics.decode_step(n, seconds)
+        if self.load is not None:
+            self.load.stepped(seconds)
         self._advance(group, logits)
 
     def _choose(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, list]:

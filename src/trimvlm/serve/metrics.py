@@ -17,7 +17,7 @@ from collections.abc import Callable
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATE_WINDOW_S = 10.0
-PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
 class ServeMetrics:

@@ -99,6 +99,8 @@ class ServerState:
         recipe_dir: str | Path | None = None,
         api_key: str | None = None,
         key_metrics: bool = False,
+        tuned: str | Path | None = None,
+        slo_ttft_ms: float | None = None,
     ):
         from trimvlm.runtime.lru import ByteLRU
 
@@ -122,12 +124,27 @@ class ServerState:
         self.decision_config = decision_config
         self.started = time.time()
         self.metrics = ServeMetrics(lambda: self.batcher.stats())
+        if (tuned is None) != (slo_ttft_ms is None):
+            raise InputError("--tuned DIR and --slo-ttft-ms T go together (budgets that follow the load)")
+        self.load = None  # serve/budgets.py: the recipe of a request that names none, by the predicted TTFT
+        if tuned is not None:
+            from trimvlm.serve.budgets import LoadBudget, ladder
+
+            self.load = LoadBudget(ladder(tuned), slo_ttft_ms / 1000)
+        self.recipes_run = self.metrics.counter(
+            "trimvlm_chat_requests_by_recipe", "chat completions admitted, by the recipe they run", ("recipe",)
+        )
         self.batcher = Scheduler(
-            self._run_batch, ChatEngine(vlm, self.metrics), max_batch=max_batch,
+            self._run_batch, ChatEngine(vlm, self.metrics, self.load), max_batch=max_batch,
             max_wait_s=max_wait_ms / 1000, max_prefill_tokens=self.limits.max_prefill_tokens,
         )  # fmt: skip
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
-        self._recipes: dict[tuple[str, str], Recipe] = {}
+        self._recipes: dict[tuple[str, str, bool], Recipe] = {}
+        for rung in [] if self.load is None else self.load.rungs:  # each checked before the server listens
+            try:
+                self.recipe("chat", rung.text, own=True)
+            except ApiError as e:
+                raise InputError(f"--tuned: {e}") from e
         self.seen_bodies: OrderedDict[bytes, object] = OrderedDict()  # System One bodies answered (systemone.Seen)
         for cache in ("vision", "prefix", "request"):  # on /metrics, read at each scrape
             for stat in CACHE_STATS:
@@ -189,21 +206,22 @@ class ServerState:
         except Exception as e:  # noqa: BLE001
             raise as_api_error(e) from e
 
-    def recipe(self, kind: str, value) -> Recipe:
-        """The recipe of a request (`kind`: "decide" or "chat"): its `recipe` field, else the server's. Checked
-        once per distinct text (a bad one: 400, before the request is tokenized)."""
+    def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
+        """The recipe of a request (`kind`: "decide", "chat" or "score"): its `recipe` field, else the server's.
+        Checked once per distinct text (a bad one: 400, before the request is tokenized). `own`: a recipe of the
+        operator's (the load-following ladder), which may read the server's files."""
         if value is None:
             value = self.default_recipe
         if not isinstance(value, str):
             raise schema_error(
                 f"`recipe` is a recipe string, got {type(value).__name__}", "recipe", kind="string_type"
             )
-        key = (kind, value)
+        key = (kind, value, own)
         if key not in self._recipes:
             from trimvlm.plan import decision_plan, make_plan
             from trimvlm.recipe import parse_recipe
 
-            own = value == self.default_recipe
+            own = own or value == self.default_recipe
             text, operators = (value, True) if own else client_recipe(value, self.recipe_dir)
             try:
                 parsed = parse_recipe(text)

@@ -1,0 +1,97 @@
+"""Budgets that follow the load (`trimvlm serve --tuned DIR --slo-ttft-ms T`): a chat request that names no
+recipe runs the most accurate recipe of the tuned frontier whose predicted time to first token fits T; when
+the queue grows so that it would not, new requests take the next cheaper recipe, down to the cheapest.
+
+The ladder: the baseline, then the best recipe of each budget point of DIR/tune.json (`trimvlm tune`), most
+expensive (most accurate) first, each with its prefill cost relative to the baseline (the test split's
+`prefill_flops` ratio). The prediction for a new request on rung r, with `waiting` requests queued ahead:
+
+    TTFT(r) = (waiting + 1) * tokens * s_per_token * ratio(r) + step_s
+
+`tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`: the measured prefill
+seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided by its ratio);
+`step_s`: the measured time of a decode step (a waiting request waits for one per turn). Both are
+exponential moving averages of what the engine ran. A request's own `recipe` always wins.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from trimvlm.errors import InputError
+
+EWMA = 0.2  # the weight of each new measurement
+
+
+@dataclass(frozen=True)
+class Rung:
+    text: str  # the recipe as the server parses it ("" for the baseline)
+    label: str  # what `usage.recipe` says
+    ratio: float  # its prefill FLOPs relative to the baseline's
+    accuracy: float | None  # its test accuracy in the tune report
+
+
+def ladder(folder: str | Path) -> list[Rung]:
+    """The baseline and the tuned folder's budget points' best recipes, most expensive first."""
+    path = Path(folder) / "tune.json"
+    if not path.is_file():
+        raise InputError(f"--tuned {folder}: no tune.json there (a folder written by trimvlm tune --out DIR)")
+    rep = json.loads(path.read_text())
+    by_spec = {e["spec"]: e for e in rep["entries"]}
+    base = by_spec.get("baseline", {}).get("test") or {}
+    rungs = [Rung("", "baseline", 1.0, base.get("accuracy"))]
+    for b in rep["budgets"]:
+        if not b.get("best"):
+            continue
+        test = by_spec[b["best"]].get("test") or by_spec[b["best"]]["val"]
+        point = ":".join(f"{axis}={value}" for axis, value in b["budget"].items())
+        rungs.append(Rung(f"tuned={Path(folder).resolve()}:{point}", f"tuned-{b['label']}",
+                          float(test["ratio"]["prefill_flops"]), test.get("accuracy")))  # fmt: skip
+    if len(rungs) == 1:
+        raise InputError(f"--tuned {folder}: no budget point has a best recipe")
+    return [rungs[0], *sorted(rungs[1:], key=lambda r: -r.ratio)]
+
+
+class LoadBudget:
+    def __init__(self, rungs: list[Rung], slo_s: float):
+        if not slo_s > 0:
+            raise InputError(f"--slo-ttft-ms must be > 0, got {slo_s * 1000!r}")
+        self.rungs, self.slo_s = rungs, slo_s
+        self.ratio = {r.label: r.ratio for r in rungs}
+        self.tokens = 0.0  # mean prompt tokens (0: nothing measured yet)
+        self.s_per_token = 0.0
+        self.step_s = 0.0
+        self._lock = threading.Lock()  # the model thread writes, the event loop reads
+
+    def predict(self, rung: Rung, waiting: int) -> float:
+        """The predicted time to first token of a request on `rung` behind `waiting` queued requests."""
+        with self._lock:
+            return (waiting + 1) * self.tokens * self.s_per_token * rung.ratio + self.step_s
+
+    def choose(self, waiting: int) -> Rung:
+        """The most accurate rung whose predicted TTFT fits the objective, else the cheapest."""
+        for rung in self.rungs:
+            if self.predict(rung, waiting) <= self.slo_s:
+                return rung
+        return self.rungs[-1]
+
+    # ---- what the engine measured ----
+    def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:
+        """A prefill of `requests` prompts, `tokens` in all, under the recipe `label`, took `seconds`."""
+        if tokens <= 0 or requests <= 0:
+            return
+        per = seconds / (tokens * self.ratio.get(label, 1.0))
+        with self._lock:
+            self.tokens = _mix(self.tokens, tokens / requests)
+            self.s_per_token = _mix(self.s_per_token, per)
+
+    def stepped(self, seconds: float) -> None:
+        with self._lock:
+            self.step_s = _mix(self.step_s, seconds)
+
+
+def _mix(old: float, new: float) -> float:
+    return new if old == 0 else (1 - EWMA) * old + EWMA * new
