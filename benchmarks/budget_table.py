@@ -6,9 +6,9 @@ written by `benchmarks/depth_budget.py` (FastV alone, FastV + every ranker, the 
 budget on the validation split: names `B85_fastv`, `B85_fastv+bi_s1`, `B85_router_s1`...). Every entry shows
 overall test accuracy, prefill / full-pipeline mismatch % and the realised total-FLOP ratio, so that "at the
 same budget (within 2%)" can be checked in the table itself. Router v2 (the model's shipped v2 router, or
-`--router2`): per budget, the variant with the best validation accuracy (on val items after those it trained
-and calibrated on) among its own token scores and the tuned recipe's token method as `select=`, at the price
-auto / 0 / inf.
+`--router2`) is its plain recipe `router=M:budget=B`: it runs the variant (select=, price=) that
+`trimvlm pick-router` chose on validation items and recorded in the checkpoint (the test split is never read
+for that choice); a router with no variant recorded runs its own scores at the calibrated price.
 
     python benchmarks/budget_table.py --model demo --tuned runs/tune-demo \
         --matched benchmarks/recipes/budget-matched-demo.yaml --limit 600 --markdown docs/results/budget-demo.md
@@ -27,52 +27,15 @@ import yaml
 
 import trimvlm
 from trimvlm.evals.run import run_eval
-from trimvlm.evals.tasks import demo_task
-from trimvlm.recipe import load_recipes, parse_method
+from trimvlm.evals.tasks import get_task
+from trimvlm.recipe import load_recipes
 
 COLUMNS = ("tuned", "fastv", "naive", "router v1", "router v2")
 
 
-PRICES = ("auto", 0, "inf")
-
-
-def router2_variants(router2: str, budget: float, method: str | None) -> list[str]:
-    """The v2 router's variants at a budget: its own token scores, and the tuned recipe's token method as the
-    selector (`select=`), each at the calibrated price, 0, and inf (never skip)."""
-    out = [f"router={router2}:budget={budget}"]
-    for sel in ["router"] + ([method] if method else []):
-        out += [f"router={router2}:budget={budget}:select={sel}:price={p}" for p in PRICES]
-    return list(dict.fromkeys(out))
-
-
-def pick_router2(vlm, router2: str, budget: float, method: str | None, n_val: int, batch_size: int) -> str:
-    """The variant with the best validation accuracy (val split, never the test items; after the val inputs the
-    router trained and calibrated on, which would favour its own choices); refused ones skipped."""
-    from dataclasses import replace
-
-    from trimvlm.errors import TrimVLMError
-    from trimvlm.plan import make_plan
-    from trimvlm.router.model import load_router
-    from trimvlm.training.calibration import seen_inputs
-
-    ok = []
-    for r in router2_variants(router2, budget, method):
-        try:
-            make_plan(r, vlm.runner)
-            ok.append(r)
-        except TrimVLMError:
-            continue
-    seen = seen_inputs(load_router(router2)[1])
-    val = demo_task(limit=seen + n_val, seed=0, split="val")
-    res = run_eval(vlm, replace(val, records=val.records[seen:]), ok, batch_size=batch_size, warmup=False,
-                   memory="off", progress=False)  # fmt: skip
-    return max(ok, key=lambda r: (res.row(r)["accuracy"], -res.row(r)["mismatch_pct"]))
-
-
-def recipes_for(tuned: Path, matched: Path, router2: str | None = None, vlm=None, n_val: int = 96,
-                batch_size: int = 48) -> tuple[list[dict], dict]:  # fmt: skip
+def recipes_for(tuned: Path, matched: Path, router2: str | None = None) -> tuple[list[dict], dict]:
     """(the recipes, budget tag -> column -> the recipe names competing for that cell). `router2`: a v2 router
-    (its best variant at each budget, picked on the validation split), or None."""
+    (its plain recipe at each budget), or None."""
     rep = json.loads((tuned / "tune.json").read_text())
     by_spec = {e["spec"]: e for e in rep["entries"]}
     recipes, cells = [], {}
@@ -84,9 +47,7 @@ def recipes_for(tuned: Path, matched: Path, router2: str | None = None, vlm=None
         recipes.append({**by_spec[b["best"]]["recipe"], "name": name, "tuned_for": rep["fingerprint"]})
         cells.setdefault(tag, {}).setdefault("tuned", []).append(name)
         if router2 is not None:
-            method = _selector(by_spec[b["best"]]["recipe"].get("tokens"))
-            best2 = pick_router2(vlm, router2, b["budget"]["total_flops"], method, n_val, batch_size)
-            recipes.append({"name": f"{tag}_router2", "router": best2.removeprefix("router=")})
+            recipes.append({"name": f"{tag}_router2", "router": f"{router2}:budget={b['budget']['total_flops']}"})
             cells[tag]["router v2"] = [f"{tag}_router2"]
     for r in load_recipes(matched):
         m = re.fullmatch(r"(B\d+)_(.+)", r.name or "")
@@ -132,9 +93,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tuned", type=Path, help="a trimvlm tune --out folder")
     ap.add_argument("--matched", type=Path, help="benchmarks/depth_budget.py's recipes file")
-    ap.add_argument("--router2", default=None, help="a v2 router (default: the model's shipped one, if it is v2); "
-                    "its variant per budget (own tokens or the tuned method's, price auto / 0 / inf) is picked on "
-                    "96 validation items")  # fmt: skip
+    ap.add_argument("--router2", default=None, help="a v2 router (default: the model's shipped one, if it is v2), "
+                    "run as its plain recipe router=M:budget=B (its variants recorded by trimvlm pick-router)")  # fmt: skip
+    ap.add_argument("--task", default="demo", help="the test task (demo, scenes)")
     ap.add_argument("--limit", type=int, default=None, help="test items (default 200; --full: 600)")
     ap.add_argument("--full", action="store_true", help="600 test items, as the docs' tables (about 15 minutes)")
     ap.add_argument("--batch-size", type=int, default=100)
@@ -148,9 +109,8 @@ def main(argv=None) -> None:
     vlm = trimvlm.load(a.model)
     if a.quick:
         a.tuned, a.matched, a.limit, a.batch_size = _quick(vlm, Path(tempfile.mkdtemp(prefix="budget-table-")))
-    recipes, cells = recipes_for(a.tuned, a.matched, a.router2 or _shipped_v2(a.model), vlm,
-                                 n_val=16 if a.quick else 96, batch_size=a.batch_size)  # fmt: skip
-    res = run_eval(vlm, demo_task(limit=a.limit, seed=0, split="test"), recipes, batch_size=a.batch_size,
+    recipes, cells = recipes_for(a.tuned, a.matched, a.router2 or _shipped_v2(a.model))
+    res = run_eval(vlm, get_task(a.task, limit=a.limit, seed=0, split="test"), recipes, batch_size=a.batch_size,
                    progress=not a.quick)  # fmt: skip
     rows, md = table(res, cells)
     print(md)
@@ -158,15 +118,6 @@ def main(argv=None) -> None:
         a.markdown.write_text(md)
     if a.json:
         a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "rows": rows}, indent=2) + "\n")
-
-
-def _selector(tokens: str | None) -> str | None:
-    """The tuned recipe's token method as router v2's `select=` (NAME@LAYER when the recipe names a layer)."""
-    if not tokens:
-        return None
-    spec = parse_method(tokens)
-    layer = spec.options.get("layer")
-    return spec.method + (f"@{layer}" if layer is not None else "")
 
 
 def _shipped_v2(model: str) -> str | None:

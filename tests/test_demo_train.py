@@ -53,7 +53,7 @@ def test_teacher_targets_point_at_the_evidence():
 def test_teacher_loss_is_minimal_at_the_target():
     looks = [(0, 5, [2, 3], [1], []), (1, 5, [], [2, 4], [])]
     t = tr.AttentionTeacher.__new__(tr.AttentionTeacher)
-    t.head, t.roles = 0, {2: "cells"}
+    t.head, t.roles, t.rows_only = 0, {2: "cells"}, False
     w = torch.full((2, 1, 6, 6), 1e-9)
     w[0, 0, 5, [0, 2, 3]] = 1 / 3  # sink + both evidence cells
     w[1, 0, 5, 0] = 1.0  # nothing matches: all on the sink

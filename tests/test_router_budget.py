@@ -216,3 +216,37 @@ def test_refit_trains_the_layer_scores_on_the_selectors_layouts(trained, tmp_pat
     assert not torch.allclose(before.logits(*feats)[1], after.logits(*feats)[1])
     assert torch.equal(before.logits(*feats)[0], after.logits(*feats)[0])  # the layer head alone: tokens as they were
     json.loads((folder / "router.json").read_text())["budget"]["held_out"]  # the source is left as it was
+
+
+def test_plain_recipe_runs_the_recorded_variant_and_the_nearest_elsewhere(trained, tmp_path):
+    import shutil
+
+    from trimvlm.router.route import Router
+    from trimvlm.training.variants import record_variants
+
+    vlm, records, out, _ = trained
+    folder = tmp_path / "router"
+    shutil.copytree(out, folder)
+    assert Router(path=str(folder), budget=0.9).select == "router"  # nothing recorded: the router's own scores
+    assert Router(path=str(folder), budget=0.9).price == "auto"
+    record_variants(folder, [{"budget": 0.9, "select": "fastv@2", "price": "inf"},
+                             {"budget": 0.8, "select": "router", "price": "0"}])  # fmt: skip
+    images, prompts = [list(r.images) for r in records[:4]], [r.prompt_text() for r in records[:4]]
+    for budget, explicit in [(0.9, "select=fastv@2:price=inf"), (0.8, "select=router:price=0"),
+                             (0.93, "select=fastv@2:price=inf"), (0.85, "select=router:price=0")]:  # fmt: skip
+        r = Router(path=str(folder), budget=budget)
+        assert f"select={r.select}:price={r.price}" == explicit.replace("price=0", "price=0.0")
+        plain = vlm.generate(images, prompts, recipe=f"router={folder}:budget={budget}", max_new_tokens=3)
+        full = vlm.generate(images, prompts, recipe=f"router={folder}:budget={budget}:{explicit}", max_new_tokens=3)
+        assert plain.tokens == full.tokens and plain.costs.total_flops == full.costs.total_flops
+    # a given select= or price= overrides the recorded variant
+    assert Router(path=str(folder), budget=0.9, price="auto").select == "router"
+
+
+def test_shipped_routers_record_their_variants():
+    from trimvlm.router.model import load_router
+
+    for name in ("demo", "demo-qwen35"):
+        variants = load_router(name)[1]["budget"].get("variants", [])
+        assert sorted(v["budget"] for v in variants) == [0.65, 0.75, 0.85], name
+        assert all(v["val_items"] >= 96 and v["recipe"].startswith("router=") for v in variants)

@@ -491,6 +491,30 @@ def calibrate_router(
         _fail(e)
 
 
+@app.command("pick-router", rich_help_panel=TRAIN)
+def pick_router(
+    router: str = ROUTER,
+    model: str = MODEL,
+    overwrite: bool = OVERWRITE,
+    budgets: str = typer.Option(..., help="total-FLOP budgets, comma-separated, e.g. 0.85,0.75,0.65"),
+    select: str = typer.Option("", help="a token method NAME@LAYER tried as select= beside the router's own "
+                               "scores (the tuned recipe's, e.g. dart@2), or one per budget, comma-separated"),
+    task: str = typer.Option("demo", help="validation items: the task's val split after the router's inputs"),
+    n_val: int = typer.Option(96, help="validation items per variant"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Choose router v2's variant (select, price) per budget on validation items and record it, so that the
+    plain `router=M:budget=B` runs it. About 1 minute per budget on the demo models (7 variants x 96 items)."""
+    from trimvlm.cli_train import pick_router_command
+
+    try:
+        pick_router_command(router, model=model, budgets=budgets, select=select or None, task=task, n_val=n_val,
+                            console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+    except TrimVLMError as e:
+        _fail(e)
+
+
 @app.command(rich_help_panel=TRAIN)
 def calibrate(
     model: str = MODEL,

@@ -92,6 +92,43 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
+def pick_router_command(router, model="demo", budgets: str = "0.85", select: str | None = None, task="demo",
+                        n_val: int = 96, console=None, load_kw: dict | None = None, overwrite: bool = False) -> dict:  # fmt: skip
+    """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
+    (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
+    from rich.console import Console
+
+    from trimvlm.loading import refuse_shipped
+    from trimvlm.router.model import router_folder
+    from trimvlm.training.variants import pick_variant, record_variants
+
+    folder = router_folder(router)
+    refuse_shipped(folder, overwrite)
+    console = console or Console()
+    try:
+        values = [float(b) for b in str(budgets).split(",") if b.strip()]
+    except ValueError:
+        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}") from None
+    if not values or not all(0 < b < 1 for b in values):
+        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}")
+    if not isinstance(n_val, int) or n_val < 1:
+        raise InputError(f"--n-val must be a positive number of items, got {n_val!r}")
+    methods = [m.strip() or None for m in str(select).split(",")] if select else [None]
+    if len(methods) not in (1, len(values)):
+        raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
+    methods = methods * len(values) if len(methods) == 1 else methods
+    vlm, _ = _v2_router(model, folder, load_kw, "given variants")
+    picked = []
+    for b, method in zip(values, methods, strict=True):
+        v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val)
+        picked.append(v)
+        console.print(f"budget {b}: select={v['select']} price={v['price']} "
+                      f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
+    record_variants(folder, picked)
+    console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
+    return {"out": str(folder), "variants": picked}
+
+
 def _v2_router(model, folder: Path, load_kw, verb: str):
     """(the loaded model, the v2 router in `folder` checked against it as a `Router` at budget 1)."""
     import trimvlm

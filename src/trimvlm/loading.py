@@ -11,7 +11,7 @@ from trimvlm.adapters import ADAPTERS, adapter_for
 from trimvlm.errors import CheckpointError
 
 DEMO_DIR = Path(__file__).parent / "demo" / "checkpoints"
-DEMO_MODELS = {"demo": "qwen3vl", "demo-qwen3vl": "qwen3vl", "demo-qwen35": "qwen35"}
+DEMO_MODELS = {"demo": "qwen3vl", "demo-qwen3vl": "qwen3vl", "demo-qwen35": "qwen35", "demo-scenes": "scenes"}
 
 
 def resolve(path_or_id: str | Path) -> Path:

@@ -16,6 +16,7 @@ from trimvlm.adapters.base import (
     on_host,
     pixel_key,
 )
+from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionUnit
 
@@ -46,7 +47,7 @@ class QwenVLAdapterMixin:
         grids = torch.zeros(0, 3, dtype=torch.long, device="cpu")
         if flat:
             flat, kw = self._at_resolution(flat)
-            proc = self.image_processor(images=flat, return_tensors="pt", **kw)
+            proc = self._process(flat, **kw)
             model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
             grids = proc["image_grid_thw"]
             model_inputs["image_grid_thw"] = grids
@@ -65,6 +66,18 @@ class QwenVLAdapterMixin:
             ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
         )
 
+    def _process(self, flat: list, **kw):
+        """The checkpoint's image processor on `flat`; an image it refuses (an aspect ratio of 200 or more, a
+        side too short to resize) is a one-line `InputError` naming the image and its size."""
+        try:
+            return self.image_processor(images=flat, return_tensors="pt", **kw)
+        except ValueError as e:
+            sizes = ", ".join(f"{getattr(im, 'width', '?')}x{getattr(im, 'height', '?')}" for im in flat)
+            raise InputError(
+                f"the image processor refuses an image of this batch ({sizes} pixels): {e}; allowed: images "
+                "whose longer side is under 200 times the shorter"
+            ) from None
+
     def _at_resolution(self, flat: list) -> tuple[list, dict]:
         """(images, image-processor kwargs) under the active `adapters.base.resolution`: each image resized
         (bicubic) to exactly the target token grid's pixels (a multiple of patch * merge on each side) and the
@@ -74,7 +87,7 @@ class QwenVLAdapterMixin:
         target = current_resolution()
         if target is None:
             return flat, {}
-        natural = self.image_processor(images=flat, return_tensors="pt")["image_grid_thw"]
+        natural = self._process(flat)["image_grid_thw"]
         f = self.image_processor.patch_size * self.merge
         out, areas = [], []
         for im, (_, h, w) in zip(flat, natural.tolist(), strict=True):

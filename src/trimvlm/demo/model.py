@@ -1,6 +1,8 @@
-"""The tiny demo VLMs: a real `Qwen3VLForConditionalGeneration` (family "qwen3_vl", deepstack) and a real
+"""The demo VLMs: a real `Qwen3VLForConditionalGeneration` (family "qwen3_vl", deepstack) and a real
 `Qwen3_5ForConditionalGeneration` (family "qwen3_5": Gated DeltaNet linear-attention layers alternating with
-gated full-attention layers), built from small configs.
+gated full-attention layers) for the grid task, and a real `Qwen2_5_VLForConditionalGeneration` (family
+"qwen2_5_vl": window attention in the vision tower, 12 decoder layers) for the scenes task, at dynamic
+resolution; all built from small configs.
 
 `build_config` sizes one, `build_model` instantiates it with the demo tokenizer's special-token ids, and
 `save_checkpoint` writes a folder that transformers' own `from_pretrained` (model, tokenizer, image
@@ -20,6 +22,8 @@ import torch
 from transformers import (
     GenerationConfig,
     PretrainedConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
@@ -37,15 +41,23 @@ TEMPORAL = 2
 VISUAL_TOKENS = (task.IMAGE_SIZE // (PATCH * MERGE)) ** 2  # 64
 
 
-def build_image_processor() -> Qwen2VLImageProcessorPil:
-    n = task.IMAGE_SIZE * task.IMAGE_SIZE
+def build_image_processor(task_name: str = "demo") -> Qwen2VLImageProcessorPil:
+    """The grid task's fixed 128 x 128 images, or the scenes task's dynamic resolution: any image of 160 to 400
+    visual tokens (16 x 16 pixels each) passes unchanged; others are resized into that range."""
+    if task_name == "scenes":
+        from trimvlm.demo import scenes
+
+        lo, hi = scenes.MIN_TOKENS * scenes.TOKEN_PX**2, scenes.MAX_TOKENS * scenes.TOKEN_PX**2
+    else:
+        lo = hi = task.IMAGE_SIZE * task.IMAGE_SIZE
     return Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=n, max_pixels=n
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=lo, max_pixels=hi
     )
 
 
 FAMILIES = {"qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration)}  # fmt: skip
+            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+            "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}  # fmt: skip
 # The hybrid alternates one Gated DeltaNet layer and one full-attention layer (the released Qwen3.5 models use
 # three to one); with 8 layers it keeps four full-attention layers for the visual search.
 HYBRID_FULL_ATTENTION_INTERVAL = 2
@@ -65,6 +77,9 @@ def build_config(
     if family not in FAMILIES:
         raise InputError(f"unknown demo model family {family!r}; allowed: {sorted(FAMILIES)}")
     hybrid = family == "qwen3_5"
+    if family == "qwen2_5_vl":
+        return build_scenes_config(tokenizer, hidden=hidden, layers=layers or 12, heads=heads,
+                                   kv_heads=kv_heads, head_dim=head_dim, vision_hidden=vision_hidden)  # fmt: skip
     layers = layers if layers is not None else (8 if hybrid else 6)
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     ids = tok.convert_tokens_to_ids
@@ -126,6 +141,45 @@ def build_config(
     )
 
 
+def build_scenes_config(
+    tokenizer=None,
+    hidden: int = 128,
+    layers: int = 12,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    vision_hidden: int = 64,
+    vision_depth: int = 4,
+) -> PretrainedConfig:
+    """demo-scenes: Qwen2.5-VL with `layers` decoder layers; the vision tower attends within windows of
+    4 x 4 merged tokens (64 pixels) and across the whole image in its last two blocks."""
+    from trimvlm.demo import scenes
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer(scenes.vocabulary_words())
+    ids = tok.convert_tokens_to_ids
+    half = head_dim // 2
+    hw = (half * 3) // 8  # Qwen2.5-VL's [16, 24, 24] for head_dim 128
+    text_config = {
+        "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": hidden * 4,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "max_position_embeddings": 2048, "bos_token_id": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]},
+        "pad_token_id": ids(PAD), "eos_token_id": ids(EOS),
+    }  # fmt: skip
+    vision_config = {
+        "depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 4,
+        "num_heads": max(1, vision_hidden // 32), "in_channels": 3, "patch_size": PATCH,
+        "spatial_merge_size": MERGE, "temporal_patch_size": TEMPORAL, "out_hidden_size": hidden,
+        "window_size": 4 * MERGE * PATCH, "fullatt_block_indexes": list(range(vision_depth // 2, vision_depth)),
+        "tokens_per_second": 2,
+    }  # fmt: skip
+    return Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=ids(IMAGE_PAD),
+        video_token_id=ids(VIDEO_PAD), vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END), tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def build_model(config: PretrainedConfig | None = None, seed: int = 0):
     torch.manual_seed(seed)
     config = config if config is not None else build_config()
@@ -155,7 +209,9 @@ def trimvlm_meta(extra: dict | None = None) -> dict:
     return meta
 
 
-def save_checkpoint(model, folder: str | Path, meta: dict | None = None, tokenizer=None) -> Path:
+def save_checkpoint(
+    model, folder: str | Path, meta: dict | None = None, tokenizer=None, image_processor=None
+) -> Path:
     """Write the checkpoint folder atomically: into a temporary sibling, then swapped into place."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +220,7 @@ def save_checkpoint(model, folder: str | Path, meta: dict | None = None, tokeniz
         model.save_pretrained(tmp, safe_serialization=True)
         tok = tokenizer if tokenizer is not None else build_tokenizer()
         tok.save_pretrained(tmp)
-        build_image_processor().save_pretrained(tmp)
+        (image_processor if image_processor is not None else build_image_processor()).save_pretrained(tmp)
         (tmp / "trimvlm.json").write_text(json.dumps(trimvlm_meta(meta), indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped folder is readable by all
         for f in tmp.iterdir():

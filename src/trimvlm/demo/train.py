@@ -24,8 +24,10 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ class Encoder:
     """Turns samples into model inputs without string tokenization overhead (same ids as the tokenizer)."""
 
     def __init__(self):
+        self.kinds = task.KINDS
         self.vocab = build_vocab()
         self.processor = build_image_processor()
         self.pad = self.vocab[PAD]
@@ -181,7 +184,7 @@ class VisualFold:
         visual = model.model.visual
         self.mods = [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.target = target_norm / math.sqrt(visual.merger.linear_fc2.out_features)
+        self.target = target_norm / math.sqrt(self._last_linear(visual.merger).out_features)
         for i, mod in enumerate(self.mods):
             mod.register_forward_hook(self._hook(i))
 
@@ -193,6 +196,11 @@ class VisualFold:
 
         return hook
 
+    @staticmethod
+    def _last_linear(mod) -> torch.nn.Linear:
+        """The merger's output layer: `linear_fc2` (Qwen3-VL, Qwen3.5) or the last of `mlp` (Qwen2.5-VL)."""
+        return mod.linear_fc2 if hasattr(mod, "linear_fc2") else mod.mlp[-1]
+
     @torch.no_grad()
     def apply(self) -> None:
         for i, mod in enumerate(self.mods):
@@ -200,7 +208,7 @@ class VisualFold:
                 continue
             mean, std = self.stats.pop(i)
             a = (self.target / std.clamp_min(1e-8)).clamp(max=1.0)
-            fc2 = mod.linear_fc2
+            fc2 = self._last_linear(mod)
             fc2.weight.mul_(a[:, None])
             fc2.bias.copy_(a * (fc2.bias - mean))
 
@@ -220,11 +228,11 @@ def train_samples(rng: np.random.Generator, n: int) -> list[task.Sample]:
 def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens: int = 8) -> dict[str, float]:
     """Greedy exact-match accuracy per kind with the model's own `generate`."""
     model.eval()
-    correct: dict[str, list[int]] = {k: [] for k in task.KINDS}
+    correct: dict[str, list[int]] = {k: [] for k in enc.kinds}
     id2w = {i: w for w, i in enc.vocab.items()}
     chunks = []
     for probe, n_new in (("prefill", 2), ("full", max_new_tokens)):
-        items = [(s.image, q) for s in samples for q in s.qas if q.probe == probe and q.kind in task.KINDS]
+        items = [(s.image, q) for s in samples for q in s.qas if q.probe == probe and q.kind in enc.kinds]
         chunks += [(items[b : b + batch_size], n_new) for b in range(0, len(items), batch_size)]
     for chunk, n_new in chunks:
         batch = enc.prompt_batch([(im, q.question) for im, q in chunk])
@@ -270,6 +278,10 @@ class AttentionTeacher:
     the matches tells how many there are. The attention weights come from the stock eager attention
     through forward hooks; the model stays a plain transformers model and is used without this at inference.
     In a hybrid stack each layer index moves to the next full-attention layer.
+
+    `rows_only`: the model keeps SDPA and the teacher's own attention function (`_rows_attention`) computes
+    the weights of the supervised query rows alone (two heads, from the query and key states the layer
+    hands it), told beforehand by `expect(looks)`: the same weights, without an eager [L, L] matrix per layer.
     """
 
     def __init__(
@@ -279,9 +291,11 @@ class AttentionTeacher:
         word_layers: tuple[int, ...] = WORD_LAYERS,
         option_layers: tuple[int, ...] = OPTION_LAYERS,
         head: int = ATTENTION_HEAD,
+        rows_only: bool = False,
     ):
-        model.set_attn_implementation("eager")
         self.head = head
+        self.rows_only = rows_only
+        self.query: tuple[torch.Tensor, torch.Tensor] | None = None
         self.weights: dict[int, torch.Tensor] = {}
         types = getattr(model.config.text_config, "layer_types", None)
         full = [i for i, t in enumerate(types) if t == "full_attention"] if types is not None else None
@@ -292,8 +306,24 @@ class AttentionTeacher:
         self.roles = {layer: "cells" for layer in place(layers)}  # where two roles meet, the later one wins
         self.roles.update({layer: "words" for layer in place(word_layers)})
         self.roles.update({layer: "option" for layer in place(option_layers)})
-        for layer in sorted(self.roles):
-            model.model.language_model.layers[layer].self_attn.register_forward_hook(self._hook(layer))
+        attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
+        if rows_only:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+            _TRACKED.update({id(mod): (self, layer) for layer, mod in attn.items()})
+            model.set_attn_implementation(ROWS_ATTENTION)
+        else:
+            model.set_attn_implementation("eager")
+            for layer, mod in attn.items():
+                mod.register_forward_hook(self._hook(layer))
+
+    def expect(self, looks) -> None:
+        """The (row, position) queries the next forward's weights are wanted for (rows_only)."""
+        self.query = (torch.tensor([look[0] for look in looks]), torch.tensor([look[1] for look in looks]))
+
+    def _weights_of(self, w: torch.Tensor, rows, pos, head: int) -> torch.Tensor:
+        return w[:, head - self.head] if self.rows_only else w[rows, head, pos]
 
     def _hook(self, layer: int):
         def hook(_mod, _inp, out):
@@ -314,13 +344,52 @@ class AttentionTeacher:
             "words": uniform_rows([look[3] for look in looks], n),
             "option": uniform_rows([look[4] for look in looks], n),
         }
+        # a look's optional sixth list: where the next head looks at the "cells" layers (a second object)
+        second = uniform_rows([[0, *look[5]] if len(look) > 5 and look[5] else [] for look in looks], n)
         terms = []
         for layer, w in weights.items():
-            target = targets[self.roles[layer]]
-            if target.sum() > 0:
-                ce = -(target * w[rows, self.head, pos].clamp_min(1e-9).log()).sum(-1)
-                terms.append(ce.sum() / target.sum())
+            pairs = [(targets[self.roles[layer]], self.head)]
+            if self.roles[layer] == "cells" and second.sum() > 0:
+                pairs.append((second, self.head + 1))
+            for target, head in pairs:
+                if target.sum() > 0:
+                    ce = -(target * self._weights_of(w, rows, pos, head).clamp_min(1e-9).log()).sum(-1)
+                    terms.append(ce.sum() / target.sum())
         return torch.stack(terms).mean()
+
+
+ROWS_ATTENTION = "trimvlm_teacher_rows"
+_TRACKED: dict[int, tuple[AttentionTeacher, int]] = {}
+
+
+def _rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks, while grad is on, also the
+    softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the teacher)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+    hit = _TRACKED.get(id(module))
+    if hit is None or not torch.is_grad_enabled() or hit[0].query is None:
+        return out, None
+    teacher, layer = hit
+    rows, pos = teacher.query
+    heads = [teacher.head, teacher.head + 1]
+    group = query.shape[1] // key.shape[1]
+    q = query[rows[:, None], torch.tensor(heads)[None], pos[:, None]]  # [n, 2, d]
+    k = key[rows[:, None], torch.tensor([h // group for h in heads])[None]]  # [n, 2, L, d]
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    scores = torch.einsum("nhd,nhld->nhl", q, k) * scale
+    n_keys = key.shape[2]
+    valid = torch.arange(n_keys)[None] <= pos[:, None]
+    if attention_mask is not None:
+        m = attention_mask[rows, 0, pos, :n_keys]
+        if m.dtype == torch.bool:
+            valid = valid & m
+        else:
+            scores = scores + m[:, None]
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    teacher.weights[layer] = scores.softmax(-1)
+    return out, None
 
 
 NO_PAIR = len(task.COLOR_NAMES) * len(task.SHAPES)
@@ -341,19 +410,20 @@ class PairProbe(torch.nn.Module):
     pair is written on both sides. It has its own optimizer and is never saved into the checkpoint.
     """
 
-    def __init__(self, hidden: int, lr: float):
+    def __init__(self, hidden: int, lr: float, n_pairs: int = NO_PAIR):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden, NO_PAIR + 1)
+        self.n_pairs = n_pairs
+        self.linear = torch.nn.Linear(hidden, n_pairs + 1)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
 
     def loss(self, model, out, pair: torch.Tensor, asks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         h = model.model.language_model.norm(out.hidden_states[AUX_POSITION_LAYER])
         ce = torch.nn.functional.cross_entropy
-        loss = ce(self.linear(h[:, 1 : 1 + pair.shape[1]]).reshape(-1, NO_PAIR + 1), pair.reshape(-1))
+        loss = ce(self.linear(h[:, 1 : 1 + pair.shape[1]]).reshape(-1, self.n_pairs + 1), pair.reshape(-1))
         if asks:
             rows = torch.tensor([a[0] for a in asks])
             pos = torch.tensor([a[1] for a in asks])
-            loss = loss + ce(self.linear(h[rows, pos]), uniform_rows([a[2] for a in asks], NO_PAIR + 1))
+            loss = loss + ce(self.linear(h[rows, pos]), uniform_rows([a[2] for a in asks], self.n_pairs + 1))
         return loss
 
 
@@ -386,9 +456,28 @@ def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
 BEST_METRIC = "skill-min+mean"
 
 
-def majority_baseline(samples) -> dict[str, float]:
+@dataclass(frozen=True)
+class Spec:
+    """What a demo task brings to the one training loop: its generator module (`split_rng`,
+    `generate_split`), encoder, tokenizer, config builder, training samples, auxiliary loss, number of
+    (colour, shape) pair classes for the probe, attention-teacher layers, image processor and the extra
+    `trimvlm.json` entries of its checkpoint."""
+
+    task: Any
+    encoder: Callable[[], Any]
+    tokenizer: Callable[[], Any]
+    build_config: Callable[..., Any]
+    train_samples: Callable[[np.random.Generator, int], list]
+    aux_loss: Callable[..., torch.Tensor]
+    n_pairs: int
+    image_processor: Callable[[], Any]
+    teacher: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def majority_baseline(samples, kinds=None) -> dict[str, float]:
     """Per kind, the accuracy of always giving the most frequent answer."""
-    answers: dict[str, list[str]] = {k: [] for k in task.KINDS}
+    answers: dict[str, list[str]] = {k: [] for k in (kinds if kinds is not None else task.KINDS)}
     for s in samples:
         for q in s.qas:
             if q.kind in answers:
@@ -449,7 +538,7 @@ class _Run:
 
 def _setup(
     config, seed: int, lr: float, warm_from, fold_visual: bool, attention_weight: float, pair_probe: bool,
-    aux_weight: float,
+    aux_weight: float, spec: Spec,
 ) -> _Run:  # fmt: skip
     """The seeded model (warm-started from `warm_from` when given), its AdamW, the training scaffolds, then
     the training stream's numpy generator and the torch seed, in this order (the order of the random draws)."""
@@ -465,9 +554,10 @@ def _setup(
         betas=(0.9, 0.98),
     )
     fold = VisualFold(model) if fold_visual else None
-    teacher = AttentionTeacher(model) if attention_weight > 0 else None
-    probe = PairProbe(config.text_config.hidden_size, lr) if pair_probe and aux_weight > 0 else None
-    rng = task.split_rng("train", seed)
+    teacher = AttentionTeacher(model, **spec.teacher) if attention_weight > 0 else None
+    hidden = config.text_config.hidden_size
+    probe = PairProbe(hidden, lr, spec.n_pairs) if pair_probe and aux_weight > 0 else None
+    rng = spec.task.split_rng("train", seed)
     torch.manual_seed(seed)
     return _Run(model, opt, rng, fold, teacher, probe)
 
@@ -522,26 +612,29 @@ def _log(log_path: Path, rec: dict) -> None:
 
 def _train_step(
     run: _Run, enc: Encoder, steps: int, batch_size: int, lr: float, warmup: int, aux_weight: float,
-    attention_weight: float,
+    attention_weight: float, spec: Spec,
 ) -> tuple[float, float | None]:  # fmt: skip
     """One optimizer step on a fresh batch (then the probe's step and the visual fold); advances `run.step`.
     Returns the batch's total loss and its attention-teacher loss (None without a teacher)."""
     model, opt, probe = run.model, run.opt, run.probe
     for g in opt.param_groups:
         g["lr"] = lr_at(run.step, steps, lr, warmup)
-    samples = train_samples(run.rng, batch_size)
+    samples = spec.train_samples(run.rng, batch_size)
     batch = enc.train_batch(samples, run.rng)
     looks, asks = batch.pop("looks"), batch.pop("asks")
+    if run.teacher is not None and run.teacher.rows_only:
+        run.teacher.expect(looks)
     if aux_weight > 0:
         out = model(**batch, output_hidden_states=True)
         targets = enc.cell_targets(samples)
-        loss = out.loss + aux_weight * aux_cell_loss(model, out, targets)
+        loss = out.loss + aux_weight * spec.aux_loss(model, out, targets)
         if probe is not None:
             loss = loss + aux_weight * probe.loss(model, out, targets["pair"], asks)
     else:
         loss = model(**batch).loss
     att_loss = None
     if run.teacher is not None:
+        run.teacher.query = None
         att = run.teacher.loss(looks)
         att_loss = att.item()
         loss = loss + attention_weight * att
@@ -562,7 +655,7 @@ def _train_step(
 
 
 def _validate(
-    run: _Run, enc: Encoder, val, val_base: dict, test, out_dir: Path, tokenizer, train_meta: dict
+    run: _Run, enc: Encoder, val, val_base: dict, test, out_dir: Path, tokenizer, train_meta: dict, spec: Spec
 ) -> tuple[dict, str]:
     """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
     accuracy too, and the checkpoint is written to `out_dir`. Returns the log record and the console line."""
@@ -585,8 +678,9 @@ def _validate(
                 "questions_per_kind": 1,
             },
             "train": dict(train_meta),
+            **spec.meta,
         }
-        save_checkpoint(run.model, out_dir, meta, tokenizer)
+        save_checkpoint(run.model, out_dir, meta, tokenizer, spec.image_processor())
     line = f"step {run.step} val " + " ".join(f"{k}={v:.2f}" for k, v in acc.items())
     return rec, line + (" *best" if improved else "")
 
@@ -610,8 +704,10 @@ def train_demo(
     aux_weight: float = 0.5,
     attention_weight: float = 1.0,
     pair_probe: bool = True,
+    spec: Spec | None = None,
 ) -> Path:
-    """Train (or resume) the demo model into `out_dir`; logs and resumable state in `work_dir`."""
+    """Train (or resume) a demo model into `out_dir` (the grid task's unless `spec` names another); logs and
+    resumable state in `work_dir`."""
     from tqdm import tqdm
 
     torch.set_num_threads(threads)
@@ -621,18 +717,19 @@ def train_demo(
     state_path = work_dir / "train_state.pt"
     log_path = work_dir / "train_log.jsonl"
 
-    tokenizer = build_tokenizer()
-    config = build_config(tokenizer, **(model_kwargs or {}))
+    spec = spec if spec is not None else GRID_SPEC
+    tokenizer = spec.tokenizer()
+    config = spec.build_config(tokenizer, **(model_kwargs or {}))
     resuming = resume and state_path.exists()
     warm_from = init_from if init_from is not None and not resuming else None
-    run = _setup(config, seed, lr, warm_from, fold_visual, attention_weight, pair_probe, aux_weight)
+    run = _setup(config, seed, lr, warm_from, fold_visual, attention_weight, pair_probe, aux_weight, spec)
     if resuming:
         _resume(run, state_path, out_dir)
 
-    enc = Encoder()
-    val = task.generate_split("val", VAL_IMAGES, seed=0)
-    val_base = majority_baseline(val)
-    test = task.generate_split("test", TEST_IMAGES, seed=0)
+    enc = spec.encoder()
+    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
+    val_base = majority_baseline(val, enc.kinds)
+    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
@@ -643,7 +740,7 @@ def train_demo(
     att_losses: list[float] = []
     t_last = time.time()
     while run.step < steps:
-        loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight)
+        loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
         if att is not None:
             att_losses.append(att)
         losses.append(loss)
@@ -655,7 +752,7 @@ def train_demo(
             bar.set_postfix(loss=f"{rec['loss']:.3f}")
             losses, att_losses = [], []
         if step % eval_every == 0 or step == steps:
-            rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta)
+            rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta, spec)
             _log(log_path, rec)
             tqdm.write(line)
             sys.stdout.flush()
@@ -674,6 +771,11 @@ def _log_window(log_path: Path, run, losses: list[float], att_losses: list[float
         rec["attention_loss"] = float(np.mean(att_losses))
     _log(log_path, rec)
     return rec
+
+
+GRID_SPEC = Spec(task=task, encoder=Encoder, tokenizer=build_tokenizer, build_config=build_config,
+                 train_samples=train_samples, aux_loss=aux_cell_loss, n_pairs=NO_PAIR,
+                 image_processor=build_image_processor)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

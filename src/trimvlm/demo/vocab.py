@@ -1,4 +1,4 @@
-"""Word-level tokenizer for the demo task (every word the task can produce, plus Qwen-style specials)."""
+"""Word-level tokenizer for a demo task (every word the task can produce, plus Qwen-style specials)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ VIDEO_PAD = "<|video_pad|>"
 SPECIALS = [PAD, UNK, EOS, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 
 
-def build_vocab() -> dict[str, int]:
-    words = SPECIALS + vocabulary_words()
+def build_vocab(words: list[str] | None = None) -> dict[str, int]:
+    """The specials, then `words` (default: the grid task's vocabulary)."""
+    words = SPECIALS + (words if words is not None else vocabulary_words())
     return {w: i for i, w in enumerate(words)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
     """A `PreTrainedTokenizerFast` over a WordLevel model split on whitespace; no BOS/EOS added."""
-    tok = Tokenizer(WordLevel(vocab=build_vocab(), unk_token=UNK))
+    tok = Tokenizer(WordLevel(vocab=build_vocab(words), unk_token=UNK))
     tok.pre_tokenizer = WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

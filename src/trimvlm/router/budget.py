@@ -32,6 +32,16 @@ import math
 import torch
 
 
+def recorded_variant(meta: dict, budget: float) -> dict | None:
+    """The variant `router=M:budget=B` runs: of those recorded in the checkpoint (`budget.variants`, one per
+    calibrated budget: {"budget", "select", "price"}), the one whose budget is nearest B (a tie: the lower
+    budget, which spends less); None when none is recorded."""
+    variants = meta.get("budget", {}).get("variants") or []
+    if not variants:
+        return None
+    return min(variants, key=lambda v: (abs(float(v["budget"]) - budget), float(v["budget"])))
+
+
 def interp(grid: list[float], values: list[float], x: float) -> float:
     """Piecewise-linear interpolation of `values` over the sorted `grid` (clamped at the ends)."""
     if x <= grid[0]:

@@ -53,18 +53,36 @@ def _packed(hidden: torch.Tensor, mask: torch.Tensor):
 @register("router", "PATH", by_path=True)
 @dataclass
 class Router:
-    """The learned meta-router (PAR): per input, a token selection and a layer plan (`router=PATH|demo:...`)."""
+    """The learned meta-router (PAR): per input, a token selection and a layer plan (`router=PATH|demo:...`).
+
+    `router=M:budget=B` alone runs the variant (select, price) recorded in the checkpoint for the calibrated
+    budget nearest B (`trimvlm pick-router` chooses it on validation items and records it); giving select= or
+    price= overrides it, and a router without recorded variants runs its own scores at the calibrated price.
+    """
 
     path: str
     token_keep: float | None = None  # v1: the fixed keep (0.25 when neither it nor budget is given)
     layers_skip: int | None = None  # v1: the fixed number of candidate layers skipped (2 by default)
     budget: float | None = None  # v2: a total-FLOP budget, the layout chosen per input (router/budget.py)
-    select: str = "router"  # v2: which tokens: the router's scores, or a registered token method (NAME or NAME@L)
-    price: float | str = "auto"  # v2: lambda, nats per unit of total-FLOP ratio (auto: calibrated; inf: no skip)
+    # v2: which tokens: the router's scores ("router"), or a registered token method (NAME or NAME@L); None: the
+    # recorded variant's, else "router"
+    select: str | None = None
+    # v2: lambda, nats per unit of total-FLOP ratio (auto: calibrated; inf: no skip); None: the recorded
+    # variant's, else auto
+    price: float | str | None = None
 
     excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
 
     def __post_init__(self):
+        self.variant = None  # the recorded variant the plain recipe took: {"budget", "select", "price"}
+        if self.budget is not None and self.select is None and self.price is None and is_number(self.budget):
+            from trimvlm.router.budget import recorded_variant
+
+            self.variant = recorded_variant(load_router(self.path)[1], float(self.budget))
+            if self.variant is not None:
+                self.select, self.price = self.variant["select"], self.variant["price"]
+        self.select = "router" if self.select is None else self.select
+        self.price = "auto" if self.price is None else self.price
         if self.budget is not None:
             if self.token_keep is not None or self.layers_skip is not None:
                 raise RecipeError("router budget= chooses the keep and the skipped layers per input; do not give "

@@ -1,14 +1,14 @@
 """Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
 
 - `base`: Record (the generation item), Task, the one registry `TASKS`, `get_task`, `calibration_items`;
-- `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
+- `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `scenes`: demo-scenes' task (`scenes`, `scenes-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
 - `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
   image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
 - one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
   mmvet. docs/benchmarks.md lists their prompts, probe kinds and metrics.
 """
 
-from trimvlm.evals.tasks import ai2d, chartqa, docvqa, mmbench, mmvet, pope, scienceqa, textvqa  # noqa: F401
+from trimvlm.evals.tasks import ai2d, chartqa, docvqa, mmbench, mmvet, pope, scenes, scienceqa, textvqa  # noqa: F401
 from trimvlm.evals.tasks.base import (
     GROUP_PROBES,
     OPTION_INSTRUCTION,

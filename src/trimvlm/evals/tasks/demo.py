@@ -22,12 +22,14 @@ DEMO_METRICS = {
 }
 
 
-def demo_questions(limit: int | None, seed: int, split: str) -> tuple[list, list]:
-    """(the samples drawn, the first `limit` (default 300) of their questions as (id, sample, qa)): one of
-    every kind per image, image-major. The demo task and the demo candidate task both read these."""
-    from trimvlm.demo import task as demo
+def demo_questions(limit: int | None, seed: int, split: str, generator=None, default: int = DEMO_DEFAULT_ITEMS):
+    """(the samples drawn, the first `limit` (default `default`) of their questions as (id, sample, qa)): one
+    of every kind per image, image-major, from `generator` (a task module: the grid task's unless given).
+    The demo and scenes tasks and their candidate tasks all read these."""
+    from trimvlm.demo import task as grid
 
-    n = limit if limit is not None else DEMO_DEFAULT_ITEMS
+    demo = generator if generator is not None else grid
+    n = limit if limit is not None else default
     samples = demo.generate_split(split, math.ceil(n / len(demo.KINDS)), seed=seed)
     questions = [(f"{split}-{seed}-{i}-{qa.kind}", s, qa)
                  for i, s in enumerate(samples) for qa in s.qas if qa.kind in demo.KINDS]  # fmt: skip

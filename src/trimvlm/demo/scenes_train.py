@@ -1,0 +1,231 @@
+"""Train demo-scenes: a 12-layer Qwen2.5-VL on the scenes task, with the demo's one training loop
+(`train.train_demo`, seeded and resumable) and the scenes task's encoder and scaffolds.
+
+What differs from the grid task: images have 160 to 400 visual tokens, so every sequence has its own visual
+span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
+holding its centre): the (colour, shape) pair probe and the size word are trained there, and the attention
+teacher points the answer position at anchors (a count is the share of attention that reaches the matching
+anchors; a relation looks at its first object with one head and its second with the next; "largest" looks at
+the largest option). Every visual token still names what it shows (colour or glyph or "background", and its
+shape) through the LM head, and its row and column words at the teacher's key layer. None of this is in the
+saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
+
+    python -m trimvlm.demo.scenes_train --out src/trimvlm/demo/checkpoints/scenes --steps 6000 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+from trimvlm.demo import scenes
+from trimvlm.demo.model import build_image_processor, build_scenes_config
+from trimvlm.demo.train import AUX_POSITION_LAYER, Spec, aux_cell_loss, train_demo
+from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
+
+TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
+P_SINGLE_TURN = 0.2
+PAD_MULTIPLE = 32
+SEEN_PIXELS = 64  # a token shows an object when a quarter of its pixels do
+N_PAIRS = len(scenes.COLOR_NAMES) * len(scenes.SHAPES)
+
+
+def pair_class(color: str, shape: str) -> int:
+    return scenes.COLOR_NAMES.index(color) * len(scenes.SHAPES) + scenes.SHAPES.index(shape)
+
+
+def token_objects(scene: scenes.Scene) -> np.ndarray:
+    """Per visual token (raster order), the index of the object it shows, or -1."""
+    lab = scenes.label_map(scene).reshape(scene.rows, scenes.TOKEN_PX, scene.cols, scenes.TOKEN_PX)
+    lab = lab.transpose(0, 2, 1, 3).reshape(scene.rows * scene.cols, -1)
+    counts = np.stack([(lab == k + 1).sum(1) for k in range(len(scene.objects))], 1)
+    best = counts.argmax(1)
+    return np.where(counts.max(1) >= SEEN_PIXELS, best, -1)
+
+
+def scenes_tokenizer():
+    return build_tokenizer(scenes.vocabulary_words())
+
+
+class ScenesEncoder:
+    """Scenes samples -> model inputs (the tokenizer's ids, without string tokenization); each image's own
+    number of visual tokens."""
+
+    def __init__(self):
+        self.kinds = scenes.KINDS
+        self.vocab = build_vocab(scenes.vocabulary_words())
+        self.processor = build_image_processor("scenes")
+        self.pad, self.eos, self.image_pad = self.vocab[PAD], self.vocab[EOS], self.vocab[IMAGE_PAD]
+        self.attribute_ids = {self.vocab[w] for w in scenes.COLOR_NAMES + scenes.SHAPES}
+
+    def prefix(self, scene: scenes.Scene) -> list[int]:
+        n = scene.rows * scene.cols
+        return [self.vocab[VISION_START]] + [self.image_pad] * n + [self.vocab[VISION_END]]
+
+    def words(self, text: str) -> list[int]:
+        return [self.vocab[w] for w in text.split()]
+
+    def images(self, images):
+        out = self.processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def _look(self, s, q, start: int, prompt: list[int], at: int):
+        """(keys for the teacher's first head, keys for its second head, option positions, pairs asked)."""
+        anchor = {id(o): 1 + scenes.anchor_token(s.scene, o) for o in s.scene.objects}
+        objs = scenes.evidence(s.scene, q.kind, q.params)
+        second, option = [], []
+        if q.kind == "read":
+            cols = s.scene.cols
+            keys = [1 + r * cols + c for r, c, _ in s.scene.text_tokens()]
+        elif q.kind == "relation":
+            keys, second = [anchor[id(objs[0])]], [anchor[id(objs[1])]]
+        elif q.kind == "largest":
+            keys = [anchor[id(max(objs, key=lambda o: o.area))]]
+            letter = start + prompt.index(self.vocab[q.answer])
+            option = [letter, letter + 1, letter + 2]
+        else:
+            keys = [anchor[id(o)] for o in objs]
+        if q.kind == "exist":
+            pairs = [pair_class(q.params["color"], q.params["shape"])]
+        elif q.kind == "count":
+            pairs = [pair_class(c, sh) for c in scenes.COLOR_NAMES for sh in scenes.SHAPES
+                     if q.params.get("color") in (None, c) and q.params.get("shape") in (None, sh)]  # fmt: skip
+        elif q.kind == "color":
+            pairs = [pair_class(c, q.params["shape"]) for c in scenes.COLOR_NAMES]
+        elif q.kind in ("relation", "largest"):
+            pairs = [pair_class(o.color, o.shape) for o in objs]
+        else:
+            pairs = []
+        return keys, second, option, pairs
+
+    def train_batch(self, samples, rng: np.random.Generator) -> dict:
+        seqs, labs, looks, asks = [], [], [], []
+        for s in samples:
+            seen: set[str] = set()
+            qas = [q for q in s.qas if not (q.question in seen or seen.add(q.question))]
+            turns = [qas[int(i)] for i in rng.permutation(len(qas))]
+            if rng.random() < P_SINGLE_TURN:
+                turns = turns[:1]
+            ids = self.prefix(s.scene)
+            lab = [-100] * len(ids)
+            for q in turns:
+                prompt = self.words(scenes.format_prompt(q.question))
+                ans = self.words(q.answer) + [self.eos]
+                start = len(ids)
+                ids += prompt
+                at = len(ids) - 1  # the position that predicts the first answer word
+                keys, second, option, pairs = self._look(s, q, start, prompt, at)
+                words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
+                looks.append((len(seqs), at, keys, words, option, second))
+                if pairs:
+                    asks.append((len(seqs), at, pairs))
+                ids += ans
+                lab += [-100] * len(prompt) + ans
+            seqs.append(ids)
+            labs.append(lab)
+        batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
+        batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
+        batch["looks"], batch["asks"] = looks, asks
+        return batch
+
+    def cell_targets(self, samples) -> dict[str, torch.Tensor]:
+        """Per visual token: content word, shape word, row and column words, pair class at anchors (no pair
+        elsewhere) and size word at anchors; -100 past each image's tokens."""
+        n = max(s.scene.rows * s.scene.cols for s in samples)
+        out = {k: torch.full((len(samples), n), -100, dtype=torch.long)
+               for k in ("content", "shape", "row", "col", "pair", "size")}  # fmt: skip
+        v = self.vocab
+        for i, s in enumerate(samples):
+            sc = s.scene
+            m = sc.rows * sc.cols
+            owner = token_objects(sc)
+            content = [v["background"]] * m
+            shape = [-100] * m
+            for t in np.flatnonzero(owner >= 0):
+                o = sc.objects[owner[t]]
+                content[t], shape[t] = v[o.color], v[o.shape]
+            for r, c, ch in sc.text_tokens():
+                content[r * sc.cols + c] = v[ch]
+            out["content"][i, :m] = torch.tensor(content)
+            out["shape"][i, :m] = torch.tensor(shape)
+            out["row"][i, :m] = torch.tensor([v[f"r{t // sc.cols}"] for t in range(m)])
+            out["col"][i, :m] = torch.tensor([v[f"c{t % sc.cols}"] for t in range(m)])
+            out["pair"][i, :m] = N_PAIRS
+            for o in sc.objects:
+                a = scenes.anchor_token(sc, o)
+                out["pair"][i, a] = pair_class(o.color, o.shape)
+                out["size"][i, a] = v[f"s{o.size}"]
+        return out
+
+    def prompt_batch(self, items) -> dict:
+        """items: list of (image, question); left-padded for generation. The image's size sets its span."""
+        seqs = []
+        for im, q in items:
+            n = (im.height // scenes.TOKEN_PX) * (im.width // scenes.TOKEN_PX)
+            seqs.append([self.vocab[VISION_START]] + [self.image_pad] * n + [self.vocab[VISION_END]]
+                        + self.words(scenes.format_prompt(q)))  # fmt: skip
+        batch = self._pad(seqs, None, left=True)
+        batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
+        return batch
+
+    def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
+        from trimvlm.demo.train import Encoder
+
+        return Encoder._pad(self, seqs, labs, left, multiple)
+
+
+def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:
+    return [scenes.make_sample(rng, per_kind=TRAIN_TURNS) for _ in range(n)]
+
+
+def scenes_aux_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The grid's per-token loss (content, shape, row, column) plus each anchor's size word at the key layer."""
+    loss = aux_cell_loss(model, out, targets)
+    n = targets["size"].shape[1]
+    lm = model.model.language_model
+    mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, 1 : 1 + n])).float()
+    ce = torch.nn.functional.cross_entropy
+    return loss + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), targets["size"].reshape(-1))
+
+
+SCENES_META = {
+    "task": "scenes",
+    "kinds": scenes.KINDS,
+    "prompt_template": scenes.PROMPT_TEMPLATE,
+    "image_size": None,
+    "visual_tokens": [scenes.MIN_TOKENS, scenes.MAX_TOKENS],
+}
+
+SCENES_SPEC = Spec(
+    task=scenes, encoder=ScenesEncoder, tokenizer=scenes_tokenizer,
+    build_config=lambda tok, **kw: build_scenes_config(tok, **kw), train_samples=train_samples,
+    aux_loss=scenes_aux_loss, n_pairs=N_PAIRS, image_processor=lambda: build_image_processor("scenes"),
+    teacher={"layers": (2, 3, 4), "word_layers": (1,), "option_layers": (5,), "rows_only": True}, meta=SCENES_META,
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Train demo-scenes (Qwen2.5-VL, 12 layers) on the scenes task.")
+    ap.add_argument("--out", required=True, help="checkpoint folder to write the best model into")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default=None, help="folder for train_state.pt and train_log.jsonl")
+    ap.add_argument("--eval-every", type=int, default=300)
+    ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--model", default="{}", help='JSON of build_scenes_config kwargs, e.g. {"hidden": 192}')
+    a = ap.parse_args(argv)
+    train_demo(a.out, a.steps, seed=a.seed, resume=not a.no_resume, batch_size=a.batch_size, lr=a.lr,
+               threads=a.threads, work_dir=a.work, eval_every=a.eval_every, model_kwargs=json.loads(a.model),
+               spec=SCENES_SPEC)  # fmt: skip
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The scenes task and the demo-scenes architecture: a deterministic generator whose answers come from the
+scene description, disjoint splits, ragged visual spans, and a Qwen2.5-VL checkpoint that transformers' own
+`from_pretrained` reads and the runner reproduces (a small random-weight one built by the same code as the
+shipped model)."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import trimvlm
+from trimvlm.demo import scenes
+from trimvlm.errors import InputError
+
+
+def _describe(s):
+    sc = s.scene
+    return (sc.rows, sc.cols, sc.text, sc.text_row, sc.text_col, sc.glyph_scale,
+            tuple((o.color, o.shape, o.cx, o.cy, o.size) for o in sc.objects))  # fmt: skip
+
+
+def test_generator_is_deterministic_per_seed_and_split():
+    a = scenes.generate_split("val", 6, seed=3)
+    b = scenes.generate_split("val", 6, seed=3)
+    assert [_describe(s) for s in a] == [_describe(s) for s in b]
+    assert [[(q.question, q.answer) for q in s.qas] for s in a] == [[(q.question, q.answer) for q in s.qas] for s in b]
+    assert all(np.array_equal(np.asarray(x.image), np.asarray(y.image)) for x, y in zip(a, b, strict=True))
+    c = scenes.generate_split("val", 6, seed=4)
+    assert [_describe(s) for s in a] != [_describe(s) for s in c]
+
+
+def test_splits_are_disjoint():
+    seen = {split: {_describe(s) for s in scenes.generate_split(split, 150)} for split in ("train", "val", "test")}
+    assert not seen["train"] & seen["val"]
+    assert not seen["train"] & seen["test"]
+    assert not seen["val"] & seen["test"]
+
+
+def test_scenes_have_the_field_regime():
+    samples = scenes.generate_split("test", 100)
+    tokens = [s.scene.rows * s.scene.cols for s in samples]
+    assert min(tokens) >= 150 and max(tokens) <= 400
+    assert 240 <= np.median(tokens) <= 260 and tokens.count(256) > len(tokens) // 5  # most near 256
+    assert all(s.image.size == (s.scene.cols * 16, s.scene.rows * 16) for s in samples)
+    counts = [len(s.scene.objects) for s in samples]
+    assert min(counts) >= 2 and max(counts) <= 8
+    # objects span from one token to several; the background is most of the image
+    spans = [len(t) for s in samples for t in scenes.object_tokens(s.scene)]
+    assert min(spans) <= 2 and max(spans) >= 16
+    covered = np.mean([sum(map(len, scenes.object_tokens(s.scene))) / (s.scene.rows * s.scene.cols) for s in samples])
+    assert covered < 0.35
+    kinds = {q.kind for s in samples for q in s.qas}
+    assert kinds == set(scenes.KINDS)
+
+
+def test_answers_come_from_the_description_not_the_pixels(monkeypatch):
+    a = scenes.generate_split("test", 20)
+    monkeypatch.setattr(scenes, "render", lambda scene: Image.new("RGB", (16, 16)))
+    b = scenes.generate_split("test", 20)
+    assert [[q.answer for q in s.qas] for s in a] == [[q.answer for q in s.qas] for s in b]
+    for s in a:
+        for q in s.qas:
+            assert scenes.answer_for(s.scene, q.kind, q.params) == q.answer
+            assert q.answer in q.candidates
+
+
+def test_answers_by_hand():
+    red = scenes.Obj("red", "circle", cx=40, cy=40, size=32)
+    blue = scenes.Obj("blue", "square", cx=200, cy=60, size=48)
+    blue2 = scenes.Obj("blue", "triangle", cx=100, cy=200, size=16)
+    sc = scenes.Scene(rows=16, cols=16, background={"kind": "gradient", "a": (100,) * 3, "b": (150,) * 3,
+                      "vertical": True, "period": 4}, objects=[red, blue, blue2], text="7A",
+                      text_row=15, text_col=0, glyph_scale=1)  # fmt: skip
+    assert scenes.answer_for(sc, "exist", {"color": "red", "shape": "circle"}) == "yes"
+    assert scenes.answer_for(sc, "exist", {"color": "red", "shape": "square"}) == "no"
+    assert scenes.answer_for(sc, "count", {"color": "blue"}) == "2"
+    assert scenes.answer_for(sc, "count", {"shape": "diamond"}) == "0"
+    assert scenes.answer_for(sc, "color", {"shape": "square"}) == "blue"
+    assert scenes.answer_for(sc, "relation", {"a": "red circle", "b": "blue square", "rel": "left"}) == "yes"
+    assert scenes.answer_for(sc, "relation", {"a": "red circle", "b": "blue triangle", "rel": "below"}) == "no"
+    # areas: circle 32^2 * pi/4 = 804, square 48^2 = 2304, triangle 16^2 / 2 = 128
+    assert scenes.answer_for(sc, "largest", {"options": ["red circle", "blue square", "blue triangle"]}) == "B"
+    assert scenes.answer_for(sc, "read", {}) == "7 A"
+
+
+def test_unknown_question_kind_is_one_line_error():
+    rng = scenes.split_rng("test")
+    sc = scenes.make_scene(rng)
+    with pytest.raises(InputError, match="unknown scenes question kind 'colour'; allowed: exist, count"):
+        scenes.make_qa(sc, "colour", rng)
+    with pytest.raises(InputError, match="unknown split"):
+        scenes.generate_split("dev", 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_scenes(tmp_path_factory):
+    """A small random-weight demo-scenes checkpoint, written by the shipped model's own code."""
+    from trimvlm.demo import model as dm
+    from trimvlm.demo.scenes_train import SCENES_META, scenes_tokenizer
+
+    tok = scenes_tokenizer()
+    cfg = dm.build_scenes_config(tok, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16, vision_hidden=32,
+                                 vision_depth=2)  # fmt: skip
+    folder = tmp_path_factory.mktemp("scenes") / "ckpt"
+    dm.save_checkpoint(dm.build_model(cfg, seed=0), folder, SCENES_META, tok, dm.build_image_processor("scenes"))
+    return folder
+
+
+def test_checkpoint_loads_with_from_pretrained_and_runner_equals_transformers(tiny_scenes):
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from trimvlm.runtime.generate import generate
+    from trimvlm.runtime.runner import Runner
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes).eval()
+    AutoTokenizer.from_pretrained(tiny_scenes)
+    AutoImageProcessor.from_pretrained(tiny_scenes)
+    vlm = trimvlm.load(str(tiny_scenes))
+    samples = scenes.generate_split("test", 3)
+    prep = vlm.adapter.prepare([[s.image] for s in samples], [s.qas[k].question for k, s in enumerate(samples)])
+    spans = prep.input_ids.eq(hf.config.image_token_id).sum(1).tolist()
+    assert spans == [s.scene.rows * s.scene.cols for s in samples] and len(set(spans)) > 1  # ragged
+    out = Runner(vlm.adapter).prefill(prep, all_logits=True)
+    with torch.no_grad():
+        ref = hf(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs).logits
+    valid = prep.attention_mask.bool()
+    assert (out.logits - ref)[valid].abs().max().item() <= 1e-4
+    tok = vlm.adapter.tokenizer
+    ours = generate(Runner(vlm.adapter), prep, max_new_tokens=6, stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs,
+                             max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)[:, prep.input_ids.shape[1]:]  # fmt: skip
+    assert torch.equal(ours.tokens[:, : theirs.shape[1]], theirs)
+
+
+@pytest.mark.parametrize("recipe", ["tokens=density:keep=0.25:layer=0", "tokens=fastv:keep=0.25:layer=2"])
+def test_ragged_batch_under_a_reducer_equals_each_image_alone(tiny_scenes, recipe):
+    vlm = trimvlm.load(str(tiny_scenes))
+    samples = scenes.generate_split("val", 3)
+    images, prompts = [s.image for s in samples], [s.qas[0].question for s in samples]
+    together = vlm.generate(images, prompts, recipe=recipe, max_new_tokens=4)
+    alone = [vlm.generate([im], [p], recipe=recipe, max_new_tokens=4) for im, p in zip(images, prompts, strict=True)]
+    assert together.tokens == [a.tokens[0] for a in alone]
+
+
+def test_an_image_the_processor_refuses_is_a_one_line_error(tiny_scenes):
+    vlm = trimvlm.load(str(tiny_scenes))
+    with pytest.raises(InputError, match=r"refuses an image of this batch \(4000x16 pixels\).*aspect ratio"):
+        vlm.generate([Image.new("RGB", (4000, 16))], ["read text ?"], max_new_tokens=2)
