@@ -256,6 +256,16 @@ def test_serve_load(tmp_path):
     assert len(data["summary"]) == 4 and all(finite_positive(s["ratio"]) for s in data["summary"])
 
 
+def test_serve_choices(tmp_path):
+    """n choices and n separate requests both answered, none failed; n prefills once: 1/n of the FLOPs."""
+    need_extra("fastapi", "uvicorn", "httpx")
+    data = run("serve_choices", tmp_path)
+    assert data["failed"] == 0 and [r["way"] for r in data["rows"]] == ["n", "separate"]
+    for r in data["rows"]:
+        assert r["units"] > 0 and r["choices"] == 3 * r["units"] and finite_positive(r["choices_per_s"])
+    assert data["prefill_flops_ratio"] == pytest.approx(1 / 3)
+
+
 def test_gpu_check(tmp_path, capsys):
     """Without a GPU it says so and does nothing; on a CPU its quick smoke test passes every check."""
     mod = bench("gpu_check")
