@@ -121,6 +121,14 @@ def vlms(tiny_adapter):
     return get
 
 
+@pytest.fixture(scope="module")
+def demo():
+    """The shipped demo model, loaded once per module (a module may define its own)."""
+    import trimvlm
+
+    return trimvlm.load("demo")
+
+
 @pytest.fixture
 def one_thread():
     """One thread: on the shared 2-core machine, 2 threads run the Qwen3.5 reference kernels ~5x slower."""

@@ -8,27 +8,17 @@ import json
 
 import httpx
 import pytest
-import torch
 from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
 
-import trimvlm  # noqa: E402
 from trimvlm.errors import InputError  # noqa: E402
 from trimvlm.serve.budgets import LoadBudget, Rung, ladder  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import image, messages  # noqa: E402  isort: skip
 
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
 
 
 def tune_folder(folder, demo):

@@ -6,30 +6,32 @@ import threading
 
 import httpx
 import pytest
-import torch
 from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
-import trimvlm  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import WAIT_S, messages, solo, wait_for  # noqa: E402  isort: skip
 
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
 
 
 def _post(url, out, name, **kw):
     body = {"messages": messages(3), "max_tokens": 24} | kw
     out[name] = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+
+
+def _a_decodes_then(url, state, out, others: str) -> list[threading.Thread]:
+    """A is sent and decodes (its steps held by the test); then `others` are sent and wait in the queue."""
+    threads = [threading.Thread(target=_post, args=(url, out, "A"))]
+    threads[0].start()
+    wait_for(lambda: state.batcher.engine.running == 1, "A to decode")
+    for name in others:
+        threads.append(threading.Thread(target=_post, args=(url, out, name)))
+        threads[-1].start()
+    wait_for(lambda: state.batcher.waiting() == len(others), f"{others} to be queued")
+    return threads
 
 
 def test_a_model_error_mid_batch_answers_each_of_its_requests_and_the_server_goes_on(demo, monkeypatch):
@@ -49,13 +51,7 @@ def test_a_model_error_mid_batch_answers_each_of_its_requests_and_the_server_goe
     monkeypatch.setattr(demo.runner, "step", step)
     out = {}
     with live(state) as (url, _):
-        threads = [threading.Thread(target=_post, args=(url, out, "A"))]
-        threads[0].start()
-        wait_for(lambda: state.batcher.engine.running == 1, "A to decode")
-        for name in "BC":
-            threads.append(threading.Thread(target=_post, args=(url, out, name)))
-            threads[-1].start()
-        wait_for(lambda: state.batcher.waiting() == 2, "B and C to be queued")
+        threads = _a_decodes_then(url, state, out, "BC")
         gate.set()
         for t in threads:
             t.join(WAIT_S)
@@ -80,12 +76,7 @@ def test_a_shutdown_answers_the_running_and_waiting_requests(demo, monkeypatch):
     monkeypatch.setattr(demo.runner, "step", step)
     out = {}
     with live(state) as (url, _):
-        threads = [threading.Thread(target=_post, args=(url, out, "A"))]
-        threads[0].start()
-        wait_for(lambda: state.batcher.engine.running == 1, "A to decode")
-        threads.append(threading.Thread(target=_post, args=(url, out, "B")))
-        threads[-1].start()
-        wait_for(lambda: state.batcher.waiting() == 1, "B to wait")  # max_batch 1: B cannot join
+        threads = _a_decodes_then(url, state, out, "B")  # max_batch 1: B cannot join
         closing = threading.Thread(target=state.close, kwargs={"timeout": 0.05})
         closing.start()
         wait_for(lambda: state.batcher._abort, "the drain to be given up")

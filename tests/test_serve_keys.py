@@ -5,7 +5,6 @@ appears in no log line and no answer."""
 import logging
 
 import pytest
-import torch
 from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
@@ -13,26 +12,17 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-import trimvlm  # noqa: E402
 from trimvlm.errors import InputError  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import image, messages  # noqa: E402  isort: skip
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
+
 KEY = "s3cret-key-0123"
 ROUTES = [("POST", "/v1/chat/completions", {"messages": messages(3), "max_tokens": 2}),
           ("POST", "/v1/systemone", {"state": "x", "questions": {}}), ("GET", "/v1/models", None),
           ("POST", "/v1/score", {}), ("GET", "/nowhere", None)]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
 
 
 def test_a_missing_or_wrong_key_is_401_and_the_key_works(demo, caplog, monkeypatch):

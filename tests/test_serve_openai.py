@@ -10,7 +10,6 @@ from conftest import RunnerCalls, live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
-import trimvlm  # noqa: E402
 from trimvlm.adapters.base import Conversation, Turn  # noqa: E402
 from trimvlm.runtime.generate import Decoding, Sampling, penalize  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
@@ -18,17 +17,9 @@ from trimvlm.serve.stops import StopText  # noqa: E402
 
 from test_serve_engine import HeldSteps, client, data_url, image, messages  # noqa: E402  isort: skip
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
+
 MAX = 24
-
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,19 @@ plan allows). A client's recipe never reads a server path: tuned= names a folder
 import json
 
 import pytest
-import torch
 from conftest import hand_flops, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
 
 import httpx  # noqa: E402
 
-import trimvlm  # noqa: E402
 from trimvlm.errors import TrimVLMError  # noqa: E402
 from trimvlm.registry import REGISTRIES, _load_methods  # noqa: E402
 from trimvlm.serve.limits import ServerLimits  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.testing.live_server import live_server  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
 
 MAX_TOKENS = 6
 OPTIONS = {"tokens": "keep=0.25", "kv": "keep=0.5", "depth": "scope=all:budget=1"}
@@ -32,16 +32,6 @@ def recipes() -> list[str]:
         for name in sorted(REGISTRIES[axis]):
             out.append(SPECIAL.get(f"{axis}={name}", f"{axis}={name}:{OPTIONS[axis]}"))
     return out
-
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
 
 
 def _image():

@@ -5,31 +5,21 @@ reason."""
 
 import numpy as np
 import pytest
-import torch
 from conftest import RunnerCalls, live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
 
 import httpx  # noqa: E402
 
-import trimvlm  # noqa: E402
 from trimvlm.serve.score import ScoreJob, run  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import data_url, image  # noqa: E402  isort: skip
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
+
 TOL = 1e-5
 CANDS = ["red circle", "blue square", "green triangle", "yellow"]
-
-
-@pytest.fixture(autouse=True)
-def _one():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return trimvlm.load("demo")
 
 
 @pytest.fixture(scope="module")
