@@ -185,3 +185,14 @@ def test_compiled_density_windows_equal_the_box_sum_to_rounding(shape, window, m
         assert not a[~mask].any()
     if window == 1:
         assert torch.equal(a, b)
+
+
+def test_half_precision_and_the_switch_take_the_fallback():
+    """float16 features (numba's float16 is partial) run the numpy loop; TRIMVLM_JIT=0 / jit.disabled() too."""
+    x = F.normalize(torch.randn(1, 20, 8), dim=-1)
+    assert jit.compiled(x) and not jit.compiled(x.half()) and jit.compiled(x, cpu=True)
+    with jit.disabled():
+        assert not jit.compiled(x)
+    mask, tilt = torch.ones(1, 20, dtype=torch.bool), torch.rand(1, 20)
+    half, _ = farthest_point(x.half(), mask, torch.tensor([5]), tilt.half(), tilt.argmax(1))
+    assert len(set(half[0].tolist())) == 5

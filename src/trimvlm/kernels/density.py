@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.farthest import BLOCK, BLOCK_LARGE, LARGE_K, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
-from trimvlm.kernels.windows import compiled_density
+from trimvlm.kernels.windows import neighbour_sums
 
 __all__ = ["BLOCK", "BLOCK_LARGE", "LARGE_K", "farthest_point", "masked_minmax", "most_isolated",
            "normalize_density", "spatial_density"]  # fmt: skip
@@ -66,22 +66,22 @@ def spatial_density(
     b, h, w, _ = x.shape
     dt = torch.promote_types(x.dtype, torch.float32)
     xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
-    if jit.compiled() and xn.device.type == "cpu":  # one fused pass per grid (kernels.windows)
-        rho = compiled_density(xn, None if mask is None else mask.reshape(b, h, w).bool().cpu(), window)
-        return _shaped(rho, squeeze, flat)
     m = None
     if mask is not None:
         m = mask.reshape(b, h, w).to(device=x.device, dtype=dt)
-    if m is not None:
-        xn = xn * m[..., None]
-    # Neighbours outside the grid (or masked) add 0 to the similarity sum and 0 to the count. Since
-    # sum_n cos(x, x_n) = <xn, sum_n xn_n>, the neighbours' unit vectors are summed first: a window box sum
-    # (sum pooling over each feature plane, read in place from the [B, h, w, d] layout) minus the cell itself,
-    # then one dot product. The box sum is element-wise work, uncounted here as by torch's FlopCounterMode; it
-    # is 1.7x faster than the shifted adds it replaced (docs/tokens.md, issue 20).
-    ones = m if m is not None else xn.new_ones(b, h, w)
-    acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
-    count = _box_sum(ones[:, None], window)[:, 0] - ones
+    if jit.compiled(xn, cpu=True):  # the window sums in one pass per grid (kernels.windows)
+        acc, count = neighbour_sums(xn, None if mask is None else mask.reshape(b, h, w).bool().cpu(), window)
+    else:
+        if m is not None:
+            xn = xn * m[..., None]
+        # Neighbours outside the grid (or masked) add 0 to the similarity sum and 0 to the count. Since
+        # sum_n cos(x, x_n) = <xn, sum_n xn_n>, the neighbours' unit vectors are summed first: a window box sum
+        # (sum pooling over each feature plane, read in place from the [B, h, w, d] layout) minus the cell itself,
+        # then one dot product. The box sum is element-wise work, uncounted here as by torch's FlopCounterMode; it
+        # is 1.7x faster than the shifted adds it replaced (docs/tokens.md, issue 20).
+        ones = m if m is not None else xn.new_ones(b, h, w)
+        acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
+        count = _box_sum(ones[:, None], window)[:, 0] - ones
     sim = rowdot(xn, acc)  # counted as method FLOPs: 2 * N * d
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:

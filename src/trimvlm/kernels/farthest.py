@@ -68,7 +68,7 @@ def farthest_point(
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
         pool=pool or 2 * m, s=np.asarray(first.tolist(), dtype=np.int64),
     )  # fmt: skip
-    out = _compiled(st) if jit.compiled() and kmax > 0 else _numpy_loop(st)
+    out = _compiled(st) if jit.compiled(xn) and kmax > 0 else _numpy_loop(st)
     picks = torch.from_numpy(out).to(dev)
     nearest = picks.gather(1, torch.from_numpy(st.near).to(dev)) if track_nearest else None
     return picks, nearest
@@ -188,7 +188,7 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     pos = (cand == s[:, None]).argmax(1)
     out = np.empty((w, q), dtype=np.int64)
     out[:, 0] = s
-    if jit.compiled():
+    if jit.compiled(xn):
         from trimvlm.kernels.picks import predict_run
 
         predict_run(g, mc, lc, pos, cand, out)

@@ -11,17 +11,23 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
 try:
     import numba
 except ImportError:  # pragma: no cover - numba is a dependency; the fallback is tested by switching it off
     numba = None
 
+_FLOATS = (torch.float32, torch.float64)
 ENABLED = numba is not None and os.environ.get("TRIMVLM_JIT", "1") != "0"
 
 
-def compiled() -> bool:
-    """Whether the compiled loops run (numba present and not switched off)."""
-    return ENABLED and numba is not None
+def compiled(*tensors, cpu: bool = False) -> bool:
+    """Whether the compiled loops run (numba present and not switched off) on these torch tensors: float32 or
+    float64 ones (numba's float16 is partial), and with `cpu` only on the CPU (loops that read the tensors'
+    memory)."""
+    ok = ENABLED and numba is not None
+    return ok and all(t.dtype in _FLOATS and (not cpu or t.device.type == "cpu") for t in tensors)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
-"""Spatial density's windows compiled (`kernels.jit`): per cell, the sum of its window neighbours' unit
-vectors and its dot product with the cell's own, in one pass over the grid (the torch path makes a box sum, a
-subtraction and a batched row product, each a pass over all N x d features). The same rho to rounding: the
-sums run in another order."""
+"""Spatial density's window sums compiled (`kernels.jit`): per cell, the sum of its valid window neighbours' unit
+vectors and their count, in one pass over the grid (the torch path makes two box sums and a subtraction, each a
+pass over all N x d features). The dot product with the cell's own vector stays a counted torch product, so the
+method FLOPs are torch's counter's on both paths. The same rho to rounding: the sums run in another order."""
 
 from __future__ import annotations
 
@@ -10,52 +10,37 @@ import numpy as np
 from trimvlm.kernels.jit import njit
 
 
-@njit(fastmath={"reassoc", "contract"})
-def _dot(a, b):
-    """<a, b> of two 1-D arrays, vectorised (lanes summed in the order the compiler picks, fixed per build)."""
-    s = a.dtype.type(0)
-    for e in range(a.shape[0]):
-        s += a[e] * b[e]
-    return s
-
-
 @njit
-def window_density(xn, valid, window, out, units):
-    """rho [B, h, w] into `out` for the grids `units` of xn [B, h, w, d] (unit vectors; zero where not `valid`):
-    rho = 1 - <x, sum of the valid window neighbours> / max(count, 1), 0 on cells that are not valid."""
+def window_sums(xn, valid, window, acc, cnt, units):
+    """For the grids `units` of xn [B, h, w, d]: acc [B, h, w, d] the sum of each valid cell's valid window
+    neighbours (itself excluded; 0 on cells that are not valid), cnt [B, h, w] how many there are."""
     _, h, w, d = xn.shape
     r = window // 2
-    acc = np.empty(d, dtype=xn.dtype)
-    one = xn.dtype.type(1)
     for b in units:
         for i in range(h):
             for j in range(w):
+                acc[b, i, j] = 0
+                cnt[b, i, j] = 0
                 if not valid[b, i, j]:
-                    out[b, i, j] = 0
                     continue
-                acc[:] = 0
-                cnt = 0
                 for a in range(max(0, i - r), min(h, i + r + 1)):
                     for c in range(max(0, j - r), min(w, j + r + 1)):
                         if (a != i or c != j) and valid[b, a, c]:
-                            cnt += 1
+                            cnt[b, i, j] += 1
                             for e in range(d):
-                                acc[e] += xn[b, a, c, e]
-                out[b, i, j] = one - _dot(xn[b, i, j], acc) / xn.dtype.type(max(cnt, 1))
+                                acc[b, i, j, e] += xn[b, a, c, e]
 
 
-def compiled_density(xn, mask, window: int):
-    """rho [B, h, w] of unit vectors xn [B, h, w, d] (a torch tensor on the CPU; mask [B, h, w] bool or None),
-    the grids on the threads of `kernels.threads`; counted as the torch path's row products (2 N d)."""
+def neighbour_sums(xn, mask, window: int):
+    """(acc [B, h, w, d], count [B, h, w]) as torch tensors, for unit vectors xn [B, h, w, d] (a torch tensor on
+    the CPU; mask [B, h, w] bool or None), the grids on the threads of `kernels.threads`."""
     import torch
 
-    from trimvlm.kernels.flops import count
     from trimvlm.kernels.threads import for_units
 
     b, h, w, d = xn.shape
     x = np.ascontiguousarray(xn.detach().numpy())
     valid = np.ones((b, h, w), dtype=np.bool_) if mask is None else np.ascontiguousarray(mask.numpy())
-    out = np.empty((b, h, w), dtype=x.dtype)
-    count(2 * b * h * w * d)
-    for_units(lambda units: window_density(x, valid, window, out, units), np.arange(b), h * w * d * window)
-    return torch.from_numpy(out)
+    acc, cnt = np.empty_like(x), np.empty((b, h, w), dtype=x.dtype)
+    for_units(lambda units: window_sums(x, valid, window, acc, cnt, units), np.arange(b), h * w * d * window)
+    return torch.from_numpy(acc), torch.from_numpy(cnt)

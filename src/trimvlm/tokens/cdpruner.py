@@ -44,7 +44,7 @@ def dpp_greedy(
     fallback = quality - 2.0  # ... then the most relevant remaining token, deterministically
     c = xn.new_zeros(u, kmax, n)
     picks = torch.zeros(u, kmax, dtype=torch.long, device=xn.device)
-    if jit.compiled() and xn.device.type == "cpu" and kmax > 0:
+    if jit.compiled(xn, quality, cpu=True) and kmax > 0:
         return _greedy_compiled(xn, quality, k, d2, floor, fallback, c, picks)
     rows = torch.arange(u, device=xn.device)
     for t in range(kmax):
