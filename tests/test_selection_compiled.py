@@ -196,3 +196,25 @@ def test_half_precision_and_the_switch_take_the_fallback():
     mask, tilt = torch.ones(1, 20, dtype=torch.bool), torch.rand(1, 20)
     half, _ = farthest_point(x.half(), mask, torch.tensor([5]), tilt.half(), tilt.argmax(1))
     assert len(set(half[0].tolist())) == 5
+
+
+def test_compiled_paths_count_what_torchs_flop_counter_sees():
+    """The method line of the compiled farthest point, DPP and density windows equals torch's FlopCounterMode
+    over the same call (their products are torch calls; the compiled loops do no multiply-adds of a product)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trimvlm.kernels.density import spatial_density
+
+    x, mask, tilt = units([300, 130], 32, seed=4)
+    xn = F.normalize(x, dim=-1, eps=1e-12).masked_fill(~mask[..., None], 0.0)
+    k = keeps([300, 130], 0.2)
+    calls = [
+        lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True),
+        lambda: dpp_greedy(xn, tilt + 0.1, mask, k),
+        lambda: spatial_density(x[:, :289].reshape(2, 17, 17, 32), 3),
+    ]
+    for call in calls:
+        meter = Meter()
+        with flops.counting(meter, "prefill"), FlopCounterMode(display=False) as fc:
+            call()
+        assert meter.flops == fc.get_total_flops() > 0
