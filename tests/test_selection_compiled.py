@@ -126,7 +126,9 @@ def test_dpp_greedy_compiled_equals_fallback(sizes, d, keep, ties, dtype):
     assert torch.equal(a, b) and fa == fb and fa > 0
 
 
-@pytest.mark.parametrize("recipe", ["density", "density:merge=false", "divprune:merge=true", "cdpruner"])
+@pytest.mark.parametrize(
+    "recipe", ["density", "density:merge=false", "divprune:merge=true", "cdpruner", "dart:pivot=hidden:pivots=3"]
+)
 def test_reducers_compiled_equal_fallback_with_the_same_flops(recipe):
     """The whole reduction on a ragged batch (tests/test_selection_batched.py's): same kept tokens, merged hidden
     states bit for bit, same method FLOPs."""
@@ -218,3 +220,27 @@ def test_compiled_paths_count_what_torchs_flop_counter_sees():
         with flops.counting(meter, "prefill"), FlopCounterMode(display=False) as fc:
             call()
         assert meter.flops == fc.get_total_flops() > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dart_duplicate_pass_compiled_equals_the_topk_loop(seed):
+    """DART's pass per pivot (kernels.picks.top_share) against the torch loop of topk_mask: ties (few distinct
+    similarities, -0.0 and 0.0), NaN, pads, shares of 0, past the candidates and past N."""
+    from trimvlm.kernels.picks import top_share
+    from trimvlm.kernels.select import topk_mask
+
+    g = torch.Generator().manual_seed(seed)
+    u, n, p = 5, 37, 4
+    sim = torch.randint(-3, 4, (u, n, p), generator=g).float() / 3  # many exact ties
+    sim[sim == 0] = torch.where(torch.rand(int((sim == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    sim[torch.rand(u, n, p, generator=g) < 0.05] = float("nan")
+    mask = torch.rand(u, n, generator=g) < 0.85
+    keep0 = mask & (torch.rand(u, n, generator=g) < 0.1)
+    shares = torch.randint(0, 12, (u, p), generator=g)
+    shares[0, 0], shares[1, 1] = n + 3, 30
+    ref = keep0.clone()
+    for j in range(p):
+        ref |= topk_mask(-sim[:, :, j], shares[:, j], mask & ~ref)
+    got = keep0.clone()
+    top_share(sim.numpy(), got.numpy(), mask.numpy(), shares.numpy())
+    assert torch.equal(got, ref)

@@ -135,3 +135,37 @@ def dpp_step(t, k, j, picks, quality, row, cprod, d2, floor, fallback, c, tiny, 
         xj[u, 0] = xn[u, nj]
         for r in range(t + 1):
             cj[u * (t + 1) + r] = c[u, r, nj]
+
+
+@njit
+def top_share(sim, keep, mask, share):
+    """DART's duplicate pass (`tokens.dart`): for every unit u and pivot j in order, keep the share[u, j]
+    tokens least similar to pivot j (sim [U, N, P]) among the real tokens not kept yet, as `kernels.select.
+    topk_mask(-sim[:, :, j], share, mask & ~keep)` does: rank all N scores (-sim; NaN and the tokens that are
+    not candidates at -inf) high to low, ties to the lower index, keep the candidates ranked below the share."""
+    u_n, n, p_n = sim.shape
+    v = np.empty(n, dtype=sim.dtype)
+    for u in range(u_n):
+        for j in range(p_n):
+            s = share[u, j]
+            if s <= 0:
+                continue
+            for i in range(n):
+                x = -sim[u, i, j]
+                v[i] = -np.inf if (x != x or not mask[u, i] or keep[u, i]) else x
+            if s >= n:
+                for i in range(n):
+                    keep[u, i] |= mask[u, i]
+                continue
+            thr = np.partition(v, n - s)[n - s]  # the share-th highest score
+            above = 0
+            for i in range(n):
+                above += v[i] > thr
+            ties = s - above  # how many of the scores equal to it make the cut, lowest index first
+            for i in range(n):
+                cand = mask[u, i] and not keep[u, i]
+                if v[i] > thr:
+                    keep[u, i] |= cand
+                elif v[i] == thr and ties > 0:
+                    ties -= 1
+                    keep[u, i] |= cand

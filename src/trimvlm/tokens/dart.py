@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.errors import RecipeError
+from trimvlm.kernels import jit, picks
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
@@ -68,8 +69,12 @@ class DART(TokenReducer):
         xp = xn.gather(1, pidx[..., None].expand(-1, -1, xn.shape[-1]))
         sim = bmm(xn, xp.transpose(1, 2))  # [U, N, pmax] cosine of every token to every pivot
         rest = view.k - p
+        j = torch.arange(pmax, device=p.device)[None]
+        shares = torch.div(rest, p.clamp(min=1), rounding_mode="floor")[:, None] + (j < (rest % p.clamp(min=1))[:, None])
+        shares = torch.where(j < p[:, None], shares, torch.zeros_like(shares))  # [U, pmax] tokens per pivot
+        if jit.compiled(sim, cpu=True):  # the pivots' passes compiled, one selection per pivot (kernels.picks)
+            picks.top_share(sim.detach().numpy(), keep.numpy(), view.mask.cpu().numpy(), shares.numpy())
+            return Selection(keep=keep)
         for j in range(pmax):
-            share = torch.div(rest, p, rounding_mode="floor") + (j < rest % p.clamp(min=1)).long()
-            share = torch.where(j < p, share, torch.zeros_like(share))
-            keep |= topk_mask(-sim[:, :, j], share, view.mask & ~keep)
+            keep |= topk_mask(-sim[:, :, j], shares[:, j], view.mask & ~keep)
         return Selection(keep=keep)
