@@ -30,6 +30,31 @@ def local_ray():
 
 
 @needs_ray
+def test_tune_over_ray_gives_the_single_process_frontier(local_ray, tmp_path):
+    import trimvlm
+    from trimvlm.integrations.ray_eval import RayEvaluator
+    from trimvlm.tune import Settings, search
+
+    torch.set_num_threads(1)
+    space = tmp_path / "space.yaml"
+    space.write_text("tokens:\n  - {method: fastv, layer: [2]}\n  - {method: random, layer: [0]}\n"
+                     "kv:\n  - {method: snapkv, keep: [0.5]}\ncombine: [tokens, tokens+kv]\n")  # fmt: skip
+    kw = {"n_val": 16, "n_test": 12, "settings": Settings(start=8, batch_size=8), "progress": False, "space": space}
+    budgets = ["total_flops=0.8", "total_flops=0.6"]
+    vlm = trimvlm.load("demo")
+    one = search.tune(vlm, "demo", budgets, out=tmp_path / "one", **kw)
+    with RayEvaluator("demo", workers=2, progress=False) as ev:
+        sharded = search.tune(vlm, "demo", budgets, out=tmp_path / "ray", evaluate=ev, **kw)
+        assert len(ev.actors) == 2
+    assert one["frontier"]["total_flops"] == sharded["frontier"]["total_flops"]
+    assert [b["ranking"] for b in one["budgets"]] == [b["ranking"] for b in sharded["budgets"]]
+    acc = {e["spec"]: e["test"]["accuracy"] for e in one["entries"] if "test" in e}
+    assert acc and acc == {e["spec"]: e["test"]["accuracy"] for e in sharded["entries"] if "test" in e}
+    # the CLI: --workers without --ray is refused
+    _one_line_error(_cli("tune", "--budget", "total_flops=0.8", "--workers", 2), "--workers applies to a search")
+
+
+@needs_ray
 def test_ray_run_equals_single_process(local_ray, tmp_path):
     import trimvlm
     from trimvlm.evals.run import run_eval

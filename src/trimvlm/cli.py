@@ -386,6 +386,14 @@ def tune(
     batch_size: int = typer.Option(48),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's)"),
     out: Path = typer.Option(Path("runs/tune"), help="folder: tune.json, best*.yaml, recipes/, frontier.md/png"),
+    ray: str | None = typer.Option(
+        None, "--ray", help="run the search's evaluations sharded over Ray: auto (the running cluster), local, or "
+        "HOST:PORT"
+    ),
+    workers: int | None = typer.Option(
+        None, help="with --ray: workers, each loads the model once for the whole search (default: one per GPU, "
+        "else per CPU)"
+    ),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -397,7 +405,7 @@ def tune(
     try:
         tune_command(model, task, budget, data=data, space=space, out=out, min_retention=min_retention,
                      n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
-                     console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
+                     console=console, load_kw=_load_kw(device, dtype), ray=ray, workers=workers)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

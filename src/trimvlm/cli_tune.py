@@ -8,7 +8,13 @@ from pathlib import Path
 
 def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None, out="runs/tune",
                  min_retention=None, n_val: int = 192, n_test: int = 600, seed: int = 0, batch_size: int = 48,
-                 threads: int | None = None, console=None, load_kw: dict | None = None) -> dict:  # fmt: skip
+                 threads: int | None = None, console=None, load_kw: dict | None = None, ray: str | None = None,
+                 workers: int | None = None) -> dict:  # fmt: skip
+    """`trimvlm tune`. `ray` ("auto", "local" or HOST:PORT): every evaluation of the search sharded over
+    `workers` Ray workers that load the model once for the whole search (integrations/ray_eval.RayEvaluator);
+    the model is also loaded here, for the cost predictions and the rankings' calibration."""
+    import contextlib
+
     from rich.console import Console
     from rich.table import Table
 
@@ -26,9 +32,20 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
 
         torch.set_num_threads(threads)
     console = console or Console()
+    if workers is not None and ray is None:
+        from trimvlm.errors import InputError
+
+        raise InputError("--workers applies to a search sharded over Ray: give --ray auto, local or HOST:PORT too")
     vlm = trimvlm.load(model, **(load_kw or {}))
-    rep = tune(vlm, task, list(budgets), space=space, out=out, n_val=n_val, n_test=n_test, seed=seed, data=data,
-               min_retention=min_retention, settings=Settings(batch_size=batch_size), console=console)  # fmt: skip
+    pool = contextlib.nullcontext()
+    if ray is not None:
+        from trimvlm.integrations.ray_eval import RayEvaluator
+
+        pool = RayEvaluator(model, workers=workers, ray_address=ray, load_kw=load_kw, progress=False)
+    with pool as evaluate:
+        rep = tune(vlm, task, list(budgets), space=space, out=out, n_val=n_val, n_test=n_test, seed=seed,
+                   data=data, min_retention=min_retention, settings=Settings(batch_size=batch_size), console=console,
+                   evaluate=evaluate)  # fmt: skip
     by_spec = {e["spec"]: e for e in rep["entries"]}
     table = Table(title=f"tune {model} on {task}: best recipe per budget (test split, {rep['n_test']} items)")
     for col in ("budget", "best recipe", "test accuracy", "retention", "total FLOPs", "KV bytes", "latency"):

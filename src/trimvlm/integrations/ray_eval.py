@@ -137,6 +137,64 @@ def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int
     return out
 
 
+class RayEvaluator:
+    """Ray workers that stay up across evaluations: `with RayEvaluator(model, ...) as ev: ev(task, recipes, **kw)`
+    runs each `run_eval(vlm, task, recipes, **kw)` sharded over the same actors (each loads the model once, for
+    all the calls), so a search that evaluates many times (`trimvlm tune --ray`) pays for the loads once.
+    `workers` None: one per GPU (GPU workers), else per CPU; `ray_address`: see `connect`."""
+
+    def __init__(self, model: str | Path, *, workers: int | None = None, ray_address: str | None = None,
+                 load_kw: dict | None = None, shards_per_worker: int = SHARDS_PER_WORKER, progress: bool = True,
+                 console=None):  # fmt: skip
+        self.workers = check_workers(workers)
+        if not is_int(shards_per_worker) or shards_per_worker <= 0:
+            raise InputError(f"shards_per_worker must be a positive integer, got {shards_per_worker!r}")
+        self.model, self.ray_address, self.load_kw = model, ray_address, dict(load_kw or {})
+        self.shards_per_worker, self.progress, self.console = shards_per_worker, progress, console
+        self.ray, self.started, self.where, self.actors, self.infos = None, False, None, [], []
+
+    def __enter__(self) -> RayEvaluator:
+        self.ray, self.started, self.where = connect(self.ray_address)
+        try:
+            self.actors, self.infos = _start_workers(self.ray, self.where, self.workers, self.model, self.load_kw)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for a in self.actors:
+            try:
+                self.ray.kill(a)
+            except Exception:
+                pass
+        self.actors = []
+        if self.started:
+            self.ray.shutdown()
+            self.started = False
+
+    def __call__(self, task: Task | str, recipes=None, *, progress: bool | None = None, **kw) -> EvalResult:
+        """run_eval's result for `task` and `recipes` (run_eval's keyword arguments), sharded over the workers."""
+        progress = self.progress if progress is None else progress
+        kw = {"batch_size": 16, "memory": "first", **kw}
+        check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
+        built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
+        task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)
+        recipes = normalize_recipes(recipes)
+        shards = shards_of(task, kw["batch_size"], len(self.actors) * self.shards_per_worker)
+        with progress_bar(self.console, progress) as bar:
+            job = bar.add_task(f"eval {task.name} on {len(self.actors)} Ray workers",
+                               total=sum(n for _, _, n in shards) * len(recipes))  # fmt: skip
+            t_start = time.perf_counter()
+            results = _pull(self.ray, self.actors, shards, task, recipes, kw, lambda s: bar.update(
+                job, advance=shards[s][2] * len(recipes), detail=f"shard {s + 1}/{len(shards)}"))  # fmt: skip
+        return _merge(task, recipes, shards, results, self.where, len(self.actors), self.infos,
+                      time.perf_counter() - t_start)  # fmt: skip
+
+
 def run_eval_ray(
     model: str | Path,
     task: Task | str,
@@ -155,34 +213,12 @@ def run_eval_ray(
     has GPUs and `load_kw` names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU
     workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring
     for what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
-    kw = {"batch_size": 16, "memory": "first", **kw}
-    check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
-    workers = check_workers(workers)
-    if not is_int(shards_per_worker) or shards_per_worker <= 0:
-        raise InputError(f"shards_per_worker must be a positive integer, got {shards_per_worker!r}")
+    check_run_args(kw.get("memory", "first"), kw.get("batch_size", 16), kw.get("max_new_tokens"))
     built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-    task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)
-    recipes = normalize_recipes(recipes)
-    ray, started, where = connect(ray_address)
-    actors = []
-    try:
-        actors, infos = _start_workers(ray, where, workers, model, dict(load_kw or {}))
-        shards = shards_of(task, kw["batch_size"], len(actors) * shards_per_worker)
-        with progress_bar(console, progress) as bar:
-            job = bar.add_task(f"eval {task.name} on {len(actors)} Ray workers",
-                               total=sum(n for _, _, n in shards) * len(recipes))  # fmt: skip
-            t_start = time.perf_counter()
-            results = _pull(ray, actors, shards, task, recipes, kw, lambda s: bar.update(
-                job, advance=shards[s][2] * len(recipes), detail=f"shard {s + 1}/{len(shards)}"))  # fmt: skip
-    finally:
-        for a in actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
-        if started:
-            ray.shutdown()
-    return _merge(task, recipes, shards, results, where, len(actors), infos, time.perf_counter() - t_start)
+    task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)  # bad input fails before Ray
+    with RayEvaluator(model, workers=workers, ray_address=ray_address, load_kw=load_kw,
+                      shards_per_worker=shards_per_worker, progress=progress, console=console) as ev:  # fmt: skip
+        return ev(task, recipes, **kw)
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):

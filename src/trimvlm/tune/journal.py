@@ -19,14 +19,29 @@ from trimvlm.recipe import parse_recipe
 KEEP = ("accuracy", "mismatch_pct", "agreement", "retention", "n")
 
 
+def local_evaluator(vlm):
+    """`evaluate(task, recipes, **kw)` as `run_eval(vlm, task, recipes, **kw)` in this process."""
+
+    def evaluate(task, recipes, **kw):
+        from trimvlm.evals.run import run_eval
+
+        return run_eval(vlm, task, recipes, **kw)
+
+    return evaluate
+
+
 def spec_of(recipe) -> str:
     """A recipe's identity: its axes' specs, not its name."""
     return parse_recipe({k: v for k, v in dict(recipe).items() if k != "name"}).label()
 
 
 class Journal:
-    def __init__(self, vlm, task, out: str | Path | None, *, batch_size: int, fingerprint: str, on_run=None):
+    def __init__(self, vlm, task, out: str | Path | None, *, batch_size: int, fingerprint: str, on_run=None,
+                 evaluate=None):  # fmt: skip
+        """`evaluate(task, recipes, **run_eval_kw)`: where the evaluations run (default: `run_eval` on `vlm`
+        in this process; `trimvlm tune --ray`: a `RayEvaluator`)."""
         self.vlm, self.task, self.batch_size, self.on_run = vlm, task, batch_size, on_run
+        self.evaluate = evaluate if evaluate is not None else local_evaluator(vlm)
         self.path = None if out is None else Path(out) / "journal.jsonl"
         self.base = hashlib.blake2b(f"{fingerprint}|{task.name}|{batch_size}|{task.max_new_tokens}".encode(),
                                     digest_size=8).hexdigest()  # fmt: skip
@@ -49,8 +64,6 @@ class Journal:
 
     def run(self, recipes: list[dict], idx: list[int]) -> dict[str, dict]:
         """spec -> row of every recipe (and "baseline") on the items `idx`; only the missing ones are run."""
-        from trimvlm.evals.run import run_eval
-
         ik = self.items_key(idx)
         specs = {spec_of(r): r for r in recipes}
         specs.setdefault("baseline", {"name": "baseline"})
@@ -58,8 +71,7 @@ class Journal:
         if missing:
             task = replace(self.task, records=[self.task.records[i] for i in idx])
             todo = [{**specs[s], "name": s} for s in missing if s != "baseline"]
-            res = run_eval(self.vlm, task, todo, batch_size=self.batch_size, warmup=False, memory="off",
-                           progress=False)  # fmt: skip
+            res = self.evaluate(task, todo, batch_size=self.batch_size, warmup=False, memory="off", progress=False)
             self.calls += 1
             self.touched |= {str(r.id) for r in task.records}
             lines = []

@@ -289,12 +289,15 @@ def check_splits(task: str, val_split: str, test_split: str, data) -> None:
 
 def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_test: int = 600, seed: int = 0,
          data=None, val_split: str = "val", test_split: str = "test", min_retention: float | None = None,
-         settings: Settings | None = None, progress: bool = True, console=None, on_run=None) -> dict:  # fmt: skip
+         settings: Settings | None = None, progress: bool = True, console=None, on_run=None,
+         evaluate=None) -> dict:  # fmt: skip
     """Search the space for the best recipe at each budget point; returns the report (`tune.report` writes
-    it). `on_run(n)` is called after each evaluation call (n recipes run)."""
-    from trimvlm.evals.run import run_eval
+    it). `on_run(n)` is called after each evaluation call (n recipes run). `evaluate(task, recipes, **kw)`:
+    where every evaluation runs (default run_eval in this process; a `RayEvaluator` shards them over Ray
+    workers, with the same predictions and FLOPs, so the same frontier when the budgets are FLOPs or KV bytes)."""
     from trimvlm.evals.tasks.base import get_task
     from trimvlm.progress import progress as progress_bar
+    from trimvlm.tune.journal import local_evaluator
     from trimvlm.tune.rankings import calibrate_rankings
 
     points = budget_points(budgets)
@@ -307,7 +310,9 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     rankings = (out if out is not None else Path(tempfile.mkdtemp(prefix="trimvlm-tune-"))) / "rankings"
     space = load_space(space, rankings=rankings)
     val = get_task(task, limit=n_val, seed=seed, split=val_split, data=data, progress=False)
-    journal = Journal(vlm, val, out, batch_size=settings.batch_size, fingerprint=fp, on_run=on_run)
+    evaluate = evaluate if evaluate is not None else local_evaluator(vlm)
+    journal = Journal(vlm, val, out, batch_size=settings.batch_size, fingerprint=fp, on_run=on_run,
+                      evaluate=evaluate)  # fmt: skip
     rounds = round_items(len(val.records), settings.start, settings.eta, seed)
     calibrate_rankings(vlm, space, val, rankings)
     search = Search(vlm, val, space, journal, settings)
@@ -332,8 +337,8 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     chosen = list(dict.fromkeys([s for f in front.values() for s in f] + [r["ranking"][0] for r in results if r["ranking"]]))
     chosen = [s for s in chosen if s != "baseline"]
     test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
-    res = run_eval(vlm, test, [{**entries[s]["recipe"], "name": s} for s in chosen],
-                   batch_size=settings.batch_size, progress=False)  # fmt: skip
+    res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
+                   progress=False)
     for e in entries_l:
         if e["spec"] in chosen or e["spec"] == "baseline":
             row = res.row(e["spec"])
