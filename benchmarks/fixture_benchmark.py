@@ -8,7 +8,7 @@ parquet shards, the image embedded as the datasets Image struct) from demo-task 
 
 The demo model was never taught POPE's instruction ("Answer the question using a single word or phrase."),
 so its accuracy here measures that gap too; the point is the path (layout, prompt, metric: accuracy, F1,
-yes-ratio), identical for a real copy.
+predicted yes %), identical for a real copy.
 """
 
 from __future__ import annotations

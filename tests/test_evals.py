@@ -70,7 +70,7 @@ def test_yes_no_accuracy_and_f1():
     assert s["precision"] == pytest.approx(1 / 2)
     assert s["recall"] == pytest.approx(1 / 3)
     assert s["f1"] == pytest.approx(2 * 0.5 * (1 / 3) / (0.5 + 1 / 3))
-    assert s["yes_ratio"] == pytest.approx(2 / 5)
+    assert s["predicted_yes_ratio"] == pytest.approx(2 / 5)
     assert M.get_metric("yesno").score("Yes.", ["yes"]) == 1.0
 
 

@@ -25,9 +25,9 @@ def test_eval_pope_from_parquet_on_the_demo_model(tmp_path):
     )
     rows = {r["group"]: r for r in data_out["results"] if r["recipe"] == "baseline"}
     assert rows["all"]["metric"] == "yesno" and rows["prefill"]["n"] == 4
-    for key in ("accuracy", "f1", "precision", "recall", "yes_ratio"):
+    for key in ("accuracy", "f1", "precision", "recall", "predicted_yes_ratio"):
         assert 0.0 <= rows["all"][key] <= 1.0, key
-    assert "all F1" in res.output and "all yes-ratio" in res.output
+    assert "all F1" in res.output and "all predicted yes %" in res.output
     texts = data_out["predictions"]["baseline"]["outputs"]
     assert len(texts) == 4 and all(len(t.split()) <= 1 for t in texts)  # a prefill probe: one token
 

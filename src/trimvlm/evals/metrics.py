@@ -166,7 +166,9 @@ def yes_no(prediction: str) -> str | None:
 
 
 def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[str, float]:
-    """Accuracy, precision, recall and F1 with 'yes' as the positive class; yes_ratio = share of 'yes' answers.
+    """Accuracy, precision, recall and F1 with 'yes' as the positive class; predicted_yes_ratio = the share of
+    the model's answers that are 'yes' (the POPE paper's yes-ratio; lmms-eval's `pope_yes_ratio` is the share of
+    *gold* answers that are 'yes', a property of the data).
 
     A prediction that is neither yes nor no counts as wrong and as not-yes."""
     if len(predictions) != len(golds):
@@ -184,7 +186,7 @@ def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[s
         "precision": precision,
         "recall": recall,
         "f1": f1,
-        "yes_ratio": sum(p == "yes" for p in predictions) / n if n else 0.0,
+        "predicted_yes_ratio": sum(p == "yes" for p in predictions) / n if n else 0.0,
     }
 
 

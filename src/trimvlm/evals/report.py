@@ -50,7 +50,7 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-SUMMARY_ROWS = (("f1", "F1"), ("yes_ratio", "yes-ratio"), ("abstained", "abstained"))  # a group's extras
+SUMMARY_ROWS = (("f1", "F1"), ("predicted_yes_ratio", "predicted yes %"), ("abstained", "abstained"))  # a group's extras
 COST_COLUMNS = (  # (key, heading): per item, and as a ratio to the baseline
     ("prefill_flops", "prefill FLOPs"),
     ("decode_flops", "decode FLOPs"),

@@ -5,7 +5,8 @@
   and question_id when present. Split: test.
 - prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
 - probe: prefill (the answer is the first generated token).
-- metric: `yesno`: accuracy, with F1, precision, recall ("yes" the positive class) and the yes-ratio.
+- metric: `yesno`: accuracy, with F1, precision, recall ("yes" the positive class) and the share of answers
+  that are "yes" (`predicted_yes_ratio`; not lmms-eval's `pope_yes_ratio`, the share of gold "yes").
 """
 
 from __future__ import annotations
