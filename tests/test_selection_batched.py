@@ -2,7 +2,6 @@
 and the merge) keeps exactly what a per-sample loop of the plain formulas keeps, and merges to the same values;
 issue 33: with the compiled per-pick loops and with their numpy fallback."""
 
-import contextlib
 import math
 
 import pytest
@@ -22,9 +21,9 @@ TEXT = 3
 @pytest.fixture(autouse=True, params=["compiled", "fallback"])
 def loops(request):
     """Every test here with the compiled per-pick loops and with the fallback (numba switched off)."""
-    if request.param == "compiled" and not jit.compiled():
+    if request.param == "compiled" and jit.numba is None:
         pytest.skip("numba is not installed")
-    with jit.disabled() if request.param == "fallback" else contextlib.nullcontext():
+    with jit.switched(request.param == "compiled"):
         yield request.param
 
 

@@ -31,14 +31,19 @@ def compiled(*tensors, cpu: bool = False) -> bool:
 
 
 @contextlib.contextmanager
-def disabled():
-    """Run the numpy / torch fallback loops inside the block (tests, benchmarks)."""
+def switched(on: bool):
+    """The compiled loops on (where numba is installed) or off inside the block, whatever TRIMVLM_JIT says."""
     global ENABLED
-    before, ENABLED = ENABLED, False
+    before, ENABLED = ENABLED, bool(on)
     try:
         yield
     finally:
         ENABLED = before
+
+
+def disabled():
+    """Run the numpy / torch fallback loops inside the block (tests, benchmarks)."""
+    return switched(False)
 
 
 def njit(fn=None, **options):
