@@ -1,11 +1,12 @@
 """The shipped demo checkpoint's reference accuracy, measured by transformers' own `generate`.
 
-`record_reference(folder)` scores the first `items` questions of the demo task (seed 0, test split) with the
+`record_reference(folder)` scores the first `items` questions of the checkpoint's task (`trimvlm.json`'s
+"task": the grid demo task, or scenes for demo-scenes; seed 0, test split) with the
 model's own greedy `generate` — not trimvlm's runner — and writes the result into the checkpoint's
 `trimvlm.json` under `reference`. The test suite then checks that trimvlm's runner and harness, on the same
 items, land within 2 points of it: the shipped model and the shipped code agree.
 
-    python -m trimvlm.demo.reference [--model demo|demo-qwen35 | --folder PATH] [--items 200]
+    python -m trimvlm.demo.reference [--model demo|demo-qwen35|demo-scenes | --folder PATH] [--items 200]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trimvlm.evals.metrics import get_metric
-from trimvlm.evals.tasks import demo_task
+from trimvlm.evals.tasks import get_task
 
 
 def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 50) -> dict:
@@ -25,7 +26,8 @@ def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 5
 
     adapter = load_adapter(folder)
     model, tok = adapter.model, adapter.tokenizer
-    task = demo_task(limit=items, seed=0)
+    name = json.loads((Path(folder) / "trimvlm.json").read_text()).get("task", "demo")
+    task = get_task(name, limit=items, seed=0, split="test")
     scores: dict[str, list[float]] = {}
     groups: dict[tuple[str, str], list] = {}
     for r in task.records:
@@ -47,7 +49,7 @@ def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 5
                 scores.setdefault(kind, []).append(get_metric(r.metric).score(text, r.answers, r.options))
     by_kind = {k: sum(v) / len(v) for k, v in scores.items()}
     overall = sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values())
-    return {"items": items, "seed": 0, "split": "test", "measured_with": "transformers generate (greedy)",
+    return {"task": name, "items": items, "seed": 0, "split": "test", "measured_with": "transformers generate (greedy)",
             "overall": overall, "by_kind": by_kind}  # fmt: skip
 
 
@@ -66,7 +68,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", default=None, help="checkpoint folder (default: the shipped --model)")
-    ap.add_argument("--model", default="demo", help="shipped demo model: demo or demo-qwen35")
+    ap.add_argument("--model", default="demo", help="shipped demo model: demo, demo-qwen35 or demo-scenes")
     ap.add_argument("--items", type=int, default=200)
     args = ap.parse_args()
     print(json.dumps(record_reference(args.folder or resolve(args.model), args.items), indent=2))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# demo-scenes from training to its tables, in order; each step resumable or quick to rerun. Run from the repo
+# root with nothing else on the machine (the timings in the tables are interleaved ratios, but a loaded machine
+# still slows every step). STEP=N runs from step N on. Times are for the 2-core CPU.
+# Not yet wired for the scenes task (steps 3 and 8 fail until they are): `trimvlm train-head` builds its
+# requests from the grid task's kinds and has no --task; benchmarks/depth_budget.py has no --task.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+CKPT=src/trimvlm/demo/checkpoints/scenes
+WORK=${WORK:-runs/train-scenes}   # train_state.pt (resumable) and train_log.jsonl
+THREADS=${THREADS:-2}
+STEP=${STEP:-1}
+R=docs/results
+step() { [ "$1" -ge "$STEP" ]; }
+
+# 1. train (about 4,500 steps of 16 scenes; 2-4 s a step on 2 idle cores): the best model by validation is
+#    written into $CKPT whenever it improves, with its test accuracy per kind in trimvlm.json
+step 1 && $BIN/trimvlm train-demo --task scenes --out $CKPT --steps 4500 --threads "$THREADS" 2>&1 | tail -5
+# (the same, resumable from $WORK: python -m trimvlm.demo.scenes_train --out $CKPT --work $WORK --steps 4500)
+
+# 2. reference accuracy by transformers' own generate (the suite checks the runner lands within 2 points)
+step 2 && $BIN/python -m trimvlm.demo.reference --model demo-scenes --items 240
+
+# 3. decision head (System One, candidate scoring's head readout): a few minutes
+step 3 && $BIN/trimvlm train-head --model demo-scenes --task scenes --out $CKPT --overwrite
+
+# 4. token table: every registered token method at keep 50 / 25 / 12.5 %, L = 0 and L = 2 (about 1 hour)
+step 4 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/tokens.yaml \
+    --limit 600 --batch-size 50 --json $R/tokens-scenes.json --markdown $R/tokens-scenes.md --plot $R/tokens-scenes.png
+step 4 && $BIN/python benchmarks/token_similarity.py --model demo-scenes --task scenes --json $R/token-similarity-scenes.json
+
+# 5. KV table: every KV policy at drop 50 / 75 / 87.5 % (keep 0.5 / 0.25 / 0.125)
+step 5 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/kv.yaml \
+    --limit 600 --batch-size 50 --json $R/kv-scenes.json --markdown $R/kv-scenes.md --plot $R/kv-scenes.png
+
+# 6. depth rankers, then tune at total FLOPs 0.75 / 0.5 / 0.35
+step 6 && for m in block-influence sensitivity greedy-kl; do
+    $BIN/trimvlm calibrate --model demo-scenes --task scenes --method $m --n 32 --json $R/rank-scenes-$m.json; done
+step 6 && $BIN/trimvlm tune --model demo-scenes --task scenes --budget total_flops=0.75 --budget total_flops=0.5 \
+    --budget total_flops=0.35 --out $R/tune-scenes
+
+# 7. router v2: train, refit on the tuned method's tokens, calibrate on held-out inputs, record the variants
+step 7 && $BIN/trimvlm train-router --model demo-scenes --task scenes --n 96 --epochs 20 --layer 2 \
+    --keeps 0.2,0.35,0.5,0.65,0.8,1 --max-skip 3 --out $CKPT/router --overwrite
+step 7 && $BIN/trimvlm refit-router demo-scenes --model demo-scenes --task scenes --n 512 --select density@0 --overwrite
+step 7 && $BIN/trimvlm calibrate-router demo-scenes --model demo-scenes --task scenes --n 128 \
+    --select router,density@0 --overwrite
+step 7 && $BIN/trimvlm pick-router demo-scenes --model demo-scenes --task scenes --budgets 0.75,0.5,0.35 \
+    --select density@0 --overwrite
+
+# 8. budget table: tuned, FastV alone, the naive FastV + ranker, the plain router v2
+step 8 && $BIN/python benchmarks/depth_budget.py --model demo-scenes --task scenes --budgets 0.75:3,0.5:3,0.35:3 \
+    --router demo-scenes --rankings "$R/rank-scenes-{method}.json" --out benchmarks/recipes/budget-matched-scenes.yaml
+step 8 && $BIN/python benchmarks/budget_table.py --model demo-scenes --task scenes --tuned $R/tune-scenes \
+    --matched benchmarks/recipes/budget-matched-scenes.yaml --limit 600 --json $R/budget-scenes.json \
+    --markdown $R/budget-scenes.md
