@@ -27,13 +27,34 @@ def argmax_sum(a, b):
 
 
 @njit
+def _fold_argmax(row, mind, live, near, t, track):
+    """mind <- min(mind, row) (NaN propagates; near[i] = t where row < mind), then argmax(mind + live) as
+    `argmax_sum`, in one pass."""
+    best, at, nan_at = -np.inf, 0, -1
+    for i in range(mind.shape[0]):
+        d, m = row[i], mind[i]
+        if d < m:
+            if track:
+                near[i] = t
+            m = d
+        elif d != d:
+            m = d
+        mind[i] = m
+        v = m + live[i]
+        if v > best:
+            best, at = v, i
+        elif v != v and nan_at < 0:
+            nan_at = i
+    return nan_at if nan_at >= 0 else at
+
+
+@njit
 def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units):
     """Farthest point's loop (`kernels.farthest`) for each unit of `units`, from its step tt[u] and pick s[u]:
     record the pick, fold its cached distance row rows[u, slot[u, s]] into the running min `mind` (and the
     nearest pick's step `near`), take the next pick argmax(mind + live); until the unit is done (tt[u] = kmax)
     or its pick has no cached row (a miss: tt[u], s[u] left at that step for the caller to refill and call
     again; recording the pick twice is harmless). A unit past its k[u] stops updating `mind`."""
-    n = live.shape[1]
     for u in units:
         t, su = tt[u], s[u]
         while t < kmax:
@@ -49,15 +70,12 @@ def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units
                     break
                 if t == 0:
                     mind[u] = rows[u, a]
+                elif not last:  # fold the row in and take the next pick in one pass
+                    su = _fold_argmax(rows[u, a], mind[u], live[u], near[u] if track else near[0], t, track)
+                    t += 1
+                    continue
                 else:
-                    for i in range(n):
-                        d = rows[u, a, i]
-                        if d < mind[u, i]:
-                            if track:
-                                near[u, i] = t
-                            mind[u, i] = d
-                        elif d != d:
-                            mind[u, i] = d
+                    _fold_argmax(rows[u, a], mind[u], live[u], near[u] if track else near[0], t, track)
             elif t == 0:
                 mind[u] = np.inf
             if last:
