@@ -236,6 +236,9 @@ def test_calibrate_block_influence_writes_a_ranking(tmp_path):
     data = json.loads(out.read_text())
     assert data["method"] == "block-influence" and sorted(data["order"]) == list(range(data["num_layers"]))
     assert len(data["scores"]) == data["num_layers"] and data["fingerprint"]
+    # it says which recipe reads what it wrote, and that recipe runs
+    assert f"use it as the recipe depth=ranking:file={out}:budget=K" in " ".join(res.output.split())
+    assert _cli("generate", "--prompt", "how many blue ?", "--recipe", f"depth=ranking:file={out}:budget=1").exit_code == 0
     _one_line_error(
         _cli("calibrate", "--method", "nosuch"), "allowed: candidates, block-influence, greedy-kl"
     )

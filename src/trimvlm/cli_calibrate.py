@@ -78,7 +78,10 @@ def calibrate_command(
                         model=str(model))  # fmt: skip
     print_ranking(data, vlm.adapter.layer_types, console)
     if json_out is not None:
-        console.print(f"wrote {write_ranking(data, json_out)}")
+        path = write_ranking(data, json_out)
+        scope = ":scope=candidates" if method == CANDIDATES else ""
+        console.print(f"wrote {path}; use it as the recipe depth=ranking:file={path}:budget=K{scope} (the K "
+                      f"best-ranked blocks skipped{' in the candidate branches' if scope else ''})")  # fmt: skip
     return data
 
 

@@ -53,7 +53,9 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
                            out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
     for e in log["epochs"]:
         console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
-    console.print(f"wrote {out}")
+    use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if train_kw.get("keeps")
+           else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
+    console.print(f"wrote {out}; use it as the recipe {use}")
     return {"out": str(out), **log}
 
 
@@ -88,7 +90,8 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     meta = json.loads((folder / CONFIG).read_text())
     meta["budget"]["held_out"] = held | {"task": task, "skip": skip, "seed": seed}
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    console.print(f"wrote the held-out calibration ({len(records)} inputs; {', '.join(held['kl'])}) into {folder}")
+    console.print(f"wrote the held-out calibration ({len(records)} inputs; {', '.join(held['kl'])}) into {folder}; "
+                  f"use it as the recipe router={router}:budget=0.75 (select= one of: {', '.join(held['kl'])})")  # fmt: skip
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
@@ -174,7 +177,8 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     save_router(fit, out, fingerprint=model_fingerprint(vlm.adapter), hidden=r.meta["hidden"], extra=extra)
     console.print(f"refit on {len(records)} inputs ({log['pairs']['layers']} layer pairs, {log['pairs']['iso']} "
                   f"iso-cost pairs; DPO loss {log['epochs'][0]['dpo_loss']:.4f} -> {log['epochs'][-1]['dpo_loss']:.4f}); "
-                  f"wrote {out}: calibrate it on later inputs (trimvlm calibrate-router)")  # fmt: skip
+                  f"wrote {out}: calibrate it on later inputs (`trimvlm calibrate-router {out} --model {model}`), "
+                  f"then use it as the recipe router={out}:budget=0.75")  # fmt: skip
     return {"out": str(out), **log}
 
 
@@ -319,5 +323,5 @@ def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
     t = meta["train"]
     console.print(
         f"best step {t['best_step']} (val accuracy {t['best_val_accuracy']:.3f}); features {t['seconds_features']} s, "
-        f"training {t['seconds_train']} s"
+        f"training {t['seconds_train']} s; use it: trimvlm score --model {folder} --readout head ..."
     )
