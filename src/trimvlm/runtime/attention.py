@@ -305,13 +305,18 @@ def _ungrouped(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def _shared_part(query, kv, owner, scaling):
     """Attention of branches to one shared part: the branches that read one row are folded into the query
-    axis of one call against that row's keys (no per-branch copy of the part)."""
+    axis of one call against that row's keys (no per-branch copy of the part). Rows whose owner is -1 do not
+    read the part (rows of a batch joined with others, `KVCache.join`): out 0, log-sum-exp -inf."""
     b, h, q, d = query.shape
     n_kv = kv.key.shape[1]
     grouped = _grouped(query, n_kv)  # [B, Hk, G*Q, d]
     outs, lses = [], []
-    for a, e, o in owner_runs(owner) if kv.key.shape[0] > 1 else [(0, b, 0)]:
+    for a, e, o in owner_runs(owner) if kv.key.shape[0] > 1 or bool((owner < 0).any()) else [(0, b, 0)]:
         n = e - a
+        if o < 0:
+            outs.append(grouped.new_zeros(n, n_kv, grouped.shape[2], d))
+            lses.append(torch.full((n, n_kv, grouped.shape[2]), float("-inf"), device=query.device))
+            continue
         qf = grouped[a:e].transpose(0, 1).reshape(1, n_kv, n * grouped.shape[2], d)
         mask = kv.valid[o][None, None, None, :]
         out, lse = _attend(qf, kv.key[o : o + 1], kv.value[o : o + 1], mask, scaling)

@@ -332,17 +332,31 @@ class KVCache:
         self.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
         if self.prefix is not None:  # branches off a shared prefix: the rows that stay keep their owners
             p = self.prefix
-            self.prefix = SharedPrefix([SharedPart(q.layers, q.owner.index_select(0, rows)) for q in p.parts],
-                                       p.states, p.state_owner.index_select(0, rows))  # fmt: skip
+            parts = [SharedPart(q.layers, q.owner.index_select(0, rows)) for q in p.parts]
+            parts = [q for q in parts if bool((q.owner >= 0).any())]  # a part no row reads any more is let go
+            self.prefix = SharedPrefix(parts, p.states, p.state_owner.index_select(0, rows))
+            if not parts and not any(p.states.values()):
+                self.prefix = None
 
     def join(self, other: KVCache) -> None:
         """Append the rows of `other` after this cache's rows, in place (a request admitted into a running decode
         batch). Each layer's entries are left-padded to the longer of the two with invalid columns (attended to
         by no one, as a padded batch's), recurrent states are concatenated; layers that shared their metadata
-        share it again. Neither cache may read a shared prefix."""
-        if self.prefix is not None or other.prefix is not None:
-            raise ValueError("caches reading a shared prefix cannot be joined")
+        share it again. Rows reading shared prefix parts (branches, `share_prefix`) keep reading them, uncopied:
+        each part's owners say which row of it a row reads, -1 for the other cache's rows (they attend to
+        nothing there). Shared recurrent states cannot be joined (ValueError)."""
+        for c in (self, other):
+            if c.prefix is not None and any(c.prefix.states.values()):
+                raise ValueError("caches reading shared recurrent states cannot be joined")
         a_rows, b_rows = self.rows(), other.rows()
+        parts = []
+        for c, before, after in ((self, 0, b_rows), (other, a_rows, 0)):
+            for q in [] if c.prefix is None else c.prefix.parts:
+                pad = [q.owner.new_full((n,), -1) for n in (before, after)]
+                parts.append(SharedPart(q.layers, torch.cat([pad[0], q.owner, pad[1]])))
+        if parts:
+            owner = parts[0].owner.new_full((a_rows + b_rows,), -1)
+            self.prefix = SharedPrefix(parts, {}, owner)
         memo: dict[tuple, torch.Tensor] = {}
 
         def cat(x, y, nx, ny, fill, name):
@@ -372,7 +386,7 @@ class KVCache:
         for st in self.states.values():
             for t in st.values():
                 return t.shape[0]
-        return 0
+        return 0 if self.prefix is None else int(self.prefix.state_owner.shape[0])  # branches yet to write
 
     # ---- accounting ----
     def attention_bytes(self) -> int:

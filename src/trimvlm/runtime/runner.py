@@ -221,6 +221,7 @@ class Runner:
             ctx.shared = cache.prefix.parts if cache.prefix is not None else None
             ctx.tree = cache.tree
         hidden = seq.hidden
+        read: dict[int, int] = {}  # per shared part, the rows that read it (owner >= 0), counted once per run
         ran = torch.full((seq.batch,), start, dtype=torch.long, device="cpu")  # per row: layers run so far
         with use_trimvlm_attention(ad.attn_configs), counting(meter, phase):
             for i in range(start, self.num_layers):
@@ -256,8 +257,15 @@ class Runner:
                     plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
                     masks[key] = None if plain else chunk_mask(past, seq.valid, within)
                 k_len = seq.length + (0 if past is None else past.shape[1])
+                partial = 0  # attention FLOPs over shared parts that only some of the running rows read
                 if ctx is not None and ctx.shares(i):
-                    k_len += sum(p.layers[i].valid.shape[1] for p in ctx.layer_parts(i))
+                    n = seq.batch if rows is None else len(rows)
+                    for p in ctx.layer_parts(i):
+                        k_p, readers = p.layers[i].valid.shape[1], _readers(p, rows, read)
+                        if readers == n:
+                            k_len += k_p
+                        else:
+                            partial += ad.layer_flops(i, readers, seq.length, k_p) - ad.layer_flops(i, readers, seq.length, 0)
                     k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
@@ -270,7 +278,7 @@ class Runner:
                     rows, q = (seq.batch if rows is None else len(rows)), seq.length
                     if cache.tree is not None and ad.layer_types[i] != ATTENTION:
                         rows, q = 1, cache.tree.tokens_run  # a tree's recurrent layers ran its chains
-                    meter.add_layer(phase, i, ad.layer_flops(i, rows, q, k_len))
+                    meter.add_layer(phase, i, ad.layer_flops(i, rows, q, k_len) + partial)
         if hook is not None:
             new = hook(self.num_layers, seq.with_hidden(hidden), self)
             if new is not None:
@@ -356,6 +364,15 @@ class Runner:
             image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
         )
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
+
+
+def _readers(part, rows: torch.Tensor | None, memo: dict[int, int]) -> int:
+    """How many of the running rows (`rows`: a per-sample plan's subset, else all) read a shared part."""
+    if rows is not None:
+        return int((part.owner.index_select(0, rows.to(part.owner.device)) >= 0).sum())
+    if id(part) not in memo:
+        memo[id(part)] = int((part.owner >= 0).sum())
+    return memo[id(part)]
 
 
 def _phase_skip(plan: Plan | None, phase: str, skip):

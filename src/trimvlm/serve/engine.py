@@ -240,20 +240,25 @@ class ChatEngine:
     # ---- the rows of prefilled requests ----
     def _start(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]) -> None:
         """The prefilled requests' rows: their first tokens chosen and sent; those still going join the running
-        batch of their recipe (a request of n > 1 choices decodes as a group of its own, its n rows reading its
-        prompt's KV as a shared, uncopied prefix)."""
+        batch of their recipe (the n rows of a request of n > 1 choices read its prompt's KV as a shared,
+        uncopied prefix, in that batch too; where caches cannot be joined, recurrent prefix states, they decode
+        as a group of their own)."""
         group, logits = self._group(jobs, plan, out, meter, seconds, reused)
         self._advance(group, logits)
         if not group.rows:
             return
-        key = jobs[0].key
-        if key in self.groups:
-            old = self.groups[key]
-            old.decoding.join(group.decoding)
-            old.rows += group.rows
-            old.last = torch.cat([old.last, group.last])
-        else:
+        key = jobs[0].key[:2]  # ("chat", recipe label): an n > 1 request's own batch key joins its recipe's
+        old = self.groups.get(key)
+        if old is None:
             self.groups[key] = group
+            return
+        try:
+            old.decoding.join(group.decoding)
+        except ValueError:
+            self.groups[jobs[0].key + (id(group),)] = group
+            return
+        old.rows += group.rows
+        old.last = torch.cat([old.last, group.last])
 
     def _group(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]):
         """(the decode group of prefilled `jobs`, its rows' first logits): each row's sampler; each request's
