@@ -10,18 +10,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-from conftest import fail_if_required
+from conftest import optional
 
-try:
-    import lmms_eval  # noqa: F401
-
-    LMMS_ERROR = None
-except Exception as e:  # ImportError, or lmms-eval failing to import beside this torch
-    LMMS_ERROR = f"lmms-eval cannot be imported ({type(e).__name__}: {e}); `make lmms` installs it"
-
-fail_if_required(LMMS_ERROR)
-pytestmark = pytest.mark.skipif(LMMS_ERROR is not None, reason=str(LMMS_ERROR))
+_, pytestmark = optional("lmms_eval", "`make lmms` installs it")
 
 N = 30  # fixture rows
 
