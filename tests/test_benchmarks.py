@@ -266,6 +266,18 @@ def test_serve_choices(tmp_path):
     assert data["prefill_flops_ratio"] == pytest.approx(1 / 3)
 
 
+def test_serve_adaptive(tmp_path):
+    """Both servers answer every arrival; the adaptive one's answers ran rungs of its ladder; accuracies are
+    graded fractions."""
+    need_extra("fastapi", "uvicorn", "httpx")
+    data = run("serve_adaptive", tmp_path)
+    assert data["failed"] == 0 and [r["server"] for r in data["rows"]] == ["fixed", "adaptive"]
+    ladder = {"baseline", "tuned-total_flops=0.85", "tuned-total_flops=0.75", "tuned-total_flops=0.65"}
+    fixed, adaptive = data["rows"]
+    assert fixed["requests"] > 0 and set(fixed["recipes"]) == {"baseline"} and set(adaptive["recipes"]) <= ladder
+    assert all(0 <= r["accuracy"] <= 1 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] for r in data["rows"])
+
+
 def test_gpu_check(tmp_path, capsys):
     """Without a GPU it says so and does nothing; on a CPU its quick smoke test passes every check."""
     mod = bench("gpu_check")
