@@ -12,7 +12,9 @@ each send a request, wait for its answer and send the next, for `--seconds`; the
 flight finishes and counts). A short warm-up precedes each cell. Reported per cell: requests/s, p50 / p99
 latency (client side: the whole answer), the mean batch the server reported (`usage.batch_requests`), failed
 requests (any status but 200); for chat completions, which are streamed, also the time to the first token
-(TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99.
+(TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99, and
+the client's TTFT minus the engine's (`usage.engine_ttft_s`), p50: what HTTP, parsing, preparation and
+streaming add.
 The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50, over all
 answers and over the multi-token answers alone (>= `LONG` text chunks: a one-token answer ends one decode step
 after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--chat-prompts
@@ -127,6 +129,7 @@ async def ask(c, path: str, body: bytes) -> dict:
                     last = now
                 if "usage" in chunk:
                     out["batch"] = chunk["usage"]["batch_requests"]
+                    out["engine_ttft"] = chunk["usage"].get("engine_ttft_s")
         else:
             out["batch"] = json.loads(await r.aread())["usage"]["batch_requests"]
     out["latency"] = time.perf_counter() - t0
@@ -139,7 +142,8 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
     requests in flight then)."""
     import httpx
 
-    seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0, "long": []}
+    seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0, "long": [],
+            "ttft_overhead": []}  # fmt: skip
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -159,6 +163,8 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
                     seen["batches"].append(res["batch"])
                     if res["ttft"] is not None:
                         seen["ttft"].append(res["ttft"])
+                        if res.get("engine_ttft") is not None:  # what the HTTP side adds to the engine's TTFT
+                            seen["ttft_overhead"].append(res["ttft"] - res["engine_ttft"])
                     if res["chunks"] >= LONG:  # (TTFT, end to end) of a multi-token answer
                         seen["long"].append((res["ttft"], res["latency"]))
                     seen["gaps"] += res["gaps"]
@@ -236,6 +242,7 @@ def merge(parts: list[dict]) -> dict:
     batches = [x for p in parts for x in p["batches"] if x is not None]
     failures = [x for p in parts for x in p["failures"]]
     long = [x for p in parts for x in p.get("long", [])]
+    over = [x for p in parts for x in p.get("ttft_overhead", [])]
     elapsed = sum(p["seconds"] for p in parts)
     return {
         "requests": len(lat), "failed": len(failures), "failures": failures[:5], "seconds": elapsed,
@@ -243,6 +250,8 @@ def merge(parts: list[dict]) -> dict:
         "p50_ms": 1e3 * statistics.median(lat) if lat else None, "p99_ms": pct(lat, 0.99),
         "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None, "ttft_p99_ms": pct(ttft, 0.99),
         "itl_p50_ms": 1e3 * statistics.median(gaps) if gaps else None, "itl_p99_ms": pct(gaps, 0.99),
+        # the client's TTFT minus the engine's (usage.engine_ttft_s: queued -> first token sent by the model thread)
+        "ttft_overhead_p50_ms": 1e3 * statistics.median(over) if over else None,
         "mean_batch": statistics.fmean(batches) if batches else None,
         # answers of >= LONG text chunks only: their TTFT p50 over their end-to-end p50
         "long_answers": len(long),

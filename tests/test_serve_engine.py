@@ -101,6 +101,7 @@ def test_openai_client_metrics_and_access_log(demo, caplog):
         r = c.chat.completions.create(model="demo", messages=messages(3), max_tokens=24)
         assert r.choices[0].message.content == ref.texts[0]
         assert r.usage.completion_tokens == len(ref.tokens[0])
+        assert 0 < r.usage.engine_ttft_s <= r.usage.server_ttft_s <= r.usage.server_latency_s
         chunks = list(c.chat.completions.create(model="demo", messages=messages(3), max_tokens=24, stream=True,
                                                 stream_options={"include_usage": True}))  # fmt: skip
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.texts[0]

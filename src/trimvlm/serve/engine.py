@@ -406,6 +406,8 @@ class ChatEngine:
                 continue
             if lps[i] is not None:
                 row.logprobs.append(lps[i])
+            if p.first_token_at is None:
+                p.first_token_at = time.perf_counter()
             self.outbox.post(row.job, ("token", row.index, t, lps[i]))
             if p.stop is not None:
                 text = self._text([x for x in row.tokens if x not in self.stops])

@@ -155,6 +155,9 @@ class ChatReply:
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
             "batch_requests": result["batch"], "recipe": self.recipe,
             "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
+            # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->)
+            "engine_ttft_s": None if p.first_token_at is None else p.first_token_at - self.job.enqueued,
+            "server_ttft_s": None if p.first_token_at is None else p.first_token_at - self.t0,
         }  # fmt: skip
 
     def _logprobs(self, entries: list) -> dict | None:
