@@ -7,9 +7,14 @@ one). `step()`: one decode step of every running batch; each row's token is sent
 (true streaming); a row that stopped, reached its `max_tokens` or whose client has gone leaves the batch at
 that step (its cache rows freed).
 
-Each row is what the request alone gets from `vlm.generate`: greedy rows take their argmax, a sampled row
-(temperature > 0) draws from its own `torch.Generator` seeded with its `seed`, one draw per token, exactly as
-a batch of one does. (Rows of one batch agree with their solo runs to float rounding, as a padded batch does.)
+A row is one choice of a request: a request of n choices prefills once and its n rows read the prompt's KV
+as a shared, uncopied prefix (`KVCache.share_prefix`), in the running batch too. A request whose earlier
+turns' prompt is in the prefix cache prefills only its new tokens on top of it (`Runner.prefill_chunked` from
+the stored entry). Each row is what the request alone gets from `vlm.generate`: greedy rows take their argmax,
+a sampled row (temperature > 0) draws from its own `torch.Generator` seeded with its `seed` (+ its choice's
+index), one draw per token, exactly as a batch of one does, after OpenAI's penalties on what it generated. A
+row ends at a stop token, a stop string in its text (serve/stops.py), or `max_tokens`. (Rows of one batch
+agree with their solo runs to float rounding, as a padded batch does.)
 
 Costs per request (its `usage`): its share of each model call it took part in: the prefill it was admitted
 with (vision by its image tokens, the rest by rows) and every decode step it ran in (split by the rows of that
