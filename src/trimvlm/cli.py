@@ -172,8 +172,35 @@ def methods(json_out: Path | None = JSON_OUT):
             opts = "\n".join(f"{o['name']}: {o['type']} = {o['default']!r}" for o in m["options"])
             table.add_row(m["name"], opts, m["summary"])
         console.print(table)
+    variants = _router_variants()
+    if variants:
+        table = Table(title="router=M:budget=B (no other option) runs the variant recorded for the nearest budget")
+        for col in ("model", "budget", "select=", "price=", "val accuracy"):
+            table.add_column(col)
+        for name, v in variants:
+            table.add_row(name, f"{v['budget']}", v["select"], str(v["price"]),
+                          f"{100 * v['val_accuracy']:.1f}% ({v['val_items']} items)")  # fmt: skip
+        console.print(table)
     console.print(TUNED_AND_START)
     _write_json(json_out, data)
+
+
+def _router_variants() -> list[tuple[str, dict]]:
+    """(demo model, variant) recorded in each shipped router (`trimvlm pick-router`)."""
+    from trimvlm.loading import DEMO_MODELS
+    from trimvlm.router.model import load_router
+
+    out, folders = [], set()
+    for name, folder in DEMO_MODELS.items():  # aliases share a folder: each router once, by its first name
+        if folder in folders:
+            continue
+        folders.add(folder)
+        try:
+            meta = load_router(name)[1]
+        except TrimVLMError:
+            continue
+        out += [(name, v) for v in meta.get("budget", {}).get("variants", [])]
+    return out
 
 
 TUNED_AND_START = (
@@ -295,20 +322,28 @@ def train_demo(
     steps: int = typer.Option(6000),
     seed: int = typer.Option(0),
     resume: bool = typer.Option(True),
-    family: str = typer.Option("qwen3_vl", help="qwen3_vl (deepstack) or qwen3_5 (Gated DeltaNet hybrid)"),
+    family: str = typer.Option("qwen3_vl", help="qwen3_vl (deepstack) or qwen3_5 (Gated DeltaNet hybrid); the "
+                               "scenes task trains Qwen2.5-VL"),
     batch_size: int = typer.Option(16),
     threads: int = typer.Option(1),
     init_from: Path = typer.Option(None, help="checkpoint folder to copy matching weights from"),
+    task: str = typer.Option("demo", help="demo (the grid task, 64 tokens per image) or scenes (demo-scenes: 160-400 "
+                             "tokens per image, a 12-layer Qwen2.5-VL; about 4,500 steps, 3-4 hours on 2 cores)"),
 ):
     """Train a tiny demo model from scratch on the demo task (seeded, resumable): --steps optimizer steps of
     --batch-size sequences, validated every 300 (the shipped demo model took 7200); then use it with --model OUT."""
     from trimvlm.demo.train import train_demo as _train
 
+    if task not in ("demo", "scenes"):
+        _fail(InputError(f"unknown demo task {task!r}; allowed: demo, scenes"))
+    kw: dict = {"model_kwargs": {"family": family}}
+    if task == "scenes":
+        from trimvlm.demo.scenes_train import SCENES_SPEC
+
+        kw = {"model_kwargs": {}, "spec": SCENES_SPEC}
     try:
-        _train(
-            out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
-            model_kwargs={"family": family}, init_from=init_from,
-        )  # fmt: skip
+        _train(out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
+               init_from=init_from, **kw)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
     console.print(f'wrote {out}; use it: trimvlm generate --model {out} --image scene.png --prompt "how many blue ?"')
