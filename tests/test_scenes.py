@@ -148,3 +148,31 @@ def test_an_image_the_processor_refuses_is_a_one_line_error(tiny_scenes):
     vlm = trimvlm.load(str(tiny_scenes))
     with pytest.raises(InputError, match=r"refuses an image of this batch \(4000x16 pixels\).*aspect ratio"):
         vlm.generate([Image.new("RGB", (4000, 16))], ["read text ?"], max_new_tokens=2)
+
+
+def test_train_demo_names_its_tasks(tmp_path):
+    from trimvlm.testing.cli import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("train-demo", "--task", "grid", "--steps", 1, "--out", tmp_path / "x"),
+                          "unknown demo task 'grid'; allowed: demo, scenes")  # fmt: skip
+
+
+def test_scenes_training_step_runs_and_resumes(tmp_path, monkeypatch):
+    """Two steps of demo-scenes' training at a small width: the scaffolds run on ragged scenes and the state
+    resumes to the same weights as an uninterrupted run."""
+    from trimvlm.demo import train as tr
+    from trimvlm.demo.scenes_train import SCENES_SPEC
+
+    monkeypatch.setattr(tr, "VAL_IMAGES", 2)
+    monkeypatch.setattr(tr, "TEST_IMAGES", 2)
+    kw = dict(batch_size=2, threads=1, eval_every=100, save_every=1, progress=False, warmup=2, spec=SCENES_SPEC,
+              model_kwargs={"hidden": 32, "layers": 6, "heads": 2, "kv_heads": 1, "head_dim": 16,
+                            "vision_hidden": 32, "vision_depth": 2})  # fmt: skip
+    tr.train_demo(tmp_path / "a", 2, work_dir=tmp_path / "wa", **kw)
+    tr.train_demo(tmp_path / "b", 1, work_dir=tmp_path / "wb", **kw)
+    tr.train_demo(tmp_path / "b", 2, work_dir=tmp_path / "wb", **kw)
+    a = torch.load(tmp_path / "wa" / "train_state.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "wb" / "train_state.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    meta = (tmp_path / "a" / "trimvlm.json").read_text()
+    assert '"task": "scenes"' in meta
