@@ -21,7 +21,7 @@ TEXT = 3
 @pytest.fixture(autouse=True, params=["compiled", "fallback"])
 def loops(request):
     """Every test here with the compiled per-pick loops and with the fallback (numba switched off)."""
-    if request.param == "compiled" and jit.numba is None:
+    if request.param == "compiled" and not jit.AVAILABLE:
         pytest.skip("numba is not installed")
     with jit.switched(request.param == "compiled"):
         yield request.param

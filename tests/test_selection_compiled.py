@@ -11,7 +11,7 @@ from trimvlm.kernels import flops, jit, threads
 from trimvlm.kernels.density import farthest_point, masked_minmax
 from trimvlm.tokens.cdpruner import dpp_greedy
 
-pytestmark = pytest.mark.skipif(jit.numba is None, reason="numba is not installed: only the fallback exists")
+pytestmark = pytest.mark.skipif(not jit.AVAILABLE, reason="numba is not installed: only the fallback exists")
 
 # (sizes of the units, feature width, kept fraction)
 SHAPES = [([1], 8, 1.0), ([1, 5, 3], 4, 0.5), ([40, 25, 33], 16, 0.3), ([300, 130], 32, 0.2), ([400], 24, 0.4)]

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.farthest import BLOCK, BLOCK_LARGE, LARGE_K, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
-from trimvlm.kernels.windows import neighbour_sums
 
 __all__ = ["BLOCK", "BLOCK_LARGE", "LARGE_K", "farthest_point", "masked_minmax", "most_isolated",
            "normalize_density", "spatial_density"]  # fmt: skip
@@ -70,6 +69,8 @@ def spatial_density(
     if mask is not None:
         m = mask.reshape(b, h, w).to(device=x.device, dtype=dt)
     if jit.compiled(xn, cpu=True):  # the window sums in one pass per grid (kernels.windows)
+        from trimvlm.kernels.windows import neighbour_sums  # imports numba: on first use, not with trimvlm
+
         acc, count = neighbour_sums(xn, None if mask is None else mask.reshape(b, h, w).bool().cpu(), window)
     else:
         if m is not None:

@@ -9,24 +9,22 @@ which stay torch calls (counted as method FLOPs, so the FLOPs are the work, whic
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import torch
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - numba is a dependency; the fallback is tested by switching it off
-    numba = None
-
+# numba itself is imported by the modules of the compiled loops (kernels.picks, kernels.windows), on first use
+AVAILABLE = importlib.util.find_spec("numba") is not None
 _FLOATS = (torch.float32, torch.float64)
-ENABLED = numba is not None and os.environ.get("TRIMVLM_JIT", "1") != "0"
+ENABLED = AVAILABLE and os.environ.get("TRIMVLM_JIT", "1") != "0"
 
 
 def compiled(*tensors, cpu: bool = False) -> bool:
     """Whether the compiled loops run (numba present and not switched off) on these torch tensors: float32 or
     float64 ones (numba's float16 is partial), and with `cpu` only on the CPU (loops that read the tensors'
     memory)."""
-    ok = ENABLED and numba is not None
+    ok = ENABLED and AVAILABLE
     return ok and all(t.dtype in _FLOATS and (not cpu or t.device.type == "cpu") for t in tensors)
 
 
@@ -51,4 +49,8 @@ def njit(fn=None, **options):
     GIL, so two threads can run two samples' loops at once), or `fn` itself without numba (never called then)."""
     if fn is None:
         return lambda f: njit(f, **options)
-    return fn if numba is None else numba.njit(cache=True, nogil=True, **options)(fn)
+    if not AVAILABLE:  # pragma: no cover
+        return fn
+    import numba
+
+    return numba.njit(cache=True, nogil=True, **options)(fn)

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.kernels import jit
-from trimvlm.kernels import picks as picks_kernel
 from trimvlm.kernels.flops import bmm
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -68,6 +67,8 @@ def _greedy_compiled(xn, quality, k, d2, floor, fallback, c, picks) -> torch.Ten
     """`dpp_greedy`'s loop with its O(N) work per pick compiled (`kernels.picks.dpp_step`): the same two counted
     products per pick on the same operands (the gathered rows written into buffers of the shapes the torch loop
     builds), the same float operations in the same order, so the same picks."""
+    from trimvlm.kernels import picks as picks_kernel  # imports numba: on first use
+
     u, kmax, n = c.shape
     arr = [t.detach().contiguous().numpy() for t in (xn, quality, d2, floor, fallback)]
     xn_np, q_np, d2_np, floor_np, fb_np = arr

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.errors import RecipeError
-from trimvlm.kernels import jit, picks
+from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int
@@ -73,7 +73,9 @@ class DART(TokenReducer):
         shares = torch.div(rest, p.clamp(min=1), rounding_mode="floor")[:, None] + (j < (rest % p.clamp(min=1))[:, None])
         shares = torch.where(j < p[:, None], shares, torch.zeros_like(shares))  # [U, pmax] tokens per pivot
         if jit.compiled(sim, cpu=True):  # the pivots' passes compiled, one selection per pivot (kernels.picks)
-            picks.top_share(sim.detach().numpy(), keep.numpy(), view.mask.cpu().numpy(), shares.numpy())
+            from trimvlm.kernels.picks import top_share
+
+            top_share(sim.detach().numpy(), keep.numpy(), view.mask.cpu().numpy(), shares.numpy())
             return Selection(keep=keep)
         for j in range(pmax):
             keep |= topk_mask(-sim[:, :, j], shares[:, j], view.mask & ~keep)
