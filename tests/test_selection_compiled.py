@@ -85,7 +85,7 @@ def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
     0 on -inf scores): the same output from both."""
     x, mask, tilt = units([1, 6], 4, seed=3)
     xn = F.normalize(x, dim=-1, eps=1e-12)
-    for k in ([1, 1], [1, 6], [3, 6], [4, 2]):
+    for k in ([1, 1], [1, 6], [3, 6], [4, 2], [0, 3]):
         (a, fa), (b, fb) = both(
             lambda k=k: farthest_point(xn, mask, torch.tensor(k), tilt, tilt.argmax(1), track_nearest=True)
         )

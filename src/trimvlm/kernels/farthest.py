@@ -68,7 +68,8 @@ def farthest_point(
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
         pool=pool or 2 * m, s=np.asarray(first.tolist(), dtype=np.int64),
     )  # fmt: skip
-    out = _compiled(st) if jit.compiled(xn) and kmax > 0 else _numpy_loop(st)
+    with np.errstate(invalid="ignore"):  # inf + -inf (a unit past its tokens) is NaN by the rule, not an error
+        out = _compiled(st) if jit.compiled(xn) and kmax > 0 else _numpy_loop(st)
     picks = torch.from_numpy(out).to(dev)
     nearest = picks.gather(1, torch.from_numpy(st.near).to(dev)) if track_nearest else None
     return picks, nearest
