@@ -13,7 +13,7 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 from trimvlm.adapters.base import Conversation, Turn  # noqa: E402
 from trimvlm.runtime.generate import Decoding, Sampling, penalize  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
-from trimvlm.serve.stops import StopText  # noqa: E402
+from trimvlm.serve.stops import StopText, token_start  # noqa: E402
 
 from test_serve_engine import HeldSteps, client, data_url, image, messages  # noqa: E402  isort: skip
 
@@ -67,6 +67,7 @@ def test_stop_text_rule():
     assert s.safe("a red") == 2  # "red" may become "red circle": held
     assert s.safe("a red c") == 2 and s.safe("a red s") == 7
     assert s.safe("ab x") == 3 and s.safe("a red circle b") == 2
+    assert token_start("a red", "a red circle") == 6 and token_start("", "a") == 0 and token_start("ab", "abc") == 2
 
 
 # ---- logprobs ----
@@ -232,3 +233,27 @@ def test_data_url_images_in_two_turns_are_counted_in_order(demo, url):
     conv = Conversation((Turn("user", "describe ?", 1), Turn("assistant", "nothing"), Turn("user", "describe ?", 1)))
     ref = demo.generate([image(6), image(7)], conv, max_new_tokens=MAX)
     assert ask(url, messages=sent).choices[0].message.content == ref.texts[0]
+
+
+def test_n_stop_and_logprobs_together_in_a_chunked_stream(demo):
+    """n = 2 sampled choices, a stop string and logprobs, streamed, on a server that prefills in chunks of 16:
+    each choice is its seeded answer alone cut at the stop, its logprobs one per returned token."""
+    from trimvlm.serve.limits import ServerLimits
+
+    alone = [demo.generate(image(4), "describe ?", max_new_tokens=MAX, temperature=1.0, seed=5 + i).texts[0]
+             for i in range(2)]  # fmt: skip
+    stop = alone[0].split()[2]
+    want = [t[: t.find(stop)] if stop in t else t for t in alone]
+    with live(ServerState(demo, model_id="demo", limits=ServerLimits(max_prefill_tokens=16))) as (url, state):
+        chunks = list(ask(url, messages=messages(4), n=2, temperature=1.0, seed=5, stop=stop, logprobs=True,
+                          stream=True))  # fmt: skip
+    text, entries, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.delta.content or ""
+            entries[ch.index] += ch.logprobs.content if ch.logprobs else []
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert [text[0], text[1]] == want and finish[0] == "stop"
+    for i in (0, 1):
+        assert "".join(e.token + " " for e in entries[i]).strip() == want[i].strip()
+    assert chunks[-1].usage.prompt_tokens > 16  # (prefilled in chunks)

@@ -32,6 +32,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
+from trimvlm.serve.stops import token_start
 
 
 @dataclass
@@ -44,7 +45,8 @@ class Row:
     gen: torch.Generator | None
     counts: torch.Tensor | None = None  # [V] each token's generations so far (the penalties)
     tokens: list[int] = field(default_factory=list)  # generated, the stop token included
-    ends: list[int] = field(default_factory=list)  # the text's length after each token (rows with stop strings)
+    text: str = ""  # its text so far (rows with stop strings)
+    starts: list[int] = field(default_factory=list)  # where each token's text begins in it (stops.token_start)
     logprobs: list = field(default_factory=list)  # per token (id, logprob, [(id, logprob) of the top k])
     cut: int | None = None  # where a stop string begins in the text
     reason: str = "length"
@@ -416,8 +418,8 @@ class ChatEngine:
             self.outbox.post(row.job, ("token", row.index, t, lps[i]))
             if p.stop is not None:
                 text = self._text([x for x in row.tokens if x not in self.stops])
-                row.ends.append(len(text))
-                row.cut = p.stop.find(text)
+                row.starts.append(token_start(row.text, text))
+                row.text, row.cut = text, p.stop.find(text)
                 if row.cut is not None:
                     row.reason = "stop"
                     done.append(i)
@@ -462,7 +464,7 @@ class ChatEngine:
         text, logprobs = self._text(tokens), row.logprobs
         if row.cut is not None:
             text = text[: row.cut]
-            logprobs = logprobs[: sum(1 for start in [0, *row.ends[:-1]] if start < row.cut)]
+            logprobs = logprobs[: sum(1 for start in row.starts if start < row.cut)]
         self.outbox.post(row.job, ("end", row.index, {
             "text": text, "completion_tokens": len(tokens), "finish_reason": row.reason, "logprobs": logprobs,
         }))  # fmt: skip

@@ -26,6 +26,7 @@ import time
 import uuid
 
 from trimvlm.serve.errors import ApiError, as_api_error
+from trimvlm.serve.stops import token_start
 
 
 class ClientGone(Exception):
@@ -44,11 +45,12 @@ class TextStream:
         self.starts, self.entries, self.given = [], [], 0  # per token where its text starts; entries sent
 
     def push(self, token: int, entry=None) -> tuple[str, list]:
-        self.starts.append(len(self.text))
         self.ids.append(token)
         if entry is not None:
             self.entries.append(entry)
-        self.text = now = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        now = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        self.starts.append(token_start(self.text, now))
+        self.text = now
         ok = len(now) if self.stop is None else self.stop.safe(now)
         if now.endswith("\ufffd"):
             ok = min(ok, len(now) - 1)

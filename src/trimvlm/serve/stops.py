@@ -1,6 +1,8 @@
 """OpenAI's `stop`: up to 4 strings; generation ends where one first appears in the answer's text, and the
 text from there on is not returned. `find` says where (the model thread ends the row there); `safe` says how
-much of a growing text a stream may send: up to a match, and short of a tail that could still become one."""
+much of a growing text a stream may send: up to a match, and short of a tail that could still become one.
+`token_start` places a token's text in the answer (the log-probabilities returned are those of the tokens whose
+text begins before the cut)."""
 
 from __future__ import annotations
 
@@ -29,3 +31,12 @@ class StopText:
                     held = k
                     break
         return len(text) - held
+
+
+def token_start(before: str, now: str) -> int:
+    """Where the text of the newest token begins in `now` (the text with it), `before` the text without it: after
+    `before` and the whitespace the decoding put between them."""
+    at = len(before)
+    while at < len(now) and now[at].isspace():
+        at += 1
+    return at
