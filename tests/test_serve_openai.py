@@ -46,6 +46,8 @@ def test_stop_strings_cut_the_answer_where_one_first_appears(demo, url):
         chunks = list(ask(url, messages=messages(3), stop=stops, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
         assert chunks[-1].choices[0].finish_reason == "stop"
+    lp = ask(url, messages=messages(3), stop=stop, logprobs=True).choices[0].logprobs.content
+    assert [e.token for e in lp] == want.split()  # the tokens whose text was returned
 
 
 def test_a_stream_holds_back_a_partial_match_until_it_is_resolved(demo, url):
