@@ -179,3 +179,19 @@ def test_recipe_dir_lets_clients_name_tuned_folders_inside_it(demo, tmp_path):
     assert e.value.status == 400 and str(tmp_path) not in json.dumps(e.value.body())
     with pytest.raises(ApiError):
         ServerState(demo, model_id="demo").recipe("chat", "tuned=fast:budget=0.5")  # no --recipe-dir: refused
+
+
+@pytest.mark.parametrize("recipe", ["kv=snapkv:keep=0.5", "tokens=density:keep=0.25:layer=1", "depth=skip:layers=1",
+                                    SPECIAL["tokens=downsample"]])  # fmt: skip
+def test_n_choices_under_a_recipe_equal_generate(demo, servers, recipe):
+    """n = 3 sampled choices off one prefill under a token reducer, a KV policy, a layer plan and downsample:
+    choice i equals vlm.generate with seed + i, and the prefill is one request's."""
+    url, _ = servers["whole"]
+    content = [{"type": "image_url", "image_url": {"url": _url(_image())}}, {"type": "text", "text": "describe ?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "n": 3,
+            "temperature": 1.0, "seed": 2, "recipe": recipe}  # fmt: skip
+    got = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+    refs = [demo.generate(_image(), "describe ?", recipe=recipe, max_new_tokens=MAX_TOKENS, temperature=1.0,
+                          seed=2 + i) for i in range(3)]  # fmt: skip
+    assert [c["message"]["content"] for c in got["choices"]] == [r.texts[0] for r in refs]
+    assert got["usage"]["prefill_flops"] == refs[0].costs.flops["prefill"]
