@@ -94,6 +94,29 @@ def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
     assert a[0].tolist() == b[0].tolist() == [[0]]
 
 
+def test_farthest_point_growing_refills_compiled_equals_fallback_and_the_formula():
+    """From LARGE_K picks on the refills grow with what the last one served: a ragged batch (one unit past
+    LARGE_K, one below), compiled == fallback with the same FLOPs, and the picks are the formula's."""
+    from trimvlm.kernels.farthest import LARGE_K
+
+    sizes = [LARGE_K + 150, 300]
+    x, mask, tilt = units(sizes, 8, seed=21, dtype=torch.float64)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    k = torch.tensor([LARGE_K + 20, 90])
+    (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    for u, n in enumerate(sizes):
+        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
+        ref = [int(tilt[u, :n].argmax())]
+        mind = dist[ref[0]].clone()
+        while len(ref) < int(k[u]):
+            score = mind + tilt[u, :n]
+            score[ref] = float("-inf")
+            ref.append(int(score.argmax()))
+            mind = torch.minimum(mind, dist[ref[-1]])
+        assert a[0][u, : int(k[u])].tolist() == ref
+
+
 def test_farthest_point_compiled_matches_the_formula():
     """Against the plain formula (full distance matrix, one step per pick), float64, no ties."""
     x, mask, tilt = units([50, 37], 8, seed=5, dtype=torch.float64)
