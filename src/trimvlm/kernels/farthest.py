@@ -176,6 +176,11 @@ def _refill(st, mind, s, miss, t: int) -> None:
         dst.neg_().add_(1.0)  # 1 - <xn_i, xn_j>, the same float as 1.0 - product
     if host is not None:
         host[who, :q] = rows[torch.from_numpy(who).to(rows.device), :q].cpu().numpy()
+    if jit.compiled(xn):
+        from trimvlm.kernels.picks import set_slots
+
+        set_slots(st.slot, who, np.ascontiguousarray(picks))
+        return
     st.slot[who] = -1
     for j in range(q - 1, -1, -1):  # a token predicted twice (out of candidates) keeps its first row
         st.slot[who, picks[:, j]] = j

@@ -87,6 +87,17 @@ def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units
 
 
 @njit
+def set_slots(slot, who, picks):
+    """Farthest point's cache map after a refill: slot[u] = -1, then slot[u, picks[r, j]] = j for the units
+    u = who[r], the first j where a token was predicted twice."""
+    for r in range(who.shape[0]):
+        u = who[r]
+        slot[u] = -1
+        for j in range(picks.shape[1] - 1, -1, -1):
+            slot[u, picks[r, j]] = j
+
+
+@njit
 def predict_run(g, mc, lc, pos, cand, out):
     """Farthest point's look-ahead (`kernels.farthest._predict`) on each unit's candidate pool: g [W, P, P]
     distances, mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens;
