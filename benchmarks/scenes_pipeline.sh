@@ -17,7 +17,7 @@ step() { [ "$1" -ge "$STEP" ]; }
 # 1. train (about 4,500 steps of 16 scenes; 2-4 s a step on 2 idle cores): the best model by validation is
 #    written into $CKPT whenever it improves, with its test accuracy per kind in trimvlm.json
 step 1 && $BIN/trimvlm train-demo --task scenes --out $CKPT --steps 4500 --threads "$THREADS" 2>&1 | tail -5
-# (the same, resumable from $WORK: python -m trimvlm.demo.scenes_train --out $CKPT --work $WORK --steps 4500)
+# (the same, resumable from $WORK: python -m trimvlm.demo.train --task scenes --out $CKPT --work $WORK --steps 4500)
 
 # 2. reference accuracy by transformers' own generate (the suite checks the runner lands within 2 points)
 step 2 && $BIN/python -m trimvlm.demo.reference --model demo-scenes --items 240

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageDraw
 
-from trimvlm.demo.task import _GLYPHS, GLYPH_CHARS, OPTION_LETTERS, QA, SPLITS
+from trimvlm.demo import task as grid
+from trimvlm.demo.task import _GLYPHS, GLYPH_CHARS, OPTION_LETTERS, QA
 from trimvlm.errors import InputError
 
 TOKEN_PX = 16  # patch 8 x spatial merge 2
@@ -420,23 +421,20 @@ def make_qa(scene: Scene, kind: str, rng: np.random.Generator) -> QA:
 def make_sample(rng: np.random.Generator, per_kind: dict[str, int] | None = None) -> Sample:
     """One scene, its image and questions: one per kind in `KINDS` unless `per_kind` says otherwise."""
     scene = make_scene(rng)
-    counts = per_kind if per_kind is not None else {k: 1 for k in KINDS}
-    qas = [make_qa(scene, kind, rng) for kind, n in counts.items() for _ in range(n)]
-    return Sample(image=render(scene), scene=scene, qas=qas)
+    return Sample(image=render(scene), scene=scene, qas=grid.questions(scene, make_qa, KINDS, per_kind, rng))
+
+
+SALT = 20261203  # the scenes task's seed streams, apart from the grid task's
 
 
 def split_rng(split: str, seed: int = 0) -> np.random.Generator:
-    if split not in SPLITS:
-        raise InputError(f"unknown split {split!r}; allowed: {sorted(SPLITS)}")
-    return np.random.default_rng([SPLITS[split], int(seed), 20261203])
+    """The split's own seed stream ("train", "val", "test")."""
+    return grid.split_rng(split, seed, salt=SALT)
 
 
 def generate_split(split: str, n: int, seed: int = 0) -> list[Sample]:
     """`n` samples of `split` ("train", "val", "test"); splits draw from disjoint seed streams."""
-    if n < 0:
-        raise InputError(f"n must be >= 0, got {n}")
-    rng = split_rng(split, seed)
-    return [make_sample(rng) for _ in range(n)]
+    return grid.draw(make_sample, split_rng(split, seed), n)
 
 
 def format_prompt(question: str) -> str:

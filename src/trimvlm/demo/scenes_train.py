@@ -10,21 +10,17 @@ the largest option). Every visual token still names what it shows (colour or gly
 shape) through the LM head, and its row and column words at the teacher's key layer. None of this is in the
 saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
 
-    python -m trimvlm.demo.scenes_train --out src/trimvlm/demo/checkpoints/scenes --steps 6000 --threads 2
+    python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500 --threads 2
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import sys
 
 import numpy as np
 import torch
 
 from trimvlm.demo import scenes
 from trimvlm.demo.model import build_image_processor, build_scenes_config
-from trimvlm.demo.train import AUX_POSITION_LAYER, Spec, aux_cell_loss, train_demo
+from trimvlm.demo.train import AUX_POSITION_LAYER, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
@@ -206,26 +202,3 @@ SCENES_SPEC = Spec(
     aux_loss=scenes_aux_loss, n_pairs=N_PAIRS, image_processor=lambda: build_image_processor("scenes"),
     teacher={"layers": (2, 3, 4), "word_layers": (1,), "option_layers": (5,), "rows_only": True}, meta=SCENES_META,
 )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Train demo-scenes (Qwen2.5-VL, 12 layers) on the scenes task.")
-    ap.add_argument("--out", required=True, help="checkpoint folder to write the best model into")
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default=None, help="folder for train_state.pt and train_log.jsonl")
-    ap.add_argument("--eval-every", type=int, default=300)
-    ap.add_argument("--no-resume", action="store_true")
-    ap.add_argument("--model", default="{}", help='JSON of build_scenes_config kwargs, e.g. {"hidden": 192}')
-    a = ap.parse_args(argv)
-    train_demo(a.out, a.steps, seed=a.seed, resume=not a.no_resume, batch_size=a.batch_size, lr=a.lr,
-               threads=a.threads, work_dir=a.work, eval_every=a.eval_every, model_kwargs=json.loads(a.model),
-               spec=SCENES_SPEC)  # fmt: skip
-    sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()

@@ -381,26 +381,39 @@ def make_qa(scene: Scene, kind: str, rng: np.random.Generator) -> QA:
     )
 
 
+def questions(scene, make_qa, kinds, per_kind: dict[str, int] | None, rng: np.random.Generator) -> list:
+    """A scene's questions: one per kind of `kinds` unless `per_kind` says how many of each (the grid and
+    scenes tasks both draw theirs this way)."""
+    counts = per_kind if per_kind is not None else {k: 1 for k in kinds}
+    return [make_qa(scene, kind, rng) for kind, n in counts.items() for _ in range(n)]
+
+
 def make_sample(rng: np.random.Generator, per_kind: dict[str, int] | None = None) -> Sample:
     """One scene, its image and questions: one per kind in `KINDS` unless `per_kind` says otherwise."""
     scene = make_scene(rng)
-    counts = per_kind if per_kind is not None else {k: 1 for k in KINDS}
-    qas = [make_qa(scene, kind, rng) for kind, n in counts.items() for _ in range(n)]
-    return Sample(image=render(scene), scene=scene, qas=qas)
+    return Sample(image=render(scene), scene=scene, qas=questions(scene, make_qa, KINDS, per_kind, rng))
 
 
-def split_rng(split: str, seed: int = 0) -> np.random.Generator:
+GRID_SALT = 20240601
+
+
+def split_rng(split: str, seed: int = 0, salt: int = GRID_SALT) -> np.random.Generator:
+    """The split's own seed stream (`salt` tells one task's streams from another's)."""
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; allowed: {sorted(SPLITS)}")
-    return np.random.default_rng([SPLITS[split], int(seed), 20240601])
+    return np.random.default_rng([SPLITS[split], int(seed), salt])
+
+
+def draw(make, rng: np.random.Generator, n: int) -> list:
+    """`n` samples made by `make(rng)` one after another from one stream."""
+    if n < 0:
+        raise InputError(f"n must be >= 0, got {n}")
+    return [make(rng) for _ in range(n)]
 
 
 def generate_split(split: str, n: int, seed: int = 0) -> list[Sample]:
     """`n` samples of `split` ("train", "val", "test"); splits draw from disjoint seed streams."""
-    rng = split_rng(split, seed)
-    if n < 0:
-        raise InputError(f"n must be >= 0, got {n}")
-    return [make_sample(rng) for _ in range(n)]
+    return draw(make_sample, split_rng(split, seed), n)
 
 
 def format_prompt(question: str) -> str:

@@ -15,6 +15,7 @@ atomically to `out_dir` (the shipped checkpoint folder) with its test accuracy p
 RNG states live in `work_dir` and let a stopped run resume where it left off.
 
     python -m trimvlm.demo.train --out src/trimvlm/demo/checkpoints/qwen3vl --steps 9000 --batch-size 16 --threads 1
+    python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500
 """
 
 from __future__ import annotations
@@ -779,11 +780,13 @@ GRID_SPEC = Spec(task=task, encoder=Encoder, tokenizer=build_tokenizer, build_co
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Train the tiny demo Qwen3-VL on the synthetic demo task.")
+    ap = argparse.ArgumentParser(description="Train a demo VLM on its synthetic task (demo: the grid task; scenes: "
+                                 "demo-scenes).")  # fmt: skip
+    ap.add_argument("--task", default="demo", choices=["demo", "scenes"], help="which demo task and model")
     ap.add_argument("--out", required=True, help="checkpoint folder to write the best model into")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 32 (demo), 16 (scenes)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=None, help="folder for train_state.pt and train_log.jsonl")
@@ -796,24 +799,19 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-weight", type=float, default=1.0, help="weight of the attention-teacher loss (0 = off)"
     )
     ap.add_argument("--init-from", default=None, help="checkpoint folder to copy matching weights from")
-    ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"], help="demo architecture")
+    ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"],
+                    help="demo architecture (the grid task; scenes trains Qwen2.5-VL)")  # fmt: skip
     ap.add_argument("--model", default="{}", help='JSON of build_config kwargs, e.g. {"hidden": 192}')
     a = ap.parse_args(argv)
-    train_demo(
-        a.out,
-        a.steps,
-        seed=a.seed,
-        resume=not a.no_resume,
-        batch_size=a.batch_size,
-        lr=a.lr,
-        threads=a.threads,
-        work_dir=a.work,
-        eval_every=a.eval_every,
-        model_kwargs={"family": a.family, **json.loads(a.model)},
-        aux_weight=a.aux_weight,
-        attention_weight=a.attention_weight,
-        init_from=a.init_from,
-    )
+    spec, kwargs, batch = GRID_SPEC, {"family": a.family}, 32
+    if a.task == "scenes":
+        from trimvlm.demo.scenes_train import SCENES_SPEC
+
+        spec, kwargs, batch = SCENES_SPEC, {}, 16
+    train_demo(a.out, a.steps, seed=a.seed, resume=not a.no_resume, batch_size=a.batch_size or batch, lr=a.lr,
+               threads=a.threads, work_dir=a.work, eval_every=a.eval_every,
+               model_kwargs={**kwargs, **json.loads(a.model)}, aux_weight=a.aux_weight,
+               attention_weight=a.attention_weight, init_from=a.init_from, spec=spec)  # fmt: skip
 
 
 if __name__ == "__main__":
