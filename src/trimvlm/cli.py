@@ -650,6 +650,9 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn's log level"),
     access_log: bool = typer.Option(True, help="one JSON line per request on stderr"),
     replicas: int = typer.Option(1, help="model replicas, a Ray Serve deployment behind one route (needs --ray)"),
+    api_workers: int = typer.Option(
+        0, help="API processes (HTTP, JSON, images, tokenizing) beside the engine process (0: one process)"
+    ),
     ray: str | None = typer.Option(None, "--ray", help="run the replicas on Ray: local, auto or HOST:PORT"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -671,7 +674,7 @@ def serve(
                    vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
                    load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
                    replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
-                   key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms)  # fmt: skip
+                   key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms, api_workers=api_workers)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

@@ -86,6 +86,10 @@ def build_app(state: ServerState):
     @app.get("/metrics")
     async def metrics():
         body, kind = state.metrics.exposition()
+        if hasattr(state.batcher, "metrics"):  # an API process: the engine's figures with its own (serve/ipc.py)
+            from trimvlm.serve.ipc import merged_metrics
+
+            body = merged_metrics(body, state.batcher.metrics())
         return Response(body, media_type=kind)
 
     @app.get("/health")
@@ -121,6 +125,7 @@ def make_state(
     key_metrics: bool = False,
     tuned=None,
     slo_ttft_ms: float | None = None,
+    remote: tuple | None = None,
 ) -> ServerState:
     """Load `model` and check the server's options and recipe: what one server (or one replica) serves."""
     require()
@@ -143,7 +148,7 @@ def make_state(
         vlm, model_id=model, recipe=recipe, limits=limits, max_batch=max_batch, max_wait_ms=max_wait_ms,
         decision_config=decision_config, vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb,
         request_cache_mb=request_cache_mb, recipe_dir=recipe_dir, api_key=api_key, key_metrics=key_metrics,
-        tuned=tuned, slo_ttft_ms=slo_ttft_ms,
+        tuned=tuned, slo_ttft_ms=slo_ttft_ms, remote=remote,
     )  # fmt: skip
     systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"
@@ -163,10 +168,11 @@ def serve(
     access_log: bool = True,
     replicas: int = 1,
     ray: str | None = None,
+    api_workers: int = 0,
     **options,
 ) -> None:
     """Load `model`, check the server's options and recipe, and serve until interrupted: in this process
-    under uvicorn, or with `ray` (an address: auto, local, HOST:PORT) as `replicas` Ray Serve replicas behind
+    under uvicorn, with `api_workers` N > 0 as an engine process and N API processes (serve/workers.py), or with `ray` (an address: auto, local, HOST:PORT) as `replicas` Ray Serve replicas behind
     one HTTP route (serve/replicas.py). `options`: `make_state`'s."""
     require()
     import torch
@@ -174,6 +180,16 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
+    if not isinstance(api_workers, int) or api_workers < 0:
+        raise InputError(f"--api-workers must be an integer >= 0 (0: one process), got {api_workers!r}")
+    if api_workers and (ray is not None or replicas != 1):
+        raise InputError("--api-workers and --replicas / --ray: choose one")
+    if api_workers:
+        from trimvlm.serve.workers import serve_workers
+
+        serve_workers(model, workers=api_workers, host=host, port=port, log_level=log_level, access_log=access_log,
+                      **options)  # fmt: skip
+        return
     if ray is not None or replicas != 1:
         from trimvlm.serve.replicas import serve_replicas
 

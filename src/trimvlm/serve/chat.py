@@ -107,7 +107,6 @@ class ChatJob:
     usage: Counter = field(default_factory=Counter)  # its costs, added to by the model thread
     open: int = 0  # its choices still decoding
     batch: int = 0  # the most rows a model call of it held
-    first_token_at: float | None = None  # when the model thread sent its first token (perf_counter)
 
 
 @dataclass

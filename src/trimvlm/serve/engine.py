@@ -413,8 +413,8 @@ class ChatEngine:
                 continue
             if lps[i] is not None:
                 row.logprobs.append(lps[i])
-            if p.first_token_at is None:
-                p.first_token_at = time.perf_counter()
+            if "engine_ttft_s" not in p.usage:  # queued -> its first token sent by this thread
+                p.usage["engine_ttft_s"] = time.perf_counter() - row.job.enqueued
             self.outbox.post(row.job, ("token", row.index, t, lps[i]))
             if p.stop is not None:
                 text = self._text([x for x in row.tokens if x not in self.stops])

@@ -99,6 +99,7 @@ class ChatReply:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.tokens = 0
         self._last = None  # when the previous token came (inter-token latency)
+        self._first = None  # when the first token came
         self._gone = None
 
     # ---- events ----
@@ -120,6 +121,7 @@ class ChatReply:
         metrics = self.state.metrics
         if kind == "token":
             if self._last is None:
+                self._first = now
                 metrics.first_token(now - self.t0)
             else:
                 metrics.inter_token(now - self._last)
@@ -157,9 +159,10 @@ class ChatReply:
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
             "batch_requests": result["batch"], "recipe": self.recipe,
             "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
-            # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->)
-            "engine_ttft_s": None if p.first_token_at is None else p.first_token_at - self.job.enqueued,
-            "server_ttft_s": None if p.first_token_at is None else p.first_token_at - self.t0,
+            # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->
+            # the first token here)
+            "engine_ttft_s": u.get("engine_ttft_s"),
+            "server_ttft_s": None if self._first is None else self._first - self.t0,
         }  # fmt: skip
 
     def _logprobs(self, entries: list) -> dict | None:

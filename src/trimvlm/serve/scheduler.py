@@ -156,6 +156,16 @@ class Scheduler:
             arrival.done()
         return job
 
+    def put(self, job: Job) -> None:
+        """Queue a job made elsewhere (an API process's request, serve/ipc.py); `ShuttingDown` once closing."""
+        if self._closed:
+            raise ShuttingDown("the server is shutting down")
+        self._queue.put(job)
+
+    def arriving(self, delta: int) -> None:
+        """Requests on their way from elsewhere (an API process's `arrival()`): +1 when one begins, -1 after."""
+        self._arriving += delta
+
     async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
         """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised.
         If the awaiting task is cancelled, the job is too (it will not run if it has not started)."""

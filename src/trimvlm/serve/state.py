@@ -101,6 +101,7 @@ class ServerState:
         key_metrics: bool = False,
         tuned: str | Path | None = None,
         slo_ttft_ms: float | None = None,
+        remote: tuple | None = None,
     ):
         from trimvlm.runtime.lru import ByteLRU
 
@@ -123,7 +124,9 @@ class ServerState:
         self.default_recipe = recipe or ""
         self.decision_config = decision_config
         self.started = time.time()
-        self.metrics = ServeMetrics(lambda: self.batcher.stats())
+        # an API process (`remote`: the engine process's address and key, serve/ipc.py) asks the engine for the
+        # scheduler's figures; its /metrics takes them from the engine's own
+        self.metrics = ServeMetrics(dict if remote else lambda: self.batcher.stats())
         if (tuned is None) != (slo_ttft_ms is None):
             raise InputError("--tuned DIR and --slo-ttft-ms T go together (budgets that follow the load)")
         self.load = None  # serve/budgets.py: the recipe of a request that names none, by the predicted TTFT
@@ -134,10 +137,15 @@ class ServerState:
         self.recipes_run = self.metrics.counter(
             "trimvlm_chat_requests_by_recipe", "chat completions admitted, by the recipe they run", ("recipe",)
         )
-        self.batcher = Scheduler(
-            self._run_batch, ChatEngine(vlm, self.metrics, self.load), max_batch=max_batch,
-            max_wait_s=max_wait_ms / 1000, max_prefill_tokens=self.limits.max_prefill_tokens,
-        )  # fmt: skip
+        if remote is not None:
+            from trimvlm.serve.ipc import RemoteScheduler
+
+            self.batcher = RemoteScheduler(*remote, max_batch=max_batch, max_wait_s=max_wait_ms / 1000)
+        else:
+            self.batcher = Scheduler(
+                self._run_batch, ChatEngine(vlm, self.metrics, self.load), max_batch=max_batch,
+                max_wait_s=max_wait_ms / 1000, max_prefill_tokens=self.limits.max_prefill_tokens,
+            )  # fmt: skip
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
         self._recipes: dict[tuple[str, str, bool], Recipe] = {}
         for rung in [] if self.load is None else self.load.rungs:  # each checked before the server listens

@@ -1,0 +1,326 @@
+"""The front end in processes of its own (`trimvlm serve --api-workers N`): N API processes read HTTP, parse and
+check JSON, decode images and tokenize (each holds the model's processor and tokenizer: it loads the
+checkpoint), and one engine process owns the model and the one scheduler loop. They talk over local IPC
+(`multiprocessing.connection`: a Unix socket with a random key), in typed tuples:
+
+    API -> engine   ("submit", rid, key, payload)   a prepared request (its tensors; no event queue)
+                    ("cancel", rid)                  its client has gone
+                    ("arrive", +1 | -1)             a request is being read and prepared (the batching waits)
+                    ("ask", qid, "stats" | "metrics")
+    engine -> API   ("event", rid, event)            a chat completion's token, choice end, result or error
+                    ("result", rid, ok, value)       a whole batch's answer (System One, score), or its error
+                    ("answer", qid, value)
+
+On the engine side a remote request is a `jobs.Job` whose loop, future and event queue forward what the model
+thread hands them over the connection (`_Forward*`); the scheduler and the engine do not know the difference.
+On the API side `RemoteScheduler` has the scheduler's interface the handlers use. Errors cross as (status,
+detail). Streaming, cancellation and batching work across the boundary; `/metrics` on an API process is its
+own HTTP figures and the engine's (`merged_metrics`); `/health` asks the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import threading
+import time
+
+from trimvlm.serve.errors import ApiError, as_api_error
+from trimvlm.serve.jobs import Job, ShuttingDown
+
+ASK_TIMEOUT_S = 10.0
+# the /metrics families an API process records itself (HTTP, streaming, client-side cancels, its caches)
+API_FAMILIES = frozenset({
+    "trimvlm_requests", "trimvlm_request_seconds", "trimvlm_time_to_first_token_seconds",
+    "trimvlm_inter_token_seconds", "trimvlm_cancelled_requests", "trimvlm_chat_requests_by_recipe",
+    "trimvlm_seen_body_hits", "trimvlm_seen_bodies",
+    *(f"trimvlm_request_cache_{s}" for s in ("hits", "misses", "bytes", "max_bytes", "entries", "evictions")),
+})  # fmt: skip
+
+
+class Link:
+    """One end of the connection: `send` from any thread (one lock), `recv` from one reader."""
+
+    def __init__(self, conn):
+        self.conn, self._lock = conn, threading.Lock()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def recv(self):
+        return self.conn.recv()
+
+
+def _wire(error: BaseException) -> tuple[int, object]:
+    e = as_api_error(error)
+    return e.status, e.detail
+
+
+# ---- the engine's side ----
+class _ForwardLoop:
+    """A remote request's `loop` for the model thread: what it schedules runs at once (it only sends)."""
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        fn(*args)
+
+
+class _ForwardEvents:
+    """A remote chat request's event queue: each event is sent to its API process."""
+
+    def __init__(self, link: Link, rid: int, jobs: dict):
+        self.link, self.rid, self.jobs = link, rid, jobs
+
+    def put_nowait(self, event) -> None:
+        if event[0] == "error":
+            event = ("error", _wire(event[1]))
+        if event[0] in ("done", "error"):
+            self.jobs.pop(self.rid, None)
+        with contextlib.suppress(OSError):
+            self.link.send(("event", self.rid, event))
+
+
+class _ForwardFuture:
+    """A remote whole-batch request's future: its result or error is sent to its API process."""
+
+    def __init__(self, link: Link, rid: int, jobs: dict):
+        self.link, self.rid, self.jobs = link, rid, jobs
+
+    def done(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        self.jobs.pop(self.rid, None)
+
+    def set_result(self, value) -> None:
+        self._send(True, value)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._send(False, _wire(error))
+
+    def _send(self, ok: bool, value) -> None:
+        self.jobs.pop(self.rid, None)
+        with contextlib.suppress(OSError):
+            self.link.send(("result", self.rid, ok, value))
+
+
+def bridge(state, conn) -> None:
+    """On the engine process, one thread per API process: its requests into the scheduler, their answers back."""
+    link, jobs, loop = Link(conn), {}, _ForwardLoop()
+    while True:
+        try:
+            msg = link.recv()
+        except (EOFError, OSError):  # the API process has gone: its requests are not computed further
+            for job in list(jobs.values()):
+                job.cancel()
+            return
+        kind = msg[0]
+        if kind == "submit":
+            _, rid, key, payload = msg
+            if hasattr(payload, "events"):
+                payload.events = _ForwardEvents(link, rid, jobs)
+            job = Job(key=key, payload=payload, future=_ForwardFuture(link, rid, jobs), loop=loop)
+            jobs[rid] = job
+            try:
+                state.batcher.put(job)
+            except ShuttingDown as e:
+                job.future.set_exception(e)
+        elif kind == "cancel":
+            job = jobs.pop(msg[1], None)
+            if job is not None:
+                job.cancel()
+        elif kind == "arrive":
+            state.batcher.arriving(msg[1])
+        elif kind == "ask":
+            _, qid, what = msg
+            value = state.batcher.stats() if what == "stats" else state.metrics.exposition()[0]
+            with contextlib.suppress(OSError):
+                link.send(("answer", qid, value))
+
+
+# ---- an API process's side ----
+@dataclasses.dataclass(eq=False)
+class _RemoteJob(Job):
+    link: Link | None = None
+    rid: int = 0
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            with contextlib.suppress(OSError):
+                self.link.send(("cancel", self.rid))
+
+
+class _RemoteArrival:
+    def __init__(self, link: Link):
+        self.link, self._open = link, True
+        link.send(("arrive", 1))
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            with contextlib.suppress(OSError):
+                self.link.send(("arrive", -1))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done()
+
+
+class RemoteScheduler:
+    """The engine's scheduler as an API process's handlers use it (`jobs.Job`s whose events and results come
+    over the connection)."""
+
+    engine = None
+
+    def __init__(self, address, authkey: bytes, *, max_batch: int, max_wait_s: float):
+        self.address, self.authkey = address, authkey
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
+        self._jobs: dict[int, _RemoteJob] = {}
+        self._asked: dict[int, list] = {}  # qid -> [Event, value]
+        self._ids = itertools.count()
+        self._closed = False
+        self.link = None
+        self._reader = None
+        self.on_lost = None  # called when the engine process has gone (the API process then stops)
+
+    def start(self, conn=None) -> None:
+        """Connect to the engine process (or use `conn`, an end of a connection already made) and read."""
+        from multiprocessing.connection import Client
+
+        if self._reader is not None:
+            return
+        self.link = Link(conn if conn is not None else Client(self.address, authkey=self.authkey))
+        self._reader = threading.Thread(target=self._read, name="trimvlm-serve-ipc", daemon=True)
+        self._reader.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.link.conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and self._reader.is_alive() and not self._closed
+
+    def arrival(self) -> _RemoteArrival:
+        return _RemoteArrival(self.link)
+
+    def waiting(self) -> int:
+        """This process's requests sent and not yet started (the engine's queue holds others' too)."""
+        return sum(1 for j in list(self._jobs.values()) if not j.started)
+
+    def enqueue(self, key, payload, arrival=None) -> Job:
+        if self._closed or not self.alive:
+            if arrival is not None:
+                arrival.done()
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        job = _RemoteJob(key=key, payload=payload, future=loop.create_future(), loop=loop, link=self.link, rid=rid)
+        self._jobs[rid] = job
+        sent = dataclasses.replace(payload, events=None) if hasattr(payload, "events") else payload
+        self.link.send(("submit", rid, key, sent))
+        if arrival is not None:
+            arrival.done()
+        return job
+
+    @staticmethod
+    async def result(job: Job):
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+    def stats(self) -> dict:
+        return self._ask("stats")
+
+    def metrics(self) -> bytes:
+        return self._ask("metrics")
+
+    def _ask(self, what: str):
+        qid = next(self._ids)
+        slot = self._asked[qid] = [threading.Event(), None]
+        self.link.send(("ask", qid, what))
+        if not slot[0].wait(ASK_TIMEOUT_S):
+            self._asked.pop(qid, None)
+            raise ShuttingDown("the engine process does not answer")
+        return slot[1]
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.link.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "answer":
+                slot = self._asked.pop(msg[1], None)
+                if slot is not None:
+                    slot[1] = msg[2]
+                    slot[0].set()
+                continue
+            job = self._jobs.get(msg[1])
+            if job is None:
+                continue
+            job.started = job.started or time.perf_counter()
+            if kind == "event":
+                event = msg[2]
+                if event[0] == "error":
+                    event = ("error", ApiError(*event[1]))
+                if event[0] in ("done", "error"):
+                    self._jobs.pop(msg[1], None)
+                _call(job.loop, job.payload.events.put_nowait, event)
+            elif kind == "result":
+                self._jobs.pop(msg[1], None)
+                _call(job.loop, _resolve, job.future, msg[2], msg[3])
+        lost, self._closed = not self._closed, True
+        for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
+            error = ShuttingDown("the engine process has stopped")
+            if hasattr(job.payload, "events"):
+                _call(job.loop, job.payload.events.put_nowait, ("error", error))
+            else:
+                _call(job.loop, _resolve, job.future, False, (503, str(error)))
+        if lost and self.on_lost is not None:
+            self.on_lost()
+
+
+def _call(loop, fn, *args) -> None:
+    with contextlib.suppress(RuntimeError):  # the event loop is closed
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(future, ok: bool, value) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(ApiError(*value))
+
+
+def merged_metrics(local: bytes, engine: bytes) -> bytes:
+    """An API process's /metrics: its own HTTP families (`API_FAMILIES`) and every other family from the engine."""
+
+    def family(line: str) -> str:
+        name = line.split()[2] if line.startswith("#") else line.split("{")[0].split()[0]
+        for suffix in ("_total", "_created", "_bucket", "_count", "_sum"):
+            if name.endswith(suffix) and name[: -len(suffix)] in API_FAMILIES:
+                return name[: -len(suffix)]
+        return name
+
+    mine = [ln for ln in local.decode().splitlines() if ln and family(ln) in API_FAMILIES]
+    theirs = [ln for ln in engine.decode().splitlines() if ln and family(ln) not in API_FAMILIES]
+    return ("\n".join(theirs + mine) + "\n").encode()

@@ -1,0 +1,75 @@
+"""`trimvlm serve --api-workers N`: the engine process (this one: the model, the scheduler) and N API processes
+(HTTP, JSON, validation, image decoding, tokenization), joined over local IPC (serve/ipc.py). The API processes
+share one port (SO_REUSEPORT: the kernel spreads the connections); each loads the checkpoint for its
+processor and tokenizer (and to check recipes)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import secrets
+import socket
+import sys
+import threading
+
+from trimvlm.errors import InputError
+
+
+def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: str, access_log: bool,
+                  **options) -> None:  # fmt: skip
+    """Load `model` here, start `workers` API processes on host:port, serve until interrupted."""
+    from multiprocessing.connection import Listener
+
+    from trimvlm.serve.app import make_state
+    from trimvlm.serve.ipc import bridge
+
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise InputError("--api-workers needs SO_REUSEPORT (Linux, macOS)")
+    if options.get("tuned") is not None:
+        raise InputError("--tuned with --api-workers: the load-following budgets run in one process for now")
+    state = make_state(model, **options)
+    state.start()
+    key = secrets.token_bytes(32)
+    # a Unix socket where there is one (no delayed ACKs on small messages, as TCP on loopback has)
+    listener = Listener(family="AF_UNIX" if hasattr(socket, "AF_UNIX") else "AF_INET", authkey=key)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=api_process, args=(model, options, listener.address, key, host, port, log_level,
+                                                    access_log), name=f"trimvlm-serve-api-{i}")
+             for i in range(workers)]  # fmt: skip
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            threading.Thread(target=bridge, args=(state, listener.accept()), daemon=True).start()
+        print(f"trimvlm serve: {model} engine (pid {multiprocessing.current_process().pid}) with {workers} API "
+              f"process(es) on http://{host}:{port}", file=sys.stderr, flush=True)  # fmt: skip
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+        listener.close()
+        state.close()
+
+
+def api_process(model, options, address, key, host, port, log_level, access_log) -> None:
+    """One API process: the app over a `RemoteScheduler`, on a port it shares with the others."""
+    import torch
+    import uvicorn
+
+    from trimvlm.serve.app import build_app, make_state
+    from trimvlm.serve.logs import configure
+
+    torch.set_num_threads(1)  # it prepares requests; the engine process runs the model
+    state = make_state(model, **options | {"threads": 1}, remote=(address, key))
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    configure(log_level, access_log)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, access_log=False))
+    state.batcher.on_lost = lambda: setattr(server, "should_exit", True)  # the engine has gone: stop too
+    server.run(sockets=[sock])

@@ -1,0 +1,134 @@
+"""The front end in processes of its own (`--api-workers`, serve/ipc.py): an API-side state whose scheduler is
+the engine's over a connection. In this process (a pipe between an API state and an engine state, so the tests
+can hold the model's steps): chat completions plain, streamed and with n, scores and System One decisions
+equal the in-process answers; a client that leaves mid-stream leaves the engine's batch; /metrics holds the
+engine's figures and the API's. Then `trimvlm serve --api-workers 2` for real: two API processes on one port
+answer, and they stop when the engine process does."""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from conftest import free_port, live, need_extra
+
+need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+
+from trimvlm.serve.ipc import bridge  # noqa: E402
+from trimvlm.serve.state import ServerState  # noqa: E402
+
+from test_serve_engine import HeldSteps, client, data_url, image, messages, wait_for  # noqa: E402  isort: skip
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def split(demo):
+    """(the API-side state, the engine-side state), joined by a pipe; the engine's scheduler running."""
+    engine = ServerState(demo, model_id="demo")
+    engine.start()
+    a, b = multiprocessing.Pipe()
+    threading.Thread(target=bridge, args=(engine, a), daemon=True).start()
+    api = ServerState(demo, model_id="demo", remote=(None, b""))
+    api.batcher.start(b)
+    try:
+        yield api, engine
+    finally:
+        engine.close()
+
+
+def test_answers_across_the_boundary_equal_in_process(demo, split):
+    api, engine = split
+    ref = demo.generate(image(3), "describe ?", max_new_tokens=16)
+    sampled = [demo.generate(image(3), "describe ?", max_new_tokens=16, temperature=1.0, seed=4 + i).texts[0]
+               for i in range(2)]  # fmt: skip
+    with live(api) as (url, _):
+        c = client(url)
+        r = c.chat.completions.create(model="demo", messages=messages(3), max_tokens=16)
+        chunks = list(c.chat.completions.create(model="demo", messages=messages(3), max_tokens=16, stream=True))
+        n = c.chat.completions.create(model="demo", messages=messages(3), max_tokens=16, n=2, temperature=1.0, seed=4)
+        score = httpx.post(url + "/v1/score", json={"text_1": "is there a red circle ?", "text_2": ["yes", "no"],
+                                                    "images": [data_url(3)]}, timeout=300).json()  # fmt: skip
+        health = httpx.get(url + "/health").json()
+        metrics = httpx.get(url + "/metrics").text
+    assert r.choices[0].message.content == ref.texts[0]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.texts[0]
+    assert [ch.message.content for ch in n.choices] == sampled
+    want = demo.score(image(3), "is there a red circle ?", ["yes", "no"])[0]
+    assert [d["score"] for d in score["data"]] == pytest.approx([x.prob for x in want.candidates], abs=1e-5)
+    assert health["status"] == "ok" and health["decode_steps"] > 0  # the engine's figures
+    assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics  # the API's
+    tokens = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_generated_tokens_total"))
+    assert float(tokens.split()[-1]) > 0  # the engine's
+
+
+def test_a_client_that_leaves_leaves_the_engines_batch(demo, split, monkeypatch):
+    api, engine = split
+    held = HeldSteps(demo.runner, monkeypatch)
+    gone = threading.Event()
+    held.hold = lambda rows: gone if len(held.rows) == 2 else None
+    with live(api) as (url, _):
+        with httpx.Client(base_url=url, timeout=300) as h:
+            with h.stream("POST", "/v1/chat/completions",
+                          json={"messages": messages(3), "max_tokens": 24, "stream": True}) as r:  # fmt: skip
+                next(r.iter_lines())  # the role chunk: the request is decoding
+        wait_for(lambda: api.metrics.registry.get_sample_value(
+            "trimvlm_cancelled_requests_total", {"stage": "running"}) == 1, "the API process to see the close")  # fmt: skip
+        rows = lambda: [r for g in engine.batcher.engine.groups.values() for r in g.rows]  # noqa: E731
+        wait_for(lambda: all(r.job.cancelled for r in rows()), "the engine to be told (the bridge marks the job)")
+        gone.set()
+        wait_for(lambda: engine.batcher.stats()["running"] == 0, "the row to leave")
+        assert engine.batcher.stats()["cancelled_running"] == 1
+    assert len(held.rows) <= 3  # it left; it did not decode to the end
+
+
+def test_api_workers_serve_on_one_port_and_stop_with_the_engine(demo):
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
+           "--api-workers", "2", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url), "the API processes to answer /health")
+        pids = set()
+        for _ in range(8):  # the kernel spreads the connections over the processes
+            with httpx.Client(base_url=url, timeout=300) as h:
+                r = h.post("/v1/chat/completions", json={"messages": messages(3), "max_tokens": 8})
+                assert r.status_code == 200, r.text
+                pids.add(h.get("/health").json()["pid"])
+        assert r.json()["choices"][0]["message"]["content"] == demo.generate(
+            image(3), "describe ?", max_new_tokens=8).texts[0]  # fmt: skip
+        workers = _children(proc.pid)
+        assert len(workers) == 2 and pids <= set(workers)  # /health was answered by the API processes
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    wait_for(lambda: not any(_alive(p) for p in workers), "the API processes to stop with the engine")
+
+
+def _up(url) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out if _cmdline(int(x)).find("spawn_main") >= 0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    return _cmdline(pid) != ""
