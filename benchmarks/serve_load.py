@@ -363,6 +363,9 @@ def main(argv=None):
                     help="clients of the cancellation run (half hang up half-way; 0: no such run)")  # fmt: skip
     ap.add_argument("--no-caches", action="store_true",
                     help="both servers without their caches (vision features, prefixes and prompts, requests)")
+    ap.add_argument("--api-workers", type=int, default=0,
+                    help="compare the batching server with itself split into N API processes and the engine "
+                         "process (instead of the one-at-a-time server)")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 2 clients, 0.5 s per "
                     "cell in 1 slice, 0.2 s warm-up, 2 images, 4 new tokens, 4 cancellation clients")  # fmt: skip
@@ -375,11 +378,14 @@ def main(argv=None):
     clients = [int(x) for x in args.clients.split(",")]
     endpoints = args.endpoints.split(",")
     pool = images(args.images, args.image_size)
+    other = f"api-workers-{args.api_workers}" if args.api_workers else "one-at-a-time"  # the second server
     servers = {}
     try:
         budget = ("--max-prefill-tokens", str(args.max_prefill_tokens))
         off = ("--vision-cache-mb", "0", "--prefix-cache-mb", "0", "--request-cache-mb", "0") if args.no_caches else ()
-        for mode, max_batch, extra in (("batched", args.max_batch, budget), ("one-at-a-time", 1, ())):
+        second = (other, args.max_batch, budget + ("--api-workers", str(args.api_workers))) if args.api_workers \
+            else (other, 1, ())  # fmt: skip
+        for mode, max_batch, extra in (("batched", args.max_batch, budget), second):
             servers[mode] = Server(args, max_batch, extra + off)
         rows = measure(args, servers, clients, endpoints, pool)
         cancel = cancellation(args, servers["batched"], pool) if args.cancel_clients and "chat" in endpoints else None
@@ -387,7 +393,7 @@ def main(argv=None):
         for server in servers.values():
             server.close()
     table = Table(title=f"trimvlm serve on {args.model}: {args.seconds:g} s per cell")
-    for col in ("endpoint", "recipe", "clients", "batched req/s", "one-at-a-time req/s", "ratio",
+    for col in ("endpoint", "recipe", "clients", "batched req/s", f"{other} req/s", f"{other} / batched" if args.api_workers else "ratio",
                 "p50 ms (b / 1)", "p99 ms (b / 1)", "TTFT p50 / p99 ms (b)", "TTFT / e2e p50 (b)", f"same, >= {LONG} chunks", "mean batch",
                 "failed"):  # fmt: skip
         table.add_column(col)
@@ -396,14 +402,17 @@ def main(argv=None):
         if row["server"] != "batched":
             continue
         one = next(
-            r for r in rows if r["server"] == "one-at-a-time"
+            r for r in rows if r["server"] == other
             and (r["endpoint"], r["recipe"], r["clients"]) == (row["endpoint"], row["recipe"], row["clients"])
         )  # fmt: skip
-        ratio = row["throughput_rps"] / one["throughput_rps"]
+        # batched / one-at-a-time; with --api-workers: the split server / the one-process one
+        ratio = one["throughput_rps"] / row["throughput_rps"] if args.api_workers else row["throughput_rps"] / one["throughput_rps"]
         ttft_share = None if row["ttft_p50_ms"] is None else row["ttft_p50_ms"] / row["p50_ms"]
         summary.append({"endpoint": row["endpoint"], "recipe": row["recipe"], "clients": row["clients"],
                         "batched_rps": row["throughput_rps"], "one_at_a_time_rps": one["throughput_rps"],
-                        "ratio": ratio, "ttft_over_e2e_p50": ttft_share,
+                        "other": other, "ratio": ratio, "ttft_over_e2e_p50": ttft_share,
+                        "ttft_overhead_p50_ms": row["ttft_overhead_p50_ms"],
+                        "other_ttft_overhead_p50_ms": one["ttft_overhead_p50_ms"],
                         "long_ttft_over_e2e_p50": row["long_ttft_over_e2e_p50"]})  # fmt: skip
         table.add_row(
             row["endpoint"], row["recipe"], str(row["clients"]), f"{row['throughput_rps']:.2f}",
