@@ -364,14 +364,24 @@ def test_demo_image_writes_a_scene_and_its_questions_which_the_demo_model_answer
     assert texts == [sample.qas[0].answer, sample.qas[3].answer]
 
 
-def test_a_prompt_of_mostly_unknown_words_is_warned_about(demo_vlm):
-    from trimvlm.cli import unknown_words
+def test_a_prompt_of_mostly_unknown_words_is_warned_about(demo_vlm, demo_image):
+    import warnings
+
+    from trimvlm.vlm import UnknownWordsWarning, unknown_words
 
     assert unknown_words(demo_vlm.tokenizer, "What is written here?") == ["What", "written", "here?"]
     assert unknown_words(demo_vlm.tokenizer, "how many blue ?") == []
     warned = _cli("generate", "--prompt", "What is written here?")
     assert warned.exit_code == 0 and "3 of the prompt's 4 words are unknown" in " ".join(warned.output.split())
     assert "unknown" not in _cli("generate", "--prompt", "how many blue ?").output
+    path = str(demo_image[0])
+    with pytest.warns(UnknownWordsWarning, match="3 of the prompt's 4 words"):
+        demo_vlm.generate(path, "What is written here?", max_new_tokens=2)
+    with pytest.warns(UnknownWordsWarning):
+        demo_vlm.score(path, "Which colour is the big thing?", ["red", "blue"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownWordsWarning)
+        demo_vlm.generate(path, "how many blue ?", max_new_tokens=2)
 
 
 def test_methods_names_tuned_recipes_and_where_to_start():

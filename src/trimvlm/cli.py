@@ -68,17 +68,14 @@ OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shippe
 ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)")
 
 
-def unknown_words(tokenizer, text: str) -> list[str]:
-    """The words of `text` that the tokenizer can only read as its unknown token (a word-level vocabulary,
-    like the demo models'; byte-level tokenizers have none)."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is None:
-        return []
-    return [w for w in text.split() if set(tokenizer(w, add_special_tokens=False)["input_ids"]) == {unk}]
-
-
 def _warn_unknown(vlm, text: str) -> None:
-    """Most of a prompt's words unknown to the model: say so (the answer is then a guess)."""
+    """Most of a prompt's words unknown to the model: say so on one line (the answer is then a guess); the
+    library's own UnknownWordsWarning is then left out."""
+    import warnings
+
+    from trimvlm.vlm import UnknownWordsWarning, unknown_words
+
+    warnings.filterwarnings("ignore", category=UnknownWordsWarning)
     words, unknown = text.split(), unknown_words(vlm.tokenizer, text)
     if words and len(unknown) * 2 > len(words):
         err_console.print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,33 @@ from trimvlm.runtime.generate import Sampling, generate
 from trimvlm.runtime.limits import check_generation
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.runner import Runner
+
+
+class UnknownWordsWarning(UserWarning):
+    """Most of a prompt's words are unknown to the model's tokenizer: the answer is a guess."""
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The words of `text` the tokenizer can only read as its unknown token (a word-level vocabulary, like the
+    demo models'; byte-level tokenizers have no unknown token, so nothing)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    return [w for w in text.split() if set(tokenizer(w, add_special_tokens=False)["input_ids"]) == {unk}]
+
+
+def warn_unknown_words(tokenizer, prompts) -> None:
+    """An `UnknownWordsWarning` for each prompt (a string, or a list of them) most of whose words are unknown."""
+    for text in [prompts] if isinstance(prompts, str) else prompts or []:
+        if not isinstance(text, str):
+            continue
+        words, unknown = text.split(), unknown_words(tokenizer, text)
+        if words and 2 * len(unknown) > len(words):
+            shown = " ".join(unknown[:6]) + (" ..." if len(unknown) > 6 else "")
+            warnings.warn(UnknownWordsWarning(
+                f"{len(unknown)} of the prompt's {len(words)} words are unknown to this model's tokenizer "
+                f"({shown}); its answer will be a guess (the demo models read the questions `trimvlm demo-image` "
+                "prints)"), stacklevel=3)  # fmt: skip
 
 
 @dataclass
@@ -107,6 +135,7 @@ class VLM:
                             frequency_penalty=frequency_penalty)  # checks them, before any work  # fmt: skip
         plan = make_plan(recipe, self.runner)
         if prepared is None:
+            warn_unknown_words(self.tokenizer, prompts)
             prepared = self.prepare(images, prompts, plan=plan)
         elif images is not None or prompts is not None:
             raise InputError("give images and prompts, or a prepared batch (then images=None, prompts=None)")
@@ -169,6 +198,7 @@ class VLM:
         self._needs_lm_head("score")
 
         requests = as_requests(images, question, candidates, binary)
+        warn_unknown_words(self.tokenizer, question)
         plan = make_plan(recipe, self.runner)
         return score_requests(self, requests, readout=readout, executor=executor, plan=plan, track_memory=track_memory)
 
