@@ -20,7 +20,9 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 from trimvlm.serve.ipc import bridge  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
+from test_serve import decide_request, local_answers  # noqa: E402  isort: skip
 from test_serve_engine import HeldSteps, client, data_url, image, messages, wait_for  # noqa: E402  isort: skip
+from trimvlm.testing.decisions import assert_same_answers as assert_same  # noqa: E402  isort: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,6 +54,7 @@ def test_answers_across_the_boundary_equal_in_process(demo, split):
         n = c.chat.completions.create(model="demo", messages=messages(3), max_tokens=16, n=2, temperature=1.0, seed=4)
         score = httpx.post(url + "/v1/score", json={"text_1": "is there a red circle ?", "text_2": ["yes", "no"],
                                                     "images": [data_url(3)]}, timeout=300).json()  # fmt: skip
+        decision = httpx.post(url + "/v1/systemone", json=decide_request(1), timeout=300).json()
         health = httpx.get(url + "/health").json()
         metrics = httpx.get(url + "/metrics").text
     assert r.choices[0].message.content == ref.texts[0]
@@ -59,6 +62,7 @@ def test_answers_across_the_boundary_equal_in_process(demo, split):
     assert [ch.message.content for ch in n.choices] == sampled
     want = demo.score(image(3), "is there a red circle ?", ["yes", "no"])[0]
     assert [d["score"] for d in score["data"]] == pytest.approx([x.prob for x in want.candidates], abs=1e-5)
+    assert_same(decision["answers"], local_answers(demo, decide_request(1)).answers[0])
     assert health["status"] == "ok" and health["decode_steps"] > 0  # the engine's figures
     assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics  # the API's
     tokens = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_generated_tokens_total"))
