@@ -17,8 +17,8 @@ process; absolute CPU times mean little.
     .venv/bin/python benchmarks/scoring_scan.py --json scan.json [--quick] [--models qwen3_vl,qwen3_5]
         [--threads 1] [--rounds 5] [--width 3b] [--full | --grid full|small]
 
-By default it scans the small grid (below, about 4 minutes); `--full` scans all 96 conditions per model
-(about 20 minutes on one thread), as `docs/results/scan.json` was measured.
+By default it scans the small grid (below) in 3 rounds on one thread; `--full` scans all 96 conditions per model
+in 5 rounds (about 20 minutes), as `docs/results/scan.json` was measured.
 
 `--width 3b` builds the random-weight models at the width of a real checkpoint (Qwen2.5-VL-3B: hidden 2048,
 16 heads, 2 KV heads; 4 layers so it runs in minutes). The small grid is candidates {4, 64} x
@@ -248,13 +248,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="scan.json")
     p.add_argument("--models", default="qwen3_vl,qwen3_5")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --full: 5)")
     p.add_argument("--min-time", type=float, default=0.1,
                    help="seconds per executor and round at least: a short condition's calls repeat (the executors "
                    "in turn, call by call), their mean is the round's")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--width",
         choices=list(WIDTHS),
@@ -279,6 +279,7 @@ def main(argv=None) -> None:
     if args.width != "tiny":
         args.hidden = WIDTHS[args.width][0]
     args.grid = args.grid or ("full" if args.full else "small")
+    args.rounds = args.rounds or (5 if args.full else 3)
     if args.quick:
         args.layers, args.rounds, args.min_time = 2, 1, 0.0
         args.hidden = 64 if args.width == "tiny" else args.hidden
