@@ -1,15 +1,11 @@
 """The front end in processes of its own (`trimvlm serve --api-workers N`): N API processes read HTTP, parse and
 check JSON, decode images and tokenize (each holds the model's processor and tokenizer: it loads the
 checkpoint), and one engine process owns the model and the one scheduler loop. They talk over local IPC
-(`multiprocessing.connection`: a Unix socket with a random key), in typed tuples:
-
-    API -> engine   ("submit", rid, key, payload)   a prepared request (its tensors; no event queue)
-                    ("cancel", rid)                  its client has gone
-                    ("arrive", +1 | -1)             a request is being read and prepared (the batching waits)
-                    ("ask", qid, "stats" | "metrics")
-    engine -> API   ("event", rid, event)            a chat completion's token, choice end, result or error
-                    ("result", rid, ok, value)       a whole batch's answer (System One, score), or its error
-                    ("answer", qid, value)
+(`multiprocessing.connection`: a Unix socket with a random key) in typed messages (the dataclasses below):
+`Submit` (a prepared request: its tensors, no event queue), `Cancel` (its client has gone), `Arrive` (+1 / -1: a
+request is being read and prepared, the batching waits for it), `Ask` ("stats" | "metrics") from an API
+process; `Event` (a chat completion's token, choice end, result or error), `Result` (a whole batch's answer:
+System One, score; or its error), `Answer` from the engine.
 
 On the engine side a remote request is a `jobs.Job` whose loop, future and event queue forward what the model
 thread hands them over the connection (`_Forward*`); the scheduler and the engine do not know the difference.
@@ -31,6 +27,48 @@ from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import Job, ShuttingDown
 
 ASK_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class Submit:
+    rid: int
+    key: object
+    payload: object
+
+
+@dataclasses.dataclass
+class Cancel:
+    rid: int
+
+
+@dataclasses.dataclass
+class Arrive:
+    delta: int
+
+
+@dataclasses.dataclass
+class Ask:
+    qid: int
+    what: str  # "stats" | "metrics"
+
+
+@dataclasses.dataclass
+class Event:
+    rid: int
+    event: tuple  # engine.py's events; an error as ("error", (status, detail))
+
+
+@dataclasses.dataclass
+class Result:
+    rid: int
+    ok: bool
+    value: object  # the answer, or (status, detail)
+
+
+@dataclasses.dataclass
+class Answer:
+    qid: int
+    value: object
 # the /metrics families an API process records itself (HTTP, streaming, client-side cancels, its caches)
 API_FAMILIES = frozenset({
     "trimvlm_requests", "trimvlm_request_seconds", "trimvlm_time_to_first_token_seconds",
@@ -79,7 +117,7 @@ class _ForwardEvents:
         if event[0] in ("done", "error"):
             self.jobs.pop(self.rid, None)
         with contextlib.suppress(OSError):
-            self.link.send(("event", self.rid, event))
+            self.link.send(Event(self.rid, event))
 
 
 class _ForwardFuture:
@@ -106,7 +144,7 @@ class _ForwardFuture:
     def _send(self, ok: bool, value) -> None:
         self.jobs.pop(self.rid, None)
         with contextlib.suppress(OSError):
-            self.link.send(("result", self.rid, ok, value))
+            self.link.send(Result(self.rid, ok, value))
 
 
 def bridge(state, conn) -> None:
@@ -119,28 +157,26 @@ def bridge(state, conn) -> None:
             for job in list(jobs.values()):
                 job.cancel()
             return
-        kind = msg[0]
-        if kind == "submit":
-            _, rid, key, payload = msg
+        if isinstance(msg, Submit):
+            payload = msg.payload
             if hasattr(payload, "events"):
-                payload.events = _ForwardEvents(link, rid, jobs)
-            job = Job(key=key, payload=payload, future=_ForwardFuture(link, rid, jobs), loop=loop)
-            jobs[rid] = job
+                payload.events = _ForwardEvents(link, msg.rid, jobs)
+            job = Job(key=msg.key, payload=payload, future=_ForwardFuture(link, msg.rid, jobs), loop=loop)
+            jobs[msg.rid] = job
             try:
                 state.batcher.put(job)
             except ShuttingDown as e:
                 job.future.set_exception(e)
-        elif kind == "cancel":
-            job = jobs.pop(msg[1], None)
+        elif isinstance(msg, Cancel):
+            job = jobs.pop(msg.rid, None)
             if job is not None:
                 job.cancel()
-        elif kind == "arrive":
-            state.batcher.arriving(msg[1])
-        elif kind == "ask":
-            _, qid, what = msg
-            value = state.batcher.stats() if what == "stats" else state.metrics.exposition()[0]
+        elif isinstance(msg, Arrive):
+            state.batcher.arriving(msg.delta)
+        elif isinstance(msg, Ask):
+            value = state.batcher.stats() if msg.what == "stats" else state.metrics.exposition()[0]
             with contextlib.suppress(OSError):
-                link.send(("answer", qid, value))
+                link.send(Answer(msg.qid, value))
 
 
 # ---- an API process's side ----
@@ -153,19 +189,19 @@ class _RemoteJob(Job):
         if not self.cancelled:
             self.cancelled = True
             with contextlib.suppress(OSError):
-                self.link.send(("cancel", self.rid))
+                self.link.send(Cancel(self.rid))
 
 
 class _RemoteArrival:
     def __init__(self, link: Link):
         self.link, self._open = link, True
-        link.send(("arrive", 1))
+        link.send(Arrive(1))
 
     def done(self) -> None:
         if self._open:
             self._open = False
             with contextlib.suppress(OSError):
-                self.link.send(("arrive", -1))
+                self.link.send(Arrive(-1))
 
     def __enter__(self):
         return self
@@ -231,7 +267,7 @@ class RemoteScheduler:
         job = _RemoteJob(key=key, payload=payload, future=loop.create_future(), loop=loop, link=self.link, rid=rid)
         self._jobs[rid] = job
         sent = dataclasses.replace(payload, events=None) if hasattr(payload, "events") else payload
-        self.link.send(("submit", rid, key, sent))
+        self.link.send(Submit(rid, key, sent))
         if arrival is not None:
             arrival.done()
         return job
@@ -253,7 +289,7 @@ class RemoteScheduler:
     def _ask(self, what: str):
         qid = next(self._ids)
         slot = self._asked[qid] = [threading.Event(), None]
-        self.link.send(("ask", qid, what))
+        self.link.send(Ask(qid, what))
         if not slot[0].wait(ASK_TIMEOUT_S):
             self._asked.pop(qid, None)
             raise ShuttingDown("the engine process does not answer")
@@ -265,27 +301,26 @@ class RemoteScheduler:
                 msg = self.link.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "answer":
-                slot = self._asked.pop(msg[1], None)
+            if isinstance(msg, Answer):
+                slot = self._asked.pop(msg.qid, None)
                 if slot is not None:
-                    slot[1] = msg[2]
+                    slot[1] = msg.value
                     slot[0].set()
                 continue
-            job = self._jobs.get(msg[1])
+            job = self._jobs.get(msg.rid)
             if job is None:
                 continue
             job.started = job.started or time.perf_counter()
-            if kind == "event":
-                event = msg[2]
+            if isinstance(msg, Event):
+                event = msg.event
                 if event[0] == "error":
                     event = ("error", ApiError(*event[1]))
                 if event[0] in ("done", "error"):
-                    self._jobs.pop(msg[1], None)
+                    self._jobs.pop(msg.rid, None)
                 _call(job.loop, job.payload.events.put_nowait, event)
-            elif kind == "result":
-                self._jobs.pop(msg[1], None)
-                _call(job.loop, _resolve, job.future, msg[2], msg[3])
+            elif isinstance(msg, Result):
+                self._jobs.pop(msg.rid, None)
+                _call(job.loop, _resolve, job.future, msg.ok, msg.value)
         lost, self._closed = not self._closed, True
         for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
             error = ShuttingDown("the engine process has stopped")
