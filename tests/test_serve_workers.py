@@ -136,3 +136,26 @@ def _cmdline(pid: int) -> str:
 
 def _alive(pid: int) -> bool:
     return _cmdline(pid) != ""
+
+
+def test_an_api_process_follows_the_engines_load(demo, tmp_path):
+    """--tuned behind API processes: the rung is chosen with the engine's queue and measurements (set here)."""
+    from test_serve_budgets import tune_folder
+
+    folder = tune_folder(tmp_path / "t", demo)
+    engine = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200)
+    engine.start()
+    a, b = multiprocessing.Pipe()
+    threading.Thread(target=bridge, args=(engine, a), daemon=True).start()
+    api = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200, remote=(None, b""))
+    api.batcher.start(b)
+    got = []
+    try:
+        with live(api) as (url, _):
+            for s_per_token in (1.0, 1e-9):  # every rung far past 200 ms; then all within it
+                engine.load.tokens, engine.load.s_per_token, engine.load.step_s = 100, s_per_token, 0.0
+                body = {"messages": messages(3), "max_tokens": 4}
+                got.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["usage"]["recipe"])
+    finally:
+        engine.close()
+    assert got == ["tuned-total_flops=0.4", "baseline"]

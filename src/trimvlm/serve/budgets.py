@@ -78,6 +78,16 @@ class LoadBudget:
                 return rung
         return self.rungs[-1]
 
+    def figures(self) -> dict:
+        """What the prediction reads (for an API process: `adopt`)."""
+        with self._lock:
+            return {"tokens": self.tokens, "s_per_token": self.s_per_token, "step_s": self.step_s}
+
+    def adopt(self, figures: dict) -> None:
+        """Take the engine process's measurements (an API process predicts with them)."""
+        with self._lock:
+            self.tokens, self.s_per_token, self.step_s = figures["tokens"], figures["s_per_token"], figures["step_s"]
+
     # ---- what the engine measured ----
     def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:
         """A prefill of `requests` prompts, `tokens` in all, under the recipe `label`, took `seconds`."""

@@ -254,7 +254,7 @@ async def _handle(state, request, arrival):
     req = parsed.req
     model = state.model_name(body)
     if req.recipe is None and state.load is not None:  # the ladder's rung that fits the load (serve/budgets.py)
-        recipe = state.recipe("chat", state.load.choose(state.batcher.waiting()).text, own=True)
+        recipe = state.rung()
     else:
         recipe = state.recipe("chat", req.recipe)
     if state.vlm.adapter.decision_head is not None:

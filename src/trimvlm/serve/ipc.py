@@ -3,7 +3,7 @@ check JSON, decode images and tokenize (each holds the model's processor and tok
 checkpoint), and one engine process owns the model and the one scheduler loop. They talk over local IPC
 (`multiprocessing.connection`: a Unix socket with a random key) in typed messages (the dataclasses below):
 `Submit` (a prepared request: its tensors, no event queue), `Cancel` (its client has gone), `Arrive` (+1 / -1: a
-request is being read and prepared, the batching waits for it), `Ask` ("stats" | "metrics") from an API
+request is being read and prepared, the batching waits for it), `Ask` ("stats" | "metrics" | "load") from an API
 process; `Event` (a chat completion's token, choice end, result or error), `Result` (a whole batch's answer:
 System One, score; or its error), `Answer` from the engine.
 
@@ -49,7 +49,7 @@ class Arrive:
 @dataclasses.dataclass
 class Ask:
     qid: int
-    what: str  # "stats" | "metrics"
+    what: str  # "stats" | "metrics" | "load"
 
 
 @dataclasses.dataclass
@@ -174,7 +174,12 @@ def bridge(state, conn) -> None:
         elif isinstance(msg, Arrive):
             state.batcher.arriving(msg.delta)
         elif isinstance(msg, Ask):
-            value = state.batcher.stats() if msg.what == "stats" else state.metrics.exposition()[0]
+            if msg.what == "stats":
+                value = state.batcher.stats()
+            elif msg.what == "load":  # what an API process's load-following choice reads
+                value = None if state.load is None else state.load.figures() | {"waiting": state.batcher.waiting()}
+            else:
+                value = state.metrics.exposition()[0]
             with contextlib.suppress(OSError):
                 link.send(Answer(msg.qid, value))
 
@@ -281,12 +286,13 @@ class RemoteScheduler:
             raise
 
     def stats(self) -> dict:
-        return self._ask("stats")
+        return self.ask("stats")
 
     def metrics(self) -> bytes:
-        return self._ask("metrics")
+        return self.ask("metrics")
 
-    def _ask(self, what: str):
+    def ask(self, what: str):
+        """The engine's answer to `what` ("stats", "metrics", "load"), waited for (at most ASK_TIMEOUT_S)."""
         qid = next(self._ids)
         slot = self._asked[qid] = [threading.Event(), None]
         self.link.send(Ask(qid, what))

@@ -214,6 +214,17 @@ class ServerState:
         except Exception as e:  # noqa: BLE001
             raise as_api_error(e) from e
 
+    def rung(self) -> Recipe:
+        """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
+        ladder's rung for the queue now (an API process asks the engine for its queue and measurements)."""
+        if hasattr(self.batcher, "ask"):  # an API process (serve/ipc.py)
+            figures = self.batcher.ask("load")
+            self.load.adopt(figures)
+            waiting = figures["waiting"]
+        else:
+            waiting = self.batcher.waiting()
+        return self.recipe("chat", self.load.choose(waiting).text, own=True)
+
     def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
         """The recipe of a request (`kind`: "decide", "chat" or "score"): its `recipe` field, else the server's.
         Checked once per distinct text (a bad one: 400, before the request is tokenized). `own`: a recipe of the

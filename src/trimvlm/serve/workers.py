@@ -24,8 +24,6 @@ def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: 
 
     if not hasattr(socket, "SO_REUSEPORT"):
         raise InputError("--api-workers needs SO_REUSEPORT (Linux, macOS)")
-    if options.get("tuned") is not None:
-        raise InputError("--tuned with --api-workers: the load-following budgets run in one process for now")
     state = make_state(model, **options)
     state.start()
     key = secrets.token_bytes(32)
