@@ -31,8 +31,11 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 
 
 def warn_unknown_words(tokenizer, prompts) -> None:
-    """An `UnknownWordsWarning` for each prompt (a string, or a list of them) most of whose words are unknown."""
-    for text in [prompts] if isinstance(prompts, str) else prompts or []:
+    """An `UnknownWordsWarning` for each prompt (a string or a `Conversation`, or a list of them) most of whose
+    words are unknown."""
+    for text in [prompts] if isinstance(prompts, str | Conversation) else prompts or []:
+        if isinstance(text, Conversation):  # its user turns' words
+            text = " ".join(t.text for t in text.turns if t.role == "user")
         if not isinstance(text, str):
             continue
         words, unknown = text.split(), unknown_words(tokenizer, text)
