@@ -256,17 +256,7 @@ class Runner:
                     # a fresh, unpadded, causal chunk needs no mask: SDPA's causal kernel, as transformers does
                     plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
                     masks[key] = None if plain else chunk_mask(past, seq.valid, within)
-                k_len = seq.length + (0 if past is None else past.shape[1])
-                partial = 0  # attention FLOPs over shared parts that only some of the running rows read
-                if ctx is not None and ctx.shares(i):
-                    n = seq.batch if rows is None else len(rows)
-                    for p in ctx.layer_parts(i):
-                        k_p, readers = p.layers[i].valid.shape[1], _readers(p, rows, read)
-                        if readers == n:
-                            k_len += k_p
-                        else:
-                            partial += ad.layer_flops(i, readers, seq.length, k_p) - ad.layer_flops(i, readers, seq.length, 0)
-                    k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
+                k_len, partial = self._keys(i, seq, rows, past, ctx, cache, read)
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
                 if rows is None:
@@ -284,6 +274,22 @@ class Runner:
             if new is not None:
                 seq, hidden = new, new.hidden
         return seq.with_hidden(ad.final_norm(hidden))
+
+    def _keys(self, i, seq, rows, past, ctx, cache, read) -> tuple[int, int]:
+        """(the keys every running row of layer i attends to, the attention FLOPs over shared parts that only
+        some of them read: booked for their readers only)."""
+        ad = self.adapter
+        k_len, partial = seq.length + (0 if past is None else past.shape[1]), 0
+        if ctx is not None and ctx.shares(i):
+            n = seq.batch if rows is None else len(rows)
+            for p in ctx.layer_parts(i):
+                k_p, readers = p.layers[i].valid.shape[1], _readers(p, rows, read)
+                if readers == n:
+                    k_len += k_p
+                else:
+                    partial += ad.layer_flops(i, readers, seq.length, k_p) - ad.layer_flops(i, readers, seq.length, 0)
+            k_len += 0 if cache.tree is None else cache.tree.ancestors.shape[1]
+        return k_len, partial
 
     @torch.no_grad()
     def finish(self, seq: LiveSeq, start: int) -> torch.Tensor:

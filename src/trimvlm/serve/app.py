@@ -23,18 +23,9 @@ from trimvlm.serve.state import ServerState
 log = logging.getLogger("trimvlm.serve")
 
 
-def build_app(state: ServerState):
-    """The routes (docs/serving.md), behind the access log. The scheduler's thread starts with the app and stops
-    with it (after the running streams and the queued requests are answered: uvicorn closes the app once its
-    open requests are done)."""
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state.start()
-        yield
-        state.close()
-
-    app = FastAPI(title="trimvlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+def _errors(app) -> None:
+    """Every error as its answer: an ApiError its status, the server closing 503, a client gone during the
+    upload 499, a bug of ours a 500 (never a dead server)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError):
@@ -59,6 +50,22 @@ def build_app(state: ServerState):
         log.exception("unexpected error")
         err = ApiError(500, f"internal error ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
         return JSONResponse(err.body(), status_code=500)
+
+
+def build_app(state: ServerState):
+    """The routes (docs/serving.md), behind the access log. The scheduler's thread starts with the app and stops
+    with it (after the running streams and the queued requests are answered: uvicorn closes the app once its
+    open requests are done)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        state.close()
+
+    app = FastAPI(title="trimvlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    _errors(app)
 
     @app.post("/v1/systemone")
     async def systemone_route(request: Request):

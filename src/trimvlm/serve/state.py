@@ -154,7 +154,11 @@ class ServerState:
             except ApiError as e:
                 raise InputError(f"--tuned: {e}") from e
         self.seen_bodies: OrderedDict[bytes, object] = OrderedDict()  # System One bodies answered (systemone.Seen)
-        for cache in ("vision", "prefix", "request"):  # on /metrics, read at each scrape
+        self._figures()
+
+    def _figures(self) -> None:
+        """The caches' and System One bodies' figures on /metrics, read at each scrape."""
+        for cache in ("vision", "prefix", "request"):
             for stat in CACHE_STATS:
                 self.metrics.gauge(
                     f"trimvlm_{cache}_cache_{stat}", f"the {cache} cache: {stat} (0 when it is off)",
