@@ -25,6 +25,7 @@ import time
 
 from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import Job, ShuttingDown
+from trimvlm.serve.scheduler import Scheduler
 
 ASK_TIMEOUT_S = 10.0
 
@@ -277,13 +278,7 @@ class RemoteScheduler:
             arrival.done()
         return job
 
-    @staticmethod
-    async def result(job: Job):
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.cancel()
-            raise
+    result = staticmethod(Scheduler.result)  # (awaits the job's future, which the reader thread settles)
 
     def stats(self) -> dict:
         return self.ask("stats")
