@@ -114,3 +114,17 @@ def test_n_requests_and_a_plain_one_decode_in_one_batch(demo, monkeypatch):
             t.join(WAIT_S)
     assert out == refs
     assert max(held.rows) == 6 and len(state.batcher.engine.groups) == 0  # one batch of 1 + 3 + 2 rows
+
+
+def test_branches_off_recurrent_states_decode_apart(vlms):
+    """A hybrid model's branches read their prompt's recurrent states as shared views: such caches are not
+    joined (ValueError), and the engine keeps their rows as a decode group of their own."""
+    from trimvlm.testing import random_image
+
+    vlm = vlms("qwen3_5")
+    runner = vlm.runner
+    a, _, _ = _decoding(runner, vlm.prepare([random_image(1, (64, 64))], "describe"), 1)
+    b, _, _ = _decoding(runner, vlm.prepare([random_image(2, (64, 64))], "what color"), 2)
+    with pytest.raises(ValueError, match="recurrent"):
+        a.join(b)
+    assert len(a) == 1 and len(b) == 2  # nothing changed
