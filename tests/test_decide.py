@@ -362,12 +362,15 @@ def test_router_decisions_take_the_shared_prefix_path(demo, monkeypatch):
     alone."""
     reqs = [{"state": "<a>", "questions": DEMO_QUESTIONS, "assets": {"<a>": scene(11)}},
             {"state": "<b>", "questions": DEMO_QUESTIONS, "assets": {"<b>": scene(12, 96)}}]  # fmt: skip
-    rows, real = [], demo.runner.prefill
-    monkeypatch.setattr(demo.runner, "prefill", lambda prep, *a, **kw: rows.append(prep.batch) or real(prep, *a, **kw))
-    recipe = "router=demo:budget=0.7"
-    batch = demo.decide(reqs, recipe=recipe, return_costs=True)
+    real = demo.runner.prefill
     base = demo.decide(reqs, return_costs=True)
-    assert rows == [2, 2]  # two requests of three questions each: two prefix rows, the questions as branches
-    assert batch.costs.total_flops < 0.9 * base.costs.total_flops
-    for r, got in zip(reqs, batch.answers, strict=True):
-        assert_same(got, demo.decide(r, recipe=recipe))
+    # the router's own per-request layers, and the plain recipe (its recorded variant: a token method, no skip)
+    for recipe in ("router=demo:budget=0.7:select=router:price=auto", "router=demo:budget=0.7"):
+        rows = []
+        monkeypatch.setattr(demo.runner, "prefill",
+                            lambda prep, *a, rows=rows, **kw: rows.append(prep.batch) or real(prep, *a, **kw))  # fmt: skip
+        batch = demo.decide(reqs, recipe=recipe, return_costs=True)
+        assert rows == [2], recipe  # two requests of three questions each: two prefix rows, questions as branches
+        assert batch.costs.total_flops < 0.9 * base.costs.total_flops
+        for r, got in zip(reqs, batch.answers, strict=True):
+            assert_same(got, demo.decide(r, recipe=recipe))

@@ -144,8 +144,8 @@ def tail_skip(skip, forest):
     """The layers the tails skip: the prefix's, each tail its request's row of a per-sample plan (the router
     chose one layout per request, on its prefix), in the executor's row order (paths by request)."""
     if isinstance(skip, LayerPlan):
-        skip = skip.plan
+        skip = skip.plan  # None: the plan's method skipped nothing (a router at price inf)
     if not isinstance(skip, torch.Tensor):
-        return frozenset(skip)
+        return frozenset(skip or ())
     owner = request_rows(forest, forest.paths, device=skip.device)
     return skip.index_select(0, owner)
