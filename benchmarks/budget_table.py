@@ -28,7 +28,7 @@ import yaml
 import trimvlm
 from trimvlm.evals.run import run_eval
 from trimvlm.evals.tasks import get_task
-from trimvlm.recipe import load_recipes
+from trimvlm.recipe import load_recipes, tuned_recipe
 
 COLUMNS = ("tuned", "fastv", "naive", "router v1", "router v2")
 
@@ -37,14 +37,15 @@ def recipes_for(tuned: Path, matched: Path, router2: str | None = None) -> tuple
     """(the recipes, budget tag -> column -> the recipe names competing for that cell). `router2`: a v2 router
     (its plain recipe at each budget), or None."""
     rep = json.loads((tuned / "tune.json").read_text())
-    by_spec = {e["spec"]: e for e in rep["entries"]}
     recipes, cells = [], {}
     for b in rep["budgets"]:
         if b["best"] is None or set(b["budget"]) != {"total_flops"}:
             continue
         tag = f"B{round(100 * b['budget']['total_flops'])}"
         name = f"{tag}_tuned"
-        recipes.append({**by_spec[b["best"]]["recipe"], "name": name, "tuned_for": rep["fingerprint"]})
+        # as `tuned=DIR:total_flops=B` reads it: a ranking file found in DIR/rankings when the folder has moved
+        recipes.append(tuned_recipe(f"tuned={tuned}:total_flops={b['budget']['total_flops']}").model_copy(
+            update={"name": name}))  # fmt: skip
         cells.setdefault(tag, {}).setdefault("tuned", []).append(name)
         if router2 is not None:
             recipes.append({"name": f"{tag}_router2", "router": f"{router2}:budget={b['budget']['total_flops']}"})
