@@ -20,7 +20,7 @@ import torch
 
 from trimvlm.demo import scenes
 from trimvlm.demo.model import build_image_processor, build_scenes_config
-from trimvlm.demo.train import AUX_POSITION_LAYER, Spec, aux_cell_loss
+from trimvlm.demo.train import AUX_POSITION_LAYER, Encoder, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
@@ -69,7 +69,7 @@ class ScenesEncoder:
         out = self.processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def _look(self, s, q, start: int, prompt: list[int], at: int):
+    def _look(self, s, q, start: int, prompt: list[int]):
         """(keys for the teacher's first head, keys for its second head, option positions, pairs asked)."""
         anchor = {id(o): 1 + scenes.anchor_token(s.scene, o) for o in s.scene.objects}
         objs = scenes.evidence(s.scene, q.kind, q.params)
@@ -114,7 +114,7 @@ class ScenesEncoder:
                 start = len(ids)
                 ids += prompt
                 at = len(ids) - 1  # the position that predicts the first answer word
-                keys, second, option, pairs = self._look(s, q, start, prompt, at)
+                keys, second, option, pairs = self._look(s, q, start, prompt)
                 words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
                 looks.append((len(seqs), at, keys, words, option, second))
                 if pairs:
@@ -168,10 +168,7 @@ class ScenesEncoder:
         batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
         return batch
 
-    def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
-        from trimvlm.demo.train import Encoder
-
-        return Encoder._pad(self, seqs, labs, left, multiple)
+    _pad = Encoder._pad  # the grid encoder's padding: it reads only pad and image_pad
 
 
 def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:
