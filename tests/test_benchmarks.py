@@ -333,3 +333,24 @@ def test_recurrent_branch(tmp_path):
     for ex in ("batched", "tree"):
         assert rows[("recurrent", ex)]["peak_branch_bytes"] < rows[("chunked", ex)]["peak_branch_bytes"]
     assert all(d["same_tokens_as_chunked"] and finite_positive(d["decode_s"]) for d in data["decode"])
+
+
+def test_token_similarity_known_grids():
+    ts = bench("token_similarity")
+    g = torch.Generator().manual_seed(0)
+    flat = ts.neighbour_stats(torch.ones(12, 4), 3, 4, g)  # every token alike: cos 1 everywhere
+    assert all(abs(c - 1) < 1e-6 for c in flat["neighbour"] + flat["random"] + flat["best"])
+    assert len(flat["neighbour"]) == 3 * 3 + 2 * 4  # right pairs + down pairs
+    e = torch.eye(2)
+    checker = torch.stack([e[(r + c) % 2] for r in range(3) for c in range(4)])  # neighbours orthogonal
+    stats = ts.neighbour_stats(checker, 3, 4, g)
+    assert all(abs(c) < 1e-6 for c in stats["neighbour"] + stats["best"])
+    assert set(round(c) for c in stats["random"]) <= {0, 1}
+
+
+def test_token_similarity(capsys):
+    """The quick run on the demo model."""
+    ts = bench("token_similarity")
+    ts.main(["--quick"])
+    out = capsys.readouterr().out
+    assert '"images": 4' in out and '"visual_tokens_median": 64' in out

@@ -180,7 +180,7 @@ def test_jsonl_bad_records(tmp_path, line, message):
 
 
 def test_unknown_task_and_bad_limit(tmp_path):
-    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, demo-candidates, demo-decisions, or a JSONL file"):
+    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa2'; known tasks: demo, demo-candidates, demo-decisions, scenes, scenes-candidates, or a JSONL file"):
         get_task("vqa2")
     with pytest.raises(InputError, match="task file not found"):
         get_task(str(tmp_path / "missing.jsonl"))
@@ -485,7 +485,7 @@ def test_one_registry_lists_every_task():
     from trimvlm.evals.tasks import TASKS, benchmarks, calibration_items
     from trimvlm.testing.cli import run_cli
 
-    assert set(TASKS) == {"demo", "demo-candidates", "demo-decisions", *benchmarks()}
+    assert set(TASKS) == {"demo", "demo-candidates", "demo-decisions", "scenes", "scenes-candidates", *benchmarks()}
     assert set(benchmarks()) == {"pope", "scienceqa_img", "mmbench", "ai2d", "textvqa", "docvqa", "infovqa",
                                  "chartqa", "mmvet"}  # fmt: skip
     listed = [line.split(":")[0] for line in task_list().splitlines()]

@@ -229,7 +229,7 @@ def test_record_without_an_image_and_broken_image(tmp_path):
 
 
 def test_unknown_task_split_and_config_errors(tmp_path):
-    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa9'; known tasks: demo, demo-candidates, demo-decisions, or a JSONL file .*: ai2d, "
+    with pytest.raises(TrimVLMError, match=r"unknown task 'vqa9'; known tasks: demo, demo-candidates, demo-decisions, scenes, scenes-candidates, or a JSONL file .*: ai2d, "
                        r"chartqa, docvqa, infovqa, mmbench, mmvet, pope, scienceqa_img, textvqa"):  # fmt: skip
         get_task("vqa9")
     with pytest.raises(InputError, match=r"task 'pope' reads a local copy .*--data PATH"):
