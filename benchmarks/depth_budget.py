@@ -1,9 +1,9 @@
-"""Recipes at matched total-FLOP budgets for the depth benchmark (issue 11).
+"""Recipes at matched total-FLOP budgets for the depth benchmark.
 
 Every family has one free knob, the fraction of visual tokens kept; its skipped-layer count is fixed by the
 budget. For each budget `TARGET:SKIP` the keep fraction of every family is bisected until the family's total
 FLOP ratio (model + method, both probe kinds, against the baseline on the same items) on a calibration set
-(the demo task's val split, never the test items) is within `--tol` of the target. Families:
+(the `--task`'s val split, never the test items) is within `--tol` of the target. Families:
 
 - `fastv`: FastV alone (layer 2, no layers skipped: its whole budget goes to tokens);
 - `fastv_noise`: noise-perturbed FastV (sigma 0.5, 4 trials: the trials' look-ahead FLOPs are method FLOPs,
@@ -14,8 +14,8 @@ FLOP ratio (model + method, both probe kinds, against the baseline on the same i
 - `router`: the trained meta-router at SKIP layers (`--router` folder), its own FLOPs included.
 
 The recipes file it writes is what `trimvlm eval --recipes` reads on the test items; the eval's table then
-shows the realised ratios (the decode length can differ from the calibration set, so check them: issue 11
-asks for a match within 2%).
+shows the realised ratios (the decode length can differ from the calibration set, so check them: they
+should match within 2%).
 
     python benchmarks/depth_budget.py --model demo --budgets 0.75:1,0.6:2 --router docs/results/router-demo \
         --rankings docs/results/rank-demo-{method}.json --out benchmarks/recipes/depth-matched-demo.yaml
@@ -32,7 +32,7 @@ import yaml
 import trimvlm
 from trimvlm.errors import TrimVLMError
 from trimvlm.evals.run import run_eval
-from trimvlm.evals.tasks import demo_task
+from trimvlm.evals.tasks import get_task
 
 RANKED = ("block-influence", "sensitivity", "greedy-kl")
 SHORT = {"block-influence": "bi", "sensitivity": "sens", "greedy-kl": "kl", "tail": "tail", "random": "random"}
@@ -91,6 +91,7 @@ def match(vlm, task, fams: dict, target: float, tol: float, batch_size: int, ste
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--task", default="demo", help="the calibration task (demo, scenes): its val split")
     ap.add_argument("--budgets", default="0.75:1,0.6:2", help="TARGET:SKIP,... (total FLOP ratio: layers skipped)")
     ap.add_argument("--rankings", default="docs/results/rank-demo-{method}.json")
     ap.add_argument("--router", default=None, help="trained router folder (trimvlm train-router)")
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
         a.n, a.batch_size, a.budgets, a.only, a.steps, a.tol = 8, 8, "0.75:1", "fastv,fastv+tail", 3, 0.05
     torch.set_num_threads(a.threads)
     vlm = trimvlm.load(a.model)
-    task = demo_task(limit=a.n, seed=0, split="val")
+    task = get_task(a.task, limit=a.n, seed=0, split="val")
     recipes, notes = [], []
     for spec in a.budgets.split(","):
         target, skip = float(spec.split(":")[0]), int(spec.split(":")[1])
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
             notes.append(f"{tag}_{n}: keep {k:.4f}, calibration total FLOPs {r:.4f}x (target {target})")
             print(notes[-1], flush=True)
     head = "".join(f"# {line}\n" for line in [
-        f"Matched total-FLOP budgets for issue 11, written by benchmarks/depth_budget.py --model {a.model} "
+        f"Matched total-FLOP budgets, written by benchmarks/depth_budget.py --model {a.model} --task {a.task} "
         f"--budgets {a.budgets}", f"calibrated on {a.n} val items (tolerance {a.tol}); per recipe:", *notes,
     ])  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,6 @@
 # demo-scenes from training to its tables, in order; each step resumable or quick to rerun. Run from the repo
 # root with nothing else on the machine (the timings in the tables are interleaved ratios, but a loaded machine
 # still slows every step). STEP=N runs from step N on. Times are for the 2-core CPU.
-# Not yet wired for the scenes task (steps 3 and 8 fail until they are): `trimvlm train-head` builds its
-# requests from the grid task's kinds and has no --task; benchmarks/depth_budget.py has no --task.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}

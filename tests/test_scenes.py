@@ -176,3 +176,20 @@ def test_scenes_training_step_runs_and_resumes(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = (tmp_path / "a" / "trimvlm.json").read_text()
     assert '"task": "scenes"' in meta
+
+
+def test_train_head_reads_the_checkpoints_task(tiny_scenes, tmp_path, monkeypatch):
+    """`trimvlm train-head` on a scenes checkpoint trains on scenes questions (its trimvlm.json names the task);
+    a task that is not a demo task is a one-line error."""
+    import functools
+    import json
+
+    import trimvlm.cli_train as ct
+
+    monkeypatch.setattr(ct, "TEST_IMAGES", 2)
+    monkeypatch.setattr(ct, "Settings", functools.partial(ct.Settings, val_images=2, eval_every=2))
+    meta = ct.train_head_command(str(tiny_scenes), tmp_path / "head", steps=2, items=12, seed=0)
+    assert meta["task"] == "scenes" and set(meta["val_accuracy"]) >= set(scenes.KINDS) - {"read"}
+    assert json.loads((tmp_path / "head" / "decision_head.json").read_text())["task"] == "scenes"
+    with pytest.raises(InputError, match="--task must be one of demo, scenes"):
+        ct.train_head_command(str(tiny_scenes), tmp_path / "h2", steps=2, items=12, seed=0, task="vqa")

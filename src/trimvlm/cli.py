@@ -385,19 +385,20 @@ def train_head(
     overwrite: bool = OVERWRITE,
     steps: int = typer.Option(2000, help="optimizer steps over the cached features"),
     items: int = typer.Option(1200, help="training questions drawn from the demo task's train split"),
+    task: str | None = typer.Option(None, help="demo or scenes (default: the checkpoint's own task)"),
     seed: int = typer.Option(0),
     threads: int = typer.Option(1, help="torch threads (the same seed and threads give the same weights)"),
 
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
-    """Train the decision head on the demo task's candidate questions (backbone frozen, seeded)."""
+    """Train the decision head on a demo task's candidate questions (backbone frozen, seeded)."""
     from trimvlm.cli_train import train_head_command
 
     try:
         train_head_command(
             model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
-            load_kw=_load_kw(device, dtype), overwrite=overwrite,
+            load_kw=_load_kw(device, dtype), overwrite=overwrite, task=task,
         )
     except TrimVLMError as e:
         _fail(e)

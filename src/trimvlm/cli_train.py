@@ -4,6 +4,7 @@ progress, write; the training itself is the method packages' (`trimvlm.training.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -194,15 +195,28 @@ def _check(steps: int, items: int, out) -> None:
         raise InputError(f"--out {out} is a file; give a folder to write the decision head to")
 
 
+DEMO_TASKS = ("demo", "scenes")
+
+
+def demo_task_module(name: str):
+    """The generator module of a demo task: `demo` (the grid task) or `scenes`."""
+    if name not in DEMO_TASKS:
+        allowed = ", ".join(DEMO_TASKS)
+        raise InputError(f"--task must be one of {allowed} (the demo tasks a head trains on), got {name!r}")
+    from trimvlm.demo import scenes, task
+
+    return scenes if name == "scenes" else task
+
+
 def train_head_command(
     model, out, steps: int, items: int, seed: int, console=None, threads: int = 1, load_kw: dict | None = None,
-    overwrite: bool = False,
+    overwrite: bool = False, task: str | None = None,
 ) -> dict:
-    """Train and save the decision head of `model` (a checkpoint folder or a demo id). Returns the saved meta.
-    The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped demo
-    checkpoint is written to only with `overwrite`."""
+    """Train and save the decision head of `model` (a checkpoint folder or a demo id) on a demo task's candidate
+    questions (`task`: `demo` or `scenes`; default the checkpoint's own task, else `demo`). Returns the saved
+    meta. The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped
+    demo checkpoint is written to only with `overwrite`."""
     import trimvlm
-    from trimvlm.demo.task import KINDS
     from trimvlm.loading import refuse_shipped, resolve
     from trimvlm.progress import progress as progress_bar
 
@@ -212,20 +226,22 @@ def train_head_command(
         raise InputError(f"threads must be a positive integer, got {threads!r}")
     torch.set_num_threads(threads)
     vlm = trimvlm.load(model, **(load_kw or {}))
+    task = task if task is not None else _checkpoint_task(vlm)
+    mod = demo_task_module(task)
     folder = Path(out) if out is not None else vlm.adapter.folder
     if folder is None:
         raise InputError(f"model {model!r} has no checkpoint folder to write the head to; pass --out")
     settings = Settings(steps=steps, items=items, seed=seed)
-    kinds = list(KINDS)
+    kinds = list(mod.KINDS)
     t0 = time.perf_counter()
     with progress_bar(console, enabled=console is not None) as progress:
         sets = {name: extract(vlm, its, progress=progress, label=f"features: {LABELS[name]}")
-                for name, its in _item_sets(seed, items, settings).items()}  # fmt: skip
+                for name, its in _item_sets(seed, items, settings, mod).items()}  # fmt: skip
         t1 = time.perf_counter()
         head, fit = train(vlm.adapter.text_config.hidden_size, sets["train"], sets["val"], settings,
                           binary_train=sets["bin_train"], binary_val=sets["bin_val"], progress=progress)  # fmt: skip
     seconds = {"seconds_features": round(t1 - t0, 1), "seconds_train": round(time.perf_counter() - t1, 1)}
-    meta = _head_meta(model, head, sets, settings, fit, seconds)
+    meta = _head_meta(model, head, sets, settings, fit, seconds, task, kinds)
     folder.mkdir(parents=True, exist_ok=True)
     head.save(folder, meta=meta)
     if vlm.adapter.folder is not None and folder.resolve() == Path(vlm.adapter.folder).resolve():
@@ -239,10 +255,19 @@ LABELS = {"train": "train", "val": "val", "test": "test", "removed": "test, answ
           "bin_train": "binary train", "bin_val": "binary val", "bin_test": "binary test"}  # fmt: skip
 
 
-def _item_sets(seed: int, items: int, settings: Settings) -> dict[str, list]:
-    """The head's training, validation and test items (choice items, then the binary ones from their own
-    random stream), in the order their features are extracted."""
-    from trimvlm.demo.task import KINDS, generate_split
+def _checkpoint_task(vlm) -> str:
+    """The demo task a checkpoint was trained on (its trimvlm.json `task`), `demo` when it names none."""
+    folder = vlm.adapter.folder
+    meta = Path(folder) / "trimvlm.json" if folder is not None else None
+    if meta is not None and meta.exists():
+        return str(json.loads(meta.read_text()).get("task", "demo"))
+    return "demo"
+
+
+def _item_sets(seed: int, items: int, settings: Settings, mod) -> dict[str, list]:
+    """The head's training, validation and test items of the demo task module `mod` (choice items, then the
+    binary ones from their own random stream), in the order their features are extracted."""
+    KINDS, generate_split = mod.KINDS, mod.generate_split  # noqa: N806
 
     rng = np.random.default_rng([seed, 20250101])
     train_samples = generate_split("train", math.ceil(items / len(KINDS)), seed=seed)
@@ -257,14 +282,12 @@ def _item_sets(seed: int, items: int, settings: Settings) -> dict[str, list]:
     return out
 
 
-def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: dict) -> dict:
+def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: dict, task: str,
+               kinds: list[str]) -> dict:  # fmt: skip
     """What a trained head's checkpoint says of itself: its test report, validation figures, settings."""
-    from trimvlm.demo.task import KINDS
-
-    kinds = list(KINDS)
     val_pred = predictions(head, sets["val"])
     meta = {
-        "task": "demo",
+        "task": task,
         "model": str(model),
         "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
         **test_report(head, sets["test"], sets["removed"], kinds, sets["bin_test"]),
