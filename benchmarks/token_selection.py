@@ -13,10 +13,10 @@ distance matrix and, one Python step per pick, takes the min over the rows of ev
 straightforward form, as DivPrune's reference code does), and `incremental` builds the full matrix and keeps a
 running min (one row per pick). Identical picks are checked, and `ours` is set against its compute roofline:
 K x N x d multiply-adds at the matmul rate measured for one [K, d] x [d, N] product, timed in the same
-interleaved rounds. `numpy loop` is ours with the per-pick loop uncompiled (issue 33's fallback). Each round
+interleaved rounds. `numpy loop` is ours with the per-pick loop uncompiled (the fallback). Each round
 gives paired ratios (ours against the product and the naive loop of the same round): the table shows their
-median and spread (min-max) over >= 5 rounds. Issue 33's targets: >= 5x the naive loop at N = 576, >= 10x at
-N >= 1024; <= 2.5x the roofline at N = 1024, <= 2x at N >= 2304.
+median and spread (min-max) over >= 5 rounds. The targets: >= 5x the naive loop at N = 576, >= 10x at N >= 1024;
+<= 2.5x the roofline at N = 1024, <= 2x at N >= 2304.
 
 Default run (bounded, a few minutes on 2 idle cores): the references at both widths, the method table at d = 1024
 and batch 1 and 4. `--full`: the method table at both widths and batch 1 and 8 too. `--width 3b`: d = 2048 only.

@@ -57,6 +57,8 @@ def _get(row: dict, key: str):
 def _fmt(value, fmt: str) -> str:
     if value is None:
         return "-"
+    if fmt.startswith("r") and isinstance(value, list | tuple):  # a spread [lo, hi]: "lo-hi"
+        return "-".join(format(v, fmt[1:]) for v in value)
     if fmt == "%":
         return f"{100 * value:.1f}"
     if fmt == "x":
