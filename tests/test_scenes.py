@@ -3,6 +3,8 @@ scene description, disjoint splits, ragged visual spans, and a Qwen2.5-VL checkp
 `from_pretrained` reads and the runner reproduces (a small random-weight one built by the same code as the
 shipped model)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -176,13 +178,17 @@ def test_scenes_training_step_runs_and_resumes(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = (tmp_path / "a" / "trimvlm.json").read_text()
     assert '"task": "scenes"' in meta
+    log = [json.loads(line) for line in (tmp_path / "wa" / "train_log.jsonl").read_text().splitlines()]
+    health = next(r["scaffolds"] for r in log if "scaffolds" in r)  # logged with the validation at step 2
+    assert set(health) == {"content_objects", "pair_anchors", "teacher_keys", "teacher_sink"}
+    assert all(v is not None and 0.0 <= v <= 1.0 for v in health.values()), health
+    assert health["teacher_keys"] + health["teacher_sink"] <= 1.0 + 1e-6
 
 
 def test_train_head_reads_the_checkpoints_task(tiny_scenes, tmp_path, monkeypatch):
     """`trimvlm train-head` on a scenes checkpoint trains on scenes questions (its trimvlm.json names the task);
     a task that is not a demo task is a one-line error."""
     import functools
-    import json
 
     import trimvlm.cli_train as ct
 

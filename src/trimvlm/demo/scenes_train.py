@@ -53,6 +53,7 @@ class ScenesEncoder:
 
     def __init__(self):
         self.kinds = scenes.KINDS
+        self.background = "background"  # the word a token showing nothing is named with
         self.vocab = build_vocab(scenes.vocabulary_words())
         self.processor = build_image_processor("scenes")
         self.pad, self.eos, self.image_pad = self.vocab[PAD], self.vocab[EOS], self.vocab[IMAGE_PAD]
@@ -139,7 +140,7 @@ class ScenesEncoder:
             sc = s.scene
             m = sc.rows * sc.cols
             owner = token_objects(sc)
-            content = [v["background"]] * m
+            content = [v[self.background]] * m
             shape = [-100] * m
             for t in np.flatnonzero(owner >= 0):
                 o = sc.objects[owner[t]]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from trimvlm.demo import task
+from trimvlm.demo.health import HEALTH_IMAGES, scaffold_health
 from trimvlm.demo.model import (
     VISUAL_TOKENS,
     build_config,
@@ -57,6 +58,7 @@ class Encoder:
 
     def __init__(self):
         self.kinds = task.KINDS
+        self.background = task.BACKGROUND  # the word a token showing nothing is named with
         self.vocab = build_vocab()
         self.processor = build_image_processor()
         self.pad = self.vocab[PAD]
@@ -663,6 +665,8 @@ def _validate(
     acc = evaluate(run.model, enc, val)
     score = selection_score(acc, val_base)
     rec = {"step": run.step, "val": acc, "val_score": score}
+    if run.teacher is not None or run.probe is not None:
+        rec["scaffolds"] = scaffold_health(run, enc, val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
     improved = score > run.best
     if improved:
         run.best = score
