@@ -180,7 +180,7 @@ def test_scenes_training_step_runs_and_resumes(tmp_path, monkeypatch):
     assert '"task": "scenes"' in meta
     log = [json.loads(line) for line in (tmp_path / "wa" / "train_log.jsonl").read_text().splitlines()]
     health = next(r["scaffolds"] for r in log if "scaffolds" in r)  # logged with the validation at step 2
-    assert set(health) == {"content_objects", "pair_anchors", "teacher_keys", "teacher_sink"}
+    assert set(health) == {"content_objects", "pair_objects", "teacher_keys", "teacher_sink"}
     assert all(v is not None and 0.0 <= v <= 1.0 for v in health.values()), health
     assert health["teacher_keys"] + health["teacher_sink"] <= 1.0 + 1e-6
 

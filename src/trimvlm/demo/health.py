@@ -3,7 +3,8 @@
 
 - `content_objects`: share of the visual tokens that show an object or a glyph whose LM-head logits name it
   (argmax over the words the scaffold names tokens with: colours, glyphs, the background word);
-- `pair_anchors`: share of the tokens that carry a (colour, shape) pair target whose pair probe names it;
+- `pair_objects`: share of the tokens that carry a (colour, shape) pair target (the tokens showing an object)
+  whose pair probe names it;
 - `teacher_keys` / `teacher_sink`: at the answer position, the attention mass of the teacher's head on the
   question's evidence tokens and on the sink, averaged over the teacher's "cells" layers and over the questions
   that have evidence (the target puts 1 / (k + 1) on each of k keys and the sink).
@@ -45,7 +46,7 @@ def scaffold_health(run, enc, samples, aux_layer: int) -> dict[str, float | None
         keys, sink = _teacher_mass(teacher, weights, looks)
         return {
             "content_objects": _content_accuracy(out.logits, targets["content"], enc),
-            "pair_anchors": _pair_accuracy(model, probe, out, targets["pair"], aux_layer),
+            "pair_objects": _pair_accuracy(model, probe, out, targets["pair"], aux_layer),
             "teacher_keys": keys,
             "teacher_sink": sink,
         }

@@ -3,12 +3,13 @@
 
 What differs from the grid task: images have 160 to 400 visual tokens, so every sequence has its own visual
 span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
-holding its centre): the (colour, shape) pair probe and the size word are trained there, and the attention
-teacher points the answer position at anchors (a count is the share of attention that reaches the matching
-anchors; a relation looks at its first object with one head and its second with the next; "largest" looks at
-the largest option). Every visual token still names what it shows (colour or glyph or "background", and its
-shape) through the LM head, and its row and column words at the teacher's key layer. None of this is in the
-saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
+holding its centre): its size word is trained there, and the attention teacher points the answer position at
+anchors (a count is the share of attention that reaches the matching anchors; a relation looks at its first
+object with one head and its second with the next; "largest" looks at the largest option). Every visual token
+names what it shows (colour or glyph or "background", and its shape) through the LM head, its row and column
+words at the teacher's key layer, and the (colour, shape) pair of the object it shows through the pair probe
+(labelling the anchor alone left the object's other tokens told "no pair": the probe named 10% of the anchors
+after 2,400 steps). None of this is in the saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
 
     python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500 --threads 2
 """
@@ -130,8 +131,8 @@ class ScenesEncoder:
         return batch
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
-        """Per visual token: content word, shape word, row and column words, pair class at anchors (no pair
-        elsewhere) and size word at anchors; -100 past each image's tokens."""
+        """Per visual token: content word, shape word, row and column words, pair class (of the object it shows;
+        no pair on background and text) and size word at anchors; -100 past each image's tokens."""
         n = max(s.scene.rows * s.scene.cols for s in samples)
         out = {k: torch.full((len(samples), n), -100, dtype=torch.long)
                for k in ("content", "shape", "row", "col", "pair", "size")}  # fmt: skip
@@ -142,20 +143,19 @@ class ScenesEncoder:
             owner = token_objects(sc)
             content = [v[self.background]] * m
             shape = [-100] * m
+            pair = [N_PAIRS] * m
             for t in np.flatnonzero(owner >= 0):
                 o = sc.objects[owner[t]]
-                content[t], shape[t] = v[o.color], v[o.shape]
+                content[t], shape[t], pair[t] = v[o.color], v[o.shape], pair_class(o.color, o.shape)
             for r, c, ch in sc.text_tokens():
-                content[r * sc.cols + c] = v[ch]
+                content[r * sc.cols + c], pair[r * sc.cols + c] = v[ch], N_PAIRS
             out["content"][i, :m] = torch.tensor(content)
             out["shape"][i, :m] = torch.tensor(shape)
+            out["pair"][i, :m] = torch.tensor(pair)
             out["row"][i, :m] = torch.tensor([v[f"r{t // sc.cols}"] for t in range(m)])
             out["col"][i, :m] = torch.tensor([v[f"c{t % sc.cols}"] for t in range(m)])
-            out["pair"][i, :m] = N_PAIRS
             for o in sc.objects:
-                a = scenes.anchor_token(sc, o)
-                out["pair"][i, a] = pair_class(o.color, o.shape)
-                out["size"][i, a] = v[f"s{o.size}"]
+                out["size"][i, scenes.anchor_token(sc, o)] = v[f"s{o.size}"]
         return out
 
     def prompt_batch(self, items) -> dict:
