@@ -199,3 +199,25 @@ def test_train_head_reads_the_checkpoints_task(tiny_scenes, tmp_path, monkeypatc
     assert json.loads((tmp_path / "head" / "decision_head.json").read_text())["task"] == "scenes"
     with pytest.raises(InputError, match="--task must be one of demo, scenes"):
         ct.train_head_command(str(tiny_scenes), tmp_path / "h2", steps=2, items=12, seed=0, task="vqa")
+
+
+def test_the_teachers_attention_keeps_padding_masks(tiny_scenes):
+    """Under the attention teacher's own attention function (`rows_only`), a left-padded batch (how validation
+    generates) gives each prompt the logits it has alone, as SDPA does."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from trimvlm.demo.scenes_train import ScenesEncoder
+    from trimvlm.demo.train import AttentionTeacher
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes).eval()
+    AttentionTeacher(model, layers=(1,), word_layers=(0,), option_layers=(2,), rows_only=True)
+    enc = ScenesEncoder()
+    samples = scenes.generate_split("val", 3, seed=0)
+    items = [(s.image, s.qas[0].question) for s in samples]
+    batch = enc.prompt_batch(items)
+    assert len({int(m.sum()) for m in batch["attention_mask"]}) > 1  # ragged: some rows are padded
+    with torch.no_grad():
+        together = model(**batch).logits[:, -1]
+        for i, item in enumerate(items):
+            alone = model(**enc.prompt_batch([item])).logits[0, -1]
+            torch.testing.assert_close(together[i], alone, atol=1e-4, rtol=1e-4)

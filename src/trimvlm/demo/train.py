@@ -312,8 +312,12 @@ class AttentionTeacher:
         attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
         if rows_only:
             from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
             AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+            # SDPA's masks too: an attention name with no mask function gets no mask at all (transformers),
+            # which right-padded training batches survive and left-padded generation (validation) does not
+            AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)
             _TRACKED.update({id(mod): (self, layer) for layer, mod in attn.items()})
             model.set_attn_implementation(ROWS_ATTENTION)
         else:
