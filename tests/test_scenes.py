@@ -221,3 +221,23 @@ def test_the_teachers_attention_keeps_padding_masks(tiny_scenes):
         for i, item in enumerate(items):
             alone = model(**enc.prompt_batch([item])).logits[0, -1]
             torch.testing.assert_close(together[i], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_each_read_word_looks_at_its_glyph():
+    """The attention teacher's looks for a reading: answer word j (predicted one position after word j - 1) at
+    the visual tokens of glyph j, which show that glyph."""
+    from trimvlm.demo.scenes_train import ScenesEncoder, glyph_keys
+
+    enc = ScenesEncoder()
+    s = scenes.make_sample(np.random.default_rng(4), per_kind={"read": 1})
+    batch = enc.train_batch([s], np.random.default_rng(0))
+    keys = glyph_keys(s.scene)
+    looks = [look for look in batch["looks"] if look[2] in keys]
+    assert [look[2] for look in looks] == keys and len(keys) == len(s.scene.text)
+    ids = batch["input_ids"][0]
+    first = looks[0][1]
+    assert [look[1] for look in looks] == list(range(first, first + len(keys)))
+    assert enc.vocab.get(s.scene.text[0]) == int(ids[first + 1])  # the position after predicts word 0 ...
+    tokens = {(1 + r * s.scene.cols + c): ch for r, c, ch in s.scene.text_tokens()}
+    for glyph, look in zip(s.scene.text, looks, strict=True):
+        assert {tokens[k] for k in look[2]} == {glyph}  # ... and each look's keys show its glyph

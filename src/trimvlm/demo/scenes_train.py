@@ -5,8 +5,8 @@ What differs from the grid task: images have 160 to 400 visual tokens, so every 
 span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
 holding its centre): its size word is trained there, and the attention teacher points the answer position at
 anchors (a count is the share of attention that reaches the matching anchors; a relation looks at its first
-object with one head and its second with the next; "largest" looks at the largest option). Every visual token
-names what it shows (colour or glyph or "background", and its shape) through the LM head, its row and column
+object with one head and its second with the next; "largest" looks at the largest option; each word of a
+reading looks at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape) through the LM head, its row and column
 words at the teacher's key layer, and the (colour, shape) pair of the object it shows through the pair probe
 (labelling the anchor alone left the object's other tokens told "no pair": the probe named 10% of the anchors
 after 2,400 steps). None of this is in the saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
@@ -44,6 +44,15 @@ def token_objects(scene: scenes.Scene) -> np.ndarray:
     return np.where(counts.max(1) >= SEEN_PIXELS, best, -1)
 
 
+def glyph_keys(scene: scenes.Scene) -> list[list[int]]:
+    """Per glyph of the text, in reading order, the sequence positions of its visual tokens (1 + raster index)."""
+    g = scene.glyph_scale
+    return [
+        [1 + (scene.text_row + dr) * scene.cols + scene.text_col + i * g + dc for dr in range(g) for dc in range(g)]
+        for i in range(len(scene.text))
+    ]
+
+
 def scenes_tokenizer():
     return build_tokenizer(scenes.vocabulary_words())
 
@@ -77,8 +86,7 @@ class ScenesEncoder:
         objs = scenes.evidence(s.scene, q.kind, q.params)
         second, option = [], []
         if q.kind == "read":
-            cols = s.scene.cols
-            keys = [1 + r * cols + c for r, c, _ in s.scene.text_tokens()]
+            keys = glyph_keys(s.scene)[0]
         elif q.kind == "relation":
             keys, second = [anchor[id(objs[0])]], [anchor[id(objs[1])]]
         elif q.kind == "largest":
@@ -121,6 +129,9 @@ class ScenesEncoder:
                 looks.append((len(seqs), at, keys, words, option, second))
                 if pairs:
                     asks.append((len(seqs), at, pairs))
+                if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
+                    looks += [(len(seqs), at + j, glyph, [], [], []) for j, glyph in enumerate(glyph_keys(s.scene))
+                              if j > 0]  # fmt: skip
                 ids += ans
                 lab += [-100] * len(prompt) + ans
             seqs.append(ids)
