@@ -241,3 +241,50 @@ def test_each_read_word_looks_at_its_glyph():
     tokens = {(1 + r * s.scene.cols + c): ch for r, c, ch in s.scene.text_tokens()}
     for glyph, look in zip(s.scene.text, looks, strict=True):
         assert {tokens[k] for k in look[2]} == {glyph}  # ... and each look's keys show its glyph
+
+
+def test_a_relation_gathers_each_objects_words_with_its_own_head():
+    """A relation's look: the teacher's head reads the first object's colour and shape words, the next head the
+    second object's (a bag of four words cannot bind colours to shapes nor order the objects)."""
+    from trimvlm.demo.scenes_train import ScenesEncoder
+
+    enc = ScenesEncoder()
+    s = scenes.make_sample(np.random.default_rng(5), per_kind={"relation": 1})
+    q = next(q for q in s.qas if q.kind == "relation")
+    batch = enc.train_batch([s], np.random.default_rng(0))
+    look = next(look for look in batch["looks"] if len(look) > 6 and look[6])
+    ids = batch["input_ids"][0]
+    a, b = q.params["a"].split(), q.params["b"].split()
+    assert [int(ids[p]) for p in look[3]] == [enc.vocab[w] for w in a]
+    assert [int(ids[p]) for p in look[6]] == [enc.vocab[w] for w in b]
+
+
+def test_the_teachers_next_head_follows_the_seventh_list(tiny_scenes):
+    """At a "words" layer the teacher's head is scored on a look's words and the next head on its seventh list:
+    the same first head scores far better with the next head on the seventh list than with it on the first."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from trimvlm.demo.train import AttentionTeacher
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes)
+    teacher = AttentionTeacher(model, layers=(1,), word_layers=(0,), option_layers=(2,))
+    look = (0, 7, [], [2, 3], [], [], [4, 5])
+
+    def loss(first, second):
+        w = torch.full((1, 4, 8, 8), 1e-9)
+        w[0, 0, 7, first] = 0.5
+        w[0, 1, 7, second] = 0.5
+        teacher.weights = {0: w}
+        return float(teacher.loss([look]))
+
+    assert loss([2, 3], [4, 5]) < 1.0 < loss([2, 3], [2, 3])
+
+
+def test_glyph_tokens_carry_a_target_of_their_own():
+    from trimvlm.demo.scenes_train import ScenesEncoder
+
+    enc = ScenesEncoder()
+    s = scenes.make_sample(np.random.default_rng(6), per_kind={"read": 1})
+    glyph = enc.cell_targets([s])["glyph"][0]
+    want = {r * s.scene.cols + c: enc.vocab[ch] for r, c, ch in s.scene.text_tokens()}
+    assert {int(i): int(glyph[i]) for i in torch.nonzero(glyph >= 0).flatten()} == want

@@ -4,12 +4,16 @@
 What differs from the grid task: images have 160 to 400 visual tokens, so every sequence has its own visual
 span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
 holding its centre): its size word is trained there, and the attention teacher points the answer position at
-anchors (a count is the share of attention that reaches the matching anchors; a relation looks at its first
-object with one head and its second with the next; "largest" looks at the largest option; each word of a
-reading looks at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape) through the LM head, its row and column
-words at the teacher's key layer, and the (colour, shape) pair of the object it shows through the pair probe
-(labelling the anchor alone left the object's other tokens told "no pair": the probe named 10% of the anchors
-after 2,400 steps). None of this is in the saved model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
+anchors (a count is the share of attention that reaches the matching anchors; a relation gathers its first
+object's two words and then looks at that object with one head, and its second object's with the next: one
+head over all four words leaves a bag that cannot tell which colour goes with which shape, nor which comes
+first, and relations stayed at chance; "largest" looks at the largest option; each word of a reading looks
+at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape)
+through the LM head, glyph tokens with a term of their own (at about 1% of the tokens the shared term left
+them at chance after 4,600 steps); its row and column words at the teacher's key layer, and the (colour,
+shape) pair of the object it shows through the pair probe (labelling the anchor alone left the object's other
+tokens told "no pair": the probe named 10% of the anchors after 2,400 steps). None of this is in the saved
+model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
 
     python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500 --threads 2
 """
@@ -126,7 +130,10 @@ class ScenesEncoder:
                 at = len(ids) - 1  # the position that predicts the first answer word
                 keys, second, option, pairs = self._look(s, q, start, prompt)
                 words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
-                looks.append((len(seqs), at, keys, words, option, second))
+                second_words = []
+                if q.kind == "relation" and len(words) == 4:  # a bag of four words cannot tell which colour goes with which shape,
+                    words, second_words = words[:2], words[2:]  # nor which object comes first: a head each
+                looks.append((len(seqs), at, keys, words, option, second, second_words))
                 if pairs:
                     asks.append((len(seqs), at, pairs))
                 if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
@@ -146,7 +153,7 @@ class ScenesEncoder:
         no pair on background and text) and size word at anchors; -100 past each image's tokens."""
         n = max(s.scene.rows * s.scene.cols for s in samples)
         out = {k: torch.full((len(samples), n), -100, dtype=torch.long)
-               for k in ("content", "shape", "row", "col", "pair", "size")}  # fmt: skip
+               for k in ("content", "shape", "row", "col", "pair", "size", "glyph")}  # fmt: skip
         v = self.vocab
         for i, s in enumerate(samples):
             sc = s.scene
@@ -158,8 +165,10 @@ class ScenesEncoder:
             for t in np.flatnonzero(owner >= 0):
                 o = sc.objects[owner[t]]
                 content[t], shape[t], pair[t] = v[o.color], v[o.shape], pair_class(o.color, o.shape)
+            glyph = [-100] * m
             for r, c, ch in sc.text_tokens():
-                content[r * sc.cols + c], pair[r * sc.cols + c] = v[ch], N_PAIRS
+                content[r * sc.cols + c], pair[r * sc.cols + c], glyph[r * sc.cols + c] = v[ch], N_PAIRS, v[ch]
+            out["glyph"][i, :m] = torch.tensor(glyph)
             out["content"][i, :m] = torch.tensor(content)
             out["shape"][i, :m] = torch.tensor(shape)
             out["pair"][i, :m] = torch.tensor(pair)
@@ -194,7 +203,14 @@ def scenes_aux_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tenso
     lm = model.model.language_model
     mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, 1 : 1 + n])).float()
     ce = torch.nn.functional.cross_entropy
-    return loss + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), targets["size"].reshape(-1))
+    loss = loss + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), targets["size"].reshape(-1))
+    # glyph tokens are about 1% of the visual tokens, too few for the content term to teach reading: their own
+    # mean, at the last layer and where the answer reads its keys
+    glyph = targets["glyph"].reshape(-1)
+    if bool((glyph >= 0).any()):
+        final = out.logits[:, 1 : 1 + n].float()
+        loss = loss + ce(final.reshape(-1, final.shape[-1]), glyph) + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), glyph)
+    return loss
 
 
 SCENES_META = {

@@ -351,13 +351,18 @@ class AttentionTeacher:
             "words": uniform_rows([look[3] for look in looks], n),
             "option": uniform_rows([look[4] for look in looks], n),
         }
-        # a look's optional sixth list: where the next head looks at the "cells" layers (a second object)
-        second = uniform_rows([[0, *look[5]] if len(look) > 5 and look[5] else [] for look in looks], n)
+        # a look's optional sixth list: where the next head looks at the "cells" layers (a second object);
+        # its optional seventh: where the next head looks at the "words" layers (the second object's words)
+        second = {
+            "cells": uniform_rows([[0, *look[5]] if len(look) > 5 and look[5] else [] for look in looks], n),
+            "words": uniform_rows([look[6] if len(look) > 6 else [] for look in looks], n),
+        }
         terms = []
         for layer, w in weights.items():
-            pairs = [(targets[self.roles[layer]], self.head)]
-            if self.roles[layer] == "cells" and second.sum() > 0:
-                pairs.append((second, self.head + 1))
+            role = self.roles[layer]
+            pairs = [(targets[role], self.head)]
+            if role in second and second[role].sum() > 0:
+                pairs.append((second[role], self.head + 1))
             for target, head in pairs:
                 if target.sum() > 0:
                     ce = -(target * self._weights_of(w, rows, pos, head).clamp_min(1e-9).log()).sum(-1)
