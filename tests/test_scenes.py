@@ -288,3 +288,20 @@ def test_glyph_tokens_carry_a_target_of_their_own():
     glyph = enc.cell_targets([s])["glyph"][0]
     want = {r * s.scene.cols + c: enc.vocab[ch] for r, c, ch in s.scene.text_tokens()}
     assert {int(i): int(glyph[i]) for i in torch.nonzero(glyph >= 0).flatten()} == want
+
+
+def test_a_relations_answer_position_names_the_relation_that_holds():
+    """The mid-way name of a relation turn sits at its answer position and says what holds on the axis asked
+    about: "yes" exactly when it is the relation asked."""
+    from trimvlm.demo.scenes_train import ScenesEncoder, relation_truth
+
+    enc = ScenesEncoder()
+    id2w = {i: w for w, i in enc.vocab.items()}
+    for seed in range(12):
+        s = scenes.make_sample(np.random.default_rng(seed), per_kind={"relation": 1})
+        q = next(q for q in s.qas if q.kind == "relation")
+        assert (relation_truth(s.scene, q.params) == q.params["rel"]) == (q.answer == "yes")
+        batch = enc.train_batch([s], np.random.default_rng(0))
+        (row, at, word), = batch["names"]
+        assert int(batch["labels"][row, at + 1]) == enc.vocab[q.answer]  # the next token is the answer
+        assert id2w[word] == relation_truth(s.scene, q.params)

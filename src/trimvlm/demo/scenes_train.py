@@ -7,7 +7,8 @@ holding its centre): its size word is trained there, and the attention teacher p
 anchors (a count is the share of attention that reaches the matching anchors; a relation gathers its first
 object's two words and then looks at that object with one head, and its second object's with the next: one
 head over all four words leaves a bag that cannot tell which colour goes with which shape, nor which comes
-first, and relations stayed at chance; "largest" looks at the largest option; each word of a reading looks
+first, and relations stayed at chance; mid-way, a relation's answer position names the relation that holds;
+"largest" looks at the largest option; each word of a reading looks
 at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape)
 through the LM head, glyph tokens with a term of their own (at about 1% of the tokens the shared term left
 them at chance after 4,600 steps); its row and column words at the teacher's key layer, and the (colour,
@@ -31,6 +32,7 @@ from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, bu
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
 P_SINGLE_TURN = 0.2
 PAD_MULTIPLE = 32
+RELATION_LAYER = 7  # after the teacher's object layers (2-4) and two more: where a relation is named
 SEEN_PIXELS = 64  # a token shows an object when a quarter of its pixels do
 N_PAIRS = len(scenes.COLOR_NAMES) * len(scenes.SHAPES)
 
@@ -55,6 +57,14 @@ def glyph_keys(scene: scenes.Scene) -> list[list[int]]:
         [1 + (scene.text_row + dr) * scene.cols + scene.text_col + i * g + dc for dr in range(g) for dc in range(g)]
         for i in range(len(scene.text))
     ]
+
+
+def relation_truth(scene: scenes.Scene, params: dict) -> str:
+    """The relation that holds between a relation question's two objects on the axis it asks about."""
+    a, b = (next(o for o in scene.objects if o.name == params[k]) for k in ("a", "b"))
+    if params["rel"] in ("left", "right"):
+        return "left" if a.cx < b.cx else "right"
+    return "above" if a.cy < b.cy else "below"
 
 
 def scenes_tokenizer():
@@ -113,7 +123,7 @@ class ScenesEncoder:
         return keys, second, option, pairs
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        seqs, labs, looks, asks = [], [], [], []
+        seqs, labs, looks, asks, names = [], [], [], [], []
         for s in samples:
             seen: set[str] = set()
             qas = [q for q in s.qas if not (q.question in seen or seen.add(q.question))]
@@ -134,6 +144,8 @@ class ScenesEncoder:
                 if q.kind == "relation" and len(words) == 4:  # a bag of four words cannot tell which colour goes with which shape,
                     words, second_words = words[:2], words[2:]  # nor which object comes first: a head each
                 looks.append((len(seqs), at, keys, words, option, second, second_words))
+                if q.kind == "relation":
+                    names.append((len(seqs), at, self.vocab[relation_truth(s.scene, q.params)]))
                 if pairs:
                     asks.append((len(seqs), at, pairs))
                 if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
@@ -145,7 +157,7 @@ class ScenesEncoder:
             labs.append(lab)
         batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
-        batch["looks"], batch["asks"] = looks, asks
+        batch["looks"], batch["asks"], batch["names"] = looks, asks, names
         return batch
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
@@ -197,7 +209,10 @@ def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:
 
 
 def scenes_aux_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The grid's per-token loss (content, shape, row, column) plus each anchor's size word at the key layer."""
+    """The grid's per-token loss (content, shape, row, column) plus each anchor's size word at the key layer,
+    each glyph token's glyph, and at a relation's answer position after `RELATION_LAYER` layers the relation
+    that holds on the axis asked about (`relation_truth`: with both objects gathered, the comparison itself;
+    the answer only says whether it is the one asked)."""
     loss = aux_cell_loss(model, out, targets)
     n = targets["size"].shape[1]
     lm = model.model.language_model
@@ -210,6 +225,11 @@ def scenes_aux_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tenso
     if bool((glyph >= 0).any()):
         final = out.logits[:, 1 : 1 + n].float()
         loss = loss + ce(final.reshape(-1, final.shape[-1]), glyph) + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), glyph)
+    names = targets.get("names") or []
+    if names:  # a relation's answer position names the relation that holds, once both objects are gathered
+        rows, pos, words = (torch.tensor([x[i] for x in names]) for i in range(3))
+        h = out.hidden_states[min(RELATION_LAYER, len(out.hidden_states) - 2)][rows, pos]  # (a small test model)
+        loss = loss + ce(model.lm_head(lm.norm(h)).float(), words)
     return loss
 
 

@@ -633,12 +633,13 @@ def _train_step(
         g["lr"] = lr_at(run.step, steps, lr, warmup)
     samples = spec.train_samples(run.rng, batch_size)
     batch = enc.train_batch(samples, run.rng)
-    looks, asks = batch.pop("looks"), batch.pop("asks")
+    looks, asks, names = batch.pop("looks"), batch.pop("asks"), batch.pop("names", [])
     if run.teacher is not None and run.teacher.rows_only:
         run.teacher.expect(looks)
     if aux_weight > 0:
         out = model(**batch, output_hidden_states=True)
         targets = enc.cell_targets(samples)
+        targets["names"] = names  # (row, position, word id): words a task's positions name mid-way
         loss = out.loss + aux_weight * spec.aux_loss(model, out, targets)
         if probe is not None:
             loss = loss + aux_weight * probe.loss(model, out, targets["pair"], asks)
