@@ -305,3 +305,19 @@ def test_a_relations_answer_position_names_the_relation_that_holds():
         (row, at, word), = batch["names"]
         assert int(batch["labels"][row, at + 1]) == enc.vocab[q.answer]  # the next token is the answer
         assert id2w[word] == relation_truth(s.scene, q.params)
+
+
+def test_demo_scenes_answers_scenes_items():
+    """The shipped demo-scenes answers 24 test items of the scenes task (every kind, both probes) at >= 90%.
+    Skipped only where the checkpoint is not in the install (`trimvlm.load` says so)."""
+    import trimvlm
+    from trimvlm.errors import CheckpointError
+
+    try:
+        vlm = trimvlm.load("demo-scenes")
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    res = trimvlm.evaluate(vlm, "scenes", limit=24, batch_size=24, progress=False, memory="off")
+    groups = {r["group"]: r["n"] for r in res.rows if r["recipe"] == "baseline"}
+    assert all(groups.get(kind) == 4 for kind in scenes.KINDS), groups  # every kind asked
+    assert res.row("baseline", "all")["accuracy"] >= 0.9, res.rows
