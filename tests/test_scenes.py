@@ -307,6 +307,40 @@ def test_a_relations_answer_position_names_the_relation_that_holds():
         assert id2w[word] == relation_truth(s.scene, q.params)
 
 
+def test_a_relations_verdict_looks_at_the_asked_word_when_it_holds(tiny_scenes):
+    """After the relation is named, the teacher's verdict layer points the answer position at the asked relation
+    word when the answer is yes and at the sink (position 0) when it is no; the teacher scores that list there."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from trimvlm.demo.scenes_train import ScenesEncoder
+    from trimvlm.demo.train import AttentionTeacher
+
+    enc = ScenesEncoder()
+    seen = set()
+    for seed in range(16):
+        s = scenes.make_sample(np.random.default_rng(seed), per_kind={"relation": 1})
+        q = next(q for q in s.qas if q.kind == "relation")
+        batch = enc.train_batch([s], np.random.default_rng(0))
+        (look,) = [look for look in batch["looks"] if len(look) > 7 and look[7]]
+        if q.answer == "yes":
+            assert [int(batch["input_ids"][0, p]) for p in look[7]] == [enc.vocab[q.params["rel"]]]
+        else:
+            assert look[7] == [0]
+        seen.add(q.answer)
+    assert seen == {"yes", "no"}
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes)
+    teacher = AttentionTeacher(model, layers=(), word_layers=(), option_layers=(), verdict_layers=(1,))
+    look = (0, 7, [], [], [], [], [], [5])
+
+    def loss(at):
+        w = torch.full((1, 4, 8, 8), 1e-9)
+        w[0, 0, 7, at] = 1.0
+        teacher.weights = {1: w}
+        return float(teacher.loss([look]))
+
+    assert loss(5) < 1e-6 < 5.0 < loss(0)
+
+
 def test_demo_scenes_answers_scenes_items():
     """The shipped demo-scenes answers 24 test items of the scenes task (every kind, both probes) at >= 90%.
     Skipped only where the checkpoint is not in the install (`trimvlm.load` says so)."""

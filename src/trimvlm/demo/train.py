@@ -280,6 +280,9 @@ class AttentionTeacher:
     <|vision_start|> token as a sink: with nothing matching it rests on the sink, and the share that reaches
     the matches tells how many there are. The attention weights come from the stock eager attention
     through forward hooks; the model stays a plain transformers model and is used without this at inference.
+    `verdict_layers`: where a yes/no is decided by a match, the head looks at the asked word when the
+    answer is yes and at the sink when it is no (an attention score is a query-key product, so the match
+    is one bilinear step instead of a comparison the MLPs must find from the answer's loss alone).
     In a hybrid stack each layer index moves to the next full-attention layer.
 
     `rows_only`: the model keeps SDPA and the teacher's own attention function (`_rows_attention`) computes
@@ -295,6 +298,7 @@ class AttentionTeacher:
         option_layers: tuple[int, ...] = OPTION_LAYERS,
         head: int = ATTENTION_HEAD,
         rows_only: bool = False,
+        verdict_layers: tuple[int, ...] = (),
     ):
         self.head = head
         self.rows_only = rows_only
@@ -303,12 +307,16 @@ class AttentionTeacher:
         types = getattr(model.config.text_config, "layer_types", None)
         full = [i for i, t in enumerate(types) if t == "full_attention"] if types is not None else None
 
-        def place(ls):  # in a hybrid stack, the next full-attention layer
+        depth = model.config.text_config.num_hidden_layers
+
+        def place(ls):  # in a hybrid stack, the next full-attention layer; none past the stack (small models)
+            ls = [x for x in ls if x < depth]
             return set(ls) if full is None else {next((i for i in full if i >= x), full[-1]) for x in ls}
 
         self.roles = {layer: "cells" for layer in place(layers)}  # where two roles meet, the later one wins
         self.roles.update({layer: "words" for layer in place(word_layers)})
         self.roles.update({layer: "option" for layer in place(option_layers)})
+        self.roles.update({layer: "verdict" for layer in place(verdict_layers)})
         attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
         if rows_only:
             from transformers import AttentionInterface
@@ -350,6 +358,9 @@ class AttentionTeacher:
             "cells": uniform_rows([[0, *look[2]] for look in looks], n),  # <|vision_start|> is the sink
             "words": uniform_rows([look[3] for look in looks], n),
             "option": uniform_rows([look[4] for look in looks], n),
+            # a look's optional eighth list: where the head looks at the "verdict" layers (a yes/no decided by
+            # matching: the asked word when it agrees with what was found, else the sink)
+            "verdict": uniform_rows([look[7] if len(look) > 7 else [] for look in looks], n),
         }
         # a look's optional sixth list: where the next head looks at the "cells" layers (a second object);
         # its optional seventh: where the next head looks at the "words" layers (the second object's words)
