@@ -11,6 +11,7 @@ from trimvlm.loading import DEMO_DIR, DEMO_MODELS
 SHIPPED = {
     "demo": "Qwen3VLForConditionalGeneration",
     "demo-qwen35": "Qwen3_5ForConditionalGeneration",
+    "demo-scenes": "Qwen2_5_VLForConditionalGeneration",
 }
 CASES = [
     pytest.param(name, cls, marks=pytest.mark.skipif(
@@ -38,12 +39,13 @@ def test_loads_through_transformers_from_pretrained(name, cls):
 @pytest.mark.parametrize("name,cls", CASES)
 def test_runner_reproduces_the_recorded_accuracy(name, cls):
     from trimvlm.evals.run import run_eval
-    from trimvlm.evals.tasks import demo_task
+    from trimvlm.evals.tasks import get_task
 
-    ref = json.loads((DEMO_DIR / DEMO_MODELS[name] / "trimvlm.json").read_text())["reference"]
+    meta = json.loads((DEMO_DIR / DEMO_MODELS[name] / "trimvlm.json").read_text())
+    ref = meta["reference"]
     vlm = trimvlm.load(name)
     assert vlm.adapter.visual_tokens(128, 128) >= 64
-    task = demo_task(limit=ref["items"], seed=ref["seed"])
+    task = get_task(meta.get("task", "demo"), limit=ref["items"], seed=ref["seed"], split="test")
     res = run_eval(vlm, task, [None], limit=ref["items"], batch_size=50, seed=0, progress=False, warmup=False)
     overall = res.row("baseline", "all")["accuracy"]
     assert abs(overall - ref["overall"]) <= 0.02, (overall, ref["overall"])
