@@ -355,3 +355,20 @@ def test_demo_scenes_answers_scenes_items():
     groups = {r["group"]: r["n"] for r in res.rows if r["recipe"] == "baseline"}
     assert all(groups.get(kind) == 4 for kind in scenes.KINDS), groups  # every kind asked
     assert res.row("baseline", "all")["accuracy"] >= 0.9, res.rows
+
+
+def test_commands_default_to_the_checkpoints_own_task(tiny_scenes, tmp_path):
+    """Without --task a command evaluates the task the checkpoint was trained on (its trimvlm.json): a scenes
+    checkpoint is not silently scored on the grid task, whose words its tokenizer does not know."""
+    from trimvlm.loading import checkpoint_task
+    from trimvlm.testing.cli import run_cli
+
+    assert checkpoint_task("demo") == "demo"
+    assert checkpoint_task(tiny_scenes) == "scenes"
+    assert checkpoint_task(tmp_path) == "demo"  # a folder naming no task
+    assert checkpoint_task(tmp_path / "missing") == "demo"  # loading it is what reports the missing folder
+    res = run_cli("eval", "--model", tiny_scenes, "--limit", 6, "--batch-size", 6, "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["task"]["name"] == "scenes"
+    assert set(report["task"]["kinds"]) == set(scenes.KINDS)

@@ -252,6 +252,13 @@ def demo_image(
     console.print(f'[dim]e.g. trimvlm generate --model demo --image {out} --prompt "{qa[0][0]}"[/]')
 
 
+def _task(model: str, task: str | None) -> str:
+    """--task, or the checkpoint's own demo task (its trimvlm.json: `scenes` for demo-scenes) when not given."""
+    from trimvlm.loading import checkpoint_task
+
+    return task if task is not None else checkpoint_task(model)
+
+
 def _tasks_epilog() -> str:
     from trimvlm.cli_eval import task_list
 
@@ -261,7 +268,9 @@ def _tasks_epilog() -> str:
 @app.command("eval", epilog=_tasks_epilog(), rich_help_panel=MEASURE)
 def eval_(
     model: str = MODEL,
-    task: str = typer.Option("demo", help="a registered task (listed below) or PATH.jsonl"),
+    task: str | None = typer.Option(
+        None, help="a registered task (listed below) or PATH.jsonl; default: the checkpoint's own task"
+    ),
     data: str | None = typer.Option(
         None, help="a benchmark's local copy: Hugging Face parquet shards or <split>.jsonl + images"
     ),
@@ -302,7 +311,8 @@ def eval_(
         load_kw.pop("device")
     try:
         eval_command(
-            model, task, str(recipes) if recipes else None, limit, str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
+            model, _task(model, task), str(recipes) if recipes else None, limit,
+            str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
             max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
             recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
             workers=workers, console=console, threads=threads,
@@ -407,7 +417,9 @@ def train_head(
 @app.command(rich_help_panel=MEASURE)
 def tune(
     model: str = MODEL,
-    task: str = typer.Option("demo", help="a registered task with a validation split (searched) and a test split"),
+    task: str | None = typer.Option(
+        None, help="a registered task with a validation split (searched) and a test split; default: the checkpoint's own task"
+    ),
     budget: list[str] = typer.Option(
         [], help="AXIS=RATIO, repeat: total_flops | prefill_flops | kv_bytes | latency (one point per value, "
         "the product over axes)",
@@ -438,7 +450,7 @@ def tune(
     from trimvlm.cli_tune import tune_command
 
     try:
-        tune_command(model, task, budget, data=data, space=space, out=out, min_retention=min_retention,
+        tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
                      n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
                      console=console, load_kw=_load_kw(device, dtype), ray=ray, workers=workers)  # fmt: skip
     except TrimVLMError as e:
@@ -450,7 +462,9 @@ def train_router(
     model: str = MODEL,
     out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
     overwrite: bool = OVERWRITE,
-    task: str = typer.Option("demo", help="unlabeled inputs: the demo task's val split"),
+    task: str | None = typer.Option(
+        None, help="unlabeled inputs: the demo task's val split; default: the checkpoint's own task"
+    ),
     n: int = typer.Option(32, help="training inputs"),
     token_keep: float = typer.Option(0.25, help="fraction of each image's visual tokens kept"),
     layers_skip: int = typer.Option(2, help="candidate layers (the last half) skipped per input"),
@@ -479,7 +493,7 @@ def train_router(
     from trimvlm.cli_train import train_router_command
 
     try:
-        train_router_command(model=model, task=task, n=n, token_keep=token_keep, layers_skip=layers_skip,
+        train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
                              epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                              load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
                              overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width)  # fmt: skip
@@ -493,7 +507,9 @@ def refit_router(
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the refit router to (default: in place)"),
     overwrite: bool = OVERWRITE,
-    task: str = typer.Option("demo", help="unlabeled inputs: the task's first val inputs"),
+    task: str | None = typer.Option(
+        None, help="unlabeled inputs: the task's first val inputs; default: the checkpoint's own task"
+    ),
     n: int = typer.Option(512, help="inputs whose layouts are measured"),
     select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
     epochs: int = typer.Option(40),
@@ -506,7 +522,7 @@ def refit_router(
     from trimvlm.cli_train import refit_router_command
 
     try:
-        refit_router_command(router, model=model, task=task, n=n, select=select, epochs=epochs, out=out,
+        refit_router_command(router, model=model, task=_task(model, task), n=n, select=select, epochs=epochs, out=out,
                              console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite,
                              head_only=head_only)  # fmt: skip
     except TrimVLMError as e:
@@ -518,7 +534,9 @@ def calibrate_router(
     router: str = ROUTER,
     model: str = MODEL,
     overwrite: bool = OVERWRITE,
-    task: str = typer.Option("demo", help="unlabeled inputs: the task's val split after the training ones"),
+    task: str | None = typer.Option(
+        None, help="unlabeled inputs: the task's val split after the training ones; default: the checkpoint's own task"
+    ),
     n: int = typer.Option(64, help="held-out calibration inputs"),
     skip: int | None = typer.Option(None, help="val inputs to skip (default: the router's training inputs)"),
     select: str = typer.Option("router", help="selectors, comma-separated: router and/or token methods NAME@LAYER"),
@@ -530,7 +548,7 @@ def calibrate_router(
     from trimvlm.cli_train import calibrate_router_command
 
     try:
-        calibrate_router_command(router, model=model, task=task, n=n, skip=skip,
+        calibrate_router_command(router, model=model, task=_task(model, task), n=n, skip=skip,
                                  select=tuple(x.strip() for x in select.split(",") if x.strip()), console=console,
                                  load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
     except TrimVLMError as e:
@@ -545,7 +563,9 @@ def pick_router(
     budgets: str = typer.Option(..., help="total-FLOP budgets, comma-separated, e.g. 0.85,0.75,0.65"),
     select: str = typer.Option("", help="a token method NAME@LAYER tried as select= beside the router's own "
                                "scores (the tuned recipe's, e.g. dart@2), or one per budget, comma-separated"),
-    task: str = typer.Option("demo", help="validation items: the task's val split after the router's inputs"),
+    task: str | None = typer.Option(
+        None, help="validation items: the task's val split after the router's inputs; default: the checkpoint's own task"
+    ),
     n_val: int = typer.Option(96, help="validation items per variant"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -555,7 +575,7 @@ def pick_router(
     from trimvlm.cli_train import pick_router_command
 
     try:
-        pick_router_command(router, model=model, budgets=budgets, select=select or None, task=task, n_val=n_val,
+        pick_router_command(router, model=model, budgets=budgets, select=select or None, task=_task(model, task), n_val=n_val,
                             console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
@@ -564,7 +584,9 @@ def pick_router(
 @app.command(rich_help_panel=TRAIN)
 def calibrate(
     model: str = MODEL,
-    task: str = typer.Option("demo", help="task whose candidate questions calibrate (labels are not used)"),
+    task: str | None = typer.Option(
+        None, help="task whose candidate questions calibrate (labels are not used); default: the checkpoint's own task"
+    ),
     n: int = typer.Option(32, help="calibration inputs"),
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
     seed: int = typer.Option(0),
@@ -583,7 +605,7 @@ def calibrate(
     from trimvlm.cli_calibrate import calibrate_command
 
     try:
-        calibrate_command(method, model=model, task=task, n=n, readout=readout, seed=seed, json_out=json_out,
+        calibrate_command(method, model=model, task=_task(model, task), n=n, readout=readout, seed=seed, json_out=json_out,
                           console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
     except TrimVLMError as e:
         _fail(e)

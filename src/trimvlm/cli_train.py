@@ -66,7 +66,6 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     """`trimvlm calibrate-router`: measure a v2 router's held-out calibration (training/calibration.py) on `n`
     val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
     checkpoint (a shipped demo router only with `overwrite`)."""
-    import json
 
     from rich.console import Console
 
@@ -217,7 +216,7 @@ def train_head_command(
     meta. The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped
     demo checkpoint is written to only with `overwrite`."""
     import trimvlm
-    from trimvlm.loading import refuse_shipped, resolve
+    from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
     from trimvlm.progress import progress as progress_bar
 
     _check(steps, items, out)
@@ -226,7 +225,7 @@ def train_head_command(
         raise InputError(f"threads must be a positive integer, got {threads!r}")
     torch.set_num_threads(threads)
     vlm = trimvlm.load(model, **(load_kw or {}))
-    task = task if task is not None else _checkpoint_task(vlm)
+    task = task if task is not None else checkpoint_task(vlm.adapter.folder)
     mod = demo_task_module(task)
     folder = Path(out) if out is not None else vlm.adapter.folder
     if folder is None:
@@ -253,15 +252,6 @@ def train_head_command(
 
 LABELS = {"train": "train", "val": "val", "test": "test", "removed": "test, answer removed",
           "bin_train": "binary train", "bin_val": "binary val", "bin_test": "binary test"}  # fmt: skip
-
-
-def _checkpoint_task(vlm) -> str:
-    """The demo task a checkpoint was trained on (its trimvlm.json `task`), `demo` when it names none."""
-    folder = vlm.adapter.folder
-    meta = Path(folder) / "trimvlm.json" if folder is not None else None
-    if meta is not None and meta.exists():
-        return str(json.loads(meta.read_text()).get("task", "demo"))
-    return "demo"
 
 
 def _item_sets(seed: int, items: int, settings: Settings, mod) -> dict[str, list]:

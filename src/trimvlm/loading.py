@@ -33,6 +33,19 @@ def resolve(path_or_id: str | Path) -> Path:
     )
 
 
+def checkpoint_task(path_or_id: str | Path | None) -> str:
+    """The demo task a checkpoint was trained on (its trimvlm.json `task`: `demo` or `scenes`); `demo` for a
+    checkpoint that names none or cannot be found (loading it reports that)."""
+    try:
+        folder = resolve(path_or_id) if path_or_id is not None else None
+    except CheckpointError:
+        return "demo"
+    meta = folder / "trimvlm.json" if folder is not None else None
+    if meta is not None and meta.is_file():
+        return str(json.loads(meta.read_text()).get("task", "demo"))
+    return "demo"
+
+
 def refuse_shipped(folder: str | Path, overwrite: bool) -> None:
     """A command that writes into `folder` refuses when it is (or lies inside) a demo checkpoint shipped with
     trimvlm, unless `overwrite` was asked for (the CLI's --overwrite)."""
