@@ -40,12 +40,12 @@ def test_loads_through_transformers_from_pretrained(name, cls):
 def test_runner_reproduces_the_recorded_accuracy(name, cls):
     from trimvlm.evals.run import run_eval
     from trimvlm.evals.tasks import get_task
+    from trimvlm.loading import checkpoint_task
 
-    meta = json.loads((DEMO_DIR / DEMO_MODELS[name] / "trimvlm.json").read_text())
-    ref = meta["reference"]
+    ref = json.loads((DEMO_DIR / DEMO_MODELS[name] / "trimvlm.json").read_text())["reference"]
     vlm = trimvlm.load(name)
     assert vlm.adapter.visual_tokens(128, 128) >= 64
-    task = get_task(meta.get("task", "demo"), limit=ref["items"], seed=ref["seed"], split="test")
+    task = get_task(checkpoint_task(name), limit=ref["items"], seed=ref["seed"], split="test")
     res = run_eval(vlm, task, [None], limit=ref["items"], batch_size=50, seed=0, progress=False, warmup=False)
     overall = res.row("baseline", "all")["accuracy"]
     assert abs(overall - ref["overall"]) <= 0.02, (overall, ref["overall"])
