@@ -5,11 +5,12 @@ loopback, one torch thread each (`--threads`), their caches off (every request i
 
 First the fixed server's capacity is measured: `--clients` closed-loop clients for `--calibrate` seconds give
 the requests per second it holds. Then each server gets `--warmup` seconds of the load (not measured: first
-uses of kernels and plans), and Poisson arrivals at `--load` times that rate (default
-2x) for `--seconds`, in alternating slices (`--rounds`); every request is a demo test item (its image and
-question, streamed, `--max-new-tokens`), its answer graded against the item's gold answer with the demo task's
-metric. Reported per server: requests, failed, TTFT p50 / p99 (request sent -> first text chunk), end-to-end p50
-/ p99, accuracy, and for the adaptive one the recipes its answers ran (`usage.recipe`).
+uses of kernels and plans), and Poisson arrivals at `--load` times that rate (default 2x) for `--seconds`, in
+alternating slices (`--rounds`); every request is a test question of the model's task (`--task`, default the
+checkpoint's own: demo or scenes; its image and question, streamed, `--max-new-tokens`), its answer graded
+against the question's gold answer with the task's metric. Reported per server: requests, failed, TTFT p50 /
+p99 (request sent -> first text chunk), end-to-end p50 / p99, accuracy, and for the adaptive one the recipes
+its answers ran (`usage.recipe`).
 
 The clients run in this process on the same machine as the servers: on a small machine they take CPU from them.
 Times are of this machine; what holds and what does not is the result.
@@ -46,21 +47,20 @@ def _serve_load():
     return mod
 
 
-def items(n: int) -> list[dict]:
-    """n demo test questions: the request body, the gold answer, the options, the task's metric."""
-    from trimvlm.demo.task import generate_split
-    from trimvlm.evals.tasks.demo import DEMO_METRICS
+def items(task: str, n: int) -> list[dict]:
+    """n test questions of `task` (a generated demo task: demo or scenes): the request body, the gold answer, the
+    options, the task's metric."""
+    from trimvlm.evals.tasks.base import get_task
 
     out = []
-    for s in generate_split("test", n, seed=0):
+    for r in get_task(task, limit=n).records:
         buf = io.BytesIO()
-        s.image.save(buf, format="PNG")
+        r.images[0].save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        for qa in s.qas:
-            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": qa.question}]
-            out.append({"messages": [{"role": "user", "content": content}], "gold": qa.answer,
-                        "options": qa.options, "metric": DEMO_METRICS[qa.kind]})  # fmt: skip
-    return out[:n]
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": r.prompt_text()}]
+        out.append({"messages": [{"role": "user", "content": content}], "gold": r.answers[0], "options": r.options,
+                    "metric": r.metric})  # fmt: skip
+    return out
 
 
 async def one(c, item: dict, max_tokens: int) -> dict:
@@ -132,6 +132,7 @@ def summarize(name: str, results: list[dict], pct) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--task", default=None, help="the test questions (default: the checkpoint's own task)")
     ap.add_argument("--tuned", default=str(ROOT / "docs" / "results" / "tune-demo"))
     ap.add_argument("--slo-ttft-ms", type=float, default=300.0)
     ap.add_argument("--recipe", default="", help="the fixed server's recipe (default: the baseline)")
@@ -141,7 +142,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of arrivals per slice")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of arrivals per server before measuring")
     ap.add_argument("--rounds", type=int, default=1, help="alternating slices per server")
-    ap.add_argument("--items", type=int, default=60, help="demo test questions the requests cycle through")
+    ap.add_argument("--items", type=int, default=60, help="test questions the requests cycle through")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server")
@@ -153,7 +154,9 @@ def main(argv=None):
         args.calibrate, args.seconds, args.warmup, args.items, args.clients, args.max_new_tokens = 1.0, 1.0, 0.5, 12, 2, 6
     sl = _serve_load()
     args.max_wait_ms = 10.0
-    pool = items(args.items)
+    from trimvlm.loading import checkpoint_task
+
+    pool = items(args.task or checkpoint_task(args.model), args.items)
     off = ("--prefix-cache-mb", "0", "--vision-cache-mb", "0", "--request-cache-mb", "0")  # every prompt new
     fixed = sl.Server(args, args.max_batch, ("--recipe", args.recipe, *off))
     adaptive = None

@@ -194,3 +194,33 @@ def test_a_moved_tune_folder_finds_its_ranking_files(tmp_path):
     got = parse_recipe(str(tmp_path / "best.yaml"))
     assert got.depth.options["file"] == str(tmp_path / "rankings" / "block-influence.json")
     assert got.tokens.options == {"keep": 0.5, "layer": 2}
+
+
+def test_budgets_are_judged_on_all_the_validation_items(tmp_path, one_thread):
+    """With images of several sizes (demo-scenes) a round's few items cost differently from all of them: the keep
+    is bisected on all the validation items, and a measured ratio is projected to them (its own offset kept)."""
+    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.tune.journal import Journal, local_evaluator
+    from trimvlm.tune.space import Family
+
+    vlm = trimvlm.load("demo-scenes")
+    val = get_task("scenes", limit=12, seed=0, split="val", progress=False)
+    journal = Journal(vlm, val, tmp_path, batch_size=6, fingerprint="fp", evaluate=local_evaluator(vlm))
+    s = search.Search(vlm, val, load_space(None, rankings=tmp_path), journal, Settings(start=4, batch_size=6))
+    rounds = search.round_items(12, 4, 3, 0)
+    s.full = rounds[-1]
+    fam = Family("density_l0", {"tokens": "density:keep={keep}:layer=0"}, free=True)
+    few = s.predicted(fam.recipe(0.25), rounds[0])["prefill_flops"]
+    full = s.predicted(fam.recipe(0.25), rounds[-1])["prefill_flops"]
+    assert abs(few - full) > 0.005  # the item sets cost differently (else this test shows nothing)
+    point = {"prefill_flops": full}
+    cand = search.Candidate(fam)
+    cand.keep = s.bisect(cand, point, rounds[0])
+    on_all = s.predicted(fam.recipe(cand.keep), rounds[-1])["prefill_flops"]
+    assert on_all <= full + 1e-12 and cand.keep == pytest.approx(0.25, abs=0.01)  # the keep that meets it on all
+    cand.row = journal.run([cand.recipe], rounds[0])[cand.spec]
+    measured = cand.row["ratio"]["prefill_flops"]
+    assert measured == pytest.approx(s.predicted(cand.recipe, rounds[0])["prefill_flops"], rel=1e-9)
+    assert s.projected(cand, rounds[0])["prefill_flops"] == pytest.approx(on_all, rel=1e-9)
+    cand.row = journal.run([cand.recipe], rounds[-1])[cand.spec]
+    assert s.projected(cand, rounds[-1]) == cand.row["ratio"]  # the last round's items are all of them

@@ -3,15 +3,20 @@
 For every budget point (`tune.budgets`) and every family of the space (`tune.space`):
 1. **Prediction first.** The family's token `keep` is bisected on the predicted costs (`tune.predict`: prefill
    FLOPs and KV bytes are exact from the shapes; total FLOPs are predicted as the prefill plus the baseline's
-   decode): the largest keep in [low, high] whose predicted ratios meet the budget. A family that is over budget
-   on those even at the lowest keep, or a fixed family over budget, is skipped before it runs.
+   decode) over all the validation items: the largest keep in [low, high] whose predicted ratios meet the
+   budget. A family that is over budget on those even at the lowest keep, or a fixed family over budget, is
+   skipped before it runs. The budget is a ratio over all the validation items, not over a round's: with
+   images of several sizes a few items' cost mix (how much of it the vision tower is, how much padding a batch
+   has) can differ from all of them by several points, and a keep bisected on them would under- or overspend.
    With a beam (the space's `beam: B`), round 0 runs the one-axis families first, and the joint families
    (tokens+kv, tokens+depth) are formed with the B best token families of that round only.
 2. **Successive halving.** Round r runs the surviving candidates on the first n_r items of a seeded permutation
    of the validation items (n_0 = `start`, then x `eta` up to all of them), in one interleaved `run_eval`
-   call with the baseline. A candidate whose measured ratio is over the budget (beyond `tol`) gets its keep
-   re-bisected with the measured offset (measured - predicted; latency: scaled by budget / measured) and runs
-   again, at most `corrections` times; then it is dropped. The best 1 / eta (by validation accuracy, then
+   call with the baseline. Its measured ratio on a predicted axis is projected to all the validation items
+   (measured - predicted on the round's items, the recipe's own offset such as its method FLOPs, plus the
+   prediction on all of them; equal to the measurement in the last round, which runs them all). A candidate
+   whose ratio is over the budget (beyond `tol`) gets its keep re-bisected with the measured offset (latency:
+   scaled by budget / measured) and runs again, at most `corrections` times; then it is dropped. The best 1 / eta (by validation accuracy, then
    mismatch, then total FLOPs) go on to the next round. The last round's ranking gives the point's best.
 3. **Frontier.** Every candidate that reached the last round of some point, with the baseline, is a point of
    (cost ratio, validation accuracy); the non-dominated ones for each of total FLOPs, KV bytes and latency are
@@ -76,6 +81,7 @@ class Search:
         self.skipped: list[dict] = []  # (point, family, why): never run
         self.dropped: list[dict] = []  # (point, family, why): run, then left out (measured over budget)
         self.considered = 0
+        self.full: list[int] | None = None  # all the validation items: the budget's item set (set by `point`)
         self.left_out = 0  # joint families the beam did not form (considered, never run)
 
     def shapes(self, idx):
@@ -126,8 +132,10 @@ class Search:
         return any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
 
     def bisect(self, cand: Candidate, point: dict, idx) -> float | None:
-        """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point."""
+        """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point, on all
+        the validation items (`idx` where they are not known)."""
         fam, lo, hi = cand.family, self.space.keep_low, self.space.keep_high
+        idx = self.full or idx
         if self.over(self.predicted(fam.recipe(lo), idx), point, cand.offset):
             return None
         if self.predicted(fam.recipe(hi), idx) is None:  # a router, candidate items: measured only
@@ -159,7 +167,8 @@ class Search:
                     cand.keep = self.bisect(cand, point, idx)
                     why = None if cand.keep is not None else f"over budget at keep {self.space.keep_low} (predicted)"
                 else:
-                    why = "over budget (predicted)" if self.over(self.predicted(fam.recipe(), idx), point, {}) else None
+                    over = self.over(self.predicted(fam.recipe(), self.full or idx), point, {})
+                    why = "over budget (predicted)" if over else None
             except TrimVLMError as e:  # e.g. a layer this model cannot reduce at
                 why = f"refused by the model: {e}"
             if why:
@@ -169,11 +178,12 @@ class Search:
         return out
 
     def recheck(self, cands: list[Candidate], point: dict, idx) -> list[Candidate]:
-        """Before a round runs on new items: a candidate predicted over budget on them gets a lower keep, or is
-        skipped (the search never runs a recipe over a predicted budget)."""
+        """Before a round runs: a candidate predicted over budget on all the validation items (with the offsets
+        measured since its keep was set) gets a lower keep, or is skipped (the search never runs a recipe over a
+        predicted budget)."""
         out = []
         for c in cands:
-            if self.over(self.predicted(c.recipe, idx), point, c.offset):
+            if self.over(self.predicted(c.recipe, self.full or idx), point, c.offset):
                 keep = self.bisect(c, point, idx) if c.family.free else None
                 if keep is None:
                     self.skipped.append({"budget": label(point), "family": c.family.name,
@@ -193,7 +203,7 @@ class Search:
             again = []
             for c in pending:
                 c.row = rows[c.spec]
-                if fits(c.row["ratio"], point, self.s.tol):
+                if fits(self.projected(c, idx), point, self.s.tol):
                     done.append(c)
                 elif c.family.free and attempt < self.s.corrections and self._correct(c, point, idx):
                     again.append(c)
@@ -202,6 +212,21 @@ class Search:
                                          "why": f"measured over budget at keep {c.keep}"})  # fmt: skip
             pending = again
         return done
+
+    def projected(self, c: Candidate, idx) -> dict:
+        """The candidate's measured ratios on `idx`, each predicted axis projected to all the validation items:
+        measured - predicted(idx) + predicted(all); the measurement itself where idx is all of them or the axis
+        is not predicted (latency, a router)."""
+        ratio = dict(c.row["ratio"])
+        if self.full is None or sorted(idx) == sorted(self.full):
+            return ratio
+        here, full = self.predicted(c.recipe, idx), self.predicted(c.recipe, self.full)
+        if here is None or full is None:
+            return ratio
+        for a in here:
+            if ratio.get(RESULT_KEY[a]) is not None:
+                ratio[RESULT_KEY[a]] += full[a] - here[a]
+        return ratio
 
     def _correct(self, c: Candidate, point: dict, idx) -> bool:
         """A lower keep for a candidate measured over budget (False: none is left)."""
@@ -229,6 +254,7 @@ class Search:
         """The candidates of the last round, best first. With a beam, round 0 runs the one-axis families first
         and the joint families are formed with the `beam` best token families only."""
         fams, beam = self.space.families(), self.space.beam
+        self.full = rounds[-1]
         first = [f for f in fams if len(f.parts) == 1] if beam else fams
         cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
