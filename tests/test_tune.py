@@ -177,6 +177,12 @@ def test_cli_tune_writes_the_folder(space, tmp_path, one_thread):
     assert res.exit_code == 0, res.output
     for name in ("tune.json", "best.yaml", "best-total_flops-0.75.yaml", "frontier.md", "frontier.png"):
         assert (out / name).exists(), name
+    (out / "best-total_flops-0.5.yaml").write_text("{}")  # an earlier search's files in the same folder
+    (out / "recipes" / "99.yaml").write_text("{}")
+    again = CliRunner().invoke(app, args)  # the same search again (its journal: nothing runs twice)
+    assert again.exit_code == 0, again.output
+    assert not (out / "best-total_flops-0.5.yaml").exists() and not (out / "recipes" / "99.yaml").exists()
+    assert (out / "best-total_flops-0.75.yaml").exists()
     bad = CliRunner().invoke(app, [*args[:3], "--budget", "latency=2", "--out", str(out)])
     assert bad.exit_code == 2 and "(0, 1]" in bad.output
 

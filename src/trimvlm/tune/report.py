@@ -56,6 +56,9 @@ def write_report(rep: dict, out: str | Path) -> list[Path]:
         written.append(path)
     (out / "frontier.md").write_text(markdown(rep))
     written += [out / "best.yaml", out / "frontier.md", plot(rep, out / "frontier.png")]
+    for stale in [*out.glob(best_file("*")), *folder.glob("[0-9][0-9].yaml")]:  # an earlier search's, in this folder
+        if stale not in written:
+            stale.unlink()
     return written
 
 
