@@ -1,4 +1,4 @@
-"""Issue 22's table: at each total-FLOP budget, the best tuned static recipe (`trimvlm tune`) against FastV
+"""The budget table: at each total-FLOP budget, the best tuned static recipe (`trimvlm tune`) against FastV
 alone, the best naive FastV + ranker and the meta-router, all in one interleaved `trimvlm eval` on the test split.
 
 Inputs: a tune folder (`--tuned runs/tune-demo`: its best recipe per budget) and a matched-budget recipes file
@@ -78,10 +78,11 @@ def table(res, cells) -> tuple[list[dict], str]:
             best = max(names, key=lambda n: (res.row(n)["accuracy"], -res.row(n)["mismatch_pct"]))
             r = res.row(best)
             mm = [res.row(best, p)["mismatch_pct"] for p in probes]
-            row[col] = {"recipe": best, "accuracy": r["accuracy"], "mismatch_pct": dict(zip(probes, mm, strict=True)),
-                        "total_flops": r["ratio"]["total_flops"]}  # fmt: skip
-            spec = ",".join(f"{a}={getattr(res.recipes[res.labels.index(best)], a)}" for a in ("tokens", "depth", "router")
-                            if getattr(res.recipes[res.labels.index(best)], a) is not None)  # fmt: skip
+            ran = res.recipes[res.labels.index(best)]
+            spec = ",".join(f"{a}={getattr(ran, a)}" for a in ("tokens", "kv", "depth", "router")
+                            if getattr(ran, a) is not None)  # fmt: skip
+            row[col] = {"recipe": best, "spec": spec, "accuracy": r["accuracy"], "total_flops": r["ratio"]["total_flops"],
+                        "mismatch_pct": dict(zip(probes, mm, strict=True))}  # fmt: skip
             out.append(f"{100 * r['accuracy']:.1f}% ({' / '.join(f'{x:.1f}' for x in mm)}; "
                        f"{r['ratio']['total_flops']:.3f}x) `{spec}`")  # fmt: skip
         rows.append(row)

@@ -56,5 +56,5 @@ step 7 && $BIN/trimvlm pick-router demo-scenes --model demo-scenes --task scenes
 step 8 && $BIN/python benchmarks/depth_budget.py --model demo-scenes --task scenes --budgets 0.75:1,0.6:2,0.45:3 \
     --router demo-scenes --rankings "$R/rank-scenes-{method}.json" --out benchmarks/recipes/budget-matched-scenes.yaml
 step 8 && $BIN/python benchmarks/budget_table.py --model demo-scenes --task scenes --tuned $R/tune-scenes \
-    --matched benchmarks/recipes/budget-matched-scenes.yaml --limit 600 --json $R/budget-scenes.json \
+    --matched benchmarks/recipes/budget-matched-scenes.yaml --limit 600 --threads "$THREADS" --json $R/budget-scenes.json \
     --markdown $R/budget-scenes.md

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import importlib.util
-import io
 import json
 import random
 import time
@@ -52,11 +50,9 @@ def items(task: str, n: int) -> list[dict]:
     options, the task's metric."""
     from trimvlm.evals.tasks.base import get_task
 
-    out = []
+    png_b64, out = _serve_load().png_b64, []
     for r in get_task(task, limit=n).records:
-        buf = io.BytesIO()
-        r.images[0].save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        url = "data:image/png;base64," + png_b64(r.images[0])
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": r.prompt_text()}]
         out.append({"messages": [{"role": "user", "content": content}], "gold": r.answers[0], "options": r.options,
                     "metric": r.metric})  # fmt: skip

@@ -2,8 +2,10 @@
 its caches off, so a repeated prompt is prefilled again as a new one would be).
 
 `--clients` closed-loop clients each ask, again and again, for `--n` sampled answers (temperature 1) to one
-question about one image: either as one request with `n` (the choices branch off one prefill, the prompt's KV
-shared), or as `n` separate requests sent at once (seeds s .. s + n - 1: the same draws). The two ways
+question about one image (`--task`, default the checkpoint's own: the demo task's scenes asked "describe ?",
+demo-scenes' images asked to read their text): either as one request with `n` (the choices branch off one
+prefill, the prompt's KV shared), or as `n` separate requests sent at once (seeds s .. s + n - 1: the same
+draws). The two ways
 alternate in `--rounds` slices of `--seconds`. Reported per way: choices per second, completion tokens per
 second, p50 / p99 latency of a unit (the n answers), the prefill and vision FLOPs per choice (the servers'
 `usage`), failed requests; and the ratios: throughput n / separate, prefill FLOPs n / separate.
@@ -37,10 +39,21 @@ def _serve_load():
     return mod
 
 
-async def unit(c, way: str, n: int, image: str, seed: int, max_tokens: int) -> dict:
+def prompts(sl, task: str, n: int) -> list[tuple[str, str]]:
+    """n (base64 PNG image, question) pairs: the demo task's scenes asked "describe ?" (the longest answers), or
+    another generated task's test questions with full answers (demo-scenes: reading its text)."""
+    if task == "demo":
+        return [(im, "describe ?") for im in sl.images(n, 128)]
+    from trimvlm.evals.tasks.base import get_task
+
+    return [(sl.png_b64(r.images[0]), r.prompt_text()) for r in get_task(task).records if r.probe == "full"][:n]
+
+
+async def unit(c, way: str, n: int, prompt: tuple[str, str], seed: int, max_tokens: int) -> dict:
     """One unit of work: n answers, as one request with n or as n requests at once."""
+    image, question = prompt
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},
-               {"type": "text", "text": "describe ?"}]  # fmt: skip
+               {"type": "text", "text": question}]  # fmt: skip
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 1.0}
     t0 = time.perf_counter()
     if way == "n":
@@ -56,7 +69,7 @@ async def unit(c, way: str, n: int, image: str, seed: int, max_tokens: int) -> d
     }  # fmt: skip
 
 
-async def slice_(url: str, way: str, args, pool: list[str], seconds: float) -> list[dict]:
+async def slice_(url: str, way: str, args, pool: list[tuple[str, str]], seconds: float) -> list[dict]:
     import httpx
 
     done, stop = [], time.perf_counter() + seconds
@@ -90,6 +103,7 @@ def summarize(way: str, units: list[dict], seconds: float) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--task", default=None, help="the questions (default: the checkpoint's own task)")
     ap.add_argument("--n", type=int, default=8, help="answers per unit")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per slice")
@@ -105,7 +119,10 @@ def main(argv=None):
         args.n, args.clients, args.seconds, args.rounds, args.max_new_tokens, args.images = 3, 1, 0.5, 1, 6, 2
     sl = _serve_load()
     args.max_wait_ms = 10.0
-    pool = sl.images(args.images, 128)
+    from trimvlm.loading import checkpoint_task
+
+    args.task = args.task or checkpoint_task(args.model)
+    pool = prompts(sl, args.task, args.images)
     server = sl.Server(args, 64, ("--prefix-cache-mb", "0", "--vision-cache-mb", "0", "--request-cache-mb", "0"))
     try:
         units, spent = {"n": [], "separate": []}, {"n": 0.0, "separate": 0.0}
@@ -121,7 +138,8 @@ def main(argv=None):
     rows = [summarize(way, units[way], spent[way]) for way in ("n", "separate")]
     a, b = rows
     out = {
-        "model": args.model, "n": args.n, "clients": args.clients, "threads": args.threads, "rows": rows,
+        "model": args.model, "task": args.task, "n": args.n, "clients": args.clients, "threads": args.threads,
+        "rows": rows,
         "failed": a["failed"] + b["failed"],
         "throughput_ratio": a["choices_per_s"] / b["choices_per_s"] if b["choices_per_s"] else None,
         "prefill_flops_ratio": (a["prefill_flops_per_choice"] / b["prefill_flops_per_choice"]

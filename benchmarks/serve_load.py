@@ -67,6 +67,13 @@ PROMPTS = {
 }
 
 
+def png_b64(image) -> str:
+    """A PIL image as base64 PNG (a data URL's payload)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def images(n: int, size: int) -> list[str]:
     """n demo scenes as base64 PNG."""
     from trimvlm.demo.task import make_scene, render
@@ -74,11 +81,7 @@ def images(n: int, size: int) -> list[str]:
     out = []
     for seed in range(n):
         im = render(make_scene(np.random.default_rng(1000 + seed)))
-        if size != im.size[0]:
-            im = im.resize((size, size))
-        buf = io.BytesIO()
-        im.save(buf, format="PNG")
-        out.append(base64.b64encode(buf.getvalue()).decode())
+        out.append(png_b64(im if size == im.size[0] else im.resize((size, size))))
     return out
 
 

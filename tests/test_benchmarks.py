@@ -319,6 +319,7 @@ def test_budget_table(tmp_path):
     for col in ("tuned", "fastv", "naive"):
         assert 0 <= row[col]["accuracy"] <= 1 and finite_positive(row[col]["total_flops"])
     assert row["tuned"]["total_flops"] <= 0.75 + 0.05
+    assert row["fastv"]["spec"].startswith("tokens=fastv:") and "depth=" in row["naive"]["spec"]  # what ran
 
 
 def test_recurrent_branch(tmp_path):

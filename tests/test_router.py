@@ -249,9 +249,10 @@ def test_shipped_routers_load_by_demo_name_and_refuse_the_other_model():
     from trimvlm.router.model import load_router
 
     vlm = trimvlm.load("demo")
-    for name in ("demo", "demo-qwen35"):
+    for name in ("demo", "demo-qwen35", "demo-scenes"):
         _, meta = load_router(name)
         assert meta["epochs_done"] >= 1 and meta["log"]["epochs"][-1]["dpo_loss"] < math.log(2) - 0.05
+    assert load_router("demo-scenes")[1]["fingerprint"] == model_fingerprint(trimvlm.load("demo-scenes").adapter)
     assert load_router("demo")[1]["fingerprint"] == model_fingerprint(vlm.adapter)
     from trimvlm.testing import random_image
 

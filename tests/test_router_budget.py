@@ -246,7 +246,8 @@ def test_plain_recipe_runs_the_recorded_variant_and_the_nearest_elsewhere(traine
 def test_shipped_routers_record_their_variants():
     from trimvlm.router.model import load_router
 
-    for name in ("demo", "demo-qwen35"):
+    for name, budgets in [("demo", [0.65, 0.75, 0.85]), ("demo-qwen35", [0.65, 0.75, 0.85]),
+                          ("demo-scenes", [0.45, 0.6, 0.75])]:  # fmt: skip
         variants = load_router(name)[1]["budget"].get("variants", [])
-        assert sorted(v["budget"] for v in variants) == [0.65, 0.75, 0.85], name
+        assert sorted(v["budget"] for v in variants) == budgets, name
         assert all(v["val_items"] >= 96 and v["recipe"].startswith("router=") for v in variants)
