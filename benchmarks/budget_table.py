@@ -78,9 +78,7 @@ def table(res, cells) -> tuple[list[dict], str]:
             best = max(names, key=lambda n: (res.row(n)["accuracy"], -res.row(n)["mismatch_pct"]))
             r = res.row(best)
             mm = [res.row(best, p)["mismatch_pct"] for p in probes]
-            ran = res.recipes[res.labels.index(best)]
-            spec = ",".join(f"{a}={getattr(ran, a)}" for a in ("tokens", "kv", "depth", "router")
-                            if getattr(ran, a) is not None)  # fmt: skip
+            spec = res.recipes[res.labels.index(best)].model_copy(update={"name": ""}).label()  # every axis that ran
             row[col] = {"recipe": best, "spec": spec, "accuracy": r["accuracy"], "total_flops": r["ratio"]["total_flops"],
                         "mismatch_pct": dict(zip(probes, mm, strict=True))}  # fmt: skip
             out.append(f"{100 * r['accuracy']:.1f}% ({' / '.join(f'{x:.1f}' for x in mm)}; "

@@ -5,10 +5,10 @@ its caches off, so a repeated prompt is prefilled again as a new one would be).
 question about one image (`--task`, default the checkpoint's own: the demo task's scenes asked "describe ?",
 demo-scenes' images asked to read their text): either as one request with `n` (the choices branch off one
 prefill, the prompt's KV shared), or as `n` separate requests sent at once (seeds s .. s + n - 1: the same
-draws). The two ways
-alternate in `--rounds` slices of `--seconds`. Reported per way: choices per second, completion tokens per
-second, p50 / p99 latency of a unit (the n answers), the prefill and vision FLOPs per choice (the servers'
-`usage`), failed requests; and the ratios: throughput n / separate, prefill FLOPs n / separate.
+draws). The two ways alternate in `--rounds` slices of `--seconds`. Reported per way: choices per second,
+completion tokens per second, p50 / p99 latency of a unit (the n answers), the prefill and vision FLOPs per
+choice (the servers' `usage`), failed requests; and the ratios: throughput n / separate, prefill FLOPs n /
+separate.
 
 The clients run in this process on the same machine as the server: on a small machine they take CPU from it.
 Times are of this machine; the ratios are the result.

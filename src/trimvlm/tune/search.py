@@ -135,7 +135,7 @@ class Search:
         """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point, on all
         the validation items (`idx` where they are not known)."""
         fam, lo, hi = cand.family, self.space.keep_low, self.space.keep_high
-        idx = self.full or idx
+        idx = self.budget_items(idx)
         if self.over(self.predicted(fam.recipe(lo), idx), point, cand.offset):
             return None
         if self.predicted(fam.recipe(hi), idx) is None:  # a router, candidate items: measured only
@@ -167,7 +167,7 @@ class Search:
                     cand.keep = self.bisect(cand, point, idx)
                     why = None if cand.keep is not None else f"over budget at keep {self.space.keep_low} (predicted)"
                 else:
-                    over = self.over(self.predicted(fam.recipe(), self.full or idx), point, {})
+                    over = self.over(self.predicted(fam.recipe(), self.budget_items(idx)), point, {})
                     why = "over budget (predicted)" if over else None
             except TrimVLMError as e:  # e.g. a layer this model cannot reduce at
                 why = f"refused by the model: {e}"
@@ -183,7 +183,7 @@ class Search:
         predicted budget)."""
         out = []
         for c in cands:
-            if self.over(self.predicted(c.recipe, self.full or idx), point, c.offset):
+            if self.over(self.predicted(c.recipe, self.budget_items(idx)), point, c.offset):
                 keep = self.bisect(c, point, idx) if c.family.free else None
                 if keep is None:
                     self.skipped.append({"budget": label(point), "family": c.family.name,
@@ -213,14 +213,18 @@ class Search:
             pending = again
         return done
 
+    def budget_items(self, idx) -> list[int]:
+        """The items a budget is judged on: all the validation items (`idx`, a round's, before `point` says)."""
+        return self.full or idx
+
     def projected(self, c: Candidate, idx) -> dict:
         """The candidate's measured ratios on `idx`, each predicted axis projected to all the validation items:
         measured - predicted(idx) + predicted(all); the measurement itself where idx is all of them or the axis
         is not predicted (latency, a router)."""
-        ratio = dict(c.row["ratio"])
-        if self.full is None or sorted(idx) == sorted(self.full):
+        ratio, full_idx = dict(c.row["ratio"]), self.budget_items(idx)
+        if idx == full_idx:  # the last round: its items are all of them (the rounds are prefixes of one order)
             return ratio
-        here, full = self.predicted(c.recipe, idx), self.predicted(c.recipe, self.full)
+        here, full = self.predicted(c.recipe, idx), self.predicted(c.recipe, full_idx)
         if here is None or full is None:
             return ratio
         for a in here:
