@@ -94,17 +94,31 @@ def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
     assert a[0].tolist() == b[0].tolist() == [[0]]
 
 
-def test_farthest_point_growing_refills_compiled_equals_fallback_and_the_formula():
-    """From LARGE_K picks on the refills grow with what the last one served: a ragged batch (one unit past
-    LARGE_K, one below), compiled == fallback with the same FLOPs, and the picks are the formula's."""
-    from trimvlm.kernels.farthest import LARGE_K
+def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(monkeypatch):
+    """Refills of the picks the look-ahead is certain of, over several blocks in a ragged batch (one unit past
+    three blocks of picks, one below one): compiled == fallback with the same FLOPs, the picks are the
+    formula's, and only the first refill (before any distance is known) computes rows that go unused."""
+    from trimvlm.kernels import farthest
 
-    sizes = [LARGE_K + 150, 300]
+    sizes = [4 * farthest.BLOCK + 40, 300]
     x, mask, tilt = units(sizes, 8, seed=21, dtype=torch.float64)
     xn = F.normalize(x, dim=-1, eps=1e-12)
-    k = torch.tensor([LARGE_K + 20, 90])
+    k = torch.tensor([3 * farthest.BLOCK + 20, 90])
+    rows = []  # rows of every distance product against all N tokens, per unit
+    real_bmm = farthest.bmm
+
+    def counted(a, b, **kw):
+        if b.shape[-1] == x.shape[1]:
+            rows.append(a.shape[0] * a.shape[1])
+        return real_bmm(a, b, **kw)
+
+    monkeypatch.setattr(farthest, "bmm", counted)
     (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    half = len(rows) // 2  # the compiled run's products, then the fallback's
+    assert rows[:half] == rows[half:]
+    assert rows[0] == 2 * farthest.BLOCK  # the first refill: a block of guesses for both units
+    assert sum(rows[1:half]) <= int(k.sum()) - 2  # the others: certain picks only (each unit's first was served)
     for u, n in enumerate(sizes):
         dist = 1.0 - xn[u, :n] @ xn[u, :n].T
         ref = [int(tilt[u, :n].argmax())]
@@ -194,8 +208,8 @@ def test_two_threads_give_the_one_thread_picks(monkeypatch):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_density_windows_equal_the_box_sum_to_rounding(shape, window, masked, dtype):
-    """Spatial density's fused windows (kernels.windows) against the torch box sum: rho to rounding, 0 off the
-    mask, 1 without neighbours, the same method FLOPs."""
+    """Spatial density's fused windows (kernels.windows) against the torch box sum and dot: rho to rounding, 0
+    off the mask, 1 without neighbours, the same method FLOPs."""
     from trimvlm.kernels.density import spatial_density
 
     g = torch.Generator().manual_seed(sum(shape) + window)

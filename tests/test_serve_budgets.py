@@ -6,11 +6,12 @@ wins. The engine's prefills and steps feed the prediction."""
 
 import json
 
-import httpx
 import pytest
 from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
+
+import httpx  # noqa: E402
 
 from trimvlm.errors import InputError  # noqa: E402
 from trimvlm.serve.budgets import LoadBudget, Rung, ladder  # noqa: E402

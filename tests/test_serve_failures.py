@@ -4,11 +4,12 @@ drain in time answers the requests still running and waiting (503), and a reques
 
 import threading
 
-import httpx
 import pytest
 from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+
+import httpx  # noqa: E402
 
 from trimvlm.serve.state import ServerState  # noqa: E402
 

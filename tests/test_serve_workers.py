@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 
-import httpx
 import pytest
 from conftest import free_port, live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+
+import httpx  # noqa: E402
 
 from trimvlm.serve.ipc import bridge  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402

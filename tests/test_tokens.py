@@ -206,11 +206,12 @@ def test_farthest_point_order_matches_slow_reference(beta, block):
 
 
 def test_farthest_point_default_block_with_many_picks_matches_reference():
-    """From LARGE_K picks on the default block is the larger one: the picks and nearest picks stay the formula's."""
+    """Picks over several default blocks (each refill the picks the look-ahead is certain of): the picks and
+    nearest picks stay the formula's."""
     from trimvlm.kernels import density
 
     gen = torch.Generator().manual_seed(11)
-    n, k = 520, density.LARGE_K + 10
+    n, k = 520, 3 * density.BLOCK + 10
     x = torch.randn(1, n, 8, dtype=torch.float64, generator=gen)
     rt = masked_minmax(torch.rand(1, n, dtype=torch.float64, generator=gen), torch.ones(1, n, dtype=torch.bool))
     xn = F.normalize(x, dim=-1, eps=1e-12)

@@ -4,14 +4,18 @@ spatial density rho on a patch grid, its normalisations, DivPrune's most isolate
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from trimvlm.kernels import jit
-from trimvlm.kernels.farthest import BLOCK, BLOCK_LARGE, LARGE_K, farthest_point
+from trimvlm.kernels.farthest import BLOCK, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
+from trimvlm.kernels.flops import count as count_flops
 
-__all__ = ["BLOCK", "BLOCK_LARGE", "LARGE_K", "farthest_point", "masked_minmax", "most_isolated",
+__all__ = ["BLOCK", "farthest_point", "masked_minmax", "most_isolated",
            "normalize_density", "spatial_density"]  # fmt: skip
 
 
@@ -68,10 +72,10 @@ def spatial_density(
     m = None
     if mask is not None:
         m = mask.reshape(b, h, w).to(device=x.device, dtype=dt)
-    if jit.compiled(xn, cpu=True):  # the window sums in one pass per grid (kernels.windows)
-        from trimvlm.kernels.windows import neighbour_sums  # imports numba: on first use, not with trimvlm
-
-        acc, count = neighbour_sums(xn, None if mask is None else mask.reshape(b, h, w).bool().cpu(), window)
+    if jit.compiled(xn, cpu=True):  # the window sums and dots in one pass per grid (kernels.windows)
+        valid = xn.new_ones(b, h, w, dtype=torch.bool) if mask is None else mask.reshape(b, h, w).bool().cpu()
+        count_flops(2 * b * h * w * xn.shape[-1])  # the dot products, as `rowdot` counts them
+        sim, count = _window_dots(xn, valid, window)
     else:
         if m is not None:
             xn = xn * m[..., None]
@@ -83,7 +87,7 @@ def spatial_density(
         ones = m if m is not None else xn.new_ones(b, h, w)
         acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
         count = _box_sum(ones[:, None], window)[:, 0] - ones
-    sim = rowdot(xn, acc)  # counted as method FLOPs: 2 * N * d
+        sim = rowdot(xn, acc)  # counted as method FLOPs: 2 * N * d
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:
         rho = rho * m
@@ -136,3 +140,22 @@ def most_isolated(xn: torch.Tensor, mask: torch.Tensor, block: int = 256) -> tor
     lonely = torch.isinf(nearest) & mask  # a token with no other token in its row
     score = torch.where(lonely, torch.zeros_like(nearest), nearest).masked_fill(~mask, float("-inf"))
     return score.argmax(1)
+
+
+@torch.library.custom_op("trimvlm::window_dots", mutates_args=())
+def _window_dots(xn: torch.Tensor, valid: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled windows (`kernels.windows.neighbour_dots`) as a torch op, which torch's FlopCounterMode counts
+    as 2 * N * d (the dots; the sums are element-wise work), as `rowdot` on the torch path."""
+    from trimvlm.kernels.windows import neighbour_dots  # imports numba: on first use, not with trimvlm
+
+    return neighbour_dots(xn, valid, window)
+
+
+@_window_dots.register_fake
+def _(xn, valid, window):
+    return xn.new_empty(xn.shape[:-1]), xn.new_empty(xn.shape[:-1])
+
+
+@register_flop_formula(torch.ops.trimvlm.window_dots)
+def _window_dots_flops(xn_shape, *_, out_shape=None, **__) -> int:
+    return 2 * math.prod(xn_shape)

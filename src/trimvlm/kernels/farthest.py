@@ -13,14 +13,11 @@ from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.threads import for_units
 
-# farthest point's rows per product: 64, and 128 from 400 picks on (one thread, interleaved, the same picks: at
-# N = 4096, K = 820, d = 1024 the loop took 141-172 against 171-202 ms; at N = 1024, K = 205 / 102, 64 is fastest)
-BLOCK, BLOCK_LARGE, LARGE_K = 64, 128, 400
-# from LARGE_K picks on (the default block), a unit's refill computes twice the rows its last refill served, at
-# least GROW_MIN and GROW_FROM at first, up to the block: fewer rows the predictions got wrong (at K = 461 / 820,
-# d = 1024 and 2048: 2.5 -> 2.2x and 2.0 -> 1.9x the roofline product, CPU time on one thread; below LARGE_K the
-# smaller products cost more than the rows they save)
-GROW_FROM, GROW_MIN = 64, 32
+# farthest point's rows per product at most, and its look-ahead pool: N / 4 candidates within these bounds (one
+# thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5: a pool of 128-256 is
+# 3-10% of the rows' work per refill and predicts 15-140 picks; 64 rows per product cost 1.25x a row of the
+# whole product at N = 1024, 128 rows 1.1x)
+BLOCK, POOL_MIN, POOL_MAX = 128, 128, 256
 
 
 def farthest_point(
@@ -42,26 +39,26 @@ def farthest_point(
     (beta * rho~); first [U] the first pick. Ties go to the lowest index.
 
     Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
-    floor. The rows are computed `block` at a time as one [block, d] x [d, N] product (a compute-bound matrix
-    product instead of a memory-bound matrix-vector product per pick), for the picks the rule is predicted to
-    make next: the rule is run ahead on the `pool` (default 2 x block) best current candidates, with their
-    [pool, pool] distances (`_predict`; `block` default: BLOCK, or BLOCK_LARGE from LARGE_K picks). A unit
-    whose pick is not among its cached rows refills (only that unit). The prediction only chooses which rows
-    to compute: every pick is still the exact argmax of the exact current scores over all N tokens, from the
-    computed rows (block = 1 is the plain one-row-per-pick loop). The O(N) per-pick bookkeeping (running min,
-    tilt, argmax) runs on [U, N] host arrays: compiled, one fused pass per pick, each unit up to its next miss
-    (units on the threads of `kernels.threads`), or as numpy array operations, all units in step (the
-    fallback). Both refill the same units at the same step with the same rows, so picks, rows and method FLOPs
-    are the same. Memory O(U * block * N) beyond the features: no N x N matrix.
+    floor. The rows are computed up to `block` (default BLOCK) at a time as one [q, d] x [d, N] product (a
+    compute-bound matrix product instead of a memory-bound matrix-vector product per pick), for the picks the
+    rule is certain to make next: the rule is run ahead on the `pool` best current candidates (default N / 4
+    within POOL_MIN..POOL_MAX; 2 x block with an explicit block) with their [pool, pool] distances, as long as
+    its picks score above every token outside the pool (`_predict`; at the first step, before any distance is
+    known, a full block is a guess). A unit whose pick is not among its cached rows refills (only that unit).
+    The prediction only chooses which rows to compute: every pick is still the exact argmax of the exact
+    current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick loop).
+    The O(N) per-pick bookkeeping (running min, tilt, argmax) runs on [U, N] host arrays: compiled, one fused
+    pass per pick, each unit up to its next miss (units on the threads of `kernels.threads`), or as numpy array
+    operations, all units in step (the fallback). Both refill the same units at the same step with the same
+    rows, so picks, rows and method FLOPs are the same. Memory O(U * block * N) beyond the features: no N x N
+    matrix.
 
     Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
     row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).
     """
     u, n, _ = xn.shape
     kmax = int(k.max())
-    grow = block is None and kmax >= LARGE_K
-    block = block or (BLOCK_LARGE if kmax >= LARGE_K else BLOCK)
-    m = max(1, min(block, n))
+    m = max(1, min(block or BLOCK, n))
     dev = xn.device
     live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(u, n).copy()
     rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
@@ -72,8 +69,8 @@ def farthest_point(
         near=np.zeros((u, n) if track_nearest else (1, 1), dtype=np.int64),  # pick step of the nearest pick
         cache=(rows, host), rows_np=rows.numpy() if host is None else host,  # on the CPU: the same memory
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
-        pool=pool or 2 * m, s=np.asarray(first.tolist(), dtype=np.int64),
-        since=np.full(u, -GROW_FROM // 2, dtype=np.int64) if grow else None,  # the step of each unit's last refill
+        pool=pool or (min(POOL_MAX, max(POOL_MIN, n // 4)) if block is None else 2 * m),
+        s=np.asarray(first.tolist(), dtype=np.int64),
     )  # fmt: skip
     with np.errstate(invalid="ignore"):  # inf + -inf (a unit past its tokens) is NaN by the rule, not an error
         out = _compiled(st) if jit.compiled(xn) and kmax > 0 else _numpy_loop(st)
@@ -146,9 +143,9 @@ def _compiled(st) -> np.ndarray:
 
 def _refill(st, mind, s, miss, t: int) -> None:
     """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` at step t has no cached row:
-    the distance rows [q, N] (q <= m; with `st.since`, twice what the units' last refill served) of `s` and of
-    the q - 1 picks `_predict` expects next, written into the cache (a torch tensor [U, m, N] on the features'
-    device and the host array the loop reads, one memory on the CPU), with `slot` [U, N] (token -> row)."""
+    the distance rows [q, N] (q <= m) of `s` and of the q - 1 picks `_predict` is certain of next, written into
+    the cache (a torch tensor [U, m, N] on the features' device and the host array the loop reads, one memory
+    on the CPU), with `slot` [U, N] (token -> row)."""
     (xn, xf), (rows, host), live = st.xs, st.cache, st.live
     u, n, d = xn.shape
     m = rows.shape[1]
@@ -156,10 +153,7 @@ def _refill(st, mind, s, miss, t: int) -> None:
     cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
     mw = None if mind is None else mind[who]
     q = min(m, int((st.ks[who] - t).max()))
-    pool = min(st.pool, n)
-    if st.since is not None:
-        q = min(q, max(GROW_MIN, 2 * int((t - st.since[who]).max())))
-        pool, st.since[who] = min(pool, 2 * q), t
+    pool = min(st.pool, 2 * q, n)  # the pool a block needs, less for the last picks
     picks = _predict(st.xs, who, cur, mw, live[who], s[who], q, pool)
     q = picks.shape[1]
     flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
@@ -187,9 +181,13 @@ def _refill(st, mind, s, miss, t: int) -> None:
 
 
 def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
-    """[U', q] per unit `who` the picks the rule makes from `s` on, run ahead on the unit's `pool` best current
-    candidates (by `cur` [U', N]; the other tokens assumed out of reach) with their [pool, pool] distances
-    (one counted product). A guess of which rows to compute, nothing more: the caller checks every pick."""
+    """[U', c] per unit `who` the picks the rule is certain to make from `s` on (c <= q): the rule run ahead on
+    the unit's `pool` best current candidates (by `cur` [U', N]) with their [pool, pool] distances (one counted
+    product). A token outside the pool scores at most tau, the best score outside it now (scores only fall),
+    so a predicted pick scoring above tau is the rule's own pick; the run stops at the first that does not (at
+    step 0, before any distance, nothing beyond `s` is certain). c is the most certain picks of any unit (the
+    others' extra rows are guesses). A guess of which rows to compute, nothing more: the caller checks every
+    pick."""
     (xn, xf), w = xs, len(who)
     n, d = xn.shape[1:]
     if q == 1 or pool <= 1:
@@ -197,7 +195,9 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     rr = np.arange(w)
     sc = cur.copy()
     sc[rr, s] = np.inf
-    cand = np.sort(np.argpartition(-sc, pool - 1, axis=1)[:, :pool], axis=1)  # index order, as argmax ties
+    order = np.argpartition(-sc, pool, axis=1) if pool < n else None
+    cand = np.sort(order[:, :pool] if pool < n else np.argsort(-sc, axis=1)[:, :pool], axis=1)  # index order
+    tau = sc[rr, order[:, pool]] if pool < n and mind is not None else np.full(w, -np.inf, dtype=sc.dtype)
     flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
     c = xf.index_select(0, flat).reshape(w, pool, d)
     g = (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
@@ -209,11 +209,15 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     if jit.compiled(xn):
         from trimvlm.kernels.picks import predict_run
 
-        predict_run(g, mc, lc, pos, cand, out)
-        return out
+        return out[:, : predict_run(g, mc, lc, pos, cand, tau.astype(g.dtype), out)]
+    sure = np.ones(w, dtype=bool)
     for j in range(1, q):
         np.minimum(mc, g[rr, pos], out=mc)
         lc[rr, pos] = -np.inf
-        pos = (mc + lc).argmax(1)
+        v = mc + lc
+        pos = v.argmax(1)
+        sure &= v[rr, pos] > tau
+        if not sure.any():
+            return out[:, :j]
         out[:, j] = cand[rr, pos]
     return out

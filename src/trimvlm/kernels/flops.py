@@ -15,6 +15,7 @@ import math
 from contextvars import ContextVar
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 _ACTIVE: ContextVar[tuple | None] = ContextVar("trimvlm_method_flops", default=None)
 
@@ -66,9 +67,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b, -1) as a batched [1, d] x [d, 1] product (counted: 2 * rows * d)."""
+    """sum(a * b, -1) over broadcast rows, counted as 2 * rows * d (`torch.linalg.vecdot`: one pass, where a
+    batch of [1, d] x [d, 1] products took 5x as long at 4 x 1024 rows of 1024; as the op `trimvlm::rowdot`,
+    which torch's FlopCounterMode counts the same, so the method line still equals torch's counter)."""
     lead = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
-    d = a.shape[-1]
-    a2 = a.expand(*lead, d).reshape(-1, 1, d)
-    b2 = b.expand(*lead, d).reshape(-1, d, 1)
-    return bmm(a2, b2).reshape(lead)
+    count(2 * math.prod(lead) * a.shape[-1])
+    return _rowdot(a, b)
+
+
+@torch.library.custom_op("trimvlm::rowdot", mutates_args=())
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vecdot(a, b)
+
+
+@_rowdot.register_fake
+def _(a, b):
+    return a.new_empty(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
+
+
+@register_flop_formula(torch.ops.trimvlm.rowdot)
+def _rowdot_flops(a_shape, b_shape, *_, out_shape=None, **__) -> int:
+    return 2 * math.prod(out_shape) * a_shape[-1]

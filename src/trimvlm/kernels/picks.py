@@ -98,14 +98,17 @@ def set_slots(slot, who, picks):
 
 
 @njit
-def predict_run(g, mc, lc, pos, cand, out):
+def predict_run(g, mc, lc, pos, cand, tau, out):
     """Farthest point's look-ahead (`kernels.farthest._predict`) on each unit's candidate pool: g [W, P, P]
-    distances, mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens;
-    writes out[:, 1:] (out[:, 0] is the current pick)."""
+    distances, mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens,
+    tau [W] the best score outside the pool; writes out[:, 1:] (out[:, 0] is the current pick) while some unit's
+    run is certain (its picks score above tau) and returns how many columns it wrote (the numpy loop's rule)."""
     w, q = out.shape
     pool = mc.shape[1]
+    done = 1
     for r in range(w):
         p = pos[r]
+        sure = q
         for j in range(1, q):
             for i in range(pool):
                 v = g[r, p, i]
@@ -114,6 +117,10 @@ def predict_run(g, mc, lc, pos, cand, out):
             lc[r, p] = -np.inf
             p = argmax_sum(mc[r], lc[r])
             out[r, j] = cand[r, p]
+            if sure == q and not mc[r, p] + lc[r, p] > tau[r]:
+                sure = j
+        done = max(done, sure)
+    return done
 
 
 @njit
