@@ -128,8 +128,9 @@ class Recording:
     flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
 
     def _scores(self, q, kt, scaling):
+        """Scaled scores in float32, the queries scaled before the product (a pass over [q, d], not [q, S])."""
         self.flops += matmul_flops(q.shape, kt.shape)
-        return (torch.matmul(q, kt) * scaling).float()
+        return torch.matmul(q * scaling, kt).float()
 
     def commit(self) -> None:
         count(self.flops)
@@ -185,7 +186,8 @@ class Recording:
                 if add is not None:
                     sc = sc + add[:, :, q0:q1]
                 p = torch.softmax(sc, dim=-1)  # [B, H, q, S]
-                p = torch.where(valid[:, None, q0:q1, None], p, 0.0)
+                if mask is not None:  # without a mask every query is valid
+                    p = torch.where(valid[:, None, q0:q1, None], p, 0.0)
                 stat += p.sum(2).mean(1)
             queries = valid.sum(1).float()
         keys = key.detach().transpose(1, 2).reshape(b, key.shape[2], hk * d).to(torch.float32, copy=True)
