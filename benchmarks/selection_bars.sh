@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 33's bars, measured on an idle machine (nothing else running: no training, no other sessions; 2 cores).
+# The selection kernels' bars, measured on an idle machine (nothing else running: no training, no other sessions; 2 cores).
 # Every figure is a median of interleaved rounds with its spread; the JSONs land in $OUT.
-#   bash benchmarks/issue33.sh            # ~25-35 min on 2 idle cores
-#   OUT=/tmp/i33 PY=.venv/bin/python bash benchmarks/issue33.sh
+#   bash benchmarks/selection_bars.sh            # ~25-35 min on 2 idle cores
+#   OUT=/tmp/i33 PY=.venv/bin/python bash benchmarks/selection_bars.sh
 set -euo pipefail
-OUT=${OUT:-issue33-results}
+OUT=${OUT:-runs/selection-bars}
 PY=${PY:-.venv/bin/python}
 TRIMVLM=${TRIMVLM:-.venv/bin/trimvlm}
 mkdir -p "$OUT"
