@@ -14,9 +14,9 @@ from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.threads import for_units
 
 # farthest point's rows per product at most, and its look-ahead pool: N / 4 candidates within these bounds (one
-# thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5: a pool of 128-256 is
-# 3-10% of the rows' work per refill and predicts 15-140 picks; 64 rows per product cost 1.25x a row of the
-# whole product at N = 1024, 128 rows 1.1x)
+# thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5, N = 576-2304: the
+# pool's distances cost 20-50% of a full block's rows and let a refill be certain of 15-140 picks; 64 rows per
+# product cost 1.25x a row of the whole product at N = 1024, 128 rows 1.1x)
 BLOCK, POOL_MIN, POOL_MAX = 128, 128, 256
 
 
