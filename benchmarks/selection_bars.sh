@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The selection kernels' bars, measured on an idle machine (nothing else running: no training, no other sessions; 2 cores).
+# The selection kernels' bars, measured on an idle machine (nothing else running: no training, no other
+# sessions; 2 cores).
 # Every figure is a median of interleaved rounds with its spread; the JSONs land in $OUT.
 #   bash benchmarks/selection_bars.sh            # ~25-35 min on 2 idle cores
 #   OUT=/tmp/i33 PY=.venv/bin/python bash benchmarks/selection_bars.sh

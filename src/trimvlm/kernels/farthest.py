@@ -195,9 +195,14 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     rr = np.arange(w)
     sc = cur.copy()
     sc[rr, s] = np.inf
-    order = np.argpartition(-sc, pool, axis=1) if pool < n else None
-    cand = np.sort(order[:, :pool] if pool < n else np.argsort(-sc, axis=1)[:, :pool], axis=1)  # index order
-    tau = sc[rr, order[:, pool]] if pool < n and mind is not None else np.full(w, -np.inf, dtype=sc.dtype)
+    tau = np.full(w, -np.inf, dtype=sc.dtype)  # nothing outside the pool (or, at step 0, nothing known)
+    if pool < n:
+        order = np.argpartition(-sc, pool, axis=1)
+        cand = np.sort(order[:, :pool], axis=1)  # index order, as argmax ties
+        if mind is not None:
+            tau = sc[rr, order[:, pool]]
+    else:  # every token (pool is at most N)
+        cand = np.tile(np.arange(n), (w, 1))
     flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
     c = xf.index_select(0, flat).reshape(w, pool, d)
     g = (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
