@@ -5,8 +5,11 @@ equal the in-process answers; a client that leaves mid-stream leaves the engine'
 engine's figures and the API's. Then `trimvlm serve --api-workers 2` for real: two API processes on one port
 answer, and they stop when the engine process does."""
 
+import asyncio
 import multiprocessing
 import os
+import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -17,9 +20,11 @@ from conftest import free_port, live, need_extra
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
 import httpx  # noqa: E402
+import torch  # noqa: E402
 
-from trimvlm.serve.ipc import bridge  # noqa: E402
+from trimvlm.serve.ipc import Submit, bridge, dumps  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
+from trimvlm.serve.workers import shared_port  # noqa: E402
 
 from test_serve import decide_request, local_answers  # noqa: E402  isort: skip
 from test_serve_engine import HeldSteps, client, data_url, image, messages, wait_for  # noqa: E402  isort: skip
@@ -68,6 +73,48 @@ def test_answers_across_the_boundary_equal_in_process(demo, split):
     assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics  # the API's
     tokens = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_generated_tokens_total"))
     assert float(tokens.split()[-1]) > 0  # the engine's
+
+
+def test_messages_carry_tensors_as_their_bytes():
+    """A prepared request's tensors travel in the message itself (not as shared storage passed by file
+    descriptor, a handshake per tensor) and come back equal: every dtype, views, empty and 0-d tensors."""
+    x = torch.randn(6, 5)
+    tensors = {"f32": x, "bf16": x.to(torch.bfloat16), "bool": x > 0, "view": x.t()[1:4], "empty": torch.empty(0, 3),
+               "scalar": torch.tensor(7, dtype=torch.int64), "pixels": torch.randn(64, 1536)}  # fmt: skip
+    msg = Submit(3, ("chat", "baseline"), tensors)
+    wire = dumps([msg])
+    assert len(wire) >= 64 * 1536 * 4  # the pixels' bytes are in the message
+    (back,) = pickle.loads(wire)
+    assert back.rid == 3 and back.key == ("chat", "baseline") and back.payload.keys() == tensors.keys()
+    for name, t in tensors.items():
+        got = back.payload[name]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+
+
+def test_the_shared_port_streams_without_waiting_for_acks():
+    """An API process's port: the connections asyncio accepts on it have Nagle's algorithm off (with it on, each
+    streamed chunk waited for the client's delayed ACK: about 40 ms a request)."""
+    sock = shared_port("127.0.0.1", free_port())
+    seen = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport):
+            s = transport.get_extra_info("socket")
+            seen.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            for _ in range(500):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
 
 
 def test_a_client_that_leaves_leaves_the_engines_batch(demo, split, monkeypatch):

@@ -12,6 +12,12 @@ thread hands them over the connection (`_Forward*`); the scheduler and the engin
 On the API side `RemoteScheduler` has the scheduler's interface the handlers use. Errors cross as (status,
 detail). Streaming, cancellation and batching work across the boundary; `/metrics` on an API process is its
 own HTTP figures and the engine's (`merged_metrics`); `/health` asks the engine.
+
+On the wire a message is a list of these records, pickled with tensors as their bytes (`dumps`): not through
+multiprocessing's default, which shares each tensor's storage by passing a file descriptor (a handshake with
+the sender's resource-sharer thread per tensor: a third of each process's samples under load). The engine holds a
+step's events for an API process and sends them as one message when the model thread hands them over; an API
+process sends a request's `Submit` and the end of its `Arrive` together.
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import itertools
+import pickle
 import threading
 import time
+
+import torch
 
 from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import Job, ShuttingDown
@@ -79,18 +89,50 @@ API_FAMILIES = frozenset({
 })  # fmt: skip
 
 
+def _tensor(dtype, shape, device, data) -> torch.Tensor:
+    if not len(data):
+        return torch.empty(shape, dtype=dtype, device=device)
+    t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+    return t if device == "cpu" else t.to(device)
+
+
+class _Pickler(pickle.Pickler):
+    """A tensor as (dtype, shape, device, its bytes): a copy in the message, no shared storage."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        t = obj.detach()
+        data = bytearray(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else bytearray()
+        return _tensor, (t.dtype, tuple(t.shape), str(t.device), data)
+
+
+def dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 class Link:
-    """One end of the connection: `send` from any thread (one lock), `recv` from one reader."""
+    """One end of the connection. `send` (from any thread) sends what `hold` kept and the message, as one list;
+    `recv` (from one reader) returns a list of messages."""
 
     def __init__(self, conn):
-        self.conn, self._lock = conn, threading.Lock()
+        self.conn, self._lock, self._held = conn, threading.Lock(), []
 
-    def send(self, msg) -> None:
+    def hold(self, msg) -> None:
         with self._lock:
-            self.conn.send(msg)
+            self._held.append(msg)
 
-    def recv(self):
-        return self.conn.recv()
+    def send(self, msg=None) -> None:
+        """Send the held messages and `msg` (None: only the held ones, if any)."""
+        with self._lock:
+            msgs, self._held = self._held + ([] if msg is None else [msg]), []
+            if msgs:
+                self.conn.send_bytes(dumps(msgs))
+
+    def recv(self) -> list:
+        return pickle.loads(self.conn.recv_bytes())
 
 
 def _wire(error: BaseException) -> tuple[int, object]:
@@ -100,10 +142,18 @@ def _wire(error: BaseException) -> tuple[int, object]:
 
 # ---- the engine's side ----
 class _ForwardLoop:
-    """A remote request's `loop` for the model thread: what it schedules runs at once (it only sends)."""
+    """A remote request's `loop` for the model thread: what it schedules runs at once, and the events and
+    results that makes are sent as one message (a step's tokens for this API process together)."""
+
+    def __init__(self, link: Link):
+        self.link = link
 
     def call_soon_threadsafe(self, fn, *args) -> None:
-        fn(*args)
+        try:
+            fn(*args)
+        finally:
+            with contextlib.suppress(OSError):
+                self.link.send()
 
 
 class _ForwardEvents:
@@ -117,8 +167,7 @@ class _ForwardEvents:
             event = ("error", _wire(event[1]))
         if event[0] in ("done", "error"):
             self.jobs.pop(self.rid, None)
-        with contextlib.suppress(OSError):
-            self.link.send(Event(self.rid, event))
+        self.link.hold(Event(self.rid, event))  # sent by the loop's call
 
 
 class _ForwardFuture:
@@ -144,45 +193,51 @@ class _ForwardFuture:
 
     def _send(self, ok: bool, value) -> None:
         self.jobs.pop(self.rid, None)
-        with contextlib.suppress(OSError):
-            self.link.send(Result(self.rid, ok, value))
+        self.link.hold(Result(self.rid, ok, value))  # sent by the loop's call
 
 
 def bridge(state, conn) -> None:
     """On the engine process, one thread per API process: its requests into the scheduler, their answers back."""
-    link, jobs, loop = Link(conn), {}, _ForwardLoop()
+    link, jobs = Link(conn), {}
+    loop = _ForwardLoop(link)
     while True:
         try:
-            msg = link.recv()
+            msgs = link.recv()
         except (EOFError, OSError):  # the API process has gone: its requests are not computed further
             for job in list(jobs.values()):
                 job.cancel()
             return
-        if isinstance(msg, Submit):
-            payload = msg.payload
-            if hasattr(payload, "events"):
-                payload.events = _ForwardEvents(link, msg.rid, jobs)
-            job = Job(key=msg.key, payload=payload, future=_ForwardFuture(link, msg.rid, jobs), loop=loop)
-            jobs[msg.rid] = job
-            try:
-                state.batcher.put(job)
-            except ShuttingDown as e:
-                job.future.set_exception(e)
-        elif isinstance(msg, Cancel):
-            job = jobs.pop(msg.rid, None)
-            if job is not None:
-                job.cancel()
-        elif isinstance(msg, Arrive):
-            state.batcher.arriving(msg.delta)
-        elif isinstance(msg, Ask):
-            if msg.what == "stats":
-                value = state.batcher.stats()
-            elif msg.what == "load":  # what an API process's load-following choice reads
-                value = None if state.load is None else state.load.figures() | {"waiting": state.batcher.waiting()}
-            else:
-                value = state.metrics.exposition()[0]
-            with contextlib.suppress(OSError):
-                link.send(Answer(msg.qid, value))
+        for msg in msgs:
+            _take(state, link, loop, jobs, msg)
+        with contextlib.suppress(OSError):
+            link.send()  # what refusing a request held
+
+
+def _take(state, link: Link, loop: _ForwardLoop, jobs: dict, msg) -> None:
+    if isinstance(msg, Submit):
+        payload = msg.payload
+        if hasattr(payload, "events"):
+            payload.events = _ForwardEvents(link, msg.rid, jobs)
+        job = Job(key=msg.key, payload=payload, future=_ForwardFuture(link, msg.rid, jobs), loop=loop)
+        jobs[msg.rid] = job
+        try:
+            state.batcher.put(job)
+        except ShuttingDown as e:
+            job.future.set_exception(e)
+    elif isinstance(msg, Cancel):
+        job = jobs.pop(msg.rid, None)
+        if job is not None:
+            job.cancel()
+    elif isinstance(msg, Arrive):
+        state.batcher.arriving(msg.delta)
+    elif isinstance(msg, Ask):
+        if msg.what == "stats":
+            value = state.batcher.stats()
+        elif msg.what == "load":  # what an API process's load-following choice reads
+            value = None if state.load is None else state.load.figures() | {"waiting": state.batcher.waiting()}
+        else:
+            value = state.metrics.exposition()[0]
+        link.hold(Answer(msg.qid, value))
 
 
 # ---- an API process's side ----
@@ -273,9 +328,10 @@ class RemoteScheduler:
         job = _RemoteJob(key=key, payload=payload, future=loop.create_future(), loop=loop, link=self.link, rid=rid)
         self._jobs[rid] = job
         sent = dataclasses.replace(payload, events=None) if hasattr(payload, "events") else payload
-        self.link.send(Submit(rid, key, sent))
+        self.link.hold(Submit(rid, key, sent))
         if arrival is not None:
-            arrival.done()
+            arrival.done()  # sent with the request
+        self.link.send()
         return job
 
     result = staticmethod(Scheduler.result)  # (awaits the job's future, which the reader thread settles)
@@ -299,29 +355,33 @@ class RemoteScheduler:
     def _read(self) -> None:
         while True:
             try:
-                msg = self.link.recv()
+                msgs = self.link.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(msg, Answer):
-                slot = self._asked.pop(msg.qid, None)
-                if slot is not None:
-                    slot[1] = msg.value
-                    slot[0].set()
-                continue
-            job = self._jobs.get(msg.rid)
-            if job is None:
-                continue
-            job.started = job.started or time.perf_counter()
-            if isinstance(msg, Event):
-                event = msg.event
-                if event[0] == "error":
-                    event = ("error", ApiError(*event[1]))
-                if event[0] in ("done", "error"):
+            calls: dict[object, list] = {}  # loop -> what to run on it: one wake-up per loop per message
+            for msg in msgs:
+                if isinstance(msg, Answer):
+                    slot = self._asked.pop(msg.qid, None)
+                    if slot is not None:
+                        slot[1] = msg.value
+                        slot[0].set()
+                    continue
+                job = self._jobs.get(msg.rid)
+                if job is None:
+                    continue
+                job.started = job.started or time.perf_counter()
+                if isinstance(msg, Event):
+                    event = msg.event
+                    if event[0] == "error":
+                        event = ("error", ApiError(*event[1]))
+                    if event[0] in ("done", "error"):
+                        self._jobs.pop(msg.rid, None)
+                    calls.setdefault(job.loop, []).append((job.payload.events.put_nowait, event))
+                elif isinstance(msg, Result):
                     self._jobs.pop(msg.rid, None)
-                _call(job.loop, job.payload.events.put_nowait, event)
-            elif isinstance(msg, Result):
-                self._jobs.pop(msg.rid, None)
-                _call(job.loop, _resolve, job.future, msg.ok, msg.value)
+                    calls.setdefault(job.loop, []).append((_resolve, job.future, msg.ok, msg.value))
+            for loop, items in calls.items():
+                _call(loop, _run_all, items)
         lost, self._closed = not self._closed, True
         for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
             error = ShuttingDown("the engine process has stopped")
@@ -331,6 +391,11 @@ class RemoteScheduler:
                 _call(job.loop, _resolve, job.future, False, (503, str(error)))
         if lost and self.on_lost is not None:
             self.on_lost()
+
+
+def _run_all(items) -> None:
+    for fn, *args in items:
+        fn(*args)
 
 
 def _call(loop, fn, *args) -> None:

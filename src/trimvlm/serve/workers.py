@@ -63,11 +63,21 @@ def api_process(model, options, address, key, host, port, log_level, access_log)
 
     torch.set_num_threads(1)  # it prepares requests; the engine process runs the model
     state = make_state(model, **options | {"threads": 1}, remote=(address, key))
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    sock = shared_port(host, port)
     configure(log_level, access_log)
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, access_log=False))
     state.batcher.on_lost = lambda: setattr(server, "should_exit", True)  # the engine has gone: stop too
     server.run(sockets=[sock])
+
+
+def shared_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other processes may bind too (SO_REUSEPORT).
+
+    Its protocol is named: asyncio turns Nagle's algorithm off (TCP_NODELAY) on the connections it accepts
+    only for a socket that says it is TCP. With protocol 0 each streamed chunk after the first waits for the
+    client's delayed ACK, about 40 ms a request."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
