@@ -50,7 +50,8 @@ def test_predicted_costs_equal_measured(model, one_thread):
     task = demo_task(limit=14, seed=0, split="val")
     recipes = ["tokens=fastv:keep=0.37:layer=2", "tokens=random:keep=0.2:layer=0,kv=snapkv:keep=0.3",
                "depth=tail:budget=1:scope=all,tokens=fastv:keep=0.5:layer=4", "kv=h2o:keep=0.1",
-               "tokens=visionzip:keep=0.3,depth=skip:layers=1:scope=prefill"]  # fmt: skip
+               "tokens=visionzip:keep=0.3,depth=skip:layers=1:scope=prefill", "tokens=downsample:keep=0.3",
+               "tokens=downsample:keep=0.6,kv=snapkv:keep=0.4,depth=tail:budget=1:scope=all"]  # fmt: skip
     res = run_eval(vlm, task, recipes, batch_size=5, warmup=False, memory="off", progress=False)
     shapes = read_shapes(vlm, task, batches(task, 5))
     for r in ["baseline", *recipes]:

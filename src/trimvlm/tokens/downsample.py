@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 from trimvlm.errors import RecipeError
 from trimvlm.options import is_int
@@ -44,8 +43,6 @@ class Downsample(TokenReducer):
     25 / 12.5%: 6 x 6 = 36, 4 x 4 = 16, 3 x 3 = 9 of 64); the cost lines show the count that ran. The demo's
     processor pins every image to 8 x 8 (min = max pixels): the bounds are opened for the resized images only.
     `layer` can only be 0."""
-
-    predictable: ClassVar[bool] = False  # it changes the vision tower's input: measured, never predicted
 
     layer: int | None = None
 

@@ -2,7 +2,9 @@
 
 For a task's batches (the harness' own `evals.run.batches`, so the padding is the one the run will have) the
 shapes are read once: each row's real length, its visual tokens per image (the reducers' units) and the vision
-tower's FLOPs (`Runner.vision_flops`, remembered per input shape). A recipe's model prefill FLOPs then follow
+tower's FLOPs (`Runner.vision_flops`, remembered per input shape). Downsampling (a plan with a `resolution`)
+reads each batch again with its images prepared at that size: the rows, the visual tokens and the vision
+tower's FLOPs of the smaller images. A recipe's model prefill FLOPs then follow
 the runner's own count: every decoder layer that runs costs `Adapter.layer_flops(i, B, q, q)` on the batch's
 padded length q at that layer (a token reducer at layer L keeps what its `kept_counts` says: K =
 ceil(N_image * keep) per image by default, pooling's window count; the batch shrinks to its longest kept row), plus the LM head at the last
@@ -11,8 +13,7 @@ value of [B, Hk, K, hd], K the longest row after the KV policy kept ceil(N_visua
 entries in that layer (text entries are never evicted).
 
 What the shapes cannot tell is refused with None: a router (its layer plan follows the input), a reducer whose
-kept counts follow the data or that changes the vision tower's input (`TokenReducer.predictable = False`:
-SparseVLM, downsampling), a KV policy whose per-layer split follows the attention (`KVPolicy.predictable`:
+kept counts follow the data (`TokenReducer.predictable = False`: SparseVLM), a KV policy whose per-layer split follows the attention (`KVPolicy.predictable`:
 VL-Cache, AirCache), candidate items (their branches follow the candidates). Such recipes are run to be measured. `tests/test_tune.py` checks prediction == measurement.
 """
 
@@ -35,6 +36,7 @@ class BatchShape:
     visual: list[int]  # visual tokens per row
     units: list[list[tuple[int, tuple, tuple]]]  # per row: (tokens, owning image, grid) of each unit
     vision_flops: int
+    inputs: tuple[list, list] | None = None  # (images per row, prompts): to read it again at another resolution
 
     @property
     def batch(self) -> int:
@@ -50,26 +52,33 @@ class Predicted:
 def read_shapes(vlm, task, batch_list: list[list[int]]) -> list[BatchShape] | None:
     """The shapes of every batch; None when the task holds items other than generation records."""
     from trimvlm.evals.tasks.base import Record
-    from trimvlm.tokens.base import _image_of, make_view
 
     records = task.records
     if not all(isinstance(r, Record) for r in records):
         return None
-    runner, out = vlm.runner, []
+    out = []
     for idx in batch_list:
         items = [records[i] for i in idx]
-        prepared = vlm.prepare([list(r.images) for r in items], [r.prompt_text() for r in items])
-        seq = runner.encode(prepared, Meter(device=runner.device))
-        view = make_view(seq, 1.0, 0)
-        units: list[list] = [[] for _ in range(seq.batch)]
-        if view is not None:
-            for u in range(view.mask.shape[0]):
-                b = int(view.sample[u])
-                grid = (int(view.grid[u, 0]), int(view.grid[u, 1]))
-                units[b].append((int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
-        out.append(BatchShape(rows=[int(x) for x in seq.valid.sum(1)], visual=[int(x) for x in (seq.visual & seq.valid).sum(1)],
-                              units=units, vision_flops=runner.vision_flops(prepared)))  # fmt: skip
+        out.append(_shape(vlm, [list(r.images) for r in items], [r.prompt_text() for r in items]))
     return out
+
+
+def _shape(vlm, images: list, prompts: list, plan=None) -> BatchShape:
+    """One batch's shape, its images prepared as `plan` says (its resolution: tokens=downsample)."""
+    from trimvlm.tokens.base import _image_of, make_view
+
+    runner = vlm.runner
+    prepared = vlm.prepare(images, prompts, plan=plan)
+    seq = runner.encode(prepared, Meter(device=runner.device))
+    view = make_view(seq, 1.0, 0)
+    units: list[list] = [[] for _ in range(seq.batch)]
+    if view is not None:
+        for u in range(view.mask.shape[0]):
+            b = int(view.sample[u])
+            grid = (int(view.grid[u, 0]), int(view.grid[u, 1]))
+            units[b].append((int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
+    return BatchShape(rows=[int(x) for x in seq.valid.sum(1)], visual=[int(x) for x in (seq.visual & seq.valid).sum(1)],
+                      units=units, vision_flops=runner.vision_flops(prepared), inputs=(images, prompts))  # fmt: skip
 
 
 def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
@@ -87,6 +96,11 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
     skip = plan.skip_prefill
     if isinstance(skip, LayerPlan | torch.Tensor):  # per-sample plans follow the input
         return None
+    if plan.resolution is not None:  # smaller images (downsampling): every batch read again at their size
+        if any(s.inputs is None for s in shapes):
+            return None
+        shapes = [_shape(vlm, *s.inputs, plan=plan) for s in shapes]
+        tokens = None  # nothing is reduced inside the model
     lay = tokens.at(runner) if tokens is not None and tokens.ratio < 1 else None
     cfg = ad.text_config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
