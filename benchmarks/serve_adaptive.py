@@ -81,7 +81,8 @@ async def one(c, item: dict, max_tokens: int) -> dict:
                         text += piece
                 recipe = (chunk.get("usage") or {}).get("recipe", recipe)
     except Exception as e:  # noqa: BLE001  (a failed request counts as failed)
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
+        cause = e.__cause__ or e.__context__  # httpx's ReadError says little: the socket error under it
+        return {"ok": False, "error": f"{type(e).__name__}: {e} ({cause!r}; {time.perf_counter() - t0:.2f} s)"[:200]}
     if not ok:
         return {"ok": False, "error": error}
     return {"ok": ok, "ttft": ttft if ttft is not None else time.perf_counter() - t0,
@@ -94,7 +95,10 @@ async def open_loop(url: str, pool: list[dict], rate: float, seconds: float, max
 
     rng = random.Random(seed)
     tasks, t, k = [], 0.0, 0
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=None)) as c:
+    # idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn: 5 s) closes them:
+    # with equal timeouts a request sent on a connection as the server closes it fails (ReadError)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         start = time.perf_counter()
         while True:
             t += rng.expovariate(rate)

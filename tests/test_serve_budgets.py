@@ -14,7 +14,7 @@ need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
 import httpx  # noqa: E402
 
 from trimvlm.errors import InputError  # noqa: E402
-from trimvlm.serve.budgets import LoadBudget, Rung, ladder  # noqa: E402
+from trimvlm.serve.budgets import WINDOW_S, LoadBudget, Rung, ladder  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import image, messages  # noqa: E402  isort: skip
@@ -29,7 +29,7 @@ def tune_folder(folder, demo):
     folder.mkdir(exist_ok=True)
     entries = [{"spec": "baseline", "recipe": {}, "test": {"accuracy": 0.99, "ratio": {"prefill_flops": 1.0}}},
                {"spec": "pool50", "recipe": {"tokens": "pool:keep=0.5"},
-                "test": {"accuracy": 0.9, "ratio": {"prefill_flops": 0.6}}},
+                "test": {"accuracy": 0.9, "ratio": {"prefill_flops": 0.55, "latency_s": 0.6}}},
                {"spec": "pool25", "recipe": {"tokens": "pool:keep=0.25"},
                 "test": {"accuracy": 0.8, "ratio": {"prefill_flops": 0.4}}}]  # fmt: skip
     budgets = [{"label": "total_flops=0.4", "budget": {"total_flops": 0.4}, "best": "pool25"},
@@ -41,7 +41,7 @@ def tune_folder(folder, demo):
 
 def test_the_ladder_is_most_expensive_first(demo, tmp_path):
     rungs = ladder(tune_folder(tmp_path / "t", demo))
-    assert [(r.label, r.ratio, r.accuracy) for r in rungs] == [
+    assert [(r.label, r.ratio, r.accuracy) for r in rungs] == [  # the measured latency ratio, else FLOPs
         ("baseline", 1.0, 0.99), ("tuned-total_flops=0.6", 0.6, 0.9), ("tuned-total_flops=0.4", 0.4, 0.8)]
     with pytest.raises(InputError, match="no tune.json"):
         ladder(tmp_path)
@@ -54,10 +54,24 @@ def test_the_rung_chosen_is_the_most_accurate_that_fits():
     load.tokens, load.s_per_token, load.step_s = 100, 0.001, 0.01  # 0.1 s per baseline prompt
     assert load.predict(rungs[0], 0) == pytest.approx(0.11)
     assert [load.choose(w).label for w in (0, 1, 2, 3, 5, 9)] == ["baseline", "baseline", "a", "a", "b", "b"]
+    # at 10 requests/s the baseline's prefills would fill the engine (1.0 > RHO), the 60% rung's not (0.6)
+    assert [load.choose(0, rate).label for rate in (0, 7, 10, 15, 30)] == ["baseline", "baseline", "a", "b", "b"]
     load.prefilled("a", 2, 200, 0.12)  # 0.12 s for 200 tokens at 60%: 0.001 s per baseline token
     assert load.s_per_token == pytest.approx(0.001) and load.tokens == pytest.approx(100)
     with pytest.raises(InputError, match="slo-ttft-ms"):
         LoadBudget(rungs, 0)
+
+
+def test_the_arrival_rate_is_of_the_last_window():
+    load = LoadBudget([Rung("", "baseline", 1.0, None)], slo_s=0.25)
+    assert load.rate(now=100.0) == 0
+    for t in range(40):  # 10 requests a second for 4 s
+        load.arrived(now=100.0 + t / 10)
+    assert load.rate(now=103.95) == pytest.approx(20 / 1.95)  # the last 2 s: 20 requests, from 102.0 on
+    assert load.rate(now=110.0) == 0  # nothing came for longer than the window
+    for t in range(6):  # after the quiet spell, 10 a second again: seen at once, not over the whole window
+        load.arrived(now=110.0 + t / 10)
+    assert load.rate(now=110.5) == pytest.approx(6 / (WINDOW_S / 4))  # 6 in 0.5 s
 
 
 def test_requests_follow_the_load_and_their_own_recipe_wins(demo, tmp_path, monkeypatch):

@@ -1,36 +1,48 @@
 """Budgets that follow the load (`trimvlm serve --tuned DIR --slo-ttft-ms T`): a chat request that names no
-recipe runs the most accurate recipe of the tuned frontier whose predicted time to first token fits T; when
-the queue grows so that it would not, new requests take the next cheaper recipe, down to the cheapest.
+recipe runs the most accurate recipe of the tuned frontier that the load allows; as the load grows, new
+requests take the next cheaper recipe, down to the cheapest.
 
 The ladder: the baseline, then the best recipe of each budget point of DIR/tune.json (`trimvlm tune`), most
-expensive (most accurate) first, each with its prefill cost relative to the baseline (the test split's
-`prefill_flops` ratio). The prediction for a new request on rung r, with `waiting` requests queued ahead:
+expensive (most accurate) first, each with its time relative to the baseline (the test split's measured
+`latency_s` ratio; the `prefill_flops` ratio where a report has no latency). A rung r is allowed for a new
+request with `waiting` requests queued ahead when both hold:
 
-    TTFT(r) = (waiting + 1) * tokens * s_per_token * ratio(r) + step_s
+    TTFT(r) = (waiting + 1) * tokens * s_per_token * ratio(r) + step_s  <=  T
+    rate * tokens * s_per_token * ratio(r)                              <=  RHO
 
+The first: the request's own predicted time to first token. The second: at the recent arrival rate (requests
+that follow the load, in the last WINDOW_S seconds), prefills on that rung would keep the engine busy at most
+RHO of the time (the rate: the arrivals of the last WINDOW_S seconds over the time since the oldest of them,
+at least WINDOW_S / 4). Without it a short queue lets every new request take an expensive rung, and at an arrival rate
+beyond what those rungs sustain the queue grows until the prediction turns, then drains, then grows again.
 `tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`: the measured prefill
 seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided by its ratio);
 `step_s`: the measured time of a decode step (a waiting request waits for one per turn). Both are
-exponential moving averages of what the engine ran. A request's own `recipe` always wins.
+exponential moving averages of what the engine ran. A request's own `recipe` always wins (and is not counted
+in the rate).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from trimvlm.errors import InputError
 
 EWMA = 0.2  # the weight of each new measurement
+WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
+RHO = 0.8  # the largest share of the engine's time the chosen rung's prefills may take at that rate
 
 
 @dataclass(frozen=True)
 class Rung:
     text: str  # the recipe as the server parses it ("" for the baseline)
     label: str  # what `usage.recipe` says
-    ratio: float  # its prefill FLOPs relative to the baseline's
+    ratio: float  # its time relative to the baseline's (measured latency; else prefill FLOPs)
     accuracy: float | None  # its test accuracy in the tune report
 
 
@@ -48,8 +60,9 @@ def ladder(folder: str | Path) -> list[Rung]:
             continue
         test = by_spec[b["best"]].get("test") or by_spec[b["best"]]["val"]
         point = ":".join(f"{axis}={value}" for axis, value in b["budget"].items())
-        rungs.append(Rung(f"tuned={Path(folder).resolve()}:{point}", f"tuned-{b['label']}",
-                          float(test["ratio"]["prefill_flops"]), test.get("accuracy")))  # fmt: skip
+        ratio = test["ratio"].get("latency_s") or test["ratio"]["prefill_flops"]
+        rungs.append(Rung(f"tuned={Path(folder).resolve()}:{point}", f"tuned-{b['label']}", float(ratio),
+                          test.get("accuracy")))  # fmt: skip
     if len(rungs) == 1:
         raise InputError(f"--tuned {folder}: no budget point has a best recipe")
     return [rungs[0], *sorted(rungs[1:], key=lambda r: -r.ratio)]
@@ -64,6 +77,7 @@ class LoadBudget:
         self.tokens = 0.0  # mean prompt tokens (0: nothing measured yet)
         self.s_per_token = 0.0
         self.step_s = 0.0
+        self._arrivals: deque[float] = deque()  # when the requests of the last WINDOW_S seconds came
         self._lock = threading.Lock()  # the model thread writes, the event loop reads
 
     def predict(self, rung: Rung, waiting: int) -> float:
@@ -71,12 +85,36 @@ class LoadBudget:
         with self._lock:
             return (waiting + 1) * self.tokens * self.s_per_token * rung.ratio + self.step_s
 
-    def choose(self, waiting: int) -> Rung:
-        """The most accurate rung whose predicted TTFT fits the objective, else the cheapest."""
+    def busy(self, rung: Rung, rate: float) -> float:
+        """The share of the engine's time prefills on `rung` take at `rate` requests per second."""
+        with self._lock:
+            return rate * self.tokens * self.s_per_token * rung.ratio
+
+    def choose(self, waiting: int, rate: float = 0.0) -> Rung:
+        """The most accurate rung whose predicted TTFT fits the objective and that `rate` (requests per second)
+        keeps busy at most RHO of the time, else the cheapest."""
         for rung in self.rungs:
-            if self.predict(rung, waiting) <= self.slo_s:
+            if self.predict(rung, waiting) <= self.slo_s and self.busy(rung, rate) <= RHO:
                 return rung
         return self.rungs[-1]
+
+    def arrived(self, now: float | None = None) -> None:
+        """A request that follows the load has come (counted in the arrival rate)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._arrivals.append(now)
+
+    def rate(self, now: float | None = None) -> float:
+        """Requests that followed the load per second: those of the last WINDOW_S seconds over the time since
+        the oldest of them (at least WINDOW_S / 4), so that a load that starts after a quiet spell is seen
+        within a fraction of the window."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._arrivals and self._arrivals[0] < now - WINDOW_S:
+                self._arrivals.popleft()
+            if not self._arrivals:
+                return 0.0
+            return len(self._arrivals) / max(now - self._arrivals[0], WINDOW_S / 4)
 
     def figures(self) -> dict:
         """What the prediction reads (for an API process: `adopt`)."""

@@ -233,8 +233,11 @@ def _take(state, link: Link, loop: _ForwardLoop, jobs: dict, msg) -> None:
     elif isinstance(msg, Ask):
         if msg.what == "stats":
             value = state.batcher.stats()
-        elif msg.what == "load":  # what an API process's load-following choice reads
-            value = None if state.load is None else state.load.figures() | {"waiting": state.batcher.waiting()}
+        elif msg.what == "load":  # an API process's load-following request has come: what its choice reads
+            value = None
+            if state.load is not None:
+                state.load.arrived()
+                value = state.load.figures() | {"waiting": state.batcher.waiting(), "rate": state.load.rate()}
         else:
             value = state.metrics.exposition()[0]
         link.hold(Answer(msg.qid, value))

@@ -221,13 +221,14 @@ class ServerState:
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
         ladder's rung for the queue now (an API process asks the engine for its queue and measurements)."""
-        if hasattr(self.batcher, "ask"):  # an API process (serve/ipc.py)
+        if hasattr(self.batcher, "ask"):  # an API process (serve/ipc.py): the engine counts the arrival
             figures = self.batcher.ask("load")
             self.load.adopt(figures)
-            waiting = figures["waiting"]
+            waiting, rate = figures["waiting"], figures["rate"]
         else:
-            waiting = self.batcher.waiting()
-        return self.recipe("chat", self.load.choose(waiting).text, own=True)
+            self.load.arrived()
+            waiting, rate = self.batcher.waiting(), self.load.rate()
+        return self.recipe("chat", self.load.choose(waiting, rate).text, own=True)
 
     def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
         """The recipe of a request (`kind`: "decide", "chat" or "score"): its `recipe` field, else the server's.

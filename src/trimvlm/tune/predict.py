@@ -19,7 +19,7 @@ VL-Cache, AirCache), candidate items (their branches follow the candidates). Suc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ class BatchShape:
     units: list[list[tuple[int, tuple, tuple]]]  # per row: (tokens, owning image, grid) of each unit
     vision_flops: int
     inputs: tuple[list, list] | None = None  # (images per row, prompts): to read it again at another resolution
+    resized: dict = field(default_factory=dict, repr=False)  # plan.resolution -> this batch read at it
 
     @property
     def batch(self) -> int:
@@ -99,7 +100,10 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
     if plan.resolution is not None:  # smaller images (downsampling): every batch read again at their size
         if any(s.inputs is None for s in shapes):
             return None
-        shapes = [_shape(vlm, *s.inputs, plan=plan) for s in shapes]
+        for s in shapes:
+            if plan.resolution not in s.resized:
+                s.resized[plan.resolution] = _shape(vlm, *s.inputs, plan=plan)
+        shapes = [s.resized[plan.resolution] for s in shapes]
         tokens = None  # nothing is reduced inside the model
     lay = tokens.at(runner) if tokens is not None and tokens.ratio < 1 else None
     cfg = ad.text_config
