@@ -20,6 +20,11 @@ from trimvlm.serve.limits import ServerLimits
 from trimvlm.serve.logs import AccessLog, configure
 from trimvlm.serve.state import ServerState
 
+# how long an idle client connection stays open: longer than clients keep theirs (httpx and the openai client:
+# 5 s). With uvicorn's default, also 5 s, a client could send a request on a connection as the server closed
+# it, and the request failed with a connection reset before the server read it.
+KEEP_ALIVE_S = 75
+
 log = logging.getLogger("trimvlm.serve")
 
 
@@ -214,4 +219,5 @@ def serve(
         flush=True,
     )
     configure(log_level, access_log)
-    uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(build_app(state), host=host, port=port, log_level=log_level, access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)

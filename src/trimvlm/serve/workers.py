@@ -58,14 +58,15 @@ def api_process(model, options, address, key, host, port, log_level, access_log)
     import torch
     import uvicorn
 
-    from trimvlm.serve.app import build_app, make_state
+    from trimvlm.serve.app import KEEP_ALIVE_S, build_app, make_state
     from trimvlm.serve.logs import configure
 
     torch.set_num_threads(1)  # it prepares requests; the engine process runs the model
     state = make_state(model, **options | {"threads": 1}, remote=(address, key))
     sock = shared_port(host, port)
     configure(log_level, access_log)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, access_log=False))
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=log_level, access_log=False,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     state.batcher.on_lost = lambda: setattr(server, "should_exit", True)  # the engine has gone: stop too
     server.run(sockets=[sock])
 
