@@ -22,7 +22,7 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from trimvlm.serve.ipc import Submit, bridge, dumps  # noqa: E402
+from trimvlm.serve.ipc import Event, Submit, bridge, dumps  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.serve.workers import shared_port  # noqa: E402
 
@@ -115,6 +115,27 @@ def test_the_shared_port_streams_without_waiting_for_acks():
 
     asyncio.run(main())
     assert seen and seen[0] != 0
+
+
+def test_a_steps_events_cross_in_one_message(demo, split, monkeypatch):
+    """The engine sends what one model step made for an API process as one message: with n = 3 choices each
+    step's three tokens arrive together (one message per step, not one per token)."""
+    api, _ = split
+    link, real = api.batcher.link, api.batcher.link.recv
+    seen = []  # the Event count of every message the API process received
+
+    def recv():
+        msgs = real()
+        seen.append(sum(isinstance(m, Event) for m in msgs))
+        return msgs
+
+    monkeypatch.setattr(link, "recv", recv)
+    with live(api) as (url, _):
+        body = {"messages": messages(3), "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 1}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+    events = sum(seen)
+    assert events >= r["usage"]["completion_tokens"]  # every token (and each choice's end) crossed
+    assert max(seen) >= 3 and len([k for k in seen if k]) < events / 2
 
 
 def test_a_client_that_leaves_leaves_the_engines_batch(demo, split, monkeypatch):
