@@ -11,10 +11,10 @@ request with `waiting` requests queued ahead when both hold:
     rate * tokens * s_per_token * ratio(r)                              <=  RHO
 
 The first: the request's own predicted time to first token. The second: at the recent arrival rate (requests
-that follow the load, in the last WINDOW_S seconds), prefills on that rung would keep the engine busy at most
-RHO of the time (the rate: the arrivals of the last WINDOW_S seconds over the time since the oldest of them,
-at least WINDOW_S / 4). Without it a short queue lets every new request take an expensive rung, and at an arrival rate
-beyond what those rungs sustain the queue grows until the prediction turns, then drains, then grows again.
+that follow the load, in the last WINDOW_S seconds, over the time since the oldest of them, at least
+WINDOW_S / 4), prefills on that rung would keep the engine busy at most RHO of the time. Without it a short
+queue lets every new request take an expensive rung, and at an arrival rate beyond what those rungs sustain
+the queue grows until the prediction turns, then drains, then grows again.
 `tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`: the measured prefill
 seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided by its ratio);
 `step_s`: the measured time of a decode step (a waiting request waits for one per turn). Both are

@@ -210,7 +210,7 @@ def bridge(state, conn) -> None:
         for msg in msgs:
             _take(state, link, loop, jobs, msg)
         with contextlib.suppress(OSError):
-            link.send()  # what refusing a request held
+            link.send()  # the answers and refusals these messages made
 
 
 def _take(state, link: Link, loop: _ForwardLoop, jobs: dict, msg) -> None:
