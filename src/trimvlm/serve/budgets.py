@@ -80,15 +80,19 @@ class LoadBudget:
         self._arrivals: deque[float] = deque()  # when the requests of the last WINDOW_S seconds came
         self._lock = threading.Lock()  # the model thread writes, the event loop reads
 
+    def _prefill_s(self, rung: Rung) -> float:
+        """The predicted prefill seconds of one mean prompt on `rung` (under the lock)."""
+        return self.tokens * self.s_per_token * rung.ratio
+
     def predict(self, rung: Rung, waiting: int) -> float:
         """The predicted time to first token of a request on `rung` behind `waiting` queued requests."""
         with self._lock:
-            return (waiting + 1) * self.tokens * self.s_per_token * rung.ratio + self.step_s
+            return (waiting + 1) * self._prefill_s(rung) + self.step_s
 
     def busy(self, rung: Rung, rate: float) -> float:
         """The share of the engine's time prefills on `rung` take at `rate` requests per second."""
         with self._lock:
-            return rate * self.tokens * self.s_per_token * rung.ratio
+            return rate * self._prefill_s(rung)
 
     def choose(self, waiting: int, rate: float = 0.0) -> Rung:
         """The most accurate rung whose predicted TTFT fits the objective and that `rate` (requests per second)

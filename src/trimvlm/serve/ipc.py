@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from trimvlm.serve.engine import Outbox
 from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import Job, ShuttingDown
 from trimvlm.serve.scheduler import Scheduler
@@ -361,7 +362,7 @@ class RemoteScheduler:
                 msgs = self.link.recv()
             except (EOFError, OSError):
                 break
-            calls: dict[object, list] = {}  # loop -> what to run on it: one wake-up per loop per message
+            outbox = Outbox()  # the message's events: one wake-up of each event loop, as the model thread's
             for msg in msgs:
                 if isinstance(msg, Answer):
                     slot = self._asked.pop(msg.qid, None)
@@ -379,12 +380,11 @@ class RemoteScheduler:
                         event = ("error", ApiError(*event[1]))
                     if event[0] in ("done", "error"):
                         self._jobs.pop(msg.rid, None)
-                    calls.setdefault(job.loop, []).append((job.payload.events.put_nowait, event))
+                    outbox.post(job, event)
                 elif isinstance(msg, Result):
                     self._jobs.pop(msg.rid, None)
-                    calls.setdefault(job.loop, []).append((_resolve, job.future, msg.ok, msg.value))
-            for loop, items in calls.items():
-                _call(loop, _run_all, items)
+                    _call(job.loop, _resolve, job.future, msg.ok, msg.value)
+            outbox.flush()
         lost, self._closed = not self._closed, True
         for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
             error = ShuttingDown("the engine process has stopped")
@@ -394,11 +394,6 @@ class RemoteScheduler:
                 _call(job.loop, _resolve, job.future, False, (503, str(error)))
         if lost and self.on_lost is not None:
             self.on_lost()
-
-
-def _run_all(items) -> None:
-    for fn, *args in items:
-        fn(*args)
 
 
 def _call(loop, fn, *args) -> None:
