@@ -5,6 +5,7 @@ with that recipe, `usage.recipe` names it, /metrics counts requests per recipe, 
 wins. The engine's prefills and steps feed the prediction."""
 
 import json
+import math
 
 import pytest
 from conftest import live, need_extra
@@ -54,10 +55,21 @@ def test_the_rung_chosen_is_the_most_accurate_that_fits():
     load.tokens, load.s_per_token, load.step_s = 100, 0.001, 0.01  # 0.1 s per baseline prompt
     assert load.predict(rungs[0], 0) == pytest.approx(0.11)
     assert [load.choose(w).label for w in (0, 1, 2, 3, 5, 9)] == ["baseline", "baseline", "a", "a", "b", "b"]
-    # at 10 requests/s the baseline's prefills would fill the engine (1.0 > RHO), the 60% rung's not (0.6)
-    assert [load.choose(0, rate).label for rate in (0, 7, 10, 15, 30)] == ["baseline", "baseline", "a", "b", "b"]
+    # at 0.5 requests/s the baseline is busy 5% of the time and an M/M/1 queue's 99th-percentile wait is
+    # 0.1 / 0.95 * ln(0.05 / 0.01) = 0.169 s: with the prefill and a step, 0.279 s > 0.25
+    assert load.sustained(rungs[0], 0.5) == pytest.approx(0.1 / 0.95 * math.log(5) + 0.11)
+    assert load.sustained(rungs[1], 17) == math.inf  # 17 x 0.06 s of work a second: more than the engine has
+    assert [load.choose(0, rate).label for rate in (0, 0.1, 0.5, 2, 3, 30)] == [
+        "baseline", "baseline", "a", "a", "b", "b"]
+    load.decode_s = 0.02  # each request also takes 20 ms of decode steps: 0.12 s of engine time on the baseline
+    assert load.sustained(rungs[0], 0.5) == pytest.approx(0.12 / 0.94 * math.log(6) + 0.11)
+    assert load.choose(0, 2).label == "b"  # a: rho = 0.16, 0.08 / 0.84 * ln(16) + 0.07 = 0.334 s
     load.prefilled("a", 2, 200, 0.12)  # 0.12 s for 200 tokens at 60%: 0.001 s per baseline token
     assert load.s_per_token == pytest.approx(0.001) and load.tokens == pytest.approx(100)
+    assert load.decode_s == pytest.approx(0.8 * 0.02)  # no decode step ran before that prefill
+    load.stepped(0.01), load.stepped(0.03)  # two decode steps, then a prefill of 2 requests: 0.02 s each
+    load.prefilled("a", 2, 200, 0.12)
+    assert load.decode_s == pytest.approx(0.8 * 0.016 + 0.2 * 0.02) and load.step_s > 0.01
     with pytest.raises(InputError, match="slo-ttft-ms"):
         LoadBudget(rungs, 0)
 
@@ -79,6 +91,7 @@ def test_requests_follow_the_load_and_their_own_recipe_wins(demo, tmp_path, monk
     state = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200)
     predicted = {"baseline": 1.0, "tuned-total_flops=0.6": 0.5, "tuned-total_flops=0.4": 0.1}  # seconds
     monkeypatch.setattr(state.load, "predict", lambda rung, waiting: predicted[rung.label])
+    monkeypatch.setattr(state.load, "sustained", lambda rung, rate: 0.0)
 
     def ask(url, **kw):
         body = {"messages": messages(3), "max_tokens": 12} | kw

@@ -7,24 +7,31 @@ expensive (most accurate) first, each with its time relative to the baseline (th
 `latency_s` ratio; the `prefill_flops` ratio where a report has no latency). A rung r is allowed for a new
 request with `waiting` requests queued ahead when both hold:
 
-    TTFT(r) = (waiting + 1) * tokens * s_per_token * ratio(r) + step_s  <=  T
-    rate * tokens * s_per_token * ratio(r)                              <=  RHO
+    now:       (waiting + 1) * P(r) + step_s                  <=  T
+    sustained: P(r) + step_s + W99(rate, S(r))                <=  T
 
-The first: the request's own predicted time to first token. The second: at the recent arrival rate (requests
-that follow the load, in the last WINDOW_S seconds, over the time since the oldest of them, at least
-WINDOW_S / 4), prefills on that rung would keep the engine busy at most RHO of the time. Without it a short
-queue lets every new request take an expensive rung, and at an arrival rate beyond what those rungs sustain
-the queue grows until the prediction turns, then drains, then grows again.
-`tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`: the measured prefill
-seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided by its ratio);
-`step_s`: the measured time of a decode step (a waiting request waits for one per turn). Both are
-exponential moving averages of what the engine ran. A request's own `recipe` always wins (and is not counted
-in the rate).
+P(r) = tokens * s_per_token * ratio(r): the predicted prefill of a mean prompt on rung r. The first check is
+the request's own predicted time to first token behind the queue now. The second is the 99th percentile of
+the time to first token that the recent arrival rate would give if every request ran on r: W99 is the 99th
+percentile of the wait of an M/M/1 queue (Poisson arrivals, one server: P(wait > t) = rho * exp(-(1 - rho) *
+t / S)), so W99 = S / (1 - rho) * ln(rho / 0.01) (0 where rho <= 0.01; no bound where rho >= 1), with
+S(r) = P(r) + decode_s the engine time a request takes and rho = rate * S(r). Without the second check a
+short queue lets every new request take an expensive rung, and at an arrival rate beyond what those rungs
+sustain the queue grows until the first check turns, then drains, then grows again; a bound on the mean
+utilisation alone still lets bursts of arrivals queue past T on a rung busy most of the time.
+`rate`: requests that follow the load, in the last WINDOW_S seconds, over the time since the oldest of them
+(at least WINDOW_S / 4). `tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`:
+the measured prefill seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided
+by its ratio); `step_s`: the measured time of a decode step (a waiting request waits for one per turn);
+`decode_s`: the decode-step seconds the engine ran per request admitted (taken as the same on every rung).
+All are exponential moving averages of what the engine ran. A request's own `recipe` always wins (and is not
+counted in the rate).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -35,7 +42,7 @@ from trimvlm.errors import InputError
 
 EWMA = 0.2  # the weight of each new measurement
 WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
-RHO = 0.8  # the largest share of the engine's time the chosen rung's prefills may take at that rate
+QUANTILE = 0.99  # the sustained check bounds this percentile of the time to first token
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class LoadBudget:
         self.tokens = 0.0  # mean prompt tokens (0: nothing measured yet)
         self.s_per_token = 0.0
         self.step_s = 0.0
+        self.decode_s = 0.0  # decode-step seconds per request admitted
+        self._stepped = 0.0  # decode-step seconds since the last prefill
         self._arrivals: deque[float] = deque()  # when the requests of the last WINDOW_S seconds came
         self._lock = threading.Lock()  # the model thread writes, the event loop reads
 
@@ -89,16 +98,19 @@ class LoadBudget:
         with self._lock:
             return (waiting + 1) * self._prefill_s(rung) + self.step_s
 
-    def busy(self, rung: Rung, rate: float) -> float:
-        """The share of the engine's time prefills on `rung` take at `rate` requests per second."""
+    def sustained(self, rung: Rung, rate: float) -> float:
+        """The predicted QUANTILE time to first token if requests came at `rate` per second and all ran on
+        `rung` (an M/M/1 queue whose service is a request's engine time; inf where it cannot keep up)."""
         with self._lock:
-            return rate * self._prefill_s(rung)
+            prefill = self._prefill_s(rung)
+            service = prefill + self.decode_s
+            return prefill + self.step_s + _wait_quantile(rate * service, service)
 
     def choose(self, waiting: int, rate: float = 0.0) -> Rung:
-        """The most accurate rung whose predicted TTFT fits the objective and that `rate` (requests per second)
-        keeps busy at most RHO of the time, else the cheapest."""
+        """The most accurate rung whose predicted TTFT fits the objective behind the queue now, and whose
+        QUANTILE TTFT at `rate` (requests per second) fits it too; else the cheapest."""
         for rung in self.rungs:
-            if self.predict(rung, waiting) <= self.slo_s and self.busy(rung, rate) <= RHO:
+            if self.predict(rung, waiting) <= self.slo_s and self.sustained(rung, rate) <= self.slo_s:
                 return rung
         return self.rungs[-1]
 
@@ -123,12 +135,14 @@ class LoadBudget:
     def figures(self) -> dict:
         """What the prediction reads (for an API process: `adopt`)."""
         with self._lock:
-            return {"tokens": self.tokens, "s_per_token": self.s_per_token, "step_s": self.step_s}
+            return {"tokens": self.tokens, "s_per_token": self.s_per_token, "step_s": self.step_s,
+                    "decode_s": self.decode_s}
 
     def adopt(self, figures: dict) -> None:
         """Take the engine process's measurements (an API process predicts with them)."""
         with self._lock:
-            self.tokens, self.s_per_token, self.step_s = figures["tokens"], figures["s_per_token"], figures["step_s"]
+            self.tokens, self.s_per_token = figures["tokens"], figures["s_per_token"]
+            self.step_s, self.decode_s = figures["step_s"], figures["decode_s"]
 
     # ---- what the engine measured ----
     def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:
@@ -139,11 +153,22 @@ class LoadBudget:
         with self._lock:
             self.tokens = _mix(self.tokens, tokens / requests)
             self.s_per_token = _mix(self.s_per_token, per)
+            self.decode_s = _mix(self.decode_s, self._stepped / requests)
+            self._stepped = 0.0
 
     def stepped(self, seconds: float) -> None:
         with self._lock:
             self.step_s = _mix(self.step_s, seconds)
+            self._stepped += seconds
 
 
 def _mix(old: float, new: float) -> float:
     return new if old == 0 else (1 - EWMA) * old + EWMA * new
+
+
+def _wait_quantile(rho: float, service: float) -> float:
+    """The QUANTILE wait of an M/M/1 queue at utilisation `rho` whose mean service time is `service`."""
+    if rho >= 1:
+        return math.inf
+    tail = 1 - QUANTILE
+    return 0.0 if rho <= tail else service / (1 - rho) * math.log(rho / tail)
