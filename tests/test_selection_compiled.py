@@ -131,6 +131,41 @@ def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(
         assert a[0][u, : int(k[u])].tolist() == ref
 
 
+def test_farthest_point_first_guess_in_stages_compiled_equal_fallback_and_the_formula(monkeypatch):
+    """Where the look-ahead pool holds under a fifth of the tokens, the first refill's guess is computed in
+    stages (STAGE rows, then twice as many while it holds): compiled == fallback with the same products and
+    FLOPs, the picks are the formula's, and the first product has one stage of rows per unit, not a block."""
+    from trimvlm.kernels import farthest
+
+    monkeypatch.setattr(farthest, "STAGE", 4)
+    sizes, k = [300, 210], torch.tensor([70, 45])
+    x, mask, tilt = units(sizes, 8, seed=5, dtype=torch.float64)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    rows = []
+    real_bmm = farthest.bmm
+
+    def counted(a, b, **kw):
+        if b.shape[-1] == x.shape[1]:
+            rows.append(a.shape[0] * a.shape[1])
+        return real_bmm(a, b, **kw)
+
+    monkeypatch.setattr(farthest, "bmm", counted)
+    (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True, block=16))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    half = len(rows) // 2
+    assert rows[:half] == rows[half:] and rows[0] == 2 * 4  # pool 32 < 300 / 5: a stage of 4 rows per unit
+    for u, n in enumerate(sizes):
+        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
+        ref = [int(tilt[u, :n].argmax())]
+        mind = dist[ref[0]].clone()
+        while len(ref) < int(k[u]):
+            score = mind + tilt[u, :n]
+            score[ref] = float("-inf")
+            ref.append(int(score.argmax()))
+            mind = torch.minimum(mind, dist[ref[-1]])
+        assert a[0][u, : int(k[u])].tolist() == ref
+
+
 def test_farthest_point_compiled_matches_the_formula():
     """Against the plain formula (full distance matrix, one step per pick), float64, no ties."""
     x, mask, tilt = units([50, 37], 8, seed=5, dtype=torch.float64)

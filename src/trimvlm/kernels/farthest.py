@@ -13,11 +13,18 @@ from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.threads import for_units
 
-# farthest point's rows per product at most, and its look-ahead pool: N / 4 candidates within these bounds (one
-# thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5, N = 576-2304: the
-# pool's distances cost 20-50% of a full block's rows and let a refill be certain of 15-140 picks; 64 rows per
-# product cost 1.25x a row of the whole product at N = 1024, 128 rows 1.1x)
-BLOCK, POOL_MIN, POOL_MAX = 128, 128, 256
+# farthest point's rows per product at most: N / 9 within BLOCK..BLOCK_MAX; its look-ahead pool: N / 4 within
+# POOL_MIN..2 x block. One thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5,
+# N = 576-4096: the pool's distances cost 20-50% of a full block's rows and let a refill be certain of 15-200
+# picks; 64 rows per product cost 1.25x a row of the whole product at N = 1024, 128 rows 1.1x; at N = 2304, 256
+# rows and a pool of 512 took two refills where 128 and 256 took six.
+BLOCK, BLOCK_MAX, POOL_MIN = 128, 256, 128
+# The first refill's guess (nothing is certain before the first distance row is known) is computed in stages
+# where its pool holds under a fifth of the tokens: STAGE rows, then twice the last stage's while the guess
+# keeps being the rule's picks. There the rule soon picks outside the pool (at N = 2304 with a pool of 256,
+# after 24 of 128 guesses); where the pool holds more (N <= 1024, or N = 2304 with 512) a block of guesses held
+# whole, and one product is cheaper than three.
+STAGE = 32
 
 
 def farthest_point(
@@ -39,12 +46,13 @@ def farthest_point(
     (beta * rho~); first [U] the first pick. Ties go to the lowest index.
 
     Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
-    floor. The rows are computed up to `block` (default BLOCK) at a time as one [q, d] x [d, N] product (a
-    compute-bound matrix product instead of a memory-bound matrix-vector product per pick), for the picks the
-    rule is certain to make next: the rule is run ahead on the `pool` best current candidates (default N / 4
-    within POOL_MIN..POOL_MAX; 2 x block with an explicit block) with their [pool, pool] distances, as long as
-    its picks score above every token outside the pool (`_predict`; at the first step, before any distance is
-    known, a full block is a guess). A unit whose pick is not among its cached rows refills (only that unit).
+    floor. The rows are computed up to `block` (default N / 9 within BLOCK..BLOCK_MAX) at a time as one
+    [q, d] x [d, N] product (a compute-bound matrix product instead of a memory-bound matrix-vector product per
+    pick), for the picks the rule is certain to make next: the rule is run ahead on the `pool` best current
+    candidates (default N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
+    [pool, pool] distances, as long as its picks score above every token outside the pool (`_predict`; at the
+    first step, before any distance is known, a full block is a guess, computed in stages where the pool holds
+    under a fifth of the tokens: STAGE rows, then twice as many while the guess holds). A unit whose pick is not among its cached rows refills (only that unit).
     The prediction only chooses which rows to compute: every pick is still the exact argmax of the exact
     current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick loop).
     The O(N) per-pick bookkeeping (running min, tilt, argmax) runs on [U, N] host arrays: compiled, one fused
@@ -58,7 +66,7 @@ def farthest_point(
     """
     u, n, _ = xn.shape
     kmax = int(k.max())
-    m = max(1, min(block or BLOCK, n))
+    m = max(1, min(block or min(BLOCK_MAX, max(BLOCK, n // 9)), n))
     dev = xn.device
     live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(u, n).copy()
     rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
@@ -69,8 +77,9 @@ def farthest_point(
         near=np.zeros((u, n) if track_nearest else (1, 1), dtype=np.int64),  # pick step of the nearest pick
         cache=(rows, host), rows_np=rows.numpy() if host is None else host,  # on the CPU: the same memory
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
-        pool=pool or (min(POOL_MAX, max(POOL_MIN, n // 4)) if block is None else 2 * m),
+        pool=pool or (min(2 * m, max(POOL_MIN, n // 4)) if block is None else 2 * m),
         s=np.asarray(first.tolist(), dtype=np.int64),
+        guess=None,  # the first refill's guess: [U, q] picks, [U] the next stage's start (-1: none), its last rows
     )  # fmt: skip
     with np.errstate(invalid="ignore"):  # inf + -inf (a unit past its tokens) is NaN by the rule, not an error
         out = _compiled(st) if jit.compiled(xn) and kmax > 0 else _numpy_loop(st)
@@ -150,11 +159,18 @@ def _refill(st, mind, s, miss, t: int) -> None:
     u, n, d = xn.shape
     m = rows.shape[1]
     who = np.flatnonzero(miss)
-    cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
-    mw = None if mind is None else mind[who]
-    q = min(m, int((st.ks[who] - t).max()))
-    pool = min(st.pool, 2 * q, n)  # the pool a block needs, less for the last picks
-    picks = _predict(st.xs, who, cur, mw, live[who], s[who], q, pool)
+    picks = _staged(st, who, s) if mind is not None else None
+    if picks is None:
+        cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
+        mw = None if mind is None else mind[who]
+        q = min(m, int((st.ks[who] - t).max()))
+        pool = min(st.pool, 2 * q, n)  # the pool a block needs, less for the last picks
+        picks = _predict(st.xs, who, cur, mw, live[who], s[who], q, pool)
+        if mind is None and picks.shape[1] > STAGE and 5 * pool < n:  # a guess: a stage now, more while it holds
+            guess, nxt = np.zeros((u, picks.shape[1]), dtype=np.int64), np.full(u, -1, dtype=np.int64)
+            guess[who], nxt[who] = picks, STAGE
+            st.guess = (guess, nxt, STAGE)
+            picks = picks[:, :STAGE]
     q = picks.shape[1]
     flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
     want = xf.index_select(0, flat).reshape(len(who), q, d)
@@ -178,6 +194,23 @@ def _refill(st, mind, s, miss, t: int) -> None:
     st.slot[who] = -1
     for j in range(q - 1, -1, -1):  # a token predicted twice (out of candidates) keeps its first row
         st.slot[who, picks[:, j]] = j
+
+
+def _staged(st, who, s) -> np.ndarray | None:
+    """The next stage of the first refill's guess for the units `who` [U'] missing with picks `s` [U], when
+    every one of them took the guess so far and its next guessed pick is `s` (twice the last stage's rows, at
+    most the rest); else None (and the guess dropped for them)."""
+    if st.guess is None:
+        return None
+    picks, nxt, size = st.guess
+    at = int(nxt[who[0]])
+    if at < 0 or at >= picks.shape[1] or (nxt[who] != at).any() or (picks[who, at] != s[who]).any():
+        nxt[who] = -1
+        return None
+    size = min(2 * size, picks.shape[1] - at)
+    nxt[who] = at + size
+    st.guess = (picks, nxt, size)
+    return picks[who, at : at + size]
 
 
 def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
