@@ -55,15 +55,16 @@ def test_the_rung_chosen_is_the_most_accurate_that_fits():
     load.tokens, load.s_per_token, load.step_s = 100, 0.001, 0.01  # 0.1 s per baseline prompt
     assert load.predict(rungs[0], 0) == pytest.approx(0.11)
     assert [load.choose(w).label for w in (0, 1, 2, 3, 5, 9)] == ["baseline", "baseline", "a", "a", "b", "b"]
-    # at 0.5 requests/s the baseline is busy 5% of the time and an M/M/1 queue's 99th-percentile wait is
-    # 0.1 / 0.95 * ln(0.05 / 0.01) = 0.169 s: with the prefill and a step, 0.279 s > 0.25
-    assert load.sustained(rungs[0], 0.5) == pytest.approx(0.1 / 0.95 * math.log(5) + 0.11)
+    # at 1 request/s the baseline is busy 10% of the time and the 99th-percentile wait (M/D/1's exponential
+    # tail) is 0.1 / (2 * 0.9) * ln(0.1 / 0.01) = 0.128 s: with the prefill and a step, 0.238 s <= 0.25
+    assert load.sustained(rungs[0], 1) == pytest.approx(0.1 / 1.8 * math.log(10) + 0.11)
     assert load.sustained(rungs[1], 17) == math.inf  # 17 x 0.06 s of work a second: more than the engine has
-    assert [load.choose(0, rate).label for rate in (0, 0.1, 0.5, 2, 3, 30)] == [
-        "baseline", "baseline", "a", "a", "b", "b"]
+    assert [load.choose(0, rate).label for rate in (0, 0.5, 1, 2, 6, 8, 30)] == [
+        "baseline", "baseline", "baseline", "a", "a", "b", "b"]
     load.decode_s = 0.02  # each request also takes 20 ms of decode steps: 0.12 s of engine time on the baseline
-    assert load.sustained(rungs[0], 0.5) == pytest.approx(0.12 / 0.94 * math.log(6) + 0.11)
-    assert load.choose(0, 2).label == "b"  # a: rho = 0.16, 0.08 / 0.84 * ln(16) + 0.07 = 0.334 s
+    assert load.sustained(rungs[0], 1) == pytest.approx(0.12 / 1.76 * math.log(12) + 0.11)  # 0.279 s
+    assert load.choose(0, 1).label == "a"
+    assert load.choose(0, 4).label == "b"  # a: rho = 0.32, 0.08 / 1.36 * ln(32) + 0.07 = 0.274 s
     load.prefilled("a", 2, 200, 0.12)  # 0.12 s for 200 tokens at 60%: 0.001 s per baseline token
     assert load.s_per_token == pytest.approx(0.001) and load.tokens == pytest.approx(100)
     assert load.decode_s == pytest.approx(0.8 * 0.02)  # no decode step ran before that prefill

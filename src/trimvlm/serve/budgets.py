@@ -13,8 +13,10 @@ request with `waiting` requests queued ahead when both hold:
 P(r) = tokens * s_per_token * ratio(r): the predicted prefill of a mean prompt on rung r. The first check is
 the request's own predicted time to first token behind the queue now. The second is the 99th percentile of
 the time to first token that the recent arrival rate would give if every request ran on r: W99 is the 99th
-percentile of the wait of an M/M/1 queue (Poisson arrivals, one server: P(wait > t) = rho * exp(-(1 - rho) *
-t / S)), so W99 = S / (1 - rho) * ln(rho / 0.01) (0 where rho <= 0.01; no bound where rho >= 1), with
+percentile of the wait of a single-server queue with Poisson arrivals, from the exponential tail of M/G/1
+waits, P(wait > t) = rho * exp(-2 * (1 - rho) * t / ((1 + c2) * S)) (exact for M/M/1, c2 = 1), taken with
+c2 = 0 (M/D/1: a request's engine time on a rung is set by its prompt, which varies little within a task):
+W99 = S / (2 * (1 - rho)) * ln(rho / 0.01) (0 where rho <= 0.01; no bound where rho >= 1), with
 S(r) = P(r) + decode_s the engine time a request takes and rho = rate * S(r). Without the second check a
 short queue lets every new request take an expensive rung, and at an arrival rate beyond what those rungs
 sustain the queue grows until the first check turns, then drains, then grows again; a bound on the mean
@@ -43,6 +45,7 @@ from trimvlm.errors import InputError
 EWMA = 0.2  # the weight of each new measurement
 WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
 QUANTILE = 0.99  # the sustained check bounds this percentile of the time to first token
+SERVICE_CV2 = 0.0  # the squared coefficient of variation of a request's engine time (0: fixed, M/D/1)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class LoadBudget:
 
     def sustained(self, rung: Rung, rate: float) -> float:
         """The predicted QUANTILE time to first token if requests came at `rate` per second and all ran on
-        `rung` (an M/M/1 queue whose service is a request's engine time; inf where it cannot keep up)."""
+        `rung` (an M/G/1 queue whose service is a request's engine time; inf where it cannot keep up)."""
         with self._lock:
             prefill = self._prefill_s(rung)
             service = prefill + self.decode_s
@@ -167,8 +170,9 @@ def _mix(old: float, new: float) -> float:
 
 
 def _wait_quantile(rho: float, service: float) -> float:
-    """The QUANTILE wait of an M/M/1 queue at utilisation `rho` whose mean service time is `service`."""
+    """The QUANTILE wait of an M/G/1 queue at utilisation `rho` whose mean service time is `service`, from the
+    exponential tail P(wait > t) = rho * exp(-2 * (1 - rho) * t / ((1 + SERVICE_CV2) * service))."""
     if rho >= 1:
         return math.inf
     tail = 1 - QUANTILE
-    return 0.0 if rho <= tail else service / (1 - rho) * math.log(rho / tail)
+    return 0.0 if rho <= tail else (1 + SERVICE_CV2) * service / (2 * (1 - rho)) * math.log(rho / tail)
