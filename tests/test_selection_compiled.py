@@ -94,6 +94,35 @@ def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
     assert a[0].tolist() == b[0].tolist() == [[0]]
 
 
+def rows_counted(monkeypatch, n: int) -> list[int]:
+    """The rows of every farthest-point distance product against all `n` tokens, in order (per unit)."""
+    from trimvlm.kernels import farthest
+
+    rows, real_bmm = [], farthest.bmm
+
+    def counted(a, b, **kw):
+        if b.shape[-1] == n:
+            rows.append(a.shape[0] * a.shape[1])
+        return real_bmm(a, b, **kw)
+
+    monkeypatch.setattr(farthest, "bmm", counted)
+    return rows
+
+
+def assert_formula_picks(picks, xn, tilt, k, sizes) -> None:
+    """Each unit's picks are the formula's: full distance matrix, one step per pick."""
+    for u, n in enumerate(sizes):
+        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
+        ref = [int(tilt[u, :n].argmax())]
+        mind = dist[ref[0]].clone()
+        while len(ref) < int(k[u]):
+            score = mind + tilt[u, :n]
+            score[ref] = float("-inf")
+            ref.append(int(score.argmax()))
+            mind = torch.minimum(mind, dist[ref[-1]])
+        assert picks[u, : int(k[u])].tolist() == ref
+
+
 def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(monkeypatch):
     """Refills of the picks the look-ahead is certain of, over several blocks in a ragged batch (one unit past
     three blocks of picks, one below one): compiled == fallback with the same FLOPs, the picks are the
@@ -104,31 +133,14 @@ def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(
     x, mask, tilt = units(sizes, 8, seed=21, dtype=torch.float64)
     xn = F.normalize(x, dim=-1, eps=1e-12)
     k = torch.tensor([3 * farthest.BLOCK + 20, 90])
-    rows = []  # rows of every distance product against all N tokens, per unit
-    real_bmm = farthest.bmm
-
-    def counted(a, b, **kw):
-        if b.shape[-1] == x.shape[1]:
-            rows.append(a.shape[0] * a.shape[1])
-        return real_bmm(a, b, **kw)
-
-    monkeypatch.setattr(farthest, "bmm", counted)
+    rows = rows_counted(monkeypatch, x.shape[1])
     (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
     half = len(rows) // 2  # the compiled run's products, then the fallback's
     assert rows[:half] == rows[half:]
     assert rows[0] == 2 * farthest.BLOCK  # the first refill: a block of guesses for both units
     assert sum(rows[1:half]) <= int(k.sum()) - 2  # the others: certain picks only (each unit's first was served)
-    for u, n in enumerate(sizes):
-        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
-        ref = [int(tilt[u, :n].argmax())]
-        mind = dist[ref[0]].clone()
-        while len(ref) < int(k[u]):
-            score = mind + tilt[u, :n]
-            score[ref] = float("-inf")
-            ref.append(int(score.argmax()))
-            mind = torch.minimum(mind, dist[ref[-1]])
-        assert a[0][u, : int(k[u])].tolist() == ref
+    assert_formula_picks(a[0], xn, tilt, k, sizes)
 
 
 def test_farthest_point_first_guess_in_stages_compiled_equal_fallback_and_the_formula(monkeypatch):
@@ -141,29 +153,13 @@ def test_farthest_point_first_guess_in_stages_compiled_equal_fallback_and_the_fo
     sizes, k = [300, 210], torch.tensor([70, 45])
     x, mask, tilt = units(sizes, 8, seed=5, dtype=torch.float64)
     xn = F.normalize(x, dim=-1, eps=1e-12)
-    rows = []
-    real_bmm = farthest.bmm
-
-    def counted(a, b, **kw):
-        if b.shape[-1] == x.shape[1]:
-            rows.append(a.shape[0] * a.shape[1])
-        return real_bmm(a, b, **kw)
-
-    monkeypatch.setattr(farthest, "bmm", counted)
+    rows = rows_counted(monkeypatch, x.shape[1])
     (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True, block=16))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
     half = len(rows) // 2
-    assert rows[:half] == rows[half:] and rows[0] == 2 * 4  # pool 32 < 300 / 5: a stage of 4 rows per unit
-    for u, n in enumerate(sizes):
-        dist = 1.0 - xn[u, :n] @ xn[u, :n].T
-        ref = [int(tilt[u, :n].argmax())]
-        mind = dist[ref[0]].clone()
-        while len(ref) < int(k[u]):
-            score = mind + tilt[u, :n]
-            score[ref] = float("-inf")
-            ref.append(int(score.argmax()))
-            mind = torch.minimum(mind, dist[ref[-1]])
-        assert a[0][u, : int(k[u])].tolist() == ref
+    assert rows[:half] == rows[half:]
+    assert rows[:2] == [2 * 4, 2 * 8]  # pool 32 < 300 / 5: stages of 4, then 8 rows per unit (the guess held)
+    assert_formula_picks(a[0], xn, tilt, k, sizes)
 
 
 def test_farthest_point_compiled_matches_the_formula():
