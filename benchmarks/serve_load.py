@@ -14,7 +14,9 @@ latency (client side: the whole answer), the mean batch the server reported (`us
 requests (any status but 200); for chat completions, which are streamed, also the time to the first token
 (TTFT: request sent -> first chunk with text) and the inter-token latency (between text chunks), p50 / p99, and
 the client's TTFT minus the engine's (`usage.engine_ttft_s`), p50: what HTTP, parsing, preparation and
-streaming add.
+streaming add, and its two parts: in the server (`usage.server_ttft_s`, received by the handler -> first token
+there, minus the engine's) and outside it (the client's TTFT minus the server's: the connection, the HTTP
+server before the handler, the writes and the clients' own event loop, which shares this machine).
 The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50, over all
 answers and over the multi-token answers alone (>= `LONG` text chunks: a one-token answer ends one decode step
 after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--chat-prompts
@@ -133,6 +135,7 @@ async def ask(c, path: str, body: bytes) -> dict:
                 if "usage" in chunk:
                     out["batch"] = chunk["usage"]["batch_requests"]
                     out["engine_ttft"] = chunk["usage"].get("engine_ttft_s")
+                    out["server_ttft"] = chunk["usage"].get("server_ttft_s")
         else:
             out["batch"] = json.loads(await r.aread())["usage"]["batch_requests"]
     out["latency"] = time.perf_counter() - t0
@@ -146,7 +149,7 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
     import httpx
 
     seen = {"latencies": [], "ttft": [], "gaps": [], "batches": [], "failures": [], "abandoned": 0, "long": [],
-            "ttft_overhead": []}  # fmt: skip
+            "ttft_overhead": [], "ttft_split": []}  # fmt: skip
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -168,6 +171,9 @@ async def load(url: str, path: str, reqs: list[bytes], clients: int, seconds: fl
                         seen["ttft"].append(res["ttft"])
                         if res.get("engine_ttft") is not None:  # what the HTTP side adds to the engine's TTFT
                             seen["ttft_overhead"].append(res["ttft"] - res["engine_ttft"])
+                            if res.get("server_ttft") is not None:  # (in the server, outside it)
+                                seen["ttft_split"].append((res["server_ttft"] - res["engine_ttft"],
+                                                           res["ttft"] - res["server_ttft"]))
                     if res["chunks"] >= LONG:  # (TTFT, end to end) of a multi-token answer
                         seen["long"].append((res["ttft"], res["latency"]))
                     seen["gaps"] += res["gaps"]
@@ -246,6 +252,7 @@ def merge(parts: list[dict]) -> dict:
     failures = [x for p in parts for x in p["failures"]]
     long = [x for p in parts for x in p.get("long", [])]
     over = [x for p in parts for x in p.get("ttft_overhead", [])]
+    split = [x for p in parts for x in p.get("ttft_split", [])]
     elapsed = sum(p["seconds"] for p in parts)
     return {
         "requests": len(lat), "failed": len(failures), "failures": failures[:5], "seconds": elapsed,
@@ -255,6 +262,11 @@ def merge(parts: list[dict]) -> dict:
         "itl_p50_ms": 1e3 * statistics.median(gaps) if gaps else None, "itl_p99_ms": pct(gaps, 0.99),
         # the client's TTFT minus the engine's (usage.engine_ttft_s: queued -> first token sent by the model thread)
         "ttft_overhead_p50_ms": 1e3 * statistics.median(over) if over else None,
+        # that overhead's two parts: in the server (received by the handler -> first token there, minus the
+        # engine's TTFT: parsing, preparation, hand-offs) and outside it (the client's TTFT minus the server's:
+        # the connection, uvicorn before the handler, the writes and the client's own event loop)
+        "ttft_server_part_p50_ms": 1e3 * statistics.median(a for a, _ in split) if split else None,
+        "ttft_outside_p50_ms": 1e3 * statistics.median(b for _, b in split) if split else None,
         "mean_batch": statistics.fmean(batches) if batches else None,
         # answers of >= LONG text chunks only: their TTFT p50 over their end-to-end p50
         "long_answers": len(long),
@@ -415,6 +427,8 @@ def main(argv=None):
                         "batched_rps": row["throughput_rps"], "one_at_a_time_rps": one["throughput_rps"],
                         "other": other, "ratio": ratio, "ttft_over_e2e_p50": ttft_share,
                         "ttft_overhead_p50_ms": row["ttft_overhead_p50_ms"],
+                        "ttft_server_part_p50_ms": row["ttft_server_part_p50_ms"],
+                        "ttft_outside_p50_ms": row["ttft_outside_p50_ms"],
                         "other_ttft_overhead_p50_ms": one["ttft_overhead_p50_ms"],
                         "long_ttft_over_e2e_p50": row["long_ttft_over_e2e_p50"]})  # fmt: skip
         table.add_row(
