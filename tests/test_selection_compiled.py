@@ -312,3 +312,14 @@ def test_dart_duplicate_pass_compiled_equals_the_topk_loop(seed):
     got = keep0.clone()
     top_share(sim.numpy(), got.numpy(), mask.numpy(), shares.numpy())
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("pool", [5, 128, 130, 300])
+def test_the_look_ahead_distances_are_the_full_products(pool):
+    """The pool's distances, computed as their upper block triangle and mirrored, equal 1 - c c^T (float64)."""
+    from trimvlm.kernels import farthest
+
+    gen = torch.Generator().manual_seed(pool)
+    c = F.normalize(torch.randn(2, pool, 16, dtype=torch.float64, generator=gen), dim=-1)
+    g = farthest._gram(c)
+    assert np.allclose(g, (1.0 - c @ c.transpose(1, 2)).numpy(), rtol=0, atol=1e-12)
