@@ -53,7 +53,8 @@ def farthest_point(
     candidates (default N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
     [pool, pool] distances, as long as its picks score above every token outside the pool (`_predict`; at the
     first step, before any distance is known, a full block is a guess, computed in stages where the pool holds
-    under a fifth of the tokens: STAGE rows, then twice as many while the guess holds). A unit whose pick is not among its cached rows refills (only that unit).
+    under a fifth of the tokens: STAGE rows, then twice as many while the guess holds). A unit whose pick is not
+    among its cached rows refills (only that unit).
     The prediction only chooses which rows to compute: every pick is still the exact argmax of the exact
     current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick loop).
     The O(N) per-pick bookkeeping (running min, tilt, argmax) runs on [U, N] host arrays: compiled, one fused
