@@ -98,8 +98,8 @@ async def open_loop(url: str, pool: list[dict], rate: float, seconds: float, max
 
     rng = random.Random(seed)
     tasks, t, k = [], 0.0, 0
-    # idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn: 5 s) closes them:
-    # with equal timeouts a request sent on a connection as the server closes it fails (ReadError)
+    # idle connections are dropped after 2 s, well before the server's keep-alive timeout (`serve.app.KEEP_ALIVE_S`)
+    # closes them: a request sent on a connection as the server closes it fails (ReadError)
     limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
         start = time.perf_counter()
@@ -196,7 +196,8 @@ def main(argv=None):
         t.add_column(col)
     for r in rows:
         t.add_row(r["server"], str(r["requests"]), str(r["failed"]), f"{r['ttft_p50_ms'] or 0:.0f}",
-                  f"{r['ttft_p99_ms'] or 0:.0f}", f"{r['engine_ttft_p99_ms'] or 0:.0f}", f"{r['e2e_p50_ms'] or 0:.0f}", f"{r['e2e_p99_ms'] or 0:.0f}",
+                  f"{r['ttft_p99_ms'] or 0:.0f}", f"{r['engine_ttft_p99_ms'] or 0:.0f}",
+                  f"{r['e2e_p50_ms'] or 0:.0f}", f"{r['e2e_p99_ms'] or 0:.0f}",
                   f"{r['accuracy'] or 0:.3f}", ", ".join(f"{k}: {v}" for k, v in r["recipes"].items()))  # fmt: skip
     console.print(t)
     if args.json:

@@ -222,12 +222,12 @@ def _gram(c: torch.Tensor) -> np.ndarray:
     p = c.shape[1]
     if not GRAM_BLOCK or p <= GRAM_BLOCK:
         return (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
-    g = np.empty((c.shape[0], p, p), dtype=torch.empty(0, dtype=c.dtype).numpy().dtype)
+    g = torch.empty(c.shape[0], p, p, dtype=c.dtype)
     for i in range(0, p, GRAM_BLOCK):
         j = min(p, i + GRAM_BLOCK)
-        g[:, i:j, i:] = (1.0 - bmm(c[:, i:j], c[:, i:].transpose(1, 2))).cpu().numpy()
-        g[:, j:, i:j] = g[:, i:j, j:].transpose(0, 2, 1)
-    return g
+        g[:, i:j, i:] = 1.0 - bmm(c[:, i:j], c[:, i:].transpose(1, 2)).cpu()
+        g[:, j:, i:j] = g[:, i:j, j:].transpose(1, 2)
+    return g.numpy()
 
 
 def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:

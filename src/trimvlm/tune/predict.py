@@ -1,20 +1,20 @@
 """Prefill FLOPs and KV bytes of a recipe from the input shapes alone, before anything runs.
 
-For a task's batches (the harness' own `evals.run.batches`, so the padding is the one the run will have) the
-shapes are read once: each row's real length, its visual tokens per image (the reducers' units) and the vision
-tower's FLOPs (`Runner.vision_flops`, remembered per input shape). Downsampling (a plan with a `resolution`)
-reads each batch again with its images prepared at that size: the rows, the visual tokens and the vision
-tower's FLOPs of the smaller images. A recipe's model prefill FLOPs then follow
-the runner's own count: every decoder layer that runs costs `Adapter.layer_flops(i, B, q, q)` on the batch's
-padded length q at that layer (a token reducer at layer L keeps what its `kept_counts` says: K =
-ceil(N_image * keep) per image by default, pooling's window count; the batch shrinks to its longest kept row), plus the LM head at the last
-position and the vision tower. KV bytes at the prefill/decode boundary: per attention layer that ran, key and
-value of [B, Hk, K, hd], K the longest row after the KV policy kept ceil(N_visual * keep) of the row's visual
-entries in that layer (text entries are never evicted).
+For a task's batches (the harness' own `evals.run.batches`, so the padding is the one the run will have) the shapes
+are read once: each row's real length, its visual tokens per image (the reducers' units) and the vision tower's
+FLOPs (`Runner.vision_flops`, remembered per input shape). Downsampling (a plan with a `resolution`) reads each
+batch again with its images prepared at that size: the rows, the visual tokens and the vision tower's FLOPs of the
+smaller images. A recipe's model prefill FLOPs then follow the runner's own count: every decoder layer that runs
+costs `Adapter.layer_flops(i, B, q, q)` on the batch's padded length q at that layer (a token reducer at layer L
+keeps what its `kept_counts` says: K = ceil(N_image * keep) per image by default, pooling's window count; the batch
+shrinks to its longest kept row), plus the LM head at the last position and the vision tower. KV bytes at the
+prefill/decode boundary: per attention layer that ran, key and value of [B, Hk, K, hd], K the longest row after the
+KV policy kept ceil(N_visual * keep) of the row's visual entries in that layer (text entries are never evicted).
 
-What the shapes cannot tell is refused with None: a router (its layer plan follows the input), a reducer whose
-kept counts follow the data (`TokenReducer.predictable = False`: SparseVLM), a KV policy whose per-layer split follows the attention (`KVPolicy.predictable`:
-VL-Cache, AirCache), candidate items (their branches follow the candidates). Such recipes are run to be measured. `tests/test_tune.py` checks prediction == measurement.
+What the shapes cannot tell is refused with None: a router (its layer plan follows the input), a reducer whose kept
+counts follow the data (`TokenReducer.predictable = False`: SparseVLM), a KV policy whose per-layer split follows
+the attention (`KVPolicy.predictable`: VL-Cache, AirCache), candidate items (their branches follow the candidates).
+Such recipes are run to be measured. `tests/test_tune.py` checks prediction == measurement.
 """
 
 from __future__ import annotations
