@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from conftest import AVAILABLE, ragged_batch
 
 import trimvlm
 from trimvlm.errors import TrimVLMError
@@ -231,3 +233,31 @@ def test_budgets_are_judged_on_all_the_validation_items(tmp_path, one_thread):
     assert s.projected(cand, rounds[0])["prefill_flops"] == pytest.approx(on_all, rel=1e-9)
     cand.row = journal.run([cand.recipe], rounds[-1])[cand.spec]
     assert s.projected(cand, rounds[-1]) == cand.row["ratio"]  # the last round's items are all of them
+
+
+@pytest.mark.parametrize("family", AVAILABLE)
+def test_layout_seq_lays_the_batch_out_as_embed_does(vlms, family):
+    """The shapes are read without the vision tower: `Adapter.layout_seq` gives embed's layout exactly."""
+    vlm = vlms(family)
+    prep = vlm.prepare(*ragged_batch())
+    full, shape = vlm.adapter.embed(prep), vlm.adapter.layout_seq(prep)
+    assert shape.hidden.shape == (*full.hidden.shape[:2], 0)
+    for name in ("valid", "visual", "image_id", "source", "size"):
+        assert torch.equal(getattr(shape, name), getattr(full, name)), name
+    assert (shape.grids, shape.image_start, shape.tile_image) == (full.grids, full.image_start, full.tile_image)
+    assert int(full.visual.sum()) > 0
+
+
+def test_shapes_run_the_vision_tower_once_per_input_shape(monkeypatch, one_thread):
+    """Reading a task's shapes (and again at a downsampling resolution) runs the tower only to count the FLOPs
+    of an input shape not seen before, never once per batch."""
+    vlm = trimvlm.load("demo")
+    task = demo_task(limit=20, seed=0, split="val")
+    calls, real = [], vlm.adapter.embed
+    monkeypatch.setattr(vlm.adapter, "embed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shapes = read_shapes(vlm, task, batches(task, 5))
+    predict(vlm, "tokens=downsample:keep=0.3", shapes)
+    predict(vlm, "tokens=downsample:keep=0.3", shapes)  # the resized shapes are remembered
+    seen = {vlm.adapter.vision_key(vlm.prepare(*s.inputs)) for s in shapes}  # batches of the same image count
+    assert len(seen) < len(shapes)
+    assert len(calls) == 2 * len(seen)  # each input shape once at each of the two resolutions

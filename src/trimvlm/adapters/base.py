@@ -317,6 +317,12 @@ class Adapter:
     def embed(self, prepared: Prepared) -> LiveSeq:
         raise NotImplementedError
 
+    def layout(self, prepared: Prepared):
+        """Where the batch's images lie, read from the token ids and image grids alone: (visual [B, S] bool,
+        image_id [B, S] (-1 on text), per sample the (h, w) grid of each unit, per sample each unit's first
+        token index). `embed` builds its sequence on it."""
+        raise NotImplementedError
+
     def layer_keys(self, i: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """The key states attention layer i computes from `hidden` [..., D] entering it, before RoPE (a
         rotation: it leaves key norms unchanged), all KV heads concatenated: [..., Hk * hd]. None for a layer
@@ -361,6 +367,16 @@ class Adapter:
         return self.model.get_input_embeddings()(ids)
 
     # ---- shared behaviour ----
+    def layout_seq(self, prepared: Prepared) -> LiveSeq:
+        """The batch's sequence as `embed` lays it out (validity, visual tokens, units, grids, owning images)
+        with no vision tower run and no embedding: hidden is [B, S, 0] and positions are zeros. What the
+        shapes of a prefill follow from (`tune/predict.py`), at the price of reading the token ids."""
+        visual, image_id, grids, starts = self.layout(prepared)
+        b, s = visual.shape
+        empty = torch.zeros(b, s, 0, device=visual.device)
+        positions = torch.zeros(1, b, s, dtype=torch.long, device=visual.device)
+        return self.sequence_from(prepared, empty, positions, visual, image_id, grids, starts)
+
     @property
     def layer_types(self) -> list[str]:
         """Per decoder layer its type (read once: the runner asks for it at every layer of every step)."""

@@ -83,7 +83,7 @@ class Idefics3Adapter(Adapter):
             image_keys=image_keys(per_sample),
         )  # fmt: skip
 
-    def _layout(self, prepared: Prepared):
+    def layout(self, prepared: Prepared):
         """Per sample: one (side, side) grid per tile, the start index of each tile's tokens, tile ids."""
         visual = prepared.input_ids == self.image_token_id
         image_id, grids, starts = self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
@@ -91,7 +91,7 @@ class Idefics3Adapter(Adapter):
 
     def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self._layout(prepared)
+        visual, image_id, grids, starts = self.layout(prepared)
         if "pixel_values" in prepared.model_inputs:
             out = self.encode_vision(
                 vision,

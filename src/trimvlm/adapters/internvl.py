@@ -89,7 +89,7 @@ class InternVLAdapter(Adapter):
             image_keys=image_keys(per_sample),
         )  # fmt: skip
 
-    def _layout(self, prepared: Prepared):
+    def layout(self, prepared: Prepared):
         """Per sample: one (h, w) grid per tile, the index of each tile's first token, tile ids."""
         visual = prepared.input_ids == self.image_token_id
         pixel_values = prepared.model_inputs.get("pixel_values")
@@ -99,7 +99,7 @@ class InternVLAdapter(Adapter):
 
     def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self._layout(prepared)
+        visual, image_id, grids, starts = self.layout(prepared)
         if "pixel_values" in prepared.model_inputs:
             out = self.encode_feature_layer(prepared, vision, grids)
             embeds = self.merge_features(embeds, visual, out.pooler_output)

@@ -107,7 +107,7 @@ class LlavaAdapter(Adapter):
         keys = [[] if p is None else [pixel_key(im) for im in p] for p in pixels]
         return Prepared(ids, att, model_inputs, n_images=n_images, image_keys=keys)
 
-    def _layout(self, prepared: Prepared):
+    def layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in patches and where each image's patch (0, 0) lies (`image_start`): its
         patch (r, c) is at image_start + r * w + c."""
         visual = prepared.input_ids == self.image_token_id
@@ -135,7 +135,7 @@ class LlavaAdapter(Adapter):
 
     def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self._layout(prepared)
+        visual, image_id, grids, starts = self.layout(prepared)
         if "pixel_values" in prepared.model_inputs:
             out = self.encode_feature_layer(prepared, vision, grids)
             embeds = self.merge_features(embeds, visual, torch.cat(list(out.pooler_output), dim=0))

@@ -132,7 +132,7 @@ class QwenVLAdapterMixin:
             keys.append([pixel_key(c) for c in chunks])
         return Prepared(ids, att, model_inputs, n_images=n_images, image_keys=keys)
 
-    def _layout(self, prepared: Prepared):
+    def layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in merged tokens and the start index of each image's tokens."""
         grid_thw = prepared.model_inputs.get("image_grid_thw")
         visual = prepared.input_ids == self.model.config.image_token_id
@@ -181,7 +181,7 @@ class QwenVLAdapterMixin:
 
     def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
         embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self._layout(prepared)
+        visual, image_id, grids, starts = self.layout(prepared)
         adds = {}
         if "pixel_values" in prepared.model_inputs:
             grid_thw = prepared.model_inputs["image_grid_thw"]

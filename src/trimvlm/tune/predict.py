@@ -1,8 +1,9 @@
 """Prefill FLOPs and KV bytes of a recipe from the input shapes alone, before anything runs.
 
 For a task's batches (the harness' own `evals.run.batches`, so the padding is the one the run will have) the shapes
-are read once: each row's real length, its visual tokens per image (the reducers' units) and the vision tower's
-FLOPs (`Runner.vision_flops`, remembered per input shape). Downsampling (a plan with a `resolution`) reads each
+are read once, from the token ids and image grids (`Adapter.layout_seq`: no vision tower runs for them): each row's
+real length, its visual tokens per image (the reducers' units) and the vision tower's FLOPs (`Runner.vision_flops`,
+counted once per input shape and remembered). Downsampling (a plan with a `resolution`) reads each
 batch again with its images prepared at that size: the rows, the visual tokens and the vision tower's FLOPs of the
 smaller images. A recipe's model prefill FLOPs then follow the runner's own count: every decoder layer that runs
 costs `Adapter.layer_flops(i, B, q, q)` on the batch's padded length q at that layer (a token reducer at layer L
@@ -27,7 +28,6 @@ from trimvlm.kernels.select import keep_count
 from trimvlm.plan import LayerPlan, build_methods, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.layers import ATTENTION
-from trimvlm.runtime.meter import Meter
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _shape(vlm, images: list, prompts: list, plan=None) -> BatchShape:
 
     runner = vlm.runner
     prepared = vlm.prepare(images, prompts, plan=plan)
-    seq = runner.encode(prepared, Meter(device=runner.device))
+    seq = vlm.adapter.layout_seq(prepared)  # the layout only: the tower runs once per new shape, to be counted
     view = make_view(seq, 1.0, 0)
     units: list[list] = [[] for _ in range(seq.batch)]
     if view is not None:
