@@ -33,12 +33,13 @@ step 4 && $BIN/python benchmarks/token_similarity.py --model demo-scenes --task 
 step 5 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/kv.yaml \
     --limit 600 --batch-size 50 --json $R/kv-scenes.json --markdown $R/kv-scenes.md --plot $R/kv-scenes.png
 
-# 6. depth rankers, then tune at total FLOPs 0.75 / 0.6 / 0.45 / 0.3 / 0.2 (the vision tower is about 30% of the
-#    prefill and only downsampling reduces it, so below about 0.35x only downsampling recipes fit)
+# 6. depth rankers, then tune at total FLOPs 0.75 / 0.6 / 0.45 / 0.3 / 0.2 / 0.12 (the vision tower is about 30%
+#    of the prefill and only downsampling reduces it, so below about 0.35x only downsampling recipes fit)
 step 6 && for m in block-influence sensitivity greedy-kl; do
     $BIN/trimvlm calibrate --model demo-scenes --task scenes --method $m --n 32 --json $R/rank-scenes-$m.json; done
 step 6 && $BIN/trimvlm tune --model demo-scenes --task scenes --budget total_flops=0.75 --budget total_flops=0.6 \
-    --budget total_flops=0.45 --budget total_flops=0.3 --budget total_flops=0.2 --out $R/tune-scenes
+    --budget total_flops=0.45 --budget total_flops=0.3 --budget total_flops=0.2 --budget total_flops=0.12 \
+    --out $R/tune-scenes
 
 # 7. router v2: train, refit on the tuned method's tokens, calibrate on held-out inputs, record the variants.
 #    Every layout is run for real (about 0.13 s each here): training runs 5 keeps x 22 layer sets (at most 2

@@ -16,6 +16,7 @@ from trimvlm.adapters.base import (
     on_host,
     pixel_key,
 )
+from trimvlm.adapters.patch_embed import as_matmul
 from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionUnit
@@ -197,7 +198,8 @@ class QwenVLAdapterMixin:
         the tower (only the images it does not hold are encoded)."""
 
         def call(pixels, grid):
-            return self.inner.get_image_features(pixels, grid, return_dict=True)
+            with as_matmul(getattr(getattr(self.inner.visual, "patch_embed", None), "proj", None)):
+                return self.inner.get_image_features(pixels, grid, return_dict=True)
 
         if self.vision_cache is None or vision is not None:
             units = lambda rec: self._vision_units(rec, grid_thw)  # noqa: E731
