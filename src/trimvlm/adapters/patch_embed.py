@@ -36,7 +36,8 @@ def _one_patch(conv: torch.nn.Module, x: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def as_matmul(conv: torch.nn.Module | None):
     """Inside: `conv` (a Conv1d/2d/3d) runs one-patch inputs as a matrix product; the module's own forward is
-    back on exit. `None` or a module that is not a convolution: nothing changes."""
+    back on exit. `None` or a module that is not a convolution: nothing changes. Either forward gives the same
+    values (to rounding), so two threads running one model at once can only differ in which one they get."""
     if not isinstance(conv, torch.nn.modules.conv._ConvNd) or "forward" in vars(conv):
         yield
         return
@@ -53,4 +54,4 @@ def as_matmul(conv: torch.nn.Module | None):
     try:
         yield
     finally:
-        del conv.forward
+        vars(conv).pop("forward", None)  # a concurrent context on the same module may have taken it already
