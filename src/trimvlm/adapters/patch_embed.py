@@ -7,7 +7,7 @@ convolution several times slower than the same product as a `linear` (measured o
 Qwen2.5-VL's size (1,176 values, 1,280 filters) took about 0.7 s as a Conv3d and 0.09 s as a linear; the
 demo-scenes tower spent 9% of its time in it for 1% of its FLOPs). `as_matmul(conv)` runs the product instead
 while its context is open: same weights (viewed, not copied), same FLOPs (torch's counter counts 2 x patches x
-filter size x filters for both), and the same values up to the order of the sums (a few 1e-7 relative). An
+filter size x filters for both), and the same values up to the order of the sums (within about 1e-6). An
 input whose spatial size is not the kernel's, a padded or dilated or grouped convolution, runs the
 convolution itself.
 """
