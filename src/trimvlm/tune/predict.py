@@ -3,11 +3,11 @@
 For a task's batches (the harness' own `evals.run.batches`, so the padding is the one the run will have) the shapes
 are read once, from the token ids and image grids (`Adapter.layout_seq`: no vision tower runs for them): each row's
 real length, its visual tokens per image (the reducers' units) and the vision tower's FLOPs (`Runner.vision_flops`,
-counted once per input shape and remembered). Downsampling (a plan with a `resolution`) reads each
-batch again with its images prepared at that size: the rows, the visual tokens and the vision tower's FLOPs of the
-smaller images. A recipe's model prefill FLOPs then follow the runner's own count: every decoder layer that runs
-costs `Adapter.layer_flops(i, B, q, q)` on the batch's padded length q at that layer (a token reducer at layer L
-keeps what its `kept_counts` says: K = ceil(N_image * keep) per image by default, pooling's window count; the batch
+counted once per input shape and remembered). Downsampling (a plan with a `resolution`) reads each batch again with
+its images prepared at that size: the rows, the visual tokens and the vision tower's FLOPs of the smaller images. A
+recipe's model prefill FLOPs then follow the runner's own count: every decoder layer that runs costs
+`Adapter.layer_flops(i, B, q, q)` on the batch's padded length q at that layer (a token reducer at layer L keeps
+what its `kept_counts` says: K = ceil(N_image * keep) per image by default, pooling's window count; the batch
 shrinks to its longest kept row), plus the LM head at the last position and the vision tower. KV bytes at the
 prefill/decode boundary: per attention layer that ran, key and value of [B, Hk, K, hd], K the longest row after the
 KV policy kept ceil(N_visual * keep) of the row's visual entries in that layer (text entries are never evicted).
