@@ -281,6 +281,32 @@ def test_holov_selection_equals_loop_reference(tiny_adapter, family, keep, crops
         assert torch.nonzero(sel.keep[u]).flatten().tolist() == ref
 
 
+@pytest.mark.parametrize("crops", [1, 3, 16])
+def test_holov_crop_variance_equals_loop_reference(crops):
+    """The batched crop variance (every crop of every unit in one product) equals a per-token loop, on ragged
+    units, units with fewer tokens than crops and a unit of one token."""
+    from trimvlm.tokens.base import VisualView
+    from trimvlm.tokens.holov import crop_variance, crops_of
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = [13, 40, 2, 1]
+    n, d = max(lengths), 6
+    x = torch.randn(len(lengths), n, d, generator=gen, dtype=torch.float64)
+    mask = torch.arange(n)[None] < torch.tensor(lengths)[:, None]
+    view = VisualView.__new__(VisualView)
+    view.mask, view.n = mask, torch.tensor(lengths)
+    crop = crops_of(view, crops)
+    size = torch.stack([(crop == c).sum(1) for c in range(int(crop.max()) + 1)], 1)
+    xn = F.normalize(x, dim=-1)
+    got = crop_variance(xn, size)
+    for u, length in enumerate(lengths):
+        for i in range(n):
+            others = [j for j in range(length) if j != i and crop[u, j] == crop[u, i]] if i < length else []
+            sims = torch.tensor([float(xn[u, i] @ xn[u, j]) for j in others], dtype=torch.float64)
+            ref = float(((sims - sims.mean()) ** 2).mean()) if len(others) else 0.0
+            assert abs(float(got[u, i]) - ref) <= 1e-12
+
+
 # ---- downsample: the image is prepared smaller, the vision tower makes fewer tokens -----------------------
 RESIZING = [f for f in ("qwen3_vl", "qwen2_5_vl", "qwen3_5") if f in AVAILABLE]
 

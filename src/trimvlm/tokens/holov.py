@@ -27,6 +27,27 @@ def crops_of(view: VisualView, crops: int) -> torch.Tensor:
     return crop.masked_fill(~view.mask, -1)
 
 
+def crop_variance(xn: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """[U, N] float64: the variance of each token's cosine similarity to the other tokens of its crop (0 for a
+    crop of one token and on pads). xn: [U, N, d] unit-norm features; size: [U, C] tokens per crop, the crops
+    contiguous runs from token 0 (`crops_of`). All crops of all units in one batched product, each crop padded to
+    the largest (its method FLOPs count the padded product it runs)."""
+    u, n, d = xn.shape
+    c = size.shape[1]
+    m = max(int(size.max()), 1)
+    j = torch.arange(m, device=xn.device)
+    inside = j < size[..., None]  # [U, C, m]
+    idx = torch.where(inside, (size.cumsum(1) - size)[..., None] + j, 0).view(u, c * m)
+    xk = xn.gather(1, idx[..., None].expand(-1, -1, d)).view(u * c, m, d)
+    sim = bmm(xk, xk.transpose(1, 2)).view(u, c, m, m)
+    other = inside[..., :, None] & inside[..., None, :] & ~torch.eye(m, dtype=torch.bool, device=xn.device)
+    cnt = other.sum(-1).clamp(min=1).double()
+    mean = (sim * other).sum(-1) / cnt
+    v = ((sim - mean[..., None]) ** 2 * other).sum(-1) / cnt  # [U, C, m]
+    flat = (torch.arange(u, device=xn.device)[:, None] * n + idx).view(u, c, m)
+    return xn.new_zeros(u * n).index_put_((flat[inside],), v[inside]).view(u, n)
+
+
 def allocate(weight: torch.Tensor, cap: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """[U, C] tokens per crop: floor(w_c K) with the remainder one each to the largest weights (HoloV's rule),
     then what a crop cannot hold (more than its `cap` tokens) goes on to the crops with room, by weight, so every
@@ -87,19 +108,7 @@ class HoloV(VisionAttentionReducer):
         c = int(crop.max()) + 1
         onehot = F.one_hot(crop.clamp(min=0), c).masked_fill(~view.mask[..., None], 0).double()  # [U, N, C]
         size = onehot.sum(1)  # [U, C]
-        # variance of each token's cosine similarity to the other tokens of its crop, crop by crop
-        xn = F.normalize(view.features.double(), dim=-1, eps=1e-12)
-        var = torch.zeros(u, n, dtype=torch.float64, device=xn.device)
-        for k in range(c):
-            idx = torch.sort((crop != k).to(torch.int8), dim=1, stable=True).indices[:, : int(size[:, k].max())]
-            inside = crop.gather(1, idx) == k  # [U, m]
-            xk = xn.gather(1, idx[..., None].expand(-1, -1, xn.shape[-1]))
-            sim = bmm(xk, xk.transpose(1, 2))  # [U, m, m]
-            other = inside[:, :, None] & inside[:, None, :] & ~torch.eye(idx.shape[1], dtype=torch.bool)[None]
-            cnt = other.sum(-1).clamp(min=1).double()
-            mean = (sim * other).sum(-1) / cnt
-            v = ((sim - mean[..., None]) ** 2 * other).sum(-1) / cnt
-            var.scatter_(1, idx, torch.where(inside, v, var.gather(1, idx)))
+        var = crop_variance(F.normalize(view.features.double(), dim=-1, eps=1e-12), size.long())
         mean_a = (onehot * att[..., None].abs()).sum(1) / size.clamp(min=1)  # [U, C]
         mean_v = (onehot * var[..., None].abs()).sum(1) / size.clamp(min=1)
         scale = (mean_a / (mean_v + 1e-6)).gather(1, crop.clamp(min=0))
