@@ -190,50 +190,6 @@ def test_recorded_statistic_matches_dense_softmax_with_padding_and_blocks(monkey
     assert rec.flops == 2 * b * h * (1 if cls else s) * s * d
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("heads, kv_heads, s", [(3, 3, 10), (4, 2, 7), (2, 2, 1)])
-def test_fused_probe_output_is_sdpa_and_statistic_is_dense_softmax(monkeypatch, dtype, heads, kv_heads, s):
-    """`Recording.attend` (an unmasked call): the layer's output equals SDPA's, the statistic the dense softmax's
-    column sums (heads averaged), over query blocks smaller than the sequence, GQA included; it counts only the
-    column sums' products."""
-    monkeypatch.setattr(vp, "QUERY_BLOCK", 3)
-    gen = torch.Generator().manual_seed(1)
-    b, d = 2, 5
-    q = torch.randn(b, heads, s, d, generator=gen, dtype=dtype)
-    k, v = (torch.randn(b, kv_heads, s, d, generator=gen, dtype=dtype) for _ in range(2))
-    rec = vp.Recording(probe=vp.VisionProbe(), target=None, cls=False)
-    out = rec.attend(q, k, v, 0.4)
-    rep = heads // kv_heads
-    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    ref = F.scaled_dot_product_attention(q, kr, vr, scale=0.4).transpose(1, 2)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    stat, keys, queries = rec.calls[0]
-    p = torch.softmax(q.double() @ kr.double().transpose(-1, -2) * 0.4, -1).mean(1)
-    torch.testing.assert_close(stat.double(), p.sum(1), rtol=1e-5, atol=1e-6)
-    assert queries.tolist() == [s] * b and rec.heads == kv_heads
-    torch.testing.assert_close(keys.double(), k.transpose(1, 2).reshape(b, s, kv_heads * d).double())
-    assert rec.flops == 2 * b * heads * s * s
-
-
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_probed_encode_computes_the_layer_once_and_equals_the_plain_one(tiny_adapter, family, monkeypatch):
-    """On Qwen-VL towers the probed layer's output comes from the probe's own softmax: SDPA never runs for it,
-    and the encode equals the plain one to rounding."""
-    ad = tiny_adapter(family)
-    prep = ad.prepare([[random_image(1, (64, 64))], [random_image(2, (96, 64))]], ["describe", "what"])
-    plain = ad.embed(prep).hidden
-    target = ad.vision_attention_modules()[-2]
-    seen = []
-    real = vp.sdpa_attention_forward
-    monkeypatch.setattr(vp, "sdpa_attention_forward", lambda m, *a, **k: (seen.append(m), real(m, *a, **k))[1])
-    probed = ad.embed(prep, vision=vp.VisionProbe()).hidden
-    assert not seen  # only the probed module calls through trimvlm's function
-    torch.testing.assert_close(probed, plain, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(vp, "_fusable", lambda *a: False)  # the unfused path: SDPA runs for the probed layer
-    ad.embed(prep, vision=vp.VisionProbe())
-    assert seen and all(m is target for m in seen)
-
-
 # ---- selections and merges equal slow references -----------------------------------------------------
 def _iqr_reference(scores):
     q1, q3 = np.percentile(scores, [25, 75])

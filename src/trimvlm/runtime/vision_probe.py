@@ -19,13 +19,7 @@ transformers' `AttentionInterface` under its own name) for the probed layer's at
 encode runs (`use_vision_attention`), and holds the active recording in a context variable, so a run in another
 thread never records into it. The function is transformers' SDPA for every call (the layer's output is SDPA's);
 for the probed layer of the active recording it also computes the statistic above, counted as method FLOPs
-(`kernels.flops`, the "vision" line). Where the probed call has no mask and is not causal (the mean statistic on
-Qwen-VL towers, one image or window per call), the probe computes the layer's output itself from the softmax it
-reads, as eager attention does (`Recording.attend`): exp(scores - max) once per block of query rows, the output
-(E V) / Z and the column sums (1/Z)^T E from the same E, so the layer's scores are computed once, not by SDPA and
-again by the probe. Its products are the layer's own (the scores and E V: SDPA's count, on the vision line);
-the method's are the column sums, 2 * H * S * S per call. The output equals SDPA's to float rounding (about 1e-7
-relative in float32). Qwen-VL towers call it once per image (or per window), with no mask;
+(`kernels.flops`, the "vision" line). Qwen-VL towers call it once per image (or per window), with no mask;
 CLIP/SigLIP/InternViT/Idefics3 towers once per layer for all images, with a padding mask where images have padded
 patches. The adapter then maps the raw per-call records to LLM tokens (`Adapter.vision_tokens`) and stores them
 in `probe.results[(sample, unit)]`.
@@ -55,7 +49,7 @@ from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import count, matmul_flops
 
 NAME = "trimvlm_vision_sdpa"
-QUERY_BLOCK = 128  # query rows per block of the received-attention column mean (128: fastest fused, 2-4 threads)
+QUERY_BLOCK = 256  # query rows per block of the received-attention column mean
 
 
 @dataclass
@@ -196,46 +190,8 @@ class Recording:
                     p = torch.where(valid[:, None, q0:q1, None], p, 0.0)
                 stat += p.sum(2).mean(1)
             queries = valid.sum(1).float()
-        self._keep(stat, key, queries)
-
-    def _keep(self, stat, key, queries) -> None:
-        b, hk, s, d = key.shape
-        keys = key.detach().transpose(1, 2).reshape(b, s, hk * d).to(torch.float32, copy=True)
+        keys = key.detach().transpose(1, 2).reshape(b, key.shape[2], hk * d).to(torch.float32, copy=True)
         self.calls.append((stat, keys, queries))
-
-    @torch.no_grad()
-    def attend(self, query, key, value, scaling) -> torch.Tensor:
-        """The layer's attention output [B, S, H, dv] (SDPA's layout) for an unmasked, non-causal call, computed
-        from the softmax it records (module docstring): per sample and block of query rows, E = exp(scores - max)
-        in float32, Z its row sums, the output (E V) / Z and the column sums (1/Z)^T E."""
-        b, h, s, _ = query.shape
-        hk = key.shape[1]
-        self.heads = hk
-        kr = key if hk == h else key.repeat_interleave(h // hk, 1)
-        vr = value if hk == h else value.repeat_interleave(h // hk, 1)
-        out = query.new_empty(b, h, s, value.shape[-1])
-        stat = torch.zeros(b, s, dtype=torch.float32, device=query.device)
-        rows = min(QUERY_BLOCK, s)
-        buf = torch.empty(h, rows, s, dtype=torch.float32, device=query.device)
-        for i in range(b):
-            qs, kt, v = query[i] * scaling, kr[i].transpose(-1, -2), vr[i]
-            col = torch.zeros(h, 1, s, dtype=torch.float32, device=query.device)
-            for q0 in range(0, s, rows):
-                q1 = min(s, q0 + rows)
-                e = buf[:, : q1 - q0]
-                if qs.dtype == torch.float32:
-                    torch.bmm(qs[:, q0:q1], kt, out=e)
-                else:
-                    e.copy_(torch.bmm(qs[:, q0:q1], kt))
-                e.sub_(e.amax(-1, keepdim=True)).exp_()
-                r = e.sum(-1, keepdim=True).reciprocal_()  # [H, q, 1]: 1 / Z
-                col = torch.baddbmm(col, r.transpose(1, 2), e)  # torch counts baddbmm, not its in-place form
-                o = torch.bmm(e if v.dtype == torch.float32 else e.to(v.dtype), v)
-                out[i, :, q0:q1] = o.mul_(r.to(o.dtype))
-            stat[i] = col[:, 0].mean(0)
-        self.flops += 2 * b * h * s * s  # the column sums' products; the scores and E V are the layer's own
-        self._keep(stat, key, torch.full((b,), float(s), device=query.device))
-        return out.transpose(1, 2).contiguous()
 
 
 class Incomplete(TrimVLMError):
@@ -250,26 +206,8 @@ def trimvlm_vision_attention(module, query, key, value, attention_mask, **kwargs
     rec = _ACTIVE.get()
     if rec is not None and module is rec.target:
         scaling = kwargs.get("scaling")
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if _fusable(rec, module, attention_mask, kwargs):
-            return rec.attend(query, key, value, scaling), None
-        rec.record(query, key, attention_mask, scaling)
+        rec.record(query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _fusable(rec, module, mask, kwargs) -> bool:
-    """Whether the probe may compute the layer's output itself: the mean statistic, no mask, not causal, no
-    dropout, no position bias or softcap (every vision tower's call where transformers' SDPA would run plainly)."""
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
-    return (
-        not rec.cls
-        and mask is None
-        and not causal
-        and not kwargs.get("dropout", 0.0)
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-    )
 
 
 AttentionInterface.register(NAME, trimvlm_vision_attention)
