@@ -17,6 +17,7 @@ from trimvlm.adapters.base import (
     pixel_key,
 )
 from trimvlm.adapters.patch_embed import as_matmul
+from trimvlm.adapters.vision_rotary import compiled_rotary
 from trimvlm.errors import InputError
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionUnit
@@ -198,7 +199,8 @@ class QwenVLAdapterMixin:
         the tower (only the images it does not hold are encoded)."""
 
         def call(pixels, grid):
-            with as_matmul(getattr(getattr(self.inner.visual, "patch_embed", None), "proj", None)):
+            visual = self.inner.visual
+            with as_matmul(getattr(getattr(visual, "patch_embed", None), "proj", None)), compiled_rotary(visual):
                 return self.inner.get_image_features(pixels, grid, return_dict=True)
 
         if self.vision_cache is None or vision is not None:
