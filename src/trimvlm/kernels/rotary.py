@@ -63,7 +63,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     starts = np.arange(0, n, rows, dtype=np.int64)
     out = []
     for x in (q, k):
-        o = torch.empty(x.shape, dtype=torch.float32)
+        o = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         xs, os_ = x.numpy(), o.numpy()
         for_units(lambda part, xs=xs, os_=os_: rotate_rows(xs, c, s, os_, part, rows), starts, rows * heads * d)
         out.append(o)
