@@ -161,10 +161,11 @@ def test_qwen_probe_is_the_mean_attention_received(tiny_adapter, family, layer):
 
 @pytest.mark.parametrize("cls", [False, True])
 @pytest.mark.parametrize("float_mask", [False, True])
-def test_recorded_statistic_matches_dense_softmax_with_padding_and_blocks(monkeypatch, cls, float_mask):
-    """The statistic itself, with a padding mask (as Idefics3 passes for padded patches) and query blocks
-    smaller than the sequence."""
-    monkeypatch.setattr(vp, "QUERY_BLOCK", 3)
+@pytest.mark.parametrize("block", [3, 64])
+def test_recorded_statistic_matches_dense_softmax_with_padding_and_blocks(monkeypatch, cls, float_mask, block):
+    """The statistic itself, with a padding mask (as Idefics3 passes for padded patches), with query blocks
+    smaller than the sequence (one sample and head at a time) and with one block (all heads at once)."""
+    monkeypatch.setattr(vp, "QUERY_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 3, 10, 4
     q, k = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
