@@ -13,42 +13,31 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 
 from trimvlm.kernels import rotary
+from trimvlm.runtime.held import Held
 
 NAME = "apply_rotary_pos_emb_vision"
-_LOCK = threading.Lock()
-_HELD: dict[str, list] = {}  # module name -> [its own function, contexts open]
+_HELD = Held()  # per modeling module: its own function while encodes run the compiled one
 
 
-@contextlib.contextmanager
 def compiled_rotary(tower):
     """Inside: the modeling module of `tower` (a vision model) rotates with the compiled loop where it can. A
     tower whose module has no `apply_rotary_pos_emb_vision`, or None: nothing changes."""
     name = type(tower).__module__ if tower is not None else ""
     module = sys.modules.get(name)
     if module is None or not callable(getattr(module, NAME, None)):
-        yield
-        return
-    with _LOCK:
-        entry = _HELD.get(name)
-        if entry is None:
-            own = getattr(module, NAME)
+        return contextlib.nullcontext()
 
-            def apply(q, k, cos, sin, own=own):
-                if rotary.usable(q, k, cos, sin):
-                    return rotary.rotate(q, k, cos, sin)
-                return own(q, k, cos, sin)
+    def change():
+        own = getattr(module, NAME)
 
-            entry = _HELD[name] = [own, 0]
-            setattr(module, NAME, apply)
-        entry[1] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _HELD[name]
-                setattr(module, NAME, entry[0])
+        def apply(q, k, cos, sin):
+            if rotary.usable(q, k, cos, sin):
+                return rotary.rotate(q, k, cos, sin)
+            return own(q, k, cos, sin)
+
+        setattr(module, NAME, apply)
+        return lambda: setattr(module, NAME, own)
+
+    return _HELD.holding(name, change)

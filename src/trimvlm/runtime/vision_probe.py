@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import count, matmul_flops
+from trimvlm.runtime.held import Held
 
 NAME = "trimvlm_vision_sdpa"
 QUERY_BLOCK = 128  # query rows per block of the received-attention column mean
@@ -227,33 +227,23 @@ def trimvlm_vision_attention(module, query, key, value, attention_mask, **kwargs
 AttentionInterface.register(NAME, trimvlm_vision_attention)
 
 
-_LOCK = threading.Lock()
-_HELD: dict[int, list] = {}  # id(module) -> [module, its own config, recordings inside]
+_HELD = Held()  # per attention module: its own config while recordings use a private copy
 
 
-@contextlib.contextmanager
 def use_vision_attention(module):
     """Select trimvlm's vision attention for one attention module while a recording runs: the module reads a
     private copy of its config naming this function; the last recording out puts the module's config back."""
-    with _LOCK:
-        entry = _HELD.get(id(module))
-        if entry is None:
-            own = module.config
-            # a shallow copy: every other setting is the shared config's; the name is set on this copy only
-            # (the property setter would also reach any sub-config)
-            private = copy.copy(own)
-            private._attn_implementation_internal = NAME
-            entry = _HELD[id(module)] = [module, own, 0]
-            module.config = private
-        entry[2] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[2] -= 1
-            if entry[2] == 0:
-                del _HELD[id(module)]
-                module.config = entry[1]
+
+    def change():
+        own = module.config
+        # a shallow copy: every other setting is the shared config's; the name is set on this copy only
+        # (the property setter would also reach any sub-config)
+        private = copy.copy(own)
+        private._attn_implementation_internal = NAME
+        module.config = private
+        return lambda: setattr(module, "config", own)
+
+    return _HELD.holding(id(module), change)
 
 
 @contextlib.contextmanager
