@@ -104,7 +104,6 @@ class HoloV(VisionAttentionReducer):
     def choose(self, view: VisualView) -> Selection:
         att = view.attention.masked_fill(~view.mask, 0.0).double()
         crop = crops_of(view, self.crops)
-        u, n = crop.shape
         c = int(crop.max()) + 1
         onehot = F.one_hot(crop.clamp(min=0), c).masked_fill(~view.mask[..., None], 0).double()  # [U, N, C]
         size = onehot.sum(1)  # [U, C]
