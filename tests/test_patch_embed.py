@@ -89,3 +89,18 @@ def test_the_qwen_towers_embed_as_with_the_convolution(vlms, family, monkeypatch
     assert seen and all(isinstance(c, torch.nn.Conv3d) for c in seen)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert got_flops == want_flops
+
+
+def test_overlapping_contexts_keep_the_product_until_the_last_leaves_and_a_foreign_forward_stays():
+    conv = torch.nn.Conv3d(1, 2, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+    a, b = as_matmul(conv), as_matmul(conv)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)  # the first in leaves first (threads): the second still runs the product
+    assert "forward" in vars(conv)
+    b.__exit__(None, None, None)
+    assert "forward" not in vars(conv)
+    mine = conv.forward = lambda x: x  # an instance forward set by someone else is never replaced or removed
+    with as_matmul(conv):
+        assert vars(conv)["forward"] is mine
+    assert vars(conv)["forward"] is mine

@@ -6,10 +6,10 @@ output is the dot product of one flattened patch with one flattened filter. On a
 convolution several times slower than the same product as a `linear` (measured on one thread: 4,096 patches of
 Qwen2.5-VL's size (1,176 values, 1,280 filters) took about 0.7 s as a Conv3d and 0.09 s as a linear; the
 demo-scenes tower spent 9% of its time in it for 1% of its FLOPs). `as_matmul(conv)` runs the product instead
-while its context is open: same weights (viewed, not copied), same FLOPs (torch's counter counts 2 x patches x
-filter size x filters for both), and the same values up to the order of the sums (within about 1e-6). An
-input whose spatial size is not the kernel's, a padded or dilated or grouped convolution, runs the
-convolution itself.
+while its context is open (reference-counted over overlapping contexts): same weights (viewed, not copied), same
+FLOPs (torch's counter counts 2 x patches x filter size x filters for both), and the same values up to the order
+of the sums (within about 1e-6). An input whose spatial size is not the kernel's, a padded or dilated or grouped
+convolution, runs the convolution itself.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+
+from trimvlm.runtime.held import Held
 
 
 def _one_patch(conv: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -33,25 +35,30 @@ def _one_patch(conv: torch.nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-@contextlib.contextmanager
+_HELD = Held()  # per convolution: the matrix-product forward while contexts are open
+
+
 def as_matmul(conv: torch.nn.Module | None):
     """Inside: `conv` (a Conv1d/2d/3d) runs one-patch inputs as a matrix product; the module's own forward is
-    back on exit. `None` or a module that is not a convolution: nothing changes. Either forward gives the same
-    values (to rounding), so two threads running one model at once can only differ in which one they get."""
-    if not isinstance(conv, torch.nn.modules.conv._ConvNd) or "forward" in vars(conv):
-        yield
-        return
-    own = type(conv).forward
+    back when the last context on it closes (`runtime.held`), so overlapping contexts (threads running one model)
+    keep the product until all have left. `None`, a module that is not a convolution, or one whose instance
+    already carries its own `forward`: nothing changes."""
+    if not isinstance(conv, torch.nn.modules.conv._ConvNd):
+        return contextlib.nullcontext()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _one_patch(conv, x):
-            return own(conv, x)
-        weight = conv.weight.reshape(conv.out_channels, -1)
-        out = F.linear(x.reshape(x.shape[0], -1), weight, conv.bias)
-        return out.view(*out.shape, *([1] * (x.dim() - 2)))
+    def change():
+        if "forward" in vars(conv):  # someone else's forward on the instance: left as it is
+            return lambda: None
+        own = type(conv).forward
 
-    conv.forward = forward
-    try:
-        yield
-    finally:
-        vars(conv).pop("forward", None)  # a concurrent context on the same module may have taken it already
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not _one_patch(conv, x):
+                return own(conv, x)
+            weight = conv.weight.reshape(conv.out_channels, -1)
+            out = F.linear(x.reshape(x.shape[0], -1), weight, conv.bias)
+            return out.view(*out.shape, *([1] * (x.dim() - 2)))
+
+        conv.forward = forward
+        return lambda: vars(conv).pop("forward")
+
+    return _HELD.holding(id(conv), change)
