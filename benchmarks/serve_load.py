@@ -17,6 +17,11 @@ the client's TTFT minus the engine's (`usage.engine_ttft_s`), p50: what HTTP, pa
 streaming add, and its two parts: in the server (`usage.server_ttft_s`, received by the handler -> first token
 there, minus the engine's) and outside it (the client's TTFT minus the server's: the connection, the HTTP
 server before the handler, the writes and the clients' own event loop, which shares this machine).
+CPU per cell, in cores: the clients' (this process), the server's processes' (/proc: the engine and any API
+processes) and its model thread's alone (`trimvlm_model_thread_cpu_seconds` on /metrics: with one torch thread
+all of the model's work, none of the HTTP); requests per CPU second of the model thread is `model_ceiling_rps`,
+what the model loop would serve with a core of its own at the batches it ran (its ratio to the throughput: how
+far a front end with cores of its own could lift the server, at most; a larger batch would go further).
 The summary: batched / one-at-a-time throughput at each client count, and TTFT p50 / end-to-end p50, over all
 answers and over the multi-token answers alone (>= `LONG` text chunks: a one-token answer ends one decode step
 after its first token, so its TTFT is nearly all of its latency whatever the scheduler does). `--chat-prompts
@@ -226,12 +231,46 @@ class Server:
                 raise SystemExit("the server did not start within 300 s")
             time.sleep(0.3)
 
+    def cpu(self) -> tuple[float | None, float | None]:
+        """(CPU seconds of the server's model thread, from its /metrics; of the server's processes: the
+        engine and any API processes, from /proc, None where there is none)."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        line = next((ln for ln in text.splitlines() if ln.startswith("trimvlm_model_thread_cpu_seconds ")), None)
+        return (None if line is None else float(line.split()[-1])), tree_cpu(self.proc.pid)
+
     def close(self):
         self.proc.terminate()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def tree_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) of process `pid` and its descendants, from /proc (None without it)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        stats = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+                except OSError:  # gone meanwhile
+                    continue
+                stats[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # ppid, utime+stime
+    except (OSError, ValueError, AttributeError):
+        return None
+    tree, grew = {pid}, True
+    while grew:  # the descendants, to a fixed point
+        grew = False
+        for p, (ppid, _) in stats.items():
+            if ppid in tree and p not in tree:
+                tree.add(p)
+                grew = True
+    return sum(stats[p][1] for p in tree if p in stats)
 
 
 LONG = 4  # text chunks from which an answer counts as a multi-token one (its TTFT share reported apart)
@@ -273,7 +312,19 @@ def merge(parts: list[dict]) -> dict:
         "long_ttft_over_e2e_p50": statistics.median(t for t, _ in long) / statistics.median(e for _, e in long)
         if long else None,
         "client_cpu_share": sum(p["client_cpu_s"] for p in parts) / elapsed,  # CPU the clients took (1 = a core)
+        # the server's: its processes (engine and API processes) and its model thread alone (cores)
+        "server_cpu_share": cpu_share(parts, "server_cpu_s", elapsed),
+        "model_cpu_share": cpu_share(parts, "model_cpu_s", elapsed),
+        # requests per CPU second of the model thread: what it would serve with a core to itself at these batches
+        "model_ceiling_rps": len(lat) / (elapsed * model) if (model := cpu_share(parts, "model_cpu_s", elapsed))
+        else None,
     }  # fmt: skip
+
+
+def cpu_share(parts: list[dict], key: str, elapsed: float) -> float | None:
+    """Cores' worth of CPU seconds `key` over the slices (None if a slice has none)."""
+    xs = [p.get(key) for p in parts]
+    return None if not xs or None in xs else sum(xs) / elapsed
 
 
 def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool: list[str]) -> list[dict]:
@@ -292,7 +343,12 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
                     order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                     for mode in order:
                         seconds = args.seconds / args.rounds
-                        parts[mode].append(asyncio.run(load(servers[mode].url, paths[ep], reqs, n, seconds)))
+                        before = servers[mode].cpu()
+                        part = asyncio.run(load(servers[mode].url, paths[ep], reqs, n, seconds))
+                        after = servers[mode].cpu()
+                        part["model_cpu_s"], part["server_cpu_s"] = (
+                            None if a is None or b is None else b - a for a, b in zip(before, after, strict=True))
+                        parts[mode].append(part)
                 for mode, server in servers.items():
                     res = merge(parts[mode])
                     row = {"server": mode, "max_batch": server.max_batch, "endpoint": ep,
@@ -305,7 +361,8 @@ def measure(args, servers: dict, clients: list[int], endpoints: list[str], pool:
                         f"{mode:14s} {ep:9s} {row['recipe'][:32]:32s} clients {n:3d}: "
                         f"{res['throughput_rps']:7.2f} req/s  p50 {res['p50_ms']:7.1f} ms  "
                         f"p99 {res['p99_ms']:7.1f} ms  batch {res['mean_batch'] or 0:5.1f}  failed {res['failed']}  "
-                        f"client CPU {res['client_cpu_share']:.2f} core{ttft}"
+                        f"client CPU {res['client_cpu_share']:.2f} core  server "
+                        f"{res['server_cpu_share'] or 0:.2f}  model {res['model_cpu_share'] or 0:.2f}{ttft}"
                     )
     return rows
 
@@ -430,6 +487,15 @@ def main(argv=None):
                         "ttft_server_part_p50_ms": row["ttft_server_part_p50_ms"],
                         "ttft_outside_p50_ms": row["ttft_outside_p50_ms"],
                         "other_ttft_overhead_p50_ms": one["ttft_overhead_p50_ms"],
+                        # cores taken by the clients, the server's processes and its model thread (other_: the
+                        # second server's)
+                        **{f"{pre}{k}_cpu_share": r[f"{k}_cpu_share"] for pre, r in (("", row), ("other_", one))
+                           for k in ("client", "server", "model")},
+                        # the one-process server's requests per model-thread CPU second, over its throughput: how
+                        # far a front end on cores of its own could lift it, at most, at its batches
+                        "model_ceiling_rps": row["model_ceiling_rps"],
+                        "ceiling_ratio": row["model_ceiling_rps"] / row["throughput_rps"]
+                        if row["model_ceiling_rps"] else None,
                         "long_ttft_over_e2e_p50": row["long_ttft_over_e2e_p50"]})  # fmt: skip
         table.add_row(
             row["endpoint"], row["recipe"], str(row["clients"]), f"{row['throughput_rps']:.2f}",

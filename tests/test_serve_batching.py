@@ -149,3 +149,26 @@ def test_a_budgeted_batch_skips_waiting_jobs_of_other_keys():
         loop.close()
     assert batch == [jobs[0], jobs[2]]  # 3 + 4 fit in 8, 9 does not
     assert list(b._pending) == [jobs[1], jobs[3]]
+
+
+def test_model_cpu_counts_the_model_threads_work_not_its_waits():
+    """`model_cpu_s` (/metrics: trimvlm_model_thread_cpu_seconds) is the CPU the model thread used: a batch that
+    computes for 0.2 s of CPU counts it; one that sleeps 0.3 s counts next to nothing."""
+
+    def run(key, payloads):
+        if key == "spin":
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.2:
+                pass
+        else:
+            time.sleep(0.3)
+        return list(payloads)
+
+    b = Scheduler(run, None, max_batch=4, max_wait_s=0.0)
+    assert b.stats()["model_cpu_s"] == 0.0
+    run_all(b, [("spin", 0)])
+    spun = b.stats()["model_cpu_s"]
+    assert 0.2 <= spun < 0.5
+    b = Scheduler(run, None, max_batch=4, max_wait_s=0.0)
+    run_all(b, [("sleep", 0)])
+    assert b.stats()["model_cpu_s"] < 0.1  # the 0.3 s asleep is not CPU

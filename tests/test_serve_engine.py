@@ -119,7 +119,7 @@ def test_openai_client_metrics_and_access_log(demo, caplog):
     stopped = r.choices[0].finish_reason == "stop"
     assert f"trimvlm_generated_tokens_total {2.0 * (len(ref.tokens[0]) + stopped) + 1}" in text  # stop tokens too
     for name in ("trimvlm_queue_depth", "trimvlm_running_requests", "trimvlm_decode_batch_size_bucket",
-                 "trimvlm_tokens_per_second", "trimvlm_inter_token_seconds_count"):  # fmt: skip
+                 "trimvlm_tokens_per_second", "trimvlm_inter_token_seconds_count", "trimvlm_model_thread_cpu_seconds"):  # fmt: skip
         assert name in text
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "trimvlm.serve.access"]
     assert [(x["method"], x["path"], x["status"]) for x in lines[:3]] == [("POST", "/v1/chat/completions", 200)] * 3

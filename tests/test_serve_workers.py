@@ -73,6 +73,8 @@ def test_answers_across_the_boundary_equal_in_process(demo, split):
     assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics  # the API's
     tokens = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_generated_tokens_total"))
     assert float(tokens.split()[-1]) > 0  # the engine's
+    cpu = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_model_thread_cpu_seconds "))
+    assert float(cpu.split()[-1]) > 0  # the engine's model thread, not the API process's (which has none)
 
 
 def test_messages_carry_tensors_as_their_bytes():

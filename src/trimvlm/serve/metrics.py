@@ -67,6 +67,13 @@ class ServeMetrics:
             fn=lambda: self._stats().get("dropped", 0),
         )
         g(
+            "trimvlm_model_thread_cpu_seconds",
+            "CPU seconds the model loop's thread has used: with --threads 1 all of the model's work (prefills, "
+            "decode steps, the methods), without HTTP, JSON or image decoding; torch's own worker threads, "
+            "with more, are not in it",
+            fn=lambda: self._stats().get("model_cpu_s", 0.0),
+        )
+        g(
             "trimvlm_failed_batches",
             "model calls that raised",
             fn=lambda: self._stats().get("failed_batches", 0),

@@ -95,6 +95,7 @@ class Scheduler:
         self.sizes: Counter[int] = Counter()  # batch size -> batches run
         self.failed_batches = 0
         self.dropped = 0  # requests whose client left before they ran: never computed
+        self.cpu_s = 0.0  # CPU seconds of the model thread (time.thread_time there, after its last turn)
 
     # ---- the event loop's side ----
     def start(self) -> None:
@@ -188,7 +189,7 @@ class Scheduler:
         return {
             "batches": n, "requests": served, "mean_batch": served / n if n else 0.0,
             "largest_batch": max(self.sizes, default=0), "failed_batches": self.failed_batches,
-            "waiting": self.waiting(), "dropped": self.dropped,
+            "waiting": self.waiting(), "dropped": self.dropped, "model_cpu_s": self.cpu_s,
         } | ({} if self.engine is None else self.engine.stats()) | {"max_prefill_tokens": self.max_prefill_tokens}  # fmt: skip
 
     # ---- the worker thread ----
@@ -298,6 +299,7 @@ class Scheduler:
                         engine.admit(batch, chunk=budget)
             if self._running():
                 engine.step()
+            self.cpu_s = time.thread_time()  # this thread's own: waiting for a request takes none
         if self._abort and engine is not None:  # the running rows too: nothing more of them is computed
             engine.abort(ShuttingDown("the server is shutting down"))
         self._fail_waiting()
