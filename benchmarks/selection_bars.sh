@@ -28,6 +28,9 @@ TRIMVLM_UNIT_THREADS=0 $PY benchmarks/prefill_speed.py --threads 2 --prunes 0.8 
   --json "$OUT/prefill_units_serial.json"
 TRIMVLM_JIT=0 $PY benchmarks/prefill_speed.py --threads 1 2 --prunes 0.8 0.9 --layers 0 --repeats 7 \
   --json "$OUT/prefill_fallback.json"
+#    the same width at a real model's depth (24 layers): the step's share where the prefill is a real one's
+$PY benchmarks/prefill_speed.py --threads 1 2 --prunes 0.8 0.9 --layers 0 --repeats 7 --num-layers 24 \
+  --json "$OUT/prefill_depth24.json"
 
 # 3. Every token reducer at keep 25%, L = 0 and L = 2 where the method allows it, one thread, one interleaved
 #    eval of 120 items: latency ratio minus total-FLOP ratio per recipe (target on demo-scenes: <= 0.08).
