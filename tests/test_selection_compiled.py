@@ -323,3 +323,28 @@ def test_the_look_ahead_distances_are_the_full_products(pool):
     c = F.normalize(torch.randn(2, pool, 16, dtype=torch.float64, generator=gen), dim=-1)
     g = farthest._gram(c)
     assert np.allclose(g, (1.0 - c @ c.transpose(1, 2)).numpy(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_argmax_sum_is_numpys_argmax_of_the_sum(dtype):
+    """The lane-parallel argmax(a + b) the compiled loops use is np.argmax's: the first NaN, else the first
+    maximum (+0 and -0 tie), all -inf gives 0; every length around the lane count, ties everywhere."""
+    from trimvlm.kernels.picks import LANES, argmax_sum
+
+    rng = np.random.default_rng(0)
+    specials = np.array([np.nan, -np.inf, np.inf, 0.0, -0.0, 1.0], dtype=dtype)
+    for n in [1, 2, LANES - 1, LANES, LANES + 1, 2 * LANES + 3, 100, 1000]:
+        for case in range(40):
+            a = rng.integers(-3, 3, n).astype(dtype)  # small integers: many exact ties
+            b = rng.integers(-3, 3, n).astype(dtype)
+            if case % 4 == 1:  # a few special values anywhere
+                at = rng.integers(0, n, max(1, n // 10))
+                a[at] = rng.choice(specials, len(at))
+            elif case % 4 == 2:  # every sum -inf but maybe one
+                a[:] = -np.inf
+                if case % 8 == 2:
+                    a[rng.integers(0, n)] = 0.0
+            elif case % 4 == 3:  # signed zeros only: the first one wins
+                a[:] = rng.choice(np.array([0.0, -0.0], dtype=dtype), n)
+                b[:] = 0.0
+            assert argmax_sum(a, b) == np.argmax(a + b), (n, case, a, b)

@@ -9,43 +9,61 @@ import numpy as np
 
 from trimvlm.kernels.jit import njit
 
+LANES = 16  # independent running maxima: a scan of one max is a chain of dependent compares, 16 of them vectorise
+
 
 @njit
 def argmax_sum(a, b):
-    """argmax(a + b) of two 1-D arrays as numpy's: the first NaN if there is one, else the first maximum."""
-    best = a[0] + b[0]
-    if best != best:
-        return 0
-    at = 0
-    for i in range(1, a.shape[0]):
-        v = a[i] + b[i]
-        if v > best:
-            best, at = v, i
-        elif v != v:
-            return i
-    return at
+    """argmax(a + b) of two 1-D arrays as numpy's: the first NaN if there is one, else the first maximum. Three
+    passes that vectorise (the max in LANES lanes, then the first sum equal to it, LANES at a time; the sums
+    recomputed, the same floats) in place of one scan whose every step waits for the last."""
+    n = a.shape[0]
+    acc = np.full(LANES, -np.inf, dtype=a.dtype)
+    nan = False
+    i = 0
+    while i + LANES <= n:
+        for j in range(LANES):
+            v = a[i + j] + b[i + j]
+            nan |= v != v
+            acc[j] = v if v > acc[j] else acc[j]
+        i += LANES
+    best = acc[0]
+    for j in range(1, LANES):
+        best = acc[j] if acc[j] > best else best
+    for e in range(i, n):
+        v = a[e] + b[e]
+        nan |= v != v
+        best = v if v > best else best
+    if nan:
+        for e in range(n):
+            v = a[e] + b[e]
+            if v != v:
+                return e
+    i = 0
+    while i + LANES <= n:  # the block holding the first maximum (+0 and -0 are equal, as to `>`)
+        hit = False
+        for j in range(LANES):
+            hit |= a[i + j] + b[i + j] == best
+        if hit:
+            break
+        i += LANES
+    for e in range(i, n):
+        if a[e] + b[e] == best:
+            return e
+    return 0  # every sum -inf: numpy's argmax is the first
 
 
 @njit
 def _fold_argmax(row, mind, live, near, t, track):
-    """mind <- min(mind, row) (NaN propagates; near[i] = t where row < mind), then argmax(mind + live) as
-    `argmax_sum`, in one pass."""
-    best, at, nan_at = -np.inf, 0, -1
+    """mind <- min(mind, row) (NaN propagates; near[i] = t where row < mind) in one pass that vectorises, then
+    argmax(mind + live) (`argmax_sum`)."""
     for i in range(mind.shape[0]):
         d, m = row[i], mind[i]
-        if d < m:
-            if track:
-                near[i] = t
-            m = d
-        elif d != d:
-            m = d
-        mind[i] = m
-        v = m + live[i]
-        if v > best:
-            best, at = v, i
-        elif v != v and nan_at < 0:
-            nan_at = i
-    return nan_at if nan_at >= 0 else at
+        lt = d < m
+        if track:
+            near[i] = t if lt else near[i]
+        mind[i] = d if (lt or d != d) else m
+    return argmax_sum(mind, live)
 
 
 @njit
@@ -110,10 +128,9 @@ def predict_run(g, mc, lc, pos, cand, tau, out):
         p = pos[r]
         sure = q
         for j in range(1, q):
-            for i in range(pool):
-                v = g[r, p, i]
-                if v < mc[r, i] or v != v:
-                    mc[r, i] = v
+            for i in range(pool):  # a select, not a branch: it vectorises
+                v, m = g[r, p, i], mc[r, i]
+                mc[r, i] = v if (v < m or v != v) else m
             lc[r, p] = -np.inf
             p = argmax_sum(mc[r], lc[r])
             out[r, j] = cand[r, p]
