@@ -193,19 +193,36 @@ def test_dpp_greedy_compiled_equals_fallback(sizes, d, keep, ties, dtype):
 
 
 @pytest.mark.parametrize(
-    "recipe", ["density", "density:merge=false", "divprune:merge=true", "cdpruner", "dart:pivot=hidden:pivots=3"]
-)
-def test_reducers_compiled_equal_fallback_with_the_same_flops(recipe):
-    """The whole reduction on a ragged batch (tests/test_selection_batched.py's): same kept tokens, merged hidden
-    states bit for bit, same method FLOPs."""
+    "recipe",
+    ["density", "density:merge=false", "density:size_weighted=true", "divprune:merge=true", "cdpruner",
+     "dart:pivot=hidden:pivots=3"],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reducers_compiled_equal_fallback_with_the_same_flops(recipe, dtype, monkeypatch):
+    """The whole reduction on a ragged batch (tests/test_selection_batched.py's, its tokens grouping 1-4 tokens
+    each already, so a size-weighted merge weighs them): same kept tokens, merged hidden states (the compiled
+    fold, `kernels.fold`) and sizes bit for bit, same method FLOPs."""
     from test_selection_batched import GRIDS, ragged_seq
 
     from trimvlm.plan import Handoff, build_methods
 
+    def seq():
+        s = ragged_seq(GRIDS, seed=2)
+        s.hidden = s.hidden.to(dtype)
+        s.size = torch.randint(1, 5, s.size.shape, generator=torch.Generator().manual_seed(3))
+        return s
+
+    from trimvlm.kernels import fold
+
+    folds = []
+    real = fold.fold
+    monkeypatch.setattr(fold, "fold", lambda *a, **k: folds.append(k["weighted"]) or real(*a, **k))
     red = build_methods(f"tokens={recipe}:keep=0.3:layer=0")["tokens"]
-    (a, fa), (b, fb) = both(lambda: red.reduce(ragged_seq(GRIDS, seed=2), None, Handoff()))
-    assert torch.equal(a.source, b.source) and torch.equal(a.valid, b.valid)
+    (a, fa), (b, fb) = both(lambda: red.reduce(seq(), None, Handoff()))
+    assert torch.equal(a.source, b.source) and torch.equal(a.valid, b.valid) and torch.equal(a.size, b.size)
     assert torch.equal(a.hidden, b.hidden) and fa == fb and fa > 0
+    merges = recipe.startswith(("density", "divprune")) and "merge=false" not in recipe
+    assert folds == ([] if not merges else [recipe.endswith("size_weighted=true")])  # the compiled run's fold
 
 
 def test_two_threads_give_the_one_thread_picks(monkeypatch):

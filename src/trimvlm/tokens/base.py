@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
 from trimvlm.options import is_int, is_number, require_bool
@@ -444,21 +445,23 @@ def merge_dropped(
     unit = bool((weight == 1).all())  # plain means: no weight products
     src_at = d_rows * seq.length + d_cols  # flat [B * S] row of every dropped token
     dst_at = r_rows * new_len + r_cols  # flat [B * S'] row of every receiving kept token
-    w_drop_c = w_drop[:, None]
-    w_self_c = w_self[:, None]
-    w_sum_c = w_sum[:, None]
+    w_drop_c, w_self_c, w_sum_c = w_drop[:, None], w_self[:, None], w_sum[:, None]
 
     every = None  # per source row [B * S], its receiver in `acc`, or a spare row for the tokens not dropped
 
     def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
-        """One index_add over the whole batch: the dropped rows summed into their receivers, then each
-        receiver's own row added and the sum divided, written back in place. Unweighted float32 rows are added
-        straight from the source through `every` (no copy of the dropped rows; the same rows in the same order,
-        so the same sums); the arithmetic runs in place, as fresh scratch pages cost more than the adds."""
+        """Compiled (`kernels.fold`, same floats) on CPU float rows; else one index_add over the batch: the dropped
+        rows summed into their receivers, then each receiver's own row added and the sum divided, in place.
+        Unweighted float32 rows are added straight from the source through `every` (no copy of the dropped rows;
+        the same rows in the same order, so the same sums); fresh scratch pages cost more than the adds."""
         nonlocal every
         dt = torch.promote_types(src.dtype, torch.float32)
         flat_src = src.reshape(-1, src.shape[-1])
         flat_dst = dst.view(-1, dst.shape[-1])  # the gathered tensors are fresh, contiguous ones
+        if src.dtype == dt == dst.dtype and jit.compiled(src, dst, cpu=True):  # the same floats, one pass
+            from trimvlm.kernels.fold import fold as compiled  # numba: imported on first use
+
+            return compiled(flat_src, flat_dst, dst_at, inv, src_at, w_drop, w_self, w_sum, weighted=not unit)
         acc = torch.zeros(recv.numel() + 1, src.shape[-1], dtype=dt, device=src.device)
         if unit and src.dtype == dt:
             if every is None:
