@@ -215,8 +215,8 @@ def test_reducers_compiled_equal_fallback_with_the_same_flops(recipe, dtype, mon
     from trimvlm.kernels import fold
 
     folds = []
-    real = fold.fold
-    monkeypatch.setattr(fold, "fold", lambda *a, **k: folds.append(k["weighted"]) or real(*a, **k))
+    real = fold.Receivers.fold
+    monkeypatch.setattr(fold.Receivers, "fold", lambda self, *a: folds.append(self.weighted) or real(self, *a))
     red = build_methods(f"tokens={recipe}:keep=0.3:layer=0")["tokens"]
     (a, fa), (b, fb) = both(lambda: red.reduce(seq(), None, Handoff()))
     assert torch.equal(a.source, b.source) and torch.equal(a.valid, b.valid) and torch.equal(a.size, b.size)

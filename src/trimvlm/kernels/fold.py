@@ -44,24 +44,34 @@ def fold_rows(src, dst, dst_at, starts, members, w_member, w_self, w_sum, weight
             out[e] = (mine + acc[e]) / total
 
 
-def fold(flat_src, flat_dst, dst_at, inv, src_at, w_drop, w_self, w_sum, weighted: bool) -> None:
-    """In place in flat_dst [S', D] (CPU, contiguous, the dtype of flat_src [S, D]): receiver r = 0..R-1, at row
-    dst_at[r], folds in the dropped source rows src_at[i] whose inv[i] == r, in the order the torch path adds
-    them, with weights w_drop [i], w_self [R] and their sum w_sum [R] (`weighted`; else unit weights). The
-    receivers go to the threads when their work together is worth a pool call (`kernels.threads`)."""
-    n_recv = dst_at.numel()
-    # per receiver, its rows in the order the array code adds them: by source row with unit weights (its
-    # index_add runs over every source row), in src_at's order with weights (over the gathered rows)
-    within = src_at if not weighted else torch.arange(inv.numel(), device=inv.device)
-    order = torch.argsort(inv * (int(within.max()) + 1 if within.numel() else 1) + within)
-    starts = torch.zeros(n_recv + 1, dtype=torch.int64, device=inv.device)
-    starts[1:] = torch.bincount(inv, minlength=n_recv).cumsum(0)
-    dt = flat_src.dtype
+class Receivers:
+    """The fold's plan for one merge, made once and applied to the hidden states and every tensor merged with them:
+    receiver r = 0..R-1 at flat row dst_at[r] takes the dropped source rows src_at[i] whose inv[i] == r, in the
+    order the torch path adds them, with weights w_drop [i], w_self [R] and their sum w_sum [R] (`weighted`;
+    else unit weights)."""
 
-    def arr(t):
-        return np.ascontiguousarray(t.detach().cpu().numpy())
+    def __init__(self, dst_at, inv, src_at, w_drop, w_self, w_sum, weighted: bool) -> None:
+        n_recv = dst_at.numel()
+        # per receiver, its rows in the order the array code adds them: by source row with unit weights (its
+        # index_add runs over every source row), in src_at's order with weights (over the gathered rows)
+        within = src_at if not weighted else torch.arange(inv.numel(), device=inv.device)
+        order = torch.argsort(inv * (int(within.max()) + 1 if within.numel() else 1) + within)
+        starts = torch.zeros(n_recv + 1, dtype=torch.int64, device=inv.device)
+        starts[1:] = torch.bincount(inv, minlength=n_recv).cumsum(0)
+        self.rows = (_host(dst_at), _host(starts), _host(src_at[order]))
+        self.weights = (w_drop[order], w_self, w_sum)  # cast to the rows' dtype when applied
+        self.weighted = weighted
+        self.receivers = np.arange(n_recv)
+        self.work = inv.numel() + 2 * n_recv  # rows read and written, all receivers together
 
-    args = (flat_src.detach().numpy(), flat_dst.detach().numpy(), arr(dst_at), arr(starts), arr(src_at[order]),
-            arr(w_drop.to(dt)[order]), arr(w_self.to(dt)), arr(w_sum.to(dt)), weighted)  # fmt: skip
-    work = int(flat_src.shape[1]) * (inv.numel() + 2 * n_recv)  # rows read and written, all receivers together
-    for_units(lambda units: fold_rows(*args, units), np.arange(n_recv), work)
+    def fold(self, flat_src: torch.Tensor, flat_dst: torch.Tensor) -> None:
+        """In place in flat_dst [S', D] (CPU, contiguous, the dtype of flat_src [S, D]). The receivers go to the
+        threads when their work together is worth a pool call (`kernels.threads`)."""
+        dt = flat_src.dtype
+        args = (flat_src.detach().numpy(), flat_dst.detach().numpy(), *self.rows,
+                *(_host(w.to(dt)) for w in self.weights), self.weighted)  # fmt: skip
+        for_units(lambda units: fold_rows(*args, units), self.receivers, int(flat_src.shape[1]) * self.work)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().cpu().numpy())

@@ -447,21 +447,22 @@ def merge_dropped(
     dst_at = r_rows * new_len + r_cols  # flat [B * S'] row of every receiving kept token
     w_drop_c, w_self_c, w_sum_c = w_drop[:, None], w_self[:, None], w_sum[:, None]
 
-    every = None  # per source row [B * S], its receiver in `acc`, or a spare row for the tokens not dropped
+    every = plan = None  # per source row [B * S] its receiver in `acc` (a spare row: not dropped); the compiled fold's
 
     def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compiled (`kernels.fold`, same floats) on CPU float rows; else one index_add over the batch: the dropped
         rows summed into their receivers, then each receiver's own row added and the sum divided, in place.
         Unweighted float32 rows are added straight from the source through `every` (no copy of the dropped rows;
         the same rows in the same order, so the same sums); fresh scratch pages cost more than the adds."""
-        nonlocal every
+        nonlocal every, plan
         dt = torch.promote_types(src.dtype, torch.float32)
         flat_src = src.reshape(-1, src.shape[-1])
         flat_dst = dst.view(-1, dst.shape[-1])  # the gathered tensors are fresh, contiguous ones
         if src.dtype == dt == dst.dtype and jit.compiled(src, dst, cpu=True):  # the same floats, one pass
-            from trimvlm.kernels.fold import fold as compiled  # numba: imported on first use
+            from trimvlm.kernels.fold import Receivers  # numba: imported on first use
 
-            return compiled(flat_src, flat_dst, dst_at, inv, src_at, w_drop, w_self, w_sum, weighted=not unit)
+            plan = plan or Receivers(dst_at, inv, src_at, w_drop, w_self, w_sum, weighted=not unit)  # once a merge
+            return plan.fold(flat_src, flat_dst)
         acc = torch.zeros(recv.numel() + 1, src.shape[-1], dtype=dt, device=src.device)
         if unit and src.dtype == dt:
             if every is None:
