@@ -11,6 +11,8 @@ import torch
 
 from trimvlm.testing import FAMILIES, random_image, tiny_checkpoint
 
+pytest_plugins = ("own_process",)  # tests marked own_process run in a child pytest (tests/own_process.py)
+
 AVAILABLE = [f for f in FAMILIES if importlib.util.find_spec(f"trimvlm.testing.tiny_{f}") is not None]
 # .ci/run installs every optional extra and sets this: there a missing extra fails its tests instead of
 # skipping them (a broken install must not pass as "skipped").

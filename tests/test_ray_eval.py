@@ -12,6 +12,7 @@ from trimvlm.testing.cli import assert_one_line_error as _one_line_error
 from trimvlm.testing.cli import run_cli as _cli
 
 ray, needs_ray = optional("ray", "`make ray` installs trimvlm[ray]")
+pytestmark = pytest.mark.own_process  # a Ray driver's threads stay in its process: a child pytest's (own_process.py)
 
 RECIPES = ["tokens=density:keep=0.5:layer=3", "kv=density:keep=0.25"]
 LIMIT, BATCH = 24, 4  # 6 kinds x 4 items: 6 batches, cut into shards of consecutive batches

@@ -6,6 +6,7 @@ Serve (`pip install "trimvlm[ray]"`): skipped without Ray unless TRIMVLM_REQUIRE
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from conftest import free_port, need_extra, optional
 
@@ -13,6 +14,7 @@ from trimvlm.testing.cli import assert_one_line_error, run_cli
 
 ray, _ = optional("ray", 'pip install "trimvlm[ray]"')
 serve, needs_ray = optional("ray.serve", 'Ray Serve: pip install "trimvlm[ray]"')
+pytestmark = pytest.mark.own_process  # a Ray driver's threads stay in its process: a child pytest's (own_process.py)
 
 
 @needs_ray
