@@ -25,7 +25,7 @@ BLOCK, BLOCK_MAX, POOL_MIN = 128, 256, 128
 # after 24 of 128 guesses); where the pool holds more (N <= 1024, or N = 2304 with 512) a block of guesses held
 # whole, and one product is cheaper than three.
 STAGE = 32
-GRAM_BLOCK = 128  # the look-ahead pool's distances: rows per product of its upper block triangle (0: one product)
+GRAM_BLOCK = 256  # the look-ahead pool's products: rows per product of its upper block triangle (0: one product)
 
 
 def farthest_point(
@@ -109,7 +109,7 @@ def _numpy_loop(st) -> np.ndarray:
         if miss.any():
             _refill(st, mind, s, miss, t)
             at = st.slot[ar, s]
-        dist = st.rows_np[ar, at]  # [U, N] = D[s_t, :] (a copy)
+        dist = 1.0 - st.rows_np[ar, at]  # [U, N] = D[s_t, :] (the rows hold the products)
         if ragged and t >= ks.min():  # rows that already have their k picks stop updating
             dist[t >= ks] = np.inf
         if mind is None:
@@ -183,9 +183,7 @@ def _refill(st, mind, s, miss, t: int) -> None:
         else [(slice(i, i + 1), want[j : j + 1], xn[i : i + 1]) for j, i in enumerate(who.tolist())]
     )
     for at, a, b in parts:
-        dst = rows[at, :q]
-        bmm(a, b.transpose(1, 2), out=dst)
-        dst.neg_().add_(1.0)  # 1 - <xn_i, xn_j>, the same float as 1.0 - product
+        bmm(a, b.transpose(1, 2), out=rows[at, :q])  # <xn_i, xn_j>: the loops read 1 - it (the same float)
     if host is not None:
         host[who, :q] = rows[torch.from_numpy(who).to(rows.device), :q].cpu().numpy()
     if jit.compiled(xn):
@@ -216,16 +214,16 @@ def _staged(st, who, s) -> np.ndarray | None:
 
 
 def _gram(c: torch.Tensor) -> np.ndarray:
-    """[U', P, P] cosine distances 1 - <c_i, c_j> of the pool's candidates `c` [U', P, d], on the host: the upper
-    block triangle computed (GRAM_BLOCK rows at a time against the columns from their own on), the rest mirrored
-    (about 5/8 of the full product's multiply-adds at P = 512)."""
+    """[U', P, P] products <c_i, c_j> of the pool's candidates `c` [U', P, d] (their cosine distances are 1 minus
+    them), on the host: the upper block triangle computed (GRAM_BLOCK rows at a time against the columns from
+    their own on), the rest mirrored (3/4 of the full product's multiply-adds at P = 512)."""
     p = c.shape[1]
     if not GRAM_BLOCK or p <= GRAM_BLOCK:
-        return (1.0 - bmm(c, c.transpose(1, 2))).cpu().numpy()
+        return bmm(c, c.transpose(1, 2)).cpu().numpy()
     g = torch.empty(c.shape[0], p, p, dtype=c.dtype)
     for i in range(0, p, GRAM_BLOCK):
         j = min(p, i + GRAM_BLOCK)
-        g[:, i:j, i:] = 1.0 - bmm(c[:, i:j], c[:, i:].transpose(1, 2)).cpu()
+        g[:, i:j, i:] = bmm(c[:, i:j], c[:, i:].transpose(1, 2)).cpu()
         g[:, j:, i:j] = g[:, i:j, j:].transpose(1, 2)
     return g.numpy()
 
@@ -267,7 +265,7 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
         return out[:, : predict_run(g, mc, lc, pos, cand, tau.astype(g.dtype), out)]
     sure = np.ones(w, dtype=bool)
     for j in range(1, q):
-        np.minimum(mc, g[rr, pos], out=mc)
+        np.minimum(mc, 1.0 - g[rr, pos], out=mc)
         lc[rr, pos] = -np.inf
         v = mc + lc
         pos = v.argmax(1)

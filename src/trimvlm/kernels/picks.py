@@ -55,10 +55,11 @@ def argmax_sum(a, b):
 
 @njit
 def _fold_argmax(row, mind, live, near, t, track):
-    """mind <- min(mind, row) (NaN propagates; near[i] = t where row < mind) in one pass that vectorises, then
-    argmax(mind + live) (`argmax_sum`)."""
+    """mind <- min(mind, 1 - row) (row: the pick's products, so 1 - row its distances; NaN propagates; near[i] =
+    t where the distance < mind) in one pass that vectorises, then argmax(mind + live) (`argmax_sum`)."""
+    one = mind.dtype.type(1)
     for i in range(mind.shape[0]):
-        d, m = row[i], mind[i]
+        d, m = one - row[i], mind[i]
         lt = d < m
         if track:
             near[i] = t if lt else near[i]
@@ -72,7 +73,9 @@ def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units
     record the pick, fold its cached distance row rows[u, slot[u, s]] into the running min `mind` (and the
     nearest pick's step `near`), take the next pick argmax(mind + live); until the unit is done (tt[u] = kmax)
     or its pick has no cached row (a miss: tt[u], s[u] left at that step for the caller to refill and call
-    again; recording the pick twice is harmless). A unit past its k[u] stops updating `mind`."""
+    again; recording the pick twice is harmless). The rows hold products: a distance is 1 - product (the float
+    the array code computes). A unit past its k[u] stops updating `mind`."""
+    one = mind.dtype.type(1)
     for u in units:
         t, su = tt[u], s[u]
         while t < kmax:
@@ -87,7 +90,8 @@ def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units
                 if a < 0:
                     break
                 if t == 0:
-                    mind[u] = rows[u, a]
+                    for i in range(mind.shape[1]):
+                        mind[u, i] = one - rows[u, a, i]
                 elif not last:  # fold the row in and take the next pick in one pass
                     su = _fold_argmax(rows[u, a], mind[u], live[u], near[u] if track else near[0], t, track)
                     t += 1
@@ -118,18 +122,19 @@ def set_slots(slot, who, picks):
 @njit
 def predict_run(g, mc, lc, pos, cand, tau, out):
     """Farthest point's look-ahead (`kernels.farthest._predict`) on each unit's candidate pool: g [W, P, P]
-    distances, mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens,
+    products (distances 1 - g), mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens,
     tau [W] the best score outside the pool; writes out[:, 1:] (out[:, 0] is the current pick) while some unit's
     run is certain (its picks score above tau) and returns how many columns it wrote (the numpy loop's rule)."""
     w, q = out.shape
     pool = mc.shape[1]
+    one = mc.dtype.type(1)
     done = 1
     for r in range(w):
         p = pos[r]
         sure = q
         for j in range(1, q):
             for i in range(pool):  # a select, not a branch: it vectorises
-                v, m = g[r, p, i], mc[r, i]
+                v, m = one - g[r, p, i], mc[r, i]
                 mc[r, i] = v if (v < m or v != v) else m
             lc[r, p] = -np.inf
             p = argmax_sum(mc[r], lc[r])
