@@ -1,9 +1,11 @@
-"""Spatial density's window similarity compiled (`kernels.jit`): per cell, the sum of its valid window neighbours'
-unit vectors, its dot with the cell's own vector and the neighbours' count, in one pass over the grid (the torch
-path makes two box sums, a subtraction and a dot product, each a pass over all N x d features; here the sum of a
-cell lives in one d-vector and is never written out). It runs as the torch op `trimvlm::window_dots`
-(`kernels.density`), whose FLOPs torch's counter takes as the torch path's: the 2 * N * d of the dot products
-(`flops.rowdot`). The same rho to rounding: the sums run in another order."""
+"""Spatial density's window similarity compiled (`kernels.jit`): per cell, the sum of its cosine similarities to
+its valid window neighbours and the neighbours' count. sum_n <x, x_n> is computed as the dots themselves, each
+pair of neighbours once (it counts for both cells): (window^2 - 1) / 2 dots of d per cell, read from the cache,
+where the torch path makes two box sums, a subtraction and a dot product, each a pass over all N x d features.
+It runs as the torch op `trimvlm::window_dots` (`kernels.density`), whose FLOPs torch's counter takes as the torch
+path's: the 2 * N * d of the dot products (`flops.rowdot`). The same rho to rounding: the sums run in another
+order.
+"""
 
 from __future__ import annotations
 
@@ -23,27 +25,28 @@ def _dot(a, b):
 
 @njit
 def window_dots(xn, valid, window, sim, cnt, units):
-    """For the grids `units` of xn [B, h, w, d]: sim [B, h, w] the dot of each valid cell's vector with the sum
-    of its valid window neighbours' (itself excluded; 0 on cells that are not valid), cnt [B, h, w] how many
-    neighbours there are."""
-    _, h, w, d = xn.shape
+    """For the grids `units` of xn [B, h, w, d]: sim [B, h, w] the sum of each valid cell's dots with its valid
+    window neighbours (itself excluded; 0 on cells that are not valid), cnt [B, h, w] how many neighbours there
+    are. Each neighbouring pair's dot is computed once, from its first cell in row-major order, and added to
+    both cells."""
+    _, h, w, _ = xn.shape
     r = window // 2
-    acc = np.empty(d, dtype=xn.dtype)
     for b in units:
+        sim[b] = 0
+        cnt[b] = 0
         for i in range(h):
             for j in range(w):
-                sim[b, i, j] = 0
-                cnt[b, i, j] = 0
                 if not valid[b, i, j]:
                     continue
-                acc[:] = 0
-                for a in range(max(0, i - r), min(h, i + r + 1)):
+                for a in range(i, min(h, i + r + 1)):
                     for c in range(max(0, j - r), min(w, j + r + 1)):
-                        if (a != i or c != j) and valid[b, a, c]:
-                            cnt[b, i, j] += 1
-                            for e in range(d):
-                                acc[e] += xn[b, a, c, e]
-                sim[b, i, j] = _dot(acc, xn[b, i, j])
+                        if (a == i and c <= j) or not valid[b, a, c]:
+                            continue  # itself, a neighbour whose pair came before, or not a token
+                        dot = _dot(xn[b, i, j], xn[b, a, c])
+                        sim[b, i, j] += dot
+                        sim[b, a, c] += dot
+                        cnt[b, i, j] += 1
+                        cnt[b, a, c] += 1
 
 
 def neighbour_dots(xn, valid, window: int):
