@@ -31,33 +31,26 @@ def pytest_configure(config):
 
 
 def _child_run(item) -> dict[str, list[dict]]:
-    ids = [
-        i.nodeid for i in item.session.items if i.path == item.path and i.get_closest_marker("own_process")
-    ]
+    ids = [i.nodeid for i in item.session.items if i.path == item.path and i.get_closest_marker("own_process")]
+    got: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "reports.jsonl")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids]
-        run = subprocess.run(cmd, cwd=item.config.rootpath, env={**os.environ, CHILD: out}, capture_output=True,
-                             text=True, timeout=TIMEOUT_S)  # fmt: skip
-        got: dict[str, list[dict]] = {}
+        try:
+            run = subprocess.run(cmd, cwd=item.config.rootpath, env={**os.environ, CHILD: out},
+                                 capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+            status, tail = f"exit status {run.returncode}", (run.stdout + run.stderr)[-4000:]
+        except subprocess.TimeoutExpired as e:
+            status, tail = f"stopped after {TIMEOUT_S} s", str(e.output or "")[-4000:]
         if os.path.exists(out):
             with open(out) as f:
                 for line in f:
                     r = json.loads(line)
                     got.setdefault(r["nodeid"], []).append(r)
-    tail = (run.stdout + run.stderr)[-4000:]
     for nodeid in ids:  # a test the child never reported (it crashed, or did not collect it) fails here
         if not any(r["when"] == "call" or r["outcome"] != "passed" for r in got.get(nodeid, [])):
-            got[nodeid] = [
-                dict(
-                    nodeid=nodeid,
-                    when="call",
-                    outcome="failed",
-                    longrepr=(
-                        f"the child pytest (exit status {run.returncode}) reported no result for this test:\n{tail}"
-                    ),
-                )
-            ]
+            why = f"the child pytest ({status}) reported no result for this test:\n{tail}"
+            got[nodeid] = [dict(nodeid=nodeid, when="call", outcome="failed", longrepr=why)]
     return got
 
 
