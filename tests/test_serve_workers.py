@@ -45,6 +45,7 @@ def split(demo):
     try:
         yield api, engine
     finally:
+        api.close()
         engine.close()
 
 
@@ -228,5 +229,27 @@ def test_an_api_process_follows_the_engines_load(demo, tmp_path):
                 body = {"messages": messages(3), "max_tokens": 4}
                 got.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["usage"]["recipe"])
     finally:
+        api.close()
         engine.close()
     assert got == ["tuned-total_flops=0.4", "baseline"]
+
+
+def test_closing_the_api_side_ends_its_reader_and_the_engines_bridge(demo):
+    """An API process's batcher, closed, shuts its connection down: its reader thread and the engine's bridge
+    thread for it both read EOF and return (a descriptor closed under their blocked reads kept both waiting)."""
+    engine = ServerState(demo, model_id="demo")
+    engine.start()
+    a, b = multiprocessing.Pipe()
+    link = threading.Thread(target=bridge, args=(engine, a), daemon=True)
+    link.start()
+    api = ServerState(demo, model_id="demo", remote=(None, b""))
+    api.batcher.start(b)
+    try:
+        assert api.batcher.alive and link.is_alive()
+        api.close()
+        link.join(10)
+        api.batcher._reader.join(10)
+        assert not link.is_alive() and not api.batcher._reader.is_alive()
+        assert engine.batcher.alive  # the engine keeps serving its other API processes
+    finally:
+        engine.close()

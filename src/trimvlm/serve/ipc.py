@@ -27,7 +27,9 @@ import contextlib
 import dataclasses
 import io
 import itertools
+import os
 import pickle
+import socket
 import threading
 import time
 
@@ -304,6 +306,9 @@ class RemoteScheduler:
 
     def close(self, timeout: float = 10.0) -> None:
         self._closed = True
+        if self.link is None:
+            return
+        _shut_down(self.link.conn)  # the reader here and the engine's bridge thread for this process both return
         with contextlib.suppress(OSError):
             self.link.conn.close()
 
@@ -394,6 +399,22 @@ class RemoteScheduler:
                 _call(job.loop, _resolve, job.future, False, (503, str(error)))
         if lost and self.on_lost is not None:
             self.on_lost()
+
+
+def _shut_down(conn) -> None:
+    """Shut down the socket under `conn`: both ends then read EOF, where a descriptor closed under a blocked read
+    leaves that read (and the other end's) blocked for good. Nothing for a pipe or a closed connection."""
+    try:
+        fd = os.dup(conn.fileno())
+    except (OSError, ValueError):
+        return
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return
+    with sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _call(loop, fn, *args) -> None:
