@@ -220,12 +220,12 @@ def _gram(c: torch.Tensor) -> np.ndarray:
     p = c.shape[1]
     if not GRAM_BLOCK or p <= GRAM_BLOCK:
         return bmm(c, c.transpose(1, 2)).cpu().numpy()
-    g = torch.empty(c.shape[0], p, p, dtype=c.dtype)
+    g = torch.empty(c.shape[0], p, p, dtype=c.dtype, device=c.device)
     for i in range(0, p, GRAM_BLOCK):
         j = min(p, i + GRAM_BLOCK)
-        g[:, i:j, i:] = bmm(c[:, i:j], c[:, i:].transpose(1, 2)).cpu()
+        bmm(c[:, i:j], c[:, i:].transpose(1, 2), out=g[:, i:j, i:])  # written in place (rows of stride P)
         g[:, j:, i:j] = g[:, i:j, j:].transpose(1, 2)
-    return g.numpy()
+    return g.cpu().numpy()
 
 
 def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
