@@ -71,7 +71,7 @@ def farthest_point(
     m = max(1, min(block or min(BLOCK_MAX, max(BLOCK, n // 9)), n))
     dev = xn.device
     live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(u, n).copy()
-    rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached distance rows
+    rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached rows <xn_s, xn_j> (1 - distance)
     host = None if dev.type == "cpu" else np.empty((u, m, n), dtype=live.dtype)
     st = SimpleNamespace(
         xs=(xn, xn.reshape(u * n, -1).contiguous()),  # the rows the products gather (copied once if strided)
@@ -154,9 +154,9 @@ def _compiled(st) -> np.ndarray:
 
 def _refill(st, mind, s, miss, t: int) -> None:
     """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` at step t has no cached row:
-    the distance rows [q, N] (q <= m) of `s` and of the q - 1 picks `_predict` is certain of next, written into
-    the cache (a torch tensor [U, m, N] on the features' device and the host array the loop reads, one memory
-    on the CPU), with `slot` [U, N] (token -> row)."""
+    the product rows [q, N] (q <= m; the distances are 1 - them) of `s` and of the q - 1 picks `_predict` is
+    certain of next, written into the cache (a torch tensor [U, m, N] on the features' device and the host array
+    the loop reads, one memory on the CPU), with `slot` [U, N] (token -> row)."""
     (xn, xf), (rows, host), live = st.xs, st.cache, st.live
     u, n, d = xn.shape
     m = rows.shape[1]

@@ -70,7 +70,7 @@ def _fold_argmax(row, mind, live, near, t, track):
 @njit
 def fps_advance(rows, slot, mind, live, near, ks, s, tt, out, kmax, track, units):
     """Farthest point's loop (`kernels.farthest`) for each unit of `units`, from its step tt[u] and pick s[u]:
-    record the pick, fold its cached distance row rows[u, slot[u, s]] into the running min `mind` (and the
+    record the pick, fold its cached row rows[u, slot[u, s]] into the running min `mind` (and the
     nearest pick's step `near`), take the next pick argmax(mind + live); until the unit is done (tt[u] = kmax)
     or its pick has no cached row (a miss: tt[u], s[u] left at that step for the caller to refill and call
     again; recording the pick twice is harmless). The rows hold products: a distance is 1 - product (the float
@@ -122,9 +122,10 @@ def set_slots(slot, who, picks):
 @njit
 def predict_run(g, mc, lc, pos, cand, tau, out):
     """Farthest point's look-ahead (`kernels.farthest._predict`) on each unit's candidate pool: g [W, P, P]
-    products (distances 1 - g), mc / lc [W, P] running min and liveness, pos [W] the current pick's place, cand [W, P] tokens,
-    tau [W] the best score outside the pool; writes out[:, 1:] (out[:, 0] is the current pick) while some unit's
-    run is certain (its picks score above tau) and returns how many columns it wrote (the numpy loop's rule)."""
+    products (distances 1 - g), mc / lc [W, P] running min and liveness, pos [W] the current pick's place,
+    cand [W, P] tokens, tau [W] the best score outside the pool; writes out[:, 1:] (out[:, 0] is the current
+    pick) while some unit's run is certain (its picks score above tau) and returns how many columns it wrote
+    (the numpy loop's rule)."""
     w, q = out.shape
     pool = mc.shape[1]
     one = mc.dtype.type(1)
