@@ -6,6 +6,7 @@ engine's figures and the API's. Then `trimvlm serve --api-workers 2` for real: t
 answer, and they stop when the engine process does."""
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -33,20 +34,29 @@ from trimvlm.testing.decisions import assert_same_answers as assert_same  # noqa
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def split(demo):
-    """(the API-side state, the engine-side state), joined by a pipe; the engine's scheduler running."""
-    engine = ServerState(demo, model_id="demo")
+@contextlib.contextmanager
+def joined(demo, **kw):
+    """(the API-side state, the engine-side state, the engine's bridge thread for the API side), joined by a
+    pipe, both made with `kw`; the engine's scheduler running. Both states are closed on the way out."""
+    engine = ServerState(demo, model_id="demo", **kw)
     engine.start()
     a, b = multiprocessing.Pipe()
-    threading.Thread(target=bridge, args=(engine, a), daemon=True).start()
-    api = ServerState(demo, model_id="demo", remote=(None, b""))
+    link = threading.Thread(target=bridge, args=(engine, a), daemon=True)
+    link.start()
+    api = ServerState(demo, model_id="demo", remote=(None, b""), **kw)
     api.batcher.start(b)
     try:
-        yield api, engine
+        yield api, engine, link
     finally:
         api.close()
         engine.close()
+
+
+@pytest.fixture
+def split(demo):
+    """(the API-side state, the engine-side state), joined by a pipe (`joined`)."""
+    with joined(demo) as (api, engine, _):
+        yield api, engine
 
 
 def test_answers_across_the_boundary_equal_in_process(demo, split):
@@ -215,41 +225,22 @@ def test_an_api_process_follows_the_engines_load(demo, tmp_path):
     from test_serve_budgets import tune_folder
 
     folder = tune_folder(tmp_path / "t", demo)
-    engine = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200)
-    engine.start()
-    a, b = multiprocessing.Pipe()
-    threading.Thread(target=bridge, args=(engine, a), daemon=True).start()
-    api = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200, remote=(None, b""))
-    api.batcher.start(b)
     got = []
-    try:
-        with live(api) as (url, _):
-            for s_per_token in (1.0, 1e-9):  # every rung far past 200 ms; then all within it
-                engine.load.tokens, engine.load.s_per_token, engine.load.step_s = 100, s_per_token, 0.0
-                body = {"messages": messages(3), "max_tokens": 4}
-                got.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["usage"]["recipe"])
-    finally:
-        api.close()
-        engine.close()
+    with joined(demo, tuned=folder, slo_ttft_ms=200) as (api, engine, _), live(api) as (url, _):
+        for s_per_token in (1.0, 1e-9):  # every rung far past 200 ms; then all within it
+            engine.load.tokens, engine.load.s_per_token, engine.load.step_s = 100, s_per_token, 0.0
+            body = {"messages": messages(3), "max_tokens": 4}
+            got.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["usage"]["recipe"])
     assert got == ["tuned-total_flops=0.4", "baseline"]
 
 
 def test_closing_the_api_side_ends_its_reader_and_the_engines_bridge(demo):
     """An API process's batcher, closed, shuts its connection down: its reader thread and the engine's bridge
     thread for it both read EOF and return (a descriptor closed under their blocked reads kept both waiting)."""
-    engine = ServerState(demo, model_id="demo")
-    engine.start()
-    a, b = multiprocessing.Pipe()
-    link = threading.Thread(target=bridge, args=(engine, a), daemon=True)
-    link.start()
-    api = ServerState(demo, model_id="demo", remote=(None, b""))
-    api.batcher.start(b)
-    try:
+    with joined(demo) as (api, engine, link):
         assert api.batcher.alive and link.is_alive()
         api.close()
         link.join(10)
         api.batcher._reader.join(10)
         assert not link.is_alive() and not api.batcher._reader.is_alive()
         assert engine.batcher.alive  # the engine keeps serving its other API processes
-    finally:
-        engine.close()

@@ -447,7 +447,7 @@ def merge_dropped(
     dst_at = r_rows * new_len + r_cols  # flat [B * S'] row of every receiving kept token
     w_drop_c, w_self_c, w_sum_c = w_drop[:, None], w_self[:, None], w_sum[:, None]
 
-    every = plan = None  # per source row [B * S] its receiver in `acc` (a spare row: not dropped); the compiled fold's
+    every = plan = None  # per source row [B * S] its receiver in `acc` (a spare row: not dropped); `Receivers`
 
     def fold(src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compiled (`kernels.fold`, same floats) on CPU float rows; else one index_add over the batch: the dropped
