@@ -138,7 +138,7 @@ def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
     half = len(rows) // 2  # the compiled run's products, then the fallback's
     assert rows[:half] == rows[half:]
-    assert rows[0] == 2 * farthest.BLOCK  # the first refill: a block of guesses for both units
+    assert rows[0] == 2 * farthest.GUESS  # the first refill: a guess for both units
     assert sum(rows[1:half]) <= int(k.sum()) - 2  # the others: certain picks only (each unit's first was served)
     assert_formula_picks(a[0], xn, tilt, k, sizes)
 
@@ -160,6 +160,45 @@ def test_farthest_point_first_guess_in_stages_compiled_equal_fallback_and_the_fo
     assert rows[:half] == rows[half:]
     assert rows[:2] == [2 * 4, 2 * 8]  # pool 32 < 300 / 5: stages of 4, then 8 rows per unit (the guess held)
     assert_formula_picks(a[0], xn, tilt, k, sizes)
+
+
+def products_counted(monkeypatch, n: int) -> list[tuple[str, int]]:
+    """Every farthest-point product in order: ("rows", rows against all `n` tokens) or ("pool", its candidates)."""
+    from trimvlm.kernels import farthest
+
+    seen, real_bmm = [], farthest.bmm
+
+    def counted(a, b, **kw):
+        seen.append(("rows", a.shape[0] * a.shape[1]) if b.shape[-1] == n else ("pool", a.shape[1]))
+        return real_bmm(a, b, **kw)
+
+    monkeypatch.setattr(farthest, "bmm", counted)
+    return seen
+
+
+def test_farthest_point_refill_reuses_the_last_pool(monkeypatch):
+    """A refill whose pick is among its unit's last pool takes the picks it is certain of from that pool's products
+    when the run is long enough (REUSE_MIN), instead of a new pool product: compiled == fallback with the same
+    products, the picks are the formula's either way, and fewer pool products are made than without reuse."""
+    from trimvlm.kernels import farthest
+
+    monkeypatch.setattr(farthest, "GUESS", 4)
+    monkeypatch.setattr(farthest, "REUSE_MIN", 1)
+    sizes, k = [90, 70], torch.tensor([40, 30])
+    x, mask, tilt = units(sizes, 8, seed=1, dtype=torch.float64)
+    xn = F.normalize(x, dim=-1, eps=1e-12)
+    pools = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(farthest, "REUSE", reuse)
+        seen = products_counted(monkeypatch, x.shape[1])
+        (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True, block=16))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+        half = len(seen) // 2
+        assert seen[:half] == seen[half:]
+        assert seen[:2] == [("pool", 32), ("rows", 2 * 4)]  # pool 32 >= 90 / 5: a guess of GUESS rows per unit
+        assert_formula_picks(a[0], xn, tilt, k, sizes)
+        pools[reuse] = sum(kind == "pool" for kind, _ in seen[:half])
+    assert pools[True] < pools[False]
 
 
 def test_farthest_point_compiled_matches_the_formula():

@@ -211,7 +211,7 @@ def test_farthest_point_default_block_with_many_picks_matches_reference():
     from trimvlm.kernels import density
 
     gen = torch.Generator().manual_seed(11)
-    n, k = 520, 3 * density.BLOCK + 10
+    n, k = 4 * density.BLOCK + 8, 3 * density.BLOCK + 10
     x = torch.randn(1, n, 8, dtype=torch.float64, generator=gen)
     rt = masked_minmax(torch.rand(1, n, dtype=torch.float64, generator=gen), torch.ones(1, n, dtype=torch.bool))
     xn = F.normalize(x, dim=-1, eps=1e-12)

@@ -13,18 +13,25 @@ from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.threads import for_units
 
-# farthest point's rows per product at most: N / 9 within BLOCK..BLOCK_MAX; its look-ahead pool: N / 4 within
-# POOL_MIN..2 x block. One thread, interleaved against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5,
-# N = 576-4096: the pool's distances cost 20-50% of a full block's rows and let a refill be certain of 15-200
-# picks; 64 rows per product cost 1.25x a row of the whole product at N = 1024, 128 rows 1.1x; at N = 2304, 256
-# rows and a pool of 512 took two refills where 128 and 256 took six.
-BLOCK, BLOCK_MAX, POOL_MIN = 128, 256, 128
-# The first refill's guess (nothing is certain before the first distance row is known) is computed in stages
-# where its pool holds under a fifth of the tokens: STAGE rows, then twice the last stage's while the guess
-# keeps being the rule's picks. There the rule soon picks outside the pool (at N = 2304 with a pool of 256,
-# after 24 of 128 guesses); where the pool holds more (N <= 1024, or N = 2304 with 512) a block of guesses held
-# whole, and one product is cheaper than three.
-STAGE = 32
+# farthest point's rows per product at most (N where N is smaller; a run predicted from the pool is at most
+# the pool's candidates); its look-ahead pool: N / 4 within POOL_MIN..2 x block. One thread, interleaved
+# against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5, N = 576-4096: the pool's distances
+# cost 20-50% of a full block's rows and let a refill be certain of 15-200 picks; 512 rows at N = 4096 were
+# 20% slower than 256 (a pool of 1024), at N = 2304 the same.
+BLOCK, POOL_MIN = 256, 128
+# The first refill's guess (nothing is certain before the first distance row is known) is computed in
+# stages, all from its one pool product: STAGE rows where the pool holds under a fifth of the tokens, else
+# GUESS, then twice the last stage's while the guess keeps being the rule's picks. With few candidates the
+# rule soon picks outside the pool (at N = 2304 with a pool of 256, after 24 of 128 guesses); with more a
+# guess can still fail (smooth features at d = 64, N = 1024: after 72 of 256), and at most one stage of rows
+# goes unused. At N = 1024, K = 205, d = 1024 a guess that held ran all its picks from one pool product: 128
+# + 77 rows, 15% faster than 128 rows, then a refill with a new pool (one and two threads).
+STAGE, GUESS = 32, 128
+# A later refill whose pick is among its unit's last pool first runs the rule ahead on that pool again, with
+# the current scores (the same certainty), and takes the run when it is at least REUSE_MIN picks (or all it
+# needs): no new pool product. On the synthetic features at d = 1024: 9% fewer products at N = 2304, 3% at N
+# = 4096.
+REUSE, REUSE_MIN = True, 16
 GRAM_BLOCK = 256  # the look-ahead pool's products: rows per product of its upper block triangle (0: one product)
 
 
@@ -47,14 +54,15 @@ def farthest_point(
     (beta * rho~); first [U] the first pick. Ties go to the lowest index.
 
     Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
-    floor. The rows are computed up to `block` (default N / 9 within BLOCK..BLOCK_MAX) at a time as one
+    floor. The rows are computed up to `block` (default BLOCK, at most N) at a time as one
     [q, d] x [d, N] product (a compute-bound matrix product instead of a memory-bound matrix-vector product per
     pick), for the picks the rule is certain to make next: the rule is run ahead on the `pool` best current
     candidates (default N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
     [pool, pool] distances, as long as its picks score above every token outside the pool (`_predict`; at the
-    first step, before any distance is known, a full block is a guess, computed in stages where the pool holds
-    under a fifth of the tokens: STAGE rows, then twice as many while the guess holds). A unit whose pick is not
-    among its cached rows refills (only that unit).
+    first step, before any distance is known, a full block is a guess, computed in stages: STAGE rows where the
+    pool holds under a fifth of the tokens, else GUESS, then twice as many while the guess holds). A unit whose
+    pick is not among its cached rows refills (only that unit), from its last pool when its pick is there and the
+    run is long enough (`_reuse`), else from a new pool.
     The prediction only chooses which rows to compute: every pick is still the exact argmax of the exact
     current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick loop).
     The O(N) per-pick bookkeeping (running min, tilt, argmax) runs on [U, N] host arrays: compiled, one fused
@@ -68,7 +76,7 @@ def farthest_point(
     """
     u, n, _ = xn.shape
     kmax = int(k.max())
-    m = max(1, min(block or min(BLOCK_MAX, max(BLOCK, n // 9)), n))
+    m = max(1, min(block or BLOCK, n))
     dev = xn.device
     live = tilt.masked_fill(~mask, float("-inf")).to(xn.dtype).detach().cpu().numpy().reshape(u, n).copy()
     rows = torch.empty(u, m, n, dtype=xn.dtype, device=dev)  # per unit, the cached rows <xn_s, xn_j> (1 - distance)
@@ -81,6 +89,7 @@ def farthest_point(
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
         pool=pool or (min(2 * m, max(POOL_MIN, n // 4)) if block is None else 2 * m),
         s=np.asarray(first.tolist(), dtype=np.int64),
+        pools={},  # per unit, its last look-ahead pool: candidates [P] and their products [P, P]
         guess=None,  # the first refill's guess: [U, q] picks, [U] the next stage's start (-1: none), its last rows
     )  # fmt: skip
     with np.errstate(invalid="ignore"):  # inf + -inf (a unit past its tokens) is NaN by the rule, not an error
@@ -154,25 +163,29 @@ def _compiled(st) -> np.ndarray:
 
 def _refill(st, mind, s, miss, t: int) -> None:
     """Refill farthest point's cache for the units `miss` [U] bool whose pick `s` at step t has no cached row:
-    the product rows [q, N] (q <= m; the distances are 1 - them) of `s` and of the q - 1 picks `_predict` is
-    certain of next, written into the cache (a torch tensor [U, m, N] on the features' device and the host array
-    the loop reads, one memory on the CPU), with `slot` [U, N] (token -> row)."""
+    the product rows [q, N] (q <= m; the distances are 1 - them) of `s` and of the q - 1 picks the look-ahead is
+    certain of next (`_reuse`, else `_predict`; or the first refill's next stage of guesses), written into the
+    cache (a torch tensor [U, m, N] on the features' device and the host array the loop reads, one memory on the
+    CPU), with `slot` [U, N] (token -> row)."""
     (xn, xf), (rows, host), live = st.xs, st.cache, st.live
     u, n, d = xn.shape
     m = rows.shape[1]
     who = np.flatnonzero(miss)
-    picks = _staged(st, who, s) if mind is not None else None
+    q = min(m, int((st.ks[who] - t).max()))
+    picks = None if mind is None else _staged(st, who, s)
+    if picks is None and mind is not None and REUSE:
+        picks = _reuse(st, who, mind, s, q)
     if picks is None:
         cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
         mw = None if mind is None else mind[who]
-        q = min(m, int((st.ks[who] - t).max()))
         pool = min(st.pool, 2 * q, n)  # the pool a block needs, less for the last picks
-        picks = _predict(st.xs, who, cur, mw, live[who], s[who], q, pool)
-        if mind is None and picks.shape[1] > STAGE and 5 * pool < n:  # a guess: a stage now, more while it holds
+        picks = _predict(st, who, cur, mw, live[who], s[who], q, pool)
+        first = STAGE if 5 * pool < n else GUESS  # a guess: a stage now, more while it holds
+        if mind is None and picks.shape[1] > first:
             guess, nxt = np.zeros((u, picks.shape[1]), dtype=np.int64), np.full(u, -1, dtype=np.int64)
-            guess[who], nxt[who] = picks, STAGE
-            st.guess = (guess, nxt, STAGE)
-            picks = picks[:, :STAGE]
+            guess[who], nxt[who] = picks, first
+            st.guess = (guess, nxt, first)
+            picks = picks[:, :first]
     q = picks.shape[1]
     flat = torch.from_numpy((who[:, None] * n + picks).reshape(-1)).to(xn.device)
     want = xf.index_select(0, flat).reshape(len(who), q, d)
@@ -228,7 +241,7 @@ def _gram(c: torch.Tensor) -> np.ndarray:
     return g.cpu().numpy()
 
 
-def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
+def _predict(st, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     """[U', c] per unit `who` the picks the rule is certain to make from `s` on (c <= q): the rule run ahead on
     the unit's `pool` best current candidates (by `cur` [U', N]) with their [pool, pool] distances (one counted
     product). A token outside the pool scores at most tau, the best score outside it now (scores only fall),
@@ -236,7 +249,7 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     step 0, before any distance, nothing beyond `s` is certain). c is the most certain picks of any unit (the
     others' extra rows are guesses). A guess of which rows to compute, nothing more: the caller checks every
     pick."""
-    (xn, xf), w = xs, len(who)
+    (xn, xf), w = st.xs, len(who)
     n, d = xn.shape[1:]
     if q == 1 or pool <= 1:
         return s[:, None]
@@ -254,9 +267,39 @@ def _predict(xs, who, cur, mind, live, s, q: int, pool: int) -> np.ndarray:
     flat = torch.from_numpy((who[:, None] * n + cand).reshape(-1)).to(xn.device)
     c = xf.index_select(0, flat).reshape(w, pool, d)
     g = _gram(c)
+    for j, unit in enumerate(who.tolist()):
+        st.pools[unit] = (cand[j], g[j])
     mc = np.full((w, pool), np.inf, dtype=g.dtype) if mind is None else np.take_along_axis(mind, cand, 1)
     lc = np.take_along_axis(live, cand, 1)
-    pos = (cand == s[:, None]).argmax(1)
+    return _run_ahead(xn, g, mc, lc, (cand == s[:, None]).argmax(1), cand, tau, s, q)
+
+
+def _reuse(st, who, mind, s, q: int) -> np.ndarray | None:
+    """The picks the rule is certain to make from `s` on for the units `who`, from the pools their last
+    `_predict` kept (candidates and products) with the current scores: a token outside a pool now scores at most
+    tau, the best score outside it, so the same certainty holds (`_predict`). None (a new pool is needed) when a
+    unit has no pool, the pools differ in size, a pick `s` is not among its pool's candidates, or the run is
+    shorter than REUSE_MIN (or q)."""
+    kept = [st.pools.get(unit) for unit in who.tolist()]
+    if any(k is None for k in kept) or len({k[0].shape[0] for k in kept}) != 1:
+        return None
+    cand, g = np.stack([k[0] for k in kept]), np.stack([k[1] for k in kept])
+    at = cand == s[who][:, None]
+    if not at.any(1).all():
+        return None
+    outside = mind[who] + st.live[who]
+    np.put_along_axis(outside, cand, -np.inf, 1)
+    mc, lc = np.take_along_axis(mind[who], cand, 1), np.take_along_axis(st.live[who], cand, 1)
+    picks = _run_ahead(st.xs[0], g, mc, lc, at.argmax(1), cand, outside.max(1), s[who], q)
+    return picks if picks.shape[1] >= min(q, REUSE_MIN) else None
+
+
+def _run_ahead(xn, g, mc, lc, pos, cand, tau, s, q: int) -> np.ndarray:
+    """The rule run ahead on each unit's pool (`_predict`): g [W, P, P] products, mc / lc [W, P] running min and
+    liveness of the candidates cand [W, P], pos [W] the place of the current pick s [W], tau [W] the best score
+    outside; [W, c] picks while some unit's are certain (compiled or numpy)."""
+    w = len(s)
+    rr = np.arange(w)
     out = np.empty((w, q), dtype=np.int64)
     out[:, 0] = s
     if jit.compiled(xn):
