@@ -94,19 +94,23 @@ def test_farthest_point_compiled_on_one_token_and_past_the_tokens():
     assert a[0].tolist() == b[0].tolist() == [[0]]
 
 
-def rows_counted(monkeypatch, n: int) -> list[int]:
-    """The rows of every farthest-point distance product against all `n` tokens, in order (per unit)."""
+def products_counted(monkeypatch, n: int) -> list[tuple[str, int]]:
+    """Every farthest-point product in order: ("rows", rows against all `n` tokens) or ("pool", its candidates)."""
     from trimvlm.kernels import farthest
 
-    rows, real_bmm = [], farthest.bmm
+    seen, real_bmm = [], farthest.bmm
 
     def counted(a, b, **kw):
-        if b.shape[-1] == n:
-            rows.append(a.shape[0] * a.shape[1])
+        seen.append(("rows", a.shape[0] * a.shape[1]) if b.shape[-1] == n else ("pool", a.shape[1]))
         return real_bmm(a, b, **kw)
 
     monkeypatch.setattr(farthest, "bmm", counted)
-    return rows
+    return seen
+
+
+def rows_of(seen: list[tuple[str, int]]) -> list[int]:
+    """The rows of every product against all tokens, in order, from `products_counted`."""
+    return [r for kind, r in seen if kind == "rows"]
 
 
 def assert_formula_picks(picks, xn, tilt, k, sizes) -> None:
@@ -133,9 +137,10 @@ def test_farthest_point_certain_refills_compiled_equal_fallback_and_the_formula(
     x, mask, tilt = units(sizes, 8, seed=21, dtype=torch.float64)
     xn = F.normalize(x, dim=-1, eps=1e-12)
     k = torch.tensor([3 * farthest.BLOCK + 20, 90])
-    rows = rows_counted(monkeypatch, x.shape[1])
+    seen = products_counted(monkeypatch, x.shape[1])
     (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    rows = rows_of(seen)
     half = len(rows) // 2  # the compiled run's products, then the fallback's
     assert rows[:half] == rows[half:]
     assert rows[0] == 2 * farthest.GUESS  # the first refill: a guess for both units
@@ -153,27 +158,14 @@ def test_farthest_point_first_guess_in_stages_compiled_equal_fallback_and_the_fo
     sizes, k = [300, 210], torch.tensor([70, 45])
     x, mask, tilt = units(sizes, 8, seed=5, dtype=torch.float64)
     xn = F.normalize(x, dim=-1, eps=1e-12)
-    rows = rows_counted(monkeypatch, x.shape[1])
+    seen = products_counted(monkeypatch, x.shape[1])
     (a, fa), (b, fb) = both(lambda: farthest_point(xn, mask, k, tilt, tilt.argmax(1), track_nearest=True, block=16))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and fa == fb
+    rows = rows_of(seen)
     half = len(rows) // 2
     assert rows[:half] == rows[half:]
     assert rows[:2] == [2 * 4, 2 * 8]  # pool 32 < 300 / 5: stages of 4, then 8 rows per unit (the guess held)
     assert_formula_picks(a[0], xn, tilt, k, sizes)
-
-
-def products_counted(monkeypatch, n: int) -> list[tuple[str, int]]:
-    """Every farthest-point product in order: ("rows", rows against all `n` tokens) or ("pool", its candidates)."""
-    from trimvlm.kernels import farthest
-
-    seen, real_bmm = [], farthest.bmm
-
-    def counted(a, b, **kw):
-        seen.append(("rows", a.shape[0] * a.shape[1]) if b.shape[-1] == n else ("pool", a.shape[1]))
-        return real_bmm(a, b, **kw)
-
-    monkeypatch.setattr(farthest, "bmm", counted)
-    return seen
 
 
 def test_farthest_point_refill_reuses_the_last_pool(monkeypatch):

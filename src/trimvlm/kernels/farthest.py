@@ -172,16 +172,18 @@ def _refill(st, mind, s, miss, t: int) -> None:
     m = rows.shape[1]
     who = np.flatnonzero(miss)
     q = min(m, int((st.ks[who] - t).max()))
-    picks = None if mind is None else _staged(st, who, s)
-    if picks is None and mind is not None and REUSE:
-        picks = _reuse(st, who, mind, s, q)
+    picks = None
+    if mind is not None:  # the first refill's guess goes on, else the last pool, else a new one
+        picks = _staged(st, who, s)
+        if picks is None and REUSE:
+            picks = _reuse(st, who, mind, s, q)
     if picks is None:
         cur = live[who] if mind is None else mind[who] + live[who]  # current scores [U', N]
         mw = None if mind is None else mind[who]
         pool = min(st.pool, 2 * q, n)  # the pool a block needs, less for the last picks
         picks = _predict(st, who, cur, mw, live[who], s[who], q, pool)
-        first = STAGE if 5 * pool < n else GUESS  # a guess: a stage now, more while it holds
-        if mind is None and picks.shape[1] > first:
+        first = STAGE if 5 * pool < n else GUESS
+        if mind is None and picks.shape[1] > first:  # a guess: a stage now, more while it holds
             guess, nxt = np.zeros((u, picks.shape[1]), dtype=np.int64), np.full(u, -1, dtype=np.int64)
             guess[who], nxt[who] = picks, first
             st.guess = (guess, nxt, first)
