@@ -1,4 +1,5 @@
-"""Write every figure table of README.md and docs/ from the results files in docs/results/ (`make results`).
+"""Write every figure table and figure of README.md and docs/ from the results files in docs/results/
+(`make results`).
 
 A table lives between two markers; the opening one names its results file (relative to docs/results/, without
 `.json`) and, optionally, what to show:
@@ -18,21 +19,34 @@ A table lives between two markers; the opening one names its results file (relat
   recipes: `pattern`, `cell`), or a renderer for a file of its
   own shape (`budget`, `tune`, `scoring`, `scan`).
 
-`python benchmarks/write_results.py` rewrites the tables in place; `--check` writes nothing and exits 1 when a
-table differs from what its results file gives (tests/test_results_tables.py runs it).
+A marker with `figure=KIND` holds a figure instead: `make results` draws `docs/results/NAME.png` (or `png=PATH`,
+relative to docs/results/, without `.png`) from the results file and writes the image link between the
+markers (`alt=` its text). Kinds: `pareto` (an eval result: `trimvlm.evals.plot`; `rows` = the recipes named in
+colour, default the baseline and the frontier's), `scoring` (a candidate-scoring file, the same figure) and
+`tune` (`trimvlm tune`'s tune.json: its frontier plot). The PNG keeps a digest of the results file and the
+marker's arguments; a figure whose digest differs is drawn again.
+
+`python benchmarks/write_results.py` rewrites the tables and figures in place; `--check` writes nothing and exits
+1 when a table differs from what its results file gives, a figure is missing or was drawn from other figures, or
+a PNG in docs/results/ is no marker's figure (tests/test_results_tables.py runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
+from trimvlm.evals import plot
 from trimvlm.evals.report import SavedResult, markdown_table, summary_table
+from trimvlm.tune.report import frontier_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"(<!-- results:(?P<name>[\w./-]+)(?P<args>[^\n]*?)-->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
@@ -194,6 +208,76 @@ def scan_table(data: dict, args: dict) -> str:
 TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table}
 
 
+# --------------------------------------------------------------------------------------------- figures
+
+
+def scoring_figure(data: dict, args: dict):
+    """A candidate-scoring file as a Pareto figure: accuracy against the candidate branch's FLOPs."""
+    points = [plot.Point(r["recipe"], r["ratio"]["branch_flops"], 100 * r["accuracy"]) for r in data["results"]]
+    panel = plot.Panel(f"{len(data['items'])} candidate items", "candidate-branch FLOPs / baseline", points)
+    return plot.figure(f"trimvlm eval: {data['task']['name']}, accuracy against cost", [[panel]], _named(args))
+
+
+def pareto_figure(data: dict, args: dict):
+    return plot.eval_figure(SavedResult(data), _named(args))
+
+
+def _named(args: dict) -> list[str] | None:
+    return [x.strip() for x in args["rows"].split(";") if x.strip()] if args.get("rows") else None
+
+
+FIGURES = {"pareto": pareto_figure, "scoring": scoring_figure, "tune": lambda data, args: frontier_figure(data)}
+
+
+class Figure(NamedTuple):
+    """One figure marker: the PNG it names and the digest of what it is drawn from."""
+
+    name: str
+    args: dict
+    png: Path
+    digest: str
+
+
+def figure_of(name: str, args: dict, results: Path) -> Figure:
+    if args["figure"] not in FIGURES:
+        raise SystemExit(f"results:{name}: figure={args['figure']!r}; figure is one of {', '.join(FIGURES)}")
+    source = (results / f"{name}.json").read_bytes() + json.dumps(args, sort_keys=True).encode()
+    png = results / f"{args.get('png', name)}.png"
+    return Figure(name, args, png, hashlib.sha256(source).hexdigest()[:16])
+
+
+def drawn_from(png: Path) -> str | None:
+    """The digest a PNG was drawn from (its `Source` text), None if it is missing or has none."""
+    from PIL import Image
+
+    if not png.is_file():
+        return None
+    with Image.open(png) as im:
+        return im.text.get("Source")
+
+
+def draw(f: Figure, results: Path) -> None:
+    fig = FIGURES[f.args["figure"]](json.loads((results / f"{f.name}.json").read_text()), f.args)
+    plot.save(fig, f.png, source=f.digest)
+
+
+def figures(text: str, results: Path) -> list[Figure]:
+    out = []
+    for m in MARKER.finditer(text):
+        args = _args(m)
+        if "figure" in args:
+            out.append(figure_of(m["name"], args, results))
+    return out
+
+
+def _link(f: Figure, doc: Path) -> str:
+    alt = f.args.get("alt", f"{f.name}: accuracy against cost")
+    return f"![{alt}]({Path(os.path.relpath(f.png, doc.parent)).as_posix()})"
+
+
+# --------------------------------------------------------------------------------------------- documents
+
+
 def render(name: str, args: dict, results: Path) -> str:
     path = results / f"{name}.json"
     data = json.loads(path.read_text())
@@ -204,27 +288,44 @@ def render(name: str, args: dict, results: Path) -> str:
     return rows_table(data, args)
 
 
-# --------------------------------------------------------------------------------------------- documents
+def _args(m: re.Match) -> dict:
+    return dict(a.split("=", 1) for a in shlex.split(m["args"]))
 
 
-def rewrite(text: str, results: Path) -> str:
+def rewrite(text: str, results: Path, doc: Path | None = None) -> str:
+    """`text` with every marker's table (or figure link, relative to `doc`'s folder) written again."""
+
     def one(m: re.Match) -> str:
-        args = dict(a.split("=", 1) for a in shlex.split(m["args"]))
-        return m.group(1) + render(m["name"], args, results) + "\n" + m.group(5)
+        args = _args(m)
+        if "figure" in args:
+            body = _link(figure_of(m["name"], args, results), doc or results.parent / "page.md")
+        else:
+            body = render(m["name"], args, results)
+        return m.group(1) + body + "\n" + m.group(5)
 
     return MARKER.sub(one, text)
 
 
+def stale_figures(root: Path, results: Path, every: bool = False) -> tuple[list[Figure], list[Path]]:
+    """(the figures whose PNG is missing or drawn from something else (`every`: all of them), the PNGs in
+    docs/results/ that no figure marker names)."""
+    figs = [f for doc in documents(root) for f in figures(doc.read_text(), results)]
+    named = {f.png for f in figs}
+    orphans = sorted(p for p in results.glob("*.png") if p not in named)
+    return [f for f in figs if every or drawn_from(f.png) != f.digest], orphans
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table or figure differs")
     ap.add_argument("--root", type=Path, default=ROOT, help="the repository (README.md, docs/)")
+    ap.add_argument("--redraw", action="store_true", help="draw every figure, not only the stale ones")
     a = ap.parse_args(argv)
     results = a.root / "docs" / "results"
     stale = []
     for doc in documents(a.root):
         old = doc.read_text()
-        new = rewrite(old, results)
+        new = rewrite(old, results, doc)
         if new == old:
             continue
         stale.append(doc)
@@ -234,10 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             doc.write_text(new)
             print(f"wrote {doc.relative_to(a.root)}")
-    if a.check and stale:
-        print(f"{len(stale)} file(s) differ from docs/results/: run `make results`", file=sys.stderr)
-        return 1
-    return 0
+    return _figures(a.root, results, a.check, bool(stale), a.redraw)
+
+
+def _figures(root: Path, results: Path, check: bool, tables_stale: bool, every: bool = False) -> int:
+    redraw, orphans = stale_figures(root, results, every)
+    for f in redraw:
+        if check:
+            print(f"{f.png.relative_to(root)}: missing or not drawn from {f.name}.json as its marker says")
+        else:
+            draw(f, results)
+            print(f"drew {f.png.relative_to(root)}")
+    for p in orphans:
+        print(f"{p.relative_to(root)}: no page's figure marker draws it (embed it with figure=..., or delete it)")
+    if check and (tables_stale or redraw):
+        print("README.md or docs/ differ from docs/results/: run `make results`", file=sys.stderr)
+    return 1 if (check and (tables_stale or redraw)) or orphans else 0
 
 
 if __name__ == "__main__":

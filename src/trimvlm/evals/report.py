@@ -1,5 +1,5 @@
 """The one report module of an `EvalResult` (generation and candidate items alike): rich tables in the terminal,
-a JSON file with every number, a Markdown summary, a Pareto PNG."""
+a JSON file with every number, a Markdown summary; the Pareto PNG is drawn by `trimvlm.evals.plot`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 from types import SimpleNamespace
 
+from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
+from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
 from trimvlm.evals.run import EvalResult
 
 
@@ -302,99 +304,3 @@ def write_text(text: str, path: str | Path) -> Path:
 
 def write_markdown(result: EvalResult, path: str | Path) -> Path:
     return write_text(markdown_summary(result), path)
-
-
-# --------------------------------------------------------------------------------------------- plot
-
-
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the non-dominated points (lower cost x, higher accuracy y), sorted by x."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
-    front, best = [], float("-inf")
-    for i in order:
-        if points[i][1] > best:
-            front.append(i)
-            best = points[i][1]
-    return front
-
-
-MARKERS = ["*", "o", "s", "^", "D", "v", "P", "X", "<", ">"]
-PALETTE = 20  # matplotlib's tab20: with MARKERS, 200 recipes before a (colour, marker) pair repeats
-LEGEND_ROWS_PER_INCH = 6.5  # legend entries at fontsize 7 per inch of figure height
-
-
-def recipe_style(k: int) -> tuple[str, tuple]:
-    """Recipe k's marker and colour: the colour cycles through the palette, the marker changes every cycle
-    (recipe 0, the baseline, is the first colour's star)."""
-    import matplotlib
-
-    return MARKERS[(k // PALETTE) % len(MARKERS)], matplotlib.colormaps["tab20"](k % PALETTE)
-PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items",
-                "candidates": "candidate items"}  # fmt: skip
-
-
-def plot_pareto(result: EvalResult, path: str | Path) -> Path:
-    """Accuracy against three cost axes, each as a ratio to the baseline: FLOPs (model + method; candidate
-    items: their branch FLOPs), KV bytes after eviction (filled markers) with the KV peak beside it (hollow
-    markers, the same colour), and peak memory; one point per recipe (the same colour and marker in every
-    panel, named in the legend; the baseline is the star at 1.0), the Pareto front as a step line; one row of
-    panels per probe kind. A panel whose cost was not measured stays empty."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pareto_figure(result).savefig(path, dpi=110)
-    return path
-
-
-def pareto_figure(result: EvalResult):
-    """The figure `plot_pareto` writes: the legend in as many columns as the recipes need, the figure widened
-    for them."""
-    import math
-
-    from matplotlib.figure import (
-        Figure,  # a bare Figure renders PNG with Agg; pyplot's global state untouched
-    )
-
-    probes = [r["group"] for r in result.rows if r["recipe"] == result.labels[0] and r["group_type"] == "probe"]
-    height = 3.8 * max(1, len(probes))
-    ncol = math.ceil(len(result.labels) / max(1, int(height * LEGEND_ROWS_PER_INCH)))
-    fig = Figure(figsize=(15.5 + 2.6 * ncol, height), layout="constrained")
-    grid = fig.subplots(max(1, len(probes)), 3, squeeze=False)
-    for i, probe in enumerate(probes):
-        flops = "branch_flops" if probe == "candidates" else "total_flops"
-        panels = ((flops, f"{'branch FLOPs' if probe == 'candidates' else 'FLOPs (model + method)'} / baseline"),
-                  ("kv_bytes", "KV bytes (hollow: KV peak) / baseline"), ("peak_memory_bytes", "peak memory / baseline"))  # fmt: skip
-        for j, (key, xlabel) in enumerate(panels):
-            _panel(grid[i][j], result, probe, key, xlabel)
-    handles, names = grid[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside right upper", fontsize=7, title="recipe", ncol=ncol)
-    fig.suptitle(f"trimvlm eval: {result.task.name}, accuracy vs cost (Pareto front in grey)")
-    return fig
-
-
-def _panel(ax, result: EvalResult, probe: str, key: str, xlabel: str) -> None:
-    pts, shown = [], []
-    for k, label in enumerate(result.labels):
-        row = result.row(label, probe)
-        y = 100 * row["accuracy"]
-        marker, colour = recipe_style(k)
-        style = {"s": 140 if k == 0 else 60, "marker": marker, "zorder": 3 + k}
-        marks = [(key, label, colour)] + ([("kv_bytes_peak", None, "none")] if key == "kv_bytes" else [])
-        for col, name, face in marks:
-            x = row["ratio"].get(col)
-            if x is None:  # the baseline spent nothing of this kind either
-                x = 1.0 if k == 0 else float("nan")
-            ax.scatter([x], [y], facecolors=[face] if face != "none" else "none", edgecolors=[colour], alpha=0.85,
-                       label=name, **style)  # fmt: skip
-            if x == x and name is not None:
-                pts.append((x, y))
-                shown.append(y)
-    front = [pts[n] for n in pareto_front(pts)]
-    if len(front) > 1:
-        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", alpha=0.5)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"{PROBE_TITLES.get(probe, probe)} ({result.row(result.labels[0], probe)['n']})", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.set_xlim(left=0, right=max(1.1, ax.get_xlim()[1]))
-    if shown:
-        ax.set_ylim(max(-2.0, min(shown) - 8), min(102.0, max(shown) + 8))

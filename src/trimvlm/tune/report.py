@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from trimvlm.evals.plot import label_points, save
+from trimvlm.evals.plot import label_points as _label_points  # noqa: F401 (its earlier name here)
 from trimvlm.evals.report import human
 from trimvlm.tune.search import FRONTIER_AXES
 
@@ -107,40 +109,22 @@ SHORT_FORMS = ("short names: METHOD_lL = a token reducer before layer L; +bi / +
 BUDGET_AXIS = {"total_flops": "total_flops", "kv_bytes": "kv_bytes", "latency": "latency_s"}
 
 
-LABEL_OFFSETS = (9, -13, 20, -24, 31, -35, 42, -46)  # points above / below a point, nearest first
-
-
-def _label_points(ax, points: list[tuple[tuple[float, float], str]]) -> None:
-    """Name each point with the first vertical offset whose label does not land on one already placed (labels
-    compared in axes fractions: within 0.12 across and 0.035 up or down is a collision)."""
-    ax.autoscale_view()
-    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-    height_pt = ax.figure.get_figheight() * 72 * ax.get_position().height
-    placed: list[tuple[float, float]] = []
-    for (x, y), text in points:
-        fx, fy = (x - x0) / ((x1 - x0) or 1), (y - y0) / ((y1 - y0) or 1)
-        for dy in LABEL_OFFSETS:
-            ly = fy + dy / height_pt
-            if all(abs(fx - px) > 0.12 or abs(ly - py) > 0.035 for px, py in placed):
-                break
-        placed.append((fx, ly))
-        ax.annotate(text, (x, y), xytext=(4, dy), textcoords="offset points", fontsize=7, color="C0",
-                    arrowprops={"arrowstyle": "-", "color": "C0", "lw": 0.4} if abs(dy) > 13 else None)  # fmt: skip
-
-
 def plot(rep: dict, path: Path) -> Path:
+    """Write `frontier_figure` as PNG to `path`."""
+    return save(frontier_figure(rep), path)
+
+
+def frontier_figure(rep: dict):
     """Test accuracy against each cost axis. Every evaluated recipe is a grey dot; the frontier of that axis is
     a line with its points named; each budget is a dashed line on its axis, and its best recipe a red star named
     in full below the panels. The short names are explained in the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     by_spec = {e["spec"]: e for e in rep["entries"]}
     tested = [e for e in rep["entries"] if e.get("test")]
     winners = {b["best"]: b["label"] for b in rep["budgets"] if b["best"]}
-    fig, axes = plt.subplots(1, len(FRONTIER_AXES), figsize=(6 * len(FRONTIER_AXES), 5.6), squeeze=False)
+    fig = Figure(figsize=(6 * len(FRONTIER_AXES), 5.6))
+    axes = fig.subplots(1, len(FRONTIER_AXES), squeeze=False)
     for ax, axis in zip(axes[0], FRONTIER_AXES, strict=True):
         pts = {e["spec"]: (e["test"]["ratio"][axis], 100 * e["test"]["accuracy"]) for e in tested}
         ax.scatter([x for x, _ in pts.values()], [y for _, y in pts.values()], s=14, color="0.7", zorder=2)
@@ -148,13 +132,13 @@ def plot(rep: dict, path: Path) -> Path:
         front.sort(key=lambda s: pts[s][0])
         ax.plot([pts[s][0] for s in front], [pts[s][1] for s in front], "-o", color="C0", ms=4, zorder=3,
                 label=f"frontier on {axis}")  # fmt: skip
-        _label_points(ax, [(pts[s], by_spec[s]["family"]) for s in front])
+        label_points(ax, [(pts[s], by_spec[s]["family"]) for s in front])
         for b in rep["budgets"]:
             for key, ratio in b["budget"].items():
                 if BUDGET_AXIS.get(key) == axis:
                     ax.axvline(ratio, ls="--", color="C3", lw=0.8, zorder=1)
-                    ax.text(ratio, 1.0, f" budget {ratio:g}x", transform=ax.get_xaxis_transform(), fontsize=7,
-                            color="C3", va="bottom", ha="center")  # fmt: skip
+                    ax.text(ratio, 0.98, f"budget {ratio:g}x ", transform=ax.get_xaxis_transform(), fontsize=7,
+                            color="C3", va="top", ha="right", rotation=90)  # fmt: skip
         for n, spec in enumerate(winners):
             if spec in pts:
                 ax.scatter(*pts[spec], marker="*", s=180, color="C3", edgecolors="k", zorder=4,
@@ -168,6 +152,4 @@ def plot(rep: dict, path: Path) -> Path:
     fig.text(0.01, 0.06, f"best: {best}", fontsize=8, wrap=True)
     fig.text(0.01, 0.02, SHORT_FORMS, fontsize=7, color="0.3", wrap=True)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
