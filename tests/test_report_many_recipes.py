@@ -1,11 +1,15 @@
 """Reports stay readable with many recipes (the 70-recipe token table): one row per recipe in the terminal, and
-a plot whose legend names every recipe, inside the figure, each with its own colour and marker."""
+a plot that names the baseline and the recipes a reader is pointed to (by default the front's) in their own
+colours and markers, in a legend inside the figure, and draws every other recipe as a grey dot."""
 
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_hex
 
-from trimvlm.evals.report import SavedResult, pareto_figure, print_report, recipe_style
+from trimvlm.evals import plot
+from trimvlm.evals.plot import styles
+from trimvlm.evals.report import SavedResult, pareto_figure, print_report
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -40,16 +44,44 @@ def test_few_recipes_keep_one_column_per_recipe(many):
     assert "demo: accuracy %" in console.export_text() and "(3 recipes)" not in console.export_text()
 
 
-def test_styles_do_not_repeat_before_200_recipes():
-    styles = [recipe_style(k) for k in range(200)]
-    assert len(set(styles)) == 200
-    assert recipe_style(0)[0] == "*"
+def test_named_recipes_get_distinct_saturated_styles(many):
+    style = styles(many.labels[: plot.MAX_NAMED])
+    assert len(style) == plot.MAX_NAMED and style["baseline"][0] == "*"
+    assert len({c for _, c in style.values()}) == plot.MAX_NAMED  # no colour twice
+    assert plot.OTHER["color"] not in {c for _, c in style.values()}
 
 
-def test_the_legend_names_every_recipe_inside_the_figure(many):
-    fig = pareto_figure(many)
+SHOWN = ["density k25 L2", "fastv k25 L2", "random k25 L0"]
+
+
+def test_the_legend_names_the_baseline_and_the_shown_recipes_inside_the_figure(many):
+    fig = pareto_figure(many, SHOWN)
     fig.canvas.draw()
     legend = fig.legends[0]
-    assert [t.get_text() for t in legend.get_texts()] == many.labels
+    assert [t.get_text() for t in legend.get_texts()] == ["baseline", *SHOWN, "Pareto front", "other recipes"]
     box, frame = legend.get_window_extent(), fig.bbox
     assert box.x0 >= frame.x0 - 1 and box.x1 <= frame.x1 + 1 and box.y0 >= frame.y0 - 1 and box.y1 <= frame.y1 + 1
+    ax = fig.axes[0]
+    grey = [c for c in ax.collections if len(c.get_offsets()) > 1]  # the recipes not named: one grey collection
+    assert len(grey) == 1 and len(grey[0].get_offsets()) == len(many.labels) - 1 - len(SHOWN)
+    assert to_hex(grey[0].get_facecolor()[0]) == plot.OTHER["color"]
+
+
+def test_by_default_the_legend_names_the_fronts_recipes(many):
+    fig = pareto_figure(many)
+    names = [t.get_text() for t in fig.legends[0].get_texts()][:-2]
+    assert names[0] == "baseline" and 2 < len(names) <= plot.MAX_NAMED
+    panels = [p for row in plot.eval_panels(many) for p in row]
+    front = {p.points[i].label for p in panels for i in plot.pareto_front([(q.x, q.y) for q in p.points])}
+    assert set(names[1:]) <= front
+
+
+def test_points_on_one_spot_are_set_side_by_side_and_front_names_say_how_many_share_it():
+    pts = [plot.Point("a", 1.0, 50.0), plot.Point("b", 1.0, 50.0), plot.Point("c", 1.0, 50.0), plot.Point("d", 0.5, 9)]
+    assert plot._dodge(pts) == [-7.0, 0.0, 7.0, 0.0]
+    assert plot._front_name(pts[0], pts) == "a (+2 same)" and plot._front_name(pts[3], pts) == "d"
+
+
+def test_a_name_that_is_not_a_recipe_is_refused(many):
+    with pytest.raises(ValueError, match="densty k25 L2: not a recipe of this result; its recipes: baseline, "):
+        pareto_figure(many, ["densty k25 L2"])

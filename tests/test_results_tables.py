@@ -1,9 +1,12 @@
-"""The figure tables in README.md and docs/ are what `make results` writes from docs/results/*.json."""
+"""The figure tables and figures in README.md and docs/ are what `make results` writes from docs/results/*.json."""
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,3 +78,44 @@ def test_eval_tables_reproduce_the_eval_commands_own_markdown():
     results = ROOT / "docs" / "results"
     for name in ("tokens-demo", "kv-demo"):
         assert markdown_summary(SavedResult.load(results / f"{name}.json")) == (results / f"{name}.md").read_text()
+
+
+def test_every_figure_marker_draws_a_png_from_its_results_file_and_links_it():
+    w = _writer()
+    results = ROOT / "docs" / "results"
+    figures = [(doc, f) for doc in w.documents() for f in w.figures(doc.read_text(), results)]
+    assert len(figures) >= 12
+    for doc, f in figures:
+        assert w.drawn_from(f.png) == f.digest, f.png  # drawn from this results file with these arguments
+        assert f"]({Path(os.path.relpath(f.png, doc.parent)).as_posix()})" in doc.read_text()
+
+
+def test_a_changed_results_file_makes_its_figure_stale_until_make_results_draws_it(tmp_path, capsys):
+    root = _copy(tmp_path)
+    w = _writer()
+    path = root / "docs" / "results" / "scoring-loglik.json"
+    data = json.loads(path.read_text())
+    data["results"][1]["accuracy"] = 0.5
+    path.write_text(json.dumps(data))
+    assert w.main(["--check", "--root", str(root)]) == 1
+    assert "docs/results/scoring-loglik.png: missing or not drawn" in capsys.readouterr().out
+    png = root / "docs" / "results" / "scoring-loglik.png"
+    before = png.read_bytes()
+    assert w.main(["--root", str(root)]) == 0  # draws that figure again (the tables did not change)
+    assert png.read_bytes() != before and "drew docs/results/scoring-loglik.png" in capsys.readouterr().out
+    assert w.main(["--check", "--root", str(root)]) == 0
+
+
+def test_a_png_no_marker_draws_fails_the_check(tmp_path, capsys):
+    root = _copy(tmp_path)
+    shutil.copy(root / "docs" / "results" / "scoring.png", root / "docs" / "results" / "by-hand.png")
+    assert _writer().main(["--check", "--root", str(root)]) == 1
+    assert "docs/results/by-hand.png: no page's figure marker draws it" in capsys.readouterr().out
+
+
+def test_an_unknown_figure_kind_is_refused(tmp_path):
+    root = _copy(tmp_path)
+    page = root / "docs" / "kv.md"
+    page.write_text(page.read_text().replace("figure=pareto", "figure=paretto", 1))
+    with pytest.raises(SystemExit, match="figure='paretto'; figure is one of pareto, scoring, tune"):
+        _writer().main(["--check", "--root", str(root)])
