@@ -78,7 +78,9 @@ def test_by_default_the_legend_names_the_fronts_recipes(many):
 
 def test_points_on_one_spot_are_set_side_by_side_and_front_names_say_how_many_share_it():
     pts = [plot.Point("a", 1.0, 50.0), plot.Point("b", 1.0, 50.0), plot.Point("c", 1.0, 50.0), plot.Point("d", 0.5, 9)]
-    assert plot._dodge(pts) == [-7.0, 0.0, 7.0, 0.0]
+    assert plot._dodge(pts) == [0.0, -7.0, 7.0, 0.0]  # the first (the baseline) in the middle of its run
+    near = [plot.Point("e", 0.99, 50.0), plot.Point("f", 1.0, 50.0), plot.Point("g", 1.5, 50.0)]
+    assert plot._dodge(near, (0.02, 1.0)) == [-3.5, 3.5, 0.0]  # within `near` of each other: side by side
     assert plot._front_name(pts[0], pts) == "a (+2 same)" and plot._front_name(pts[3], pts) == "d"
 
 

@@ -91,23 +91,34 @@ def label_points(ax, points: list[tuple[tuple[float, float], str]], colours: lis
                     arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.4} if abs(dy) > 13 else None)  # fmt: skip
 
 
-def _dodge(points: list[Point]) -> list[float]:
-    """A horizontal shift in points per named point: named points that share one spot are set side by side,
-    7 points apart, centred on it (the data are not moved; the spot's value is each one's)."""
-    groups: dict[tuple[float, float], list[int]] = {}
-    for i, p in enumerate(points):
-        groups.setdefault((round(p.x, 3), round(p.y, 1)), []).append(i)
+def _dodge(points: list[Point], near: tuple[float, float] = (5e-4, 0.05)) -> list[float]:
+    """A horizontal shift in points per named point: named points closer than `near` (x, y; in data units) to
+    the one before them in a run are set side by side, 7 points apart, the run centred on where it lies and the
+    first point (the baseline) in its middle (the data are not moved; each marker's value is its own)."""
+    order = sorted(range(len(points)), key=lambda i: (round(points[i].y / near[1]), points[i].x))
+    runs: list[list[int]] = []
+    for i in order:
+        last = points[runs[-1][-1]] if runs else None
+        if last is not None and abs(points[i].x - last.x) < near[0] and abs(points[i].y - last.y) < near[1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
     shift = [0.0] * len(points)
-    for members in groups.values():
-        for j, i in enumerate(members):
-            shift[i] = 7.0 * (j - (len(members) - 1) / 2)
+    for run in runs:
+        if 0 in run:  # the first point (the baseline) keeps the middle of its run
+            run.remove(0)
+            run.insert(len(run) // 2, 0)
+        for j, i in enumerate(run):
+            shift[i] = 7.0 * (j - (len(run) - 1) / 2)
     return shift
 
 
 def _named(ax, named: list[Point], style: dict[str, tuple[str, str]]) -> None:
     from matplotlib.transforms import offset_copy
 
-    for p, dx in zip(named, _dodge(named), strict=True):
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    near = (0.014 * (x1 - x0), 0.025 * (y1 - y0))  # markers this close would cover one another
+    for p, dx in zip(named, _dodge(named, near), strict=True):
         marker, colour = style[p.label]
         at = offset_copy(ax.transData, fig=ax.figure, x=dx, y=0, units="points")
         big = marker == BASELINE_STYLE[0]
@@ -128,12 +139,12 @@ def draw_panel(ax, panel: Panel, style: dict[str, tuple[str, str]]) -> None:
     if len(front) > 1:
         ax.step([p.x for p in front], [p.y for p in front], where="post", color=FRONT_COLOUR, lw=1, alpha=0.8,
                 zorder=2)  # fmt: skip
-    _named(ax, [p for p in pts if p.label in style], style)
     ax.set_xlim(left=0, right=max(1.1, max((p.x for p in pts), default=1.0) * 1.05))
     lo, hi = min((p.y for p in pts), default=0.0), max((p.y for p in pts), default=100.0)
     span = max(hi - lo, 10.0)
     ax.set_ylim(max(-2.0, lo - 0.1 * span), hi + 0.12 * span)  # room for the names above
     ax.set_yticks([t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= 100])
+    _named(ax, [p for p in pts if p.label in style], style)
     # the front's points the legend does not name (nor a named recipe on the same spot)
     unnamed = [p for p in front if not any(_same(p, q) for q in pts if q.label in style)]
     others = [p for p in pts if p.label not in style]
