@@ -19,16 +19,16 @@ A table lives between two markers; the opening one names its results file (relat
   recipes: `pattern`, `cell`), or a renderer for a file of its
   own shape (`budget`, `tune`, `scoring`, `scan`).
 
-A marker with `figure=KIND` holds a figure instead: `make results` draws `docs/results/NAME.png` (or `png=PATH`,
-relative to docs/results/, without `.png`) from the results file and writes the image link between the
-markers (`alt=` its text). Kinds: `pareto` (an eval result: `trimvlm.evals.plot`; `rows` = the recipes named in
-colour, default the baseline and the frontier's), `scoring` (a candidate-scoring file, the same figure) and
-`tune` (`trimvlm tune`'s tune.json: its frontier plot). The PNG keeps a digest of the results file and the
-marker's arguments; a figure whose digest differs is drawn again.
+A marker with `figure=KIND` holds a figure instead: `make results` draws `docs/results/NAME.png` (or
+`png=PATH`, relative to docs/results/, without `.png`) from the results file and writes the image link between
+the markers (`alt=` its text, also the figure's title). Kinds: `pareto` (an eval result: `trimvlm.evals.plot`;
+`rows` = the recipes named in colour, default the baseline and the frontier's), `scoring` (a candidate-scoring
+file, the same figure) and `tune` (`trimvlm tune`'s tune.json: its frontier plot). The PNG keeps a digest of the
+results file and the marker's arguments; a figure whose digest differs is drawn again (`--redraw`: every one).
 
 `python benchmarks/write_results.py` rewrites the tables and figures in place; `--check` writes nothing and exits
-1 when a table differs from what its results file gives, a figure is missing or was drawn from other figures, or
-a PNG in docs/results/ is no marker's figure (tests/test_results_tables.py runs it).
+1 when a table differs from what its results file gives, a figure is missing or was drawn from another file or
+other arguments, or a PNG in docs/results/ is no marker's figure (tests/test_results_tables.py runs it).
 """
 
 from __future__ import annotations
@@ -215,11 +215,12 @@ def scoring_figure(data: dict, args: dict):
     """A candidate-scoring file as a Pareto figure: accuracy against the candidate branch's FLOPs."""
     points = [plot.Point(r["recipe"], r["ratio"]["branch_flops"], 100 * r["accuracy"]) for r in data["results"]]
     panel = plot.Panel(f"{len(data['items'])} candidate items", "candidate-branch FLOPs / baseline", points)
-    return plot.figure(f"trimvlm eval: {data['task']['name']}, accuracy against cost", [[panel]], _named(args))
+    title = args.get("alt") or f"trimvlm eval: {data['task']['name']}, accuracy against cost"
+    return plot.figure(title, [[panel]], _named(args))
 
 
 def pareto_figure(data: dict, args: dict):
-    return plot.eval_figure(SavedResult(data), _named(args))
+    return plot.eval_figure(SavedResult(data), _named(args), args.get("alt"))
 
 
 def _named(args: dict) -> list[str] | None:

@@ -227,9 +227,9 @@ def _points(result, probe: str, key: str) -> list[Point]:
     return out
 
 
-def eval_figure(result, named: list[str] | None = None):
-    """`figure` of an eval result (`EvalResult` or `SavedResult`)."""
-    return figure(f"trimvlm eval: {result.task.name}, accuracy against cost", eval_panels(result), named)
+def eval_figure(result, named: list[str] | None = None, title: str | None = None):
+    """`figure` of an eval result (`EvalResult` or `SavedResult`), titled `title` (default: the task's name)."""
+    return figure(title or f"trimvlm eval: {result.task.name}, accuracy against cost", eval_panels(result), named)
 
 
 def plot_pareto(result, path: str | Path, named: list[str] | None = None) -> Path:
