@@ -87,3 +87,9 @@ def test_points_on_one_spot_are_set_side_by_side_and_front_names_say_how_many_sh
 def test_a_name_that_is_not_a_recipe_is_refused(many):
     with pytest.raises(ValueError, match="densty k25 L2: not a recipe of this result; its recipes: baseline, "):
         pareto_figure(many, ["densty k25 L2"])
+
+
+def test_a_few_recipes_are_all_named(many):
+    few = SavedResult({**many.data, "recipes": many.data["recipes"][:4]})
+    names = [t.get_text() for t in pareto_figure(few).legends[0].get_texts()]
+    assert names == [*few.labels, "Pareto front", "other recipes"]

@@ -1,9 +1,9 @@
 """Pareto figures: accuracy against cost ratios to the baseline. The recipes a reader is pointed to (the baseline
-and the ones named, by default the frontier's) get their own saturated colour and marker and a legend entry; the
-Pareto front is a dark step line, and its points the legend does not name are named beside them; every other
-recipe is a small light-grey dot with no legend entry. The legend sits inside the image, below the panels.
-`trimvlm eval --plot`, `trimvlm demo`, `trimvlm tune` and `make results` (benchmarks/write_results.py) draw
-with it."""
+and the ones named; by default all of them up to 12, else the frontier's) get their own saturated colour and
+marker and a legend entry; the Pareto front is a dark step line, and its points the legend does not name are
+named beside them; every other recipe is a small light-grey dot with no legend entry. The legend sits inside the
+image, below the panels. `trimvlm eval --plot`, `trimvlm demo`, `trimvlm tune` and `make results`
+(benchmarks/write_results.py) draw with it."""
 
 from __future__ import annotations
 
@@ -168,7 +168,8 @@ def _front_name(p: Point, others: list[Point]) -> str:
 
 def figure(title: str, rows: list[list[Panel]], named: list[str] | None = None):
     """A figure of panels (rows of them) with one legend below them: the `named` recipes (the first is the
-    baseline; default: the baseline and the recipes on the fronts), the front and the grey dots. A bare Figure: it renders PNG with Agg, pyplot's global state untouched."""
+    baseline; default: every recipe up to MAX_NAMED, else the baseline and the recipes on the fronts), the front
+    and the grey dots. A bare Figure: it renders PNG with Agg, pyplot's global state untouched."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -177,7 +178,9 @@ def figure(title: str, rows: list[list[Panel]], named: list[str] | None = None):
     unknown = [n for n in named or [] if n not in labels]
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: not a recipe of this result; its recipes: {', '.join(labels)}")
-    named = list(dict.fromkeys([*labels[:1], *(named if named is not None else frontier_labels(panels))]))
+    if named is None:  # every recipe where the legend can hold them, else the fronts'
+        named = labels if len(labels) <= MAX_NAMED else frontier_labels(panels)
+    named = list(dict.fromkeys([*labels[:1], *named]))
     style = styles(named[:MAX_NAMED])
     ncols = max(len(r) for r in rows)
     fig = Figure(figsize=(5.3 * ncols, 3.9 * len(rows) + 0.35 * (1 + len(style) // 4)), layout="constrained")
