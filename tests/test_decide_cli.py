@@ -75,3 +75,65 @@ def test_decide_bad_input(requests_file, tmp_path):
         "decide", "--model", "demo", "--request", requests_file / "one.json", "--recipe", "kv=snapkv:keep=0.5"
     )
     _one_line_error(res, "decodes nothing")
+
+
+def _decoy(folder):
+    """A scene.png in `folder` that differs from the fixture's: an empty background (no blue circle)."""
+    from PIL import Image
+
+    from trimvlm.demo.task import BACKGROUND_RGB, IMAGE_SIZE
+
+    Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND_RGB).save(folder / "scene.png")
+    return folder / "scene.png"
+
+
+def test_relative_asset_is_read_beside_the_request_file_not_the_working_directory(
+    requests_file, tmp_path, monkeypatch
+):
+    import trimvlm
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    decoy = _decoy(cwd)
+    circle = json.loads((requests_file / "two.json").read_text())[1]
+    on_decoy = trimvlm.load("demo").decide({**circle, "assets": {"<img>": str(decoy)}})
+    assert on_decoy["c"]["noul"] < 0.5  # the decoy answers otherwise: reading it would fail the test below
+    monkeypatch.chdir(cwd)
+    out = tmp_path / "out.json"
+    res = _cli("decide", "--model", "demo", "--request", requests_file / "two.json", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["answers"][1]["c"]["noul"] > 0.5
+    # a relative name with no file beside the request file is an error, even where the working directory has one
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "req.json").write_text(json.dumps(circle))
+    res = _cli("decide", "--model", "demo", "--request", alone / "req.json")
+    _one_line_error(res, f"no file scene.png in {alone}")
+
+
+def test_request_file_paths_may_leave_its_folder_on_the_command_line(requests_file, tmp_path):
+    import os
+
+    circle = json.loads((requests_file / "two.json").read_text())[1]
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    up = os.path.relpath(requests_file / "scene.png", inner)
+    assert up.startswith("..")
+    out = tmp_path / "out.json"
+    for name, value in (("up.json", up), ("abs.json", str(requests_file / "scene.png"))):
+        (inner / name).write_text(json.dumps({**circle, "assets": {"<img>": value}}))
+        res = _cli("decide", "--model", "demo", "--request", inner / name, "--json", out)
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["answers"]["c"]["noul"] > 0.5, name
+
+
+def test_request_file_base64_text_is_an_image_not_a_file_name(requests_file, tmp_path, monkeypatch):
+    one = json.loads((requests_file / "one.json").read_text())
+    text = one["assets"]["<img>"]["data_base64"]
+    circle = json.loads((requests_file / "two.json").read_text())[1]
+    (tmp_path / "req.json").write_text(json.dumps({**circle, "assets": {"<img>": text}}))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.json"
+    res = _cli("decide", "--model", "demo", "--request", tmp_path / "req.json", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["answers"]["c"]["noul"] > 0.5

@@ -100,6 +100,36 @@ def test_paths_can_be_refused(demo, tmp_path):
         demo.decide(req, limits=Limits(max_asset_bytes=10))
 
 
+def test_refused_paths_never_ask_the_file_system(demo, tmp_path, monkeypatch):
+    """Where paths are refused (a server), an asset's text is base64 or an error: an existing file and a missing
+    one get the same answer, and no file is looked up or opened."""
+    import builtins
+    import os
+
+    path = tmp_path / "a.png"
+    random_image(0, (32, 32)).save(path)
+    refused = Limits(allow_paths=False)
+
+    def no_files(*args, **kwargs):
+        raise AssertionError(f"the file system was asked: {args}")
+
+    for name in ("isfile", "exists", "getsize"):
+        monkeypatch.setattr(os.path, name, no_files)
+    monkeypatch.setattr(builtins, "open", no_files)
+    messages = []
+    dict_asset = {"type": "image", "format": "png", "data_base64": str(path)}
+    for value in (str(path), str(tmp_path / "missing.png"), dict_asset):
+        req = {"state": "<a>", "questions": {"a": NOUL}, "assets": {"<a>": value}}
+        with pytest.raises(AssetError, match="file paths are not accepted") as e:
+            demo.decide(req, limits=refused)
+        messages.append(str(e.value).replace(str(value if isinstance(value, str) else path), "PATH"))
+    assert len(set(messages)) == 1, messages
+    b64 = png_base64(0)
+    for value in (b64, f"data:image/png;base64,{b64}", f"{b64[:60]}\n{b64[60:]}"):  # line breaks allowed
+        req = {"state": "<a>", "questions": {"a": NOUL}, "assets": {"<a>": value}}
+        assert demo.decide(req, limits=refused)["a"]["type"] == "noul"
+
+
 def test_batch_error_names_the_request(demo):
     good = {"state": "x", "questions": {"a": NOUL}}
     bad = {"state": "x", "questions": {"a": {"type": "maybe"}}}

@@ -343,6 +343,9 @@ BAD = [
      400, "not a decodable image"),
     ("/v1/systemone", {"state": "<img>", "questions": QUESTIONS, "assets": {"<img>": {
         "type": "image", "format": "png", "data_base64": "https://example.com/a.png"}}}, 400, "URL"),
+    *[("/v1/systemone", {"state": "<img>", "questions": QUESTIONS, "assets": {"<img>": {
+        "type": "image", "format": "png", "data_base64": path}}}, 400, "file paths are not accepted")
+      for path in (__file__, __file__ + ".missing")],  # a file on the server or not: the same answer, none read
     ("/v1/systemone", {"state": "x", "questions": QUESTIONS, "recipe": "tokens=nope:keep=0.5"}, 400,
      "unknown tokens method"),
     ("/v1/systemone", {"state": "x", "questions": QUESTIONS, "recipe": "kv=density:keep=0.5"}, 400, "kv="),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-import os
 from pathlib import Path
 
 from rich.table import Table
@@ -12,8 +13,9 @@ from trimvlm.errors import InputError
 
 
 def read_requests(path: Path):
-    """One request or a list of them from a JSON file; an asset that names a file relative to the request file
-    is read from there (base64 text, data URLs and System One asset dicts pass through)."""
+    """One request or a list of them from a JSON file. An asset that names a file is read relative to the
+    request file's folder, never the current directory (an absolute path, or one leaving the folder with `..`,
+    is read as given); base64 text, data URLs and System One asset dicts pass through."""
     try:
         data = json.loads(path.read_text())
     except OSError as e:
@@ -24,11 +26,33 @@ def read_requests(path: Path):
         assets = req.get("assets") if isinstance(req, dict) else None
         if isinstance(assets, dict):
             for name, value in assets.items():
-                if isinstance(value, str) and len(value) < 4096 and not os.path.isfile(value):
-                    near = path.parent / value
-                    if near.is_file():
-                        assets[name] = str(near)
+                if isinstance(value, str):
+                    assets[name] = _asset(name, value, path.parent)
     return data
+
+
+def _asset(name: str, value: str, folder: Path) -> str:
+    """A request file's string asset: a file named relative to `folder` as its path, base64 text as a data URL
+    (so that it is never looked up as a file), a data URL as it is (text longer than any path, too); a file
+    that is not there is an error."""
+    if len(value) >= 4096 or value.startswith(("data:", "http://", "https://")):  # (a URL is refused later)
+        return value
+    given = Path(value).expanduser()
+    found = given if given.is_absolute() else folder / given
+    if found.is_file():
+        return str(found)
+    if _is_base64(value):
+        return f"data:image/png;base64,{value}"
+    where = "" if given.is_absolute() else f" in {folder} (a relative path is read from the request's folder)"
+    raise InputError(f"asset {name!r}: no file {value}{where}; an asset is a path, base64 text or a data URL")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode("".join(text.split()), validate=True)
+    except binascii.Error:
+        return False
+    return bool(text.strip())
 
 
 def _answer_text(answer: dict) -> str:

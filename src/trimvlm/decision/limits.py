@@ -13,7 +13,7 @@ class Limits:
     `max_asset_bytes`: the size of one encoded image (base64 text or file); `max_prompt_tokens`: tokens of one
     prompt after the images are expanded (None: none but the model's positions, which are always checked);
     `allow_paths`: whether an asset may be a local file path (a server that answers remote requests turns it
-    off)."""
+    off: an asset's text is then base64 or a data URL, and no file is looked up)."""
 
     max_questions: int = 64
     max_assets: int = 16

@@ -9,6 +9,9 @@ transformers' `load_image`, so a bad one is named; never fetched from a URL).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import os
 from typing import Any
@@ -81,6 +84,19 @@ def _strings(value):
             yield from _strings(v)
 
 
+def _base64_bytes(name: str, text: str) -> bytes:
+    """The bytes of base64 text or of a base64 data URL (line breaks allowed), or an AssetError: where paths are
+    refused, text that is not base64 is never looked up as a file."""
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except binascii.Error as e:
+        raise AssetError(
+            f"asset {name!r} is not base64 image data (file paths are not accepted here; send the image as base64)"
+        ) from e
+
+
 def decode_asset(name: str, value, limits: Limits):
     """One asset -> an RGB PIL image, by transformers' `load_image` (what `prepare_inputs` calls): a System One
     asset `{"type": "image", "format": "png", "data_base64": ...}`, base64 text (or a data URL), a PIL image, or
@@ -100,19 +116,19 @@ def decode_asset(name: str, value, limits: Limits):
     if isinstance(value, str):
         if value.startswith(("http://", "https://")):
             raise AssetError(f"asset {name!r} is a URL; trimvlm never fetches images: send it as base64")
-        is_path = os.path.isfile(value)
-        if is_path and not limits.allow_paths:
-            raise AssetError(f"asset {name!r}: file paths are not accepted here; send the image as base64")
+        is_path = limits.allow_paths and os.path.isfile(value)  # refused: the file system is never asked
         size = os.path.getsize(value) if is_path else len(value)
         if size > limits.max_asset_bytes:
             raise AssetError(f"asset {name!r} is {size} bytes, at most {limits.max_asset_bytes}")
+        if not limits.allow_paths:
+            value = _base64_bytes(name, value)
     elif not isinstance(value, Image.Image):
         raise AssetError(
             f"asset {name!r} has type {type(value).__name__}; an image is a System One asset dict, base64 text, "
             "a PIL image or a file path"
         )
     try:
-        image = load_image(value)
+        image = load_image(Image.open(io.BytesIO(value)) if isinstance(value, bytes) else value)
         image.load()
     except Exception as e:  # PIL and base64 raise many types for bad data
         detail = " ".join(str(e).split())
