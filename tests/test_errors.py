@@ -93,3 +93,38 @@ def test_a_missing_extra_skips_and_fails_under_ci(monkeypatch):
         conftest.fail_if_required("Ray cannot be imported (ImportError)")
     assert conftest.need_extra("json").dumps([1]) == "[1]"
     assert "export TRIMVLM_REQUIRE_EXTRAS=1" in (Path(__file__).parent.parent / ".ci" / "run").read_text()
+
+
+def test_a_mistyped_model_or_task_gets_the_close_names():
+    from trimvlm.evals.tasks import get_task
+
+    with pytest.raises(CheckpointError, match=r"checkpoint not found: 'demoo' .*; did you mean demo\?$"):
+        trimvlm.load("demoo")
+    with pytest.raises(CheckpointError, match="checkpoint not found") as e:
+        trimvlm.load("qqqq")
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(InputError, match=r"unknown task 'scens'; .*; did you mean scenes\?$"):
+        get_task("scens")
+    with pytest.raises(InputError, match="unknown task") as e:
+        get_task("nosuch")
+    assert "did you mean" not in str(e.value)
+
+
+def test_a_mistyped_checkpoint_folder_gets_its_neighbours(tmp_path):
+    for name in ("model-small", "model-large", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("model-small", "model-large"):
+        (tmp_path / name / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError) as e:
+        trimvlm.load(tmp_path / "model-smal")
+    assert str(e.value).endswith(f"did you mean {tmp_path / 'model-small'}?"), e.value
+    with pytest.raises(CheckpointError) as e:
+        trimvlm.load(tmp_path / "note")  # a folder that holds no checkpoint is not suggested
+    assert "did you mean" not in str(e.value)
+
+
+def test_cli_suggests_the_model_and_task_names():
+    from trimvlm.testing.cli import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("generate", "--model", "demoo", "--prompt", "hi"), "did you mean demo?")
+    assert_one_line_error(run_cli("eval", "--model", "demo", "--task", "scens"), "did you mean scenes?")

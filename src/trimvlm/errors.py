@@ -1,4 +1,7 @@
-"""One error hierarchy: every message says what was wrong and what is allowed."""
+"""One error hierarchy: every message says what was wrong and what is allowed (and, for a mistyped name, the
+names it was likely meant to be: `did_you_mean`)."""
+
+import difflib
 
 
 class TrimVLMError(Exception):
@@ -19,3 +22,13 @@ class InputError(TrimVLMError):
 
 class RecipeError(TrimVLMError):
     """A recipe names an unknown method/option or a value out of range."""
+
+
+def did_you_mean(name, known) -> str:
+    """`"; did you mean X?"` (or `X or Y`) naming the known names closest to `name` (difflib's similarity
+    ratio of at least 0.7, up to three), to end an error message with; `""` when none is close. `known`: the
+    names, or a mapping from each name compared to the text shown for it."""
+    pairs = known.items() if isinstance(known, dict) else ((k, k) for k in known)
+    shown = {str(k): str(v) for k, v in pairs}
+    close = difflib.get_close_matches(str(name), sorted(shown), n=3, cutoff=0.7)
+    return f"; did you mean {' or '.join(shown[c] for c in close)}?" if close else ""

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trimvlm.adapters import ADAPTERS, adapter_for
-from trimvlm.errors import CheckpointError
+from trimvlm.errors import CheckpointError, did_you_mean
 
 DEMO_DIR = Path(__file__).parent / "demo" / "checkpoints"
 DEMO_MODELS = {"demo": "qwen3vl", "demo-qwen3vl": "qwen3vl", "demo-qwen35": "qwen35", "demo-scenes": "scenes"}
@@ -30,7 +30,22 @@ def resolve(path_or_id: str | Path) -> Path:
     raise CheckpointError(
         f"checkpoint not found: {key!r} is neither a local folder nor a model in the local hub cache "
         "(no model hub is reachable here; download the checkpoint and pass its folder)"
+        + did_you_mean(Path(key).name, _near(key))
     )
+
+
+def _near(key: str) -> dict[str, str]:
+    """What a mistyped model may have meant, by the name compared to its last part: the demo models and the
+    checkpoint folders (holding a config.json) beside the folder it names, shown as paths like it."""
+    names = {name: name for name in DEMO_MODELS}
+    given = Path(key)
+    try:
+        for p in given.expanduser().parent.iterdir():
+            if (p / "config.json").is_file():
+                names[p.name] = str(given.parent / p.name)
+    except OSError:  # no such folder, or not readable
+        pass
+    return names
 
 
 def checkpoint_task(path_or_id: str | Path | None) -> str:

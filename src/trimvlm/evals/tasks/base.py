@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, did_you_mean
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.options import is_int
 
@@ -243,6 +243,7 @@ def get_task(
     raise InputError(
         f"unknown task {key!r}; known tasks: {', '.join(t for t in sorted(TASKS) if t not in benchmarks())}, or a "
         f"JSONL file given as PATH.jsonl or jsonl:PATH, or a benchmark read with --data PATH: {', '.join(benchmarks())}"
+        f"{did_you_mean(key, list(TASKS))}"
     )
 
 
