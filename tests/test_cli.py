@@ -384,6 +384,27 @@ def test_a_prompt_of_mostly_unknown_words_is_warned_about(demo_vlm, demo_image):
         demo_vlm.generate(path, "how many blue ?", max_new_tokens=2)
 
 
+def test_unknown_words_warning_points_at_the_callers_line(demo_vlm, demo_image):
+    import inspect
+    import warnings
+
+    from trimvlm.vlm import UnknownWordsWarning
+
+    path = str(demo_image[0])
+    for call in (
+        lambda: demo_vlm.generate(path, "What is written here?", max_new_tokens=2),  # under torch's decorator
+        lambda: demo_vlm.score(path, "Which colour is the big thing?", ["red", "blue"]),
+    ):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", UnknownWordsWarning)
+            call()
+        found = [w for w in seen if issubclass(w.category, UnknownWordsWarning)]
+        assert len(found) == 1, [str(w.message) for w in seen]
+        assert found[0].filename == __file__, found[0].filename
+        lines, first = inspect.getsourcelines(call)
+        assert found[0].lineno == first, (found[0].lineno, first)
+
+
 def test_methods_names_tuned_recipes_and_where_to_start():
     out = " ".join(_cli("methods").output.split())
     assert "tuned=FOLDER:budget=RATIO" in out and "Where to start" in out

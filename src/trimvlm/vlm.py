@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.adapters.base import Conversation, resolution
-from trimvlm.errors import InputError, UnsupportedModelError
+from trimvlm.errors import InputError, UnsupportedModelError, caller_stacklevel
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Sampling, generate
@@ -44,7 +44,7 @@ def warn_unknown_words(tokenizer, prompts) -> None:
             warnings.warn(UnknownWordsWarning(
                 f"{len(unknown)} of the prompt's {len(words)} words are unknown to this model's tokenizer "
                 f"({shown}); its answer will be a guess (the demo models read the questions `trimvlm demo-image` "
-                "prints)"), stacklevel=3)  # fmt: skip
+                "prints)"), stacklevel=caller_stacklevel())  # fmt: skip
 
 
 @dataclass
