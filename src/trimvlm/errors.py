@@ -37,9 +37,10 @@ def did_you_mean(name, known) -> str:
 
 
 def caller_stacklevel(packages=("trimvlm", "torch")) -> int:
-    """The `stacklevel` that makes a `warnings.warn` in the function calling this one point at the user's line:
-    the first frame, walking out, whose file lies outside these packages (trimvlm's own calls and torch's
-    decorators, such as `torch.inference_mode`, are skipped; Python 3.11 has no `skip_file_prefixes`)."""
+    """The `stacklevel` that makes a `warnings.warn` in the function calling this one point at the user's
+    line: the first frame, walking out, whose file lies outside these packages (trimvlm's own calls and
+    torch's decorators, such as `torch.inference_mode`, are skipped; Python 3.11 has no
+    `skip_file_prefixes`)."""
     roots = tuple(
         os.path.dirname(module.__file__) + os.sep
         for module in map(sys.modules.get, packages)
