@@ -230,6 +230,30 @@ def test_chat_equals_generate(client, demo):
         )
 
 
+def test_the_readme_server_example_waits_and_asks_about_the_scene(server, demo, tmp_path):
+    """README.md's server block, pasted into bash against this server (its first line starts the server): it
+    polls /health, sends scene.png as a data URL, and prints the answer `vlm.generate` gives on that image."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "trimvlm serve" in b)
+    assert "/health" in block and block.index("/health") < block.index("/v1/chat/completions")
+    pasted = "\n".join(line for line in block.splitlines() if "trimvlm serve" not in line)
+    pasted = pasted.replace("localhost:8000", server.removeprefix("http://"))
+    scene(7).save(tmp_path / "scene.png")
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    ran = subprocess.run(["bash", "-euo", "pipefail", "-c", pasted], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    answer = json.loads(ran.stdout)
+    question = re.search(r'"text": "([^"]+)"', block).group(1)
+    max_tokens = int(re.search(r'"max_tokens": (\d+)', block).group(1))
+    assert answer["usage"]["vision_flops"] > 0  # the image was sent
+    expected = demo.generate(scene(7), question, max_new_tokens=max_tokens).texts[0]
+    assert answer["choices"][0]["message"]["content"] == expected
+
+
 def test_chat_text_only_and_recipe(client, demo):
     recipe = "tokens=density:keep=0.25:layer=1"
     req = chat_request(0, recipe=recipe)
