@@ -9,9 +9,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from trimvlm.errors import InputError, TrimVLMError
+from trimvlm.terminal import Sheet, Terminal
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True,
@@ -34,10 +34,21 @@ def _main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
 ) -> None:
     """Cheaper VLM inference, honestly measured."""
-# Piped (not a terminal), rich would fold every table to 80 columns: results keep their full width instead.
-PIPED_WIDTH = 240
-console = Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
+    global console
+    console = Terminal()  # per run: the width of this run's terminal, COLUMNS or the pipe (trimvlm.terminal)
+
+
+console = Terminal()
 err_console = Console(stderr=True)
+WIDE = typer.Option(False, "--wide", help="every column of the tables, each as wide as it needs (default: the "
+                    "columns that matter, fitting the terminal; --json holds every number)")  # fmt: skip
+
+
+def _wide(wide: bool) -> None:
+    """--wide: this run's tables show every column."""
+    global console
+    if wide:
+        console = Terminal(wide=True)
 
 
 def _fail(e: TrimVLMError):
@@ -146,11 +157,9 @@ def info(
     except TrimVLMError as e:
         _fail(e)
     data = vlm.info()
-    table = Table(title=f"{model}")
-    table.add_column("field")
-    table.add_column("value")
+    table = Sheet(console, f"{model}", ["field", "value"])
     for k, v in data.items():
-        table.add_row(k, ", ".join(map(str, v)) if isinstance(v, list) else str(v))
+        table.row(k, ", ".join(map(str, v)) if isinstance(v, list) else str(v))
     console.print(table)
     _write_json(json_out, data)
 
@@ -162,20 +171,17 @@ def methods(json_out: Path | None = JSON_OUT):
 
     data = describe_methods()
     for axis, entries in data.items():
-        table = Table(title=f"{axis}=", show_lines=True)
-        for col in ("method", "options (type = default)", "what it does"):
-            table.add_column(col)
+        table = Sheet(console, f"{axis}=", ["method", "options (type = default)", "what it does"], show_lines=True)
         for m in entries:
             opts = "\n".join(f"{o['name']}: {o['type']} = {o['default']!r}" for o in m["options"])
-            table.add_row(m["name"], opts, m["summary"])
+            table.row(m["name"], opts, m["summary"])
         console.print(table)
     variants = _router_variants()
     if variants:
-        table = Table(title="router=M:budget=B (no other option) runs the variant recorded for the nearest budget")
-        for col in ("model", "budget", "select=", "price=", "val accuracy"):
-            table.add_column(col)
+        table = Sheet(console, "router=M:budget=B (no other option) runs the variant recorded for the nearest budget",
+                      ["model", "budget", "select=", "price=", "val accuracy"])  # fmt: skip
         for name, v in variants:
-            table.add_row(name, f"{v['budget']}", v["select"], str(v["price"]),
+            table.row(name, f"{v['budget']}", v["select"], str(v["price"]),
                           f"{100 * v['val_accuracy']:.1f}% ({v['val_items']} items)")  # fmt: skip
         console.print(table)
     console.print(TUNED_AND_START)
@@ -216,9 +222,11 @@ def demo(
     plot: Path = typer.Option(Path("trimvlm-demo.png")),
 
     device: str = DEVICE,
+    wide: bool = WIDE,
     dtype: str = DTYPE,
 ):
     """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
+    _wide(wide)
     from trimvlm.cli_eval import demo_command
 
     try:
@@ -243,11 +251,9 @@ def demo_image(
         sample.image.save(out)
     except OSError as e:
         _fail(InputError(f"cannot write {out}: {e.strerror or e}"))
-    table = Table(title=f"{out}: questions the demo models answer (seed {seed})")
-    table.add_column("question")
-    table.add_column("answer")
+    table = Sheet(console, f"{out}: questions the demo models answer (seed {seed})", ["question", "answer"])
     for question, answer in qa:
-        table.add_row(question, answer)
+        table.row(question, answer)
     console.print(table)
     console.print(f'[dim]e.g. trimvlm generate --model demo --image {out} --prompt "{qa[0][0]}"[/]')
 
@@ -299,11 +305,13 @@ def eval_(
     device: str | None = typer.Option(
         None, "--device", help="cpu | cuda | cuda:N | mps (default cpu; with --ray: a GPU per worker if any)"
     ),
+    wide: bool = WIDE,
     dtype: str = DTYPE,
 ):
     """Evaluate recipes on a task: accuracy, mismatch / agreement and retention vs the uncompressed model, costs
     (FLOPs, KV after eviction and KV peak, latency). Benchmarks read a local copy with --data PATH [--split S]
     (docs/benchmarks.md)."""
+    _wide(wide)
     from trimvlm.cli_eval import eval_command
 
     load_kw = _load_kw(device or "cpu", dtype)
@@ -369,9 +377,11 @@ def score(
     json_out: Path | None = JSON_OUT,
 
     device: str = DEVICE,
+    wide: bool = WIDE,
     dtype: str = DTYPE,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
+    _wide(wide)
     import trimvlm
     from trimvlm.cli_score import print_scores
 
@@ -442,11 +452,13 @@ def tune(
         "else per CPU)"
     ),
     device: str = DEVICE,
+    wide: bool = WIDE,
     dtype: str = DTYPE,
 ):
     """Find the best recipe for each cost budget on the task's validation split (resumable: run it again to
     continue), then report the frontier on the test split. Use a result with --recipe OUT/best-BUDGET.yaml or
     recipe tuned=OUT:budget=RATIO."""
+    _wide(wide)
     from trimvlm.cli_tune import tune_command
 
     try:
@@ -620,9 +632,11 @@ def decide(
     json_out: Path | None = JSON_OUT,
 
     device: str = DEVICE,
+    wide: bool = WIDE,
     dtype: str = DTYPE,
 ):
     """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
+    _wide(wide)
     from trimvlm.cli_decide import decide_command
 
     try:

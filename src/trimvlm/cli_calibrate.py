@@ -16,6 +16,7 @@ from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.options import is_int
 from trimvlm.progress import progress
+from trimvlm.terminal import Col, Sheet
 
 CANDIDATES = "candidates"
 
@@ -86,16 +87,13 @@ def calibrate_command(
 
 
 def print_ranking(data: dict, layer_types: list[str], console) -> None:
-    from rich.table import Table
-
     what = "J_l" if data["method"] == CANDIDATES else _rankers()[data["method"]].what
     cal = data["calibration"]
     readout = f", {cal['readout']} readout" if "readout" in cal else ""
-    t = Table(title=f"{data['method']}: {what} ({data['model']}{readout}, {cal['n']} inputs)", title_justify="left")
-    for col in ("layer", "type", what, "rank"):
-        t.add_column(col, justify="left" if col == "type" else "right")
+    t = Sheet(console, f"{data['method']}: {what} ({data['model']}{readout}, {cal['n']} inputs)",
+              [Col(c, right=c != "type") for c in ("layer", "type", what, "rank")])  # fmt: skip
     place = {layer: k for k, layer in enumerate(data["order"])}
     for layer, score in enumerate(data["scores"]):
-        t.add_row(str(layer), layer_types[layer], f"{score:.4g}", str(place[layer] + 1))
+        t.row(str(layer), layer_types[layer], f"{score:.4g}", str(place[layer] + 1))
     console.print(t)
     console.print(f"order (skipped first to last): {data['order']}")

@@ -7,9 +7,8 @@ import binascii
 import json
 from pathlib import Path
 
-from rich.table import Table
-
 from trimvlm.errors import InputError
+from trimvlm.terminal import Sheet
 
 
 def read_requests(path: Path):
@@ -81,14 +80,13 @@ def print_decisions(result, console, requests=None) -> None:
     many = len(result.answers) > 1
     sent = requests if isinstance(requests, list) else [requests] * len(result.answers)
     for i, (answers, usage) in enumerate(zip(result.answers, result.usage, strict=True)):
-        table = Table(title=f"request {i}" if many else None)
-        for col in ("question", "type", "answer", "confidence", "probabilities"):
-            table.add_column(col)
+        table = Sheet(console, f"request {i}" if many else None,
+                      ["question", "type", "answer", "confidence", "probabilities"])  # fmt: skip
         for name, a in answers.items():
             probs = a.get("probabilities")
             probs = " ".join(f"{k}={v:.3f}" for k, v in probs.items()) if probs else ""
             conf = a.get("confidence")
-            table.add_row(name, a["type"], _answer_text(a), "" if conf is None else f"{conf:.3f}", probs)
+            table.row(name, a["type"], _answer_text(a), "" if conf is None else f"{conf:.3f}", probs)
         console.print(table)
         images = _assets(sent[i])
         images = (f"{_count(images, 'image')} ({usage.images} image inputs over the prompts)"

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from rich.table import Table
+from trimvlm.terminal import Col, Sheet
+
+COLUMNS = ["", "candidate", Col("logit", right=True, wide=True), Col("prob", right=True),
+           Col("loglik sum", right=True), Col("mean", right=True, wide=True), Col("tokens", right=True),
+           "matches greedy"]  # fmt: skip
 
 
 def print_scores(batch, console) -> None:
     for res in batch.results:
-        table = Table(title=res.question)
-        for col in ("", "candidate", "logit", "prob", "loglik sum", "mean", "tokens", "matches greedy"):
-            table.add_column(col)
+        table = Sheet(console, res.question, COLUMNS)
         for k, c in enumerate(res.candidates):
             mark = "*" if k == res.chosen else ""
-            table.add_row(
+            table.row(
                 mark, c.text, f"{c.logit:.4f}", f"{c.prob:.4f}", f"{c.loglik_sum:.4f}",
                 f"{c.loglik_mean:.4f}", str(c.n_tokens), "yes" if c.is_greedy else "",
             )  # fmt: skip
         if res.abstain_logit is not None:
-            table.add_row("*" if res.chosen < 0 else "", "(abstain)", f"{res.abstain_logit:.4f}",
-                          f"{res.abstain_prob:.4f}", "", "", "", "")  # fmt: skip
+            table.row("*" if res.chosen < 0 else "", "(abstain)", f"{res.abstain_logit:.4f}",
+                      f"{res.abstain_prob:.4f}", "", "", "", "")  # fmt: skip
         console.print(table)
         if res.binary_prob is not None:
             console.print(f"P(true) = {res.binary_prob:.4f}")

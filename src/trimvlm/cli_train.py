@@ -310,19 +310,16 @@ def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
 
 
 def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
-    from rich.table import Table
+    from trimvlm.terminal import Col, Sheet
 
     ab = meta["test_abstention"]
-    table = Table(title=f"decision head -> {folder}")
-    table.add_column("kind")
-    table.add_column("head", justify="right")
-    table.add_column("loglik", justify="right")
-    table.add_column("abstains (answer present)", justify="right")
-    table.add_column("abstains (answer removed)", justify="right")
+    table = Sheet(console, f"decision head -> {folder}",
+                  ["kind", *(Col(c, right=True) for c in ("head", "loglik", "abstains (answer present)",
+                                                            "abstains (answer removed)"))])  # fmt: skip
     for k in [*kinds, "all"]:
         present = ab["answer_present"]["by_kind"].get(k) if k != "all" else ab["answer_present"]["rate"]
         removed = ab["answer_removed"]["by_kind"].get(k) if k != "all" else ab["answer_removed"]["rate"]
-        table.add_row(
+        table.row(
             k,
             f"{meta['test_accuracy'][k]:.1%}",
             f"{meta['test_accuracy_loglik'][k]:.1%}",

@@ -16,7 +16,6 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
     import contextlib
 
     from rich.console import Console
-    from rich.table import Table
 
     import trimvlm
     from trimvlm.tune.budgets import budget_points
@@ -47,16 +46,15 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
                    data=data, min_retention=min_retention, settings=Settings(batch_size=batch_size), console=console,
                    evaluate=evaluate)  # fmt: skip
     by_spec = {e["spec"]: e for e in rep["entries"]}
-    table = Table(title=f"tune {model} on {task}: best recipe per budget (test split, {rep['n_test']} items)")
-    for col in ("budget", "best recipe", "test accuracy", "retention", "total FLOPs", "KV bytes", "latency"):
-        table.add_column(col)
+    table = _best_table(console, f"tune {model} on {task}: best recipe per budget (test split, {rep['n_test']} "
+                        "items)", [b["label"] for b in rep["budgets"]])  # fmt: skip
     for b in rep["budgets"]:
         e = by_spec.get(b["best"]) if b["best"] else None
         if e is None:
-            table.add_row(b["label"], "none fits", *["-"] * 5)
+            table.row(b["label"], "none fits", *["-"] * 5)
             continue
         t, r = e["test"], e["test"]["ratio"]
-        table.add_row(b["label"], e["spec"], f"{100 * t['accuracy']:.1f}%", f"{t['retention'] or 0:.3f}",
+        table.row(b["label"], e["spec"], f"{100 * t['accuracy']:.1f}%", f"{t['retention'] or 0:.3f}",
                       f"{r['total_flops']:.3f}x", f"{r['kv_bytes']:.3f}x", f"{r['latency_s']:.3f}x")  # fmt: skip
     console.print(table)
     base = by_spec["baseline"]["test"]
@@ -67,3 +65,14 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
     for path in write_report(rep, Path(out)):
         console.print(f"[dim]wrote {path}[/]")
     return rep
+
+
+def _best_table(console, title: str, labels: list[str]):
+    """The budgets' best recipes: KV bytes and latency are default columns where a budget names them."""
+    from trimvlm.terminal import Col, Sheet
+
+    named = " ".join(labels)
+    return Sheet(console, title, ["budget", "best recipe", "test accuracy", "retention",
+                                  *(Col(h, wide=k not in named) for k, h in (("flops", "total FLOPs"),
+                                                                            ("kv_bytes", "KV bytes"),
+                                                                            ("latency", "latency")))])  # fmt: skip

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
 from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
 from trimvlm.evals.run import EvalResult
+from trimvlm.terminal import Col, Sheet, fits
 
 
 def versions() -> dict[str, str]:
@@ -65,17 +66,15 @@ COST_COLUMNS = (  # (key, heading): per item, and as a ratio to the baseline
 )
 
 
+DEFAULT_COSTS = ("total_flops", "kv_bytes", "latency_s", "peak_memory_bytes")  # the others: with --wide
+
+
+def _cost_cols() -> list[Col]:
+    return [Col(h, right=True, wide=k not in DEFAULT_COSTS) for k, h in COST_COLUMNS]
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
-
-
-def _table(title: str, columns, left: int = 1):
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for k, col in enumerate(columns):
-        t.add_column(col, justify="left" if k < left else "right", no_wrap=k < left)
-    return t
 
 
 def _per_item(key: str, costs: dict) -> str:
@@ -91,31 +90,21 @@ def _skipped(depth: dict | None) -> str:
 
 def print_report(result: EvalResult, console=None) -> None:
     """Tables: accuracy and mismatch vs baseline per kind and probe; costs per item; retention and cost ratios;
-    per ranker the largest budget reaching 90% retention."""
+    per ranker the largest budget reaching 90% retention. Their default columns fit 100 columns; a wide
+    console (`trimvlm.terminal`, --wide) shows every column."""
     from rich.console import Console
-    from rich.markup import escape
 
     console = console or Console()
     labels = result.labels
     groups = [r for r in result.rows if r["recipe"] == labels[0]]
     summaries = [g for g in groups if g["group_type"] != "kind"]
-    if len(labels) > WIDE:
-        _accuracy_rows(result, groups, console)
-    for title, first in [] if len(labels) > WIDE else [("accuracy %", 0)] + ([("mismatch % vs baseline", 1)] if len(labels) > 1 else []):
-        t = _table(f"{result.task.name}: {title}", ["kind", "probe", "metric", "n", *map(escape, labels[first:])], 3)
-        for n, g in enumerate(groups):
-            if g["group_type"] != "kind" and n > 0 and groups[n - 1]["group_type"] == "kind":
-                t.add_section()
-            rows = [result.row(label, g["group"]) for label in labels[first:]]
-            cells = [_pct(r["accuracy"]) if first == 0 else f"{r['mismatch_pct']:.1f}" for r in rows]
-            kind = g["group"] if g["group_type"] == "kind" else "all"
-            probe = "every" if g["group_type"] == "all" else g["probe"]
-            t.add_row(kind, probe, g["metric"], str(g["n"]), *cells, style="bold" if g["group_type"] != "kind" else None)
-            for key, name in SUMMARY_ROWS if first == 0 else ():
-                if all(key in r for r in rows):
-                    fmt = (lambda v: str(v)) if key == "abstained" else _pct
-                    t.add_row(f"{kind} {name}", probe, "", "", *(fmt(r[key]) for r in rows), style="dim")
-        console.print(t)
+    sheets = [] if len(labels) > WIDE else [_accuracy_columns(result, groups, console, 0)]
+    if sheets and len(labels) > 1:
+        sheets.append(_accuracy_columns(result, groups, console, 1))
+    if not all(fits(console, s) for s in sheets):
+        sheets = []
+    for sheet in sheets or [_accuracy_rows(result, groups, console)]:
+        console.print(sheet)
     _cost_tables(result, summaries, console)
     kind = result.row(labels[0])["costs"]["peak_memory_kind"]
     console.print(f"[dim]FLOPs: the model's (vision included) plus the methods' own (selection, attention probes, "
@@ -123,22 +112,49 @@ def print_report(result: EvalResult, console=None) -> None:
                   f"{MEMORY_KINDS.get(kind, kind or 'not measured')}[/dim]")  # fmt: skip
 
 
-WIDE = 6  # more recipes than this: one row per recipe instead of one column
+WIDE = 6  # more recipes than this (or recipe columns wider than the console): one row per recipe
 
 
-def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> None:
-    """Many recipes: accuracy % per kind and probe, then mismatch % per probe, one row per recipe."""
+def _accuracy_columns(result: EvalResult, groups: list[dict], console, first: int) -> Sheet:
+    """Accuracy % (`first` 0) or mismatch % vs the baseline (`first` 1) per kind and probe, one column per
+    recipe."""
+    from rich.markup import escape
+
+    labels = result.labels
+    title = "accuracy %" if first == 0 else "mismatch % vs baseline"
+    t = Sheet(console, f"{result.task.name}: {title}",
+              ["kind", "probe", "metric", Col("n", right=True), *(Col(escape(x), right=True) for x in labels[first:])])  # fmt: skip
+    for n, g in enumerate(groups):
+        if g["group_type"] != "kind" and n > 0 and groups[n - 1]["group_type"] == "kind":
+            t.section()
+        rows = [result.row(label, g["group"]) for label in labels[first:]]
+        cells = [_pct(r["accuracy"]) if first == 0 else f"{r['mismatch_pct']:.1f}" for r in rows]
+        kind = g["group"] if g["group_type"] == "kind" else "all"
+        probe = "every" if g["group_type"] == "all" else g["probe"]
+        t.row(kind, probe, g["metric"], str(g["n"]), *cells, style="bold" if g["group_type"] != "kind" else None)
+        for key, name in SUMMARY_ROWS if first == 0 else ():
+            if all(key in r for r in rows):
+                fmt = (lambda v: str(v)) if key == "abstained" else _pct
+                t.row(f"{kind} {name}", probe, "", "", *(fmt(r[key]) for r in rows), style="dim")
+    return t
+
+
+def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
+    """Many recipes: accuracy % per probe (per kind: with --wide), then mismatch % per probe, one row per
+    recipe."""
     from rich.markup import escape
 
     summaries = [g for g in groups if g["group_type"] != "kind"]
-    heads = [f"{g['group']} acc" for g in groups] + [f"{g['group']} mismatch" for g in summaries if g["group"] != "all"]
-    t = _table(f"{result.task.name}: accuracy % and mismatch % vs baseline ({len(result.labels)} recipes)",
-               ["recipe", *heads])  # fmt: skip
+    probes = [g for g in summaries if g["group"] != "all"]
+    cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
+    cols += [Col(f"{g['group']} mismatch", right=True) for g in probes]
+    t = Sheet(console, f"{result.task.name}: accuracy % and mismatch % vs baseline ({len(result.labels)} recipes)",
+              ["recipe", *cols])  # fmt: skip
     for label in result.labels:
         acc = [_pct(result.row(label, g["group"])["accuracy"]) for g in groups]
-        mm = [f"{result.row(label, g['group'])['mismatch_pct']:.1f}" for g in summaries if g["group"] != "all"]
-        t.add_row(escape(label), *acc, *mm, style="bold" if label == result.labels[0] else None)
-    console.print(t)
+        mm = [f"{result.row(label, g['group'])['mismatch_pct']:.1f}" for g in probes]
+        t.row(escape(label), *acc, *mm, style="bold" if label == result.labels[0] else None)
+    return t
 
 
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
@@ -146,29 +162,30 @@ def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
 
     labels = result.labels
     depths = result.depths or [None] * len(labels)
-    heads = [h for _, h in COST_COLUMNS]
-    cost = _table("costs per item (latency in ms)", ["recipe", "probe", *heads, "method FLOPs"], 2)
-    ratio = _table("cost / baseline (same items, interleaved; FLOPs = model + method)",
-                   ["recipe", "probe", "skipped", "retention %", *heads, "method share"], 2)  # fmt: skip
+    cost = Sheet(console, "costs per item (latency in ms)",
+                 ["recipe", "probe", *_cost_cols(), Col("method FLOPs", right=True, wide=True)])  # fmt: skip
+    ratio = Sheet(console, "cost / baseline (same items, interleaved; FLOPs = model + method)",
+                  ["recipe", "probe", Col("skipped", right=True, wide=not any(depths)), Col("retention %", right=True),
+                   *_cost_cols(), Col("method share", right=True, wide=True)])  # fmt: skip
     for label, depth in zip(labels, depths, strict=True):
         for g in summaries:
             row = result.row(label, g["group"])
             style = "bold" if g["group_type"] == "all" else None
             cells = [_per_item(k, row["costs"]) for k, _ in COST_COLUMNS]
-            cost.add_row(escape(label), g["group"], *cells, human(row["costs"]["per_item"]["method_flops"]), style=style)
+            cost.row(escape(label), g["group"], *cells, human(row["costs"]["per_item"]["method_flops"]), style=style)
             ratios = [_ratio(row["ratio"][k]) for k, _ in COST_COLUMNS]
-            ratio.add_row(escape(label), g["group"], _skipped(depth), _pct(row["retention"]), *ratios,
-                          _share(row["costs"]), style=style)  # fmt: skip
+            ratio.row(escape(label), g["group"], _skipped(depth), _pct(row["retention"]), *ratios,
+                      _share(row["costs"]), style=style)  # fmt: skip
         for t in (cost, ratio) if len(summaries) > 1 else ():
-            t.add_section()
+            t.section()
     console.print(cost)
     if len(labels) > 1:
         console.print(ratio)
     if result.largest_budget:
-        lb = _table("largest tested budget with >= 90% mean retention",
-                    ["ranker", "budgets tested", "largest budget", "retention %"])  # fmt: skip
+        lb = Sheet(console, "largest tested budget with >= 90% mean retention",
+                   ["ranker", "budgets tested", "largest budget", Col("retention %", right=True)])  # fmt: skip
         for ranker, e in result.largest_budget.items():
-            lb.add_row(escape(ranker), ",".join(map(str, e["tested"])), _budget(e), _pct(e["retention"]))
+            lb.row(escape(ranker), ",".join(map(str, e["tested"])), _budget(e), _pct(e["retention"]))
         console.print(lb)
 
 
