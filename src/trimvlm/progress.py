@@ -1,24 +1,84 @@
-"""The one progress bar of every long job (eval, benchmark loading, calibration, training): description, bar,
-done / total, elapsed time, and a `detail` field (a task's `detail=...`, e.g. the recipe running)."""
+"""The one progress bar of every long job (eval, tune, benchmark loading, calibration, training): description,
+bar, done / total, elapsed time, rate, and the current phase (a task's `detail=...` field, e.g. the recipe
+running, or what a step is doing).
+
+`progress(console)` is the rich `Progress` itself (tasks added with `add_task(..., detail=...)`); `steps(...)`
+is one task on it, advanced with `.advance()` and told its phase with `.phase(text)`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-def progress(console=None, enabled: bool = True):
-    """A rich `Progress` on `console` (None: rich's default), hidden when not `enabled`."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.text import Text
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Column
+from rich.text import Text
 
-    class Detail(ProgressColumn):
-        def render(self, task) -> Text:
-            return Text(str(task.fields.get("detail", "")))
 
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    Detail(), console=console, disable=not enabled)  # fmt: skip
+class Rate(ProgressColumn):
+    """Steps per second since the start, or seconds per step when slower than one a second; the task's `unit`
+    field names the step (default "step")."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.finished_time if task.finished else task.elapsed
+        unit = task.fields.get("unit", "step")
+        if not task.completed or not elapsed:
+            return Text(f"- {unit}/s", style="progress.data.speed")
+        per_second = task.completed / elapsed
+        text = f"{per_second:.2g} {unit}/s" if per_second >= 1 else f"{1 / per_second:.2g} s/{unit}"
+        return Text(text, style="progress.data.speed")
+
+
+class Phase(ProgressColumn):
+    """The task's `detail` field: what it is doing now (the one column that wraps when the line is full)."""
+
+    def __init__(self):
+        super().__init__(table_column=Column(overflow="fold"))
+
+    def render(self, task: Task) -> Text:
+        return Text(str(task.fields.get("detail", "")))
+
+
+def progress(console=None, enabled: bool = True, get_time=None) -> Progress:
+    """A rich `Progress` on `console` (None: rich's default), hidden when not `enabled`. `get_time`: the clock
+    (default: the console's)."""
+    whole = Column(no_wrap=True)
+    return Progress(TextColumn("[bold]{task.description}", table_column=whole), BarColumn(BAR, table_column=whole),
+                    MofNCompleteColumn(table_column=whole), TimeElapsedColumn(table_column=whole),
+                    Rate(table_column=whole), Phase(), console=console, disable=not enabled,
+                    get_time=get_time)  # fmt: skip
+
+
+BAR = 20  # the bar's width: the line keeps room for the phase
+
+
+@dataclass(frozen=True)
+class Steps:
+    """One task of a `Progress`: `advance()` a step, `phase(text)` says what it is doing now."""
+
+    bar: Progress
+    job: TaskID
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.advance(self.job, n)
+
+    def phase(self, text: str) -> None:
+        self.bar.update(self.job, detail=text)
+
+
+@contextmanager
+def steps(description: str, total: int, console=None, enabled: bool = True, phase: str = "",
+          unit: str = "step") -> Iterator[Steps]:  # fmt: skip
+    """A progress bar of one task: `total` steps of `unit`, starting in `phase`."""
+    with progress(console, enabled) as bar:
+        yield Steps(bar, bar.add_task(description, total=total, detail=phase, unit=unit))

@@ -24,11 +24,12 @@ NATURAL = 100_000  # the width a table is measured in for its natural width
 
 
 class Terminal(Console):
-    """A rich Console that knows whether its tables show their `wide` columns and keep their natural width."""
+    """A rich Console that knows whether its tables show their `wide` columns (`wide`) and keep their natural
+    width (`whole`: wide, or piped with no width given and no COLUMNS)."""
 
     def __init__(self, *, wide: bool = False, stderr: bool = False, **kw):
         stream = sys.stderr if stderr else sys.stdout
-        sized = stream.isatty() or (os.environ.get("COLUMNS") or "").isdigit()
+        sized = "width" in kw or stream.isatty() or (os.environ.get("COLUMNS") or "").isdigit()
         super().__init__(stderr=stderr, width=kw.pop("width", None if sized else PIPED_WIDTH), **kw)
         self.wide = wide
         self.whole = wide or not sized  # tables at their natural width

@@ -29,7 +29,7 @@ from trimvlm.evals.items import RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
 from trimvlm.plan import build_methods
-from trimvlm.progress import progress as progress_bar
+from trimvlm.progress import steps
 from trimvlm.recipe import Recipe, parse_recipe
 
 SUM_KEYS = (
@@ -229,18 +229,17 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
         out = type(items[0]).run(vlm, items, recipes[r], task, opts, track_memory=track)
         return out, time.perf_counter() - t0
 
-    if warmup:  # untimed: one-time costs (lazy init, allocator growth) of every recipe fall here
-        for r in range(n_rec):
+    with steps(f"eval {task.name}", len(batch_list) * n_rec, console, progress, unit="batch") as bar:
+        for r in range(n_rec) if warmup else ():  # untimed: one-time costs (lazy init, allocator growth) fall here
+            bar.phase(f"warm-up: {recipes[r].label()}")
             call(r, batch_list[0][:2])
-    with progress_bar(console, progress) as bar:
-        job = bar.add_task(f"eval {task.name}", total=len(batch_list) * n_rec)
         for b, idx in enumerate(batch_list):
             first = records[idx[0]]
             key = (first.probe, first.kind)
             type(first).untimed(vlm, [records[i] for i in idx], task, opts)
             for j in range(n_rec):
                 r = (b + order_offset + j) % n_rec  # rotate which recipe goes first
-                bar.update(job, detail=recipes[r].label())
+                bar.phase(f"{recipes[r].label()} · {first.kind} ({first.probe})")
                 (outputs, costs, ran), wall = call(r, idx)
                 for i, out in zip(idx, outputs, strict=True):
                     preds[r][i] = out
@@ -249,7 +248,7 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
                 if on_cpu and (memory == "all" or (memory == "first" and (r, key[0]) not in measured)):
                     acc.memory(call(r, idx, track=True)[0][1])  # untimed
                     measured.add((r, key[0]))
-                bar.advance(job)
+                bar.advance()
     return preds, accs
 
 

@@ -262,6 +262,8 @@ class Search:
         first = [f for f in fams if len(f.parts) == 1] if beam else fams
         cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
+            if bar is not None:
+                bar.phase(f"{label(point)}: round {r + 1} of {len(rounds)}, {len(cands)} recipes on {len(idx)} items")
             cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
             if r == 0 and beam:
                 top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
@@ -275,6 +277,18 @@ class Search:
             if bar is not None:
                 bar.advance()
         return cands
+
+
+def search_points(search: Search, points: list[dict], rounds: list[list[int]], bar) -> tuple[list[dict], dict]:
+    """Per budget point its candidates' ranking, and every final candidate's entry (by spec)."""
+    results, entries = [], {}
+    for p in points:
+        final = search.point(p, rounds, bar)
+        results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
+        for c in final:
+            entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
+                                        "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
+    return results, entries
 
 
 def _rank(c: Candidate):
@@ -326,7 +340,7 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     where every evaluation runs (default run_eval in this process; a `RayEvaluator` shards them over Ray
     workers, with the same predictions and FLOPs, so the same frontier when the budgets are FLOPs or KV bytes)."""
     from trimvlm.evals.tasks.base import get_task
-    from trimvlm.progress import progress as progress_bar
+    from trimvlm.progress import steps
     from trimvlm.tune.journal import local_evaluator
     from trimvlm.tune.rankings import calibrate_rankings
 
@@ -344,31 +358,23 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     journal = Journal(vlm, val, out, batch_size=settings.batch_size, fingerprint=fp, on_run=on_run,
                       evaluate=evaluate)  # fmt: skip
     rounds = round_items(len(val.records), settings.start, settings.eta, seed)
-    calibrate_rankings(vlm, space, val, rankings)
-    search = Search(vlm, val, space, journal, settings)
-    results, entries = [], {}
-    with progress_bar(console, progress) as bar:
-        job = bar.add_task(f"tune {task}", total=len(points) * len(rounds))
-
-        class _Bar:
-            def advance(self):
-                bar.advance(job)
-
-        for p in points:
-            final = search.point(p, rounds, _Bar())
-            results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
-            for c in final:
-                entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
-                                            "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
-    base_row = journal.run([], rounds[-1])["baseline"]
-    entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
-                  "val": base_row}, *entries.values()]  # fmt: skip
-    front = frontier(entries_l)
-    chosen = list(dict.fromkeys([s for f in front.values() for s in f] + [r["ranking"][0] for r in results if r["ranking"]]))
-    chosen = [s for s in chosen if s != "baseline"]
-    test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
-    res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
-                   progress=False)
+    with steps(f"tune {task}", len(points) * len(rounds) + 1, console, progress, "calibrating the rankings",
+               unit="round") as bar:  # fmt: skip
+        calibrate_rankings(vlm, space, val, rankings)
+        search = Search(vlm, val, space, journal, settings)
+        results, entries = search_points(search, points, rounds, bar)
+        bar.phase(f"the baseline on {len(rounds[-1])} validation items")
+        base_row = journal.run([], rounds[-1])["baseline"]
+        entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
+                      "val": base_row}, *entries.values()]  # fmt: skip
+        front = frontier(entries_l)
+        chosen = list(dict.fromkeys([s for f in front.values() for s in f] + [r["ranking"][0] for r in results if r["ranking"]]))
+        chosen = [s for s in chosen if s != "baseline"]
+        test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
+        bar.phase(f"test split: {len(chosen)} recipes and the baseline on {len(test.records)} items")
+        res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
+                       progress=False)
+        bar.advance()
     for e in entries_l:
         if e["spec"] in chosen or e["spec"] == "baseline":
             row = res.row(e["spec"])
