@@ -16,7 +16,7 @@ step() { [ "$1" -ge "$STEP" ]; }
 #    best by validation, step 9,800): the best model is written into $CKPT whenever it improves, with its test
 #    accuracy per kind in trimvlm.json
 step 1 && $BIN/trimvlm train-demo --task scenes --out $CKPT --steps 11000 --threads "$THREADS" 2>&1 | tail -5
-# (the same, resumable from $WORK: python -m trimvlm.demo.train --task scenes --out $CKPT --work $WORK --steps 11000)
+# (the same, resumable from $WORK: trimvlm train-demo --task scenes --out $CKPT --work $WORK --steps 11000)
 
 # 2. reference accuracy by transformers' own generate (the suite checks the runner lands within 2 points)
 step 2 && $BIN/python -m trimvlm.demo.reference --model demo-scenes --items 240

@@ -343,21 +343,36 @@ def train_demo(
     init_from: Path = typer.Option(None, help="checkpoint folder to copy matching weights from"),
     task: str = typer.Option("demo", help="demo (the grid task, 64 tokens per image) or scenes (demo-scenes: 160-400 "
                              "tokens per image, a 12-layer Qwen2.5-VL; about 4,500 steps, 3-4 hours on 2 cores)"),
+    lr: float = typer.Option(2e-3, help="peak learning rate"),
+    work: Path | None = typer.Option(None, help="folder for train_state.pt and train_log.jsonl (default: "
+                                     "runs/train-<out's name>)"),
+    eval_every: int = typer.Option(300, help="steps between validations"),
+    aux_weight: float = typer.Option(0.5, help="weight of the per-cell auxiliary loss (0: off)"),
+    attention_weight: float = typer.Option(1.0, help="weight of the attention-teacher loss (0: off)"),
+    config: str = typer.Option("{}", help='JSON of the model config\'s keyword arguments, e.g. {"hidden": 192}'),
 ):
     """Train a tiny demo model from scratch on the demo task (seeded, resumable): --steps optimizer steps of
-    --batch-size sequences, validated every 300 (the shipped demo model took 7200); then use it with --model OUT."""
+    --batch-size sequences, validated every --eval-every (the shipped demo model took 7200); then use it with
+    --model OUT."""
     from trimvlm.demo.train import train_demo as _train
 
     if task not in ("demo", "scenes"):
         _fail(InputError(f"unknown demo task {task!r}; allowed: demo, scenes"))
-    kw: dict = {"model_kwargs": {"family": family}}
+    try:
+        extra = json.loads(config)
+    except json.JSONDecodeError as e:
+        _fail(InputError(f"--config must be a JSON object of model config arguments: {e}"))
+    if not isinstance(extra, dict):
+        _fail(InputError(f"--config must be a JSON object of model config arguments, got {config!r}"))
+    kw: dict = {"model_kwargs": {"family": family, **extra}}
     if task == "scenes":
         from trimvlm.demo.scenes_train import SCENES_SPEC
 
-        kw = {"model_kwargs": {}, "spec": SCENES_SPEC}
+        kw = {"model_kwargs": extra, "spec": SCENES_SPEC}
     try:
         _train(out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
-               init_from=init_from, **kw)  # fmt: skip
+               init_from=init_from, lr=lr, work_dir=work, eval_every=eval_every, aux_weight=aux_weight,
+               attention_weight=attention_weight, **kw)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
     console.print(f'wrote {out}; use it: trimvlm generate --model {out} --image scene.png --prompt "how many blue ?"')

@@ -27,14 +27,14 @@ from rich.text import Text
 
 class Rate(ProgressColumn):
     """Steps per second since the start, or seconds per step when slower than one a second; the task's `unit`
-    field names the step (default "step")."""
+    field names the step (default "step"), its `done` field the steps done before the start (a resumed run)."""
 
     def render(self, task: Task) -> Text:
         elapsed = task.finished_time if task.finished else task.elapsed
-        unit = task.fields.get("unit", "step")
-        if not task.completed or not elapsed:
+        unit, ran = task.fields.get("unit", "step"), task.completed - task.fields.get("done", 0)
+        if ran <= 0 or not elapsed:
             return Text(f"- {unit}/s", style="progress.data.speed")
-        per_second = task.completed / elapsed
+        per_second = ran / elapsed
         text = f"{per_second:.2g} {unit}/s" if per_second >= 1 else f"{1 / per_second:.2g} s/{unit}"
         return Text(text, style="progress.data.speed")
 
@@ -75,10 +75,14 @@ class Steps:
     def phase(self, text: str) -> None:
         self.bar.update(self.job, detail=text)
 
+    def note(self, line: str) -> None:
+        """A line printed above the bar."""
+        self.bar.console.print(line, markup=False, highlight=False)
+
 
 @contextmanager
 def steps(description: str, total: int, console=None, enabled: bool = True, phase: str = "",
-          unit: str = "step") -> Iterator[Steps]:  # fmt: skip
-    """A progress bar of one task: `total` steps of `unit`, starting in `phase`."""
+          unit: str = "step", done: int = 0) -> Iterator[Steps]:  # fmt: skip
+    """A progress bar of one task: `total` steps of `unit` (`done` of them already), starting in `phase`."""
     with progress(console, enabled) as bar:
-        yield Steps(bar, bar.add_task(description, total=total, detail=phase, unit=unit))
+        yield Steps(bar, bar.add_task(description, total=total, completed=done, detail=phase, unit=unit, done=done))

@@ -11,11 +11,11 @@ items, land within 2 points of it: the shipped model and the shipped code agree.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+import typer
 
 from trimvlm.evals.metrics import get_metric
 from trimvlm.evals.tasks import get_task
@@ -63,16 +63,16 @@ def record_reference(folder: str | Path, items: int = 200) -> dict:
     return ref
 
 
-def main() -> None:
+def main(
+    folder: str | None = typer.Option(None, help="checkpoint folder (default: the shipped --model)"),
+    model: str = typer.Option("demo", help="shipped demo model: demo, demo-qwen35 or demo-scenes"),
+    items: int = typer.Option(200),
+) -> None:
+    """Record the checkpoint's reference accuracy (transformers' own greedy generate) in its trimvlm.json."""
     from trimvlm.loading import resolve
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--folder", default=None, help="checkpoint folder (default: the shipped --model)")
-    ap.add_argument("--model", default="demo", help="shipped demo model: demo, demo-qwen35 or demo-scenes")
-    ap.add_argument("--items", type=int, default=200)
-    args = ap.parse_args()
-    print(json.dumps(record_reference(args.folder or resolve(args.model), args.items), indent=2))
+    print(json.dumps(record_reference(folder or resolve(model), items), indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -18,7 +18,7 @@ shape) pair of the object it shows through the pair probe (labelling the anchor 
 tokens told "no pair": the probe named 10% of the anchors after 2,400 steps). None of this is in the saved
 model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
 
-    python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 11000 --threads 2
+    trimvlm train-demo --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 11000 --threads 2
 """
 
 from __future__ import annotations

@@ -14,16 +14,14 @@ The best model by validation skill (accuracy above the majority answer; worst ki
 atomically to `out_dir` (the shipped checkpoint folder) with its test accuracy per kind; optimizer, step and
 RNG states live in `work_dir` and let a stopped run resume where it left off.
 
-    python -m trimvlm.demo.train --out src/trimvlm/demo/checkpoints/qwen3vl --steps 9000 --batch-size 16 --threads 1
-    python -m trimvlm.demo.train --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500
+    trimvlm train-demo --out src/trimvlm/demo/checkpoints/qwen3vl --steps 9000 --batch-size 16 --threads 1
+    trimvlm train-demo --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 4500
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from trimvlm.demo.model import (
     save_checkpoint,
 )
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
+from trimvlm.progress import steps as step_bar
 
 TRAIN_TURNS = {"exist": 5, "mc": 3, "color": 2, "count": 4, "list": 2, "read": 1}
 P_DESCRIBE = 0.25
@@ -734,8 +733,6 @@ def train_demo(
 ) -> Path:
     """Train (or resume) a demo model into `out_dir` (the grid task's unless `spec` names another); logs and
     resumable state in `work_dir`."""
-    from tqdm import tqdm
-
     torch.set_num_threads(threads)
     out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / f"train-{out_dir.name}"
@@ -760,32 +757,31 @@ def train_demo(
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
 
-    bar = tqdm(total=steps, initial=run.step, disable=not progress, desc="train-demo",
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)  # fmt: skip
     losses: list[float] = []
     att_losses: list[float] = []
     t_last = time.time()
-    while run.step < steps:
-        loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
-        if att is not None:
-            att_losses.append(att)
-        losses.append(loss)
-        bar.update(1)
-        step = run.step
-        if step % 50 == 0:
-            rec = _log_window(log_path, run, losses, att_losses, (time.time() - t_last) / 50)
-            t_last = time.time()
-            bar.set_postfix(loss=f"{rec['loss']:.3f}")
-            losses, att_losses = [], []
-        if step % eval_every == 0 or step == steps:
-            rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta, spec)
-            _log(log_path, rec)
-            tqdm.write(line)
-            sys.stdout.flush()
-            t_last = time.time()
-        if step % save_every == 0 or step == steps:
-            _save_state(run, state_path, model_kwargs)
-    bar.close()
+    with step_bar("train-demo", steps, enabled=progress, phase="training", done=run.step) as bar:
+        while run.step < steps:
+            loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
+            if att is not None:
+                att_losses.append(att)
+            losses.append(loss)
+            bar.advance()
+            step = run.step
+            if step % 50 == 0:
+                rec = _log_window(log_path, run, losses, att_losses, (time.time() - t_last) / 50)
+                t_last = time.time()
+                bar.phase(f"training, loss {rec['loss']:.3f}")
+                losses, att_losses = [], []
+            if step % eval_every == 0 or step == steps:
+                bar.phase(f"validating at step {step}")
+                rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta, spec)
+                _log(log_path, rec)
+                bar.note(line)
+                bar.phase("training")
+                t_last = time.time()
+            if step % save_every == 0 or step == steps:
+                _save_state(run, state_path, model_kwargs)
     return out_dir
 
 
@@ -802,42 +798,3 @@ def _log_window(log_path: Path, run, losses: list[float], att_losses: list[float
 GRID_SPEC = Spec(task=task, encoder=Encoder, tokenizer=build_tokenizer, build_config=build_config,
                  train_samples=train_samples, aux_loss=aux_cell_loss, n_pairs=NO_PAIR,
                  image_processor=build_image_processor)  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Train a demo VLM on its synthetic task (demo: the grid task; scenes: "
-                                 "demo-scenes).")  # fmt: skip
-    ap.add_argument("--task", default="demo", choices=["demo", "scenes"], help="which demo task and model")
-    ap.add_argument("--out", required=True, help="checkpoint folder to write the best model into")
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=None, help="default 32 (demo), 16 (scenes)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default=None, help="folder for train_state.pt and train_log.jsonl")
-    ap.add_argument("--eval-every", type=int, default=300)
-    ap.add_argument("--no-resume", action="store_true")
-    ap.add_argument(
-        "--aux-weight", type=float, default=0.5, help="weight of the per-cell auxiliary loss (0 = off)"
-    )
-    ap.add_argument(
-        "--attention-weight", type=float, default=1.0, help="weight of the attention-teacher loss (0 = off)"
-    )
-    ap.add_argument("--init-from", default=None, help="checkpoint folder to copy matching weights from")
-    ap.add_argument("--family", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"],
-                    help="demo architecture (the grid task; scenes trains Qwen2.5-VL)")  # fmt: skip
-    ap.add_argument("--model", default="{}", help='JSON of build_config kwargs, e.g. {"hidden": 192}')
-    a = ap.parse_args(argv)
-    spec, kwargs, batch = GRID_SPEC, {"family": a.family}, 32
-    if a.task == "scenes":
-        from trimvlm.demo.scenes_train import SCENES_SPEC
-
-        spec, kwargs, batch = SCENES_SPEC, {}, 16
-    train_demo(a.out, a.steps, seed=a.seed, resume=not a.no_resume, batch_size=a.batch_size or batch, lr=a.lr,
-               threads=a.threads, work_dir=a.work, eval_every=a.eval_every,
-               model_kwargs={**kwargs, **json.loads(a.model)}, aux_weight=a.aux_weight,
-               attention_weight=a.attention_weight, init_from=a.init_from, spec=spec)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
 from trimvlm.plan import build_methods
+from trimvlm.progress import steps
 from trimvlm.recipe import AXES, Recipe, load_recipes, parse_recipe
 
 try:
@@ -195,7 +196,7 @@ class TrimVLM(_LmmsBase):
                     self._add_costs("generate_until", res.costs)
                     for i, text in zip(chunk, res.texts, strict=True):
                         out[i] = cut_at_stop(text, until)
-                    bar.update(len(chunk))
+                    bar.advance(len(chunk))
         self._log("generate_until", len(requests))
         return out
 
@@ -224,7 +225,7 @@ class TrimVLM(_LmmsBase):
                 for g, scores in zip(chunk, self.continuation_logliks(score_reqs), strict=True):
                     for i, (loglik, greedy) in zip(g, scores, strict=True):
                         out[i] = (-loglik, greedy)  # lmms-eval's tasks take the argmin: a loss
-                bar.update(sum(len(g) for g in chunk))
+                bar.advance(sum(len(g) for g in chunk))
         self._log("loglikelihood", len(requests))
         return [_pair(x) for x in out]
 
@@ -344,9 +345,7 @@ class TrimVLM(_LmmsBase):
         )
 
     def _bar(self, total: int, desc: str):
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, disable=self.rank != 0)
+        return steps(desc, total, enabled=self.rank == 0, unit="request")
 
 
 def _pair(pair: tuple[float, bool]):
