@@ -142,3 +142,17 @@ def test_eval_shows_its_phase():
              console=console)  # fmt: skip
     line = next(x for x in console.export_text().splitlines() if x.startswith("eval demo"))
     assert " · " in line and ("baseline" in line or "half" in line) and "batch" in line, line
+
+
+def test_a_failed_job_leaves_no_bar():
+    from trimvlm.progress import steps
+
+    console = Console(width=100, file=io.StringIO(), record=True)
+    with pytest.raises(ValueError), steps("eval demo", 3, console, phase="warm-up") as bar:
+        bar.advance()
+        raise ValueError("bad input")
+    assert "eval demo" not in console.export_text()
+    with steps("eval demo", 3, console, phase="warm-up") as bar:
+        bar.advance()
+    text = console.export_text()
+    assert "eval demo" in text and "1/3" in text

@@ -35,8 +35,13 @@ class Rate(ProgressColumn):
         if ran <= 0 or not elapsed:
             return Text(f"- {unit}/s", style="progress.data.speed")
         per_second = ran / elapsed
-        text = f"{per_second:.2g} {unit}/s" if per_second >= 1 else f"{1 / per_second:.2g} s/{unit}"
+        text = f"{_short(per_second)} {unit}/s" if per_second >= 1 else f"{_short(1 / per_second)} s/{unit}"
         return Text(text, style="progress.data.speed")
+
+
+def _short(x: float) -> str:
+    """Two significant digits below 10, whole numbers above: 0.53, 8.2, 41, 4,800."""
+    return f"{x:.2g}" if x < 10 else f"{x:,.0f}"
 
 
 class Phase(ProgressColumn):
@@ -83,6 +88,12 @@ class Steps:
 @contextmanager
 def steps(description: str, total: int, console=None, enabled: bool = True, phase: str = "",
           unit: str = "step", done: int = 0) -> Iterator[Steps]:  # fmt: skip
-    """A progress bar of one task: `total` steps of `unit` (`done` of them already), starting in `phase`."""
+    """A progress bar of one task: `total` steps of `unit` (`done` of them already), starting in `phase`. A job
+    that fails leaves no bar behind (its error stands alone)."""
     with progress(console, enabled) as bar:
-        yield Steps(bar, bar.add_task(description, total=total, completed=done, detail=phase, unit=unit, done=done))
+        try:
+            yield Steps(bar, bar.add_task(description, total=total, completed=done, detail=phase, unit=unit,
+                                          done=done))  # fmt: skip
+        except BaseException:
+            bar.live.transient = True
+            raise
