@@ -68,13 +68,15 @@ def calibrate_command(
     batches = math.ceil(len(items) / batch_size)
     with progress(console) as bar:
         if method == CANDIDATES:
-            job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1))
+            job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1), unit="pass",
+                               detail=f"{len(items)} inputs, a pass per layer and batch")  # fmt: skip
             res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
                             batch_size=batch_size, on_step=lambda: bar.advance(job))  # fmt: skip
             about.update(n=res["n"], readout=res["readout"])
             data = ranking_data(vlm, method, res["J"], res["order"], about, str(model))
         else:
-            job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers))
+            job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers),
+                               detail=f"{len(items)} inputs in {batches} batches")  # fmt: skip
             data = rank(vlm, method, items, batch_size, on_step=lambda: bar.advance(job), calibration=about,
                         model=str(model))  # fmt: skip
     print_ranking(data, vlm.adapter.layer_types, console)

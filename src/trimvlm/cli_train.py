@@ -49,7 +49,8 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
     vlm = trimvlm.load(model, **(load_kw or {}))
     records = calibration_records(task, n, seed)
     with progress_bar(console) as bar:
-        job = bar.add_task("train-router", total=len(records) + epochs)
+        job = bar.add_task("train-router", total=len(records) + epochs,
+                           detail=f"layouts of {len(records)} inputs, then {epochs} DPO epochs")  # fmt: skip
         log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
                            out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
     for e in log["epochs"]:
@@ -85,7 +86,8 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     seed = int(r.meta.get("seed", 0))
     records = calibration_records(task, skip + n, seed)[skip:]
     with progress_bar(console) as bar:
-        job = bar.add_task("calibrate-router", total=len(records))
+        job = bar.add_task("calibrate-router", total=len(records), unit="input",
+                           detail=f"held-out layouts, selectors {', '.join(select)}")  # fmt: skip
         held = measure(vlm, r, records, list(select), on_step=lambda: bar.advance(job))
     meta = json.loads((folder / CONFIG).read_text())
     meta["budget"]["held_out"] = held | {"task": task, "skip": skip, "seed": seed}
@@ -169,7 +171,8 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     vlm, r = _v2_router(model, folder, load_kw, "refit")
     records = calibration_records(task, n, int(r.meta.get("seed", 0)))
     with progress_bar(console) as bar:
-        job = bar.add_task("refit-router", total=len(records))
+        job = bar.add_task("refit-router", total=len(records), unit="input",
+                           detail=f"layouts with {select}'s tokens, then {epochs} DPO epochs")  # fmt: skip
         fit, budget, log = refit_layers(vlm, r, records, select, epochs=epochs, on_step=lambda: bar.advance(job),
                                         **fit_kw)  # fmt: skip
     own = ("hidden", "candidate_layers", "width", "heads", "ff", "fingerprint")
