@@ -72,7 +72,6 @@ def _best_table(console, title: str, labels: list[str]):
     from trimvlm.terminal import Col, Sheet
 
     named = " ".join(labels)
-    return Sheet(console, title, ["budget", "best recipe", "test accuracy", "retention",
-                                  *(Col(h, wide=k not in named) for k, h in (("flops", "total FLOPs"),
-                                                                            ("kv_bytes", "KV bytes"),
-                                                                            ("latency", "latency")))])  # fmt: skip
+    costs = (("flops", "total FLOPs"), ("kv_bytes", "KV bytes"), ("latency", "latency"))
+    return Sheet(console, title, ["budget", "best recipe", Col("test accuracy", right=True), Col("retention", right=True),
+                                  *(Col(h, right=True, wide=k not in named) for k, h in costs)])  # fmt: skip

@@ -64,7 +64,7 @@ def progress(console=None, enabled: bool = True, get_time=None) -> Progress:
                     get_time=get_time)  # fmt: skip
 
 
-BAR = 20  # the bar's width: the line keeps room for the phase
+BAR = 12  # the bar's width: the line keeps room for the phase
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,7 @@ class Search:
         cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
             if bar is not None:
-                bar.phase(f"{label(point)}: round {r + 1} of {len(rounds)}, {len(cands)} recipes on {len(idx)} items")
+                bar.phase(f"{label(point)} · round {r + 1}/{len(rounds)}: {len(cands)} recipes x {len(idx)} items")
             cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
             if r == 0 and beam:
                 top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
@@ -363,7 +363,7 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
         calibrate_rankings(vlm, space, val, rankings)
         search = Search(vlm, val, space, journal, settings)
         results, entries = search_points(search, points, rounds, bar)
-        bar.phase(f"the baseline on {len(rounds[-1])} validation items")
+        bar.phase(f"baseline x {len(rounds[-1])} validation items")
         base_row = journal.run([], rounds[-1])["baseline"]
         entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
                       "val": base_row}, *entries.values()]  # fmt: skip
@@ -371,7 +371,7 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
         chosen = list(dict.fromkeys([s for f in front.values() for s in f] + [r["ranking"][0] for r in results if r["ranking"]]))
         chosen = [s for s in chosen if s != "baseline"]
         test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
-        bar.phase(f"test split: {len(chosen)} recipes and the baseline on {len(test.records)} items")
+        bar.phase(f"test split: {len(chosen) + 1} recipes x {len(test.records)} items")
         res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
                        progress=False)
         bar.advance()
