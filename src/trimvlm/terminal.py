@@ -122,5 +122,6 @@ def natural_width(console: Console, table: Table) -> int:
 def fits(console: Console, sheet: Sheet) -> bool:
     """Whether `sheet` shows whole on `console`: at its natural width, or with each word of its cells whole
     within the console's width."""
-    return getattr(console, "whole", False) or sum(word_and_line_widths(console, sheet.table)[0]) + frame(
-        sheet.table) <= console.width
+    if getattr(console, "whole", False):
+        return True
+    return sum(word_and_line_widths(console, sheet.table)[0]) + frame(sheet.table) <= console.width
