@@ -261,6 +261,9 @@ class SavedResult:
         self.depths = [r.get("depth") for r in data["recipes"]]
         self.largest_budget = data.get("largest_budget_90") or {}
         self.task = SimpleNamespace(name=data["task"]["name"])
+        self.items = data.get("items") or []
+        predictions = data.get("predictions") or {}
+        self.scores = [predictions.get(label, {}).get("scores") or [] for label in self.labels]
 
     @classmethod
     def load(cls, path: str | Path) -> SavedResult:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError
+from trimvlm.evals.intervals import accuracy_interval, paired_difference
 from trimvlm.evals.items import RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
@@ -136,6 +137,11 @@ class EvalResult:
             if r["recipe"] == recipe and r["group"] == group:
                 return r
         raise KeyError((recipe, group))
+
+    @property
+    def items(self) -> list[dict]:
+        """Each item's kind and probe (what `compare` groups by), as a saved result holds them."""
+        return [{"kind": rec.kind, "probe": rec.probe} for rec in self.task.records]
 
     @property
     def largest_budget(self) -> dict:
@@ -351,10 +357,45 @@ def result_rows(task: Task, recipes, preds, scores, accs) -> list[dict]:
                    "accuracy": sum(scores[r][i] for i in idx) / len(idx),
                    "mismatch_pct": 100.0 * (len(idx) - same) / len(idx), "agreement": same / len(idx),
                    "retention": _retention(task, scores, r, idx), "costs": costs, "ratio": ratio}  # fmt: skip
+            row.update(_intervals(scores, r, idx))
             if len(metrics) == 1:  # a task-level summary (POPE's F1, abstentions) of every one-metric group
                 row.update(type(records[idx[0]]).summary([records[i] for i in idx], [preds[r][i] for i in idx]))
             rows.append(row)
     return rows
+
+
+def _intervals(scores, r: int, idx: list[int]) -> dict:
+    """The accuracy's 95% interval and, for every recipe but the baseline, its paired difference against the
+    baseline on the same items (`trimvlm.evals.intervals`)."""
+    mine = [scores[r][i] for i in idx]
+    out = {"accuracy_interval": accuracy_interval(mine).as_dict()}
+    if r > 0:
+        out["vs_baseline"] = paired_difference(mine, [scores[0][i] for i in idx], resamples=2000).as_dict()
+    return out
+
+
+def compare(result, a: str, b: str, group: str = "all"):
+    """`a` against `b` on the same items of `group` (an `EvalResult` or a saved one's dict-like `SavedResult`):
+    the paired difference of their scores, its interval and p-value."""
+    labels = list(result.labels)
+    for name in (a, b):
+        if name not in labels:
+            raise InputError(f"no recipe {name!r} in this result; it holds: {', '.join(labels)}")
+    idx = group_items(result, group)
+    sa, sb = (result.scores[labels.index(n)] for n in (a, b))
+    return paired_difference([sa[i] for i in idx], [sb[i] for i in idx])
+
+
+def group_items(result, group: str) -> list[int]:
+    """The item indices of a group ("all", a kind or a probe) of a result's task."""
+    records = result.items
+    if group == "all":
+        return list(range(len(records)))
+    idx = [i for i, rec in enumerate(records) if group in (rec["kind"], rec["probe"])]
+    if not idx:
+        kinds = sorted({rec["kind"] for rec in records} | {rec["probe"] for rec in records})
+        raise InputError(f"no group {group!r}; groups: all, {', '.join(kinds)}")
+    return idx
 
 
 def _retention(task: Task, scores, r: int, idx: list[int]) -> float | None:
