@@ -26,7 +26,7 @@ import torch
 import yaml
 
 import trimvlm
-from trimvlm.evals.run import run_eval
+from trimvlm.evals.run import compare, run_eval
 from trimvlm.evals.tasks import get_task
 from trimvlm.recipe import load_recipes, tuned_recipe
 
@@ -38,10 +38,13 @@ def recipes_for(tuned: Path, matched: Path, router2: str | None = None) -> tuple
     (its plain recipe at each budget), or None."""
     rep = json.loads((tuned / "tune.json").read_text())
     recipes, cells = [], {}
+    matched_tags = {m.group(1) for r in load_recipes(matched) if (m := re.fullmatch(r"(B\d+)_.+", r.name or ""))}
     for b in rep["budgets"]:
         if b["best"] is None or set(b["budget"]) != {"total_flops"}:
             continue
         tag = f"B{round(100 * b['budget']['total_flops'])}"
+        if tag not in matched_tags:  # only the budgets the matched file covers
+            continue
         name = f"{tag}_tuned"
         # as `tuned=DIR:total_flops=B` reads it: a ranking file found in DIR/rankings when the folder has moved
         recipes.append(tuned_recipe(f"tuned={tuned}:total_flops={b['budget']['total_flops']}").model_copy(
@@ -65,24 +68,38 @@ def recipes_for(tuned: Path, matched: Path, router2: str | None = None) -> tuple
     return recipes, cells
 
 
+def _best(res, names: list[str]) -> str:
+    return max(names, key=lambda n: (res.row(n)["accuracy"], -res.row(n)["mismatch_pct"]))
+
+
+def _cell(res, best: str, tuned: str | None, probes: list[str]) -> dict:
+    """One contender's entry: accuracy with its 95% interval, mismatch %, the realised FLOP ratio, and its paired
+    difference against the tuned static recipe on the same items."""
+    r = res.row(best)
+    mm = [res.row(best, p)["mismatch_pct"] for p in probes]
+    spec = res.recipes[res.labels.index(best)].model_copy(update={"name": ""}).label()  # every axis that ran
+    cell = {"recipe": best, "spec": spec, "accuracy": r["accuracy"], "interval": r["accuracy_interval"],
+            "total_flops": r["ratio"]["total_flops"], "mismatch_pct": dict(zip(probes, mm, strict=True))}  # fmt: skip
+    if tuned is not None and tuned != best:
+        cell["vs_tuned"] = compare(res, best, tuned).as_dict()
+    return cell
+
+
 def table(res, cells) -> tuple[list[dict], str]:
     rows, lines = [], ["| budget | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     probes = [p for p in ("prefill", "full") if any(r["group"] == p for r in res.rows)]
     for tag, cols in cells.items():
         row, out = {"budget": tag}, [f"{int(tag[1:]) / 100:.2f}x"]
+        tuned = _best(res, cols["tuned"]) if cols.get("tuned") else None
         for col in COLUMNS:
-            names = cols.get(col, [])
-            if not names:
+            if not cols.get(col):
                 out.append("-")
                 continue
-            best = max(names, key=lambda n: (res.row(n)["accuracy"], -res.row(n)["mismatch_pct"]))
-            r = res.row(best)
-            mm = [res.row(best, p)["mismatch_pct"] for p in probes]
-            spec = res.recipes[res.labels.index(best)].model_copy(update={"name": ""}).label()  # every axis that ran
-            row[col] = {"recipe": best, "spec": spec, "accuracy": r["accuracy"], "total_flops": r["ratio"]["total_flops"],
-                        "mismatch_pct": dict(zip(probes, mm, strict=True))}  # fmt: skip
-            out.append(f"{100 * r['accuracy']:.1f}% ({' / '.join(f'{x:.1f}' for x in mm)}; "
-                       f"{r['ratio']['total_flops']:.3f}x) `{spec}`")  # fmt: skip
+            e = row[col] = _cell(res, _best(res, cols[col]), tuned, probes)
+            iv = e["interval"]
+            out.append(f"{100 * e['accuracy']:.1f}% [{100 * iv['low']:.1f}, {100 * iv['high']:.1f}] "
+                       f"({' / '.join(f'{x:.1f}' for x in e['mismatch_pct'].values())}; "
+                       f"{e['total_flops']:.3f}x) `{e['spec']}`")  # fmt: skip
         rows.append(row)
         lines.append("| " + " | ".join(out) + " |")
     return rows, "\n".join(lines) + "\n"
@@ -98,6 +115,7 @@ def main(argv=None) -> None:
     ap.add_argument("--task", default="demo", help="the test task (demo, scenes)")
     ap.add_argument("--limit", type=int, default=None, help="test items (default 200; --full: 600)")
     ap.add_argument("--full", action="store_true", help="600 test items, as the docs' tables (about 15 minutes)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw of test items (the docs: 0 and 23)")
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
@@ -110,14 +128,14 @@ def main(argv=None) -> None:
     if a.quick:
         a.tuned, a.matched, a.limit, a.batch_size = _quick(vlm, Path(tempfile.mkdtemp(prefix="budget-table-")))
     recipes, cells = recipes_for(a.tuned, a.matched, a.router2 or _shipped_v2(a.model))
-    res = run_eval(vlm, get_task(a.task, limit=a.limit, seed=0, split="test"), recipes, batch_size=a.batch_size,
+    res = run_eval(vlm, get_task(a.task, limit=a.limit, seed=a.seed, split="test"), recipes, batch_size=a.batch_size,
                    progress=not a.quick)  # fmt: skip
     rows, md = table(res, cells)
     print(md)
     if a.markdown:
         a.markdown.write_text(md)
     if a.json:
-        a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "rows": rows}, indent=2) + "\n")
+        a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "seed": a.seed, "rows": rows}, indent=2) + "\n")
 
 
 def _shipped_v2(model: str) -> str | None:

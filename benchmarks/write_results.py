@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trimvlm.evals import plot
-from trimvlm.evals.report import SavedResult, markdown_table, summary_table
+from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
 from trimvlm.tune.report import frontier_figure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,9 +152,12 @@ def rows_table(data: dict, args: dict) -> str:
 
 
 def _acc_cell(e: dict) -> str:
-    """A budget table's entry: accuracy (mismatch % prefill / full; realised total-FLOP ratio)."""
+    """A budget table's entry: accuracy [its 95% interval] (mismatch % prefill / full; realised total-FLOP ratio),
+    then, where the file holds it, the paired difference against the tuned recipe in points with its interval."""
     mm = e["mismatch_pct"]
-    return f"{100 * e['accuracy']:.1f}% ({mm['prefill']:.1f} / {mm['full']:.1f}; {e['total_flops']:.3f}x)"
+    iv = f" [{ci_text(e['interval'])}]" if e.get("interval") else ""
+    cell = f"{100 * e['accuracy']:.1f}%{iv} ({mm['prefill']:.1f} / {mm['full']:.1f}; {e['total_flops']:.3f}x)"
+    return cell + (f"; vs tuned {diff_text(e['vs_tuned'])}" if e.get("vs_tuned") else "")
 
 
 def budget_table(data: dict, args: dict) -> str:

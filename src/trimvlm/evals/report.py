@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
 from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
-from trimvlm.evals.run import EvalResult
+from trimvlm.evals.run import EvalResult, row_interval
 from trimvlm.terminal import Col, Sheet, fits
 
 
@@ -132,11 +132,27 @@ def _accuracy_columns(result: EvalResult, groups: list[dict], console, first: in
         kind = g["group"] if g["group_type"] == "kind" else "all"
         probe = "every" if g["group_type"] == "all" else g["probe"]
         t.row(kind, probe, g["metric"], str(g["n"]), *cells, style="bold" if g["group_type"] != "kind" else None)
+        if first == 0 and g["group_type"] == "all":
+            t.row("all 95% CI", probe, "", "", *(ci_text(r.get("accuracy_interval")) for r in rows), style="dim")
+            t.row("vs baseline", probe, "pts", "", *(diff_text(r.get("vs_baseline")) for r in rows), style="dim")
         for key, name in SUMMARY_ROWS if first == 0 else ():
             if all(key in r for r in rows):
                 fmt = (lambda v: str(v)) if key == "abstained" else _pct
                 t.row(f"{kind} {name}", probe, "", "", *(fmt(r[key]) for r in rows), style="dim")
     return t
+
+
+def ci_text(interval: dict | None) -> str:
+    """'93.6-96.9': a 95% interval in %, '-' where there is none."""
+    return "-" if interval is None else f"{100 * interval['low']:.1f}-{100 * interval['high']:.1f}"
+
+
+def diff_text(paired: dict | None) -> str:
+    """'+1.2 (-0.3, 2.5)': a paired difference in points with its interval; '-' where there is none."""
+    if paired is None:
+        return "-"
+    d = paired["diff"]
+    return f"{100 * d['estimate']:+.1f} ({100 * d['low']:+.1f}, {100 * d['high']:+.1f})"
 
 
 def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
@@ -147,13 +163,15 @@ def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
     summaries = [g for g in groups if g["group_type"] != "kind"]
     probes = [g for g in summaries if g["group"] != "all"]
     cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
+    cols += [Col("all 95% CI", right=True), Col("vs baseline (pts)", right=True, wide=True)]
     cols += [Col(f"{g['group']} mismatch", right=True) for g in probes]
     t = Sheet(console, f"{result.task.name}: accuracy % and mismatch % vs baseline ({len(result.labels)} recipes)",
               ["recipe", *cols])  # fmt: skip
     for label in result.labels:
         acc = [_pct(result.row(label, g["group"])["accuracy"]) for g in groups]
         mm = [f"{result.row(label, g['group'])['mismatch_pct']:.1f}" for g in probes]
-        t.row(escape(label), *acc, *mm, style="bold" if label == result.labels[0] else None)
+        ci = [ci_text(row_interval(result, label)), diff_text(result.row(label).get("vs_baseline"))]
+        t.row(escape(label), *acc, *ci, *mm, style="bold" if label == result.labels[0] else None)
     return t
 
 
@@ -216,7 +234,7 @@ def summary_table(result: EvalResult) -> tuple[list[str], list[list[str]]]:
     """The summary's heading and one row of cells per recipe: what it skips, accuracy and mismatch % per probe,
     retention, cost ratios to the baseline, the methods' share of the FLOPs."""
     probes = [g["group"] for g in result.rows if g["recipe"] == result.labels[0] and g["group_type"] == "probe"]
-    head = ["recipe", "skipped", *(f"{p} {x}" for p in probes for x in ("acc", "mismatch %")), "retention %",
+    head = ["recipe", "skipped", *(f"{p} {x}" for p in probes for x in ("acc", "acc 95% CI", "mismatch %")), "retention %",
             *(h for k, h in COST_COLUMNS if k != "total_flops"), "total FLOPs", "method share"]  # fmt: skip
     rows = []
     depths = result.depths or [None] * len(result.labels)
@@ -224,7 +242,7 @@ def summary_table(result: EvalResult) -> tuple[list[str], list[list[str]]]:
         cells = [label, _skipped(depth)]
         for p in probes:
             row = result.row(label, p)
-            cells += [_pct(row["accuracy"]), f"{row['mismatch_pct']:.1f}"]
+            cells += [_pct(row["accuracy"]), ci_text(row_interval(result, label, p)), f"{row['mismatch_pct']:.1f}"]
         row = result.row(label)
         keys = [k for k, _ in COST_COLUMNS if k != "total_flops"] + ["total_flops"]
         cells += [_pct(row.get("retention")), *(_ratio(row["ratio"].get(k)) for k in keys), _share(row["costs"])]

@@ -386,6 +386,16 @@ def compare(result, a: str, b: str, group: str = "all"):
     return paired_difference([sa[i] for i in idx], [sb[i] for i in idx])
 
 
+def row_interval(result, label: str, group: str = "all") -> dict | None:
+    """A row's accuracy interval: the one it holds, else made from the result's saved per-item scores (results
+    written before rows carried intervals); None where neither is there."""
+    held = result.row(label, group).get("accuracy_interval")
+    scores = result.scores[result.labels.index(label)] if label in result.labels else None
+    if held is not None or not scores or not result.items:
+        return held
+    return accuracy_interval([scores[i] for i in group_items(result, group)]).as_dict()
+
+
 def group_items(result, group: str) -> list[int]:
     """The item indices of a group ("all", a kind or a probe) of a result's task."""
     records = result.items
