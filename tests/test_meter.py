@@ -100,14 +100,14 @@ def test_vision_flops_are_counted_once_per_input_shape_and_bounded(tiny_adapter)
     a = adapter.prepare([[img]], ["what is the colour"])
     b = adapter.prepare([[random_image(2, (64, 64))]], ["how many shapes are there in this picture"])
     fa = runner.vision_flops(a)
-    assert fa > 0 and runner.vision_flops(b) == fa and len(runner._vision_flops) == 1
-    runner.VISION_CACHE = 2
+    assert fa > 0 and runner.vision_flops(b) == fa and len(runner.flops) == 1
+    runner.flops.seen.max_bytes = 2  # shapes remembered
     for side in (96, 128, 160):
         runner.vision_flops(adapter.prepare([[random_image(3, (side, 64))]], ["x"]))
-    assert len(runner._vision_flops) == 2
+    assert len(runner.flops) == 2
     meter = Meter()
     with flop_counter() as fc:
         runner.prefill(a, meter=meter)  # a miss again (evicted): counted on the prefill's own encode
     assert meter.costs.flops["vision"] == fa
     assert fc.get_total_flops() == meter.costs.total_flops  # nothing ran besides the prefill itself
-    assert runner.vision_flops(a) == fa and len(runner._vision_flops) == 2  # and it is remembered again
+    assert runner.vision_flops(a) == fa and len(runner.flops) == 2  # and it is remembered again

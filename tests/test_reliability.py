@@ -2,7 +2,6 @@
 real recipes run end to end with sane outputs, overlapping runs in threads equal sequential ones, and every
 method module imports (an import error fails here, never a skip)."""
 
-import contextlib
 import importlib
 import json
 import pkgutil
@@ -15,7 +14,7 @@ from trimvlm.evals.tasks import Record, Task, check_prefill_answers, get_task, l
 from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_method, parse_recipe
 from trimvlm.registry import REGISTRIES
-from trimvlm.runtime.attention import NAME, use_trimvlm_attention
+from trimvlm.runtime.attention import NAME
 from trimvlm.runtime.generate import Sampling
 from trimvlm.testing import concurrent_runs, random_image
 
@@ -273,41 +272,24 @@ def test_evaluate_with_real_recipes(demo):
 # --------------------------------------------------------------------------------------------- threads
 
 
-class _Config:
-    """A stand-in with transformers' recursive `_attn_implementation` setter (a parent reaches its child)."""
-
-    def __init__(self, child=None):
-        self.child = child
-        self._impl = "sdpa"
-
-    @property
-    def _attn_implementation(self):
-        return self._impl
-
-    @_attn_implementation.setter
-    def _attn_implementation(self, value):
-        self._impl = value
-        if self.child is not None:
-            self.child._attn_implementation = value
-
-
-def test_overlapping_selections_restore_only_at_the_last_exit():
-    text = _Config()
-    top = _Config(child=text)
-    a, b = contextlib.ExitStack(), contextlib.ExitStack()
-    a.enter_context(use_trimvlm_attention([top, text]))
-    b.enter_context(use_trimvlm_attention([top, text]))
-    a.close()  # the other run is still inside: its configs stay selected
-    assert (top._attn_implementation, text._attn_implementation) == (NAME, NAME)
-    b.close()
-    assert (top._attn_implementation, text._attn_implementation) == ("sdpa", "sdpa")
-    # a run holding only the child, overlapping one that holds the parent: the parent's restore leaves it be
-    a.enter_context(use_trimvlm_attention([top, text]))
-    b.enter_context(use_trimvlm_attention([text]))
-    a.close()
-    assert text._attn_implementation == NAME
-    b.close()
-    assert text._attn_implementation == "sdpa" and top._attn_implementation == "sdpa"
+def test_attention_is_selected_once_on_the_decoder_only(tiny, monkeypatch):
+    """The runner selects its attention when it takes the model, on the decoder's config only (the vision tower and
+    the top-level config keep SDPA); a run writes no config, and a run after a user changed the decoder's
+    implementation selects it again and answers as before."""
+    ad = tiny.adapter
+    assert ad.text_config._attn_implementation == NAME
+    assert ad.model.config._attn_implementation == "sdpa" and ad.model.config.vision_config._attn_implementation == "sdpa"
+    ref = tiny.generate([random_image(5)], "what is the colour", recipe="tokens=fastv:keep=0.5:layer=1")
+    sets = []
+    cls = type(ad.text_model)
+    real = cls.set_attn_implementation
+    monkeypatch.setattr(cls, "set_attn_implementation", lambda self, *a, **kw: (sets.append(a), real(self, *a, **kw)))
+    res = tiny.generate([random_image(5)], "what is the colour", recipe="tokens=fastv:keep=0.5:layer=1")
+    assert sets == [] and res.tokens == ref.tokens
+    ad.text_model.set_attn_implementation("eager")
+    res = tiny.generate([random_image(5)], "what is the colour", recipe="tokens=fastv:keep=0.5:layer=1")
+    assert sets == [("eager",), (NAME,)] and res.tokens == ref.tokens
+    assert ad.text_config._attn_implementation == NAME
 
 
 def test_two_threads_equal_sequential_runs(tiny):
@@ -322,19 +304,8 @@ def test_two_threads_equal_sequential_runs(tiny):
     got = concurrent_runs(run, recipes, 12)
     for r in recipes:
         assert got[r] == [expected[r]] * 12, r
-    cfgs = tiny.adapter.attn_configs
-    assert all(c._attn_implementation == "sdpa" for c in cfgs)  # restored once every run has left
-
-
-def test_attention_probe_sees_no_plain_sdpa_mid_run(tiny):
-    """A run holds the selection while another enters and leaves: the first run's probe still records."""
-    with use_trimvlm_attention(tiny.adapter.attn_configs):
-        with use_trimvlm_attention(tiny.adapter.attn_configs):
-            pass
-        assert all(c._attn_implementation == NAME for c in tiny.adapter.attn_configs)
-        res = tiny.generate([random_image(5)], "what is the colour", recipe="tokens=fastv:keep=0.5:layer=1")
-        assert res.texts
-    assert all(c._attn_implementation == "sdpa" for c in tiny.adapter.attn_configs)
+    assert tiny.adapter.text_config._attn_implementation == NAME  # selected once, never switched by a run
+    assert tiny.adapter.model.config.vision_config._attn_implementation == "sdpa"
 
 
 # --------------------------------------------------------------------------------------------- imports

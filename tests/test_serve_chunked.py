@@ -1,4 +1,4 @@
-"""Chunked prefill (`Runner.prefill_chunked`, runtime/chunked.py; the scheduler's `--max-prefill-tokens`): a prompt prefilled a few tokens
+"""Chunked prefill (`Runner.prefill_chunked`, runtime/runner.py; the scheduler's `--max-prefill-tokens`): a prompt prefilled a few tokens
 at a time equals the prompt prefilled whole, on every family (recurrent Gated DeltaNet layers included); behind
 a real server a long prompt is prefilled in chunks between the running rows' decode steps, and every answer
 equals the request alone."""
@@ -11,9 +11,9 @@ from conftest import AVAILABLE, RunnerCalls, need_extra
 
 from trimvlm.plan import make_plan
 from trimvlm.recipe import parse_recipe
-from trimvlm.runtime.chunked import ChunkedPrefill
 from trimvlm.runtime.generate import Decoding
 from trimvlm.runtime.meter import Meter
+from trimvlm.runtime.runner import Prefill
 from trimvlm.testing import random_image
 
 
@@ -78,14 +78,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
     tokens_b = int(demo.prepare(image(8), "read text ?").attention_mask.sum())
     assert len(solo(demo, 3).tokens[0]) >= 6
     events, lock = [], threading.Lock()
-    real_advance = ChunkedPrefill.advance
+    real_advance = Prefill.advance
 
     def advance(self, n):
         with lock:
             events.append(("chunk", min(n, self.left)))
         return real_advance(self, n)
 
-    monkeypatch.setattr(ChunkedPrefill, "advance", advance)
+    monkeypatch.setattr(Prefill, "advance", advance)
     calls = RunnerCalls(demo.runner, monkeypatch)
     held = HeldSteps(demo.runner, monkeypatch)
     b_queued = threading.Event()

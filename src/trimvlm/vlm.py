@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from trimvlm.adapters.base import Conversation, resolution
+from trimvlm.decision.config import model_config
 from trimvlm.errors import InputError, UnsupportedModelError, caller_stacklevel
 from trimvlm.options import is_int
 from trimvlm.plan import make_plan
@@ -67,6 +69,17 @@ class VLM:
     def __init__(self, adapter):
         self.adapter = adapter
         self.runner = Runner(adapter)
+
+    @cached_property
+    def decision_config(self):
+        """The checkpoint's own `DecisionConfig` (decision/config.py, `model_config`), read once: what `decide`
+        uses unless it is given one."""
+        return model_config(self.adapter)
+
+    @cached_property
+    def decision_processor(self):
+        """The model's processor for decisions, built once (transformers adds its sentinels to it)."""
+        return self.adapter.decision_processor()
 
     @property
     def family(self) -> str:

@@ -404,11 +404,6 @@ class Adapter:
         """The positions one processor output (a decision prompt, a batch of one) takes, on the host."""
         return int(inputs["input_ids"].shape[-1])
 
-    @property
-    def attn_configs(self) -> list:
-        """Configs whose `_attn_implementation` the decoder's attention modules read."""
-        return [self.model.config, self.text_config]
-
     def run_layer(self, i: int, hidden, position_embeddings, mask, cache, ctx, pad_mask2d=None):
         return self.layers[i](
             hidden, position_embeddings=position_embeddings, attention_mask=mask, cache=cache, trimvlm_ctx=ctx

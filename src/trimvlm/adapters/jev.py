@@ -58,7 +58,6 @@ class DecisionBackbone:
             self.model = SimpleNamespace(language_model=backbone)
             self.config = SimpleNamespace(
                 text_config=cfg, model_type=cfg.model_type, image_token_id=-1,
-                _attn_implementation=cfg._attn_implementation,
             )  # fmt: skip
         else:
             self.model, self.config = backbone, cfg

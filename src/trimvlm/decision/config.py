@@ -21,7 +21,7 @@ def resolve_config(vlm, decision_config=None):
     if isinstance(decision_config, DecisionConfig):
         return decision_config
     if decision_config is None:
-        return model_config(vlm)
+        return vlm.decision_config
     if isinstance(decision_config, dict):
         try:
             return DecisionConfig(**decision_config)
@@ -46,31 +46,21 @@ def resolve_config(vlm, decision_config=None):
     )
 
 
-def model_config(vlm):
-    """The checkpoint's own decision config, read once per model."""
-    cached = getattr(vlm, "_decision_config", None)
-    if cached is not None:
-        return cached
+def model_config(adapter):
+    """The checkpoint's own decision config (`VLM.decision_config` reads it once per model)."""
     from transformers.decision import DecisionConfig
 
-    ad = vlm.adapter
-    if ad.decision_config is not None:
-        config = ad.decision_config
-    else:
-        folder = ad.folder
-        ships = folder is not None and any(
-            (folder / f).exists() for f in ("decision.json", "decision_template.jinja")
-        )
-        if ships:
-            config = DecisionConfig.from_pretrained(folder)
-        elif folder is not None and _is_demo(folder):
-            from trimvlm.decision.demo_template import demo_decision_config
+    if adapter.decision_config is not None:
+        return adapter.decision_config
+    folder = adapter.folder
+    ships = ("decision.json", "decision_template.jinja")
+    if folder is not None and any((folder / f).exists() for f in ships):
+        return DecisionConfig.from_pretrained(folder)
+    if folder is not None and _is_demo(folder):
+        from trimvlm.decision.demo_template import demo_decision_config
 
-            config = demo_decision_config()
-        else:
-            config = DecisionConfig()
-    vlm._decision_config = config
-    return config
+        return demo_decision_config()
+    return DecisionConfig()
 
 
 def _is_demo(folder: Path) -> bool:

@@ -57,14 +57,6 @@ class PreparedRequest:
         return sum(len(p.questions) for p in self.prompts)
 
 
-def processor(vlm):
-    """The model's processor for decisions, built once per model (transformers adds its sentinels to it)."""
-    proc = getattr(vlm, "_decision_processor", None)
-    if proc is None:
-        proc = vlm._decision_processor = vlm.adapter.decision_processor()
-    return proc
-
-
 def prepare_request(vlm, request, *, decision_config=None, limits: Limits | None = None) -> PreparedRequest:
     """Check one System One request and tokenize its prompts (raises a `DecisionError` subclass, never a deep
     library error)."""
@@ -85,7 +77,7 @@ def prepare_request(vlm, request, *, decision_config=None, limits: Limits | None
             head.check(questions)
         except InputError as e:
             raise QuestionError(str(e)) from e
-    proc = processor(vlm)
+    proc = vlm.decision_processor
     if req["assets"] and getattr(proc, "image_processor", None) is None:
         raise AssetError("this model reads no images (a text-only backbone); send the request without assets")
     try:

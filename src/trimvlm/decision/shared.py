@@ -23,6 +23,7 @@ import torch
 
 from trimvlm.decision.forward import Forward
 from trimvlm.runtime.plan import LayerPlan
+from trimvlm.runtime.prefix_cache import PrefixCache
 from trimvlm.runtime.tensor_memo import remembered
 from trimvlm.scoring.executors import batched
 from trimvlm.scoring.executors.common import Work, request_rows
@@ -85,8 +86,6 @@ def prefix_inputs(prompts: list, cut: int) -> dict:
 def prefix_key(label: str, prompts: list, cut: int) -> bytes:
     """The prefix cache's key of a request's prefix (`PrefixCache.key` of its `prefix_inputs`), remembered for
     its first prompt's tensors."""
-    from trimvlm.runtime.prefix_cache import PrefixCache
-
     items = prompts[0].inputs.items()
     tensors = [v for _, v in items if isinstance(v, torch.Tensor)]
     other = repr([(k, None if isinstance(v, torch.Tensor) else v) for k, v in items])  # the names, the rest

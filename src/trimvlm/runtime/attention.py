@@ -1,8 +1,10 @@
 """The attention function trimvlm runs transformers' attention modules with.
 
-Registered under its own name in transformers' `AttentionInterface` (adding a name, replacing nothing), and
-selected only while the runner drives a model (`use_trimvlm_attention`), so a user's other code sees the model
-unchanged. Without a context it is transformers' own SDPA path. With one it can
+Registered once under its own name in transformers' `AttentionInterface` (adding a name, replacing nothing), with
+SDPA's mask function under the same name in `AttentionMaskInterface`, and selected once, when a runner takes the
+model, on its decoder only (`select_attention`: transformers' `set_attn_implementation` on the text model; the
+vision tower and the model's other configs keep theirs). Without a context (the model's own forward, a user's
+other code) it is transformers' own SDPA path, masks included, so the model answers as before. With one it can
 - attend to a shared prefix cache plus each branch's own keys, merging the two parts exactly (log-sum-exp),
   so N branches read one prefix without copying it;
 - record the attention rows a method asks for (FastV's last-query row, SnapKV's window, H2O's column sums),
@@ -11,16 +13,16 @@ unchanged. Without a context it is transformers' own SDPA path. With one it can
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trimvlm.kernels.flops import matmul
-from trimvlm.runtime.cache import owner_runs
+from trimvlm.runtime.cache import RowRun, owner_runs
 
 NAME = "trimvlm_sdpa"
 
@@ -103,6 +105,13 @@ class AttentionContext:
 
     def shares(self, layer_idx) -> bool:
         return self.tree is not None or bool(self.layer_parts(layer_idx))
+
+
+class Attended(NamedTuple):
+    """One part's attention: its output [B, H, Q, d] and the log-sum-exp of its scores [B, H, Q]."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
 
 
 def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -211,9 +220,9 @@ def _shared_attention(ctx: AttentionContext, layer_idx, query, key, value, atten
     if anc is not None and anc.shape[1]:  # each chain's ancestors, whose keys this same call computed
         ka, va = _ancestor_kv(key, tree.ancestors), _ancestor_kv(value, tree.ancestors)
         o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)
-        o, lse = _ungrouped(o, h), lse.reshape(b, h, q)
-        lse = lse.masked_fill(~anc.any(1)[:, None, None], float("-inf"))  # chains without ancestors
-        outs.append((o, lse))
+        none = ~anc.any(1)[:, None, None]  # chains without ancestors
+        lse = lse.reshape(b, h, q).masked_fill(none, float("-inf"))
+        outs.append(Attended(_ungrouped(o, h), lse))
     g = h // n_kv
     outs.append(
         _attend(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), attention_mask, scaling)
@@ -221,20 +230,20 @@ def _shared_attention(ctx: AttentionContext, layer_idx, query, key, value, atten
     return _merge(outs).to(query.dtype).transpose(1, 2).contiguous()
 
 
-def _merge(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The exact softmax over all parts from each part's (out [B, H, Q, d], lse [B, H, Q]): sum of out x
-    exp(lse - lse of all), accumulated in place (float). A part a row cannot see has lse = -inf there and adds
-    nothing (`_attend` leaves its out finite, 0 on every device)."""
-    lse_all = outs[0][1]
-    for _, lse in outs[1:]:
-        lse_all = torch.logaddexp(lse_all, lse)
+def _merge(outs: list[Attended]) -> torch.Tensor:
+    """The exact softmax over all parts from each part's output and log-sum-exp: sum of out x exp(lse - lse of
+    all), accumulated in place (float). A part a row cannot see has lse = -inf there and adds nothing (`_attend`
+    leaves its out finite, 0 on every device)."""
+    lse_all = outs[0].lse
+    for part in outs[1:]:
+        lse_all = torch.logaddexp(lse_all, part.lse)
     acc = None
-    for o, lse in outs:
-        w = torch.exp(lse - lse_all).unsqueeze(-1)
+    for part in outs:
+        w = torch.exp(part.lse - lse_all).unsqueeze(-1)
         if acc is None:
-            acc = o.float() * w
+            acc = part.out.float() * w
         else:
-            acc.addcmul_(o.float(), w)
+            acc.addcmul_(part.out.float(), w)
     return acc
 
 
@@ -269,9 +278,9 @@ def _tree_attention(query, key, value, mask, kv, runs, scaling):
     return acc.to(query.dtype)
 
 
-def _attend(query, key, value, mask, scaling):
-    """(softmax(q k^T * scaling, masked) v, its log-sum-exp) for one part: [B, H, Q, d], [B, H, Q]. `mask`
-    is bool, broadcastable to [B, 1, Q, K]; every row must see at least one key (callers mask the rest)."""
+def _attend(query, key, value, mask, scaling) -> Attended:
+    """softmax(q k^T * scaling, masked) v and its log-sum-exp for one part. `mask` is bool, broadcastable to
+    [B, 1, Q, K]; every row must see at least one key (callers mask the rest)."""
     add = None
     if mask is not None:
         add = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -281,13 +290,13 @@ def _attend(query, key, value, mask, scaling):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=add, scale=scaling
         )
-        return out, lse.float()
+        return Attended(out, lse.float())
     s = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if add is not None:
         s = s + add.float()
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)  # a row that sees no key: out 0 (as the CPU kernel)
-    return torch.matmul(torch.exp(s - safe[..., None]).to(value.dtype), value), lse
+    return Attended(torch.matmul(torch.exp(s - safe[..., None]).to(value.dtype), value), lse)
 
 
 def _ancestor_kv(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -311,7 +320,7 @@ def _shared_part(query, kv, owner, scaling):
     n_kv = kv.key.shape[1]
     grouped = _grouped(query, n_kv)  # [B, Hk, G*Q, d]
     outs, lses = [], []
-    for a, e, o in owner_runs(owner) if kv.key.shape[0] > 1 or bool((owner < 0).any()) else [(0, b, 0)]:
+    for a, e, o in owner_runs(owner) if kv.key.shape[0] > 1 or bool((owner < 0).any()) else [RowRun(0, b, 0)]:
         n = e - a
         if o < 0:
             outs.append(grouped.new_zeros(n, n_kv, grouped.shape[2], d))
@@ -324,42 +333,16 @@ def _shared_part(query, kv, owner, scaling):
         lses.append(lse.reshape(n_kv, n, -1).transpose(0, 1))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     lse = torch.cat(lses) if len(lses) > 1 else lses[0]
-    return _ungrouped(out, h), lse.reshape(b, h, q)
+    return Attended(_ungrouped(out, h), lse.reshape(b, h, q))
 
 
 AttentionInterface.register(NAME, trimvlm_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # the model's own forward builds SDPA's masks for it
 
 
-_SELECT_LOCK = threading.Lock()
-_SELECTED: dict[int, list] = {}  # id(config) -> [config, implementation saved by the first entrant, runs]
-
-
-@contextlib.contextmanager
-def use_trimvlm_attention(configs):
-    """Select trimvlm's attention on these configs for the duration of a run, then restore them.
-
-    Safe when runs overlap (threads sharing a model, or models sharing configs): each config counts the runs
-    inside; the first one in saves its implementation and selects trimvlm's, the last one out restores it."""
-    configs = list({id(c): c for c in configs}.values())
-    with _SELECT_LOCK:
-        new = [c for c in configs if id(c) not in _SELECTED]
-        saved = {id(c): c._attn_implementation for c in new}  # before any set
-        for c in configs:
-            _SELECTED.setdefault(id(c), [c, saved.get(id(c)), 0])[2] += 1
-        for c in new:  # a nested run (a decode step inside generate's selection) sets nothing again
-            c._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        with _SELECT_LOCK:
-            restored = False
-            for c in configs:
-                entry = _SELECTED[id(c)]
-                entry[2] -= 1
-                if entry[2] == 0:
-                    del _SELECTED[id(c)]
-                    c._attn_implementation = entry[1]
-                    restored = True
-            if restored:  # a restore reaches sub-configs; keep the held ones selected
-                for c, _, _ in _SELECTED.values():
-                    c._attn_implementation = NAME
+def select_attention(text_model) -> None:
+    """Select trimvlm's attention on the decoder `text_model` (the module its attention layers' config belongs
+    to), through transformers' own setter: once, when a runner takes the model, and again only if someone set
+    another implementation since."""
+    if text_model.config._attn_implementation != NAME:
+        text_model.set_attn_implementation(NAME)

@@ -9,10 +9,11 @@ prefix from here and merges the two parts by log-sum-exp).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.sequence import compact_order
+from trimvlm.runtime.sequence import LiveSeq, compact_order
 
 
 @dataclass
@@ -43,13 +44,21 @@ class SharedPrefix:
     state_owner: torch.Tensor  # [B] long
 
 
-def owner_runs(owner: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(start, end, row) of each maximal run of equal entries of `owner` [B]."""
+class RowRun(NamedTuple):
+    """A maximal run of batch rows [start, end) that read one row of a shared part."""
+
+    start: int
+    end: int
+    row: int
+
+
+def owner_runs(owner: torch.Tensor) -> list[RowRun]:
+    """Each maximal run of equal entries of `owner` [B]."""
     vals = owner.tolist()
     runs, a = [], 0
     for b in range(1, len(vals) + 1):
         if b == len(vals) or vals[b] != vals[a]:
-            runs.append((a, b, vals[a]))
+            runs.append(RowRun(a, b, vals[a]))
             a = b
     return runs
 
@@ -410,3 +419,13 @@ def _left_pad(t: torch.Tensor | None, rows: int, k: int, fill, like: torch.Tenso
     shape = (rows, *ref.shape[1:2], k - have, *ref.shape[3:]) if four else (rows, k - have)
     pad = torch.full(shape, fill, dtype=ref.dtype, device=ref.device)
     return pad if t is None else torch.cat([pad, t], dim=2 if four else 1)
+
+
+@dataclass
+class PrefillOutput:
+    """What a prefill hands the decode: logits, the live sequence after the last layer, its cache, positions."""
+
+    logits: torch.Tensor | None  # [B, V] at each sample's last token, [B, S, V] with all_logits, None without
+    seq: LiveSeq  # the live sequence after the last layer (hidden = final-normed states)
+    cache: KVCache
+    next_pos: torch.Tensor  # [B] position id of the next token (original, never the shrunk length)

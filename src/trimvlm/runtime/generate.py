@@ -3,19 +3,21 @@
 Decoding continues from the cache whatever its length: each new token's position is the sample's next
 original position (`next_pos`), never the (possibly shrunk) cache length. `Decoding` is the decode batch
 itself, one step at a time: `generate` runs it to the end, a server's scheduler (continuous batching) lets
-rows join it between steps and leave it at any step.
+rows join it between steps and leave it at any step. `generate` is also the teacher-forced loop (`forced`:
+the tokens fed, whatever the logits say) and shows each step's logits to a reader (`on_logits`), as router
+training reads them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from trimvlm.errors import InputError
 from trimvlm.options import is_int, is_number
-from trimvlm.runtime.attention import use_trimvlm_attention
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.runner import Runner
@@ -149,9 +151,13 @@ def generate(
     pad_id: int = 0,
     sampling: Sampling | None = None,
     meter: Meter | None = None,
+    forced: torch.Tensor | None = None,
+    on_logits: Callable[[int, torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
     """`Runner.prefill(prepared, plan)` (everything the plan holds, its KV step included), then decode with the
-    plan's decode layers.
+    plan's decode layers. `forced` [max_new_tokens]: the token every row takes at each step (teacher forcing),
+    instead of the sampled one; `on_logits(t, logits)`: shown each step's logits [live rows, V] before the
+    choice.
 
     A sample that stops leaves the batch: its cache rows are removed and the columns no live row uses are
     compacted away, so decode FLOPs, KV bytes and time are those of the live rows only."""
@@ -171,10 +177,14 @@ def generate(
     live = torch.arange(b, device=dev)  # rows of the batch still decoding, in cache order
     rows, logits = Decoding(runner, out.cache, out.next_pos.clone(), plan.skip_decode), out.logits
     counts = torch.zeros_like(logits) if sampling.penalized else None  # [B, V] generated so far, per row
-    # one attention selection for the whole loop (each step's own is then a counter, nothing set again)
-    with meter.timer("decode"), use_trimvlm_attention(runner.adapter.attn_configs):
+    with meter.timer("decode"):
         for t in range(max_new_tokens):
-            tok = choose(logits, sampling, gen, None if counts is None else counts.index_select(0, live))
+            if on_logits is not None:
+                on_logits(t, logits)
+            if forced is None:
+                tok = choose(logits, sampling, gen, None if counts is None else counts.index_select(0, live))
+            else:
+                tok = forced[t].to(dev).expand(len(live))
             if counts is not None:
                 counts[live, tok] += 1
             tokens[live, t] = tok

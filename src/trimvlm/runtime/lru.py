@@ -6,27 +6,30 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 from collections import OrderedDict
 
 import torch
 
 from trimvlm.errors import InputError
+from trimvlm.runtime.tensor_memo import remembered
 
 MiB = 1024 * 1024
 
 
-MEMO_BYTES = 1 << 16  # a tensor this large is hashed once while it lives unchanged (`_tensor_digest`)
-_memo: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version, its digest)
+MEMO_BYTES = 1 << 16  # a tensor this large is hashed once while it lives unchanged (`tensor_memo.remembered`)
 
 
 def digest(*parts) -> bytes:
-    """A 128-bit key over strings, ints and tensors (a tensor by its dtype, shape and bytes)."""
+    """A 128-bit key over strings, ints and tensors (a tensor by its dtype, shape and bytes). The digest of a
+    large tensor's bytes is remembered for that very tensor until it is freed or written in place: a request
+    found in the request cache brings the same pixel tensors back, and its prefix key is then not hashed over
+    its images' pixels again."""
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
         if isinstance(p, torch.Tensor):
             h.update(f"{p.dtype}{tuple(p.shape)}".encode())
-            h.update(_tensor_digest(p) if p.nbytes >= MEMO_BYTES else _bytes(p))
+            large = p.nbytes >= MEMO_BYTES
+            h.update(remembered("digest", [p], lambda p=p: _blake(p)) if large else _bytes(p))
         else:
             h.update(repr(p).encode())
         h.update(b"\x00")
@@ -38,17 +41,8 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _tensor_digest(t: torch.Tensor) -> bytes:
-    """The digest of a large tensor's bytes, remembered for that very tensor until it is freed or written in
-    place (torch's version counter): a request found in the request cache brings the same pixel tensors back,
-    and its prefix key is then not hashed over its images' pixels again."""
-    hit = _memo.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
-    d = hashlib.blake2b(_bytes(t), digest_size=16).digest()
-    key = id(t)
-    _memo[key] = (weakref.ref(t, lambda _ref, k=key: _memo.pop(k, None)), t._version, d)
-    return d
+def _blake(t: torch.Tensor) -> bytes:
+    return hashlib.blake2b(_bytes(t), digest_size=16).digest()
 
 
 def nbytes(value) -> int:

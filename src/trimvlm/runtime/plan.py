@@ -68,7 +68,7 @@ class Plan:
 
     @property
     def chunkable(self) -> bool:
-        """Whether a prefill under this plan may run in chunks (runtime/chunked.py): nothing in it reads the
+        """Whether a prefill under this plan may run in chunks (`Runner.prefill_chunked`): nothing in it reads the
         whole prompt at once (no token hook, KV step at the boundary, attention probe or per-sample plan)."""
         return self.hook is None and self.after_prefill is None and self.attention_context() is None and not self.per_sample
 

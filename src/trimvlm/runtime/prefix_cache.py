@@ -16,13 +16,14 @@ first (`lru.ByteLRU`). Off unless turned on: evaluations never read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.cache import KVCache, LayerKV
+from trimvlm.runtime.cache import KVCache, LayerKV, PrefillOutput
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
-from trimvlm.runtime.runner import PrefillOutput
 from trimvlm.runtime.sequence import LiveSeq
 
 META = ("valid", "visual", "source")
@@ -64,6 +65,24 @@ class PrefixReuse:
     rows: list[int] = field(default_factory=list)  # per request its row of the batch (a row per prefix)
 
 
+class Stored(NamedTuple):
+    """A prefilled row as the cache holds it: its entry, and the logits of its last token (None for a prefill
+    that stopped at the final norm: a System One prefix)."""
+
+    entry: PrefixEntry
+    logits: torch.Tensor | None
+
+
+@dataclass
+class Filled:
+    """What `PrefixCache.fill` returns: per slot its stored row; the slots prefilled (not found); their prefill
+    as one batch (None: every slot was found)."""
+
+    rows: list[Stored]
+    prefilled: list[int]
+    out: PrefillOutput | None
+
+
 class PrefixCache(ByteLRU):
     def __init__(self, max_bytes: int):
         super().__init__(max_bytes, "prefix cache")
@@ -73,6 +92,21 @@ class PrefixCache(ByteLRU):
         """The processor's tensors of a prefix and the recipe it runs with."""
         return digest("prefix", label, *(x for k in sorted(inputs) for x in (k, inputs[k])))
 
+    def fill(self, runner, keys: list[bytes], prepare: Callable[[list[int]], object], plan, meter, *,
+             lm_head: bool, tokens: Callable[[int], int]) -> Filled:  # fmt: skip
+        """The one lookup / prefill / store: per slot (`keys[s]`) its row from the cache, else prefilled: the
+        slots not found as one batch (`prepare(slots)` prepares it), each row stored under its key with its
+        padding removed (`tokens(s)`: the slot's prompt tokens)."""
+        rows = [self.get(k) for k in keys]
+        todo = [s for s, r in enumerate(rows) if r is None]
+        out = None
+        if todo:
+            prepared = prepare(todo)
+            out = runner.prefill(prepared, plan, meter=meter, lm_head=lm_head)
+            for b, s in enumerate(todo):
+                rows[s] = store(self, keys[s], out, b, prepared.n_images[b], tokens(s))
+        return Filled(rows=rows, prefilled=todo, out=out)
+
     def prefill(self, runner, inputs: list[dict], plan, meter, keys: list[bytes] | None = None
                 ) -> tuple[PrefillOutput, PrefixReuse]:  # fmt: skip
         """The distinct prefixes of `inputs` (processor outputs, one per request) as one left-padded
@@ -80,28 +114,22 @@ class PrefixCache(ByteLRU):
         cache, the others prefilled (`runner.prefill` on the adapter's batch of them). `keys`: their `key`s,
         when the caller has them."""
         keys = [self.key(plan.label(), x) for x in inputs] if keys is None else keys
-        entries: dict[bytes, PrefixEntry | None] = {}
-        for k in keys:
-            if k not in entries:
-                entries[k] = self.get(k)
-        todo = [k for k, e in entries.items() if e is None]
-        computed = [keys.index(k) for k in todo]
+        distinct = list(dict.fromkeys(keys))  # in order of first use
+        first = [keys.index(k) for k in distinct]
         before = meter.costs.flops.get("prefill", 0)
-        if todo:
-            prepared = runner.adapter.prepare_processed([inputs[i] for i in computed])
-            out = runner.prefill(prepared, plan, meter=meter, lm_head=False)
-            for b, (k, i) in enumerate(zip(todo, computed, strict=True)):
-                tokens = int(inputs[i]["input_ids"].shape[-1])
-                entries[k] = entry = take_row(out, b, prepared.n_images[b], tokens)
-                self.put(k, entry, entry.nbytes)
-        rows = [entries[k] for k in keys]
-        row_of = {k: i for i, k in enumerate(entries)}  # the distinct keys, in order of first use
+        filled = self.fill(
+            runner, distinct, lambda slots: runner.adapter.prepare_processed([inputs[first[s]] for s in slots]),
+            plan, meter, lm_head=False, tokens=lambda s: int(inputs[first[s]]["input_ids"].shape[-1]),
+        )  # fmt: skip
+        computed = [first[s] for s in filled.prefilled]
+        slot = {k: s for s, k in enumerate(distinct)}
+        rows = [filled.rows[slot[k]].entry for k in keys]
         reuse = PrefixReuse(
             hits=[i not in computed for i in range(len(keys))], tokens=[e.tokens for e in rows],
             n_images=[e.n_images for e in rows], prefill_flops=meter.costs.flops.get("prefill", 0) - before,
-            computed=computed, rows=[row_of[k] for k in keys],
+            computed=computed, rows=[slot[k] for k in keys],
         )  # fmt: skip
-        return assemble([entries[k] for k in row_of], runner.num_layers), reuse
+        return assemble([r.entry for r in filled.rows], runner.num_layers), reuse
 
 
 def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:
@@ -220,25 +248,22 @@ def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) 
         k if k is not None else prompt_key(plan.label(), p)
         for k, p in zip(keys or [None] * len(parts), parts, strict=True)
     ]
-    found = [cache.get(k) for k in keys]
-    todo = [i for i, f in enumerate(found) if f is None]
-    out = None
-    if todo:
-        prepared = runner.adapter.collate([parts[i] for i in todo])
-        out = runner.prefill(prepared, plan, meter=meter)
-        for b, i in enumerate(todo):
-            found[i] = store(cache, keys[i], out, b, prepared.n_images[b], int(parts[i].attention_mask.sum()))
-    hits = [i not in todo for i in range(len(parts))]
-    if len(todo) == len(parts):
-        return out, hits  # all prefilled now: their batch as it is
-    rows = assemble([e for e, _ in found], runner.num_layers)
-    logits = torch.cat([lg for _, lg in found])
+    filled = cache.fill(
+        runner, keys, lambda slots: runner.adapter.collate([parts[i] for i in slots]), plan, meter, lm_head=True,
+        tokens=lambda i: int(parts[i].attention_mask.sum()),
+    )  # fmt: skip
+    hits = [i not in filled.prefilled for i in range(len(parts))]
+    if len(filled.prefilled) == len(parts):
+        return filled.out, hits  # all prefilled now: their batch as it is
+    rows = assemble([r.entry for r in filled.rows], runner.num_layers)
+    logits = torch.cat([r.logits for r in filled.rows])
     return PrefillOutput(logits=logits, seq=rows.seq, cache=rows.cache, next_pos=rows.next_pos), hits
 
 
-def store(cache: PrefixCache, key: bytes, out: PrefillOutput, b: int, n_images: int, tokens: int) -> tuple:
-    """Row b of a prompt's prefill stored under `key`: (its entry, the logits of its last token)."""
+def store(cache: PrefixCache, key: bytes, out: PrefillOutput, b: int, n_images: int, tokens: int) -> Stored:
+    """Row b of a prefill stored under `key`: its entry and, when the prefill ran the LM head, the logits of its
+    last token."""
     entry = take_row(out, b, n_images, tokens)
-    item = (entry, out.logits[b : b + 1].clone())
-    cache.put(key, item, entry.nbytes + item[1].nbytes)
+    item = Stored(entry, None if out.logits is None else out.logits[b : b + 1].clone())
+    cache.put(key, item, entry.nbytes + nbytes(item.logits))
     return item

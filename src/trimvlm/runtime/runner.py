@@ -7,46 +7,44 @@ per-sample plan runs a layer on the rows that keep it), records what the plan's 
 `KVCache` and runs the plan's KV step at the prefill/decode boundary. `step` runs a chunk of new tokens (decode)
 against that cache with the plan's decode layers; `branch` runs candidate rows off a prefix cache, uncopied.
 Generation, scoring, decisions, serving, the lmms bridge and router training are compositions of these.
+
+A prefill is one body, `Prefill`: `prefill` runs it over the whole prompt at once, `prefill_chunked` hands it
+to a caller (the server's scheduler) that runs it a few positions at a time and interleaves other work between
+two chunks. Causal attention makes the chunked result the same function of the prompt (to float rounding, as any
+change of batching is). Only a plan that reads nothing of the whole prefill at once can be chunked
+(`Plan.chunkable`): a token reducer needs the whole sequence at its layer, a KV policy and the attention probes
+read the whole prefill. A plan that acts when the batch is prepared (tokens=downsample) is chunkable.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from trimvlm.errors import TrimVLMError
+from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels.flops import count, counting, paused
-from trimvlm.runtime.attention import AttentionContext, use_trimvlm_attention
-from trimvlm.runtime.cache import KVCache
+from trimvlm.runtime.attention import AttentionContext, select_attention
+from trimvlm.runtime.cache import KVCache, PrefillOutput
 from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.masks import chunk_mask
-from trimvlm.runtime.meter import Meter, flop_counter
+from trimvlm.runtime.meter import FlopsMemo, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
+from trimvlm.runtime.prefix_cache import assemble, prefill_prompts
 from trimvlm.runtime.sequence import LiveSeq
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
 TokenHook = Callable[[int, LiveSeq, "Runner"], LiveSeq]
 
 
-@dataclass
-class PrefillOutput:
-    logits: torch.Tensor  # [B, V] at each sample's last token, or [B, S, V] with all_logits
-    seq: LiveSeq  # the live sequence after the last layer (hidden = final-normed states)
-    cache: KVCache
-    next_pos: torch.Tensor  # [B] position id of the next token (original, never the shrunk length)
-
-
 class Runner:
-    VISION_CACHE = 256  # vision-FLOP counts remembered (least recently used dropped first)
-
     def __init__(self, adapter):
         self.adapter = adapter
-        self._vision_flops: OrderedDict[tuple, int] = OrderedDict()
+        self.flops = FlopsMemo()  # the vision tower's FLOPs per input shape (and the vision cache's encodes)
         self.prefix_cache = None  # a PrefixCache (runtime/prefix_cache.py), set by `VLM.use_caches`
+        select_attention(adapter.text_model)
 
     def encode(self, prepared, meter: Meter, vision=None) -> LiveSeq:
         """Embed the batch (the vision tower runs once, timed on the meter's vision line) and book the vision
@@ -65,12 +63,10 @@ class Runner:
                 seq = embed(prepared)
                 meter.add("vision", cache.last_flops)
                 return seq
-            if key in self._vision_flops or vision is not None:
+            if vision is not None:
                 seq = embed(prepared)
             else:
-                with flop_counter() as fc:
-                    seq = embed(prepared)
-                self._remember(key, fc.get_total_flops())
+                seq, _ = self.flops.run(key, lambda: embed(prepared))
         meter.add("vision", self.vision_flops(prepared))  # remembered now, except for a probed unseen shape
         return seq
 
@@ -78,22 +74,16 @@ class Runner:
         """The vision tower's FLOPs for this batch: remembered per input shape, else counted on an untimed encode
         (only for a shape no prefill has seen; `encode` counts on the real run)."""
         key = self.adapter.vision_key(prepared)
-        if key not in self._vision_flops:
+        flops = self.flops.get(key)
+        if flops is None:
             cache = self.adapter.vision_cache  # the tower is counted, not a lookup
             self.adapter.vision_cache = None
             try:
-                with flop_counter() as fc, paused():
-                    self.adapter.embed(prepared)
+                with paused():
+                    _, flops = self.flops.run(key, lambda: self.adapter.embed(prepared))
             finally:
                 self.adapter.vision_cache = cache
-            self._remember(key, fc.get_total_flops())
-        self._vision_flops.move_to_end(key)
-        return self._vision_flops[key]
-
-    def _remember(self, key, flops: int) -> None:
-        self._vision_flops[key] = flops
-        while len(self._vision_flops) > self.VISION_CACHE:
-            self._vision_flops.popitem(last=False)
+        return flops
 
     @property
     def num_layers(self) -> int:
@@ -115,8 +105,6 @@ class Runner:
     def check_skip(self, skip, batch: int) -> None:
         """`skip`: a set of layers skipped by every sample, or a per-sample plan, a [B, num_layers] bool tensor
         (True: that sample skips that layer)."""
-        from trimvlm.errors import RecipeError
-
         if isinstance(skip, LayerPlan):
             return
         if isinstance(skip, torch.Tensor):
@@ -131,8 +119,6 @@ class Runner:
         self.check_layers(skip, "skipped layer")
 
     def check_layers(self, layers, what: str = "layer") -> None:
-        from trimvlm.errors import RecipeError
-
         for i in layers:
             if not 0 <= int(i) < self.num_layers:
                 raise RecipeError(
@@ -150,22 +136,6 @@ class Runner:
             )
         self.check_skip(plan.skip_prefill, prepared.batch)
 
-    def prefill_chunked(self, prepared, plan: Plan | None = None, *, meter: Meter | None = None, prefix=None):
-        """A `ChunkedPrefill` of one prepared request (runtime/chunked.py): its prompt run `advance(n)`
-        positions at a time, so a caller can interleave other work between two chunks. `prefix`: a
-        `PrefixEntry` of the prompt's first tokens (runtime/prefix_cache.py): only the rest is run."""
-        from trimvlm.runtime.chunked import ChunkedPrefill
-
-        return ChunkedPrefill(self, prepared, plan or Plan(), meter or Meter(device=self.device), prefix)
-
-    def prefill_prompts(self, parts: list, plan: Plan, *, meter: Meter, keys: list | None = None):
-        """The prefill of requests `parts` (each prepared alone) as one batch, the prompts found in the
-        runner's prefix cache read from it and the others prefilled together (and stored); (the output, per
-        request whether it was found). runtime/prefix_cache.py, `prefill_prompts`."""
-        from trimvlm.runtime.prefix_cache import prefill_prompts
-
-        return prefill_prompts(self, parts, plan, meter, keys)
-
     @torch.no_grad()
     def prefill(
         self,
@@ -179,23 +149,26 @@ class Runner:
         """Embed, run the layers with everything `plan` holds (None: nothing), final norm, LM head, then the
         plan's KV step at the prefill/decode boundary (timed and counted on the prefill line). `lm_head=False`
         stops at the final-normed states (logits None: a caller that reads states, e.g. a decision readout)."""
+        work = Prefill(self, prepared, plan or Plan(), meter or Meter(device=self.device), all_logits, lm_head)
+        return work.advance(work.left)
+
+    def prefill_chunked(self, prepared, plan: Plan | None = None, *, meter: Meter | None = None, prefix=None):
+        """The `Prefill` of one prepared request (a batch of one), its prompt run `advance(n)` positions at a
+        time, so a caller can interleave other work between two chunks; `meter` books all of it. `prefix`: a
+        `PrefixEntry` of the prompt's first tokens (runtime/prefix_cache.py: an earlier turn of the same
+        conversation): the cache starts as that entry's and only the rest of the prompt is run."""
         plan = plan or Plan()
-        meter = meter or Meter(device=self.device)
-        self.check_prepared(prepared, plan)
-        ctx = plan.attention_context()
-        seq = self.encode(prepared, meter, None if ctx is None else ctx.vision)
-        next_pos = next_positions(seq)
-        cache = KVCache(self.num_layers)
-        with meter.timer("prefill"):
-            seq = self.run(seq, cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter, ctx=ctx)
-            logits = self.logits(seq, meter, "prefill", all_logits) if lm_head else None
-        meter.kv(cache)
-        out = PrefillOutput(logits=logits, seq=seq, cache=cache, next_pos=next_pos)
-        if plan.after_prefill is not None:
-            with meter.timer("prefill"), counting(meter, "prefill"):
-                plan.after_prefill(out)
-            meter.kv(out.cache)
-        return out
+        if prepared.batch != 1:
+            raise TrimVLMError(f"a chunked prefill holds one request, got a batch of {prepared.batch}")
+        if not plan.chunkable:
+            raise TrimVLMError(f"{plan.label()} reads the whole prefill at once: it cannot be prefilled in chunks")
+        return Prefill(self, prepared, plan, meter or Meter(device=self.device), prefix=prefix)
+
+    def prefill_prompts(self, parts: list, plan: Plan, *, meter: Meter, keys: list | None = None):
+        """The prefill of requests `parts` (each prepared alone) as one batch, the prompts found in the
+        runner's prefix cache read from it and the others prefilled together (and stored); (the output, per
+        request whether it was found). runtime/prefix_cache.py, `prefill_prompts`."""
+        return prefill_prompts(self, parts, plan, meter, keys)
 
     def run(
         self,
@@ -213,6 +186,7 @@ class Runner:
         """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`. Returns the final-normed
         seq."""
         ad = self.adapter
+        select_attention(ad.text_model)  # (nothing is written unless someone changed it since)
         pos_emb = ad.rotary(seq.hidden, seq.positions)
         masks: dict[int, torch.Tensor] = {}
         cache.begin_chunk(seq.valid, seq.visual, seq.source)
@@ -223,7 +197,7 @@ class Runner:
         hidden = seq.hidden
         read: dict[int, int] = {}  # per shared part, the rows that read it (owner >= 0), counted once per run
         ran = torch.full((seq.batch,), start, dtype=torch.long, device="cpu")  # per row: layers run so far
-        with use_trimvlm_attention(ad.attn_configs), counting(meter, phase):
+        with counting(meter, phase):
             for i in range(start, self.num_layers):
                 if hook is not None:
                     cur = seq.with_hidden(hidden)
@@ -233,47 +207,36 @@ class Runner:
                         pos_emb = ad.rotary(hidden, seq.positions)
                         masks.clear()
                         cache.begin_chunk(seq.valid, seq.visual, seq.source)
-                rows = None  # the rows that run layer i, when a per-sample plan runs it on only some of them
-                now = skip.plan if isinstance(skip, LayerPlan) else skip
-                if now is None:
-                    now = frozenset()
-                if isinstance(now, torch.Tensor):
-                    runs = ~now[:, i]
-                    if not bool(runs.any()):
-                        continue
-                    if not bool(runs.all()):
-                        rows = torch.nonzero(runs).flatten()
-                        if ctx is not None and (ctx.tree is not None or (ctx.probe is not None and ctx.probe.wants(i))):
-                            raise TrimVLMError(
-                                "per-sample layer plans do not combine with candidate trees or attention probes "
-                                "(in the layers they record) yet"
-                            )
-                elif i in now:
+                rows = _layer_rows(skip, i, ctx)  # None: every row; SKIPPED: no row
+                if rows is SKIPPED:
                     continue
                 past = cache.past_valid(i)
-                key = id(past)
-                if key not in masks:
+                if id(past) not in masks:
                     # a fresh, unpadded, causal chunk needs no mask: SDPA's causal kernel, as transformers does
                     plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
-                    masks[key] = None if plain else chunk_mask(past, seq.valid, within)
+                    masks[id(past)] = None if plain else chunk_mask(past, seq.valid, within)
                 k_len, partial = self._keys(i, seq, rows, past, ctx, cache, read)
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
                 if rows is None:
-                    hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
+                    hidden = ad.run_layer(i, hidden, pos_emb, masks[id(past)], cache, ctx, seq.valid)
                 else:
-                    hidden = self._run_rows(i, rows, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
+                    hidden = self._run_rows(i, rows, hidden, pos_emb, masks[id(past)], cache, ctx, seq.valid)
                 hidden, ran = self._after_layer(ran, rows, seq, hidden)
                 if meter is not None:
-                    rows, q = (seq.batch if rows is None else len(rows)), seq.length
-                    if cache.tree is not None and ad.layer_types[i] != ATTENTION:
-                        rows, q = 1, cache.tree.tokens_run  # a tree's recurrent layers ran its chains
-                    meter.add_layer(phase, i, ad.layer_flops(i, rows, q, k_len) + partial)
+                    self._book(meter, phase, i, seq, rows, k_len, partial, cache)
         if hook is not None:
             new = hook(self.num_layers, seq.with_hidden(hidden), self)
             if new is not None:
                 seq, hidden = new, new.hidden
         return seq.with_hidden(ad.final_norm(hidden))
+
+    def _book(self, meter, phase, i, seq, rows, k_len, partial, cache) -> None:
+        """Layer i's FLOPs on the rows that ran it (a tree's recurrent layers: the chains it ran)."""
+        n, q = (seq.batch if rows is None else len(rows)), seq.length
+        if cache.tree is not None and self.adapter.layer_types[i] != ATTENTION:
+            n, q = 1, cache.tree.tokens_run
+        meter.add_layer(phase, i, self.adapter.layer_flops(i, n, q, k_len) + partial)
 
     def _keys(self, i, seq, rows, past, ctx, cache, read) -> tuple[int, int]:
         """(the keys every running row of layer i attends to, the attention FLOPs over shared parts that only
@@ -372,6 +335,30 @@ class Runner:
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
 
 
+SKIPPED = object()  # `_layer_rows`: no row runs the layer
+
+
+def _layer_rows(skip, i: int, ctx: AttentionContext | None):
+    """The rows that run layer i under `skip` (a set of layers, a [B, L] bool per-sample plan or a `LayerPlan`,
+    read now: the router's hook sets it during the prefill): None for every row, SKIPPED for none."""
+    now = skip.plan if isinstance(skip, LayerPlan) else skip
+    if now is None:
+        return None
+    if not isinstance(now, torch.Tensor):
+        return SKIPPED if i in now else None
+    runs = ~now[:, i]
+    if not bool(runs.any()):
+        return SKIPPED
+    if bool(runs.all()):
+        return None
+    if ctx is not None and (ctx.tree is not None or (ctx.probe is not None and ctx.probe.wants(i))):
+        raise TrimVLMError(
+            "per-sample layer plans do not combine with candidate trees or attention probes (in the layers they "
+            "record) yet"
+        )
+    return torch.nonzero(runs).flatten()
+
+
 def _readers(part, rows: torch.Tensor | None, memo: dict[int, int]) -> int:
     """How many of the running rows (`rows`: a per-sample plan's subset, else all) read a shared part."""
     if rows is not None:
@@ -394,6 +381,59 @@ def next_positions(seq: LiveSeq) -> torch.Tensor:
     """[B] the position id each row's next token takes (its largest valid position + 1)."""
     pos = seq.positions.masked_fill(~seq.valid[None], -1)
     return pos.amax(dim=(0, 2)) + 1
+
+
+class Prefill:
+    """A prefill in progress, the one prefill body: made, it embeds the batch (the vision tower runs once); each
+    `advance(n)` runs the next `n` positions through the decoder with everything the plan holds (its token hook,
+    layer plan and attention context), against the KV cache the earlier chunks wrote (each chunk attends to all
+    the cache holds and causally within itself). The last chunk gives the `PrefillOutput`: logits, final norm,
+    the KV bytes and the plan's step at the prefill/decode boundary (`after_prefill`); `meter` books all of it.
+    `prefix`: a `PrefixEntry` of the prompt's first tokens, whose KV the cache starts as (not run again)."""
+
+    def __init__(self, runner: Runner, prepared, plan: Plan, meter: Meter, all_logits=False, lm_head=True, *,
+                 prefix=None):  # fmt: skip
+        runner.check_prepared(prepared, plan)
+        self.runner, self.plan, self.meter = runner, plan, meter
+        self.all_logits, self.lm_head = all_logits, lm_head
+        self.ctx = plan.attention_context()
+        self.seq = runner.encode(prepared, meter, None if self.ctx is None else self.ctx.vision)
+        self.next_pos = next_positions(self.seq)
+        self.cache = KVCache(runner.num_layers)
+        self.done = self.reused = 0  # positions already run; those read from `prefix`
+        if prefix is not None:
+            if not 0 < prefix.tokens < self.seq.length:
+                raise TrimVLMError(f"a prefix of {prefix.tokens} tokens for a prompt of {self.seq.length}")
+            self.cache = assemble([prefix], runner.num_layers).cache
+            self.done = self.reused = prefix.tokens
+
+    @property
+    def left(self) -> int:
+        return self.seq.length - self.done
+
+    @torch.no_grad()
+    def advance(self, tokens: int) -> PrefillOutput | None:
+        """Run the next `tokens` positions (at least one); the prefill's output once the prompt is done."""
+        n = max(1, min(tokens, self.left))
+        part = self.seq
+        if n < self.seq.length:
+            cols = torch.arange(self.done, self.done + n, device=self.seq.valid.device)[None]
+            part = self.seq.index_select(cols, self.seq.valid[:, self.done : self.done + n])
+        runner, meter, plan = self.runner, self.meter, self.plan
+        with meter.timer("prefill"):
+            out = runner.run(part, self.cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter,
+                             ctx=self.ctx)  # fmt: skip
+            self.done += n
+            if self.left:
+                return None
+            logits = runner.logits(out, meter, "prefill", self.all_logits) if self.lm_head else None
+        meter.kv(self.cache)
+        result = PrefillOutput(logits=logits, seq=out, cache=self.cache, next_pos=self.next_pos)
+        if plan.after_prefill is not None:
+            with meter.timer("prefill"), counting(meter, "prefill"):
+                plan.after_prefill(result)
+            meter.kv(result.cache)
+        return result
 
 
 @torch.no_grad()

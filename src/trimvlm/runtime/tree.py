@@ -10,6 +10,7 @@ parent chain's final state (or the prefix's); only calls whose chains have child
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -32,27 +33,38 @@ class RecurrentCall:
     keep: bool  # chains with children: their final states are kept (and their rows hold no padding)
 
 
+class ContextRun(NamedTuple):
+    """A maximal run of chains [start, end) that read one prefix row and have the same ancestors."""
+
+    start: int
+    end: int
+    row: int  # the prefix row they read
+    ancestors: torch.Tensor  # [A] their ancestors' flat indices
+
+
 @dataclass
 class TreeSchedule:
     ancestors: torch.Tensor  # [C, A] flat indices of each chain's ancestor nodes (root first), -1 = padding
     calls: list[RecurrentCall]
     tokens_run: int  # tokens one recurrent layer processes over all calls (padding included)
-    _runs: tuple | None = field(default=None, repr=False)  # (owner, context_runs(owner)) of the last call
+    # the `owner` of the last `context_runs` call, and what it returned
+    _owner: torch.Tensor | None = field(default=None, repr=False)
+    _runs: list[ContextRun] | None = field(default=None, repr=False)
 
     @property
     def ancestor_valid(self) -> torch.Tensor:
         return self.ancestors >= 0
 
-    def context_runs(self, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
-        """(start, end, prefix row, ancestor flat indices [A]) of each maximal run of rows that read the same
-        prefix row and have the same ancestors; None past MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows
-        per run. Computed once per schedule (every attention layer asks with the same `owner`)."""
-        if self._runs is None or self._runs[0] is not owner:
-            self._runs = (owner, _runs(self.ancestors, owner))
-        return self._runs[1]
+    def context_runs(self, owner: torch.Tensor) -> list[ContextRun] | None:
+        """Each maximal run of rows that read the same prefix row and have the same ancestors; None past
+        MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows per run. Computed once per schedule (every
+        attention layer asks with the same `owner`)."""
+        if self._owner is not owner:
+            self._owner, self._runs = owner, _runs(self.ancestors, owner)
+        return self._runs
 
 
-def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor]] | None:
+def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[ContextRun] | None:
     c = ancestors.shape[0]
     same = (ancestors[1:] == ancestors[:-1]).all(1) & (owner[1:] == owner[:-1])
     starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
@@ -63,5 +75,5 @@ def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[tuple[int, int, 
     out = []
     for a, e in zip(starts, ends, strict=True):
         idx = ancestors[a]
-        out.append((a, e, rows[a], idx[idx >= 0]))
+        out.append(ContextRun(a, e, rows[a], idx[idx >= 0]))
     return out

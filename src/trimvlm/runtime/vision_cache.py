@@ -5,7 +5,7 @@ the key through what they produced) and the model's fingerprint (`Adapter.finger
 device, processor settings). Bounded in bytes, least recently used entries evicted first (`lru.ByteLRU`). An
 adapter that reads it (`Adapter.caches_vision`) hands `features` its images and a function that encodes a subset
 of them; only the images not found are encoded, in one call. The FLOPs booked are those of that call: counted by
-torch's FlopCounterMode the first time its shapes are seen and remembered (as `Runner.encode` does), 0 when every
+torch's FlopCounterMode the first time its shapes are seen and remembered in the runner's `FlopsMemo`, 0 when every
 image was found. Off unless turned on (`VLM.use_caches`, `trimvlm serve`): evaluations never read it.
 
 Exact: a hit returns the very tensors the tower produced for that image (an image's features do not depend on
@@ -14,22 +14,19 @@ the other images of its call in the packed Qwen-VL towers, up to floating-point 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from trimvlm.runtime.lru import ByteLRU, digest
-from trimvlm.runtime.meter import flop_counter
-
-SHAPES = 256  # FLOP counts remembered per shape of a miss call
+from trimvlm.runtime.meter import FlopsMemo
 
 
 class VisionCache(ByteLRU):
-    def __init__(self, max_bytes: int, fingerprint: str):
+    def __init__(self, max_bytes: int, fingerprint: str, flops: FlopsMemo):
         super().__init__(max_bytes, "vision cache")
         self.fingerprint = fingerprint
-        self._flops: OrderedDict[tuple, int] = OrderedDict()
+        self.flops = flops  # the runner's memo (`Runner.flops`): a miss call's FLOPs by its shapes
         self.last_flops = 0  # the vision FLOPs of the last `features` call (0: every image was found)
         self.last_hits: list[bool] = []  # per image of the last call, whether it was found
 
@@ -47,17 +44,8 @@ class VisionCache(ByteLRU):
         self.last_flops = 0
         if not miss:
             return found
-        shape = tuple((tuple(images[i][0].shape), tuple(images[i][1].tolist())) for i in miss)
-        if shape in self._flops:
-            parts = encode(miss)
-            self._flops.move_to_end(shape)
-        else:
-            with flop_counter() as fc:
-                parts = encode(miss)
-            self._flops[shape] = fc.get_total_flops()
-            while len(self._flops) > SHAPES:
-                self._flops.popitem(last=False)
-        self.last_flops = self._flops[shape]
+        shape = ("vision cache", *((tuple(images[i][0].shape), tuple(images[i][1].tolist())) for i in miss))
+        parts, self.last_flops = self.flops.run(shape, lambda: encode(miss))
         for i, part in zip(miss, parts, strict=True):
             own = tuple(t.clone() for t in part)  # not a view that would hold the whole call's output alive
             self.put(keys[i], own)

@@ -24,13 +24,10 @@ CLIP/SigLIP/InternViT/Idefics3 towers once per layer for all images, with a padd
 patches. The adapter then maps the raw per-call records to LLM tokens (`Adapter.vision_tokens`) and stores them
 in `probe.results[(sample, unit)]`.
 
-Why the module's own config and not the shared vision config: the runner selects trimvlm's LLM attention on the
-model's top-level config for every run (`attention.use_trimvlm_attention`), and transformers' setter carries a
-top-level value down to every sub-config, the vision config included. A run entering or leaving in another
-thread would then switch the vision config away from this function mid-encode (seen: concurrent Qwen3-VL runs
-lost the probed layer in most encodes). So the probed module reads, while the probe is active, a private shallow
-copy of its config that names this function (reference-counted per module, the module's own config put back by
-the last recording out); the shared configs are never written, and the other layers run as configured.
+Why the module's own config and not the shared vision config: the shared configs are never written while the
+model runs (other threads and a user's code read them). The probed module reads, while the probe is active, a
+private shallow copy of its config that names this function (reference-counted per module with `held.Held`, the
+module's own config put back by the last recording out); the other layers run as configured.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class ChatEngine:
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
         self.outbox = Outbox()
-        self.partial: list | None = None  # [job, ChunkedPrefill, plan, seconds]: the prompt prefilled in chunks
+        self.partial: list | None = None  # [job, Prefill, plan, seconds]: the prompt prefilled in chunks
         self.chunks = 0  # chunks of chunked prefills run
 
     @property
@@ -128,7 +128,7 @@ class ChatEngine:
         request is tried alone, so one that breaks the model fails only itself. A request whose earlier turns
         are in the prefix cache prefills only its new tokens on top of them. `chunk`: a lone request whose
         prompt is longer is prefilled `chunk` tokens now and the rest over the next turns (`prefill_chunk`),
-        when its recipe changes nothing inside the prefill (runtime/chunked.py); else it is prefilled whole."""
+        when its recipe changes nothing inside the prefill (`Runner.prefill_chunked`); else it is prefilled whole."""
         from trimvlm.plan import make_plan
 
         t0 = time.perf_counter()

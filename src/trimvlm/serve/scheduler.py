@@ -18,7 +18,7 @@ only itself. Without an engine the loop is a plain micro-batcher. Each turn of t
      has room (`max_batch` running rows at most) and the prompts' tokens fit what is left of the turn's
      `max_prefill_tokens`: one prefill over them, their first tokens sent, then they join the running decode
      batch of their recipe. A prompt longer than the budget is prefilled alone in chunks of the budget, one
-     per turn (runtime/chunked.py; while it is, only prompts that fit the rest of the budget are admitted), so
+     per turn (`Runner.prefill_chunked`; while it is, only prompts that fit the rest of the budget are admitted), so
      the running rows keep getting a token every turn; a recipe that reads the whole prefill (a token
      reducer, a KV policy) prefills it whole;
 4. one decode step of every running batch: every row gets its next token, finished and cancelled rows leave.

@@ -35,7 +35,7 @@ which `router=PATH:budget=B` calibrates its keep and price.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.router.route import RouterTokens, _packed
 from trimvlm.runtime.attention import AttentionProbe
+from trimvlm.runtime.generate import generate
 from trimvlm.runtime.plan import Handoff, Plan
 from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
 
@@ -80,16 +81,11 @@ def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int)
             got["seq"] = seq
         return seq
 
-    out = runner.prefill(prepared, Plan(hook=hook, probe=probe))
-    logits, tokens, logps, pos = out.logits, [], [], out.next_pos.clone()
-    for _ in range(n):
-        logps.append(torch.log_softmax(logits.double(), -1))
-        tok = logits.argmax(-1)
-        tokens.append(tok)
-        logits = runner.step(tok[:, None], runner.adapter.text_positions(pos, 1), out.cache)
-        pos += 1
+    logps = []
+    gen = generate(runner, prepared, Plan(hook=hook, probe=probe), max_new_tokens=n,
+                   on_logits=lambda t, logits: logps.append(torch.log_softmax(logits.double(), -1)))  # fmt: skip
     fastv = probe.results[probe_layer][:, -1].float()
-    return torch.stack(tokens, 1), torch.stack(logps, 1), fastv, got["seq"]
+    return gen.tokens, torch.stack(logps, 1), fastv, got["seq"]
 
 
 @torch.no_grad()
@@ -113,23 +109,17 @@ def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, tok
 def forced_kl(runner, prep, layout: Plan, answer_tok, p_full) -> torch.Tensor:
     """[M] sum over the answer's positions of KL(p_full || p_layout) for the M rows of `prep` run under
     `layout`, teacher-forced on the unpruned answer `answer_tok` [n] (p_full [n, V] its log-probs)."""
-    m = prep.input_ids.shape[0]
-    out = runner.prefill(prep, layout)
-    logits, pos = out.logits, out.next_pos.clone()
-    cost = torch.zeros(m, dtype=torch.float64)
-    for t in range(len(answer_tok)):
-        q = torch.log_softmax(logits.double(), -1)
-        p = p_full[t][None]
-        cost += (p.exp() * (p - q)).sum(-1).cpu()
-        tok = answer_tok[t].reshape(1).expand(m)
-        logits = runner.step(tok[:, None], runner.adapter.text_positions(pos, 1), out.cache, layout)
-        pos += 1
+    cost = torch.zeros(prep.input_ids.shape[0], dtype=torch.float64)
+
+    def kl(t: int, logits: torch.Tensor) -> None:
+        q, p = torch.log_softmax(logits.double(), -1), p_full[t][None]
+        cost.add_((p.exp() * (p - q)).sum(-1).cpu())
+
+    generate(runner, prep, layout, max_new_tokens=len(answer_tok), forced=answer_tok, on_logits=kl)
     return cost
 
 
 def _repeat(prepared, m: int):
-    from dataclasses import replace
-
     def rep(v):
         return v.repeat(m, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) else v
 
