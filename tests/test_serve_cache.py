@@ -250,7 +250,7 @@ def test_a_large_tensor_is_hashed_once_while_it_lives_unchanged(monkeypatch):
     the same key; written in place, it is hashed again (a new key); freed, it is forgotten."""
     import gc
 
-    from trimvlm.runtime import lru
+    from trimvlm.runtime import lru, tensor_memo
 
     t = torch.randn(256, 256)
     key = lru.digest("x", t)
@@ -264,7 +264,7 @@ def test_a_large_tensor_is_hashed_once_while_it_lives_unchanged(monkeypatch):
     ident = id(t)
     del t
     gc.collect()
-    assert ident not in lru._memo
+    assert ("digest", ident) not in tensor_memo._memo  # the one tensor memo (runtime/tensor_memo.py)
 
 
 def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
@@ -442,7 +442,7 @@ def test_found_prefixes_of_different_lengths_are_assembled_as_before(cached, rec
 
     one = request(0) | {"questions": {"circle": QUESTIONS["circle"]}}  # a one-question prefix: longer
     cached.decide([request(0), one, request(1, " and more words here")], recipe=recipe)
-    entries = [e for e, _ in cached.runner.prefix_cache._items.values()]
+    entries = [stored.entry for stored, _ in cached.runner.prefix_cache._items.values()]
     assert len(entries) == 3 and len({e.layers[0].key.shape[2] for e in entries}) > 1
     assert all((e.stacked is not None) == (recipe == "") for e in entries)
     fast = pc.assemble(entries, cached.runner.num_layers)

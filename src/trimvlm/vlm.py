@@ -16,7 +16,9 @@ from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Sampling, generate
 from trimvlm.runtime.limits import check_generation
 from trimvlm.runtime.meter import Costs, Meter
+from trimvlm.runtime.prefix_cache import PrefixCache
 from trimvlm.runtime.runner import Runner
+from trimvlm.runtime.vision_cache import VisionCache
 
 
 class UnknownWordsWarning(UserWarning):
@@ -267,13 +269,10 @@ class VLM:
         state's KV, per recipe). Answers are the same with and without them; what a request did not run costs it
         nothing on its cost lines. `trimvlm serve` turns both on; evaluations and benchmarks never do. Returns
         `cache_stats()`."""
-        from trimvlm.runtime.prefix_cache import PrefixCache
-        from trimvlm.runtime.vision_cache import VisionCache
-
         ad = self.adapter
         ad.vision_cache = None
         if vision_bytes is not None and ad.caches_vision:
-            ad.vision_cache = VisionCache(vision_bytes, ad.fingerprint())
+            ad.vision_cache = VisionCache(vision_bytes, ad.fingerprint(), self.runner.flops)
         self.runner.prefix_cache = None if prefix_bytes is None else PrefixCache(prefix_bytes)
         return self.cache_stats()
 
