@@ -190,10 +190,7 @@ class Runner:
         pos_emb = ad.rotary(seq.hidden, seq.positions)
         masks: dict[int, torch.Tensor] = {}
         cache.begin_chunk(seq.valid, seq.visual, seq.source)
-        if (cache.prefix is not None and cache.prefix.parts) or cache.tree is not None:
-            ctx = ctx or AttentionContext()
-            ctx.shared = cache.prefix.parts if cache.prefix is not None else None
-            ctx.tree = cache.tree
+        ctx = _reading(ctx, cache)
         hidden = seq.hidden
         read: dict[int, int] = {}  # per shared part, the rows that read it (owner >= 0), counted once per run
         ran = torch.full((seq.batch,), start, dtype=torch.long, device="cpu")  # per row: layers run so far
@@ -211,17 +208,18 @@ class Runner:
                 if rows is SKIPPED:
                     continue
                 past = cache.past_valid(i)
-                if id(past) not in masks:
+                key = id(past)
+                if key not in masks:
                     # a fresh, unpadded, causal chunk needs no mask: SDPA's causal kernel, as transformers does
                     plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
-                    masks[id(past)] = None if plain else chunk_mask(past, seq.valid, within)
+                    masks[key] = None if plain else chunk_mask(past, seq.valid, within)
                 k_len, partial = self._keys(i, seq, rows, past, ctx, cache, read)
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
                 if rows is None:
-                    hidden = ad.run_layer(i, hidden, pos_emb, masks[id(past)], cache, ctx, seq.valid)
+                    hidden = ad.run_layer(i, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 else:
-                    hidden = self._run_rows(i, rows, hidden, pos_emb, masks[id(past)], cache, ctx, seq.valid)
+                    hidden = self._run_rows(i, rows, hidden, pos_emb, masks[key], cache, ctx, seq.valid)
                 hidden, ran = self._after_layer(ran, rows, seq, hidden)
                 if meter is not None:
                     self._book(meter, phase, i, seq, rows, k_len, partial, cache)
@@ -336,6 +334,16 @@ class Runner:
 
 
 SKIPPED = object()  # `_layer_rows`: no row runs the layer
+
+
+def _reading(ctx: AttentionContext | None, cache: KVCache) -> AttentionContext | None:
+    """`ctx`, with what the chunk's attention reads besides its own keys: the cache's shared prefix parts and
+    its candidate tree (a new context when there is none and they are needed)."""
+    if (cache.prefix is not None and cache.prefix.parts) or cache.tree is not None:
+        ctx = ctx or AttentionContext()
+        ctx.shared = cache.prefix.parts if cache.prefix is not None else None
+        ctx.tree = cache.tree
+    return ctx
 
 
 def _layer_rows(skip, i: int, ctx: AttentionContext | None):
