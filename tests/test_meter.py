@@ -101,7 +101,7 @@ def test_vision_flops_are_counted_once_per_input_shape_and_bounded(tiny_adapter)
     b = adapter.prepare([[random_image(2, (64, 64))]], ["how many shapes are there in this picture"])
     fa = runner.vision_flops(a)
     assert fa > 0 and runner.vision_flops(b) == fa and len(runner.flops) == 1
-    runner.flops.seen.max_bytes = 2  # shapes remembered
+    runner.flops.max_bytes = 2  # shapes remembered
     for side in (96, 128, 160):
         runner.vision_flops(adapter.prepare([[random_image(3, (side, 64))]], ["x"]))
     assert len(runner.flops) == 2

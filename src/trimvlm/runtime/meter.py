@@ -201,29 +201,21 @@ def flop_counter():
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
-class FlopsMemo:
-    """FLOPs of a call counted by `flop_counter` the first time its key (the shapes it depends on) is seen and
-    remembered, so a shape is never run a second time to be counted; at most `keys` keys are kept (an entry of
-    size 1 in a `ByteLRU`: least recently used dropped first). The runner's vision-tower counts and the vision
-    cache's encodes of the images it did not hold are kept in one, under keys of their own."""
+class FlopsMemo(ByteLRU):
+    """FLOPs of a call by its key (the shapes it depends on): counted by `flop_counter` on the call the first
+    time the key is seen, then remembered, so a shape never runs a second time to be counted. At most `keys`
+    keys (entries of size 1), least recently used dropped first. The runner keeps one: the vision tower's counts
+    and the vision cache's encodes of the images it did not hold, under keys of their own."""
 
     def __init__(self, keys: int = 256):
-        self.seen = ByteLRU(keys, "FLOPs memo")
-
-    def __len__(self) -> int:
-        return len(self.seen)
-
-    def get(self, key) -> int | None:
-        """The FLOPs remembered for `key` (now the most recently used), or None."""
-        return self.seen.get(key)
+        super().__init__(keys, "FLOPs memo")
 
     def run(self, key, call):
-        """(call(), its FLOPs): counted on this very call when `key` is not remembered, else remembered."""
-        flops = self.seen.get(key)
+        """(call(), its FLOPs): counted on this very call when `key` is not remembered."""
+        flops = self.get(key)
         if flops is not None:
             return call(), flops
         with flop_counter() as fc:
             out = call()
-        flops = fc.get_total_flops()
-        self.seen.put(key, flops, size=1)
-        return out, flops
+        self.put(key, fc.get_total_flops(), size=1)
+        return out, fc.get_total_flops()
