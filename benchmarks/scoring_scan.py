@@ -135,7 +135,7 @@ def scan_model(family: str, args) -> list[dict]:
             "logical_tokens": ref.tokens["logical"],
             "unique_tokens": results["tree"].tokens["unique"],
             "tree_executed_tokens": results["tree"].tokens["executed"],
-            # no merge taken: `tree` ran batched's own code (executors/tree.py run_pieces)
+            # no merge taken: `tree` ran batched's own code (executors/tree_schedule.py run_pieces)
             "tree_plain_layout": results["tree"].tokens["executed"] == ref.tokens["logical"],
             "calls_per_timing": reps,
             # the median over rounds of tree / batched within each round (round-to-round drift cancels)

@@ -49,7 +49,7 @@ def _serve_load():
 def items(task: str, n: int) -> list[dict]:
     """n test questions of `task` (a generated demo task: demo or scenes): the request body, the gold answer, the
     options, the task's metric."""
-    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.evals.tasks import get_task
 
     png_b64, out = _serve_load().png_b64, []
     for r in get_task(task, limit=n).records:

@@ -44,7 +44,7 @@ def prompts(sl, task: str, n: int) -> list[tuple[str, str]]:
     another generated task's test questions with full answers (demo-scenes: reading its text)."""
     if task == "demo":
         return [(im, "describe ?") for im in sl.images(n, 128)]
-    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.evals.tasks import get_task
 
     return [(sl.png_b64(r.images[0]), r.prompt_text()) for r in get_task(task).records if r.probe == "full"][:n]
 

@@ -1,7 +1,6 @@
 """The `tree` executor's layout and cost model (issue 20): recurrent rows join cut pieces, short pieces stay at
 their own length, absorption is costed over the executed layers, a merge is taken only past the margin."""
 
-from trimvlm.scoring.executors.tree import schedule
 from trimvlm.scoring.executors.tree_layout import (
     MARGIN,
     SAVING_OVER_CALLS,
@@ -14,6 +13,7 @@ from trimvlm.scoring.executors.tree_layout import (
     plan_pieces,
     recurrent_rows,
 )
+from trimvlm.scoring.executors.tree_schedule import schedule
 from trimvlm.scoring.trie import build_forest
 
 

@@ -208,7 +208,7 @@ def test_a_moved_tune_folder_finds_its_ranking_files(tmp_path):
 def test_budgets_are_judged_on_all_the_validation_items(tmp_path, one_thread):
     """With images of several sizes (demo-scenes) a round's few items cost differently from all of them: the keep
     is bisected on all the validation items, and a measured ratio is projected to them (its own offset kept)."""
-    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.evals.tasks import get_task
     from trimvlm.tune.journal import Journal, local_evaluator
     from trimvlm.tune.space import Family
 

@@ -28,7 +28,7 @@ import torch
 
 from trimvlm.demo import scenes
 from trimvlm.demo.model import build_image_processor, build_scenes_config
-from trimvlm.demo.train import AUX_POSITION_LAYER, Encoder, Spec, aux_cell_loss
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Padding, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
@@ -73,7 +73,7 @@ def scenes_tokenizer():
     return build_tokenizer(scenes.vocabulary_words())
 
 
-class ScenesEncoder:
+class ScenesEncoder(Padding):
     """Scenes samples -> model inputs (the tokenizer's ids, without string tokenization); each image's own
     number of visual tokens."""
 
@@ -206,8 +206,6 @@ class ScenesEncoder:
         batch = self._pad(seqs, None, left=True)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
         return batch
-
-    _pad = Encoder._pad  # the grid encoder's padding: it reads only pad and image_pad
 
 
 def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:

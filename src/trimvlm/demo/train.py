@@ -23,10 +23,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +38,7 @@ from trimvlm.demo.model import (
     build_model,
     save_checkpoint,
 )
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Padding, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 from trimvlm.progress import steps as step_bar
 
@@ -52,7 +51,7 @@ PAD_MULTIPLE = 32
 TEST_IMAGES = 100
 
 
-class Encoder:
+class Encoder(Padding):
     """Turns samples into model inputs without string tokenization overhead (same ids as the tokenizer)."""
 
     def __init__(self):
@@ -150,28 +149,6 @@ class Encoder:
         batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
         return batch
 
-    def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
-        n = max(len(s) for s in seqs)
-        n = -(-n // multiple) * multiple  # few distinct shapes: CPU kernels are planned once per shape
-        ids = torch.full((len(seqs), n), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(seqs), n), dtype=torch.long)
-        labels = torch.full((len(seqs), n), -100, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            sl = slice(n - len(s), n) if left else slice(0, len(s))
-            ids[i, sl] = torch.tensor(s)
-            mask[i, sl] = 1
-            if labs is not None:
-                labels[i, sl] = torch.tensor(labs[i])
-        out = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "mm_token_type_ids": (ids == self.image_pad).long(),
-        }
-        if labs is not None:
-            out["labels"] = labels
-        return out
-
-
 class VisualFold:
     """Keeps the visual tokens centred and at text-embedding scale while training, inside the stock weights.
 
@@ -251,12 +228,10 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
     return {k: float(np.mean(v)) if v else 0.0 for k, v in correct.items()}
 
 
-AUX_POSITION_LAYER = 2
 ATTENTION_KINDS = ("exist", "mc", "color", "count", "list", "read")
 ATTENTION_LAYERS = (2, 3, 4)
 WORD_LAYERS = (1,)  # the first hop: the answer position gathers the question's attribute words
 OPTION_LAYERS = (5,)  # the last hop (multiple choice): back to the option that was found
-MID_CONTENT = True
 ATTENTION_HEAD = 0
 
 
@@ -449,52 +424,7 @@ class PairProbe(torch.nn.Module):
         return loss
 
 
-def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Training-only dense supervision of the visual tokens through the model's own LM head.
-
-    The logits at visual positions are never used to generate, so they are free to name the cell under
-    each token (colour or glyph or "grey", and the shape); the hidden state after decoder layer
-    `AUX_POSITION_LAYER`, read through the final norm and LM head, names the token's row and column words.
-    This gives the vision tower a direct signal and puts the content and the coordinates of each cell in
-    words the decoder already uses for questions and answers.
-    """
-    ce = torch.nn.functional.cross_entropy
-    n = targets["content"].shape[1]
-    vis = slice(1, 1 + n)  # right after <|vision_start|>
-    logits = out.logits[:, vis].float()
-    v = logits.shape[-1]
-    loss = ce(logits.reshape(-1, v), targets["content"].reshape(-1))
-    loss = loss + 0.5 * ce(logits.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
-    lm = model.model.language_model
-    mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, vis])).float()
-    loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["row"].reshape(-1))
-    loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["col"].reshape(-1))
-    if MID_CONTENT:  # name the content there too, where the search by colour and shape reads its keys
-        loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["content"].reshape(-1))
-        loss = loss + 0.25 * ce(mid.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
-    return loss
-
-
 BEST_METRIC = "skill-min+mean"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a demo task brings to the one training loop: its generator module (`split_rng`,
-    `generate_split`), encoder, tokenizer, config builder, training samples, auxiliary loss, number of
-    (colour, shape) pair classes for the probe, attention-teacher layers, image processor and the extra
-    `trimvlm.json` entries of its checkpoint."""
-
-    task: Any
-    encoder: Callable[[], Any]
-    tokenizer: Callable[[], Any]
-    build_config: Callable[..., Any]
-    train_samples: Callable[[np.random.Generator, int], list]
-    aux_loss: Callable[..., torch.Tensor]
-    n_pairs: int
-    image_processor: Callable[[], Any]
-    teacher: dict = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
 
 
 def majority_baseline(samples, kinds=None) -> dict[str, float]:

@@ -339,7 +339,7 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     it). `on_run(n)` is called after each evaluation call (n recipes run). `evaluate(task, recipes, **kw)`:
     where every evaluation runs (default run_eval in this process; a `RayEvaluator` shards them over Ray
     workers, with the same predictions and FLOPs, so the same frontier when the budgets are FLOPs or KV bytes)."""
-    from trimvlm.evals.tasks.base import get_task
+    from trimvlm.evals.tasks import get_task
     from trimvlm.progress import steps
     from trimvlm.tune.journal import local_evaluator
     from trimvlm.tune.rankings import calibrate_rankings

@@ -1,6 +1,7 @@
 """Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
 
-- `base`: Record (the generation item), Task, the one registry `TASKS`, `get_task`, `calibration_items`;
+- `base`: Record (the generation item), Task, the one registry `TASKS`; `lookup`: `get_task`, `benchmarks`,
+  `calibration_items`;
 - `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `scenes`: demo-scenes' task (`scenes`, `scenes-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
 - `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
   image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
@@ -18,17 +19,15 @@ from trimvlm.evals.tasks.base import (
     Record,
     Task,
     TaskEntry,
-    benchmarks,
-    calibration_items,
     check_limit,
     check_prefill_answers,
-    get_task,
     option_lines,
     register_task,
 )
 from trimvlm.evals.tasks.benchmark import Benchmark, load_benchmark, register_benchmark
 from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_candidate_task, demo_task
 from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
+from trimvlm.evals.tasks.lookup import benchmarks, calibration_items, get_task
 
 __all__ = [
     "DEMO_DEFAULT_ITEMS",

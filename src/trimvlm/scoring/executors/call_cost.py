@@ -29,6 +29,7 @@ import torch
 from trimvlm.runtime.meter import Meter
 from trimvlm.scoring.executors.common import Work
 from trimvlm.scoring.executors.tree_layout import LayerMix, layout_price, merged_layout, plan_pieces
+from trimvlm.scoring.executors.tree_schedule import run_pieces
 from trimvlm.scoring.trie import build_forest
 
 ROUNDS = 5
@@ -61,8 +62,6 @@ def _length(mix: LayerMix) -> int:
 
 
 def measure(work: Work, mix: LayerMix) -> float:
-    from trimvlm.scoring.executors import tree
-
     length = _length(mix)
     start = work.forest.starts[0]
     root = [1] * length
@@ -86,7 +85,7 @@ def measure(work: Work, mix: LayerMix) -> float:
         for k, (f, pieces) in layouts.items():
             sub = Work(work.runner, work.prefix, f, work.skip, Meter(device=work.device), work.plan)
             t0 = time.perf_counter()
-            tree.run_pieces(sub, pieces, free)
+            run_pieces(sub, pieces, free)
             times[k].append(time.perf_counter() - t0)
         took = time.perf_counter() - spent
         if r == 0 and took <= BUDGET_S / 2:
