@@ -10,6 +10,7 @@ import torch
 from trimvlm import Recipe
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals import metrics as M
+from trimvlm.evals.plot import Point
 from trimvlm.evals.report import pareto_front, plot_pareto, print_report, result_dict, write_json
 from trimvlm.evals.run import normalize_recipes, run_eval
 from trimvlm.evals.tasks import Record, Task, demo_task, get_task, load_jsonl
@@ -298,7 +299,8 @@ def test_limit_and_batching_with_fake():
 
 
 def test_pareto_front():
-    pts = [(1.0, 90.0), (0.5, 85.0), (0.8, 80.0), (0.25, 60.0), (0.5, 70.0), (1.0, 95.0)]
+    xy = [(1.0, 90.0), (0.5, 85.0), (0.8, 80.0), (0.25, 60.0), (0.5, 70.0), (1.0, 95.0)]
+    pts = [Point(str(k), x, y) for k, (x, y) in enumerate(xy)]
     assert pareto_front(pts) == [3, 1, 5]
 
 

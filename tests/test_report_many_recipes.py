@@ -72,7 +72,7 @@ def test_by_default_the_legend_names_the_fronts_recipes(many):
     names = [t.get_text() for t in fig.legends[0].get_texts()][:-2]
     assert names[0] == "baseline" and 2 < len(names) <= plot.MAX_NAMED
     panels = [p for row in plot.eval_panels(many) for p in row]
-    front = {p.points[i].label for p in panels for i in plot.pareto_front([(q.x, q.y) for q in p.points])}
+    front = {p.points[i].label for p in panels for i in plot.pareto_front(p.points)}
     assert set(names[1:]) <= front
 
 

@@ -4,7 +4,7 @@ runs with one recipe. A new item kind (decisions, say) is one class with these m
     id, kind, probe, metric          the item's id, the group it is reported under, its probe kind (batches never
                                      mix probes or kinds) and the name of what scores it
     batch_key(task)                  items of one batch share it (the generation cap is part of it)
-    run(vlm, items, recipe, task, opts, track_memory) -> (outputs, costs, executor)   classmethod: one call,
+    run(vlm, items, recipe, task, opts, track_memory) -> ItemsRun(outputs, costs, executor)   classmethod: one call,
                                      timed by the caller; `outputs` one per item, `costs` the call's `Costs`,
                                      `executor` what ran it ("" when there is no choice)
     prepare(vlm, items, task, opts) -> opts     classmethod: checks before any item runs (opts resolved)
@@ -20,7 +20,15 @@ runs with one recipe. A new item kind (decisions, say) is one class with these m
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class ItemsRun(NamedTuple):
+    """What one `run` of a batch of items gives back."""
+
+    outputs: list  # one per item
+    costs: Any  # the call's `Costs`
+    executor: str = ""  # what ran it ("" when there is no choice)
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ class CandidateItem:
         kw = {"track_memory": True} if track_memory else {}
         res = vlm.score([it.request() for it in items], readout=opts.readout, executor=opts.executor,
                         recipe=recipe, **kw)  # fmt: skip
-        return [out.chosen for out in res.results], res.costs, res.executor
+        return ItemsRun([out.chosen for out in res.results], res.costs, res.executor)
 
     @classmethod
     def prepare(cls, vlm, items, task, opts: RunOptions) -> RunOptions:
@@ -109,7 +117,7 @@ class DecisionItem:
     @classmethod
     def run(cls, vlm, items, recipe, task, opts: RunOptions, track_memory: bool = False):
         res = vlm.decide([it.request for it in items], recipe=recipe, return_costs=True, track_memory=track_memory)
-        return [{q: picked(a) for q, a in out.items()} for out in res.answers], res.costs, ""
+        return ItemsRun([{q: picked(a) for q, a in out.items()} for out in res.answers], res.costs)
 
     @classmethod
     def prepare(cls, vlm, items, task, opts: RunOptions) -> RunOptions:

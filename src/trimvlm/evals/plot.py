@@ -38,14 +38,14 @@ class Panel(NamedTuple):
     points: list[Point]
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+def pareto_front(points: list[Point]) -> list[int]:
     """Indices of the non-dominated points (lower cost x, higher accuracy y), sorted by x."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    order = sorted(range(len(points)), key=lambda i: (points[i].x, -points[i].y))
     front, best = [], float("-inf")
     for i in order:
-        if points[i][1] > best:
+        if points[i].y > best:
             front.append(i)
-            best = points[i][1]
+            best = points[i].y
     return front
 
 
@@ -64,7 +64,7 @@ def frontier_labels(panels: list[Panel], limit: int = MAX_NAMED) -> list[str]:
     seen: dict[str, None] = {}
     for panel in panels:
         pts = [p for p in panel.points if p.x == p.x]
-        for i in pareto_front([(p.x, p.y) for p in pts]):
+        for i in pareto_front(pts):
             seen.setdefault(pts[i].label)
     return list(seen)[:limit]
 
@@ -135,7 +135,7 @@ def draw_panel(ax, panel: Panel, style: dict[str, tuple[str, str]]) -> None:
     pts = [p for p in panel.points if p.x == p.x]  # a cost not measured (NaN) is not drawn
     others = [p for p in pts if p.label not in style]
     ax.scatter([p.x for p in others], [p.y for p in others], **OTHER)
-    front = [pts[i] for i in pareto_front([(p.x, p.y) for p in pts])]
+    front = [pts[i] for i in pareto_front(pts)]
     if len(front) > 1:
         ax.step([p.x for p in front], [p.y for p in front], where="post", color=FRONT_COLOUR, lw=1, alpha=0.8,
                 zorder=2)  # fmt: skip

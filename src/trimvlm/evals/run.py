@@ -23,10 +23,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.intervals import accuracy_interval, paired_difference
-from trimvlm.evals.items import RunOptions
+from trimvlm.evals.items import ItemsRun, RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
 from trimvlm.plan import build_methods
@@ -64,6 +65,20 @@ def normalize_recipes(recipes: Sequence[str | dict | Recipe] | None) -> list[Rec
     if dupes:
         raise RecipeError(f"duplicate recipe label(s) {dupes}: give each recipe a distinct name")
     return parsed
+
+
+class CostKey(NamedTuple):
+    """What the costs of a recipe are summed by: the items' probe and kind."""
+
+    probe: str
+    kind: str
+
+
+class Timed(NamedTuple):
+    """One timed run of a batch: what it gave and its wall seconds."""
+
+    run: ItemsRun
+    seconds: float
 
 
 @dataclass
@@ -125,7 +140,7 @@ class EvalResult:
     scores: list[list[float]]  # [recipe][item]
     rows: list[dict]  # one per (recipe, group)
     settings: dict
-    costs: list[dict] = field(default_factory=list, repr=False)  # per recipe: (probe, kind) -> CostAcc
+    costs: list[dict] = field(default_factory=list, repr=False)  # per recipe: CostKey -> CostAcc
     depths: list[dict | None] = field(default_factory=list)  # per recipe: what its depth axis skips
 
     @property
@@ -224,7 +239,7 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
     records = task.records
     n_rec = len(recipes)
     preds: list[list] = [[None] * len(records) for _ in recipes]
-    accs: list[dict[tuple[str, str], CostAcc]] = [{} for _ in recipes]
+    accs: list[dict[CostKey, CostAcc]] = [{} for _ in recipes]
     device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
     on_cpu = device is not None and device.type != "cuda"
     measured: set[tuple] = set()
@@ -233,7 +248,7 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
         items = [records[i] for i in idx]
         t0 = time.perf_counter()
         out = type(items[0]).run(vlm, items, recipes[r], task, opts, track_memory=track)
-        return out, time.perf_counter() - t0
+        return Timed(out, time.perf_counter() - t0)
 
     with steps(f"eval {task.name}", len(batch_list) * n_rec, console, progress, unit="batch") as bar:
         for r in range(n_rec) if warmup else ():  # untimed: one-time costs (lazy init, allocator growth) fall here
@@ -241,19 +256,19 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
             call(r, batch_list[0][:2])
         for b, idx in enumerate(batch_list):
             first = records[idx[0]]
-            key = (first.probe, first.kind)
+            key = CostKey(first.probe, first.kind)
             type(first).untimed(vlm, [records[i] for i in idx], task, opts)
             for j in range(n_rec):
                 r = (b + order_offset + j) % n_rec  # rotate which recipe goes first
                 bar.phase(f"{recipes[r].label()} · {first.kind} ({first.probe})")
-                (outputs, costs, ran), wall = call(r, idx)
-                for i, out in zip(idx, outputs, strict=True):
+                timed = call(r, idx)
+                for i, out in zip(idx, timed.run.outputs, strict=True):
                     preds[r][i] = out
                 acc = accs[r].setdefault(key, CostAcc())
-                acc.add(costs, len(idx), wall, ran)
-                if on_cpu and (memory == "all" or (memory == "first" and (r, key[0]) not in measured)):
-                    acc.memory(call(r, idx, track=True)[0][1])  # untimed
-                    measured.add((r, key[0]))
+                acc.add(timed.run.costs, len(idx), timed.seconds, timed.run.executor)
+                if on_cpu and (memory == "all" or (memory == "first" and (r, key.probe) not in measured)):
+                    acc.memory(call(r, idx, track=True).run.costs)  # untimed
+                    measured.add((r, key.probe))
                 bar.advance()
     return preds, accs
 

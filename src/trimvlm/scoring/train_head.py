@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -308,7 +309,7 @@ def train(
         gen_b = torch.Generator(device="cpu").manual_seed(int(rng_b.integers(2**62)))
         binary = _Stream(binary_train, settings.binary_batch_size, rng_b, gen_b, settings)
     val_binary = binary_val if binary_val is not None and len(binary_val) > 0 else None
-    best = (-1.0, math.inf, 0)
+    best = _Best(accuracy=-1.0, loss=math.inf, step=0)
     best_state = {k: v.clone() for k, v in head.state_dict().items()}
     history = []
     task = progress.add_task("train head", total=settings.steps) if progress is not None else None
@@ -338,18 +339,26 @@ def train(
                 v_acc = hits / total
             head.train()
             history.append({**entry, "val_loss": v_loss, "val_accuracy": v_acc})
-            if (v_acc, -v_loss) > (best[0], -best[1]):
-                best = (v_acc, v_loss, step)
+            if (v_acc, -v_loss) > (best.accuracy, -best.loss):
+                best = _Best(v_acc, v_loss, step)
                 best_state = {k: v.clone() for k, v in head.state_dict().items()}
         if progress is not None:
-            progress.update(task, advance=1, description=f"train head (val acc {best[0]:.3f} @ {best[2]})")
+            progress.update(task, advance=1, description=f"train head (val acc {best.accuracy:.3f} @ {best.step})")
     head.load_state_dict(best_state)
     return head.eval(), {
-        "best_step": best[2],
-        "best_val_accuracy": best[0],
-        "best_val_loss": best[1],
+        "best_step": best.step,
+        "best_val_accuracy": best.accuracy,
+        "best_val_loss": best.loss,
         "history": history,
     }
+
+
+class _Best(NamedTuple):
+    """The best validation so far: its accuracy, loss and step."""
+
+    accuracy: float
+    loss: float
+    step: int
 
 
 class _Stream:

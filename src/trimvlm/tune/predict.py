@@ -21,6 +21,7 @@ Such recipes are run to be measured. `tests/test_tune.py` checks prediction == m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -30,13 +31,28 @@ from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.layers import ATTENTION
 
 
+class Unit(NamedTuple):
+    """One reducer unit of a row: its visual tokens, the image that owns it and its (rows, columns) grid."""
+
+    tokens: int
+    image: tuple[int, int]  # (sample, image)
+    grid: tuple[int, int]
+
+
+class Inputs(NamedTuple):
+    """A batch's inputs: the images of each row and the prompts."""
+
+    images: list
+    prompts: list
+
+
 @dataclass
 class BatchShape:
     rows: list[int]  # real prefill tokens per row
     visual: list[int]  # visual tokens per row
-    units: list[list[tuple[int, tuple, tuple]]]  # per row: (tokens, owning image, grid) of each unit
+    units: list[list[Unit]]  # per row: its units
     vision_flops: int
-    inputs: tuple[list, list] | None = None  # (images per row, prompts): to read it again at another resolution
+    inputs: Inputs | None = None  # to read the batch again at another resolution
     resized: dict = field(default_factory=dict, repr=False)  # plan.resolution -> this batch read at it
 
     @property
@@ -72,14 +88,14 @@ def _shape(vlm, images: list, prompts: list, plan=None) -> BatchShape:
     prepared = vlm.prepare(images, prompts, plan=plan)
     seq = vlm.adapter.layout_seq(prepared)  # the layout only: the tower runs once per new shape, to be counted
     view = make_view(seq, 1.0, 0)
-    units: list[list] = [[] for _ in range(seq.batch)]
+    units: list[list[Unit]] = [[] for _ in range(seq.batch)]
     if view is not None:
         for u in range(view.mask.shape[0]):
             b = int(view.sample[u])
             grid = (int(view.grid[u, 0]), int(view.grid[u, 1]))
-            units[b].append((int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
+            units[b].append(Unit(int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
     return BatchShape(rows=[int(x) for x in seq.valid.sum(1)], visual=[int(x) for x in (seq.visual & seq.valid).sum(1)],
-                      units=units, vision_flops=runner.vision_flops(prepared), inputs=(images, prompts))  # fmt: skip
+                      units=units, vision_flops=runner.vision_flops(prepared), inputs=Inputs(images, prompts))  # fmt: skip
 
 
 def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
@@ -102,7 +118,7 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
             return None
         for s in shapes:
             if plan.resolution not in s.resized:
-                s.resized[plan.resolution] = _shape(vlm, *s.inputs, plan=plan)
+                s.resized[plan.resolution] = _shape(vlm, s.inputs.images, s.inputs.prompts, plan=plan)
         shapes = [s.resized[plan.resolution] for s in shapes]
         tokens = None  # nothing is reduced inside the model
     lay = tokens.at(runner) if tokens is not None and tokens.ratio < 1 else None
@@ -116,8 +132,9 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
         if lay is not None:
             for b, units in enumerate(s.units):
                 if units:
-                    n = [t for t, _, _ in units]
-                    dropped[b] = sum(n) - sum(tokens.kept_counts(n, [o for _, o, _ in units], [g for *_, g in units]))
+                    n = [u.tokens for u in units]
+                    kept = tokens.kept_counts(n, [u.image for u in units], [u.grid for u in units])
+                    dropped[b] = sum(n) - sum(kept)
         flops += s.vision_flops + ad.head_flops(s.batch, 1)
         for i in range(runner.num_layers):
             after = lay is not None and i >= lay

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError, TrimVLMError
-from trimvlm.evals.report import pareto_front
+from trimvlm.evals.plot import Point, pareto_front
 from trimvlm.evals.run import batches
 from trimvlm.plan import make_plan
 from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
@@ -311,7 +311,7 @@ def frontier(entries: list[dict]) -> dict[str, list[str]]:
     """Per cost axis, the specs of the non-dominated entries (lower ratio, higher accuracy)."""
     out = {}
     for axis in FRONTIER_AXES:
-        pts = [(e["val"]["ratio"][axis], e["val"]["accuracy"]) for e in entries]
+        pts = [Point(e["spec"], e["val"]["ratio"][axis], e["val"]["accuracy"]) for e in entries]
         out[axis] = [entries[i]["spec"] for i in pareto_front(pts)]
     return out
 

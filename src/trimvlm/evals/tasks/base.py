@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trimvlm.errors import InputError
+from trimvlm.evals.items import ItemsRun
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.options import is_int
 
@@ -69,7 +70,7 @@ class Record:
         n_new = task.new_tokens(items[0].probe, items[0].kind)
         res = vlm.generate([list(r.images) for r in items], [r.prompt_text() for r in items], recipe=recipe,
                            max_new_tokens=n_new, seed=opts.seed, **kw)  # fmt: skip
-        return list(res.texts), res.costs, ""
+        return ItemsRun(list(res.texts), res.costs)
 
     @classmethod
     def prepare(cls, vlm, items, task, opts):

@@ -93,10 +93,10 @@ def measure(work: Work, mix: LayerMix) -> float:
         elif took > BUDGET_S:
             break
     med = {k: statistics.median(v) for k, v in times.items()}
-    slots = {k: s for k, (s, _) in price.items()}
+    slots = {k: p.slots for k, p in price.items()}
     slope = (med["p2"] - med["p1"]) / max(1e-9, slots["p2"] - slots["p1"])
     if slope <= 0:  # noise swamped the slope: keep the default
         return mix.call_cost
     fixed = med["p1"] - slope * slots["p1"]
-    extra = (med["t"] - fixed - slope * slots["t"]) / (slope * max(1e-9, price["t"][1]))
+    extra = (med["t"] - fixed - slope * slots["t"]) / (slope * max(1e-9, price["t"].calls))
     return float(min(MAX_CALL_COST, max(0.0, extra)))

@@ -15,6 +15,7 @@ value per layer, far cheaper than running a token). So
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from trimvlm.scoring.trie import Forest
 
@@ -73,6 +74,42 @@ class LayerMix:
         return n if n <= self.short else -(-n // self.chunk) * self.chunk
 
 
+class Price(NamedTuple):
+    """One pass of a layout over the executed layers: its token slots and its kernel calls beyond the one a
+    plain layer makes."""
+
+    slots: float
+    calls: float
+
+
+class RecurrentRow(NamedTuple):
+    """A row a recurrent layer runs: its pieces in order and its level (the rows above it)."""
+
+    ids: list[int]
+    level: int
+
+
+class _Width(NamedTuple):
+    cost: float  # padded slots (`row_cost`)
+    width: int
+    rows: list[Piece]
+    kept: list[int]
+
+
+class _Option(NamedTuple):
+    floor: float  # a lower bound of its layout_cost (`_floor`)
+    order: int
+    rows: list[Piece]
+    kept: list[int]
+    width: int
+
+
+class _Best(NamedTuple):
+    cost: float
+    order: int
+    pieces: list[Piece]
+
+
 def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     """The cheapest layout over the executed layers: plain rows (one per candidate, the `batched` layout), or
     the trie's merged layout (`merged_layout`) when it is predicted to cost at most (1 - MARGIN) x the plain
@@ -89,10 +126,10 @@ def plan_pieces(f: Forest, mix: LayerMix | None = None) -> list[Piece]:
     merged = merged_layout(f, mix, limit)
     if merged is None:  # no merged layout can cost <= limit: none was built
         return plain
-    slots, calls = layout_price(merged, f, mix)
-    saving = layout_price(plain, f, mix)[0] - slots
-    pays = saving >= SAVING_OVER_CALLS * mix.call_cost * calls
-    return merged if pays and slots + mix.call_cost * calls <= limit else plain
+    price = layout_price(merged, f, mix)
+    saving = layout_price(plain, f, mix).slots - price.slots
+    pays = saving >= SAVING_OVER_CALLS * mix.call_cost * price.calls
+    return merged if pays and price.slots + mix.call_cost * price.calls <= limit else plain
 
 
 def merged_floor(f: Forest, mix: LayerMix) -> float:
@@ -112,12 +149,12 @@ def worth_planning(f: Forest) -> bool:
 def layout_cost(pieces: list[Piece], f: Forest, mix: LayerMix) -> float:
     """Token slots of one pass of the layout, plus `mix.call_cost` per kernel call beyond the one a plain
     layer makes (`layout_price`)."""
-    slots, calls = layout_price(pieces, f, mix)
-    return slots + mix.call_cost * calls
+    price = layout_price(pieces, f, mix)
+    return price.slots + mix.call_cost * price.calls
 
 
-def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, float]:
-    """(token slots, extra kernel calls) of one pass of the layout over the executed layers. An attention
+def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> Price:
+    """The token slots and extra kernel calls of one pass of the layout over the executed layers. An attention
     layer runs the padded [rows, width] layout once, gathers the ancestors, and makes one more call when there
     are any. A recurrent layer runs the recurrent rows (`recurrent_rows`: pieces joined along single-child
     links) level by level, the leaves in one call and rows with children one call per length, each row padded
@@ -131,21 +168,21 @@ def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> tuple[float, 
     if not mix.recurrent:  # attention only: no recurrent rows to price
         calls[()] = []
     elif tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
-        for ids, level in recurrent_rows(pieces, mix):
-            n = sum(len(pieces[p].nodes) for p in ids)
-            calls.setdefault((level, n if pieces[ids[-1]].children else 0), []).append(n)
+        for row in recurrent_rows(pieces, mix):
+            n = sum(len(pieces[p].nodes) for p in row.ids)
+            calls.setdefault((row.level, n if pieces[row.ids[-1]].children else 0), []).append(n)
     else:
         for p in pieces:
             calls.setdefault((0, len(p.nodes)), []).append(len(p.nodes))
     rec_slots = sum(len(n) * mix.padded(max(n)) for n in calls.values() if n)
-    return (
-        mix.attention * att_slots + mix.recurrent * rec_slots,
-        mix.attention * att_calls + mix.recurrent * (len(calls) - 1),
+    return Price(
+        slots=mix.attention * att_slots + mix.recurrent * rec_slots,
+        calls=mix.attention * att_calls + mix.recurrent * (len(calls) - 1),
     )
 
 
-def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[tuple[list[int], int]]:
-    """The rows a recurrent layer runs: (piece ids in order, level), parents' rows before their children's. A
+def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[RecurrentRow]:
+    """The rows a recurrent layer runs, parents' rows before their children's. A
     piece with exactly one child may continue into it (the same recurrence, nothing else starts from the state
     in between): it does unless the joined row would pay more padding (`LayerMix.padded`: a row past `short`
     tokens pads to the chunk) than the call it saves, shared by the pieces of the child's level. A row ends at
@@ -154,7 +191,7 @@ def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[tup
     per_level: dict[int, int] = {}
     for piece in pieces:
         per_level[piece.level] = per_level.get(piece.level, 0) + 1
-    out: list[tuple[list[int], int]] = []
+    out: list[RecurrentRow] = []
     todo = [(p, 0) for p, piece in enumerate(pieces) if piece.parent < 0]
     while todo:
         nxt = []
@@ -168,7 +205,7 @@ def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[tup
                     break
                 ids.append(c)
                 n += m
-            out.append((ids, level))
+            out.append(RecurrentRow(ids, level))
             nxt += [(c, level + 1) for c in pieces[ids[-1]].children]
         todo = nxt
     return out
@@ -198,26 +235,26 @@ def merged_layout(f: Forest, mix: LayerMix | None = None, limit: float | None = 
     for w in sorted(widths, reverse=True):
         rows, kept = _absorb(f, w)
         cost = row_cost([len(rows[r].nodes) for r in kept], [f.depth[rows[r].nodes[0]] for r in kept], w)
-        ranked.append((cost, -w, rows, kept))
-    ranked.sort(key=lambda t: t[:2])
-    short = [t for t in ranked if -t[1] <= mix.short] if mix.recurrent else []
-    options = []  # (lower bound of its layout_cost, order, rows, kept, width)
-    for _, w, rows, kept in ranked[:WIDTHS] + short[:WIDTHS]:
-        options.append((_floor(f, rows, kept, -w, mix), len(options), rows, kept, -w))
-        if len(kept) < len(f.chains):  # something was absorbed: the same width without absorbing
-            rows, kept = _absorb(f, -w, absorb=False)
-            options.append((_floor(f, rows, kept, -w, mix), len(options), rows, kept, -w))
-    if limit is not None and min(o[0] for o in options) > limit:
+        ranked.append(_Width(cost, w, rows, kept))
+    ranked.sort(key=lambda t: (t.cost, -t.width))
+    short = [t for t in ranked if t.width <= mix.short] if mix.recurrent else []
+    options: list[_Option] = []
+    for t in ranked[:WIDTHS] + short[:WIDTHS]:
+        options.append(_Option(_floor(f, t.rows, t.kept, t.width, mix), len(options), t.rows, t.kept, t.width))
+        if len(t.kept) < len(f.chains):  # something was absorbed: the same width without absorbing
+            rows, kept = _absorb(f, t.width, absorb=False)
+            options.append(_Option(_floor(f, rows, kept, t.width, mix), len(options), rows, kept, t.width))
+    if limit is not None and min(o.floor for o in options) > limit:
         return None
-    best = None  # (cost, order, pieces): the cheapest, the first in order among equals
-    for floor, order, rows, kept, w in sorted(options, key=lambda t: t[:2]):
-        if best is not None and floor > best[0]:  # this one and all after it cost more than the best
+    best = None  # the cheapest, the first in order among equals
+    for o in sorted(options, key=lambda o: (o.floor, o.order)):
+        if best is not None and o.floor > best.cost:  # this one and all after it cost more than the best
             break
-        pieces = _cut(rows, kept, w)
+        pieces = _cut(o.rows, o.kept, o.width)
         cost = layout_cost(pieces, f, mix)
-        if best is None or (cost, order) < best[:2]:
-            best = (cost, order, pieces)
-    return best[2]
+        if best is None or (cost, o.order) < (best.cost, best.order):
+            best = _Best(cost, o.order, pieces)
+    return best.pieces
 
 
 def _floor(f: Forest, rows: list[Piece], kept: list[int], w: int, mix: LayerMix) -> float:

@@ -35,12 +35,12 @@ def schedule(
     ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
     rrows = recurrent_rows(pieces, mix)
-    for level in range(1 + max(level for _, level in rrows)):
+    for level in range(1 + max(row.level for row in rrows)):
         leaves, inner = [], defaultdict(list)
-        for ids, lv in rrows:
-            if lv == level:
-                n = sum(len(pieces[p].nodes) for p in ids)
-                (inner[n] if pieces[ids[-1]].children else leaves).append(ids)
+        for row in rrows:
+            if row.level == level:
+                n = sum(len(pieces[p].nodes) for p in row.ids)
+                (inner[n] if pieces[row.ids[-1]].children else leaves).append(row.ids)
         for group, keep in [(leaves, False)] + [(g, True) for g in inner.values()]:
             if not group:
                 continue
