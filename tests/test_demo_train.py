@@ -5,6 +5,7 @@ import torch
 
 from trimvlm.demo import task
 from trimvlm.demo import train as tr
+from trimvlm.demo.train_common import Look
 
 
 def _scene_sample():
@@ -31,7 +32,8 @@ def test_teacher_targets_point_at_the_evidence():
     for _ in range(8):  # turn order is shuffled: check every look whatever the order
         batch = enc.train_batch([sample], rng)
         ids = batch["input_ids"][0].tolist()
-        for b, p, keys, words, option in batch["looks"]:
+        for look in batch["looks"]:
+            b, p, keys, words, option = look.row, look.at, look.keys, look.words, look.option
             assert b == 0 and id2w[ids[p]] == "<ans>"
             if len(option):  # multiple choice: the right option is B = blue circle at r5 c6
                 assert keys == [1 + 5 * 8 + 6]
@@ -41,17 +43,17 @@ def test_teacher_targets_point_at_the_evidence():
             else:  # existence: red circle at r3 c1
                 assert keys == [1 + 3 * 8 + 1]
                 assert [id2w[ids[i]] for i in words] == ["red", "circle"]
-        for _, p, classes in batch["asks"]:
+        for p, classes in ((a.at, a.pairs) for a in batch["asks"]):
             assert id2w[ids[p]] == "<ans>"
             want = (
                 [tr.pair_class(*o) for o in opts] if len(classes) == 4 else [tr.pair_class("red", "circle")]
             )
             assert classes == want
-        assert all(ids[k] == enc.image_pad for _, _, keys, _, _ in batch["looks"] for k in keys)
+        assert all(ids[k] == enc.image_pad for look in batch["looks"] for k in look.keys)
 
 
 def test_teacher_loss_is_minimal_at_the_target():
-    looks = [(0, 5, [2, 3], [1], []), (1, 5, [], [2, 4], [])]
+    looks = [Look(0, 5, [2, 3], [1], []), Look(1, 5, [], [2, 4], [])]
     t = tr.AttentionTeacher.__new__(tr.AttentionTeacher)
     t.head, t.roles, t.rows_only = 0, {2: "cells"}, False
     w = torch.full((2, 1, 6, 6), 1e-9)

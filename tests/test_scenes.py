@@ -12,6 +12,7 @@ from PIL import Image
 
 import trimvlm
 from trimvlm.demo import scenes
+from trimvlm.demo.train_common import Look
 from trimvlm.errors import InputError
 
 
@@ -232,15 +233,15 @@ def test_each_read_word_looks_at_its_glyph():
     s = scenes.make_sample(np.random.default_rng(4), per_kind={"read": 1})
     batch = enc.train_batch([s], np.random.default_rng(0))
     keys = glyph_keys(s.scene)
-    looks = [look for look in batch["looks"] if look[2] in keys]
-    assert [look[2] for look in looks] == keys and len(keys) == len(s.scene.text)
+    looks = [look for look in batch["looks"] if look.keys in keys]
+    assert [look.keys for look in looks] == keys and len(keys) == len(s.scene.text)
     ids = batch["input_ids"][0]
-    first = looks[0][1]
-    assert [look[1] for look in looks] == list(range(first, first + len(keys)))
+    first = looks[0].at
+    assert [look.at for look in looks] == list(range(first, first + len(keys)))
     assert enc.vocab.get(s.scene.text[0]) == int(ids[first + 1])  # the position after predicts word 0 ...
     tokens = {(1 + r * s.scene.cols + c): ch for r, c, ch in s.scene.text_tokens()}
     for glyph, look in zip(s.scene.text, looks, strict=True):
-        assert {tokens[k] for k in look[2]} == {glyph}  # ... and each look's keys show its glyph
+        assert {tokens[k] for k in look.keys} == {glyph}  # ... and each look's keys show its glyph
 
 
 def test_a_relation_gathers_each_objects_words_with_its_own_head():
@@ -252,23 +253,23 @@ def test_a_relation_gathers_each_objects_words_with_its_own_head():
     s = scenes.make_sample(np.random.default_rng(5), per_kind={"relation": 1})
     q = next(q for q in s.qas if q.kind == "relation")
     batch = enc.train_batch([s], np.random.default_rng(0))
-    look = next(look for look in batch["looks"] if len(look) > 6 and look[6])
+    look = next(look for look in batch["looks"] if look.second_words)
     ids = batch["input_ids"][0]
     a, b = q.params["a"].split(), q.params["b"].split()
-    assert [int(ids[p]) for p in look[3]] == [enc.vocab[w] for w in a]
-    assert [int(ids[p]) for p in look[6]] == [enc.vocab[w] for w in b]
+    assert [int(ids[p]) for p in look.words] == [enc.vocab[w] for w in a]
+    assert [int(ids[p]) for p in look.second_words] == [enc.vocab[w] for w in b]
 
 
 def test_the_teachers_next_head_follows_the_seventh_list(tiny_scenes):
-    """At a "words" layer the teacher's head is scored on a look's words and the next head on its seventh list:
-    the same first head scores far better with the next head on the seventh list than with it on the first."""
+    """At a "words" layer the teacher's head is scored on a look's words and the next head on its `second_words`:
+    the same first head scores far better with the next head on `second_words` than with it on the first."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from trimvlm.demo.train import AttentionTeacher
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes)
     teacher = AttentionTeacher(model, layers=(1,), word_layers=(0,), option_layers=(2,))
-    look = (0, 7, [], [2, 3], [], [], [4, 5])
+    look = Look(0, 7, [], [2, 3], [], [], [4, 5])
 
     def loss(first, second):
         w = torch.full((1, 4, 8, 8), 1e-9)
@@ -321,16 +322,16 @@ def test_a_relations_verdict_looks_at_the_asked_word_when_it_holds(tiny_scenes):
         s = scenes.make_sample(np.random.default_rng(seed), per_kind={"relation": 1})
         q = next(q for q in s.qas if q.kind == "relation")
         batch = enc.train_batch([s], np.random.default_rng(0))
-        (look,) = [look for look in batch["looks"] if len(look) > 7 and look[7]]
+        (look,) = [look for look in batch["looks"] if look.verdict]
         if q.answer == "yes":
-            assert [int(batch["input_ids"][0, p]) for p in look[7]] == [enc.vocab[q.params["rel"]]]
+            assert [int(batch["input_ids"][0, p]) for p in look.verdict] == [enc.vocab[q.params["rel"]]]
         else:
-            assert look[7] == [0]
+            assert look.verdict == [0]
         seen.add(q.answer)
     assert seen == {"yes", "no"}
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_scenes)
     teacher = AttentionTeacher(model, layers=(), word_layers=(), option_layers=(), verdict_layers=(1,))
-    look = (0, 7, [], [], [], [], [], [5])
+    look = Look(0, 7, [], [], [], [], [], [5])
 
     def loss(at):
         w = torch.full((1, 4, 8, 8), 1e-9)

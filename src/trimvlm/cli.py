@@ -198,7 +198,7 @@ def _router_variants() -> list[tuple[str, dict]]:
             continue
         folders.add(folder)
         try:
-            meta = load_router(name)[1]
+            _, meta = load_router(name)
         except TrimVLMError:
             continue
         out += [(name, v) for v in meta.get("budget", {}).get("variants", [])]
@@ -244,17 +244,16 @@ def demo_image(
     from trimvlm.demo.task import make_sample, split_rng
 
     sample = make_sample(split_rng("test", seed))
-    qa = [(q.question, q.answer) for q in sample.qas]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         sample.image.save(out)
     except OSError as e:
         _fail(InputError(f"cannot write {out}: {e.strerror or e}"))
     table = Sheet(console, f"{out}: questions the demo models answer (seed {seed})", ["question", "answer"])
-    for question, answer in qa:
-        table.row(question, answer)
+    for q in sample.qas:
+        table.row(q.question, q.answer)
     console.print(table)
-    console.print(f'[dim]e.g. trimvlm generate --model demo --image {out} --prompt "{qa[0][0]}"[/]')
+    console.print(f'[dim]e.g. trimvlm generate --model demo --image {out} --prompt "{sample.qas[0].question}"[/]')
 
 
 def _task(model: str, task: str | None) -> str:

@@ -76,14 +76,14 @@ def _pair_accuracy(model, probe, out, pair: torch.Tensor, aux_layer: int) -> flo
 
 def _teacher_mass(teacher, weights: dict, looks) -> tuple[float | None, float | None]:
     layers = [layer for layer in weights if teacher.roles[layer] == "cells"] if teacher is not None else []
-    rows = [i for i, look in enumerate(looks) if look[2]]
+    rows = [i for i, look in enumerate(looks) if look.keys]
     if not layers or not rows:
         return None, None
     keys, sink = [], []
     for layer in layers:
         w = weights[layer]
         for i in rows:
-            row = w[i, 0] if teacher.rows_only else w[looks[i][0], teacher.head, looks[i][1]]
-            keys.append(float(row[looks[i][2]].sum()))
+            row = w[i, 0] if teacher.rows_only else w[looks[i].row, teacher.head, looks[i].at]
+            keys.append(float(row[list(looks[i].keys)].sum()))
             sink.append(float(row[0]))
     return float(np.mean(keys)), float(np.mean(sink))

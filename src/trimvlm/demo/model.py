@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import (
@@ -55,9 +56,16 @@ def build_image_processor(task_name: str = "demo") -> Qwen2VLImageProcessorPil:
     )
 
 
-FAMILIES = {"qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
-            "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}  # fmt: skip
+class Family(NamedTuple):
+    """A demo architecture's transformers config and model classes."""
+
+    config: type
+    model: type
+
+
+FAMILIES = {"qwen3_vl": Family(Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+            "qwen3_5": Family(Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+            "qwen2_5_vl": Family(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}  # fmt: skip
 # The hybrid alternates one Gated DeltaNet layer and one full-attention layer (the released Qwen3.5 models use
 # three to one); with 8 layers it keeps four full-attention layers for the visual search.
 HYBRID_FULL_ATTENTION_INTERVAL = 2
@@ -130,7 +138,7 @@ def build_config(
     }
     if not hybrid:  # Qwen3.5's vision tower has no deepstack mergers
         vision_config["deepstack_visual_indexes"] = list(range(min(2, vision_depth)))
-    return FAMILIES[family][0](
+    return FAMILIES[family].config(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids(IMAGE_PAD),
@@ -183,7 +191,7 @@ def build_scenes_config(
 def build_model(config: PretrainedConfig | None = None, seed: int = 0):
     torch.manual_seed(seed)
     config = config if config is not None else build_config()
-    model_cls = next(m for c, m in FAMILIES.values() if isinstance(config, c))
+    model_cls = next(f.model for f in FAMILIES.values() if isinstance(config, f.config))
     model = model_cls(config)
     model.generation_config = generation_config(model.config)
     return model

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -134,14 +135,23 @@ def _grey(rng: np.random.Generator, lo: int, hi: int) -> tuple[int, int, int]:
     return tuple(int(np.clip(v + t, 0, 255)) for t in tint)
 
 
-def _bbox(o: Obj) -> tuple[int, int, int, int]:
+class Box(NamedTuple):
+    """A pixel box: left, top, right and bottom (exclusive)."""
+
+    x0: int
+    y0: int
+    x1: int
+    y1: int
+
+
+def _bbox(o: Obj) -> Box:
     h = o.size // 2
-    return o.cx - h, o.cy - h, o.cx - h + o.size, o.cy - h + o.size
+    return Box(o.cx - h, o.cy - h, o.cx - h + o.size, o.cy - h + o.size)
 
 
-def _overlap(a: tuple, b: tuple) -> int:
-    w = min(a[2], b[2]) - max(a[0], b[0])
-    h = min(a[3], b[3]) - max(a[1], b[1])
+def _overlap(a: Box, b: Box) -> int:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
     return max(0, w) * max(0, h)
 
 
@@ -169,7 +179,7 @@ def _draw_scene(rng: np.random.Generator) -> Scene:
     text = "".join(_pick(rng, GLYPH_CHARS) for _ in range(n_text))
     text_row = int(rng.integers(0, rows - scale + 1))
     text_col = int(rng.integers(0, cols - n_text * scale + 1))
-    text_box = (text_col * TOKEN_PX, text_row * TOKEN_PX,
+    text_box = Box(text_col * TOKEN_PX, text_row * TOKEN_PX,
                 (text_col + n_text * scale) * TOKEN_PX, (text_row + scale) * TOKEN_PX)  # fmt: skip
     n_obj = int(rng.integers(MIN_OBJECTS, MAX_OBJECTS + 1))
     pairs = [(c, s) for c in COLOR_NAMES for s in SHAPES]
@@ -369,7 +379,7 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
         pairs = [(a, b, r) for a in objs for b in objs if a is not b for r in rels
                  if abs((a.cx - b.cx) if r in ("left", "right") else (a.cy - b.cy)) >= RELATION_GAP]  # fmt: skip
         want = rng.random() < 0.5
-        pool = [p for p in pairs if _relation_holds(p[0], p[1], p[2]) == want] or pairs
+        pool = [(a, b, r) for a, b, r in pairs if _relation_holds(a, b, r) == want] or pairs
         a, b, r = pool[int(rng.integers(len(pool)))]
         return {"a": a.name, "b": b.name, "rel": r}
     if kind == "largest":

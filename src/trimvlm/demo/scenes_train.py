@@ -23,12 +23,14 @@ model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from trimvlm.demo import scenes
 from trimvlm.demo.model import build_image_processor, build_scenes_config
-from trimvlm.demo.train_common import AUX_POSITION_LAYER, Padding, Spec, aux_cell_loss
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Padding, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
@@ -37,6 +39,14 @@ PAD_MULTIPLE = 32
 RELATION_LAYER = 7  # after the teacher's object layers (2-4) and two more: where a relation is named
 SEEN_PIXELS = 64  # a token shows an object when a quarter of its pixels do
 N_PAIRS = len(scenes.COLOR_NAMES) * len(scenes.SHAPES)
+
+
+class RelationName(NamedTuple):
+    """A relation question's answer position (`row`, `at`) and the word of the relation that holds."""
+
+    row: int
+    at: int
+    word: int
 
 
 def pair_class(color: str, shape: str) -> int:
@@ -148,14 +158,14 @@ class ScenesEncoder(Padding):
                 verdict = []
                 if q.kind == "relation":
                     truth = relation_truth(s.scene, q.params)
-                    names.append((len(seqs), at, self.vocab[truth]))
+                    names.append(RelationName(len(seqs), at, self.vocab[truth]))
                     asked = start + prompt.index(self.vocab[q.params["rel"]])
                     verdict = [asked] if truth == q.params["rel"] else [0]  # yes: the asked word; no: the sink
-                looks.append((len(seqs), at, keys, words, option, second, second_words, verdict))
+                looks.append(Look(len(seqs), at, keys, words, option, second, second_words, verdict))
                 if pairs:
-                    asks.append((len(seqs), at, pairs))
+                    asks.append(Ask(len(seqs), at, pairs))
                 if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
-                    looks += [(len(seqs), at + j, glyph, [], [], []) for j, glyph in enumerate(glyph_keys(s.scene))
+                    looks += [Look(len(seqs), at + j, glyph, [], []) for j, glyph in enumerate(glyph_keys(s.scene))
                               if j > 0]  # fmt: skip
                 ids += ans
                 lab += [-100] * len(prompt) + ans
@@ -231,7 +241,8 @@ def scenes_aux_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tenso
         loss = loss + ce(final.reshape(-1, final.shape[-1]), glyph) + 0.5 * ce(mid.reshape(-1, mid.shape[-1]), glyph)
     names = targets.get("names") or []
     if names:  # a relation's answer position names the relation that holds, once both objects are gathered
-        rows, pos, words = (torch.tensor([x[i] for x in names]) for i in range(3))
+        rows, pos = torch.tensor([x.row for x in names]), torch.tensor([x.at for x in names])
+        words = torch.tensor([x.word for x in names])
         h = out.hidden_states[min(RELATION_LAYER, len(out.hidden_states) - 2)][rows, pos]  # (a small test model)
         loss = loss + ce(model.lm_head(lm.norm(h)).float(), words)
     return loss

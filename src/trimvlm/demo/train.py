@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from trimvlm.demo.model import (
     build_model,
     save_checkpoint,
 )
-from trimvlm.demo.train_common import AUX_POSITION_LAYER, Padding, Spec, aux_cell_loss
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Padding, Spec, aux_cell_loss
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
 from trimvlm.progress import steps as step_bar
 
@@ -74,9 +75,9 @@ class Encoder(Padding):
         return out["pixel_values"], out["image_grid_thw"]
 
     def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        """Padded training inputs; "looks" lists, per turn, (row, answer position, evidence key positions,
-        positions of the question's attribute words, positions of the right option's letter and words);
-        "asks" lists (row, answer position, pair classes asked for) of existence and multiple-choice questions."""
+        """Padded training inputs; "looks" lists a `Look` per turn (the evidence cells, the question's
+        attribute words, the right option's letter and words); "asks" an `Ask` per existence and
+        multiple-choice question."""
         seqs, labs, looks, asks = [], [], [], []
         for s in samples:
             seen: set[str] = set()
@@ -111,9 +112,9 @@ class Encoder(Padding):
                             if q.kind == "mc"
                             else [(q.params["color"], q.params["shape"])]
                         )
-                        asks.append((len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
+                        asks.append(Ask(len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
                     cell_keys = [1 + r * task.GRID + c for r, c in cells]
-                    looks.append((len(seqs), len(ids) - 1, cell_keys, words, option))
+                    looks.append(Look(len(seqs), len(ids) - 1, cell_keys, words, option))
                 ids += ans
                 lab += [-100] * len(prompt) + ans
             seqs.append(ids)
@@ -300,16 +301,16 @@ class AttentionTeacher:
             # SDPA's masks too: an attention name with no mask function gets no mask at all (transformers),
             # which right-padded training batches survive and left-padded generation (validation) does not
             AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)
-            _TRACKED.update({id(mod): (self, layer) for layer, mod in attn.items()})
+            _TRACKED.update({id(mod): Tracked(self, layer) for layer, mod in attn.items()})
             model.set_attn_implementation(ROWS_ATTENTION)
         else:
             model.set_attn_implementation("eager")
             for layer, mod in attn.items():
                 mod.register_forward_hook(self._hook(layer))
 
-    def expect(self, looks) -> None:
+    def expect(self, looks: list[Look]) -> None:
         """The (row, position) queries the next forward's weights are wanted for (rows_only)."""
-        self.query = (torch.tensor([look[0] for look in looks]), torch.tensor([look[1] for look in looks]))
+        self.query = (torch.tensor([look.row for look in looks]), torch.tensor([look.at for look in looks]))
 
     def _weights_of(self, w: torch.Tensor, rows, pos, head: int) -> torch.Tensor:
         return w[:, head - self.head] if self.rows_only else w[rows, head, pos]
@@ -321,26 +322,22 @@ class AttentionTeacher:
 
         return hook
 
-    def loss(self, looks: list[tuple[int, int, list[int], list[int], list[int]]]) -> torch.Tensor:
+    def loss(self, looks: list[Look]) -> torch.Tensor:
         weights, self.weights = self.weights, {}
         if not weights or not looks:
             return torch.zeros(())
-        rows = torch.tensor([look[0] for look in looks])
-        pos = torch.tensor([look[1] for look in looks])
+        rows = torch.tensor([look.row for look in looks])
+        pos = torch.tensor([look.at for look in looks])
         n = next(iter(weights.values())).shape[-1]
         targets = {
-            "cells": uniform_rows([[0, *look[2]] for look in looks], n),  # <|vision_start|> is the sink
-            "words": uniform_rows([look[3] for look in looks], n),
-            "option": uniform_rows([look[4] for look in looks], n),
-            # a look's optional eighth list: where the head looks at the "verdict" layers (a yes/no decided by
-            # matching: the asked word when it agrees with what was found, else the sink)
-            "verdict": uniform_rows([look[7] if len(look) > 7 else [] for look in looks], n),
+            "cells": uniform_rows([[0, *look.keys] for look in looks], n),  # <|vision_start|> is the sink
+            "words": uniform_rows([list(look.words) for look in looks], n),
+            "option": uniform_rows([list(look.option) for look in looks], n),
+            "verdict": uniform_rows([list(look.verdict) for look in looks], n),
         }
-        # a look's optional sixth list: where the next head looks at the "cells" layers (a second object);
-        # its optional seventh: where the next head looks at the "words" layers (the second object's words)
-        second = {
-            "cells": uniform_rows([[0, *look[5]] if len(look) > 5 and look[5] else [] for look in looks], n),
-            "words": uniform_rows([look[6] if len(look) > 6 else [] for look in looks], n),
+        second = {  # the next head's, at the "cells" and "words" layers (a second object)
+            "cells": uniform_rows([[0, *look.second] if look.second else [] for look in looks], n),
+            "words": uniform_rows([list(look.second_words) for look in looks], n),
         }
         terms = []
         for layer, w in weights.items():
@@ -356,7 +353,16 @@ class AttentionTeacher:
 
 
 ROWS_ATTENTION = "trimvlm_teacher_rows"
-_TRACKED: dict[int, tuple[AttentionTeacher, int]] = {}
+
+
+class Tracked(NamedTuple):
+    """An attention module an `AttentionTeacher(rows_only=True)` reads: the teacher and the module's layer."""
+
+    teacher: AttentionTeacher
+    layer: int
+
+
+_TRACKED: dict[int, Tracked] = {}
 
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
@@ -366,9 +372,9 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
 
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
     hit = _TRACKED.get(id(module))
-    if hit is None or not torch.is_grad_enabled() or hit[0].query is None:
+    if hit is None or not torch.is_grad_enabled() or hit.teacher.query is None:
         return out, None
-    teacher, layer = hit
+    teacher, layer = hit.teacher, hit.layer
     rows, pos = teacher.query
     heads = [teacher.head, teacher.head + 1]
     group = query.shape[1] // key.shape[1]
@@ -413,14 +419,14 @@ class PairProbe(torch.nn.Module):
         self.linear = torch.nn.Linear(hidden, n_pairs + 1)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
 
-    def loss(self, model, out, pair: torch.Tensor, asks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    def loss(self, model, out, pair: torch.Tensor, asks: list[Ask]) -> torch.Tensor:
         h = model.model.language_model.norm(out.hidden_states[AUX_POSITION_LAYER])
         ce = torch.nn.functional.cross_entropy
         loss = ce(self.linear(h[:, 1 : 1 + pair.shape[1]]).reshape(-1, self.n_pairs + 1), pair.reshape(-1))
         if asks:
-            rows = torch.tensor([a[0] for a in asks])
-            pos = torch.tensor([a[1] for a in asks])
-            loss = loss + ce(self.linear(h[rows, pos]), uniform_rows([a[2] for a in asks], self.n_pairs + 1))
+            rows = torch.tensor([a.row for a in asks])
+            pos = torch.tensor([a.at for a in asks])
+            loss = loss + ce(self.linear(h[rows, pos]), uniform_rows([a.pairs for a in asks], self.n_pairs + 1))
         return loss
 
 

@@ -4,15 +4,41 @@ the LM head (`aux_cell_loss`, read at decoder layer `AUX_POSITION_LAYER`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 AUX_POSITION_LAYER = 2
 MID_CONTENT = True
+
+
+class Look(NamedTuple):
+    """Where the attention teacher points one answer position (`row`, position `at`), by layer role: the
+    evidence key positions (`keys`, the "cells" layers), the question's attribute words (`words`), the right
+    option's letter and words (`option`); where the next head looks at the "cells" and "words" layers (a second
+    object: `second`, `second_words`) and at the "verdict" layers (a yes/no decided by matching: the asked word
+    when it agrees with what was found, else the sink). An empty list asks nothing of those layers."""
+
+    row: int
+    at: int
+    keys: Sequence[int]
+    words: Sequence[int]
+    option: Sequence[int]
+    second: Sequence[int] = ()
+    second_words: Sequence[int] = ()
+    verdict: Sequence[int] = ()
+
+
+class Ask(NamedTuple):
+    """An existence or multiple-choice question's answer position (`row`, `at`) and the (colour, shape) pair
+    classes it asks for (the pair probe's targets)."""
+
+    row: int
+    at: int
+    pairs: list[int]
 
 
 class Padding:
