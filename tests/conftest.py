@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 from trimvlm.testing import FAMILIES, random_image, tiny_checkpoint
 
 pytest_plugins = ("own_process",)  # tests marked own_process run in a child pytest (tests/own_process.py)
+
+REPO = Path(__file__).resolve().parent.parent  # the repository root: tests never read files through the cwd
 
 AVAILABLE = [f for f in FAMILIES if importlib.util.find_spec(f"trimvlm.testing.tiny_{f}") is not None]
 # .ci/run installs every optional extra and sets this: there a missing extra fails its tests instead of
@@ -97,6 +100,31 @@ def _threads():
     torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _scratch_cwd(tmp_path, monkeypatch):
+    """Every test runs in a scratch directory of its own (its `tmp_path`): nothing a test or a command writes
+    to the working directory lands in the repository, and nothing there (a stray scene.png) is read."""
+    monkeypatch.chdir(tmp_path)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse-files", action="store_true", default=False,
+                     help="run the test files in reverse order (each file's tests in their own order): the suite "
+                          "must not depend on which file ran first")  # fmt: skip
+
+
+def pytest_report_header(config):
+    return "test files in reverse order (--reverse-files)" if config.getoption("--reverse-files") else None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--reverse-files"):
+        return
+    files = list(dict.fromkeys(item.path for item in items))
+    rank = {path: n for n, path in enumerate(reversed(files))}
+    items.sort(key=lambda item: rank[item.path])  # stable: a file's own order is kept
+
+
 def plan_prefill(runner, prep, recipe, **kw):
     """`Runner.prefill` with a recipe's plan; (output, meter, plan)."""
     from trimvlm.plan import make_plan
@@ -180,7 +208,21 @@ class RunnerCalls:
         self._hook.remove()
 
 
+@contextmanager
+def reserved_port():
+    """A port of 127.0.0.1 that nothing else is given while the block runs: a socket bound to it with
+    SO_REUSEADDR, never listening, is held until the block ends. A server started inside the block binds and
+    listens on it (uvicorn and `shared_port` set SO_REUSEADDR, which such a socket admits), while the kernel
+    hands the port to no other bind to port 0 and no outgoing connection."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
 def free_port() -> int:
+    """A port free a moment ago, released at once (another process may take it first): only for a server that
+    cannot share a reserved one (Ray Serve's proxy binds without SO_REUSEADDR); use `reserved_port` else."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -188,14 +230,14 @@ def free_port() -> int:
 
 @contextmanager
 def live(state):
-    """A real uvicorn server over `state` on 127.0.0.1 in a thread; its base URL. It is shut down gracefully
-    at the end (uvicorn waits for the open requests, then the app's scheduler stops)."""
-    port = free_port()
+    """A real uvicorn server over `state` on 127.0.0.1 in a thread, on a port it binds itself (port 0); its
+    base URL. It is shut down gracefully at the end (uvicorn waits for the open requests, then the app's
+    scheduler stops)."""
     import uvicorn
 
     from trimvlm.serve.app import build_app
 
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_config=None, log_level="info",
+    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_config=None, log_level="info",
                             access_log=False, lifespan="on")  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -204,6 +246,7 @@ def live(state):
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", server
     finally:

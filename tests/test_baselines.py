@@ -1,4 +1,4 @@
-"""Baselines as their papers define them (issue 10): H2O over all prefill queries, DivPrune's first pick, DART's
+"""Baselines as their papers define them: H2O over all prefill queries, DivPrune's first pick, DART's
 per-pivot budget, random per image, per-image budgets of tiled families, and every method's own FLOPs counted
 on the method line, equal to torch's counter."""
 

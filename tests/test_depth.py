@@ -1,4 +1,4 @@
-"""Layer plans (issue 11, first part): `depth=skip`, and a skipped block equals removing it from the model."""
+"""Layer plans: `depth=skip`, and a skipped block equals removing it from the model."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""Issue 10 (a working GPU path): everything the runner creates is made on the model's device, in its dtype.
+"""The GPU path: everything the runner creates is made on the model's device, in its dtype.
 
 No GPU is needed to prove the device half: the model and its inputs stay on the CPU while torch's default
 device is `meta`, so any tensor the runner, a method or a readout creates without an explicit `device=` lands

@@ -1,4 +1,4 @@
-"""The field's VLM-specific decode KV baselines (issue 19): kv=lookm, kv=vlcache, kv=aircache. Each against a
+"""The field's VLM-specific decode KV baselines: kv=lookm, kv=vlcache, kv=aircache. Each against a
 reference written here by loops from its definition (LOOK-M's merged KV, VL-Cache's post-vision score and
 sparsity, AirCache's elite window, importance, strength and skewness); per-layer budgets add up to the total
 every policy gets; eviction (with the merge) equals masking after the same merge; a ragged batch equals each

@@ -1,4 +1,4 @@
-"""One execution path (issue 21): every product call is `Runner.prefill(prepared, plan)` (+ `step` / `branch`),
+"""One execution path: every product call is `Runner.prefill(prepared, plan)` (+ `step` / `branch`),
 the vision tower runs once per batch and its FLOPs are counted on that run, and what a plan needs is built
 once (a model's fingerprint, a router checkpoint)."""
 

@@ -1,4 +1,4 @@
-"""The `tree` executor's plan cache (issue 20): a repeated trie shape is planned once, a hit is the layout
+"""The `tree` executor's plan cache: a repeated trie shape is planned once, a hit is the layout
 planning returns (a fresh copy), and a different shape, mix or planner is planned again."""
 
 import dataclasses

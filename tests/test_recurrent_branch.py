@@ -1,4 +1,4 @@
-"""Issue 20, recurrent branches at their own length: short Qwen3.5 segments (decode steps, candidate suffixes,
+"""Recurrent branches at their own length: short Qwen3.5 segments (decode steps, candidate suffixes,
 trie chains) run the gated delta rule's recurrent form (`kernels.gated_delta`) instead of transformers' chunked
 kernel. The step form equals the chunked form (<= 1e-5), absent positions are absent, and candidate scores and
 greedy tokens are those of the chunked path and of transformers."""
@@ -144,7 +144,7 @@ def _count_steps(ad, monkeypatch):
 @pytest.mark.parametrize("executor", ["independent", "batched", "segments", "tree", "tree-merged"])
 def test_scores_equal_the_chunked_path(vlms, monkeypatch, executor):
     """Every executor's scores on a ragged batch of requests (shared prefixes of different rows, a nested trie):
-    the step form everywhere, the chunked kernel everywhere (recurrent_max_len 0, the path before issue 20),
+    the step form everywhere, the chunked kernel everywhere (recurrent_max_len 0: every call padded to chunks),
     and a mix (chains longer than 2 tokens chunked); all equal `independent` on the chunked path."""
     vlm = vlms("qwen3_5")
     ad = vlm.adapter

@@ -1,4 +1,4 @@
-"""The meta-router's model and DPO objective (issue 11, first part)."""
+"""The meta-router's model and DPO objective."""
 
 import copy
 import math

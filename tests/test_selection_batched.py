@@ -1,6 +1,6 @@
-"""Issue 20: the batched selection (every image of a ragged batch in one padded call of density, farthest point
-and the merge) keeps exactly what a per-sample loop of the plain formulas keeps, and merges to the same values;
-issue 33: with the compiled per-pick loops and with their numpy fallback."""
+"""The batched selection (every image of a ragged batch in one padded call of density, farthest point
+and the merge) keeps exactly what a per-sample loop of the plain formulas keeps, and merges to the same values,
+with the compiled per-pick loops and with their numpy fallback."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Issue 33: every compiled per-pick loop (farthest point and its look-ahead, CDPruner's greedy DPP) makes the
+"""Every compiled per-pick loop (farthest point and its look-ahead, CDPruner's greedy DPP) makes the
 picks of the numpy / torch loop it replaces, bit for bit, on random inputs of several N, d and keep, with ties
 and N = 1; the method FLOPs are the same whichever loop ran; samples on two threads give the one-thread result."""
 

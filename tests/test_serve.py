@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, need_extra
+from conftest import need_extra, reserved_port
 
 need_extra("fastapi", "uvicorn", "httpx")
 
@@ -78,41 +78,41 @@ def chat_request(i: int, **kw) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The server's base URL; the subprocess is killed at the end of the module, whatever happened."""
-    port = free_port()
-    log = open(
-        tmp_path_factory.mktemp("serve") / "server.log", "w+"
-    )  # a file: a pipe could fill and block it
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
-        "--max-batch", "32", "--max-wait-ms", "5000", "--max-new-tokens", str(MAX_TOKENS),
-        "--max-body-mb", str(MAX_BODY_MB), "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited ({proc.returncode}):\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 180 s")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
+    with reserved_port() as port:  # held while the server runs: no other process is given it
+        log = open(
+            tmp_path_factory.mktemp("serve") / "server.log", "w+"
+        )  # a file: a pipe could fill and block it
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [
+            sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
+            "--max-batch", "32", "--max-wait-ms", "5000", "--max-new-tokens", str(MAX_TOKENS),
+            "--max-body-mb", str(MAX_BODY_MB), "--log-level", "warning",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"the server exited ({proc.returncode}):\n{log.read()[-4000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail("the server did not answer /health within 180 s")
+                time.sleep(0.3)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            log.close()
 
 
 @pytest.fixture(scope="module")

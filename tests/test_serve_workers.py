@@ -16,7 +16,7 @@ import sys
 import threading
 
 import pytest
-from conftest import free_port, live, need_extra
+from conftest import live, need_extra, reserved_port
 
 need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
@@ -107,7 +107,7 @@ def test_messages_carry_tensors_as_their_bytes():
 def test_the_shared_port_streams_without_waiting_for_acks():
     """An API process's port: the connections asyncio accepts on it have Nagle's algorithm off (with it on, each
     streamed chunk waited for the client's delayed ACK: about 40 ms a request)."""
-    sock = shared_port("127.0.0.1", free_port())
+    sock = shared_port("127.0.0.1", 0)  # the kernel picks the port
     seen = []
 
     class Probe(asyncio.Protocol):
@@ -172,27 +172,27 @@ def test_a_client_that_leaves_leaves_the_engines_batch(demo, split, monkeypatch)
 
 
 def test_api_workers_serve_on_one_port_and_stop_with_the_engine(demo):
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
-           "--api-workers", "2", "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _up(url), "the API processes to answer /health")
-        pids = set()
-        for _ in range(8):  # the kernel spreads the connections over the processes
-            with httpx.Client(base_url=url, timeout=300) as h:
-                r = h.post("/v1/chat/completions", json={"messages": messages(3), "max_tokens": 8})
-                assert r.status_code == 200, r.text
-                pids.add(h.get("/health").json()["pid"])
-        assert r.json()["choices"][0]["message"]["content"] == demo.generate(
-            image(3), "describe ?", max_new_tokens=8).texts[0]  # fmt: skip
-        workers = _children(proc.pid)
-        assert len(workers) == 2 and pids <= set(workers)  # /health was answered by the API processes
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with reserved_port() as port:  # held while the server runs (its sockets share it: SO_REUSEADDR)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "trimvlm.cli", "serve", "--model", "demo", "--port", str(port), "--threads", "1",
+               "--api-workers", "2", "--log-level", "warning"]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: _up(url), "the API processes to answer /health")
+            pids = set()
+            for _ in range(8):  # the kernel spreads the connections over the processes
+                with httpx.Client(base_url=url, timeout=300) as h:
+                    r = h.post("/v1/chat/completions", json={"messages": messages(3), "max_tokens": 8})
+                    assert r.status_code == 200, r.text
+                    pids.add(h.get("/health").json()["pid"])
+            assert r.json()["choices"][0]["message"]["content"] == demo.generate(
+                image(3), "describe ?", max_new_tokens=8).texts[0]  # fmt: skip
+            workers = _children(proc.pid)
+            assert len(workers) == 2 and pids <= set(workers)  # /health was answered by the API processes
+        finally:
+            proc.terminate()
+            proc.wait(30)
     wait_for(lambda: not any(_alive(p) for p in workers), "the API processes to stop with the engine")
 
 

@@ -3,6 +3,7 @@ evals, tune, training -> methods -> runtime (adapters beside runtime), and nothi
 counts, the ones inside functions too; and no import cycle between files."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import trimvlm
 
 ROOT = Path(trimvlm.__file__).parent
+REPO = Path(__file__).resolve().parent.parent
 TOP = {"cli", "serve", "integrations", "testing", "__init__"} | {p.stem for p in ROOT.glob("cli_*.py")}
 ABOVE_METHODS = TOP | {"vlm", "plan", "registry", "evals", "tune", "training", "demo"}
 # package -> the packages it must never import
@@ -172,3 +174,20 @@ def test_the_cycle_check_sees_local_relative_and_submodule_imports(tmp_path):
         ("trimvlm.a.one", "trimvlm.a.two"),
         ("trimvlm.c", "trimvlm.c.back"),
     }
+
+
+# a reference to the project's own tracker (an issue's number, with or without the word): history, which
+# belongs in CHANGELOG.md
+TRACKER = re.compile(r"\bissues? \d+|(?<![\w/&])#\d+\b", re.I)
+
+
+def test_code_names_no_issue_numbers():
+    """Docstrings and comments of src/ and tests/ say what the code does, not which issue brought it (another
+    project's issue, `owner/repo#N`, is a reference and stays). tests/test_docs.py is left out: its examples of
+    history are the data of the docs' history check."""
+    files = [*ROOT.rglob("*.py"), *(p for p in (REPO / "tests").rglob("*.py") if p.name != "test_docs.py")]
+    found = [f"{p.relative_to(p.parents[1])}:{n}: {line.strip()}" for p in files
+             for n, line in enumerate(p.read_text().splitlines(), 1) if TRACKER.search(line)]  # fmt: skip
+    assert found == []
+    assert TRACKER.search("the path before issue " + "20") and TRACKER.search("see #" + "33")
+    assert not TRACKER.search("ray-project/ray#31145") and not TRACKER.search("colour '#1f77b4'")

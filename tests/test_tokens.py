@@ -1,4 +1,4 @@
-"""Prefill visual-token reducers (issue 4): no-op at keep = 1, exact references for rho / FPS / merge, ragged
+"""Prefill visual-token reducers: no-op at keep = 1, exact references for rho / FPS / merge, ragged
 batches equal per-sample runs, FLOPs fall as predicted, recipe errors name what is allowed."""
 
 import math

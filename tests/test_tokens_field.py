@@ -1,4 +1,4 @@
-"""The field's strongest prefill baselines (issue 19): pool, cdpruner, holov, downsample. Each against a reference
+"""The field's strongest prefill baselines: pool, cdpruner, holov, downsample. Each against a reference
 written here from its definition; a ragged batch equals each sample alone on every family; keep = 1 changes
 nothing; the method FLOPs are exactly what torch's counter sees on top of the model's."""
 

@@ -1,4 +1,4 @@
-"""A tree's attention (issue 20): rows that share their context (prefix row and ancestors) read it in one call
+"""A tree's attention: rows that share their context (prefix row and ancestors) read it in one call
 per run (`runtime.tree.context_runs`); past MAX_CONTEXT_RUNS runs (or too few rows per run) each row gathers
 its ancestors. Both paths
 give the scores of `independent`, and each is the one that ran."""

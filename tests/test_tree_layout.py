@@ -1,4 +1,4 @@
-"""The `tree` executor's layout and cost model (issue 20): recurrent rows join cut pieces, short pieces stay at
+"""The `tree` executor's layout and cost model: recurrent rows join cut pieces, short pieces stay at
 their own length, absorption is costed over the executed layers, a merge is taken only past the margin."""
 
 from trimvlm.scoring.executors.tree_layout import (

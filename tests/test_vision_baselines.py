@@ -1,4 +1,4 @@
-"""PruMerge and VisionZip as their papers define them (issue 10): they read the vision tower's attention.
+"""PruMerge and VisionZip as their papers define them: they read the vision tower's attention.
 
 The vision probe records what eager attention computes (the [CLS] row on CLIP, the mean attention received on
 Qwen-VL, window attention included), mapped to LLM tokens; the selections and merges equal slow references;

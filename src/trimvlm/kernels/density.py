@@ -83,7 +83,7 @@ def spatial_density(
         # sum_n cos(x, x_n) = <xn, sum_n xn_n>, the neighbours' unit vectors are summed first: a window box sum
         # (sum pooling over each feature plane, read in place from the [B, h, w, d] layout) minus the cell itself,
         # then one dot product. The box sum is element-wise work, uncounted here as by torch's FlopCounterMode; it
-        # is 1.7x faster than the shifted adds it replaced (docs/tokens.md, issue 20).
+        # is 1.7x faster than the shifted adds it replaced (docs/tokens.md).
         ones = m if m is not None else xn.new_ones(b, h, w)
         acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
         count = _box_sum(ones[:, None], window)[:, 0] - ones

@@ -1,4 +1,4 @@
-"""The switch for the compiled per-pick loops (issue 33): numba when it is installed, the numpy / torch loops
+"""The switch for the compiled per-pick loops: numba when it is installed, the numpy / torch loops
 they replace when it is not, or when `TRIMVLM_JIT=0` (read at import) or `ENABLED = False` (tests) asks for them.
 
 Both paths make the same picks bit for bit: a compiled loop does the same float operations, in the same order

@@ -119,7 +119,7 @@ def score_requests(
     with meter.timer("branch"):
         results = read(requests, feats, readout, head, meter)
     meter.stop_memory()
-    if meter.costs.peak_memory_kind == "cpu_peak_rss_growth":  # not a measurement of this call (issue 10)
+    if meter.costs.peak_memory_kind == "cpu_peak_rss_growth":  # the process' RSS growth: not this call's
         meter.costs.peak_memory_bytes, meter.costs.peak_memory_kind = 0, "not measured (track_memory=True)"
     logical = work.forest.logical_tokens
     return ScoreBatch(
