@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import trimvlm
 from trimvlm.testing import random_image
 from trimvlm.testing.cli import assert_one_line_error as _one_line_error
 from trimvlm.testing.cli import run_cli as _cli
@@ -340,6 +341,30 @@ def test_version_prints_the_package_version():
 
     res = _cli("--version")
     assert res.exit_code == 0 and res.output.strip() == f"trimvlm {version('trimvlm')}"
+
+
+def test_version_without_an_installed_distribution_is_the_sources(monkeypatch):
+    """Run from a checkout that is not installed, `--version` prints `trimvlm.__version__`."""
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    res = _cli("--version")
+    assert res.exit_code == 0 and res.output.strip() == f"trimvlm {trimvlm.__version__}"
+
+
+def test_the_version_is_the_latest_release():
+    """pyproject.toml's version, `trimvlm.__version__` and CHANGELOG.md's latest release are one version."""
+    import re
+    import tomllib
+
+    from conftest import REPO
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d\d-\d\d$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert releases and project == trimvlm.__version__ == releases[0], (project, trimvlm.__version__, releases[:1])
 
 
 def test_help_groups_the_commands_for_users_and_for_training():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -20,11 +21,20 @@ app = typer.Typer(
 USE, MEASURE, TRAIN = "Use a model", "Measure and choose recipes", "Train and calibrate (writes files)"
 
 
-def _version(value: bool) -> None:
-    if value:
+def package_version() -> str:
+    """The installed distribution's version (its metadata), or the source's `trimvlm.__version__` where trimvlm
+    runs without being installed (a checkout on PYTHONPATH)."""
+    try:
+        return importlib.metadata.version("trimvlm")
+    except importlib.metadata.PackageNotFoundError:
         from trimvlm import __version__
 
-        print(f"trimvlm {__version__}")
+        return __version__
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"trimvlm {package_version()}")
         raise typer.Exit()
 
 
