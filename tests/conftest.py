@@ -100,6 +100,14 @@ def _threads():
     torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_session_cwd(tmp_path_factory):
+    """Session and module fixtures (set up before a test's own directory) run in a scratch directory too."""
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _scratch_cwd(tmp_path, monkeypatch):
     """Every test runs in a scratch directory of its own (its `tmp_path`): nothing a test or a command writes

@@ -7,6 +7,7 @@ and a score question: the kinds the demo's decision labels, yes/no, A-F and 0-9,
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 from trimvlm.evals.items import CandidateItem, DecisionItem
 from trimvlm.evals.tasks.base import Record, Task, register_task
@@ -22,8 +23,16 @@ DEMO_METRICS = {
 }
 
 
+class DemoQuestion(NamedTuple):
+    """One question of a drawn image: its item id, the sample (image and scene) and the question."""
+
+    id: str
+    sample: Any
+    qa: Any
+
+
 def demo_questions(limit: int | None, seed: int, split: str, generator=None, default: int = DEMO_DEFAULT_ITEMS):
-    """(the samples drawn, the first `limit` (default `default`) of their questions as (id, sample, qa)): one
+    """(the samples drawn, the first `limit` (default `default`) of their questions (`DemoQuestion`)): one
     of every kind per image, image-major, from `generator` (a task module: the grid task's unless given).
     The demo and scenes tasks and their candidate tasks all read these."""
     from trimvlm.demo import task as grid
@@ -31,7 +40,7 @@ def demo_questions(limit: int | None, seed: int, split: str, generator=None, def
     demo = generator if generator is not None else grid
     n = limit if limit is not None else default
     samples = demo.generate_split(split, math.ceil(n / len(demo.KINDS)), seed=seed)
-    questions = [(f"{split}-{seed}-{i}-{qa.kind}", s, qa)
+    questions = [DemoQuestion(f"{split}-{seed}-{i}-{qa.kind}", s, qa)
                  for i, s in enumerate(samples) for qa in s.qas if qa.kind in demo.KINDS]  # fmt: skip
     return samples, questions[:n]
 
