@@ -174,6 +174,8 @@ def main(argv=None):
         cap = asyncio.run(sl.load(fixed.url, "/v1/chat/completions", bodies, args.clients, args.calibrate))
         capacity = (len(cap["latencies"]) - len(cap["failures"])) / cap["seconds"]
         rate = args.load * capacity
+        if args.quick:  # a slice of about four arrivals whatever the capacity (seeded: the same count every run)
+            args.seconds = max(args.seconds, 4.0 / rate)
         results = {"fixed": [], "adaptive": []}
         for server in (fixed, adaptive):  # warm-up (first uses: kernels, plans)
             asyncio.run(open_loop(server.url, pool, rate, args.warmup, args.max_new_tokens, seed=-1))
