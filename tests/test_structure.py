@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 import trimvlm
 
 ROOT = Path(trimvlm.__file__).parent
-REPO = Path(__file__).resolve().parent.parent
 TOP = {"cli", "serve", "integrations", "testing", "__init__"} | {p.stem for p in ROOT.glob("cli_*.py")}
 ABOVE_METHODS = TOP | {"vlm", "plan", "registry", "evals", "tune", "training", "demo"}
 # package -> the packages it must never import
