@@ -75,6 +75,7 @@ def test_chat_route_takes_the_one_runner_path(demo, monkeypatch):
     from conftest import live, need_extra
 
     httpx = need_extra("fastapi", "uvicorn", "httpx")
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
     img = random_image(4, (96, 96))
@@ -89,7 +90,7 @@ def test_chat_route_takes_the_one_runner_path(demo, monkeypatch):
     monkeypatch.setattr(demo.adapter, "prepare", lambda *a, **kw: prepares.append(1) or real(*a, **kw))
     calls = RunnerCalls(demo.runner, monkeypatch)
     try:
-        with live(ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0)) as (base, _):
+        with live(ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))) as (base, _):
             got = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
         assert got["choices"][0]["message"]["content"] == want
         assert (len(prepares), calls.prefills, calls.vision) == (1, 1, 1)

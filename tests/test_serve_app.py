@@ -27,6 +27,7 @@ def test_model_error_is_500_and_the_server_goes_on(monkeypatch):
     import trimvlm
     from trimvlm.serve import systemone
     from trimvlm.serve.app import build_app
+    from trimvlm.serve.limits import Batching
     from trimvlm.serve.state import ServerState
 
     real = systemone.run
@@ -37,7 +38,7 @@ def test_model_error_is_500_and_the_server_goes_on(monkeypatch):
         return real(state, key, jobs)
 
     monkeypatch.setattr(systemone, "run", flaky)
-    state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1)
+    state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1))
     req = {
         "state": "no image",
         "questions": {"boom": {"type": "noul", "instructions": "is there a red square ?"}},

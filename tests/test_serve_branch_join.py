@@ -87,11 +87,12 @@ def test_n_requests_and_a_plain_one_decode_in_one_batch(demo, monkeypatch):
     need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
     from test_serve_engine import WAIT_S, HeldSteps, client, image, messages, wait_for
 
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
     refs = {s: [demo.generate(image(s), "describe ?", max_new_tokens=16, temperature=1.0, seed=9 + i).texts[0]
                 for i in range(n)] for s, n in ((3, 1), (4, 3), (5, 2))}  # fmt: skip
-    state = ServerState(demo, model_id="demo", prefix_cache_mb=0, vision_cache_mb=0, request_cache_mb=0)
+    state = ServerState(demo, model_id="demo", caches=CacheSizes(prefix_mb=0, vision_mb=0, request_mb=0))
     held, gate = HeldSteps(demo.runner, monkeypatch), threading.Event()
     held.hold = lambda rows: gate if rows == 1 else None  # A's first steps wait until the others are queued
     out = {}

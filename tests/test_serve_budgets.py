@@ -16,6 +16,7 @@ import httpx  # noqa: E402
 
 from trimvlm.errors import InputError  # noqa: E402
 from trimvlm.serve.budgets import WINDOW_S, LoadBudget, Rung, ladder  # noqa: E402
+from trimvlm.serve.recipes import RecipeOptions  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import image, messages  # noqa: E402  isort: skip
@@ -89,7 +90,7 @@ def test_the_arrival_rate_is_of_the_last_window():
 
 def test_requests_follow_the_load_and_their_own_recipe_wins(demo, tmp_path, monkeypatch):
     folder = tune_folder(tmp_path / "t", demo)
-    state = ServerState(demo, model_id="demo", tuned=folder, slo_ttft_ms=200)
+    state = ServerState(demo, model_id="demo", recipes=RecipeOptions(tuned=folder, slo_ttft_ms=200))
     predicted = {"baseline": 1.0, "tuned-total_flops=0.6": 0.5, "tuned-total_flops=0.4": 0.1}  # seconds
     monkeypatch.setattr(state.load, "predict", lambda rung, waiting: predicted[rung.label])
     monkeypatch.setattr(state.load, "sustained", lambda rung, rate: 0.0)
@@ -119,4 +120,4 @@ def test_requests_follow_the_load_and_their_own_recipe_wins(demo, tmp_path, monk
 
 def test_tuned_and_the_objective_go_together(demo, tmp_path):
     with pytest.raises(InputError, match="go together"):
-        ServerState(demo, model_id="demo", tuned=tune_folder(tmp_path / "t", demo))
+        ServerState(demo, model_id="demo", recipes=RecipeOptions(tuned=tune_folder(tmp_path / "t", demo)))

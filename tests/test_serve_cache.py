@@ -184,10 +184,11 @@ def test_over_http_a_repeat_is_a_hit_and_metrics_say_so(plain):
     need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
     import httpx
 
+    from trimvlm.serve.limits import Batching
     from trimvlm.serve.state import ServerState
     from trimvlm.testing.live_server import live_server
 
-    state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1)
+    state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1))
     body = request(8) | {"model": "demo"}
     with live_server(state) as url:
         a = httpx.post(url + "/v1/systemone", json=body, timeout=120).json()
@@ -208,10 +209,10 @@ def test_over_http_a_repeat_is_a_hit_and_metrics_say_so(plain):
 
 def test_no_caches_when_the_flags_are_0():
     need_extra("fastapi", "prometheus_client")
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
-    state = ServerState(trimvlm.load("demo"), model_id="demo", vision_cache_mb=0, prefix_cache_mb=0,
-                        request_cache_mb=0)  # fmt: skip
+    state = ServerState(trimvlm.load("demo"), model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))  # fmt: skip
     assert state.cache_stats() == {"vision": None, "prefix": None, "request": None}
 
 
@@ -223,10 +224,10 @@ def test_identical_requests_of_one_batch_are_computed_once(plain, monkeypatch, r
     need_extra("fastapi", "uvicorn", "prometheus_client")
     from trimvlm import decision
     from trimvlm.serve import systemone
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
-    state = ServerState(trimvlm.load("demo"), model_id="demo", vision_cache_mb=0, prefix_cache_mb=0,
-                        request_cache_mb=request_cache_mb)  # fmt: skip
+    state = ServerState(trimvlm.load("demo"), model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=request_cache_mb))  # fmt: skip
     bodies = [request(1), request(1), request(2)]
     jobs = []
     for body in bodies:
@@ -278,6 +279,7 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
     from conftest import live
     from test_serve_engine import data_url
 
+    from trimvlm.serve.limits import Batching, CacheSizes
     from trimvlm.serve.state import ServerState
 
     def body(scene_seed, prompt="describe ?", **kw):
@@ -291,7 +293,7 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
             for s, p, kw in [(3, "describe ?", {}), (4, "read text ?", sampled), (3, "describe ?", {}),
                              (5, "describe ?", {}), (4, "read text ?", sampled)]]  # fmt: skip
     for mb, reused in ((512, [False, False, True, False, True]), (0, [False] * 5)):
-        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=10_000, prefix_cache_mb=mb)
+        state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=10_000), caches=CacheSizes(prefix_mb=mb))
         got = [None] * len(asks)
         with live(state) as (url, _):
             for i in (0, 1):  # stored
@@ -356,6 +358,7 @@ def test_a_repeated_chat_request_is_not_prepared_again(plain, monkeypatch):
     from test_serve_engine import data_url, image
 
     from trimvlm.serve import chat
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
     decoded, real = [], chat.decode_image
@@ -367,7 +370,7 @@ def test_a_repeated_chat_request_is_not_prepared_again(plain, monkeypatch):
 
     for mb in (256, 0):
         decoded.clear()
-        state = ServerState(trimvlm.load("demo"), model_id="demo", request_cache_mb=mb)
+        state = ServerState(trimvlm.load("demo"), model_id="demo", caches=CacheSizes(request_mb=mb))
         with live(state) as (url, _):
             got = [httpx.post(url + "/v1/chat/completions", json=body(n), timeout=300).json() for n in (16, 16, 12)]
         assert [g["usage"]["request_cached"] for g in got] == [False, mb > 0, False]
@@ -388,6 +391,7 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
     import httpx
 
     from trimvlm.serve import systemone
+    from trimvlm.serve.limits import Batching, CacheSizes
     from trimvlm.serve.state import ServerState
     from trimvlm.testing.live_server import live_server
 
@@ -400,7 +404,7 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
     post = {"headers": {"content-type": "application/json"}, "timeout": 120}
     for mb in (256, 0):
         checks.clear()
-        state = ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1, request_cache_mb=mb)
+        state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1), caches=CacheSizes(request_mb=mb))
         with live_server(state) as url:
             out = [httpx.post(url + "/v1/systemone", content=c, **post) for c in (raw, raw, reordered, bad, bad)]
             metrics = httpx.get(url + "/metrics").text

@@ -23,6 +23,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 import trimvlm  # noqa: E402
+from trimvlm.serve.limits import Batching  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 WAIT_S = 120  # how long a held step waits for what the engine must deliver before it gives up (test fails)
@@ -216,7 +217,7 @@ def _held_server(demo, monkeypatch):
     held = HeldSteps(demo.runner, monkeypatch)
     release = threading.Event()
     held.hold = lambda rows: release
-    state = ServerState(demo, model_id="demo", max_wait_ms=0)
+    state = ServerState(demo, model_id="demo", batching=Batching(max_wait_ms=0))
 
     def queued():
         return state.metrics.registry.get_sample_value("trimvlm_cancelled_requests_total", {"stage": "queued"}) or 0

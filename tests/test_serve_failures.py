@@ -11,6 +11,7 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
 import httpx  # noqa: E402
 
+from trimvlm.serve.limits import Batching  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import WAIT_S, messages, solo, wait_for  # noqa: E402  isort: skip
@@ -38,7 +39,7 @@ def _a_decodes_then(url, state, out, others: str) -> list[threading.Thread]:
 def test_a_model_error_mid_batch_answers_each_of_its_requests_and_the_server_goes_on(demo, monkeypatch):
     """A decodes (its steps held); B and C are queued, admitted, and join A's batch; that batch's step raises:
     A, B and C each get a 500 naming the error; then D is answered as alone."""
-    state = ServerState(demo, model_id="demo", max_wait_ms=0)
+    state = ServerState(demo, model_id="demo", batching=Batching(max_wait_ms=0))
     real, gate, raised = demo.runner.step, threading.Event(), []
 
     def step(tokens, *a, **kw):
@@ -67,7 +68,7 @@ def test_a_model_error_mid_batch_answers_each_of_its_requests_and_the_server_goe
 def test_a_shutdown_answers_the_running_and_waiting_requests(demo, monkeypatch):
     """A decodes with its steps held, B waits: the server is told to stop and cannot drain; A and B are answered
     503 (the server is shutting down), the model thread ends, and a request after it gets 503 at once."""
-    state = ServerState(demo, model_id="demo", max_wait_ms=0, max_batch=1)
+    state = ServerState(demo, model_id="demo", batching=Batching(max_wait_ms=0, max_batch=1))
     real, gate = demo.runner.step, threading.Event()
 
     def step(tokens, *a, **kw):

@@ -13,6 +13,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from trimvlm.errors import InputError  # noqa: E402
+from trimvlm.serve.keys import Access  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
 from test_serve_engine import image, messages  # noqa: E402  isort: skip
@@ -32,7 +33,7 @@ def test_a_missing_or_wrong_key_is_401_and_the_key_works(demo, caplog, monkeypat
     real = hmac.compare_digest
     monkeypatch.setattr("trimvlm.serve.keys.hmac.compare_digest", lambda a, b: compared.append(1) or real(a, b))
     caplog.set_level(logging.DEBUG)
-    with live(ServerState(demo, model_id="demo", api_key=KEY)) as (url, _):
+    with live(ServerState(demo, model_id="demo", access=Access(api_key=KEY))) as (url, _):
         for method, path, body in ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                             {"Authorization": f"Basic {KEY}"}):  # fmt: skip
@@ -55,14 +56,14 @@ def test_a_missing_or_wrong_key_is_401_and_the_key_works(demo, caplog, monkeypat
 
 
 def test_metrics_keyed_by_the_operators_choice(demo):
-    with live(ServerState(demo, model_id="demo", api_key=KEY, key_metrics=True)) as (url, _):
+    with live(ServerState(demo, model_id="demo", access=Access(api_key=KEY, key_metrics=True))) as (url, _):
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
     with pytest.raises(InputError, match="--key-metrics needs --api-key"):
-        ServerState(demo, model_id="demo", key_metrics=True)
+        ServerState(demo, model_id="demo", access=Access(key_metrics=True))
     with pytest.raises(InputError, match="--api-key"):
-        ServerState(demo, model_id="demo", api_key="  ")
+        ServerState(demo, model_id="demo", access=Access(api_key="  "))
 
 
 def test_the_cli_reads_the_key_from_the_environment(monkeypatch):
@@ -72,7 +73,7 @@ def test_the_cli_reads_the_key_from_the_environment(monkeypatch):
     from trimvlm import cli
 
     seen = {}
-    monkeypatch.setattr("trimvlm.serve.app.serve", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr("trimvlm.serve.main.serve", lambda model, **kw: seen.update(kw))
     monkeypatch.setenv("TRIMVLM_API_KEY", KEY)
     r = CliRunner().invoke(cli.app, ["serve", "--model", "demo"])
     assert r.exit_code == 0, r.output

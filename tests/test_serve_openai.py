@@ -12,6 +12,7 @@ need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
 
 from trimvlm.adapters.base import Conversation, Turn  # noqa: E402
 from trimvlm.runtime.generate import Decoding, Sampling, penalize  # noqa: E402
+from trimvlm.serve.limits import CacheSizes  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.serve.stops import StopText, token_start  # noqa: E402
 
@@ -122,7 +123,7 @@ def test_n_choices_branch_off_one_prefill_with_the_prompt_kv_shared(demo, monkey
              for i in range(4)]  # fmt: skip
     refs = [a.texts[0] for a in alone]
     assert len(set(refs)) > 1  # the seeds differ
-    state = ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0)
+    state = ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))
     seen = []
     held = HeldSteps(demo.runner, monkeypatch)
 

@@ -14,7 +14,8 @@ import httpx  # noqa: E402
 
 from trimvlm.errors import TrimVLMError  # noqa: E402
 from trimvlm.registry import REGISTRIES, _load_methods  # noqa: E402
-from trimvlm.serve.limits import ServerLimits  # noqa: E402
+from trimvlm.serve.limits import CacheSizes, ServerLimits  # noqa: E402
+from trimvlm.serve.recipes import RecipeOptions  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.testing.live_server import live_server  # noqa: E402
 
@@ -61,9 +62,8 @@ def _ask(url: str, recipe: str) -> httpx.Response:
 def servers(demo):
     """Two servers over the demo model, caches off (every request computes all it costs): one prefills the
     prompt (~70 tokens) whole, one in chunks of 16."""
-    whole = ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0)
-    chunked = ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0,
-                          limits=ServerLimits(max_prefill_tokens=16))  # fmt: skip
+    whole = ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))
+    chunked = ServerState(demo, model_id="demo", limits=ServerLimits(max_prefill_tokens=16), caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))  # fmt: skip
     with live_server(whole) as a, live_server(chunked) as b:
         yield {"whole": (a, whole), "chunked": (b, chunked)}
 
@@ -152,7 +152,7 @@ def test_a_clients_recipe_never_reads_a_server_path(demo, tmp_path, reads, recip
     from trimvlm.serve.errors import ApiError
 
     for folder in (None, tmp_path):
-        state = ServerState(demo, model_id="demo", recipe_dir=folder)
+        state = ServerState(demo, model_id="demo", recipes=RecipeOptions(recipe_dir=folder))
         reads.clear()
         with pytest.raises(ApiError) as e:
             state.recipe("chat", recipe)
@@ -171,7 +171,7 @@ def test_recipe_dir_lets_clients_name_tuned_folders_inside_it(demo, tmp_path):
     rep = {"fingerprint": model_fingerprint(demo.adapter), "entries": [entry],
            "budgets": [{"label": "total_flops<=0.5", "budget": {"total_flops": 0.5}, "best": "pool"}]}  # fmt: skip
     (folder / "tune.json").write_text(json.dumps(rep))
-    state = ServerState(demo, model_id="demo", recipe_dir=tmp_path)
+    state = ServerState(demo, model_id="demo", recipes=RecipeOptions(recipe_dir=tmp_path))
     got = state.recipe("chat", "tuned=fast:budget=0.5")
     assert got.recipe.tokens.method == "pool" and got.label == "tuned-total_flops<=0.5"
     with pytest.raises(ApiError) as e:  # a name inside the folder that is not there: its name, not the path

@@ -18,6 +18,7 @@ need_extra("fastapi", "uvicorn", "httpx")
 import httpx  # noqa: E402
 
 import trimvlm  # noqa: E402
+from trimvlm.serve.limits import Batching  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS  # noqa: E402
 from trimvlm.testing.live_server import live_server  # noqa: E402
@@ -80,7 +81,7 @@ TABLE = [
 @pytest.fixture(scope="module")
 def state():
     torch.set_num_threads(1)
-    return ServerState(trimvlm.load("demo"), model_id="demo", max_wait_ms=1)
+    return ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1))
 
 
 @pytest.fixture(scope="module")

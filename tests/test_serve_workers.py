@@ -13,6 +13,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -24,6 +25,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from trimvlm.serve.ipc import Event, Submit, bridge, dumps  # noqa: E402
+from trimvlm.serve.recipes import RecipeOptions  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.serve.workers import shared_port  # noqa: E402
 
@@ -35,21 +37,35 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager
+def shared_metrics():
+    """prometheus_client's multiprocess mode for the metrics made inside, as `--api-workers` runs it (a folder
+    of its own; the mode is chosen when prometheus_client is imported, so its value class is set here)."""
+    from prometheus_client import values
+
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PROMETHEUS_MULTIPROC_DIR", folder)
+        mp.setattr(values, "ValueClass", values.MultiProcessValue())
+        yield
+
+
+@contextlib.contextmanager
 def joined(demo, **kw):
     """(the API-side state, the engine-side state, the engine's bridge thread for the API side), joined by a
-    pipe, both made with `kw`; the engine's scheduler running. Both states are closed on the way out."""
-    engine = ServerState(demo, model_id="demo", **kw)
-    engine.start()
-    a, b = multiprocessing.Pipe()
-    link = threading.Thread(target=bridge, args=(engine, a), daemon=True)
-    link.start()
-    api = ServerState(demo, model_id="demo", remote=(None, b""), **kw)
-    api.batcher.start(b)
-    try:
-        yield api, engine, link
-    finally:
-        api.close()
-        engine.close()
+    pipe, both made with `kw`, their metrics shared as across processes; the engine's scheduler running. Both
+    states are closed on the way out."""
+    with shared_metrics():
+        engine = ServerState(demo, model_id="demo", **kw)
+        engine.start()
+        a, b = multiprocessing.Pipe()
+        link = threading.Thread(target=bridge, args=(engine, a), daemon=True)
+        link.start()
+        api = ServerState(demo, model_id="demo", remote=(None, b""), **kw)
+        api.batcher.start(b)
+        try:
+            yield api, engine, link
+        finally:
+            api.close()
+            engine.close()
 
 
 @pytest.fixture
@@ -134,7 +150,7 @@ def test_a_steps_events_cross_in_one_message(demo, split, monkeypatch):
     """The engine sends what one model step made for an API process as one message: with n = 3 choices each
     step's three tokens arrive together (one message per step, not one per token)."""
     api, _ = split
-    link, real = api.batcher.link, api.batcher.link.recv
+    link, real = api.batcher.conn, api.batcher.conn.recv
     seen = []  # the Event count of every message the API process received
 
     def recv():
@@ -226,7 +242,7 @@ def test_an_api_process_follows_the_engines_load(demo, tmp_path):
 
     folder = tune_folder(tmp_path / "t", demo)
     got = []
-    with joined(demo, tuned=folder, slo_ttft_ms=200) as (api, engine, _), live(api) as (url, _):
+    with joined(demo, recipes=RecipeOptions(tuned=folder, slo_ttft_ms=200)) as (api, engine, _), live(api) as (url, _):
         for s_per_token in (1.0, 1e-9):  # every rung far past 200 ms; then all within it
             engine.load.tokens, engine.load.s_per_token, engine.load.step_s = 100, s_per_token, 0.0
             body = {"messages": messages(3), "max_tokens": 4}

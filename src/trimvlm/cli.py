@@ -720,8 +720,8 @@ def serve(
 
     try:
         require()
-        from trimvlm.serve.app import serve as run_server
         from trimvlm.serve.limits import MiB, ServerLimits
+        from trimvlm.serve.main import serve as run_server
 
         limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
                               max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens),

@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
 from trimvlm.serve.errors import ApiError, from_trimvlm
+from trimvlm.serve.jobs import JobKey
+from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
 
 
@@ -246,8 +248,6 @@ async def handle(state, request):
 
 
 async def _handle(state, request, arrival):
-    from trimvlm.serve.reply import ChatReply
-
     t0 = time.perf_counter()
     body = await state.read_json(request)
     parsed = parse(body, state.limits)
@@ -287,7 +287,7 @@ async def _handle(state, request, arrival):
         prefix_key=earlier, request_cached=hit,
     )  # fmt: skip
     # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
-    batch_key = ("chat", recipe.label) if n == 1 else ("chat", recipe.label, "n", uuid.uuid4().hex)
+    batch_key = JobKey("chat", recipe.label, alone="" if n == 1 else uuid.uuid4().hex)
     queued = state.batcher.enqueue(batch_key, job, arrival)
     state.recipes_run.labels(recipe=recipe.label).inc()
     reply = ChatReply(state, request, queued, model=model, recipe=recipe.label, t0=t0)

@@ -23,6 +23,7 @@ step); `forward_s` is the time of those calls; `batch_requests` the most rows a 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
+from trimvlm.serve.jobs import Choice, ChoiceEnd, Done, Failed, JobKey, LogProb, Token
 from trimvlm.serve.stops import token_start
 
 
@@ -47,9 +49,19 @@ class Row:
     tokens: list[int] = field(default_factory=list)  # generated, the stop token included
     text: str = ""  # its text so far (rows with stop strings)
     starts: list[int] = field(default_factory=list)  # where each token's text begins in it (stops.token_start)
-    logprobs: list = field(default_factory=list)  # per token (id, logprob, [(id, logprob) of the top k])
+    logprobs: list[LogProb] = field(default_factory=list)  # per token
     cut: int | None = None  # where a stop string begins in the text
     reason: str = "length"
+
+
+@dataclass
+class Partial:
+    """The prompt being prefilled in chunks: its request, the chunked prefill, its plan, the seconds run so far."""
+
+    job: object
+    work: object  # the runner's chunked prefill (`Runner.prefill_chunked`)
+    plan: object
+    seconds: float
 
 
 @dataclass
@@ -63,9 +75,8 @@ class Group:
 
 
 class Outbox:
-    """Events for the requests' tasks: ("token", choice, id, logprobs), ("end", choice, its answer), ("done",
-    the request's costs), ("error", exc), handed to their event loop together once a model call is done (one
-    wake-up of the loop per step, not one per row)."""
+    """Events for the requests' tasks (jobs.py: `Token`, `ChoiceEnd`, `Done`, `Failed`), handed to their event
+    loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
 
     def __init__(self):
         self.items: list[tuple[object, tuple]] = []
@@ -102,7 +113,7 @@ class ChatEngine:
         self.cancelled = 0  # rows that left because their client had gone
         self.failed = 0
         self.outbox = Outbox()
-        self.partial: list | None = None  # [job, Prefill, plan, seconds]: the prompt prefilled in chunks
+        self.partial: Partial | None = None  # the prompt prefilled in chunks
         self.chunks = 0  # chunks of chunked prefills run
 
     @property
@@ -171,7 +182,7 @@ class ChatEngine:
         except Exception as e:  # noqa: BLE001  (a model error must not end the loop)
             self.failed += 1
             if len(jobs) == 1:
-                self.outbox.post(jobs[0], ("error", e))
+                self.outbox.post(jobs[0], Failed(e))
             else:
                 for job in jobs:
                     self._admit([job], plan)
@@ -189,7 +200,7 @@ class ChatEngine:
             out = work.advance(work.left)
         except Exception as e:  # noqa: BLE001
             self.failed += 1
-            self.outbox.post(job, ("error", e))
+            self.outbox.post(job, Failed(e))
             return
         self._store(job, out)
         self._start([job], plan, out, meter, time.perf_counter() - t0, [work.reused])
@@ -210,9 +221,9 @@ class ChatEngine:
             work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=meter)
         except Exception as e:  # noqa: BLE001
             self.failed += 1
-            self.outbox.post(job, ("error", e))
+            self.outbox.post(job, Failed(e))
             return
-        self.partial = [job, work, plan, time.perf_counter() - t0]
+        self.partial = Partial(job, work, plan, time.perf_counter() - t0)
         self.prefill_chunk(chunk)
 
     def prefill_chunk(self, tokens: int) -> int:
@@ -220,7 +231,8 @@ class ChatEngine:
         done its rows join the running batch (their first tokens sent). The positions run (0: none pending)."""
         if not self.partial:
             return 0
-        job, work, plan, seconds = self.partial
+        part = self.partial
+        job, work = part.job, part.work
         if job.cancelled:  # its client has gone: no more of it is computed
             self.partial = None
             self.cancelled += 1
@@ -232,15 +244,15 @@ class ChatEngine:
             self.chunks += 1
         except Exception as e:  # noqa: BLE001
             self.partial, self.failed = None, self.failed + 1
-            self.outbox.post(job, ("error", e))
+            self.outbox.post(job, Failed(e))
             self.outbox.flush()
             return n
-        self.partial[3] = seconds = seconds + time.perf_counter() - t0
+        part.seconds += time.perf_counter() - t0
         if out is not None:
             self.partial = None
-            if plan.reuses_prompts:
+            if part.plan.reuses_prompts:
                 self._store(job, out)
-            self._start([job], plan, out, work.meter, seconds, [0])
+            self._start([job], part.plan, out, work.meter, part.seconds, [0])
             self.outbox.flush()
         return n
 
@@ -254,7 +266,7 @@ class ChatEngine:
         self._advance(group, logits)
         if not group.rows:
             return
-        key = jobs[0].key[:2]  # ("chat", recipe label): an n > 1 request's own batch key joins its recipe's
+        key = JobKey(jobs[0].key.kind, jobs[0].key.recipe)  # an n > 1 request's own batch key joins its recipe's
         old = self.groups.get(key)
         if old is None:
             self.groups[key] = group
@@ -262,7 +274,7 @@ class ChatEngine:
         try:
             old.decoding.join(group.decoding)
         except ValueError:
-            self.groups[jobs[0].key + (id(group),)] = group
+            self.groups[dataclasses.replace(key, alone=str(id(group)))] = group
             return
         old.rows += group.rows
         old.last = torch.cat([old.last, group.last])
@@ -307,7 +319,7 @@ class ChatEngine:
         if self.metrics is not None:
             self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads), seconds)
         if self.load is not None:
-            self.load.prefilled(jobs[0].key[1], sum(ran), sum(p.prompt_tokens - r for p, r in zip(payloads, reused,
+            self.load.prefilled(jobs[0].key.recipe, sum(ran), sum(p.prompt_tokens - r for p, r in zip(payloads, reused,
                                                                                           strict=True)), seconds)  # fmt: skip
         idx = torch.tensor(owner, device=out.next_pos.device)
         cache, logits = out.cache, out.logits
@@ -323,9 +335,9 @@ class ChatEngine:
         """Answer every running request `error` and drop its rows (the server stops)."""
         jobs = {id(r.job): r.job for g in self.groups.values() for r in g.rows}
         if self.partial:
-            jobs[id(self.partial[0])] = self.partial[0]
+            jobs[id(self.partial.job)] = self.partial.job
         for job in jobs.values():
-            self.outbox.post(job, ("error", error))
+            self.outbox.post(job, Failed(error))
         self.groups, self.partial = {}, None
         self.outbox.flush()
 
@@ -348,7 +360,7 @@ class ChatEngine:
         except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other groups go on)
             self.failed += 1
             for job in {id(r.job): r.job for r in group.rows}.values():
-                self.outbox.post(job, ("error", e))
+                self.outbox.post(job, Failed(e))
             group.rows = []
             return
         seconds = time.perf_counter() - t0
@@ -385,7 +397,7 @@ class ChatEngine:
                 t = int(tok[i])
                 top = torch.topk(lp, k) if k else None
                 pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                lps[i] = (t, float(lp[t]), pairs)
+                lps[i] = LogProb(t, float(lp[t]), pairs)
         return tok, lps
 
     def _text(self, tokens: list[int]) -> str:
@@ -415,7 +427,7 @@ class ChatEngine:
                 row.logprobs.append(lps[i])
             if "engine_ttft_s" not in p.usage:  # queued -> its first token sent by this thread
                 p.usage["engine_ttft_s"] = time.perf_counter() - row.job.enqueued
-            self.outbox.post(row.job, ("token", row.index, t, lps[i]))
+            self.outbox.post(row.job, Token(row.index, t, lps[i]))
             if p.stop is not None:
                 text = self._text([x for x in row.tokens if x not in self.stops])
                 row.starts.append(token_start(row.text, text))
@@ -465,10 +477,8 @@ class ChatEngine:
         if row.cut is not None:
             text = text[: row.cut]
             logprobs = logprobs[: sum(1 for start in row.starts if start < row.cut)]
-        self.outbox.post(row.job, ("end", row.index, {
-            "text": text, "completion_tokens": len(tokens), "finish_reason": row.reason, "logprobs": logprobs,
-        }))  # fmt: skip
+        self.outbox.post(row.job, ChoiceEnd(row.index, Choice(text, len(tokens), row.reason, logprobs)))
         p.open -= 1
         if p.open == 0:
             row.job.finished = True  # computed to the end (a client that leaves now left too late to save work)
-            self.outbox.post(row.job, ("done", {"usage": p.usage, "batch": p.batch}))
+            self.outbox.post(row.job, Done(p.usage, p.batch))

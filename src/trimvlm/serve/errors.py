@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from trimvlm.decision import QuestionError, RequestError
 from trimvlm.errors import TrimVLMError
+from trimvlm.serve.jobs import ShuttingDown
 
 
 class ApiError(Exception):
@@ -28,6 +29,9 @@ class ApiError(Exception):
         super().__init__(text)
         self.status = status
         self.detail = detail
+
+    def __reduce__(self):  # (it crosses to an API process as itself: serve/ipc.py)
+        return ApiError, (self.status, self.detail)
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error"}
@@ -69,8 +73,6 @@ def model_failed(e: BaseException) -> ApiError:
 
 def as_api_error(e: BaseException) -> ApiError:
     """What a request's batch raised, as its answer: itself (an ApiError), 400 for a trimvlm error, else 500."""
-    from trimvlm.serve.jobs import ShuttingDown
-
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ShuttingDown):

@@ -1,5 +1,7 @@
-"""What the model thread and the requests' event loops hand each other: a queued request (`Job`), its result
-(`settle`: its future, or the event a request answered by events waits for), and `ShuttingDown` (503)."""
+"""What the model thread and the requests' event loops hand each other: a queued request (`Job`) and the key it
+batches by (`JobKey`), the events a chat completion is answered by (`Token`, `ChoiceEnd`, `Done`, `Failed`), a
+job's result (`settle`: its future, or the event a request answered by events waits for), and `ShuttingDown`
+(503)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,29 @@ import asyncio
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class ShuttingDown(RuntimeError):
     """The server is shutting down: a request it will not answer any more (503)."""
 
 
+@dataclass(frozen=True)
+class JobKey:
+    """What a request batches by: only requests with equal keys share a batch. `kind`: its endpoint ("chat",
+    "decide", "score"); `recipe`: its recipe's label; a score's `readout` and `executor`; `alone`: a batch of its
+    own (a chat completion of n > 1 choices, whose rows decode off its own prompt's KV)."""
+
+    kind: str
+    recipe: str
+    readout: str = ""
+    executor: str = ""
+    alone: str = ""
+
+
 @dataclass(eq=False)  # a job is itself (its payload may hold tensors)
 class Job:
-    key: Hashable
+    key: Hashable  # a JobKey (any hashable for a plain micro-batcher)
     payload: Any
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -30,13 +45,58 @@ class Job:
         self.cancelled = True
 
 
+class LogProb(NamedTuple):
+    """A generated token's log-probability and the top ones, (token id, log-probability) each."""
+
+    token: int
+    logprob: float
+    top: list
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A choice's answer: its text (cut where a stop string begins), its tokens' count, why it ended, the
+    log-probabilities of the tokens whose text was returned."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    logprobs: list
+
+
+@dataclass(frozen=True)
+class Token:
+    choice: int
+    token: int
+    logprob: LogProb | None
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    choice: int
+    answer: Choice
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request's last event: its costs and the most rows a model call of it held."""
+
+    usage: dict
+    batch: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
 def settle(job: Job, result) -> None:
     """Hand a job its result on its event loop: its future's, or (an error) the event a request that is
     answered by events waits for (`payload.events`: a chat completion)."""
     events = getattr(job.payload, "events", None)
     if events is not None and isinstance(result, BaseException):
         try:
-            job.loop.call_soon_threadsafe(events.put_nowait, ("error", result))
+            job.loop.call_soon_threadsafe(events.put_nowait, Failed(result))
         except RuntimeError:  # the event loop is closed
             pass
 

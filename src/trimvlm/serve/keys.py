@@ -8,9 +8,29 @@ from __future__ import annotations
 
 import hmac
 import json
+from dataclasses import dataclass
+
+from trimvlm.errors import InputError
 
 ENV = "TRIMVLM_API_KEY"
 OPEN = ("/health",)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may ask: `api_key` (None: anyone; never logged), `key_metrics` (/metrics needs the key too)."""
+
+    api_key: str | None = None
+    key_metrics: bool = False
+
+    def __post_init__(self):
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise InputError("--api-key must be a non-empty string")
+        if self.key_metrics and self.api_key is None:
+            raise InputError("--key-metrics needs --api-key (or TRIMVLM_API_KEY)")
+
+    def __repr__(self) -> str:  # the key is never shown
+        return f"Access(api_key={'<set>' if self.api_key else None}, key_metrics={self.key_metrics})"
 
 
 class ApiKey:

@@ -43,3 +43,39 @@ class ServerLimits:
             max_questions=self.max_questions, max_assets=self.max_images,
             max_asset_bytes=self.max_image_bytes, allow_paths=False,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Batching:
+    """`max_batch`: requests (chat: running rows) per batch at most; `max_wait_ms`: how long a batch waits for
+    requests still being read, after its first arrived."""
+
+    max_batch: int = 32
+    max_wait_ms: float = 10.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise InputError(f"--max-batch must be a positive integer, got {self.max_batch!r}")
+        if not self.max_wait_ms >= 0:
+            raise InputError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms!r}")
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """The caches' bounds in MiB (0: off): vision features, System One prefixes and chat prompts, prepared
+    requests (docs/serving.md, "Caches")."""
+
+    vision_mb: float = 256
+    prefix_mb: float = 512
+    request_mb: float = 256
+
+    def __post_init__(self):
+        for flag in ("vision", "prefix", "request"):
+            self.bytes(flag)
+
+    def bytes(self, cache: str) -> int | None:
+        """A cache's bound in bytes (None: the cache is off)."""
+        mb = getattr(self, f"{cache}_mb")
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or not mb >= 0:
+            raise InputError(f"--{cache}-cache-mb must be a number of MiB >= 0 (0: off), got {mb!r}")
+        return int(mb * MiB) or None

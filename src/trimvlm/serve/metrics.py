@@ -5,10 +5,18 @@ tokens, generated tokens per second (over the last 10 s), decode and prefill bat
 running requests, requests cancelled by their client (queued or running: never computed further), failed
 model calls. Other parts of the server add their own figures with `counter`, `gauge` and `histogram`, e.g. a
 cache's hits and bytes: `state.metrics.gauge("trimvlm_vision_cache_bytes", "...", fn=lambda: cache.bytes)`.
+
+Across processes (`--api-workers`: serve/workers.py sets PROMETHEUS_MULTIPROC_DIR, a folder of its own, before
+any process makes a metric) prometheus_client's multiprocess mode holds every process's figures in that
+folder: counters and histograms as each process records them, and the gauges that read a function written
+there when the page is made (`refresh`: the engine's when an API process asks for them); a scrape
+(`exposition`) reads them all with a `MultiProcessCollector` (counters and histograms summed, gauges summed
+over the live processes).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -20,17 +28,24 @@ RATE_WINDOW_S = 10.0
 PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
+def shared() -> bool:
+    """Whether this process's metrics are prometheus_client's multiprocess ones (PROMETHEUS_MULTIPROC_DIR)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
 class ServeMetrics:
     def __init__(self, stats: Callable[[], dict] | None = None):
-        """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape."""
+        """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape
+        (None: the scheduler runs in another process, which records its figures and these gauges)."""
         from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry()
-        self._stats = stats or dict
+        self.shared = shared()
+        self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape (shared)
         self._made: dict[str, object] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
         self._lock = threading.Lock()
-        c, h, g = self.counter, self.histogram, self.gauge
+        c, h = self.counter, self.histogram
         self.requests = c(
             "trimvlm_requests", "HTTP requests answered, by path and status", ("path", "status")
         )
@@ -50,6 +65,12 @@ class ServeMetrics:
             "at the next step), finished (already computed)",
             ("stage",),
         )
+        if stats is not None:
+            self._scheduler(stats)
+
+    def _scheduler(self, stats: Callable[[], dict]) -> None:
+        """The model loop's figures, read at each scrape."""
+        g = self.gauge
         g(
             "trimvlm_tokens_per_second",
             f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
@@ -58,25 +79,25 @@ class ServeMetrics:
         g(
             "trimvlm_queue_depth",
             "requests waiting to be admitted",
-            fn=lambda: self._stats().get("waiting", 0),
+            fn=lambda: stats().get("waiting", 0),
         )
-        g("trimvlm_running_requests", "chat completions decoding", fn=lambda: self._stats().get("running", 0))
+        g("trimvlm_running_requests", "chat completions decoding", fn=lambda: stats().get("running", 0))
         g(
             "trimvlm_dropped_requests",
             "queued requests whose client left: never computed",
-            fn=lambda: self._stats().get("dropped", 0),
+            fn=lambda: stats().get("dropped", 0),
         )
         g(
             "trimvlm_model_thread_cpu_seconds",
             "CPU seconds the model loop's thread has used: with --threads 1 all of the model's work (prefills, "
             "decode steps, the methods), without HTTP, JSON or image decoding; torch's own worker threads, "
             "with more, are not in it",
-            fn=lambda: self._stats().get("model_cpu_s", 0.0),
+            fn=lambda: stats().get("model_cpu_s", 0.0),
         )
         g(
             "trimvlm_failed_batches",
             "model calls that raised",
-            fn=lambda: self._stats().get("failed_batches", 0),
+            fn=lambda: stats().get("failed_batches", 0),
         )
 
     # ---- registering figures ----
@@ -96,11 +117,14 @@ class ServeMetrics:
         return self._metric(Histogram, name, doc, labels, buckets=buckets)
 
     def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
-        """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape."""
+        """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape (summed over the live processes
+        in multiprocess mode)."""
         from prometheus_client import Gauge
 
-        made = self._metric(Gauge, name, doc, labels)
-        if fn is not None:
+        made = self._metric(Gauge, name, doc, labels, multiprocess_mode="livesum")
+        if fn is not None and self.shared:
+            self._live.append((made, fn))
+        elif fn is not None:
             made.set_function(fn)
         return made
 
@@ -146,8 +170,19 @@ class ServeMetrics:
             self._trim(now)
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text format and its content type."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    def refresh(self) -> None:
+        """Write the gauges that read a function (multiprocess mode: the folder holds their values)."""
+        for made, fn in self._live:
+            made.set(fn())
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format and its content type: this registry's, or (multiprocess mode) every process's."""
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        if not self.shared:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        self.refresh()
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -20,8 +20,11 @@ from __future__ import annotations
 import sys
 import time
 
+from trimvlm.cluster import connect
 from trimvlm.errors import InputError
 from trimvlm.options import is_int
+from trimvlm.serve.app import build_app, make_state
+from trimvlm.serve.logs import configure
 
 APP_NAME = "trimvlm"
 
@@ -37,9 +40,6 @@ def deployment(model: str, *, replicas: int, log_level: str = "info", access_log
     from ray import serve
 
     def build():  # on each replica, when it starts
-        from trimvlm.serve.app import build_app, make_state
-        from trimvlm.serve.logs import configure
-
         state = make_state(model, **options)
         configure(log_level, access_log)
         return build_app(state)
@@ -71,8 +71,6 @@ def serve_replicas(model: str, *, replicas: int, ray_address: str | None, host: 
     replicas = check_replicas(replicas)
     if ray_address is None:
         raise InputError(f"--replicas {replicas} runs replicas on Ray: give --ray local, auto or HOST:PORT")
-    from trimvlm.cluster import connect
-
     ray, started, where = connect(ray_address)
     try:
         from ray import serve

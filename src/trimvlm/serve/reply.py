@@ -26,6 +26,7 @@ import time
 import uuid
 
 from trimvlm.serve.errors import ApiError, as_api_error
+from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, Token
 from trimvlm.serve.stops import token_start
 
 
@@ -116,18 +117,17 @@ class ChatReply:
         return self._seen(get.result())
 
     def _seen(self, event):
-        kind, value = event[0], event[-1]
         now = time.perf_counter()
         metrics = self.state.metrics
-        if kind == "token":
+        if isinstance(event, Token):
             if self._last is None:
                 self._first = now
                 metrics.first_token(now - self.t0)
             else:
                 metrics.inter_token(now - self._last)
             self._last = now
-        elif kind == "error":
-            raise as_api_error(value)
+        elif isinstance(event, Failed):
+            raise as_api_error(event.error)
         return event
 
     def cancel(self) -> None:
@@ -144,8 +144,8 @@ class ChatReply:
             self._gone = None
 
     # ---- the answer ----
-    def _usage(self, result: dict, completion: int) -> dict:
-        u, p = result["usage"], self.job.payload
+    def _usage(self, result: Done, completion: int) -> dict:
+        u, p = result.usage, self.job.payload
         model_flops = u["vision_flops"] + u["prefill_flops"] + u["decode_flops"]
         forward = u["forward_s"]
         return {
@@ -157,7 +157,7 @@ class ChatReply:
             "prefix_reused": bool(u["prefix_reused"]), "prefix_tokens_reused": u["prefix_tokens_reused"],
             "request_cached": p.request_cached,
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
-            "batch_requests": result["batch"], "recipe": self.recipe,
+            "batch_requests": result.batch, "recipe": self.recipe,
             "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
             # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->
             # the first token here)
@@ -166,8 +166,8 @@ class ChatReply:
         }  # fmt: skip
 
     def _logprobs(self, entries: list) -> dict | None:
-        """OpenAI's `logprobs` of a choice (or of a chunk) from the engine's (id, logprob, top) entries; None
-        when the request did not ask for them."""
+        """OpenAI's `logprobs` of a choice (or of a chunk) from the engine's entries (`jobs.LogProb`); None when
+        the request did not ask for them."""
         if self.job.payload.logprobs is None:
             return None
         tok = self.state.vlm.tokenizer
@@ -176,8 +176,8 @@ class ChatReply:
             text = tok.decode([i])
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-        return {"content": [one(i, lp) | {"top_logprobs": [one(j, q) for j, q in top]} for i, lp, top in entries],
-                "refusal": None}  # fmt: skip
+        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(j, q) for j, q in e.top]}
+                            for e in entries], "refusal": None}  # fmt: skip
 
     async def whole(self):
         from fastapi.responses import Response
@@ -186,22 +186,22 @@ class ChatReply:
         try:
             while True:
                 event = await self._next()
-                if event[0] == "end":
-                    ends[event[1]] = event[2]
-                elif event[0] == "done":
+                if isinstance(event, ChoiceEnd):
+                    ends[event.choice] = event.answer
+                elif isinstance(event, Done):
                     break
         except ClientGone:
             return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
         finally:
             self._stop_watching()
         choices = [{
-            "index": i, "message": {"role": "assistant", "content": e["text"]},
-            "logprobs": self._logprobs(e["logprobs"]), "finish_reason": e["finish_reason"],
+            "index": i, "message": {"role": "assistant", "content": e.text},
+            "logprobs": self._logprobs(e.logprobs), "finish_reason": e.finish_reason,
         } for i, e in sorted(ends.items())]  # fmt: skip
-        completion = sum(e["completion_tokens"] for e in ends.values())
+        completion = sum(e.completion_tokens for e in ends.values())
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": choices, "usage": self._usage(event[1], completion),
+            "choices": choices, "usage": self._usage(event, completion),
         }  # fmt: skip
 
     def chunk(self, index: int | None, delta: dict, finish=None, usage=None, logprobs=None) -> str:
@@ -233,25 +233,23 @@ class ChatReply:
         event, finished, ends = first, False, {}
         try:
             while True:
-                kind = event[0]
-                if kind == "token":
-                    _, i, token, entry = event
-                    piece, entries = texts[i].push(token, entry)
+                if isinstance(event, Token):
+                    piece, entries = texts[event.choice].push(event.token, event.logprob)
                     if piece or entries:
-                        yield self.chunk(i, {"content": piece}, logprobs=self._logprobs(entries))
-                elif kind == "end":
-                    _, i, e = event
+                        yield self.chunk(event.choice, {"content": piece}, logprobs=self._logprobs(entries))
+                elif isinstance(event, ChoiceEnd):
+                    i, e = event.choice, event.answer
                     ends[i] = e
-                    rest, entries = texts[i].end(e["text"], e["logprobs"])
+                    rest, entries = texts[i].end(e.text, e.logprobs)
                     if rest or entries:
                         yield self.chunk(i, {"content": rest}, logprobs=self._logprobs(entries))
                     if p.n > 1:
-                        yield self.chunk(i, {}, e["finish_reason"])
-                elif kind == "done":
+                        yield self.chunk(i, {}, e.finish_reason)
+                elif isinstance(event, Done):
                     finished = True
-                    usage = self._usage(event[1], sum(e["completion_tokens"] for e in ends.values()))
+                    usage = self._usage(event, sum(e.completion_tokens for e in ends.values()))
                     if p.n == 1:
-                        yield self.chunk(0, {}, ends[0]["finish_reason"], usage)
+                        yield self.chunk(0, {}, ends[0].finish_reason, usage)
                     else:
                         yield self.chunk(None, {}, usage=usage)
                     yield "data: [DONE]\n\n"

@@ -281,7 +281,7 @@ class Scheduler:
             if self._pending and budget > 0:
                 first = self._pending[0]
                 idle = not self._running()
-                if engine is None or first.key[0] not in engine.kinds:  # a batch run whole
+                if engine is None or first.key.kind not in engine.kinds:  # a batch run whole
                     self._pending.popleft()
                     batch = self._collect(first, wait=idle)
                     if batch:

@@ -25,6 +25,8 @@ from pydantic import Field, ValidationError
 
 from trimvlm.serve.chat import _Strict, decode_image
 from trimvlm.serve.errors import ApiError
+from trimvlm.serve.jobs import JobKey
+from trimvlm.serve.reply import ClientGone, unless_gone
 
 
 class ScoreBody(_Strict):
@@ -80,8 +82,6 @@ async def handle(state, request) -> dict:
 
 
 async def _handle(state, request, arrival) -> dict:
-    from trimvlm.serve.reply import ClientGone, unless_gone
-
     t0 = time.perf_counter()
     body = await state.read_json(request)
     req = parse(body, state.limits)
@@ -94,7 +94,7 @@ async def _handle(state, request, arrival) -> dict:
         raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")
     images = await state.prepare(lambda: [decode_image(i + 1, u, state.limits) for i, u in enumerate(req.images)])
     job = ScoreJob(images, req.text_1, req.text_2, recipe.recipe, (*req.images, req.text_1))
-    queued = state.batcher.enqueue(("score", recipe.label, req.readout, req.executor), job, arrival)
+    queued = state.batcher.enqueue(JobKey("score", recipe.label, req.readout, req.executor), job, arrival)
     try:
         result, usage = await unless_gone(request, state.result(queued))
     except ClientGone:
@@ -118,7 +118,7 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
     from trimvlm.decision.costs import split
     from trimvlm.scoring.request import CandidateScore, ScoreRequest, ScoreResult
 
-    _, _, readout, executor = key
+    readout, executor = key.readout, key.executor
     groups: dict[tuple, list[int]] = {}
     for i, j in enumerate(jobs):
         groups.setdefault(j.prefix if readout == "loglik" else (i,), []).append(i)

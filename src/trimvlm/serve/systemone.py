@@ -26,10 +26,11 @@ import json
 import time
 from dataclasses import dataclass
 
-from trimvlm.runtime.lru import digest, nbytes
+from trimvlm.runtime.lru import ByteLRU, digest, nbytes
+from trimvlm.serve.bodies import parse_json
 from trimvlm.serve.errors import ApiError, schema_error
+from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ClientGone, unless_gone
-from trimvlm.serve.state import parse_json
 
 
 @dataclass
@@ -47,7 +48,7 @@ async def handle(state, request) -> dict:
 async def _handle(state, request, arrival) -> dict:
     t0 = time.perf_counter()
     raw = await state.read_body(request)
-    tag, seen = recall(state, raw)
+    tag, seen = state.seen_bodies.recall(raw)
     if seen is not None:  # a body seen before, found prepared: its checks passed then and pass again
         model, recipe = seen.model, state.recipe("decide", seen.recipe)
         prepared, hit, key = found_request(seen.prepared, t0), True, seen.key
@@ -60,8 +61,8 @@ async def _handle(state, request, arrival) -> dict:
         body.pop("model", None)
         prepared, hit, key = await state.prepare(prepare_cached, state, body)
         if tag is not None:
-            remember(state, tag, Seen(model, extension, key))
-    job = state.batcher.enqueue(("decide", recipe.label), DecideJob(prepared, recipe.recipe, key), arrival)
+            state.seen_bodies.remember(tag, Seen(model, extension, key))
+    job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(prepared, recipe.recipe, key), arrival)
     try:  # a client that has gone while its request is queued: the request is never computed
         answers, costs, coalesced = await unless_gone(request, state.result(job))
     except ClientGone:
@@ -91,30 +92,39 @@ class Seen:
 SEEN = 1 << 16  # bodies remembered by their digest (~200 bytes each), least recently seen forgotten first
 
 
-def recall(state, raw: bytes) -> tuple[bytes | None, Seen | None]:
-    """(the body's digest, what was seen of it with its prepared request, or None): with the request cache on,
-    a body whose bytes were answered before and whose prepared request is still cached is not parsed, checked
-    or keyed again, and not sent to the preparation thread (on the event loop: a digest and two lookups)."""
-    cache = state.request_cache
-    if cache is None:
-        return None, None
-    tag = hashlib.blake2b(raw, digest_size=16).digest()
-    seen = state.seen_bodies.get(tag)
-    if seen is None:
-        return tag, None
-    prepared = cache.get(seen.key)
-    if prepared is None:  # evicted: prepared again (and remembered again)
-        del state.seen_bodies[tag]
-        return tag, None
-    state.seen_bodies.move_to_end(tag)
-    state.seen_hits.inc()
-    return tag, dataclasses.replace(seen, prepared=prepared)
+class SeenBodies:
+    """The System One bodies answered before, by their bytes' digest (at most SEEN: a `ByteLRU` of one unit per
+    entry), and their prepared requests in the server's request cache (`cache`; None: off, nothing is
+    remembered). On /metrics: `trimvlm_seen_bodies` (entries), `trimvlm_seen_body_hits_total`."""
 
+    def __init__(self, cache: ByteLRU | None, metrics):
+        self.cache, self.bodies = cache, ByteLRU(SEEN, "seen bodies")
+        self.hits = metrics.counter(
+            "trimvlm_seen_body_hits", "System One bodies answered from their digest (not parsed or prepared again)"
+        )
+        metrics.gauge("trimvlm_seen_bodies", "System One bodies remembered by their digest (bounded by entries)",
+                      fn=lambda: len(self.bodies))  # fmt: skip
 
-def remember(state, tag: bytes, seen: Seen) -> None:
-    state.seen_bodies[tag] = seen
-    if len(state.seen_bodies) > SEEN:
-        state.seen_bodies.popitem(last=False)
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    def recall(self, raw: bytes) -> tuple[bytes | None, Seen | None]:
+        """(the body's digest, what was seen of it with its prepared request, or None): with the request cache
+        on, a body whose bytes were answered before and whose prepared request is still cached is not parsed,
+        checked or keyed again, and not sent to the preparation thread (on the event loop: a digest and two
+        lookups). One whose prepared request was evicted is prepared again (and remembered again)."""
+        if self.cache is None:
+            return None, None
+        tag = hashlib.blake2b(raw, digest_size=16).digest()
+        seen = self.bodies.get(tag)
+        prepared = None if seen is None else self.cache.get(seen.key)
+        if prepared is None:
+            return tag, None
+        self.hits.inc()
+        return tag, dataclasses.replace(seen, prepared=prepared)
+
+    def remember(self, tag: bytes, seen: Seen) -> None:
+        self.bodies.put(tag, seen, 1)
 
 
 def found_request(found, t0: float):

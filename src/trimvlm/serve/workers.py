@@ -1,47 +1,68 @@
 """`trimvlm serve --api-workers N`: the engine process (this one: the model, the scheduler) and N API processes
 (HTTP, JSON, validation, image decoding, tokenization), joined over local IPC (serve/ipc.py). The API processes
 share one port (SO_REUSEPORT: the kernel spreads the connections); each loads the checkpoint for its
-processor and tokenizer (and to check recipes)."""
+processor and tokenizer (and to check recipes). Their metrics are prometheus_client's multiprocess ones, in a
+folder of this run's own (PROMETHEUS_MULTIPROC_DIR, set before any process makes a metric; an API process that
+stops is marked dead there; the folder is removed at the end)."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import secrets
+import shutil
 import socket
 import sys
+import tempfile
 import threading
+from multiprocessing.connection import Listener
+
+import torch
+import uvicorn
 
 from trimvlm.errors import InputError
+from trimvlm.serve.app import KEEP_ALIVE_S, build_app, make_state
+from trimvlm.serve.ipc import bridge
+from trimvlm.serve.logs import configure
+
+MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: str, access_log: bool,
                   **options) -> None:  # fmt: skip
     """Load `model` here, start `workers` API processes on host:port, serve until interrupted."""
-    from multiprocessing.connection import Listener
-
-    from trimvlm.serve.app import make_state
-    from trimvlm.serve.ipc import bridge
-
     if not hasattr(socket, "SO_REUSEPORT"):
         raise InputError("--api-workers needs SO_REUSEPORT (Linux, macOS)")
+    folder = tempfile.mkdtemp(prefix="trimvlm-metrics-")
+    os.environ[MULTIPROC] = folder  # this process's metrics and the API processes' (they inherit it)
+    try:
+        _run(model, workers, (host, port, log_level, access_log), options)
+    finally:
+        os.environ.pop(MULTIPROC, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(model: str, workers: int, http: tuple, options: dict) -> None:
+    from prometheus_client.multiprocess import mark_process_dead
+
     state = make_state(model, **options)
     state.start()
     key = secrets.token_bytes(32)
     # a Unix socket where there is one (no delayed ACKs on small messages, as TCP on loopback has)
     listener = Listener(family="AF_UNIX" if hasattr(socket, "AF_UNIX") else "AF_INET", authkey=key)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=api_process, args=(model, options, listener.address, key, host, port, log_level,
-                                                    access_log), name=f"trimvlm-serve-api-{i}")
-             for i in range(workers)]  # fmt: skip
+    procs = [ctx.Process(target=api_process, args=(model, options, listener.address, key, *http),
+                         name=f"trimvlm-serve-api-{i}") for i in range(workers)]  # fmt: skip
     try:
         for p in procs:
             p.start()
         for _ in procs:
             threading.Thread(target=bridge, args=(state, listener.accept()), daemon=True).start()
-        print(f"trimvlm serve: {model} engine (pid {multiprocessing.current_process().pid}) with {workers} API "
-              f"process(es) on http://{host}:{port}", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"trimvlm serve: {model} engine (pid {os.getpid()}) with {workers} API process(es) on "
+              f"http://{http[0]}:{http[1]}", file=sys.stderr, flush=True)  # fmt: skip
         for p in procs:
             p.join()
+            mark_process_dead(p.pid)
     except KeyboardInterrupt:
         pass
     finally:
@@ -55,12 +76,6 @@ def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: 
 
 def api_process(model, options, address, key, host, port, log_level, access_log) -> None:
     """One API process: the app over a `RemoteScheduler`, on a port it shares with the others."""
-    import torch
-    import uvicorn
-
-    from trimvlm.serve.app import KEEP_ALIVE_S, build_app, make_state
-    from trimvlm.serve.logs import configure
-
     torch.set_num_threads(1)  # it prepares requests; the engine process runs the model
     state = make_state(model, **options | {"threads": 1}, remote=(address, key))
     sock = shared_port(host, port)
