@@ -224,6 +224,7 @@ def test_identical_requests_of_one_batch_are_computed_once(plain, monkeypatch, r
     need_extra("fastapi", "uvicorn", "prometheus_client")
     from trimvlm import decision
     from trimvlm.serve import systemone
+    from trimvlm.serve.jobs import JobKey
     from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
 
@@ -235,7 +236,7 @@ def test_identical_requests_of_one_batch_are_computed_once(plain, monkeypatch, r
         jobs.append(systemone.DecideJob(prepared, None, key))
     ran, real = [], decision.run
     monkeypatch.setattr(decision, "run", lambda vlm, reqs, plan: ran.append(len(reqs)) or real(vlm, reqs, plan))
-    out = systemone.run(state, ("decide", "baseline"), jobs)
+    out = systemone.run(state, JobKey("decide", "baseline"), jobs)
     on = request_cache_mb > 0
     assert ran == [2 if on else 3]
     assert [c for _, _, c in out] == [False, on, False]

@@ -11,6 +11,7 @@ need_extra("fastapi", "uvicorn", "httpx")
 
 import httpx  # noqa: E402
 
+from trimvlm.serve.jobs import JobKey  # noqa: E402
 from trimvlm.serve.score import ScoreJob, run  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 
@@ -72,7 +73,7 @@ def test_requests_on_one_prefix_share_it_and_get_their_own_answers(demo, monkeyp
     real = demo.score
     monkeypatch.setattr(demo, "score", lambda reqs, **kw: seen.append(len(reqs)) or real(reqs, **kw))
     try:
-        out = run(state, ("score", "baseline", "loglik", "auto"), jobs)
+        out = run(state, JobKey("score", "baseline", "loglik", "auto"), jobs)
     finally:
         calls.close()
     assert seen == [2] and calls.prefills == 1  # two prefixes, one call, one prefill

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -122,6 +122,17 @@ class Parsed:
     max_tokens: int
 
 
+class ChatReady(NamedTuple):
+    """A chat request prepared alone (`vlm.prepare`), its key in the prompt cache (None: that cache is off), the
+    key of its earlier turns' prompt (a conversation with an assistant turn; else None), whether it was found
+    in the request cache."""
+
+    prepared: object
+    prompt_key: bytes | None
+    prefix_key: bytes | None
+    cached: bool = False
+
+
 DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 
 
@@ -191,12 +202,10 @@ def decode_image(i: int, url: str, limits):
         raise ApiError(400, f"image {i} is not a decodable image ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=None):
+def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=None) -> ChatReady:
     """On the preparation thread: the images decoded and the request alone prepared at the plan's resolution
-    (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch);
-    (it, its key in the prompt cache: hashed here, not on the model thread, None when that cache is off; the
-    key of its earlier turns' prompt (a conversation with an assistant turn), or None; whether it was found in
-    the request cache). With the server's request cache (`cache`), a request seen before (the same prompt
+    (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch),
+    its prompt-cache keys hashed here, not on the model thread (`ChatReady`). With the server's request cache (`cache`), a request seen before (the same prompt
     text, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again (as
     System One bodies are not: serve/systemone.py; a content-keyed cache of processed inputs, as vLLM's
     multimodal processor cache)."""
@@ -208,17 +217,16 @@ def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=N
     key = None if cache is None else digest("chat request", label, max_tokens, repr(prompt), *urls)
     found = None if key is None else cache.get(key)
     if found is not None:
-        return (*found, True)
+        return found._replace(cached=True)
     images = [decode_image(i + 1, u, limits) for i, u in enumerate(urls)]
     prepared = vlm.prepare(images or None, prompt, plan=plan)  # at the plan's resolution (tokens=downsample)
     check_generation(vlm.adapter, prepared, max_tokens)
-    keys = (None, None)
+    out = ChatReady(prepared, None, None)
     if vlm.runner.prefix_cache is not None:
-        keys = prompt_key(label, prepared), earlier_key(vlm, prompt, images, prepared, plan)
-    out = (prepared, *keys)
+        out = ChatReady(prepared, prompt_key(label, prepared), earlier_key(vlm, prompt, images, prepared, plan))
     if key is not None:
         cache.put(key, out, nbytes([prepared.input_ids, prepared.attention_mask, prepared.model_inputs]))
-    return (*out, False)
+    return out
 
 
 def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
@@ -275,16 +283,17 @@ async def _handle(state, request, arrival):
     except TrimVLMError as e:
         raise from_trimvlm(e) from e
     t1 = time.perf_counter()
-    prepared, key, earlier, hit = await state.prepare(
+    ready = await state.prepare(
         prepare, state.vlm, parsed.prompt, parsed.urls, state.limits, parsed.max_tokens, recipe.plan,
         state.request_cache,
     )  # fmt: skip
+    prepared = ready.prepared
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()), recipe=recipe.recipe,
         max_tokens=parsed.max_tokens, sampling=sampling, stream=req.stream, preprocess_s=time.perf_counter() - t1,
         events=asyncio.Queue(), n=n, stop=StopText(tuple([req.stop] if isinstance(req.stop, str) else req.stop))
-        if req.stop else None, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_key=key,
-        prefix_key=earlier, request_cached=hit,
+        if req.stop else None, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_key=ready.prompt_key,
+        prefix_key=ready.prefix_key, request_cached=ready.cached,
     )  # fmt: skip
     # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
     batch_key = JobKey("chat", recipe.label, alone="" if n == 1 else uuid.uuid4().hex)

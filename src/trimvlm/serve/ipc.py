@@ -1,33 +1,26 @@
-"""The front end in processes of its own (`trimvlm serve --api-workers N`): N API processes read HTTP, parse and
-check JSON, decode images and tokenize (each holds the model's processor and tokenizer: it loads the
-checkpoint), and one engine process owns the model and the one scheduler loop. They talk over the standard
-library's `multiprocessing.connection` (a Unix socket with a random key) in typed messages (the dataclasses
-below): `Submit` (a prepared request: its tensors, no event queue), `Cancel` (its client has gone), `Arrive`
-(+1 / -1: a request is being read and prepared, the batching waits for it), `Ask` ("stats" | "refresh" |
-"load") from an API process; `Event` (a chat completion's `jobs.Token`, `ChoiceEnd`, `Done` or `Failed`),
-`Result` (a whole batch's answer: System One, score; or its error), `Answer` from the engine.
+"""The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N
+API processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop.
+They talk over `multiprocessing.connection` in typed messages (the dataclasses below): `Submit` (a prepared
+request, no event queue), `Cancel` (its client has gone), `Arrive` (+1 / -1: a request is being prepared, the
+batching waits for it), `Ask` from an API process; `Event` (a chat completion's `jobs.Token`, `ChoiceEnd`,
+`Done` or `Failed`), `Result` (a whole batch's answer or error), `Answer` from the engine. A message is a list
+of them as the standard `pickle` writes it, a tensor as its bytes (`dumps`; multiprocessing's own pickler would
+pass a file descriptor per tensor, torch's pickling a `torch.save` per storage).
 
-On the engine side (`bridge`, a thread per API process with an asyncio event loop of its own reading the
-connection with `add_reader`) a remote request is queued as any other (`Scheduler.enqueue`: a real future, a
-real event queue), and a task per request sends back what the model thread hands it. On the API side
-`RemoteScheduler` has the scheduler's interface the handlers use; a reader thread hands each message's
-events to the requests' event loop (`call_soon_threadsafe`). Errors cross as `ApiError`s. Streaming,
-cancellation and batching work across the boundary; `/health` asks the engine; `/metrics` is
-prometheus_client's multiprocess mode (serve/metrics.py), the engine asked to write its gauges first.
-
-A message is a list of these records as the standard `pickle` writes it (`dumps`: a tensor as its storage's
-bytes), sent with `send_bytes`: not through multiprocessing's own pickler, which torch makes share each
-tensor's storage by passing a file descriptor (a handshake with the sender's resource-sharer thread per
-tensor: a third of each process's samples under load). The messages one turn of the engine's loop makes for an
-API process (a step's tokens) go as one; an API process sends a request's `Submit` and the end of its `Arrive`
-together.
+On the engine (`bridge`: a thread per API process with an event loop of its own reading the connection) a
+remote request is queued as any other (`Scheduler.enqueue`: its future, its event queue), and a task per
+request sends back what the model thread hands it; the messages of one turn of that loop go as one. On an API
+process `RemoteScheduler` has the scheduler's interface the handlers use; a reader thread hands each message's
+events to the requests' event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import dataclasses
+import io
 import itertools
 import pickle
 import socket
@@ -35,6 +28,8 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Connection
+
+import torch
 
 from trimvlm.serve.engine import Outbox
 from trimvlm.serve.errors import ApiError, as_api_error
@@ -87,9 +82,25 @@ class Answer:
     value: object
 
 
+def _tensor(dtype, shape, device, data: bytearray) -> torch.Tensor:
+    t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    return t if device == "cpu" else t.to(device)
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """A tensor as (dtype, shape, device, its bytes): a copy in the message (torch's own pickling runs
+    `torch.save` per storage, several times slower)."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return _tensor, (t.dtype, tuple(t.shape), str(t.device), bytearray(data))
+
+
 def dumps(msgs: list) -> bytes:
-    """Messages as the standard pickle writes them: each tensor's storage as its bytes, in the message."""
-    return pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL)
+    """Messages as the standard pickle writes them, a tensor by `_reduce_tensor` (its dispatch table)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = copyreg.dispatch_table | {torch.Tensor: _reduce_tensor}
+    pickler.dump(msgs)
+    return buf.getvalue()
 
 
 def _answer(state, what: str):

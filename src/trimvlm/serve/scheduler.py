@@ -52,12 +52,12 @@ class Arrival:
     def __init__(self, batcher: Scheduler):
         self._batcher = batcher
         self._open = True
-        batcher._arriving += 1
+        batcher.arriving(1)
 
     def done(self) -> None:
         if self._open:
             self._open = False
-            self._batcher._arriving -= 1
+            self._batcher.arriving(-1)
 
     def __enter__(self) -> Arrival:
         return self

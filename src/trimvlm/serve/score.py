@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import Field, ValidationError
 
@@ -46,6 +47,13 @@ class ScoreJob:
     candidates: list[str]
     recipe: object
     prefix: tuple  # what its prefix is made of: its images' data URLs and question (requests that share it)
+
+
+class Scored(NamedTuple):
+    """A request's answer from its batch: its `scoring.request.ScoreResult` and its usage."""
+
+    result: object
+    usage: dict
 
 
 def parse(body: dict, limits) -> ScoreBody:
@@ -96,7 +104,7 @@ async def _handle(state, request, arrival) -> dict:
     job = ScoreJob(images, req.text_1, req.text_2, recipe.recipe, (*req.images, req.text_1))
     queued = state.batcher.enqueue(JobKey("score", recipe.label, req.readout, req.executor), job, arrival)
     try:
-        result, usage = await unless_gone(request, state.result(queued))
+        scored = await unless_gone(request, state.result(queued))
     except ClientGone:
         queued.cancel()
         from fastapi.responses import Response
@@ -105,15 +113,16 @@ async def _handle(state, request, arrival) -> dict:
     data = [{
         "index": k, "object": "score", "score": c.prob, "text": c.text, "logit": c.logit, "logprob": c.loglik_sum,
         "logprob_mean": c.loglik_mean, "tokens": c.n_tokens, "greedy": c.is_greedy,
-    } for k, c in enumerate(result.candidates)]  # fmt: skip
-    usage |= {"recipe": recipe.label, "queue_s": queued.started - queued.enqueued,
+    } for k, c in enumerate(scored.result.candidates)]  # fmt: skip
+    usage = scored.usage | {"recipe": recipe.label, "queue_s": queued.started - queued.enqueued,
               "server_latency_s": time.perf_counter() - t0}  # fmt: skip
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": data, "chosen": result.chosen, "abstain_prob": result.abstain_prob, "usage": usage}  # fmt: skip
+            "data": data, "chosen": scored.result.chosen, "abstain_prob": scored.result.abstain_prob,
+            "usage": usage}  # fmt: skip
 
 
 def run(state, key, jobs: list[ScoreJob]) -> list:
-    """On the model thread: the batch's requests as one `vlm.score` call; (its result, its usage) per job. With
+    """On the model thread: the batch's requests as one `vlm.score` call; its `Scored` per job. With
     the loglik readout, jobs on the same prefix are one request over the union of their candidates."""
     from trimvlm.decision.costs import split
     from trimvlm.scoring.request import CandidateScore, ScoreRequest, ScoreResult
@@ -152,5 +161,5 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
         usage |= {"candidates": len(j.candidates), "executor": out.executor, "readout": readout,
                   "batch_requests": n, "shared_prefix_requests": len(groups[jobs[i].prefix if readout == "loglik"
                                                                             else (i,)])}  # fmt: skip
-        results.append((got, usage))
+        results.append(Scored(got, usage))
     return results

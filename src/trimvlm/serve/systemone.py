@@ -25,12 +25,31 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.serve.bodies import parse_json
 from trimvlm.serve.errors import ApiError, schema_error
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ClientGone, unless_gone
+
+
+class Ready(NamedTuple):
+    """A request prepared (`decision.PreparedRequest`), whether it was found in the request cache, its key there
+    (None: the cache is off)."""
+
+    request: object
+    cached: bool
+    key: bytes | None
+
+
+class Decided(NamedTuple):
+    """A request's answer from its batch: its answers, its costs (`decision.RequestCosts`), whether it was a copy
+    of another request of the batch (computed once)."""
+
+    answers: dict
+    costs: object
+    coalesced: bool
 
 
 @dataclass
@@ -51,7 +70,7 @@ async def _handle(state, request, arrival) -> dict:
     tag, seen = state.seen_bodies.recall(raw)
     if seen is not None:  # a body seen before, found prepared: its checks passed then and pass again
         model, recipe = seen.model, state.recipe("decide", seen.recipe)
-        prepared, hit, key = found_request(seen.prepared, t0), True, seen.key
+        ready = Ready(found_request(seen.prepared, t0), True, seen.key)
     else:
         body = parse_json(raw)
         extension = body.pop("recipe", None)
@@ -59,12 +78,13 @@ async def _handle(state, request, arrival) -> dict:
         model = state.model_name(body)
         recipe = state.recipe("decide", extension)
         body.pop("model", None)
-        prepared, hit, key = await state.prepare(prepare_cached, state, body)
+        ready = await state.prepare(prepare_cached, state, body)
         if tag is not None:
-            state.seen_bodies.remember(tag, Seen(model, extension, key))
-    job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(prepared, recipe.recipe, key), arrival)
+            state.seen_bodies.remember(tag, Seen(model, extension, ready.key))
+    job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(ready.request, recipe.recipe, ready.key),
+                                arrival)  # fmt: skip
     try:  # a client that has gone while its request is queued: the request is never computed
-        answers, costs, coalesced = await unless_gone(request, state.result(job))
+        done = await unless_gone(request, state.result(job))
     except ClientGone:
         stage = "running" if job.started else "queued"  # a batch that has started runs to its end
         job.cancel()
@@ -72,10 +92,11 @@ async def _handle(state, request, arrival) -> dict:
         from fastapi.responses import Response
 
         return Response(status_code=499)  # nobody reads it
-    usage = costs.usage() | cache_usage(state) | {"request_cached": hit, "request_coalesced": coalesced}
+    usage = done.costs.usage() | cache_usage(state) | {"request_cached": ready.cached,
+                                                       "request_coalesced": done.coalesced}  # fmt: skip
     usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
               "server_latency_s": time.perf_counter() - t0}  # fmt: skip
-    return json_response({"model": model, "answers": answers, "usage": usage})
+    return json_response({"model": model, "answers": done.answers, "usage": usage})
 
 
 @dataclass
@@ -140,8 +161,8 @@ def json_response(content: dict):
     return JSONResponse(content)
 
 
-def prepare_cached(state, body: dict):
-    """(`decision.prepare_request` of the body, whether it was found, its key): through the server's request
+def prepare_cached(state, body: dict) -> Ready:
+    """`decision.prepare_request` of the body (`Ready`): through the server's request
     cache when it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or
     tokenized again (its `preprocess_s` is the lookup's)."""
     from trimvlm.decision import prepare_request
@@ -151,13 +172,13 @@ def prepare_cached(state, body: dict):
     key = None if cache is None else digest("request", json.dumps(body, sort_keys=True, ensure_ascii=False))
     found = None if key is None else cache.get(key)
     if found is not None:
-        return found_request(found, t0), True, key
+        return Ready(found_request(found, t0), True, key)
     prepared = prepare_request(
         state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision()
     )
     if key is not None:
         cache.put(key, prepared, nbytes([(p.inputs, p.marks) for p in prepared.prompts]))
-    return prepared, False, key
+    return Ready(prepared, False, key)
 
 
 def cache_usage(state) -> dict:
@@ -202,7 +223,7 @@ def check_schema(state, body: dict) -> None:
 
 
 def run(state, key, jobs: list[DecideJob]) -> list:
-    """On the model thread: every prompt of every request in one forward; (answers, costs, coalesced) per job.
+    """On the model thread: every prompt of every request in one forward; its `Decided` per job.
 
     Identical requests of one batch (the same body, by the request cache's key, and the same recipe: the batch
     key) are computed once (request coalescing): the copies get the same answers, and, as for a cache hit,
@@ -228,7 +249,7 @@ def run(state, key, jobs: list[DecideJob]) -> list:
         if copied:
             answers = copy.deepcopy(answers)
             costs = dataclasses.replace(costs, preprocess_s=j.prepared.seconds, **FREE)
-        out.append((answers, costs, copied))
+        out.append(Decided(answers, costs, copied))
     return out
 
 
