@@ -204,6 +204,10 @@ def test_api_workers_serve_on_one_port_and_stop_with_the_engine(demo):
                     pids.add(h.get("/health").json()["pid"])
             assert r.json()["choices"][0]["message"]["content"] == demo.generate(
                 image(3), "describe ?", max_new_tokens=8).texts[0]  # fmt: skip
+            metrics = httpx.get(url + "/metrics", timeout=60).text  # every process's figures (multiprocess mode)
+            assert 'trimvlm_requests_total{path="/v1/chat/completions",status="200"} 8.0' in metrics  # both API's
+            tokens = next(ln for ln in metrics.splitlines() if ln.startswith("trimvlm_generated_tokens_total"))
+            assert float(tokens.split()[-1]) >= 8  # the engine's
             workers = _children(proc.pid)
             assert len(workers) == 2 and pids <= set(workers)  # /health was answered by the API processes
         finally:

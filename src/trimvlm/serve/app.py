@@ -91,7 +91,7 @@ def build_app(state: ServerState):
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "trimvlm",
-            "family": state.vlm.family, "recipe": state.default_recipe or "baseline",
+            "family": state.vlm.family, "recipe": state.recipes.default or "baseline",
             "endpoints": ["/v1/systemone"] + ([] if state.vlm.adapter.decision_head
                                               else ["/v1/chat/completions", "/v1/score"]),
         }]}  # fmt: skip

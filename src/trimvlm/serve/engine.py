@@ -79,7 +79,7 @@ class Outbox:
     loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
 
     def __init__(self):
-        self.items: list[tuple[object, tuple]] = []
+        self.items: list[tuple[object, object]] = []  # (its job, an event)
 
     def post(self, job, event) -> None:
         self.items.append((job, event))

@@ -51,7 +51,7 @@ def serve(
     state = make_state(model, **options)
     limits, access = state.limits, state.access
     print(
-        f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.default_recipe or 'baseline'}, "
+        f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.recipes.default or 'baseline'}, "
         f"max batch {state.batcher.max_batch}, max wait {options.get('max_wait_ms', 10.0):g} ms, max prefill tokens "
         f"{limits.max_prefill_tokens}, {torch.get_num_threads()} torch thread(s), "
         f"{'an API key on /v1' + (' and /metrics' if access.key_metrics else '') if access.api_key else 'no API key'}",

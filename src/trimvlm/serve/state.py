@@ -68,10 +68,6 @@ class ServerState:
         """The load-following ladder (serve/budgets.py), or None."""
         return self.recipes.load
 
-    @property
-    def default_recipe(self) -> str:
-        return self.recipes.default
-
     def _figures(self) -> None:
         """The caches' figures on /metrics, read at each scrape (the model's caches and the tree executor's
         layouts where the model runs)."""
