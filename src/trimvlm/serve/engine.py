@@ -33,7 +33,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
-from trimvlm.serve.jobs import Choice, ChoiceEnd, Done, Failed, JobKey, LogProb, Token
+from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token
 from trimvlm.serve.stops import token_start
 
 
@@ -477,7 +477,7 @@ class ChatEngine:
         if row.cut is not None:
             text = text[: row.cut]
             logprobs = logprobs[: sum(1 for start in row.starts if start < row.cut)]
-        self.outbox.post(row.job, ChoiceEnd(row.index, Choice(text, len(tokens), row.reason, logprobs)))
+        self.outbox.post(row.job, ChoiceEnd(row.index, text, len(tokens), row.reason, logprobs))
         p.open -= 1
         if p.open == 0:
             row.job.finished = True  # computed to the end (a client that leaves now left too late to save work)

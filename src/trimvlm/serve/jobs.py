@@ -54,17 +54,6 @@ class LogProb(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Choice:
-    """A choice's answer: its text (cut where a stop string begins), its tokens' count, why it ended, the
-    log-probabilities of the tokens whose text was returned."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str
-    logprobs: list
-
-
-@dataclass(frozen=True)
 class Token:
     choice: int
     token: int
@@ -73,8 +62,14 @@ class Token:
 
 @dataclass(frozen=True)
 class ChoiceEnd:
+    """A choice's answer: its text (cut where a stop string begins), its tokens' count, why it ended, the
+    log-probabilities of the tokens whose text was returned."""
+
     choice: int
-    answer: Choice
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    logprobs: list
 
 
 @dataclass(frozen=True)

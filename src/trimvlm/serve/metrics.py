@@ -37,7 +37,7 @@ class ServeMetrics:
     def __init__(self, stats: Callable[[], dict] | None = None):
         """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape
         (None: the scheduler runs in another process, which records its figures and these gauges)."""
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry  # (here: it picks its multiprocess mode at import)
 
         self.registry = CollectorRegistry()
         self.shared = shared()

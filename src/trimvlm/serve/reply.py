@@ -187,7 +187,7 @@ class ChatReply:
             while True:
                 event = await self._next()
                 if isinstance(event, ChoiceEnd):
-                    ends[event.choice] = event.answer
+                    ends[event.choice] = event
                 elif isinstance(event, Done):
                     break
         except ClientGone:
@@ -238,7 +238,7 @@ class ChatReply:
                     if piece or entries:
                         yield self.chunk(event.choice, {"content": piece}, logprobs=self._logprobs(entries))
                 elif isinstance(event, ChoiceEnd):
-                    i, e = event.choice, event.answer
+                    i, e = event.choice, event
                     ends[i] = e
                     rest, entries = texts[i].end(e.text, e.logprobs)
                     if rest or entries:

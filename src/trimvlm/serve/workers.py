@@ -43,6 +43,7 @@ def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: 
 
 
 def _run(model: str, workers: int, http: tuple, options: dict) -> None:
+    # (prometheus_client is imported once PROMETHEUS_MULTIPROC_DIR is set: it picks its mode at import)
     from prometheus_client.multiprocess import mark_process_dead
 
     state = make_state(model, **options | {"request_cache_mb": 0})  # (the API processes prepare the requests)
