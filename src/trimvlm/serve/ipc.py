@@ -311,6 +311,8 @@ class RemoteScheduler:
 
     def ask(self, what: str):
         """The engine's answer to `what` ("stats", "refresh", "load"), waited for (at most ASK_TIMEOUT_S)."""
+        if self._closed:
+            raise ShuttingDown("the server is shutting down")
         qid = next(self._ids)
         answer = self._asked[qid] = Future()
         self.send(Ask(qid, what))
@@ -334,13 +336,15 @@ class RemoteScheduler:
         lost, self._closed = not self._closed, True
         for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
             settle(job, ShuttingDown("the engine process has stopped"))
+        for answer in [a for a in list(self._asked.values()) if not a.done()]:
+            answer.set_exception(ShuttingDown("the engine process has stopped"))
         if lost and self.on_lost is not None:
             self.on_lost()
 
     def _take(self, msg, outbox: Outbox) -> None:
         if isinstance(msg, Answer):
             answer = self._asked.get(msg.qid)
-            if answer is not None:
+            if answer is not None and not answer.done():
                 answer.set_result(msg.value)
             return
         job = self._jobs.get(msg.rid)
