@@ -25,6 +25,15 @@ from collections.abc import Callable
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATE_WINDOW_S = 10.0
+SCHEDULER_GAUGES = (  # (name, the scheduler's figure, doc)
+    ("trimvlm_queue_depth", "waiting", "requests waiting to be admitted"),
+    ("trimvlm_running_requests", "running", "chat completions decoding"),
+    ("trimvlm_dropped_requests", "dropped", "queued requests whose client left: never computed"),
+    ("trimvlm_model_thread_cpu_seconds", "model_cpu_s", "CPU seconds the model loop's thread has used: with --threads "
+     "1 all of the model's work (prefills, decode steps, the methods), without HTTP, JSON or image decoding; "
+     "torch's own worker threads, with more, are not in it"),
+    ("trimvlm_failed_batches", "failed_batches", "model calls that raised"),
+)  # fmt: skip
 PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
@@ -69,36 +78,11 @@ class ServeMetrics:
             self._scheduler(stats)
 
     def _scheduler(self, stats: Callable[[], dict]) -> None:
-        """The model loop's figures, read at each scrape."""
-        g = self.gauge
-        g(
-            "trimvlm_tokens_per_second",
-            f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
-            fn=self.rate,
-        )
-        g(
-            "trimvlm_queue_depth",
-            "requests waiting to be admitted",
-            fn=lambda: stats().get("waiting", 0),
-        )
-        g("trimvlm_running_requests", "chat completions decoding", fn=lambda: stats().get("running", 0))
-        g(
-            "trimvlm_dropped_requests",
-            "queued requests whose client left: never computed",
-            fn=lambda: stats().get("dropped", 0),
-        )
-        g(
-            "trimvlm_model_thread_cpu_seconds",
-            "CPU seconds the model loop's thread has used: with --threads 1 all of the model's work (prefills, "
-            "decode steps, the methods), without HTTP, JSON or image decoding; torch's own worker threads, "
-            "with more, are not in it",
-            fn=lambda: stats().get("model_cpu_s", 0.0),
-        )
-        g(
-            "trimvlm_failed_batches",
-            "model calls that raised",
-            fn=lambda: stats().get("failed_batches", 0),
-        )
+        """The model loop's figures (`stats()`'s), read at each scrape."""
+        self.gauge("trimvlm_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+                   fn=self.rate)  # fmt: skip
+        for name, stat, doc in SCHEDULER_GAUGES:
+            self.gauge(name, doc, fn=lambda s=stat: stats().get(s, 0))
 
     # ---- registering figures ----
     def _metric(self, kind, name: str, doc: str, labels=(), **kw):
