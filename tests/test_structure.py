@@ -59,14 +59,6 @@ def test_no_function_is_over_80_lines():
     assert not long, long
 
 
-# Cycles whose fix is under way elsewhere, as sorted tuples of module names: a cycle found among the modules of
-# one entry is let through (a partly fixed one too); any other cycle fails. To be emptied once they are fixed.
-KNOWN_CYCLES_BEING_FIXED = {
-    ("trimvlm.serve.app", "trimvlm.serve.replicas", "trimvlm.serve.workers"),
-    ("trimvlm.serve.state", "trimvlm.serve.systemone"),
-}
-
-
 def _module_name(path: Path, root: Path) -> str:
     parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -143,8 +135,7 @@ def test_no_import_cycles_between_files():
     is one when a child (or a module it imports) takes a name from the package's __init__ back. Imports by a
     computed name (`importlib.import_module(f"...")`) are not seen."""
     found = import_cycles(import_graph())
-    new = {c for c in found if not any(set(c) <= set(known) for known in KNOWN_CYCLES_BEING_FIXED)}
-    assert not new, "import cycles between files: " + "; ".join(" <-> ".join(c) for c in sorted(new))
+    assert not found, "import cycles between files: " + "; ".join(" <-> ".join(c) for c in sorted(found))
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
