@@ -1,3 +1,4 @@
+import ast
 import importlib
 import importlib.util
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trimvlm.protocol import REGISTRIES
 from trimvlm.testing import FAMILIES, random_image, tiny_checkpoint
 
 pytest_plugins = ("own_process",)  # tests marked own_process run in a child pytest (tests/own_process.py)
@@ -260,3 +262,18 @@ def live(state):
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def declared_methods() -> dict[str, set[str]]:
+    """axis -> the names that `register("axis", "name")` calls in trimvlm's source files declare (read from the
+    files, not imported), with every file holding one checked to lie in its axis' package (which discovery
+    walks)."""
+    out: dict[str, set[str]] = {axis: set() for axis in REGISTRIES}
+    src = Path(importlib.util.find_spec("trimvlm").origin).parent
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "register":
+                axis, name = (a.value for a in node.args[:2])
+                assert path.relative_to(src).parts[0] == axis, f"{path} registers {axis}={name} outside trimvlm/{axis}/"
+                out[axis].add(name)
+    return out

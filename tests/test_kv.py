@@ -418,9 +418,9 @@ def test_bad_options_are_recipe_errors(spec):
 
 def _need_token_methods(*names: str) -> None:
     """The token methods these tests combine with a KV policy are registered (a missing one fails the test)."""
-    from trimvlm.registry import _load_methods
+    from trimvlm.registry import load_methods
 
-    _load_methods()
+    load_methods()
     assert set(names) <= set(REGISTRIES["tokens"]), sorted(REGISTRIES["tokens"])
 
 

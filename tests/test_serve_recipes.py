@@ -13,7 +13,7 @@ need_extra("fastapi", "uvicorn", "httpx")
 import httpx  # noqa: E402
 
 from trimvlm.errors import TrimVLMError  # noqa: E402
-from trimvlm.registry import REGISTRIES, _load_methods  # noqa: E402
+from trimvlm.registry import REGISTRIES, load_methods  # noqa: E402
 from trimvlm.serve.limits import CacheSizes, ServerLimits  # noqa: E402
 from trimvlm.serve.recipes import RecipeOptions  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
@@ -27,7 +27,7 @@ SPECIAL = {"depth=skip": "depth=skip:layers=1", "tokens=downsample": "tokens=dow
 
 
 def recipes() -> list[str]:
-    _load_methods()
+    load_methods()
     out = []
     for axis in ("tokens", "kv", "depth"):
         for name in sorted(REGISTRIES[axis]):

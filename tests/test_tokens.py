@@ -11,14 +11,43 @@ from conftest import hand_flops, plan_prefill, ragged_batch
 from trimvlm.errors import RecipeError
 from trimvlm.kernels import farthest_point, masked_minmax, merge_groups, spatial_density
 from trimvlm.plan import Handoff, Plan, build_methods, make_plan
+from trimvlm.registry import REGISTRIES, build_method, load_methods
 from trimvlm.runtime.runner import Runner
 from trimvlm.testing import random_image
-from trimvlm.tokens.base import make_view
+from trimvlm.tokens.base import TokenReducer, make_view
 from trimvlm.tokens.density import view_density
+from trimvlm.vlm import VLM
 
 FAMILY = "qwen3_vl"
-# prumerge and visionzip act at layer 0 only, from the vision tower's attention: tests/test_vision_baselines.py
-METHODS = ["density", "density:select=topk", "divprune", "fastv", "tome", "dart", "random"]
+
+
+def registered(keep: float, layers: tuple[int, ...], counted: bool) -> list[str]:
+    """Every registered token method that reduces with `keep` at each of `layers`, read from the registry;
+    `counted`: only those that keep the shared count K = ceil(N * keep) per image in the live sequence
+    (predictable, neither `kept_counts` nor `apply` their own: pool counts windows, downsample resizes the
+    images when they are prepared). A method that refuses the layer (one acting before the LLM: prumerge,
+    visionzip, holov, downsample; tests/test_vision_baselines.py, tests/test_tokens_field.py) or the keep
+    (pool's grid of keeps) is left out; any other refusal fails here."""
+    load_methods()
+    out = []
+    for name, cls in sorted(REGISTRIES["tokens"].items()):
+        own = cls.kept_counts is not TokenReducer.kept_counts or cls.apply is not TokenReducer.apply
+        if counted and (not cls.predictable or own):
+            continue
+        try:
+            for layer in layers:
+                build_method("tokens", name, {"keep": keep, "layer": layer})
+        except RecipeError as e:
+            assert "layer" in str(e) or "keep" in str(e), e
+            continue
+        out.append(name)
+    return out
+
+
+VARIANTS = ["density:select=topk"]  # an option that changes the selection rule, beside every method's defaults
+NOOP = registered(1.0, (1, 3), counted=False) + VARIANTS
+METHODS = registered(0.3, (1, 2, 3), counted=True) + VARIANTS
+AT_ZERO = registered(0.5, (0,), counted=True)
 
 
 _prefill = plan_prefill
@@ -33,7 +62,7 @@ def setup(tiny_adapter):
 
 
 # ---- exact no-op and equivalences ---------------------------------------------------------------------
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", NOOP)
 def test_keep_one_is_exact_noop(setup, method):
     adapter, runner, images, prompts = setup
     prep = adapter.prepare(images, prompts)
@@ -65,7 +94,7 @@ def test_ragged_batch_equals_per_sample_runs(setup, method):
     assert (base_last.logits[0] - out.logits[3]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("method", ["density", "tome", "fastv"])
+@pytest.mark.parametrize("method", METHODS)
 def test_several_images_per_sample_each_on_its_own_grid(setup, method):
     adapter, runner, _, _ = setup
     images = [[random_image(1, (64, 64)), random_image(2, (64, 128))], [random_image(3, (96, 64))]]
@@ -85,19 +114,23 @@ def test_several_images_per_sample_each_on_its_own_grid(setup, method):
         assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("method", ["density", "divprune", "tome", "prumerge", "dart"])
+@pytest.mark.parametrize("method", AT_ZERO)
 def test_tiny_image_next_to_a_large_one(setup, method):
     """A 2x2-token image beside an 8x8 one: the small row runs out of tokens long before the large one has
     its k picks; each still keeps exactly its own ceil(N * keep) and matches its run alone."""
     adapter, runner, _, _ = setup
     images = [[random_image(4, (32, 32))], [random_image(5, (128, 128))]]
     prompts = ["what is the colour", "describe"]
-    prep = adapter.prepare(images, prompts)
     recipe = f"tokens={method}:keep=0.5:layer=0"  # prumerge: the vision tower's attention
-    out, _, _ = _prefill(runner, prep, recipe)
+
+    def prefill(images, prompts):  # prepared as the plan asks (downsample resizes the images then)
+        plan = make_plan(recipe, runner)
+        return runner.prefill(VLM(adapter).prepare(images, prompts, plan=plan), plan)
+
+    out = prefill(images, prompts)
     assert (out.seq.visual & out.seq.valid).sum(1).tolist() == [2, 32]
     for b in range(2):
-        alone, _, _ = _prefill(runner, adapter.prepare(images[b : b + 1], prompts[b : b + 1]), recipe)
+        alone = prefill(images[b : b + 1], prompts[b : b + 1])
         assert (alone.logits[0] - out.logits[b]).abs().max().item() <= 1e-4
 
 
@@ -313,13 +346,13 @@ def test_recipe_errors_name_what_is_allowed(recipe, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("method", ["density", "fastv", "tome", "random"])
+@pytest.mark.parametrize("method", METHODS)
 def test_layer_out_of_range_names_the_range(setup, method):
     _, runner, _, _ = setup
     n = runner.num_layers
     with pytest.raises(RecipeError) as e:
         make_plan(f"tokens={method}:keep=0.5:layer={n}", runner)
-    lo = 1 if method == "fastv" else 0
+    lo = REGISTRIES["tokens"][method.split(":")[0]].min_layer
     assert f"{lo}..{n - 1}" in str(e.value)
     make_plan(f"tokens={method}:keep=0.5:layer={n - 1}", runner)  # the last layer is allowed
 

@@ -178,7 +178,10 @@ def methods(json_out: Path | None = JSON_OUT):
     """Every registered method, per recipe axis: its options (type, default) and what it does."""
     from trimvlm.registry import describe_methods
 
-    data = describe_methods()
+    try:
+        data = describe_methods()
+    except TrimVLMError as e:  # a method plugin that fails to load
+        _fail(e)
     for axis, entries in data.items():
         table = Sheet(console, f"{axis}=", ["method", "options (type = default)", "what it does"], show_lines=True)
         for m in entries:

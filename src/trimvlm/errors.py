@@ -26,6 +26,10 @@ class RecipeError(TrimVLMError):
     """A recipe names an unknown method/option or a value out of range."""
 
 
+class PluginError(TrimVLMError):
+    """An installed package's method plugin (entry-point group `trimvlm.methods`) failed to load."""
+
+
 def did_you_mean(name, known) -> str:
     """`"; did you mean X?"` (or `X or Y`) naming the known names closest to `name` (difflib's similarity
     ratio of at least 0.7, up to three), to end an error message with; `""` when none is close. `known`: the

@@ -1,4 +1,6 @@
 """Name -> method-class registries for each axis a recipe can act on (`tokens`, `kv`, `depth`, `router`).
+Every module of an axis' package and every installed `trimvlm.methods` entry point is loaded (`load_methods`)
+before a method is built or listed.
 
 The one method protocol: a method is a dataclass whose fields are its recipe options, registered here with
 `@register(axis, name)`; `check(runner)` refuses a model it cannot run on and `apply(plan, runner)` fills its
@@ -12,20 +14,11 @@ import re
 import sys
 from dataclasses import MISSING
 
-from trimvlm.protocol import BY_PATH, REGISTRIES, build, register  # noqa: F401  (re-exported)
-
-
-def _load_methods() -> None:
-    # importing the packages registers their methods; an import error propagates (never skipped)
-    import trimvlm.depth  # noqa: F401
-    import trimvlm.kv  # noqa: F401
-    import trimvlm.router.route  # noqa: F401
-    import trimvlm.tokens  # noqa: F401
+from trimvlm.protocol import BY_PATH, REGISTRIES, build, load_methods, register  # noqa: F401  (re-exported)
 
 
 def build_method(axis: str, method: str, options: dict):
-    """The method `axis=method:options` (every method package loaded first)."""
-    _load_methods()
+    """The method `axis=method:options` (every method loaded first: `protocol.load_methods`)."""
     return build(axis, method, options)
 
 
@@ -40,7 +33,7 @@ def _summary(cls) -> str:
 
 def describe_methods() -> dict[str, list[dict]]:
     """axis -> every registered method: name, summary, options (name, type, default; public fields only)."""
-    _load_methods()
+    load_methods()
     out = {}
     for axis, reg in REGISTRIES.items():
         out[axis] = []

@@ -1,3 +1,7 @@
-"""Layer plans (`depth=` in a recipe): which decoder blocks to skip, and in which phase (scope)."""
+"""Layer plans (`depth=` in a recipe): which decoder blocks to skip, and in which phase (scope). Importing this
+package imports every module in it (`protocol.discover`: no list kept by hand): the methods register themselves
+in trimvlm.registry and the calibration rankers in `depth.calibration.RANKERS`."""
 
-from trimvlm.depth import block_influence, greedy_kl, random, ranking, sensitivity, skip, tail  # noqa: F401  (registers the methods)  # noqa: F401  (registers the rankers)
+from trimvlm.protocol import discover
+
+discover(__name__)

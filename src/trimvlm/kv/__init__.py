@@ -1,12 +1,16 @@
-"""Decode-phase visual-KV eviction policies; each registers itself in trimvlm.registry (one file per policy).
+"""Decode-phase visual-KV eviction policies (`kv=` in a recipe), one per module. Importing this package imports
+every module in it (`protocol.discover`: no list kept by hand), and each registers its policy in
+trimvlm.registry.
 
     kv=density:keep=0.25    kv=h2o:keep=0.25    kv=snapkv:keep=0.25    kv=streamingllm:keep=0.25
-    kv=random:keep=0.25:seed=0    kv=lookm:keep=0.25    kv=vlcache:keep=0.25    kv=aircache:keep=0.25
 
-See `trimvlm.kv.base` for the interface and docs/kv.md for the policies and their options.
+See `trimvlm.kv.base` for the interface, docs/kv.md for the policies and their options, and `trimvlm methods`
+for every registered one.
 """
 
-from trimvlm.kv import aircache, density, h2o, lookm, random, snapkv, streamingllm, vlcache  # noqa: F401
 from trimvlm.kv.base import KVPolicy, LayerView, mask_out
+from trimvlm.protocol import discover
 
 __all__ = ["KVPolicy", "LayerView", "mask_out"]
+
+discover(__name__)

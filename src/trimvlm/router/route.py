@@ -24,7 +24,7 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_int, is_number
-from trimvlm.protocol import register
+from trimvlm.protocol import build, register
 from trimvlm.router.model import load_router
 from trimvlm.runtime.plan import LayerPlan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -155,9 +155,6 @@ class Router:
 
     def selector(self, keep: float):
         """The token method `select=` names, at the router's layer and the budget's keep."""
-        import trimvlm.tokens  # noqa: F401  (registers the token methods)
-        from trimvlm.protocol import build
-
         if self.select == "router":
             raise RecipeError("the router's own token scores are not a token method")
         name, at, layer = str(self.select).partition("@")

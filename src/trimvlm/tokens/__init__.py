@@ -1,20 +1,8 @@
-"""Prefill visual-token reducers (`tokens=` in a recipe). Importing this package registers every method in
-trimvlm.registry: density (TwinPrune), divprune, fastv, tome, dart, prumerge, visionzip, random, pool, cdpruner,
-holov, downsample. See docs/tokens.md."""
+"""Prefill visual-token reducers (`tokens=` in a recipe), one per module. Importing this package imports every
+module in it (`protocol.discover`: no list kept by hand), and each registers its method in trimvlm.registry.
+See docs/tokens.md."""
 
-from trimvlm.tokens import (  # noqa: F401
-    cdpruner,
-    dart,
-    density,
-    divprune,
-    downsample,
-    fastv,
-    holov,
-    pool,
-    prumerge,
-    random,
-    sparsevlm,
-    tome,
-    visionzip,
-)
+from trimvlm.protocol import discover
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView  # noqa: F401
+
+discover(__name__)
