@@ -8,7 +8,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # development history belongs in CHANGELOG.md
 HISTORY = re.compile(
     r"\bissues? \d+|\bre-?run|\bidle\b|\bthis session\b|\bsession \d+|\b20\d\d-\d\d-\d\d\b|before / after|"
-    r"(before|after) this change|REFERENCES\.md|papers/",
+    r"(before|after) this change|(?-i:REFERENCES\.md)|papers/",  # (docs/references.md is this repository's page)
     re.I,
 )
 
@@ -56,3 +56,80 @@ def test_the_readme_links_resolve():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#]+)\)", text)
     assert links and [x for x in links if not x.startswith("http") and not (ROOT / x).exists()] == []
+
+
+# ---- every repository path the pages name exists; nothing points outside the repository ------------------
+SRC = ROOT / "src" / "trimvlm"
+TOP = ("src", "tests", "docs", "benchmarks", "constraints", ".ci", ".github")
+# a path from the repository root, anywhere on a page (prose, code blocks, backticks)
+ROOTED = re.compile(r"(?<![\w/.-])(?:%s)/[\w./*-]*" % "|".join(re.escape(t) for t in TOP))
+PACKAGES = {p.name for p in SRC.rglob("*") if p.is_dir() and p.name != "__pycache__"} | {"trimvlm"}
+OUTSIDE = re.compile(r"(?<![\w.])(?:\.\./)*shared/|REFERENCES\.md|DESIGN\.md")
+# the page's example of a new file (docs/extending.md: "The whole of `src/trimvlm/tokens/NAME.py`:")
+TO_CREATE = re.compile(r"The whole of\s+`([^`]+)`:")
+
+
+def _exists(path: str, base: Path) -> bool:
+    """`path` (a `<placeholder>` cut off leaves a prefix; `*` globs) names something under `base`."""
+    path = path.rstrip(".,:;")
+    if path.endswith(("_", "-")) or "*" in path:
+        return any(base.glob(path if "*" in path else path + "*"))
+    return (base / path).exists()
+
+
+def named_paths(page: Path) -> list[tuple[str, bool]]:
+    """(path, exists) for every repository path `page` names: paths from the root (src/, tests/, benchmarks/,
+    docs/...), package paths in backticks (`serve/engine.py`, `tokens/base.py: TokenReducer`: found under
+    src/trimvlm), and relative links (from the page's folder)."""
+    text = page.read_text()
+    new = set(TO_CREATE.findall(text))
+    out = [(p, _exists(p, ROOT)) for p in ROOTED.findall(text) if p.rstrip(".,:;") not in new]
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for p in re.findall(r"(?<![\w/.-])[\w.-]+/[\w./*-]*", span):
+            if p.split("/")[0] in PACKAGES and not p.startswith(TOP):
+                bases = [SRC.parent, SRC, *(q for q in SRC.rglob("*") if q.is_dir())]
+                out.append((p, any(_exists(p, d) for d in bases)))
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        target = link.split("#")[0]
+        if target and not re.match(r"[a-z]+:", target):
+            out.append((link, (page.parent / target).exists()))
+    return out
+
+
+def test_every_path_the_docs_name_exists():
+    missing = [f"{p.name}: {path}" for p in PAGES for path, ok in named_paths(p) if not ok]
+    assert missing == []
+    assert sum(len(named_paths(p)) for p in PAGES) > 100  # the pages do name files: the scan finds them
+
+
+def test_the_path_check_finds_a_missing_path(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See `serve/prefill.py`, src/trimvlm/nothing.py, [a link](missing.md) and `serve/engine.py`.")
+    missing = sorted(path for path, ok in named_paths(page) if not ok)
+    assert missing == ["missing.md", "serve/prefill.py", "src/trimvlm/nothing.py"]
+
+
+def test_no_page_points_outside_the_repository():
+    found = [f"{p.name}:{n}: {line.strip()}" for p in PAGES for n, line in enumerate(p.read_text().splitlines(), 1)
+             if OUTSIDE.search(line)]  # fmt: skip
+    assert found == []
+    assert OUTSIDE.search("see ../shared/DESIGN.md") and OUTSIDE.search("REFERENCES.md section 2")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors mkdocs gives `page` (python-markdown's toc slugs)."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in heads}
+
+
+def test_source_docstrings_cite_sections_of_the_references_page():
+    """`docs/references.md#anchor` in the source names a heading of that page; no source cites a file outside."""
+    anchors = _anchors(ROOT / "docs" / "references.md")
+    cited, outside = set(), []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        cited |= {(path.name, a) for a in re.findall(r"docs/references\.md#([\w-]+)", text)}
+        outside += [path.name] if OUTSIDE.search(text) else []
+    assert len(cited) >= 20
+    assert [(f, a) for f, a in sorted(cited) if a not in anchors] == []
+    assert outside == []

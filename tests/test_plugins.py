@@ -57,7 +57,7 @@ def install() -> None:
 '''
 
 # the driver runs in a fresh interpreter that sees the plugin: the CLI as a user types it, in one process
-DRIVER = '''
+DRIVER = """
 import json, sys
 from typer.testing import CliRunner
 from trimvlm.cli import app
@@ -76,7 +76,7 @@ for name, args in runs.items():
     res = CliRunner().invoke(app, args)
     codes[name] = [res.exit_code, res.output[-2000:]]
 json.dump(codes, open(f"{out}/codes.json", "w"))
-'''
+"""
 
 
 def install_plugin(site: Path) -> None:
@@ -118,11 +118,11 @@ def test_an_installed_package_adds_methods(tmp_path):
     base, plug = (json.loads((out / f"{n}.json").read_text()) for n in ("base", "plugin"))
     assert plug["recipe"] != base["recipe"]
     assert "plug-first" in plug["recipe"] and "plug-skip" in plug["recipe"]
-    layers = base["costs"]["layer_flops"]["prefill"]
+    layers, plugged = base["costs"]["layer_flops"]["prefill"], plug["costs"]["layer_flops"]["prefill"]
     skipped = str(len(layers) - 2)
-    assert layers[skipped] > 0 and not plug["costs"]["layer_flops"]["prefill"].get(skipped)  # the block never ran
+    assert layers[skipped] > 0 and not plugged.get(skipped)  # the block never ran
     first = min(layers, key=int)
-    assert 0 < plug["costs"]["layer_flops"]["prefill"][first] < layers[first]  # tokens dropped before layer 0
+    assert 0 < plugged[first] < layers[first]  # tokens dropped before layer 0
 
 
 @pytest.fixture
@@ -152,7 +152,8 @@ def test_a_plugin_that_fails_to_load_gets_one_line_naming_it(fresh_load):
     assert "\n" not in msg and "'broken'" in msg and "no_such_module_xyz" in msg and "trimvlm.methods" in msg
     res = CliRunner().invoke(app, ["methods"])
     assert res.exit_code == 2
-    assert res.output.strip().startswith("error:") and "'broken'" in res.output and "Traceback" not in res.output
+    assert res.output.strip().startswith("error:") and "'broken'" in res.output
+    assert "Traceback" not in res.output
     with pytest.raises(PluginError):  # not cached as loaded: the next look-up says it again
         protocol.build("tokens", "random", {"keep": 0.5})
 

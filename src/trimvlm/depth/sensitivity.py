@@ -1,5 +1,5 @@
 """Decision sensitivity of each block on the next-token logits at the answer position (the criterion of
-REFERENCES.md section 4, FastJEV's J_l, applied to generation):
+docs/references.md#decision-guided-pruning-p, FastJEV's J_l, applied to generation):
 
     z(x) = the unpruned model's logits for the first answer token;  z^(-l)(x) the same with block l skipped
     d_l(x) = rms(ctr(z^(-l)(x) - z(x))) / max(1e-8, rms(ctr(z(x)))),  J_l = mean of d_l over the inputs

@@ -1,6 +1,6 @@
-"""Density kernels shared by the prefill reducers and the KV policies (TwinPrune, REFERENCES.md section 1):
-spatial density rho on a patch grid, its normalisations, DivPrune's most isolated token, and (from
-`kernels.farthest`) density-tilted farthest-point selection."""
+"""Density kernels shared by the prefill reducers and the KV policies (TwinPrune,
+docs/references.md#spatial-density): spatial density rho on a patch grid, its normalisations, DivPrune's most
+isolated token, and (from `kernels.farthest`) density-tilted farthest-point selection."""
 
 from __future__ import annotations
 

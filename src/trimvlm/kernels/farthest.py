@@ -1,6 +1,7 @@
-"""Density-tilted farthest-point selection (TwinPrune, REFERENCES.md section 1; DivPrune's max-min with no tilt):
-the distance rows computed a block at a time as matrix products, the per-pick loop compiled (`kernels.picks`)
-or in numpy (`kernels.jit`: the fallback), the same picks either way."""
+"""Density-tilted farthest-point selection (TwinPrune, docs/references.md#density-tilted-farthest-point;
+DivPrune's max-min with no tilt): the distance rows computed a block at a time as matrix products, the
+per-pick loop compiled (`kernels.picks`) or in numpy (`kernels.jit`: the fallback), the same picks either
+way."""
 
 from __future__ import annotations
 

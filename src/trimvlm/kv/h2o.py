@@ -1,5 +1,5 @@
 """H2O (heavy hitters) on the visual span: keep the visual entries that received the most attention during
-prefill, plus a window of the most recent visual entries. REFERENCES.md section 3.
+prefill, plus a window of the most recent visual entries. docs/references.md#h2o.
 
 The accumulated attention is H2O's: the attention each key received, summed over *all* prefill queries and
 all heads (column sums of the causal softmax), recorded by the attention probe in query blocks, never as an

@@ -1,6 +1,6 @@
 """SnapKV on the visual span: score each visual entry by the attention it receives from the last `window`
 prefill queries (the observation window), summed over those queries, pooled along the key axis with a 1-D
-kernel, per layer. REFERENCES.md section 3.
+kernel, per layer. docs/references.md#snapkv.
 
 Pooling runs over the cache order with every non-visual entry zeroed, so text attention (sinks, the prompt) does
 not bleed into the visual span. `pool=avg` (SnapKV's and kvpress's default) counts the padding in the kernel, so

@@ -1,5 +1,5 @@
 """StreamingLLM on the visual span: keep the first `sinks` visual entries (attention sinks) and the most recent
-ones. REFERENCES.md section 3; one shot at the prefill/decode boundary, original positions kept."""
+ones. docs/references.md#streamingllm; one shot at the prefill/decode boundary, original positions kept."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The decision head (REFERENCES section 4): reads the question representation z_q, each candidate's
-representation u_i and its language-model features, and gives candidate logits plus an abstention logit.
+"""The decision head (docs/references.md#branches-features-and-the-decision-head): reads the question
+representation z_q, each candidate's representation u_i and its language-model features, and gives candidate
+logits plus an abstention logit.
 
     g = tanh(W_q z_q);  h_i = (W_o u_i) * g + W_f feats_i
     logit_i = (w . h_i + v . feats_i) / tau;  abstain = (W_a g) / tau

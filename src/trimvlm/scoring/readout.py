@@ -4,9 +4,9 @@ scores made from them.
 Each predictor state is projected to the vocabulary once (the prefix's last token, and every trie node that has
 children), at most `CHUNK` rows at a time, normalised over the full vocabulary; a candidate's token log-probs
 are gathered along its path. Scored tokens: everything after the open marker (the candidate's tokens and its
-close marker: ending the answer is part of it). Features per candidate (REFERENCES section 4): sum / 10, mean,
-count / 10, log-softmax of the sums across the request's candidates, first-token log-prob read from z_q, a
-valid flag.
+close marker: ending the answer is part of it). Features per candidate
+(docs/references.md#branches-features-and-the-decision-head): sum / 10, mean, count / 10, log-softmax of the
+sums across the request's candidates, first-token log-prob read from z_q, a valid flag.
 """
 
 from __future__ import annotations

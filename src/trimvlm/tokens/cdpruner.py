@@ -94,7 +94,7 @@ def _greedy_compiled(xn, quality, k, d2, floor, fallback, c, picks) -> torch.Ten
 @register("tokens", "cdpruner")
 @dataclass
 class CDPruner(TokenReducer):
-    """CDPruner (Zhang et al., NeurIPS 2025, arXiv 2506.10967; REFERENCES.md section 7), per image:
+    """CDPruner (Zhang et al., NeurIPS 2025, arXiv 2506.10967; docs/references.md#cdpruner), per image:
 
     1. similarity: S_ij = cos(x_i, x_j) of the visual tokens (the projector's outputs at L = 0, as the paper);
     2. relevance to the instruction: r_i = mean_m cos(x_i, t_m) over the instruction's tokens t_m, min-max

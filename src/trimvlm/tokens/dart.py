@@ -19,7 +19,7 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 @register("tokens", "dart")
 @dataclass
 class DART(TokenReducer):
-    """DART (Wen et al. 2025; REFERENCES.md section 2), before decoder layer L (default 2), per image:
+    """DART (Wen et al. 2025; docs/references.md#dart), before decoder layer L (default 2), per image:
 
     1. pivots: the `pivots` tokens (default 8) with the largest L2 norm of their key states in layer L
        (`pivot=key`, the paper's default: the keys layer L computes from the hidden states entering it, before

@@ -1,6 +1,6 @@
 """TwinPrune prefill reduction: spatial density + density-tilted farthest-point selection + bipartite merge.
 
-Spec: REFERENCES.md section 1 (papers/twinprune.txt section 4).
+Spec: docs/references.md#twinprune (the paper's section 4).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def density_select(
 @register("tokens", "density")
 @dataclass
 class Density(TokenReducer):
-    """TwinPrune prefill compression (REFERENCES.md section 1).
+    """TwinPrune prefill compression (docs/references.md#twinprune).
 
     rho = spatial density on each image's grid (window `window`), min-max normalised to rho~; keep K tokens by
     density-tilted farthest-point selection `argmax(mind_j + beta * rho~_j)` on cosine distance, first pick

@@ -15,7 +15,7 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 @register("tokens", "divprune")
 @dataclass
 class DivPrune(TokenReducer):
-    """DivPrune (Alvar et al., CVPR 2025; REFERENCES.md section 2): greedy max-min diversity on cosine
+    """DivPrune (Alvar et al., CVPR 2025; docs/references.md#divprune): greedy max-min diversity on cosine
     distance D = 1 - cos over each image's visual features. First pick, DivPrune's own rule: the most isolated
     token, argmax_j min_{i != j} D[i, j] (the token farthest from its nearest neighbour); then
     s_t = argmax_{j not in S} min_{s in S} D[s, j]. TwinPrune's rule with beta = 0 differs only in the first pick

@@ -27,11 +27,11 @@ class Resolution:
 @dataclass
 class Downsample(TokenReducer):
     """Plain image downsampling (VTC-Bench, arXiv 2510.07143: "simply downsampling the image beats many advanced
-    methods"; REFERENCES.md section 7): every image is resized (bicubic) before the vision tower, so that its grid
-    of LLM tokens, (h, w) at the image's own size, becomes (round(h sqrt(keep)), round(w sqrt(keep))): about
-    N * keep tokens, the aspect ratio kept. Nothing is selected inside the model; the vision tower runs on the
-    smaller image, so the vision FLOPs fall too (the model's vision line: counted by torch's counter on the very
-    encode that ran), and there are no method FLOPs.
+    methods"; docs/references.md#pooling-and-downsampling): every image is resized (bicubic) before the vision
+    tower, so that its grid of LLM tokens, (h, w) at the image's own size, becomes (round(h sqrt(keep)),
+    round(w sqrt(keep))): about N * keep tokens, the aspect ratio kept. Nothing is selected inside the model;
+    the vision tower runs on the smaller image, so the vision FLOPs fall too (the model's vision line: counted
+    by torch's counter on the very encode that ran), and there are no method FLOPs.
 
     It acts when the batch is prepared (`Plan.resolution`, applied by `vlm.prepare(..., plan=)`; the runner
     refuses a batch prepared without it). Families whose processor gives the token grid from the image's size

@@ -21,13 +21,13 @@ class FastV(TokenReducer):
     row is computed (an AttentionProbe on layer L-1); the model keeps running SDPA. Needs L >= 1 (default 2,
     FastV's K = 2).
 
-    Noise-perturbed FastV (Pruning All-Rounder, REFERENCES.md section 5): with `trials=T > 1`, T selections are
-    tried: the plain ranking and T - 1 rankings of the scores plus Gaussian noise N(0, (noise * std)^2) (std of
-    the image's scores; the draw is seeded per image, `seed`). Each is judged by the self-supervised criterion:
-    the KL between the next-token distribution of the unpruned sequence and of the pruned one, both run through
-    the remaining layers on a scratch cache; each sample keeps its best trial (never worse than plain FastV on
-    that criterion). The look-ahead runs cost (T + 1) x the layers L.. of a prefill and are counted as method
-    FLOPs."""
+    Noise-perturbed FastV (Pruning All-Rounder, docs/references.md#noise-perturbed-fastv): with
+    `trials=T > 1`, T selections are tried: the plain ranking and T - 1 rankings of the scores plus Gaussian
+    noise N(0, (noise * std)^2) (std of the image's scores; the draw is seeded per image, `seed`). Each is
+    judged by the self-supervised criterion: the KL between the next-token distribution of the unpruned
+    sequence and of the pruned one, both run through the remaining layers on a scratch cache; each sample
+    keeps its best trial (never worse than plain FastV on that criterion). The look-ahead runs cost (T + 1) x
+    the layers L.. of a prefill and are counted as method FLOPs."""
 
     layer: int | None = None
     noise: float = 0.0

@@ -67,7 +67,7 @@ def allocate(weight: torch.Tensor, cap: torch.Tensor, k: torch.Tensor) -> torch.
 @register("tokens", "holov")
 @dataclass
 class HoloV(VisionAttentionReducer):
-    """HoloV (Zou et al., NeurIPS 2025, arXiv 2510.02912; REFERENCES.md section 7), at LLM layer L = 0 on the
+    """HoloV (Zou et al., NeurIPS 2025, arXiv 2510.02912; docs/references.md#holov), at LLM layer L = 0 on the
     projector's tokens, per image:
 
     1. crops: the tokens in grid order cut into `crops` (default 16, the code's) contiguous runs (bands of the

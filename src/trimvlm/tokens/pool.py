@@ -45,7 +45,8 @@ def windows(view: VisualView, short: int, long: int) -> torch.Tensor:
 @dataclass
 class Pool(TokenReducer):
     """Average pooling of each image's grid of LLM visual tokens (the benchmark studies' "pooling" baseline:
-    "Token Pruning in MLLMs: Are We Solving the Right Problem?", ACL Findings 2025; REFERENCES.md section 7).
+    "Token Pruning in MLLMs: Are We Solving the Right Problem?", ACL Findings 2025;
+    docs/references.md#pooling-and-downsampling).
 
     Each unit's grid (its own h x w in LLM tokens: Qwen-VL's merged 2x2 patches, LLaVA's 24 x 24, one tile of
     Idefics3 / InternVL) is cut into sh x sw windows from the top-left corner, sh * sw = 1 / keep, the most square

@@ -13,11 +13,12 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 @register("tokens", "random")
 @dataclass
 class Random(TokenReducer):
-    """Keep K = ceil(N * keep) tokens of each image uniformly at random (REFERENCES.md section 2: a fixed seed,
-    a different subset per image). Token t of an image draws `hashed_uniform(seed, image fingerprint, t)`:
-    the draw depends on the seed and the image itself (a fingerprint of its pixels), so different images get
-    different subsets, and an image gets the same subset alone, in any batch, at any index. kv=random draws
-    the same way, so `tokens=random` and `kv=random` with one seed rank an image's tokens alike."""
+    """Keep K = ceil(N * keep) tokens of each image uniformly at random, a different subset per image from a
+    fixed seed (docs/references.md#random). Token t of an image draws
+    `hashed_uniform(seed, image fingerprint, t)`: the draw depends on the seed and the image itself (a
+    fingerprint of its pixels), so different images get different subsets, and an image gets the same subset
+    alone, in any batch, at any index. kv=random draws the same way, so `tokens=random` and `kv=random` with
+    one seed rank an image's tokens alike."""
 
     seed: int = 0
 

@@ -68,7 +68,7 @@ def dpc_knn(x: torch.Tensor, clusters: int) -> tuple[torch.Tensor, torch.Tensor]
 @register("tokens", "sparsevlm")
 @dataclass
 class SparseVLM(TokenReducer):
-    """SparseVLM (Zhang et al., ICML 2025, arXiv 2410.04417; REFERENCES.md section 7), per image:
+    """SparseVLM (Zhang et al., ICML 2025, arXiv 2410.04417; docs/references.md#sparsevlm), per image:
 
     1. raters (once, on the embeddings entering layer 0): the instruction's text tokens t_m whose relevance
        mean_i softmax_m(<v_i, t_m>) to the visual tokens v_i is above the mean (`raters`);

@@ -1,4 +1,4 @@
-"""DPO over pruning layouts (REFERENCES.md section 5).
+"""DPO over pruning layouts (docs/references.md#dpo-over-layouts).
 
 A layout y is a set of chosen elements (visual tokens kept, candidate layers kept) among the router's scored
 elements; its log-probability under the router's independent Bernoulli scores s:

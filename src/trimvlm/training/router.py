@@ -1,4 +1,5 @@
-"""Self-supervised DPO training of the meta-router (`trimvlm train-router`), REFERENCES.md section 5.
+"""Self-supervised DPO training of the meta-router (`trimvlm train-router`;
+docs/references.md#the-meta-router).
 
 For every unlabeled input x (the task's images and prompts; answers are never read):
 1. the unpruned model answers greedily (at most `answer_tokens` tokens, up to and including its first stop

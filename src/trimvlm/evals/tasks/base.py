@@ -4,7 +4,7 @@ A record is one question: its images, the question, the options (multiple choice
 probe kind and the metric that scores it, and a question `kind` that results are grouped by. A task's records
 may be any items of trimvlm.evals.items' protocol (generation records, candidate items).
 
-Probe kinds (../shared/REFERENCES.md section 1):
+Probe kinds (docs/references.md#prefill-probes-and-full-pipeline-probes):
 - `prefill`: the answer is read from the first generated token only (a letter, yes/no, a one-word answer);
   the harness generates `prefill_tokens` (default 1) tokens, so decode-phase methods cannot change it.
 - `full`: the whole generated answer is scored (open text, reading, lists); up to `max_new_tokens` tokens.
