@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import threading
 import types
 from importlib.metadata import EntryPoint, entry_points
 
@@ -26,6 +27,7 @@ BY_PATH: dict[str, type] = {}  # axis -> its one class, for axes whose method is
 ENTRY_POINT_GROUP = "trimvlm.methods"
 _loaded = False  # every axis package discovered and every entry point loaded, once per process
 _plugins: set[tuple[str, str]] = set()  # (name, value) of each entry point loaded
+_loading = threading.RLock()  # two threads' first look-ups load once
 
 
 def register(axis: str, name: str, *, by_path: bool = False):
@@ -62,13 +64,16 @@ def load_methods() -> None:
     global _loaded
     if _loaded:
         return
-    for axis in REGISTRIES:
-        discover(f"trimvlm.{axis}")
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if (ep.name, ep.value) not in _plugins:
-            _load_plugin(ep)
-            _plugins.add((ep.name, ep.value))
-    _loaded = True
+    with _loading:
+        if _loaded:  # loaded by another thread meanwhile
+            return
+        for axis in REGISTRIES:
+            discover(f"trimvlm.{axis}")
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if (ep.name, ep.value) not in _plugins:
+                _load_plugin(ep)
+                _plugins.add((ep.name, ep.value))
+        _loaded = True
 
 
 def _load_plugin(ep: EntryPoint) -> None:
