@@ -7,9 +7,11 @@
   image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
 - one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
   mmvet. docs/benchmarks.md lists their prompts, probe kinds and metrics.
+
+Every module of this package is imported when it is (`protocol.discover`: no list kept by hand), so a new
+file that registers a task or a benchmark is one.
 """
 
-from trimvlm.evals.tasks import ai2d, chartqa, docvqa, mmbench, mmvet, pope, scenes, scienceqa, textvqa  # noqa: F401
 from trimvlm.evals.tasks.base import (
     GROUP_PROBES,
     OPTION_INSTRUCTION,
@@ -28,6 +30,7 @@ from trimvlm.evals.tasks.benchmark import Benchmark, load_benchmark, register_be
 from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_candidate_task, demo_task
 from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
 from trimvlm.evals.tasks.lookup import benchmarks, calibration_items, get_task
+from trimvlm.protocol import discover
 
 __all__ = [
     "DEMO_DEFAULT_ITEMS",
@@ -55,3 +58,5 @@ __all__ = [
     "register_benchmark",
     "register_task",
 ]
+
+discover(__name__)
