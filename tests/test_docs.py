@@ -62,7 +62,7 @@ def test_the_readme_links_resolve():
 SRC = ROOT / "src" / "trimvlm"
 TOP = ("src", "tests", "docs", "benchmarks", "constraints", ".ci", ".github")
 # a path from the repository root, anywhere on a page (prose, code blocks, backticks)
-ROOTED = re.compile(r"(?<![\w/.-])(?:%s)/[\w./*-]*" % "|".join(re.escape(t) for t in TOP))
+ROOTED = re.compile(r"(?<![\w/.-])(?:" + "|".join(map(re.escape, TOP)) + r")/[\w./*-]*")
 PACKAGES = {p.name for p in SRC.rglob("*") if p.is_dir() and p.name != "__pycache__"} | {"trimvlm"}
 OUTSIDE = re.compile(r"(?<![\w.])(?:\.\./)*shared/|REFERENCES\.md|DESIGN\.md")
 # the page's example of a new file (docs/extending.md: "The whole of `src/trimvlm/tokens/NAME.py`:")
@@ -123,13 +123,16 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_source_docstrings_cite_sections_of_the_references_page():
-    """`docs/references.md#anchor` in the source names a heading of that page; no source cites a file outside."""
+    """`docs/references.md#anchor` in the source names a heading of that page, every docs page the source names
+    exists, and no source cites a file outside the repository."""
     anchors = _anchors(ROOT / "docs" / "references.md")
-    cited, outside = set(), []
+    cited, pages, outside = set(), set(), []
     for path in SRC.rglob("*.py"):
         text = path.read_text()
         cited |= {(path.name, a) for a in re.findall(r"docs/references\.md#([\w-]+)", text)}
+        pages |= {(path.name, d) for d in re.findall(r"docs/[\w-]+\.md", text)}
         outside += [path.name] if OUTSIDE.search(text) else []
     assert len(cited) >= 20
     assert [(f, a) for f, a in sorted(cited) if a not in anchors] == []
+    assert [(f, d) for f, d in sorted(pages) if not (ROOT / d).exists()] == []
     assert outside == []
