@@ -274,6 +274,7 @@ def declared_methods() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "register":
                 axis, name = (a.value for a in node.args[:2])
-                assert path.relative_to(src).parts[0] == axis, f"{path} registers {axis}={name} outside trimvlm/{axis}/"
+                where = path.relative_to(src).parts[0]
+                assert where == axis, f"{path} registers {axis}={name} outside trimvlm/{axis}/"
                 out[axis].add(name)
     return out

@@ -104,7 +104,7 @@ def test_every_path_the_docs_name_exists():
 
 def test_the_path_check_finds_a_missing_path(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("See `serve/prefill.py`, src/trimvlm/nothing.py, [a link](missing.md) and `serve/engine.py`.")
+    page.write_text("See `serve/prefill.py`, src/trimvlm/nothing.py, [a](missing.md), `serve/engine.py`.")
     missing = sorted(path for path, ok in named_paths(page) if not ok)
     assert missing == ["missing.md", "serve/prefill.py", "src/trimvlm/nothing.py"]
 

@@ -311,6 +311,7 @@ def test_two_threads_equal_sequential_runs(tiny):
 
 # --------------------------------------------------------------------------------------------- imports
 
+
 @pytest.mark.parametrize(
     "package", ["trimvlm.tokens", "trimvlm.kv", "trimvlm.depth", "trimvlm.router", "trimvlm.scoring"]
 )

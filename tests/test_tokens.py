@@ -44,7 +44,8 @@ def registered(keep: float, layers: tuple[int, ...], counted: bool) -> list[str]
     return out
 
 
-VARIANTS = ["density:select=topk"]  # an option that changes the selection rule, beside every method's defaults
+# an option that changes the selection rule, beside every method's defaults
+VARIANTS = ["density:select=topk"]
 NOOP = registered(1.0, (1, 3), counted=False) + VARIANTS
 METHODS = registered(0.3, (1, 2, 3), counted=True) + VARIANTS
 AT_ZERO = registered(0.5, (0,), counted=True)
