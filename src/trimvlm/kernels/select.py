@@ -57,3 +57,27 @@ def hashed_uniform(seed: int, key: torch.Tensor, index: torch.Tensor) -> torch.T
     x = _mix(key.long() + _signed((int(seed) * _GOLDEN) % (1 << 64)))
     x = _mix(x + index.long())
     return _lsr(x, 11).double() / float(1 << 53)
+
+
+def pool_keys(s: torch.Tensor, kernel: int, pool: str = "avg") -> torch.Tensor:
+    """s [..., K] pooled along K with a same-length 1-D window of odd width `kernel` (1: as is); `avg` counts
+    the padding in the window (an entry next to padding scores the same in a batch as alone), `max` ignores it.
+    SnapKV's clustering of the observation window's scores."""
+    if kernel == 1:
+        return s
+    shape = s.shape
+    x = s.reshape(-1, 1, shape[-1])
+    p = kernel // 2
+    if pool == "avg":
+        x = torch.nn.functional.avg_pool1d(x, kernel, stride=1, padding=p, count_include_pad=True)
+    else:
+        x = torch.nn.functional.max_pool1d(x, kernel, stride=1, padding=p)
+    return x.reshape(shape)
+
+
+def window_scores(att: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+    """[B, K] SnapKV's score of every cache entry: the attention it receives from the observation window's
+    real query rows (att [B, n, K], heads averaged; rows [B, n] bool), summed over them, with every entry
+    outside `cand` zeroed, then pooled along K (`pool_keys`)."""
+    s = (att.float() * rows[..., None]).sum(1).masked_fill(~cand, 0.0)
+    return pool_keys(s, kernel, pool)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from trimvlm.kernels.select import pool_keys, window_scores
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.options import require_bool, require_int
 from trimvlm.protocol import register
@@ -48,28 +48,14 @@ class SnapKV(KVPolicy):
     def rows_wanted(self) -> int:
         return self.window
 
-    def _pooled(self, s: torch.Tensor) -> torch.Tensor:
-        # s [..., K] -> pooled along K with a same-length 1-D kernel
-        if self.kernel == 1:
-            return s
-        shape = s.shape
-        x = s.reshape(-1, 1, shape[-1])
-        p = self.kernel // 2
-        if self.pool == "avg":
-            x = F.avg_pool1d(x, self.kernel, stride=1, padding=p, count_include_pad=True)
-        else:
-            x = F.max_pool1d(x, self.kernel, stride=1, padding=p)
-        return x.reshape(shape)
-
     def scores(self, view: LayerView):
         att, rv = view.attention.float(), view.row_valid
         cand = view.candidates
         if att.dim() == 3:  # [B, n, K], heads averaged
-            s = (att * rv[..., None]).sum(1).masked_fill(~cand, 0.0)
-            return self._pooled(s)
+            return window_scores(att, rv, cand, self.kernel, self.pool)
         # per head: [B, H, n, K]
         s = (att * rv[:, None, :, None]).sum(2).masked_fill(~cand[:, None], 0.0)
-        s = self._pooled(s)  # [B, H, K]
+        s = pool_keys(s, self.kernel, self.pool)  # [B, H, K]
         k = s.shape[-1]
         ranked = s.masked_fill(~cand[:, None], -float("inf"))
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
