@@ -252,9 +252,12 @@ class TokenReducer:
         return out.masked_fill(~view.mask, 0.0)
 
     def _last_query_probe(self, runner, handoff):
-        """AttentionProbe(last=1, layers={L-1}), kept in the handoff so the hook reads what it recorded."""
+        """AttentionProbe(last=1, layers={L-1}), kept in the handoff so the hook reads what it recorded (None at
+        keep = 1: nothing is reduced, so nothing is recorded)."""
         from trimvlm.runtime.attention import AttentionProbe
 
+        if self.ratio >= 1:
+            return None
         handoff.probes["tokens"] = AttentionProbe(last=1, layers={self.at(runner) - 1})
         return handoff.probes["tokens"]
 
