@@ -16,6 +16,8 @@ from trimvlm.plan import Handoff, build_methods, make_plan
 from trimvlm.registry import build_method
 from trimvlm.runtime.runner import Runner
 from trimvlm.tokens.base import VisualView
+from trimvlm.kernels.select import topk_mask
+from trimvlm.tokens.fitprune import Stats, deletion_order, fit, received, statistics
 from trimvlm.tokens.gprune import propagate
 from trimvlm.tokens.pyramiddrop import stage_counts
 from trimvlm.tokens.vispruner import remove_duplicates
@@ -249,3 +251,134 @@ def test_attention_ranked_stages_on_linear_layers_are_refused(tiny_adapter):
     with pytest.raises(RecipeError) as e:
         make_plan(f"tokens=pyramiddrop:keep=0.5:layers={linear[0] + 1}", runner)
     assert "allowed on this model" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- FitPrune -----------------------------------------------------------------------------------------
+def test_fitprune_distributions_match_loop():
+    g = torch.Generator().manual_seed(3)
+    att = torch.softmax(torch.randn(3, 10, 10, generator=g), -1)
+    cols = torch.tensor([2, 3, 5, 6])
+    text = torch.zeros(10, dtype=torch.bool)
+    text[[7, 8, 9]] = True
+    cross, self_ = received(att, cols, text)
+    hmax = [[max(float(att[h, q, k]) for h in range(3)) for k in range(10)] for q in range(10)]
+    for i, v in enumerate(cols.tolist()):
+        assert cross[i].item() == pytest.approx(sum(hmax[t][v] for t in (7, 8, 9)) / 3, rel=1e-6)
+        assert self_[i].item() == pytest.approx(sum(hmax[u][v] for u in cols.tolist()) / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fitprune_deletes_the_tokens_low_in_both_distributions(seed):
+    """Deleting d tokens by `deletion_order` deletes exactly B_m(cross) & B_m(self) (the lowest m by each)
+    whenever that intersection has d tokens."""
+    g = torch.Generator().manual_seed(seed)
+    n = 15
+    cross, self_ = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    order = deletion_order(cross, self_)
+    low = lambda s, m: set(sorted(range(n), key=lambda j: (float(s[j]), j))[:m])  # noqa: E731
+    for m in range(n + 1):
+        both = low(cross, m) & low(self_, m)
+        kept = topk_mask(order[None], torch.tensor([n - len(both)]), torch.ones(1, n, dtype=torch.bool))[0]
+        assert set(torch.nonzero(~kept).flatten().tolist()) == both
+
+
+def _loop_fit(stats, keep):
+    """FitPrune's fit by plain loops: for alpha, layer by layer, stop once the layer-mean alive fraction is met
+    assuming no more pruning; else each input deletes the largest prefix (ascending) of its alive tokens by
+    each distribution that leaves (1 - alpha) of the layer's total, and the tokens in both prefixes go; the
+    binary search keeps the smallest alpha that meets the budget."""
+
+    def run(alpha):
+        depth = len(stats[0].cross)
+        alive = [set(range(len(s.cross[0]))) for s in stats]
+        n0 = [len(s.cross[0]) for s in stats]
+        used, fr = 0.0, []
+        for i in range(depth):
+            now = sum(len(a) / n for a, n in zip(alive, n0)) / len(alive)
+            if (used + now * (depth - i)) / depth <= keep + 1e-12:
+                return True, fr + [now] * (depth - i)
+            for a, s in zip(alive, stats):
+                gone = []
+                for dist in (s.cross[i], s.self_[i]):
+                    total, mass = sum(dist), sum(dist[j] for j in a)
+                    order, cut = sorted(a, key=lambda j: (dist[j], j)), 0
+                    while cut < len(order) - 1 and mass - sum(dist[j] for j in order[: cut + 1]) >= (1 - alpha) * total - 1e-12:
+                        cut += 1
+                    gone.append(set(order[:cut]))
+                a -= gone[0] & gone[1]
+            used += now
+            fr.append(sum(len(a) / n for a, n in zip(alive, n0)) / len(alive))
+        return False, fr
+
+    lo, hi = 0.0, 1.0
+    best = run(hi)[1]
+    while hi - lo > 0.01 + 1e-9:
+        mid = (lo + hi) / 2
+        ok, fr = run(mid)
+        if ok:
+            hi, best = mid, fr
+        else:
+            lo = mid
+    return best
+
+
+@pytest.mark.parametrize("keep", [0.8, 0.5, 0.25, 0.1])
+def test_fitprune_fit_matches_loop(keep):
+    g = torch.Generator().manual_seed(9)
+    stats = []
+    for n in (12, 9, 16):
+        layers = [torch.softmax(4 * torch.randn(2, n, generator=g), -1).tolist() for _ in range(5)]
+        stats.append(Stats([x[0] for x in layers], [x[1] for x in layers]))
+    got = fit(stats, keep)
+    assert got == pytest.approx(_loop_fit(stats, keep), abs=1e-12)
+    assert sum([1.0, *got[:-1]]) / len(got) <= keep + 1e-9 or got[-1] < 0.2  # the budget, unless unreachable
+
+
+def test_fitprune_runs_its_fitted_recipe_on_the_layers_own_attention(tiny_adapter, tmp_path):
+    """Calibrated on the tiny model, each stage keeps ceil(N0 * fraction) per image, deleting by the layer's
+    own attention statistics (a loop over the recorded rows)."""
+    adapter = tiny_adapter("qwen3_vl")
+    runner = Runner(adapter)
+    images, prompts = ragged_batch()
+    prep = adapter.prepare(images, prompts)
+    path = write_statistics(runner, prep, tmp_path)
+    recipe = f"tokens=fitprune:file={path}:keep=0.5"
+    method = build_methods(recipe)["tokens"]
+    stages = method.stages(runner)
+    assert stages and all(1 <= s < runner.num_layers for s in stages)
+    out, m, _ = plan_prefill(runner, prep, recipe)
+    last = stages[max(stages)]
+    assert (out.seq.visual & out.seq.valid).sum(1).tolist() == [max(1, math.ceil(n * last - 1e-9)) for n in (16, 24, 32)]
+    assert m.costs.method_total_flops > 0
+
+
+def write_statistics(runner, prep, folder) -> str:
+    import json
+
+    stats = statistics(runner, prep)
+    path = folder / "fitprune.json"
+    path.write_text(json.dumps({"num_layers": runner.num_layers, "inputs": [{"cross": s.cross, "self": s.self_} for s in stats]}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "recipe, words",
+    [
+        ("tokens=fitprune:keep=0.5", ["file=PATH", "trimvlm calibrate --method fitprune"]),
+        ("tokens=fitprune:keep=0.5:file=x.json:layer=2", ["drop layer="]),
+    ],
+)
+def test_fitprune_options_are_refused_in_one_line(recipe, words):
+    with pytest.raises(RecipeError) as e:
+        build_methods(recipe)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words)
+
+
+def test_fitprune_refuses_a_missing_file_or_another_models(tiny_adapter, tmp_path):
+    runner = Runner(tiny_adapter("qwen3_vl"))
+    with pytest.raises(RecipeError, match="not found"):
+        make_plan(f"tokens=fitprune:keep=0.5:file={tmp_path / 'none.json'}", runner)
+    bad = tmp_path / "other.json"
+    bad.write_text('{"num_layers": 99, "inputs": [{"cross": [[1.0]], "self": [[1.0]]}]}')
+    with pytest.raises(RecipeError, match="99 layers"):
+        make_plan(f"tokens=fitprune:keep=0.5:file={bad}", runner)

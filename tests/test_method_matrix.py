@@ -5,15 +5,17 @@ option has a one-line refusal, and through the server a recipe equals the same r
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import need_extra, plan_prefill, ragged_batch
 
+from trimvlm.cli_calibrate import token_statistics
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.plan import make_plan
-from trimvlm.registry import REGISTRIES, _load_methods, build_method
+from trimvlm.registry import REGISTRIES, load_methods, build_method
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.testing import random_image
@@ -30,7 +32,7 @@ NO_NOOP = {("depth", "skip")}  # names the layers it skips: no setting skips non
 
 
 def methods() -> list[tuple[str, str]]:
-    _load_methods()
+    load_methods()
     return [(axis, name) for axis in AXES for name in sorted(REGISTRIES[axis])]
 
 
@@ -46,12 +48,17 @@ def vlm(tiny_adapter):
 
 @pytest.fixture(scope="module")
 def files(vlm, tmp_path_factory):
-    """The files some methods read: a ranking of the tiny model's layers (depth=ranking)."""
+    """The files some methods read: a ranking of the tiny model's layers (depth=ranking) and attention
+    statistics of two calibration inputs (tokens=fitprune, through the calibrate command's own writer)."""
     n = vlm.runner.num_layers
-    path = tmp_path_factory.mktemp("matrix") / "rank.json"
-    path.write_text(json.dumps({"order": list(range(n - 1, -1, -1)), "num_layers": n,
-                                "fingerprint": model_fingerprint(vlm.adapter)}))  # fmt: skip
-    return {("depth", "ranking"): f"file={path}"}
+    folder = tmp_path_factory.mktemp("matrix")
+    (folder / "rank.json").write_text(json.dumps({"order": list(range(n - 1, -1, -1)), "num_layers": n,
+                                                  "fingerprint": model_fingerprint(vlm.adapter)}))  # fmt: skip
+    images, prompts = ragged_batch()
+    items = [SimpleNamespace(images=images[b], prompt_text=lambda p=prompts[b]: p) for b in (0, 2)]
+    data = token_statistics(vlm, "fitprune", items, 2, {}, "tiny")
+    (folder / "fitprune.json").write_text(json.dumps(data))
+    return {("depth", "ranking"): f"file={folder / 'rank.json'}", ("tokens", "fitprune"): f"file={folder / 'fitprune.json'}"}
 
 
 def spec(axis: str, name: str, files: dict, noop: bool) -> str:

@@ -632,7 +632,7 @@ def calibrate(
     method: str = typer.Option(
         "candidates",
         help="candidates (FastJEV's J_l, candidate branches) | block-influence (ShortGPT BI_l) | sensitivity "
-        "(J_l on next-token logits) | greedy-kl",
+        "(J_l on next-token logits) | greedy-kl | fitprune (attention statistics for tokens=fitprune:file=...)",
     ),
 
     device: str = DEVICE,

@@ -3,12 +3,16 @@ registry (its val split) and write the one ranking file (trimvlm.depth.calibrati
 `depth=ranking:file=...:budget=K` loads.
 
 Methods: `candidates` (FastJEV's decision sensitivity J_l, the skip confined to the candidate branches:
-trimvlm.scoring.calibrate; candidate items) and every registered layer ranker (trimvlm.depth: block-influence,
-sensitivity, greedy-kl; generation records). Inputs are checked before the model loads.
+trimvlm.scoring.calibrate; candidate items), every registered layer ranker (trimvlm.depth: block-influence,
+sensitivity, greedy-kl; generation records), and every registered token reducer that is fitted on calibration
+statistics (a `statistics(runner, prepared)` function in its module: tokens=fitprune; generation records; the
+file holds the statistics, the reducer fits its recipe for the recipe's budget). Inputs are checked before the
+model loads.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,11 +32,35 @@ def _rankers() -> dict:
     return RANKERS
 
 
+def _token_statistics() -> dict:
+    """name -> the `statistics(runner, prepared)` function of each token reducer fitted on calibration data."""
+    import sys
+
+    from trimvlm.registry import REGISTRIES, load_methods
+
+    load_methods()
+    found = {name: getattr(sys.modules[cls.__module__], "statistics", None) for name, cls in REGISTRIES["tokens"].items()}
+    return {name: fn for name, fn in found.items() if callable(fn)}
+
+
 def check_method(method: str) -> None:
-    if method != CANDIDATES and method not in _rankers():
-        raise InputError(
-            f"unknown calibration method {method!r}; allowed: {CANDIDATES}, {', '.join(sorted(_rankers()))}"
-        )
+    if method != CANDIDATES and method not in _rankers() and method not in _token_statistics():
+        allowed = [CANDIDATES, *sorted(_rankers()), *sorted(_token_statistics())]
+        raise InputError(f"unknown calibration method {method!r}; allowed: {', '.join(allowed)}")
+
+
+def token_statistics(vlm, method: str, items, batch_size: int, about: dict, model: str, on_step=None) -> dict:
+    """The statistics file of token reducer `method`: its `statistics` over the prepared batches of `items`."""
+    from trimvlm.depth.base import model_fingerprint
+    from trimvlm.depth.calibration import prepare_batches
+
+    inputs = []
+    for prepared in prepare_batches(vlm, items, batch_size):
+        inputs += [{"cross": s.cross, "self": s.self_} for s in _token_statistics()[method](vlm.runner, prepared)]
+        if on_step is not None:
+            on_step()
+    return {"method": method, "model": str(model), "family": vlm.family, "fingerprint": model_fingerprint(vlm.adapter),
+            "num_layers": vlm.runner.num_layers, "calibration": {**about, "n": len(items)}, "inputs": inputs}  # fmt: skip
 
 
 def calibrate_command(
@@ -59,6 +87,9 @@ def calibrate_command(
     if not is_int(seed):
         raise InputError(f"seed must be an integer, got {seed!r}")
     items = calibration_items(task, n, seed, candidates=method == CANDIDATES)
+    if method in _token_statistics():
+        return _token_command(method, model, items, batch_size, {"task": str(task), "split": "val", "seed": seed},
+                              json_out, console, load_kw)  # fmt: skip
     if console is None:
         from rich.console import Console
 
@@ -99,3 +130,23 @@ def print_ranking(data: dict, layer_types: list[str], console) -> None:
         t.row(str(layer), layer_types[layer], f"{score:.4g}", str(place[layer] + 1))
     console.print(t)
     console.print(f"order (skipped first to last): {data['order']}")
+
+
+def _token_command(method, model, items, batch_size, about, json_out, console, load_kw) -> dict:
+    import trimvlm
+
+    if console is None:
+        from rich.console import Console
+
+        console = Console()
+    vlm = trimvlm.load(model, **(load_kw or {}))
+    with progress(console) as bar:
+        job = bar.add_task(method, total=math.ceil(len(items) / batch_size))
+        data = token_statistics(vlm, method, items, batch_size, about, str(model), on_step=lambda: bar.advance(job))
+    if json_out is not None:
+        path = Path(json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data) + "\n")
+        console.print(f"wrote {path} ({len(data['inputs'])} inputs); use it as the recipe "
+                      f"tokens={method}:file={path}:keep=K (K: the budget)")  # fmt: skip
+    return data
