@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import plan_prefill, ragged_batch
-from test_kv import _assert_keeps, _loop_snapkv, _loop_topk, _ragged_layer
+from test_kv import _loop_snapkv, _loop_topk, _ragged_layer
 
 from trimvlm.errors import RecipeError
+from trimvlm.kernels.select import topk_mask
 from trimvlm.plan import Handoff, build_methods, make_plan
 from trimvlm.registry import build_method
 from trimvlm.runtime.runner import Runner
 from trimvlm.tokens.base import VisualView
-from trimvlm.kernels.select import topk_mask
 from trimvlm.tokens.fitprune import Stats, deletion_order, fit, received, statistics
 from trimvlm.tokens.gprune import propagate
 from trimvlm.tokens.pyramiddrop import stage_counts
@@ -294,10 +294,10 @@ def _loop_fit(stats, keep):
         n0 = [len(s.cross[0]) for s in stats]
         used, fr = 0.0, []
         for i in range(depth):
-            now = sum(len(a) / n for a, n in zip(alive, n0)) / len(alive)
+            now = sum(len(a) / n for a, n in zip(alive, n0, strict=False)) / len(alive)
             if (used + now * (depth - i)) / depth <= keep + 1e-12:
                 return True, fr + [now] * (depth - i)
-            for a, s in zip(alive, stats):
+            for a, s in zip(alive, stats, strict=False):
                 gone = []
                 for dist in (s.cross[i], s.self_[i]):
                     total, mass = sum(dist), sum(dist[j] for j in a)
@@ -307,7 +307,7 @@ def _loop_fit(stats, keep):
                     gone.append(set(order[:cut]))
                 a -= gone[0] & gone[1]
             used += now
-            fr.append(sum(len(a) / n for a, n in zip(alive, n0)) / len(alive))
+            fr.append(sum(len(a) / n for a, n in zip(alive, n0, strict=False)) / len(alive))
         return False, fr
 
     lo, hi = 0.0, 1.0

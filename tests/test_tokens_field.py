@@ -450,13 +450,17 @@ def test_sparsevlm_stages_keep_the_rated_tokens_and_recycle_cluster_means(qwen):
     """Each stage keeps the K_j tokens the raters attend most (mean over the raters' rows of the layer's
     attention), plus one token per density-peak cluster of the int(0.3 D) + 1 best deleted ones, equal to its
     cluster's mean; the last stage keeps K = ceil(N keep) plus its clusters."""
+    from trimvlm.tokens.sparsevlm import raters
+
     adapter, runner = qwen
     images, prompts = ragged_batch()
     keep = 0.3
     plan = make_plan(f"tokens=sparsevlm:keep={keep}:layers=1-2", runner)
-    hook, checked = plan.hook, []
+    hook, checked, rated = plan.hook, [], []
 
     def spy(i, seq, run):
+        if i == 0:  # the raters, from the embeddings entering the first layer
+            rated.append(raters(seq))
         att = plan.handoff.probes["tokens"].results.get(i - 1) if i in (1, 2) else None
         out = hook(i, seq, run)
         if att is None:
@@ -467,7 +471,7 @@ def test_sparsevlm_stages_keep_the_rated_tokens_and_recycle_cluster_means(qwen):
             n0, n = h * w, cols.numel()
             j = 1 if i == 1 else 2
             kj = math.ceil(n0 * keep - 1e-9) if j == 2 else min(n, round(n0 * keep ** (j / 2)))
-            rows = [q for q in range(r) if int(seq.source[b, seq.length - r + q]) in plan.handoff.raters[b].tolist()]
+            rows = [q for q in range(r) if int(seq.source[b, seq.length - r + q]) in rated[0][b].tolist()]
             score = [sum(float(att[b, q, c]) for q in rows) / len(rows) for c in cols.tolist()]
             order = sorted(range(n), key=lambda t: (-score[t], t))
             selected, deleted = order[:kj], order[kj:]

@@ -16,7 +16,7 @@ def build_methods(recipe) -> dict:
     recipe = parse_recipe(recipe)
     methods = {a: build_method(a, spec.method, spec.options) for a in AXES if (spec := getattr(recipe, a))}
     for axis, method in methods.items():
-        for other in getattr(method, "excludes", ()):
+        for other in method.excludes:
             if other in methods:
                 raise RecipeError(
                     f"{axis}= picks what {other}= would choose itself; do not combine {axis}= with {other}="

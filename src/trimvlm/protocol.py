@@ -17,8 +17,35 @@ import pkgutil
 import threading
 import types
 from importlib.metadata import EntryPoint, entry_points
+from typing import ClassVar
 
 from trimvlm.errors import PluginError, RecipeError
+
+
+@dataclasses.dataclass
+class Method:
+    """Base of every registered method, whatever its axis (tokens/base.py `TokenReducer`, kv/base.py `KVPolicy`,
+    depth/base.py `DepthMethod`, the router): its dataclass fields are its recipe options.
+
+    name: the recipe name (`register` sets it); excludes: the other axes whose choice this method makes itself
+    (a recipe naming both is refused); predictable: whether `trimvlm tune` may predict its costs from the shapes
+    alone (a method whose counts or budgets follow the data says False, as a class value or a property)."""
+
+    name: ClassVar[str] = "?"
+    excludes: ClassVar[tuple[str, ...]] = ()
+    predictable: ClassVar[bool] = True
+
+    def options(self) -> dict:
+        """The recipe options and their values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def check(self, runner) -> None:
+        """Raise RecipeError when the options do not fit this model (nothing to check by default)."""
+
+    def apply(self, plan, runner) -> None:  # pragma: no cover - every axis' base implements it
+        """Fill this axis' part of `plan` (a `runtime.plan.Plan`)."""
+        raise NotImplementedError
+
 
 REGISTRIES: dict[str, dict[str, type]] = {"tokens": {}, "kv": {}, "depth": {}, "router": {}}
 BY_PATH: dict[str, type] = {}  # axis -> its one class, for axes whose method is a path

@@ -9,6 +9,7 @@ import weakref
 from dataclasses import dataclass
 
 from trimvlm.errors import RecipeError
+from trimvlm.protocol import Method
 
 SCOPES = {
     "all": ("prefill", "decode", "branch"),
@@ -19,7 +20,7 @@ SCOPES = {
 
 
 @dataclass
-class DepthMethod:
+class DepthMethod(Method):
     scope: str = "all"
 
     def __post_init__(self):

@@ -74,6 +74,12 @@ class AirCache(KVPolicy):
     def rows_wanted(self) -> int:
         return self.rows
 
+    @property
+    def predictable(self) -> bool:
+        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): only with the uniform budget;
+        the per-layer split follows the attention and is measured."""
+        return self.budgets == "uniform"
+
     def elite_rows(self, view: LayerView) -> torch.Tensor:
         """[B, n] bool: the elite observation window among the recorded rows."""
         att = view.attention.float()  # [B, n, K]

@@ -30,6 +30,7 @@ from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.options import is_number, require_int
+from trimvlm.protocol import Method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
 
@@ -49,7 +50,7 @@ class LayerView:
 
 
 @dataclass
-class KVPolicy:
+class KVPolicy(Method):
     """Base of every KV policy. Options: `keep` in [0, 1] (fraction of each layer's visual entries kept;
     0 = drop all visual KV, 1 = exact no-op) and `seed` (for policies with a random choice)."""
 
@@ -98,13 +99,6 @@ class KVPolicy:
     @property
     def is_noop(self) -> bool:
         return self.keep >= 1.0
-
-    @property
-    def predictable(self) -> bool:
-        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): true with the same budget in
-        every layer; a per-layer split that follows the attention (a `budgets` option other than `uniform`:
-        VL-Cache, AirCache) is measured instead."""
-        return getattr(self, "budgets", "uniform") == "uniform"
 
     def probe(self, runner, handoff) -> AttentionProbe | None:
         """The attention probe the prefill must record for this policy (kept in `handoff.probes`), or None."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,8 @@ class PyramidKV(KVPolicy):
     per layer for all heads (the cache's layout). In a padded batch see `kv=vlcache` (per-sample budgets,
     padding to the longest row)."""
 
+    predictable: ClassVar[bool] = False  # per-layer budgets capped per sample: the KV bytes are measured
+
     window: int = 32
     kernel: int = 5
     pool: str = "avg"
@@ -65,10 +68,6 @@ class PyramidKV(KVPolicy):
     @property
     def rows_wanted(self) -> int:
         return self.window
-
-    @property
-    def predictable(self) -> bool:
-        return False  # per-layer budgets capped per sample: the KV bytes are measured, not predicted
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return window_scores(view.attention, view.row_valid, view.candidates, self.kernel, self.pool)

@@ -71,6 +71,12 @@ class VLCache(KVPolicy):
         return self.rows
 
     @property
+    def predictable(self) -> bool:
+        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): only with the uniform budget;
+        the per-layer split follows the attention and is measured."""
+        return self.budgets == "uniform"
+
+    @property
     def per_head(self) -> bool:
         return True
 

@@ -24,7 +24,7 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_int, is_number
-from trimvlm.protocol import build, register
+from trimvlm.protocol import Method, build, register
 from trimvlm.router.model import load_router
 from trimvlm.runtime.plan import LayerPlan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -52,7 +52,7 @@ def _packed(hidden: torch.Tensor, mask: torch.Tensor):
 
 @register("router", "PATH", by_path=True)
 @dataclass
-class Router:
+class Router(Method):
     """The learned meta-router (PAR): per input, a token selection and a layer plan (`router=PATH|demo:...`).
 
     `router=M:budget=B` alone runs the variant (select, price) recorded in the checkpoint for the calibrated

@@ -21,8 +21,9 @@ class Handoff:
         tokens), for a KV policy that reuses it;
     kept: [B, S_prefill] bool, the original positions the prefill reducer kept (None: no reduction ran);
     vision: vision-tower attention rows recorded while the images were encoded (PruMerge, VisionZip);
-    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere);
-    raters: per sample, the original positions of the text tokens that rate the visual ones (tokens=sparsevlm).
+    router: [B, S] the meta-router's keep score of every visual token, by column (-inf elsewhere).
+    What a method carries from one of its own phases to the next (SparseVLM's raters, FitPrune's fractions) is
+    the method's own state, never a field here.
     """
 
     probes: dict = field(default_factory=dict)
@@ -30,7 +31,6 @@ class Handoff:
     kept: object | None = None
     vision: object | None = None
     router: object | None = None
-    raters: object | None = None
 
 
 class LayerPlan:

@@ -22,8 +22,8 @@ layer, inside the deepstack layers or not, stays consistent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
 from trimvlm.options import is_int, is_number, require_bool
+from trimvlm.protocol import Method
 from trimvlm.runtime.sequence import LiveSeq
 
 
@@ -60,6 +61,18 @@ class VisualView:
     text_mask: torch.Tensor | None = None  # [U, M] bool, real instruction tokens of `text`
 
 
+class UnitRow(NamedTuple):
+    """One image (or tile) of the batch as `make_view` collects it: its sample, its index in the sample, its
+    grid, and its tokens' live columns and grid cells in grid (row-major) order."""
+
+    sample: int
+    image: int
+    h: int
+    w: int
+    cols: torch.Tensor  # [n] long
+    cells: torch.Tensor  # [n] long
+
+
 @dataclass
 class Selection:
     """What a method decides for each unit of a `VisualView`."""
@@ -71,7 +84,7 @@ class Selection:
 
 
 @dataclass
-class TokenReducer:
+class TokenReducer(Method):
     """Base of every prefill visual-token reducer. Options shared by all methods:
 
     keep: fraction of each image's visual tokens kept, in (0, 1]; or `prune` = 1 - keep, in [0, 1). Exactly
@@ -88,10 +101,8 @@ class TokenReducer:
     merge: bool = False
     size_weighted: bool = False
 
-    name: ClassVar[str] = "?"
     # what `trimvlm tune` may know before running: whether the kept counts follow from the shapes
-    # (`kept_counts`), and the keeps the method accepts (None: any in (0, 1])
-    predictable: ClassVar[bool] = True
+    # (`predictable`, `Method`'s: `kept_counts`), and the keeps the method accepts (None: any in (0, 1])
     keep_grid: ClassVar[tuple[float, ...] | None] = None
     wants_text: ClassVar[bool] = False  # fill view.text with the instruction's hidden states (text-guided methods)
     default_layer: ClassVar[int] = 0
@@ -113,7 +124,7 @@ class TokenReducer:
             if not is_int(self.layer):
                 raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
             if self.layer < self.min_layer:
-                raise ValueError(f"layer must be >= {self.min_layer}{self._layer_why()}, got {self.layer}")
+                raise ValueError(f"layer must be >= {self.min_layer}{self.layer_why()}, got {self.layer}")
         for f in ("merge", "size_weighted"):
             require_bool(f, getattr(self, f))
 
@@ -126,7 +137,7 @@ class TokenReducer:
         """Tokens each unit keeps, from its token count, owning image and grid alone (the shared rule)."""
         return image_budgets(n, owner, self.ratio)
 
-    def _layer_why(self) -> str:
+    def layer_why(self) -> str:
         return ""
 
     def at(self, runner) -> int:
@@ -142,7 +153,7 @@ class TokenReducer:
         if not self.min_layer <= lay < n:
             raise RecipeError(
                 f"tokens={self.name}: layer {lay} out of range; allowed {self.min_layer}..{n - 1} "
-                f"(this model has {n} decoder layers){self._layer_why()}"
+                f"(this model has {n} decoder layers){self.layer_why()}"
             )
         if self.wants_attention(runner) and not runner.is_attention(lay - 1):
             ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
@@ -207,7 +218,7 @@ class TokenReducer:
         if view is None or bool((view.k == view.n).all()):
             return seq  # nothing visual, or keep everything: exactly the same sequence
         if self.wants_attention(runner):
-            view.attention = self._attention(view, seq, lay, handoff)
+            view.attention = self.read_attention(view, seq, lay, handoff)
         if self.wants_text:
             view.text, view.text_mask = instruction_features(seq, view)
         self.prepare(view, runner, handoff)
@@ -233,7 +244,10 @@ class TokenReducer:
             merge_dropped(seq, out, keep_seq, view, keep, assign, weight.to(view.mask.device))
         return out
 
-    def _attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
+    def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
+        """[U, N] the scores `choose` reads as `view.attention` (methods whose `wants_attention` is true): by
+        default the last query's row of layer L-1 that `last_query_probe` recorded, heads averaged; a method
+        that reads other rows (SparseVLM's raters) or the vision tower (`vision_base`) overrides it."""
         probe = handoff.probes.get("tokens")
         # taken out of the probe, so a later prefill can never read this one's row
         res = None if probe is None else probe.results.pop(lay - 1, None)
@@ -251,7 +265,7 @@ class TokenReducer:
         out = att[view.sample[:, None], view.cols].float()
         return out.masked_fill(~view.mask, 0.0)
 
-    def _last_query_probe(self, runner, handoff):
+    def last_query_probe(self, runner, handoff):
         """AttentionProbe(last=1, layers={L-1}), kept in the handoff so the hook reads what it recorded (None at
         keep = 1: nothing is reduced, so nothing is recorded)."""
         from trimvlm.runtime.attention import AttentionProbe
@@ -260,9 +274,6 @@ class TokenReducer:
             return None
         handoff.probes["tokens"] = AttentionProbe(last=1, layers={self.at(runner) - 1})
         return handoff.probes["tokens"]
-
-    def options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 
 def _number(name: str, v) -> None:
@@ -311,7 +322,7 @@ def instruction_features(seq: LiveSeq, view: VisualView) -> tuple[torch.Tensor, 
 # ---- view ------------------------------------------------------------------------------------------------
 def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
     """Pad every image of the batch into one row; None when the batch has no visual tokens."""
-    rows = []
+    rows: list[UnitRow] = []
     for b in range(seq.batch):
         grids = seq.grids[b] if b < len(seq.grids) else []
         for j, (h, w) in enumerate(grids):
@@ -320,21 +331,21 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
                 continue
             cells = seq.source[b, cols] - int(seq.image_start[b][j])
             order = torch.argsort(cells, stable=True)
-            rows.append((b, j, h, w, cols[order], cells[order]))
+            rows.append(UnitRow(b, j, h, w, cols[order], cells[order]))
     if not rows:
         return None
-    u, nmax = len(rows), max(r[4].numel() for r in rows)
+    u, nmax = len(rows), max(r.cols.numel() for r in rows)
     dev = seq.hidden.device
     cols = torch.zeros(u, nmax, dtype=torch.long, device=dev)
     cells = torch.full((u, nmax), -1, dtype=torch.long, device=dev)
     mask = torch.zeros(u, nmax, dtype=torch.bool, device=dev)
-    for i, (_, _, _, _, c, g) in enumerate(rows):
-        cols[i, : c.numel()] = c
-        cells[i, : c.numel()] = g
-        mask[i, : c.numel()] = True
-    sample = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
+    for i, r in enumerate(rows):
+        cols[i, : r.cols.numel()] = r.cols
+        cells[i, : r.cols.numel()] = r.cells
+        mask[i, : r.cols.numel()] = True
+    sample = torch.tensor([r.sample for r in rows], dtype=torch.long, device=dev)
     n = mask.sum(1)
-    owner = [_image_of(seq, b, j) for b, j, *_ in rows]
+    owner = [_image_of(seq, r.sample, r.image) for r in rows]
     k = torch.tensor(image_budgets([int(x) for x in n.tolist()], owner, keep), dtype=torch.long, device=dev)
     keys = [seq.image_keys[b][i] if b < len(seq.image_keys) and i < len(seq.image_keys[b]) else 0
             for b, i in owner]  # fmt: skip
@@ -345,10 +356,10 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
         mask=mask,
         n=n,
         k=k,
-        grid=torch.tensor([[r[2], r[3]] for r in rows], dtype=torch.long, device=dev),
+        grid=torch.tensor([[r.h, r.w] for r in rows], dtype=torch.long, device=dev),
         cells=cells,
         sample=sample,
-        image=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
+        image=torch.tensor([r.image for r in rows], dtype=torch.long, device=dev),
         image_key=torch.tensor(keys, dtype=torch.long, device=dev),
         tile=torch.tensor([owner[:u].count(o) for u, o in enumerate(owner)], dtype=torch.long, device=dev),
         cols=cols,
@@ -391,12 +402,12 @@ def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> li
     return out
 
 
-def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:
+def _unit_features(hidden: torch.Tensor, rows: list[UnitRow], nmax: int) -> torch.Tensor:
     """[U, nmax, D] features of each unit, zero on pads. An image's tokens are one contiguous run of columns
     in practice: then slices are copied (one unit per sample, all at the same columns, is returned as a view);
     otherwise advanced indexing."""
-    spans = [(b, int(c[0]), c.numel()) for b, _, _, _, c, _ in rows]
-    if all(int(c[-1]) - int(c[0]) + 1 == c.numel() for *_, c, _ in rows):
+    spans = [(r.sample, int(r.cols[0]), r.cols.numel()) for r in rows]
+    if all(int(r.cols[-1]) - int(r.cols[0]) + 1 == r.cols.numel() for r in rows):
         if len(rows) == 1 and spans[0][2] == nmax:
             b, c0, n = spans[0]
             return hidden[b : b + 1, c0 : c0 + n]
@@ -408,8 +419,8 @@ def _unit_features(hidden: torch.Tensor, rows, nmax: int) -> torch.Tensor:
             out[i, :n] = hidden[b, c0 : c0 + n]
         return out
     out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
-    for i, (b, _, _, _, c, _) in enumerate(rows):
-        out[i, : c.numel()] = hidden[b, c]
+    for i, r in enumerate(rows):
+        out[i, : r.cols.numel()] = hidden[r.sample, r.cols]
     return out
 
 

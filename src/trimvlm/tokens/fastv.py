@@ -44,14 +44,14 @@ class FastV(TokenReducer):
         require_int("trials", self.trials, minimum=1)
         require_int("seed", self.seed)
 
-    def _layer_why(self) -> str:
+    def layer_why(self) -> str:
         return " (fastv ranks by the attention of layer L-1, so L >= 1)"
 
     def wants_attention(self, runner) -> bool:
         return True
 
     def probe(self, runner, handoff):
-        return self._last_query_probe(runner, handoff)
+        return self.last_query_probe(runner, handoff)
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))

@@ -244,7 +244,7 @@ class FitPrune(TokenReducer):
         n0 = view.grid[:, 0] * view.grid[:, 1]
         view.k = torch.minimum(keep_count(n0, self._fractions[view.layer], minimum=1), view.n)
 
-    def _attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
+    def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
         probe = handoff.probes.get("tokens")
         res = None if probe is None else probe.results.pop(lay - 1, None)
         if res is None or res.shape[-1] != seq.length or res.shape[-2] != seq.length:

@@ -64,7 +64,7 @@ class PyramidDrop(TokenReducer):
             if vals != sorted(set(vals)) or vals[0] < 1:
                 raise ValueError(f"layers must be increasing layer numbers >= 1, got {self.layers!r}")
 
-    def _layer_why(self) -> str:
+    def layer_why(self) -> str:
         return " (pyramiddrop ranks by the attention of layer L-1, so L >= 1)"
 
     def stages(self, runner) -> list[int]:

@@ -4,7 +4,7 @@ pruned tokens partly recycled into a few merged ones."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -97,6 +97,8 @@ class SparseVLM(TokenReducer):
     layers: str = ""
     rows: int = 64
     merge: bool = True
+    # per call, set before the first layer and read by the stages: the original positions of each sample's raters
+    raters: list | None = field(default=None, init=False, repr=False, compare=False)
 
     default_layer = 3
     min_layer = 1
@@ -114,7 +116,7 @@ class SparseVLM(TokenReducer):
             if vals != sorted(set(vals)) or vals[0] < 1:
                 raise ValueError(f"layers must be increasing layer numbers >= 1, got {self.layers!r}")
 
-    def _layer_why(self) -> str:
+    def layer_why(self) -> str:
         return " (sparsevlm ranks by the attention of layer L-1, so L >= 1)"
 
     def stages(self, runner) -> list[int]:
@@ -153,23 +155,23 @@ class SparseVLM(TokenReducer):
             return None
 
         def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
-            if i == 0:
-                handoff.raters = raters(seq) if bool(seq.visual.any()) else None
+            if i == 0:  # the method's own state for this call's later stages
+                self.raters = raters(seq) if bool(seq.visual.any()) else None
             return self.reduce(seq, run, handoff, layer=i) if i in stages else seq
 
         self._stage_of = {lay: j + 1 for j, lay in enumerate(stages)}
         self._n_stages = len(stages)
         return _hook
 
-    def _attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
+    def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
         probe = handoff.probes.get("tokens")
         res = None if probe is None else probe.results.pop(lay - 1, None)
-        if res is None or handoff.raters is None:
+        if res is None or self.raters is None:
             raise TrimVLMError(f"tokens=sparsevlm needs the raters and the attention of layer {lay - 1} recorded")
         r = res.shape[1]  # [B, r, S]: the last r query rows
         cols = torch.arange(seq.length - r, seq.length, device=res.device)
         src = seq.source[:, cols]  # [B, r] original position of each recorded row
-        rate = torch.stack([torch.isin(src[b], handoff.raters[b]) for b in range(seq.batch)])  # [B, r]
+        rate = torch.stack([torch.isin(src[b], self.raters[b]) for b in range(seq.batch)])  # [B, r]
         w = rate.to(res.dtype)
         score = (res * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)  # [B, S] mean over raters
         return score[view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)

@@ -40,7 +40,7 @@ class VisionAttentionReducer(TokenReducer):
     def wants_attention(self, runner) -> bool:
         return True  # the vision tower's, read from the handoff (`_attention`), not an LLM layer's
 
-    def _attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
+    def read_attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
         view.attention, keys, heads = vision_probe.view_records(view, handoff, self.name)
         view.keys = self.vision_keys(keys, heads)
         return view.attention
