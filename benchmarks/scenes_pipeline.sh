@@ -33,6 +33,16 @@ step 4 && $BIN/python benchmarks/token_similarity.py --model demo-scenes --task 
 step 5 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/kv.yaml \
     --limit 600 --batch-size 50 --json $R/kv-scenes.json --markdown $R/kv-scenes.md --plot $R/kv-scenes.png
 
+# 5b. the field's baselines beside their papers' comparisons (PyramidDrop, VisPruner, FasterVLM, G-Prune and
+#     FitPrune beside FastV and VisionZip; PyramidKV beside SnapKV at the same KV entries): FitPrune's attention
+#     statistics first (a minute), then one interleaved eval per table
+step 5 && $BIN/trimvlm calibrate --model demo-scenes --task scenes --method fitprune --n 32 --json $R/fitprune-scenes.json
+step 5 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/field-tokens.yaml \
+    --limit 600 --batch-size 50 --json $R/field-tokens-scenes.json --markdown $R/field-tokens-scenes.md \
+    --plot $R/field-tokens-scenes.png
+step 5 && $BIN/trimvlm eval --model demo-scenes --task scenes --recipes benchmarks/recipes/field-kv.yaml \
+    --limit 600 --batch-size 50 --json $R/field-kv-scenes.json --markdown $R/field-kv-scenes.md --plot $R/field-kv-scenes.png
+
 # 6. depth rankers, then tune at total FLOPs 0.75 / 0.6 / 0.45 / 0.3 / 0.2 / 0.12 (the vision tower is about 30%
 #    of the prefill and only downsampling reduces it, so below about 0.35x only downsampling recipes fit)
 step 6 && for m in block-influence sensitivity greedy-kl; do

@@ -251,6 +251,9 @@ def test_attention_ranked_stages_on_linear_layers_are_refused(tiny_adapter):
     with pytest.raises(RecipeError) as e:
         make_plan(f"tokens=pyramiddrop:keep=0.5:layers={linear[0] + 1}", runner)
     assert "allowed on this model" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        make_plan(f"tokens=pyramiddrop:keep=0.5:layer={runner.num_layers + 5}", runner)
+    assert "allowed" in str(e.value) and "\n" not in str(e.value)
 
 
 # ---- FitPrune -----------------------------------------------------------------------------------------

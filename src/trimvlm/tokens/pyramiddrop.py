@@ -77,11 +77,13 @@ class PyramidDrop(TokenReducer):
         return sorted({x for x in out if x < depth})
 
     def at(self, runner) -> int:
-        return self.stages(runner)[0]
+        return min(self.stages(runner), default=self.layer or 1)
 
     def check(self, runner) -> None:
         n = runner.num_layers
         ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
+        if not self.stages(runner):
+            raise RecipeError(f"tokens=pyramiddrop: layer {self.layer} leaves no stage on this model; allowed: {ok}")
         for lay in self.stages(runner):
             if not 1 <= lay < n or not runner.is_attention(lay - 1):
                 raise RecipeError(f"tokens=pyramiddrop: stage layer {lay} needs an attention layer before it "
