@@ -268,7 +268,7 @@ def test_holov_selection_equals_loop_reference(tiny_adapter, family, keep, crops
     def spy(i, seq, run):
         if i == 0:
             view = make_view(seq, keep, 0)
-            red._attention(view, seq, 0, plan.handoff)
+            red.read_attention(view, seq, 0, plan.handoff)
             seen["view"], seen["sel"] = view, red.choose(view)
         return seq
 
