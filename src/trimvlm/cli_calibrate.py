@@ -141,7 +141,8 @@ def _token_command(method, model, items, batch_size, about, json_out, console, l
         console = Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     with progress(console) as bar:
-        job = bar.add_task(method, total=math.ceil(len(items) / batch_size))
+        batches = math.ceil(len(items) / batch_size)
+        job = bar.add_task(method, total=batches, unit="batch", detail=f"{len(items)} inputs in {batches} batches")
         data = token_statistics(vlm, method, items, batch_size, about, str(model), on_step=lambda: bar.advance(job))
     if json_out is not None:
         path = Path(json_out)
