@@ -16,6 +16,7 @@ from trimvlm.kernels.select import topk_mask
 from trimvlm.plan import Handoff, build_methods, make_plan
 from trimvlm.registry import build_method
 from trimvlm.runtime.runner import Runner
+from trimvlm.testing import random_image
 from trimvlm.tokens.base import VisualView
 from trimvlm.tokens.fitprune import Stats, deletion_order, fit, received, statistics
 from trimvlm.tokens.gprune import propagate
@@ -385,3 +386,29 @@ def test_fitprune_refuses_a_missing_file_or_another_models(tiny_adapter, tmp_pat
     bad.write_text('{"num_layers": 99, "inputs": [{"cross": [[1.0]], "self": [[1.0]]}]}')
     with pytest.raises(RecipeError, match="99 layers"):
         make_plan(f"tokens=fitprune:keep=0.5:file={bad}", runner)
+
+
+def test_fitprune_calibrates_through_the_calibrate_command(tmp_path):
+    """`trimvlm calibrate --method fitprune` writes the statistics file that tokens=fitprune reads: one entry
+    per input, a distribution per layer over its visual tokens (head maxima of probabilities: each in [0, 1]);
+    an unknown method's refusal names it."""
+    import json
+
+    from rich.console import Console
+
+    import trimvlm
+    from trimvlm.cli_calibrate import calibrate_command
+    from trimvlm.errors import InputError
+
+    path = tmp_path / "fp.json"
+    data = calibrate_command("fitprune", model="demo", task="demo", n=3, json_out=path, console=Console(quiet=True))
+    assert json.loads(path.read_text()) == json.loads(json.dumps(data))
+    assert len(data["inputs"]) == 3 and data["method"] == "fitprune"
+    for entry in data["inputs"]:
+        for dist in entry["cross"] + entry["self"]:
+            assert dist is not None and sum(dist) > 0 and all(0 <= x <= 1 + 1e-6 for x in dist)
+    vlm = trimvlm.load("demo")
+    out = vlm.generate(random_image(2, (96, 96)), "describe ?", recipe=f"tokens=fitprune:file={path}:keep=0.5", max_new_tokens=2)
+    assert out.costs.method_total_flops > 0
+    with pytest.raises(InputError, match="fitprune"):
+        calibrate_command("nope", model="demo", task="demo", n=2, json_out=None)
