@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -186,6 +186,8 @@ class FitPrune(TokenReducer):
     predictable: ClassVar[bool] = False  # the kept counts follow the calibration file
 
     file: str = ""
+    # per plan, set by `apply` and read by each stage: layer it drops before -> the alive fraction from there on
+    fractions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     min_layer = 1
 
     def __post_init__(self) -> None:
@@ -238,11 +240,11 @@ class FitPrune(TokenReducer):
             return self.reduce(seq, run, handoff, layer=i) if i in stages else seq
 
         plan.hook = _hook
-        self._fractions = stages
+        self.fractions = stages
 
     def prepare(self, view: VisualView, runner, handoff) -> None:
         n0 = view.grid[:, 0] * view.grid[:, 1]
-        view.k = torch.minimum(keep_count(n0, self._fractions[view.layer], minimum=1), view.n)
+        view.k = torch.minimum(keep_count(n0, self.fractions[view.layer], minimum=1), view.n)
 
     def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
         probe = handoff.probes.get("tokens")
