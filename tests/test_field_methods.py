@@ -41,7 +41,9 @@ def _view(seed: int, ns=(12, 7, 16), d: int = 6, keep: float = 0.4) -> VisualVie
 
 
 def _kept(sel, view) -> list[set[int]]:
-    return [set(torch.nonzero(sel.keep[u] & view.mask[u]).flatten().tolist()) for u in range(view.mask.shape[0])]
+    return [
+        set(torch.nonzero(sel.keep[u] & view.mask[u]).flatten().tolist()) for u in range(view.mask.shape[0])
+    ]
 
 
 def _cos(a, b) -> float:
@@ -110,7 +112,9 @@ def _loop_gprune(x, threshold, temperature, steps) -> list[float]:
     return [s[j] / sum(edge[i][j] for i in range(n)) for j in range(n)]
 
 
-@pytest.mark.parametrize("opts", [{}, {"threshold": 0.1, "temperature": 0.5, "steps": 2}, {"threshold": -1.0, "steps": 1}])
+@pytest.mark.parametrize(
+    "opts", [{}, {"threshold": 0.1, "temperature": 0.5, "steps": 2}, {"threshold": -1.0, "steps": 1}]
+)
 def test_gprune_scores_and_picks_match_loop(opts):
     view = _view(5, d=3)  # few dimensions: many similar pairs, a real graph
     m = build_method("tokens", "gprune", {"keep": 0.4, **opts})
@@ -202,14 +206,23 @@ def test_pyramidkv_budgets_and_picks_match_loop(opts):
     snap = build_method("kv", "snapkv", {"keep": 0.25, "window": 4})
     uniform = snap.select(SimpleNamespace(cache=SimpleNamespace(layers=entries)), handoff)
     for b in range(2):
-        cands = [[j for j in range(30) if entries[i].visual[b, j] and entries[i].valid[b, j]] for i in range(layers)]
+        cands = [
+            [j for j in range(30) if entries[i].visual[b, j] and entries[i].valid[b, j]]
+            for i in range(layers)
+        ]
         total = sum(math.ceil(len(c) * 0.25) for c in cands)
         budgets = _loop_pyramid_budgets(total, layers, float(policy.beta))
         assert budgets == sorted(budgets, reverse=True)  # a pyramid: fewer entries deeper
         kept = sum(int((masks[i][b] & entries[i].visual[b]).sum()) for i in range(layers))
         assert kept == total == sum(int((uniform[i][b] & entries[i].visual[b]).sum()) for i in range(layers))
         for i in range(layers):
-            vote = _loop_snapkv(att[i][b], row_valid[b], entries[i].visual[b] & entries[i].valid[b], policy.kernel, policy.pool)
+            vote = _loop_snapkv(
+                att[i][b],
+                row_valid[b],
+                entries[i].visual[b] & entries[i].valid[b],
+                policy.kernel,
+                policy.pool,
+            )
             want = _loop_topk({j: vote[j] for j in cands[i]}, budgets[i])
             assert {j for j in range(30) if masks[i][b, j] and entries[i].visual[b, j]} == want
 
@@ -306,7 +319,10 @@ def _loop_fit(stats, keep):
                 for dist in (s.cross[i], s.self_[i]):
                     total, mass = sum(dist), sum(dist[j] for j in a)
                     order, cut = sorted(a, key=lambda j: (dist[j], j)), 0
-                    while cut < len(order) - 1 and mass - sum(dist[j] for j in order[: cut + 1]) >= (1 - alpha) * total - 1e-12:
+                    while (
+                        cut < len(order) - 1
+                        and mass - sum(dist[j] for j in order[: cut + 1]) >= (1 - alpha) * total - 1e-12
+                    ):
                         cut += 1
                     gone.append(set(order[:cut]))
                 a -= gone[0] & gone[1]
@@ -352,7 +368,9 @@ def test_fitprune_runs_its_fitted_recipe_on_the_layers_own_attention(tiny_adapte
     assert stages and all(1 <= s < runner.num_layers for s in stages)
     out, m, _ = plan_prefill(runner, prep, recipe)
     last = stages[max(stages)]
-    assert (out.seq.visual & out.seq.valid).sum(1).tolist() == [max(1, math.ceil(n * last - 1e-9)) for n in (16, 24, 32)]
+    assert (out.seq.visual & out.seq.valid).sum(1).tolist() == [
+        max(1, math.ceil(n * last - 1e-9)) for n in (16, 24, 32)
+    ]
     assert m.costs.method_total_flops > 0
 
 
@@ -361,7 +379,11 @@ def write_statistics(runner, prep, folder) -> str:
 
     stats = statistics(runner, prep)
     path = folder / "fitprune.json"
-    path.write_text(json.dumps({"num_layers": runner.num_layers, "inputs": [{"cross": s.cross, "self": s.self_} for s in stats]}))
+    path.write_text(
+        json.dumps(
+            {"num_layers": runner.num_layers, "inputs": [{"cross": s.cross, "self": s.self_} for s in stats]}
+        )
+    )
     return str(path)
 
 
@@ -401,14 +423,21 @@ def test_fitprune_calibrates_through_the_calibrate_command(tmp_path):
     from trimvlm.errors import InputError
 
     path = tmp_path / "fp.json"
-    data = calibrate_command("fitprune", model="demo", task="demo", n=3, json_out=path, console=Console(quiet=True))
+    data = calibrate_command(
+        "fitprune", model="demo", task="demo", n=3, json_out=path, console=Console(quiet=True)
+    )
     assert json.loads(path.read_text()) == json.loads(json.dumps(data))
     assert len(data["inputs"]) == 3 and data["method"] == "fitprune"
     for entry in data["inputs"]:
         for dist in entry["cross"] + entry["self"]:
             assert dist is not None and sum(dist) > 0 and all(0 <= x <= 1 + 1e-6 for x in dist)
     vlm = trimvlm.load("demo")
-    out = vlm.generate(random_image(2, (96, 96)), "describe ?", recipe=f"tokens=fitprune:file={path}:keep=0.5", max_new_tokens=2)
+    out = vlm.generate(
+        random_image(2, (96, 96)),
+        "describe ?",
+        recipe=f"tokens=fitprune:file={path}:keep=0.5",
+        max_new_tokens=2,
+    )
     assert out.costs.method_total_flops > 0
     with pytest.raises(InputError, match="fitprune"):
         calibrate_command("nope", model="demo", task="demo", n=2, json_out=None)

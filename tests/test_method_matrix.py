@@ -15,7 +15,7 @@ from trimvlm.cli_calibrate import token_statistics
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import RecipeError
 from trimvlm.plan import make_plan
-from trimvlm.registry import REGISTRIES, load_methods, build_method
+from trimvlm.registry import REGISTRIES, build_method, load_methods
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.meter import Meter, flop_counter
 from trimvlm.testing import random_image
@@ -58,7 +58,10 @@ def files(vlm, tmp_path_factory):
     items = [SimpleNamespace(images=images[b], prompt_text=lambda p=prompts[b]: p) for b in (0, 2)]
     data = token_statistics(vlm, "fitprune", items, 2, {}, "tiny")
     (folder / "fitprune.json").write_text(json.dumps(data))
-    return {("depth", "ranking"): f"file={folder / 'rank.json'}", ("tokens", "fitprune"): f"file={folder / 'fitprune.json'}"}
+    return {
+        ("depth", "ranking"): f"file={folder / 'rank.json'}",
+        ("tokens", "fitprune"): f"file={folder / 'fitprune.json'}",
+    }
 
 
 def spec(axis: str, name: str, files: dict, noop: bool) -> str:

@@ -63,7 +63,9 @@ class PyramidKV(KVPolicy):
         if self.pool not in ("avg", "max"):
             raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
         if not is_number(self.beta) or not math.isfinite(self.beta) or self.beta < 1:
-            raise ValueError(f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}")
+            raise ValueError(
+                f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}"
+            )
 
     @property
     def rows_wanted(self) -> int:
@@ -75,4 +77,6 @@ class PyramidKV(KVPolicy):
     def layer_weights(self, views: dict[int, LayerView]) -> dict[int, torch.Tensor]:
         order = sorted(views)
         w = pyramid_weights(len(order), float(self.beta))
-        return {i: torch.full((views[i].budget.shape[0],), w[c], dtype=torch.float64) for c, i in enumerate(order)}
+        return {
+            i: torch.full((views[i].budget.shape[0],), w[c], dtype=torch.float64) for c, i in enumerate(order)
+        }

@@ -139,13 +139,17 @@ def read_statistics(path) -> dict:
     `cross` and `self`: per layer a list of floats per visual token, or null for a layer without attention)."""
     p = Path(path)
     if not p.exists():
-        raise RecipeError(f"fitprune statistics file not found: {p} (write one with `trimvlm calibrate --method fitprune`)")
+        raise RecipeError(
+            f"fitprune statistics file not found: {p} (write one with `trimvlm calibrate --method fitprune`)"
+        )
     try:
         data = json.loads(p.read_text())
         stats = [Stats(x["cross"], x["self"]) for x in data["inputs"]]
         depth = int(data["num_layers"])
     except (ValueError, KeyError, TypeError) as e:
-        raise RecipeError(f"{p} is not a fitprune statistics file (needs 'num_layers' and 'inputs'): {e}") from e
+        raise RecipeError(
+            f"{p} is not a fitprune statistics file (needs 'num_layers' and 'inputs'): {e}"
+        ) from e
     if not stats:
         raise RecipeError(f"{p} holds no calibration inputs")
     return {"num_layers": depth, "stats": stats}
@@ -193,9 +197,13 @@ class FitPrune(TokenReducer):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer is not None:
-            raise ValueError(f"fitprune prunes at the layers its fitted recipe names: drop layer= (got {self.layer!r})")
+            raise ValueError(
+                f"fitprune prunes at the layers its fitted recipe names: drop layer= (got {self.layer!r})"
+            )
         if not self.file:
-            raise ValueError("fitprune needs file=PATH: the statistics written by `trimvlm calibrate --method fitprune`")
+            raise ValueError(
+                "fitprune needs file=PATH: the statistics written by `trimvlm calibrate --method fitprune`"
+            )
 
     def recipe(self, runner) -> list[float]:
         """The alive fraction of visual tokens after each layer, fitted for this budget on this model."""
@@ -232,7 +240,9 @@ class FitPrune(TokenReducer):
         plan.handoff.probes.pop("tokens", None)
         if not stages:
             return
-        plan.handoff.probes["tokens"] = AttentionProbe(last=ALL_ROWS, layers={i - 1 for i in stages}, per_head=True)
+        plan.handoff.probes["tokens"] = AttentionProbe(
+            last=ALL_ROWS, layers={i - 1 for i in stages}, per_head=True
+        )
         plan.probe = plan.handoff.probes["tokens"].merge(plan.probe)
         handoff = plan.handoff
 
@@ -250,7 +260,9 @@ class FitPrune(TokenReducer):
         probe = handoff.probes.get("tokens")
         res = None if probe is None else probe.results.pop(lay - 1, None)
         if res is None or res.shape[-1] != seq.length or res.shape[-2] != seq.length:
-            raise TrimVLMError(f"tokens=fitprune needs every query row of layer {lay - 1} recorded in this prefill")
+            raise TrimVLMError(
+                f"tokens=fitprune needs every query row of layer {lay - 1} recorded in this prefill"
+            )
         out = torch.full(view.mask.shape, -math.inf, dtype=torch.float64, device=view.mask.device)
         for u in range(view.mask.shape[0]):
             b, n = int(view.sample[u]), int(view.n[u])

@@ -16,7 +16,9 @@ from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
-def propagate(x: torch.Tensor, mask: torch.Tensor, threshold: float, temperature: float, steps: int) -> torch.Tensor:
+def propagate(
+    x: torch.Tensor, mask: torch.Tensor, threshold: float, temperature: float, steps: int
+) -> torch.Tensor:
     """[U, N] G-Prune's score per token of x [U, N, D] (pads: `mask` False, score -inf).
 
     A_ij = cos(x_i, x_j), kept where A_ij >= threshold (i, j real tokens; i itself always), else no edge;
@@ -67,5 +69,7 @@ class GPrune(TokenReducer):
         require_int("steps", self.steps, minimum=1)
 
     def choose(self, view: VisualView) -> Selection:
-        score = propagate(view.features, view.mask, float(self.threshold), float(self.temperature), self.steps)
+        score = propagate(
+            view.features, view.mask, float(self.threshold), float(self.temperature), self.steps
+        )
         return Selection(keep=topk_mask(score, view.k, view.mask))

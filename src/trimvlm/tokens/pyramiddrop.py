@@ -60,7 +60,9 @@ class PyramidDrop(TokenReducer):
             try:
                 vals = [int(x) for x in str(self.layers).split("-")]
             except ValueError:
-                raise ValueError(f"layers must be layer numbers joined by '-', e.g. 8-16-24; got {self.layers!r}") from None
+                raise ValueError(
+                    f"layers must be layer numbers joined by '-', e.g. 8-16-24; got {self.layers!r}"
+                ) from None
             if vals != sorted(set(vals)) or vals[0] < 1:
                 raise ValueError(f"layers must be increasing layer numbers >= 1, got {self.layers!r}")
 
@@ -83,7 +85,9 @@ class PyramidDrop(TokenReducer):
         n = runner.num_layers
         ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
         if not self.stages(runner):
-            raise RecipeError(f"tokens=pyramiddrop: layer {self.layer} leaves no stage on this model; allowed: {ok}")
+            raise RecipeError(
+                f"tokens=pyramiddrop: layer {self.layer} leaves no stage on this model; allowed: {ok}"
+            )
         for lay in self.stages(runner):
             if not 1 <= lay < n or not runner.is_attention(lay - 1):
                 raise RecipeError(f"tokens=pyramiddrop: stage layer {lay} needs an attention layer before it "
