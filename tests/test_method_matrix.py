@@ -154,10 +154,11 @@ SERVED = ["tokens=pyramiddrop:keep=0.25", "tokens=vispruner:keep=0.25", "tokens=
 @pytest.fixture(scope="module")
 def server(demo):
     need_extra("fastapi", "uvicorn", "httpx")
+    from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
     from trimvlm.testing.live_server import live_server
 
-    state = ServerState(demo, model_id="demo", vision_cache_mb=0, prefix_cache_mb=0, request_cache_mb=0)
+    state = ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))
     with live_server(state) as url:
         yield url
 
