@@ -25,3 +25,14 @@ def require_int(name: str, value, minimum: int | None = None, odd: bool = False,
 def require_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def stage_layers(text, example: str) -> list[int]:
+    """A stage list '8-16-24' as [8, 16, 24]: increasing layer numbers >= 1, else a ValueError naming the form."""
+    try:
+        vals = [int(x) for x in str(text).split("-")]
+    except ValueError:
+        raise ValueError(f"layers must be layer numbers joined by '-', e.g. {example}; got {text!r}") from None
+    if vals != sorted(set(vals)) or vals[0] < 1:
+        raise ValueError(f"layers must be increasing layer numbers >= 1, got {text!r}")
+    return vals

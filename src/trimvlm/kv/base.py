@@ -252,3 +252,12 @@ def post_vision_rows(view: LayerView) -> torch.Tensor:
     if view.row_valid is not None:
         rows &= view.row_valid.to(rows.device)
     return rows
+
+
+def check_window(window, kernel, pool) -> None:
+    """The observation-window options SnapKV-style policies share: `window` queries (>= 1), an odd pooling
+    `kernel` (>= 1), `pool` avg or max."""
+    require_int("window", window, minimum=1)
+    require_int("kernel", kernel, minimum=1, odd=True)
+    if pool not in ("avg", "max"):
+        raise ValueError(f"pool must be 'avg' or 'max', got {pool!r}")

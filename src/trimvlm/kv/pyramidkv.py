@@ -10,8 +10,8 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kernels.select import window_scores
-from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.options import is_number, require_int
+from trimvlm.kv.base import KVPolicy, LayerView, check_window
+from trimvlm.options import is_number
 from trimvlm.protocol import register
 
 
@@ -58,10 +58,7 @@ class PyramidKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        require_int("window", self.window, minimum=1)
-        require_int("kernel", self.kernel, minimum=1, odd=True)
-        if self.pool not in ("avg", "max"):
-            raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
+        check_window(self.window, self.kernel, self.pool)
         if not is_number(self.beta) or not math.isfinite(self.beta) or self.beta < 1:
             raise ValueError(
                 f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}"

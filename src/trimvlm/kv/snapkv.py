@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from trimvlm.kernels.select import pool_keys, window_scores
-from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.options import require_bool, require_int
+from trimvlm.kv.base import KVPolicy, LayerView, check_window
+from trimvlm.options import require_bool
 from trimvlm.protocol import register
 
 
@@ -38,10 +38,7 @@ class SnapKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        require_int("window", self.window, minimum=1)
-        require_int("kernel", self.kernel, minimum=1, odd=True)
-        if self.pool not in ("avg", "max"):
-            raise ValueError(f"pool must be 'avg' or 'max', got {self.pool!r}")
+        check_window(self.window, self.kernel, self.pool)
         require_bool("per_head", self.per_head)
 
     @property

@@ -504,3 +504,10 @@ def merge_dropped(
     add = torch.zeros(recv.numel(), dtype=out.size.dtype, device=out.size.device)
     add.index_add_(0, inv, src_size[d_rows, d_cols].to(out.size.dtype))
     out.size[r_rows, r_cols] += add
+
+
+def scaled_stages(first: int, depth: int, paper_layers, paper_depth: int) -> list[int]:
+    """A paper's stage layers (`paper_layers` of a `paper_depth`-layer model) on a `depth`-layer model, the first
+    at `first` and the gaps scaled by depth; stages past the last layer are dropped."""
+    out = [first + round((p - paper_layers[0]) * depth / paper_depth) for p in paper_layers]
+    return sorted({x for x in out if x < depth})

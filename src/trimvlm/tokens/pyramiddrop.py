@@ -10,10 +10,11 @@ import torch
 
 from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import keep_count, topk_mask
+from trimvlm.options import stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
 
 PAPER_LAYERS = (8, 16, 24)  # LLaVA's 32 layers in 4 stages: tokens are dropped before layers 8, 16 and 24
 PAPER_DEPTH = 32
@@ -57,14 +58,7 @@ class PyramidDrop(TokenReducer):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layers:
-            try:
-                vals = [int(x) for x in str(self.layers).split("-")]
-            except ValueError:
-                raise ValueError(
-                    f"layers must be layer numbers joined by '-', e.g. 8-16-24; got {self.layers!r}"
-                ) from None
-            if vals != sorted(set(vals)) or vals[0] < 1:
-                raise ValueError(f"layers must be increasing layer numbers >= 1, got {self.layers!r}")
+            stage_layers(self.layers, "8-16-24")
 
     def layer_why(self) -> str:
         return " (pyramiddrop ranks by the attention of layer L-1, so L >= 1)"
@@ -72,11 +66,10 @@ class PyramidDrop(TokenReducer):
     def stages(self, runner) -> list[int]:
         """The layers the stages drop before, on this model."""
         if self.layers:
-            return [int(x) for x in str(self.layers).split("-")]
+            return stage_layers(self.layers, "8-16-24")
         depth = runner.num_layers
         first = self.layer if self.layer is not None else max(1, round(PAPER_LAYERS[0] * depth / PAPER_DEPTH))
-        out = [first + round((p - PAPER_LAYERS[0]) * depth / PAPER_DEPTH) for p in PAPER_LAYERS]
-        return sorted({x for x in out if x < depth})
+        return scaled_stages(first, depth, PAPER_LAYERS, PAPER_DEPTH)
 
     def at(self, runner) -> int:
         return min(self.stages(runner), default=self.layer or 1)

@@ -12,10 +12,10 @@ import torch
 from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels.flops import matmul
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
 
 PAPER_LAYERS = (3, 7, 16)  # before these decoder layers: after the paper's layers 2, 6 and 15 of LLaVA's 32
 PAPER_DEPTH = 32
@@ -109,12 +109,7 @@ class SparseVLM(TokenReducer):
         if self.merge is not True:
             raise ValueError("sparsevlm recycles pruned tokens by merging them (merge=true)")
         if self.layers:
-            try:
-                vals = [int(x) for x in str(self.layers).split("-")]
-            except ValueError:
-                raise ValueError(f"layers must be layer numbers joined by '-', e.g. 3-7-16; got {self.layers!r}") from None
-            if vals != sorted(set(vals)) or vals[0] < 1:
-                raise ValueError(f"layers must be increasing layer numbers >= 1, got {self.layers!r}")
+            stage_layers(self.layers, "3-7-16")
 
     def layer_why(self) -> str:
         return " (sparsevlm ranks by the attention of layer L-1, so L >= 1)"
@@ -122,11 +117,8 @@ class SparseVLM(TokenReducer):
     def stages(self, runner) -> list[int]:
         """The layers the stages reduce before, on this model."""
         if self.layers:
-            return [int(x) for x in str(self.layers).split("-")]
-        first = self.at(runner)
-        depth = runner.num_layers
-        out = [first + round((p - PAPER_LAYERS[0]) * depth / PAPER_DEPTH) for p in PAPER_LAYERS]
-        return sorted({x for x in out if x < depth})
+            return stage_layers(self.layers, "3-7-16")
+        return scaled_stages(self.at(runner), runner.num_layers, PAPER_LAYERS, PAPER_DEPTH)
 
     def check(self, runner) -> None:
         n = runner.num_layers
