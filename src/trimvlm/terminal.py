@@ -2,8 +2,8 @@
 
 - In a terminal the text and the tables fit its width (COLUMNS where set). A table shows its default columns,
   and a cell that does not fit its column is folded onto the next line, never cut.
-- Piped (not a terminal) and without COLUMNS, the text wraps at `PIPED_WIDTH` columns and each table keeps its
-  natural width (never folded): no line is longer than the widest table or `PIPED_WIDTH`.
+- Piped (not a terminal) and without COLUMNS, the output is laid out as in a `PIPED_WIDTH`-column terminal: text
+  wraps and tables fold their cells at that width, so no line is longer than `PIPED_WIDTH`.
 - `--wide` adds the columns declared `wide` (the JSON output holds every number), each table at its natural
   width (lines may then pass the terminal's width: `| less -S` reads them).
 """
@@ -25,14 +25,14 @@ NATURAL = 100_000  # the width a table is measured in for its natural width
 
 class Terminal(Console):
     """A rich Console that knows whether its tables show their `wide` columns (`wide`) and keep their natural
-    width (`whole`: wide, or piped with no width given and no COLUMNS)."""
+    width (`whole`: with --wide)."""
 
     def __init__(self, *, wide: bool = False, stderr: bool = False, **kw):
         stream = sys.stderr if stderr else sys.stdout
         sized = "width" in kw or stream.isatty() or (os.environ.get("COLUMNS") or "").isdigit()
         super().__init__(stderr=stderr, width=kw.pop("width", None if sized else PIPED_WIDTH), **kw)
         self.wide = wide
-        self.whole = wide or not sized  # tables at their natural width
+        self.whole = wide  # tables at their natural width
 
     def print(self, *objects, **kw) -> None:
         """rich's print; a table wider than the console is printed at its natural width when `whole`."""
