@@ -51,8 +51,8 @@ def serve(
     state = make_state(model, **options)
     limits, access = state.limits, state.access
     print(
-        f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.recipes.default or 'baseline'}, "
-        f"max batch {state.batcher.max_batch}, max wait {options.get('max_wait_ms', 10.0):g} ms, max prefill tokens "
+        f"trimvlm serve: {model} ({state.vlm.family}) on http://{host}:{port}, recipe {state.recipes.default or 'baseline'},\n"
+        f"  max batch {state.batcher.max_batch}, max wait {options.get('max_wait_ms', 10.0):g} ms, max prefill tokens "
         f"{limits.max_prefill_tokens}, {torch.get_num_threads()} torch thread(s), "
         f"{'an API key on /v1' + (' and /metrics' if access.key_metrics else '') if access.api_key else 'no API key'}",
         file=sys.stderr,
