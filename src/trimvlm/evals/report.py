@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
 from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
 from trimvlm.evals.run import EvalResult, row_interval
-from trimvlm.terminal import Col, Sheet, fits
+from trimvlm.terminal import Col, Sheet, Terminal, fits
 
 
 def versions() -> dict[str, str]:
@@ -92,9 +92,7 @@ def print_report(result: EvalResult, console=None) -> None:
     """Tables: accuracy and mismatch vs baseline per kind and probe; costs per item; retention and cost ratios;
     per ranker the largest budget reaching 90% retention. Their default columns fit 100 columns; a wide
     console (`trimvlm.terminal`, --wide) shows every column."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or Terminal()
     labels = result.labels
     groups = [r for r in result.rows if r["recipe"] == labels[0]]
     summaries = [g for g in groups if g["group_type"] != "kind"]
