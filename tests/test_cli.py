@@ -319,21 +319,29 @@ def test_overwrite_guard_allows_other_folders_and_an_explicit_overwrite(tmp_path
     assert "--overwrite" in {o for p in _params("train-router").values() for o in p.opts}
 
 
-def test_tables_keep_their_full_width_when_piped():
-    """Piped (not a terminal, no COLUMNS), rich would fold tables to 80 columns; the CLI's console keeps them
-    whole: the demo's layer-type row (143 characters) is one line."""
+def test_piped_tables_fold_at_100_columns_and_a_wider_width_keeps_rows_whole():
+    """Piped (not a terminal, no COLUMNS), tables are laid out at 100 columns: the demo's layer-type row (143
+    characters) is folded, never cut; with COLUMNS=200 it is one line."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    res = subprocess.run([sys.executable, "-m", "trimvlm.cli", "info", "--model", "demo"], capture_output=True,
-                         text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    rows = [line for line in res.stdout.splitlines() if "layer_types" in line]
-    assert len(rows) == 1 and ", ".join(["full_attention"] * 6) in rows[0], res.stdout
-    widths = {len(line) for line in res.stdout.splitlines() if line.startswith(("┃", "│", "┏", "└"))}
-    assert len(widths) == 1 and widths.pop() > 80
+
+    def info(**extra):
+        res = subprocess.run([sys.executable, "-m", "trimvlm.cli", "info", "--model", "demo"], capture_output=True,
+                             text=True, env=env | extra, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    piped = info()
+    assert max(map(len, piped.splitlines())) <= 100 and "…" not in piped, piped
+    assert "full_attention" in piped
+    wide = info(COLUMNS="200")
+    rows = [line for line in wide.splitlines() if "layer_types" in line]
+    assert len(rows) == 1 and ", ".join(["full_attention"] * 6) in rows[0], wide
+    widths = {len(line) for line in wide.splitlines() if line.startswith(("┃", "│", "┏", "└"))}
+    assert len(widths) == 1 and widths.pop() > 100
 
 
 def test_version_prints_the_package_version():
