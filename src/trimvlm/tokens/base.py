@@ -156,7 +156,7 @@ class TokenReducer(Method):
                 f"(this model has {n} decoder layers){self.layer_why()}"
             )
         if self.wants_attention(runner) and not runner.is_attention(lay - 1):
-            ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
+            ok = after_attention_layers(runner)
             raise RecipeError(
                 f"tokens={self.name}: layer {lay} reads the attention of layer {lay - 1}, which is a "
                 f"{runner.adapter.layer_types[lay - 1]} layer without attention weights; allowed layers on this "
@@ -511,3 +511,9 @@ def scaled_stages(first: int, depth: int, paper_layers, paper_depth: int) -> lis
     at `first` and the gaps scaled by depth; stages past the last layer are dropped."""
     out = [first + round((p - paper_layers[0]) * depth / paper_depth) for p in paper_layers]
     return sorted({x for x in out if x < depth})
+
+
+def after_attention_layers(runner) -> list[int]:
+    """The layers L (1 <= L < depth) whose layer L - 1 has attention weights: where a stage ranked by the
+    attention of the layer before it can run."""
+    return [i + 1 for i in range(runner.num_layers - 1) if runner.is_attention(i)]

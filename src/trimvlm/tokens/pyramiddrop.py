@@ -14,7 +14,7 @@ from trimvlm.options import stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, after_attention_layers, scaled_stages
 
 PAPER_LAYERS = (8, 16, 24)  # LLaVA's 32 layers in 4 stages: tokens are dropped before layers 8, 16 and 24
 PAPER_DEPTH = 32
@@ -75,14 +75,13 @@ class PyramidDrop(TokenReducer):
         return min(self.stages(runner), default=self.layer or 1)
 
     def check(self, runner) -> None:
-        n = runner.num_layers
-        ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
+        ok = after_attention_layers(runner)
         if not self.stages(runner):
             raise RecipeError(
                 f"tokens=pyramiddrop: layer {self.layer} leaves no stage on this model; allowed: {ok}"
             )
         for lay in self.stages(runner):
-            if not 1 <= lay < n or not runner.is_attention(lay - 1):
+            if lay not in ok:
                 raise RecipeError(f"tokens=pyramiddrop: stage layer {lay} needs an attention layer before it "
                                   f"(layer {lay - 1}); allowed on this model: {ok}")  # fmt: skip
 

@@ -15,7 +15,7 @@ from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, after_attention_layers, scaled_stages
 
 PAPER_LAYERS = (3, 7, 16)  # before these decoder layers: after the paper's layers 2, 6 and 15 of LLaVA's 32
 PAPER_DEPTH = 32
@@ -121,10 +121,9 @@ class SparseVLM(TokenReducer):
         return scaled_stages(self.at(runner), runner.num_layers, PAPER_LAYERS, PAPER_DEPTH)
 
     def check(self, runner) -> None:
-        n = runner.num_layers
+        n, ok = runner.num_layers, after_attention_layers(runner)
         for lay in self.stages(runner):
-            if not 1 <= lay < n or not runner.is_attention(lay - 1):
-                ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]
+            if lay not in ok:
                 raise RecipeError(
                     f"tokens=sparsevlm: stage layer {lay} must be in 1..{n - 1} with an attention layer before it; "
                     f"allowed on this model: {ok}"
