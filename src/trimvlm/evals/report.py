@@ -131,7 +131,8 @@ def _accuracy_columns(result: EvalResult, groups: list[dict], console, first: in
         probe = "every" if g["group_type"] == "all" else g["probe"]
         t.row(kind, probe, g["metric"], str(g["n"]), *cells, style="bold" if g["group_type"] != "kind" else None)
         if first == 0 and g["group_type"] == "all":
-            t.row("all 95% CI", probe, "", "", *(ci_text(r.get("accuracy_interval")) for r in rows), style="dim")
+            t.row("all 95% CI", probe, "", "", *(ci_text(row_interval(result, lb)) for lb in labels[first:]),
+                  style="dim")  # fmt: skip
             t.row("vs baseline", probe, "pts", "", *(diff_text(r.get("vs_baseline")) for r in rows), style="dim")
         for key, name in SUMMARY_ROWS if first == 0 else ():
             if all(key in r for r in rows):
