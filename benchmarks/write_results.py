@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trimvlm.evals import plot
+from trimvlm.evals.intervals import wilson
 from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
 from trimvlm.tune.report import frontier_figure
 
@@ -170,14 +171,24 @@ def budget_table(data: dict, args: dict) -> str:
 
 
 def tune_table(data: dict, args: dict) -> str:
-    """`trimvlm tune`'s tune.json: the best recipe per budget. Its test figures are not repeated here: the budget
-    tables (`benchmarks/budget_table.py`) measure the same recipes beside the other contenders."""
+    """`trimvlm tune`'s tune.json: the best recipe per budget and its figures on the held-out test items:
+    accuracy with its 95% Wilson interval, realised total-FLOP and latency ratios against the baseline."""
     by_spec = {e["spec"]: e for e in data["entries"]}
     rows = []
     for b in data["budgets"]:
         e = by_spec.get(b["best"]) if b["best"] else None
-        rows.append([b["label"], f"`{e['spec']}`" if e else "none fits"])
-    return markdown_table(["budget", f"best recipe ({data['n_val']} validation items searched)"], rows)
+        test = (e or {}).get("test") or {}
+        if not test:
+            rows.append([b["label"], f"`{e['spec']}`" if e else "none fits", "-", "-", "-"])
+            continue
+        iv = wilson(round(test["accuracy"] * test["n"]), test["n"])
+        ratio = test["ratio"]
+        rows.append([b["label"], f"`{e['spec']}`", f"{100 * test['accuracy']:.1f}% [{100 * iv.low:.1f}-{100 * iv.high:.1f}]",
+                     f"{ratio['total_flops']:.3f}x", f"{ratio['latency_s']:.2f}x"])  # fmt: skip
+    n_test = data.get("n_test", "?")
+    head = ["budget", f"best recipe ({data['n_val']} validation items searched)",
+            f"test accuracy [95% CI] ({n_test} items)", "total FLOPs", "latency"]  # fmt: skip
+    return markdown_table(head, rows)
 
 
 def scoring_table(data: dict, args: dict) -> str:
