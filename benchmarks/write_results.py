@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from trimvlm.evals import plot
 from trimvlm.evals.intervals import wilson
+from trimvlm.evals.run import compare, group_items
 from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
 from trimvlm.tune.report import frontier_figure
 
@@ -191,6 +192,25 @@ def tune_table(data: dict, args: dict) -> str:
     return markdown_table(head, rows)
 
 
+def paired_table(data: dict, args: dict) -> str:
+    """Paired comparisons on the same items: `pairs` ("A vs B; C vs D"), `group` (all, a kind or a probe; default
+    all). Each row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact
+    p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero."""
+    result, group = SavedResult(data), args.get("group", "all")
+    rows = []
+    for pair in (x for x in args["pairs"].split(";") if x.strip()):
+        a, b = (x.strip() for x in pair.split(" vs "))
+        paired = compare(result, a, b, group)
+        d = paired.diff
+        verdict = f"{a} ahead" if d.low > 0 else f"{b} ahead" if d.high < 0 else "no difference shown"
+        acc = [100 * result.row(x, group)["accuracy"] for x in (a, b)]
+        rows.append([a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
+                     f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
+                     verdict])  # fmt: skip
+    n = len(group_items(result, group))
+    return markdown_table(["A", "B", "A acc", "B acc", f"A - B, points (95% CI, {n} items)", "p", "verdict"], rows)
+
+
 def scoring_table(data: dict, args: dict) -> str:
     """A candidate-scoring eval (`--task demo-candidates`): accuracy per kind, retention and costs."""
     base = data["results"][0]
@@ -219,7 +239,7 @@ def scan_table(data: dict, args: dict) -> str:
     return markdown_table(["model", *(h for _, h in cols)], rows)
 
 
-TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table}
+TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table, "paired": paired_table}
 
 
 # --------------------------------------------------------------------------------------------- figures
