@@ -31,11 +31,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
-from trimvlm.serve.errors import ApiError, from_trimvlm
+from trimvlm.serve.errors import ApiError, from_trimvlm, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
@@ -138,14 +138,7 @@ DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 
 def parse(body: dict, limits) -> Parsed:
     """The checked request, or a 422 (not of the schema) / 400 (what this server cannot honour, named)."""
-    try:
-        req = ChatBody.model_validate(body)
-    except ValidationError as e:
-        detail = [
-            {"loc": ["body", *item["loc"]], "msg": item["msg"], "type": item["type"]}
-            for item in e.errors(include_url=False)
-        ]
-        raise ApiError(422, detail) from e
+    req = validated(ChatBody, body)
     if req.n is not None and req.n > MAX_N:
         raise ApiError(400, f"n={req.n}: at most {MAX_N} choices per request")
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -250,12 +243,7 @@ def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
     return prompt_key(plan.label(), part)
 
 
-async def handle(state, request):
-    with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
-        return await _handle(state, request, arrival)
-
-
-async def _handle(state, request, arrival):
+async def handle(state, request, arrival):
     t0 = time.perf_counter()
     body = await state.read_json(request)
     parsed = parse(body, state.limits)
@@ -265,11 +253,7 @@ async def _handle(state, request, arrival):
         recipe = state.rung()
     else:
         recipe = state.recipe("chat", req.recipe)
-    if state.vlm.adapter.decision_head is not None:
-        raise ApiError(
-            400,
-            "this server holds a decision model (no LM head): ask it System One requests at /v1/systemone",
-        )
+    state.need_lm_head()
     n = req.n or 1
     if n > 1 and recipe.plan.per_sample:
         raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")

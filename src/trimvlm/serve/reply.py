@@ -93,6 +93,30 @@ async def unless_gone(request, awaitable):
     return work.result()
 
 
+async def answered(state, request, job):
+    """A queued job's result, or ClientGone (the job cancelled: never computed if it has not started) when the
+    client closes the connection first."""
+    try:
+        return await unless_gone(request, state.result(job))
+    except ClientGone:
+        cancel(state, job)
+        raise
+
+
+def cancel(state, job) -> None:
+    """The client has gone: its request is not computed further (it leaves its queue or its batch), counted by
+    the stage it had reached."""
+    if not job.cancelled:
+        stage = "finished" if job.finished else "running" if job.started else "queued"
+        job.cancel()
+        state.metrics.cancelled(stage)
+
+
+def served(recipe: str, job, t0: float) -> dict:
+    """The server's part of an answer's `usage`: the recipe, the time queued and the server's latency."""
+    return {"recipe": recipe, "queue_s": job.started - job.enqueued, "server_latency_s": time.perf_counter() - t0}
+
+
 class ChatReply:
     def __init__(self, state, request, job, *, model: str, recipe: str, t0: float):
         self.state, self.request, self.job = state, request, job
@@ -131,11 +155,7 @@ class ChatReply:
         return event
 
     def cancel(self) -> None:
-        """The client has gone: the request is not computed further (it leaves its queue or its batch)."""
-        if not self.job.cancelled:
-            self.job.cancel()
-            stage = "finished" if self.job.finished else "running" if self.job.started else "queued"
-            self.state.metrics.cancelled(stage)
+        cancel(self.state, self.job)
         self._stop_watching()
 
     def _stop_watching(self) -> None:
@@ -157,8 +177,7 @@ class ChatReply:
             "prefix_reused": bool(u["prefix_reused"]), "prefix_tokens_reused": u["prefix_tokens_reused"],
             "request_cached": p.request_cached,
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
-            "batch_requests": result.batch, "recipe": self.recipe,
-            "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
+            "batch_requests": result.batch, **served(self.recipe, self.job, self.t0),
             # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->
             # the first token here)
             "engine_ttft_s": u.get("engine_ttft_s"),
@@ -180,8 +199,6 @@ class ChatReply:
                             for e in entries], "refusal": None}  # fmt: skip
 
     async def whole(self):
-        from fastapi.responses import Response
-
         ends = {}
         try:
             while True:
@@ -190,8 +207,6 @@ class ChatReply:
                     ends[event.choice] = event
                 elif isinstance(event, Done):
                     break
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
         finally:
             self._stop_watching()
         choices = [{
@@ -215,12 +230,9 @@ class ChatReply:
     async def stream(self):
         """The event stream's response, once the first token (or the result) is there: an error before it is
         still the request's status code."""
-        from fastapi.responses import Response, StreamingResponse
+        from fastapi.responses import StreamingResponse
 
-        try:
-            first = await self._next()
-        except ClientGone:
-            return Response(status_code=499)
+        first = await self._next()
         self._stop_watching()  # from here Starlette watches the connection and cancels the stream
         return StreamingResponse(self._events(first), media_type="text/event-stream")
 

@@ -87,9 +87,6 @@ class ServerState:
         """The vision, prefix and request caches' figures (None: off)."""
         return self.vlm.cache_stats() | {"request": None if self.request_cache is None else self.request_cache.stats()}
 
-    def start(self) -> None:
-        self.batcher.start()
-
     def _run_batch(self, key, payloads: list) -> list:
         """On the model thread: one batch of System One or score requests with the same key (chat completions
         are the scheduler's engine's, step by step)."""
@@ -144,6 +141,12 @@ class ServerState:
     def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
         """The recipe of a request (`Recipes.get`)."""
         return self.recipes.get(kind, value, own=own)
+
+    def need_lm_head(self) -> None:
+        """400 for a chat or score request to a server holding a decision model."""
+        if self.vlm.adapter.decision_head is not None:
+            raise ApiError(400, "this server holds a decision model (no LM head): ask it System One requests at "
+                                "/v1/systemone")  # fmt: skip
 
     def model_name(self, body: dict) -> str:
         """The `model` a request names (it may name none): this server answers for its model only (400 else)."""

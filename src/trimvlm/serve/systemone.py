@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.serve.bodies import parse_json
-from trimvlm.serve.errors import ApiError, schema_error
+from trimvlm.serve.errors import schema_error, validated
 from trimvlm.serve.jobs import JobKey
-from trimvlm.serve.reply import ClientGone, unless_gone
+from trimvlm.serve.reply import answered, served
 
 
 class Ready(NamedTuple):
@@ -59,12 +59,7 @@ class DecideJob:
     body: bytes | None = None  # the request cache's key of its body (None: the cache is off, never coalesced)
 
 
-async def handle(state, request) -> dict:
-    with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
-        return await _handle(state, request, arrival)
-
-
-async def _handle(state, request, arrival) -> dict:
+async def handle(state, request, arrival):
     t0 = time.perf_counter()
     raw = await state.read_body(request)
     tag, seen = state.seen_bodies.recall(raw)
@@ -83,20 +78,14 @@ async def _handle(state, request, arrival) -> dict:
             state.seen_bodies.remember(tag, Seen(model, extension, ready.key))
     job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(ready.request, recipe.recipe, ready.key),
                                 arrival)  # fmt: skip
-    try:  # a client that has gone while its request is queued: the request is never computed
-        done = await unless_gone(request, state.result(job))
-    except ClientGone:
-        stage = "running" if job.started else "queued"  # a batch that has started runs to its end
-        job.cancel()
-        state.metrics.cancelled(stage)
-        from fastapi.responses import Response
-
-        return Response(status_code=499)  # nobody reads it
+    done = await answered(state, request, job)  # (a batch that has started runs to its end)
     usage = done.costs.usage() | cache_usage(state) | {"request_cached": ready.cached,
                                                        "request_coalesced": done.coalesced}  # fmt: skip
-    usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
-              "server_latency_s": time.perf_counter() - t0}  # fmt: skip
-    return json_response({"model": model, "answers": done.answers, "usage": usage})
+    usage |= served(recipe.label, job, t0)
+    from fastapi.responses import JSONResponse
+
+    # (a JSONResponse: without the `jsonable_encoder` walk FastAPI gives a dict; the answer is JSON types)
+    return JSONResponse({"model": model, "answers": done.answers, "usage": usage})
 
 
 @dataclass
@@ -153,14 +142,6 @@ def found_request(found, t0: float):
     return dataclasses.replace(found, seconds=time.perf_counter() - t0)
 
 
-def json_response(content: dict):
-    """The answer as FastAPI would send the dict (its JSONResponse: compact, UTF-8, no NaN), without its
-    `jsonable_encoder` walk: the answer holds only JSON types (str, int, float, bool, None, lists, dicts)."""
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(content)
-
-
 def prepare_cached(state, body: dict) -> Ready:
     """`decision.prepare_request` of the body (`Ready`): through the server's request
     cache when it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or
@@ -205,17 +186,11 @@ def check_schema(state, body: dict) -> None:
     """422 for what `transformers serve` refuses with 422: its `SystemOneRequest.model_validate(body,
     strict=True)` (a missing `model` filled with the server's, as a pinned server does), then `parse_questions`
     with the server's decision config."""
-    from pydantic import ValidationError
     from transformers.decision import parse_questions
 
     from trimvlm.decision.config import resolve_config
 
-    try:
-        request = request_model().model_validate({"model": state.model_id} | body, strict=True)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        detail = [{"loc": ["body", *d["loc"]], "msg": d["msg"], "type": d["type"]} for d in errors]
-        raise ApiError(422, detail) from e
+    request = validated(request_model(), {"model": state.model_id} | body, strict=True)
     try:
         parse_questions(request.questions, resolve_config(state.vlm, state.decision_config))
     except ValueError as e:
