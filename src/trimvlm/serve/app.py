@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from trimvlm.decision.config import resolve_config
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.serve import chat, require, score, systemone
 from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import ShuttingDown
@@ -33,7 +33,7 @@ log = logging.getLogger("trimvlm.serve")
 
 
 def _errors(app) -> None:
-    """Every error as its answer: an ApiError its status, the server closing 503, a client gone during the
+    """Every error as its answer: an ApiError its status, a trimvlm error 400 / 422, the server closing 503, a client gone during the
     upload 499 (gone later: 499, sent to nobody), a bug of ours a 500 (never a dead server)."""
 
     async def answer(_request: Request, e: Exception):
@@ -43,8 +43,8 @@ def _errors(app) -> None:
     async def gone(_request: Request, _e: ClientGone):
         return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
 
-    app.add_exception_handler(ApiError, answer)
-    app.add_exception_handler(ShuttingDown, answer)  # queued after the server began to stop
+    for error in (ApiError, TrimVLMError, ShuttingDown):  # (a trimvlm error raised reading a request: 400 / 422)
+        app.add_exception_handler(error, answer)
     app.add_exception_handler(ClientGone, gone)
 
     @app.exception_handler(ClientDisconnect)

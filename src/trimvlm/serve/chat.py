@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
-from trimvlm.serve.errors import ApiError, from_trimvlm, validated
+from trimvlm.serve.errors import ApiError, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
@@ -259,13 +259,10 @@ async def handle(state, request, arrival):
         raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
     from trimvlm.runtime.generate import Sampling
 
-    try:
-        sampling = Sampling(  # checks them
-            temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        )  # fmt: skip
-    except TrimVLMError as e:
-        raise from_trimvlm(e) from e
+    sampling = Sampling(  # checks them
+        temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+    )  # fmt: skip
     t1 = time.perf_counter()
     ready = await state.prepare(
         prepare, state.vlm, parsed.prompt, parsed.urls, state.limits, parsed.max_tokens, recipe.plan,

@@ -10,6 +10,8 @@ over the size limit, 500 when the model failed on a batch. Every body also carri
 
 from __future__ import annotations
 
+import json
+
 from trimvlm.decision import QuestionError, RequestError
 from trimvlm.errors import TrimVLMError
 from trimvlm.serve.jobs import ShuttingDown
@@ -49,6 +51,17 @@ def validated(schema, body: dict, **kw):
     except ValidationError as e:
         detail = [{"loc": ["body", *d["loc"]], "msg": d["msg"], "type": d["type"]} for d in e.errors(include_url=False)]
         raise ApiError(422, detail) from e
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (422 for text that is not one)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise schema_error(f"JSON decode error: {e}", kind="json_invalid") from e
+    if not isinstance(body, dict):
+        raise schema_error(f"the body is a JSON object, got a {type(body).__name__}", kind="dict_type")
+    return body
 
 
 def from_trimvlm(e: TrimVLMError) -> ApiError:

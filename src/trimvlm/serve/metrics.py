@@ -37,11 +37,6 @@ SCHEDULER_GAUGES = (  # (name, the scheduler's figure, doc)
 PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
-def shared() -> bool:
-    """Whether this process's metrics are prometheus_client's multiprocess ones (PROMETHEUS_MULTIPROC_DIR)."""
-    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
-
-
 class ServeMetrics:
     def __init__(self, stats: Callable[[], dict] | None = None):
         """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape
@@ -49,7 +44,7 @@ class ServeMetrics:
         from prometheus_client import CollectorRegistry  # (here: it picks its multiprocess mode at import)
 
         self.registry = CollectorRegistry()
-        self.shared = shared()
+        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # prometheus_client's multiprocess mode
         self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape (shared)
         self._made: dict[str, object] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
@@ -117,15 +112,6 @@ class ServeMetrics:
         path = path if path in PATHS else "other"
         self.requests.labels(path=path, status=str(status)).inc()
         self.latency.labels(path=path).observe(seconds)
-
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
-
-    def cancelled(self, stage: str) -> None:
-        self.cancels.labels(stage=stage).inc()
 
     def prefill(self, rows: int, prompt_tokens: int, seconds: float) -> None:
         self.prefill_batch.observe(rows)

@@ -109,7 +109,7 @@ def cancel(state, job) -> None:
     if not job.cancelled:
         stage = "finished" if job.finished else "running" if job.started else "queued"
         job.cancel()
-        state.metrics.cancelled(stage)
+        state.metrics.cancels.labels(stage=stage).inc()
 
 
 def served(recipe: str, job, t0: float) -> dict:
@@ -146,9 +146,9 @@ class ChatReply:
         if isinstance(event, Token):
             if self._last is None:
                 self._first = now
-                metrics.first_token(now - self.t0)
+                metrics.ttft.observe(now - self.t0)
             else:
-                metrics.inter_token(now - self._last)
+                metrics.itl.observe(now - self._last)
             self._last = now
         elif isinstance(event, Failed):
             raise as_api_error(event.error)

@@ -157,12 +157,6 @@ class Scheduler:
             arrival.done()
         return job
 
-    def put(self, job: Job) -> None:
-        """Queue a job made elsewhere (an API process's request, serve/ipc.py); `ShuttingDown` once closing."""
-        if self._closed:
-            raise ShuttingDown("the server is shutting down")
-        self._queue.put(job)
-
     def arriving(self, delta: int) -> None:
         """Requests on their way from elsewhere (an API process's `arrival()`): +1 when one begins, -1 after."""
         self._arriving += delta

@@ -14,13 +14,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trimvlm.errors import TrimVLMError
 from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve import score, systemone
-from trimvlm.serve.bodies import parse_json, read_body
 from trimvlm.serve.engine import ChatEngine
-from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
+from trimvlm.serve.errors import ApiError, as_api_error, parse_json, schema_error
 from trimvlm.serve.ipc import RemoteScheduler
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access
@@ -108,15 +106,11 @@ class ServerState:
         return self.metrics.exposition()
 
     async def prepare(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the preparation thread; a trimvlm error becomes its HTTP error (503 once the
-        server is shutting down)."""
+        """`fn(*args, **kwargs)` on the preparation thread (503 once the server is shutting down; a trimvlm error
+        it raises is answered as its HTTP error: app.py)."""
         if self.batcher.closed:
             raise ShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._prep, lambda: fn(*args, **kwargs))
-        except TrimVLMError as e:
-            raise from_trimvlm(e) from e
+        return await asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args, **kwargs))
 
     async def result(self, job):
         """A queued job's result (`Batcher.result`: cancelled with the awaiting task). A trimvlm error raised by
@@ -168,4 +162,14 @@ class ServerState:
         return parse_json(await self.read_body(request))
 
     async def read_body(self, request) -> bytes:
-        return await read_body(request, self.limits.max_body_bytes)
+        """The request body's bytes: 413 past `max_body_bytes` (by its Content-Length or as it is read)."""
+        limit, length = self.limits.max_body_bytes, request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is {int(length)} bytes, at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

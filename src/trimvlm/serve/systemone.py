@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
-from trimvlm.serve.bodies import parse_json
-from trimvlm.serve.errors import schema_error, validated
+from trimvlm.serve.errors import parse_json, schema_error, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import answered, served
 
@@ -229,11 +228,4 @@ def run(state, key, jobs: list[DecideJob]) -> list:
 
 
 # what a coalesced copy of a request did not cost
-FREE = {
-    "vision_flops": 0,
-    "layer_flops": 0,
-    "readout_flops": 0,
-    "method_flops": 0,
-    "kv_bytes": 0,
-    "state_bytes": 0,
-}
+FREE = dict.fromkeys(("vision_flops", "layer_flops", "readout_flops", "method_flops", "kv_bytes", "state_bytes"), 0)
