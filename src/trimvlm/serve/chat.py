@@ -1,21 +1,8 @@
-"""`POST /v1/chat/completions`: OpenAI-style chat completions, answered by `VLM.generate`.
-
-The conversation is one user message (trimvlm's `generate` renders one user turn): its `content` is text, or a
-list of `{"type": "text", "text"}` and `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`
-parts. The images go first, in their order, then the text parts joined by newlines (where the parts stood
-among the text is not kept: the model's prompt format places the images). Images come only as base64 data
-URLs; a URL is never fetched.
-
-Fields: `model`?, `messages`, `max_tokens` / `max_completion_tokens` (default and limit: the server's),
-`temperature` (default 0: greedy), `top_p`, `seed`, `stream`, `stream_options` (accepted; the usage is always
-sent), `n` (1 only), `user` (ignored), and trimvlm's `recipe` extension. Unknown fields: 422.
-
-Scheduling: continuous batching at the step level (serve/scheduler.py, serve/engine.py): a request is admitted
-between two decode steps, prefilled, and joins the running decode batch; each row is what the request alone
-returns from `vlm.generate`, greedy or sampled with its seed.
-
-Streaming: `data: {chunk}` server-sent events (a role chunk, one chunk per token's new text as the step that
-made it ends, a last chunk with `finish_reason` and `usage`), then `data: [DONE]` (serve/reply.py).
+"""`POST /v1/chat/completions`: OpenAI-style chat completions with base64 data-URL images (never fetched), each
+answer what `VLM.generate` gives the request alone (docs/serving.md, "POST /v1/chat/completions"). A request is
+checked (`parse`: 422 off the schema, 400 for what this server cannot honour) and prepared alone on the
+preparation thread (`prepare`), then decoded step by step in the running batch (engine.py) and answered, whole
+or streamed, by reply.py.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Step-level continuous batching of chat completions, on the model thread (the scheduler calls it).
+"""Step-level continuous batching of chat completions, on the model thread (the scheduler calls it; docs/serving.md,
+"Scheduling").
 
-`admit(jobs)`: one `Runner.prefill` over requests of one recipe (each prepared alone on the preparation thread,
-collated here), their first tokens chosen and sent, then their rows join the running decode batch of that
-recipe (`runtime.generate.Decoding.join`: the caches are left-padded to one length, padding attended by no
-one). `step()`: one decode step of every running batch; each row's token is sent to its request at once
-(true streaming); a row that stopped, reached its `max_tokens` or whose client has gone leaves the batch at
-that step (its cache rows freed).
-
-A row is one choice of a request: a request of n choices prefills once and its n rows read the prompt's KV
-as a shared, uncopied prefix (`KVCache.share_prefix`), in the running batch too. A request whose earlier
-turns' prompt is in the prefix cache prefills only its new tokens on top of it (`Runner.prefill_chunked` from
-the stored entry). Each row is what the request alone gets from `vlm.generate`: greedy rows take their argmax,
-a sampled row (temperature > 0) draws from its own `torch.Generator` seeded with its `seed` (+ its choice's
-index), one draw per token, exactly as a batch of one does, after OpenAI's penalties on what it generated. A
-row ends at a stop token, a stop string in its text (serve/stops.py), or `max_tokens`. (Rows of one batch
-agree with their solo runs to float rounding, as a padded batch does.)
-
-Costs per request (its `usage`): its share of each model call it took part in: the prefill it was admitted
-with (vision by its image tokens, the rest by rows) and every decode step it ran in (split by the rows of that
-step); `forward_s` is the time of those calls; `batch_requests` the most rows a call of it held.
+`admit(jobs)`: one `Runner.prefill` over requests of one recipe (each prepared alone), their first tokens sent,
+their rows joining the running decode batch of that recipe (`Decoding.join`); a prompt whose earlier turns are in
+the prefix cache prefills only its new tokens, a long one is prefilled in chunks (`prefill_chunk`). `step()`: one
+decode step of every running batch, each row's token sent at once; a row that stopped, reached its `max_tokens`
+or whose client has gone leaves at that step. A row is one choice of a request: the n rows of a request read its
+prompt's KV as a shared prefix, and each draws as the request alone does (its own seeded generator, after its
+penalties). A request's `usage` is its share of each model call it took part in.
 """
 
 from __future__ import annotations

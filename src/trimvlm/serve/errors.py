@@ -1,10 +1,6 @@
-"""HTTP errors: trimvlm's errors -> a status code and a body that says what was wrong.
-
-As `transformers serve` answers: 422 with a FastAPI-style list `[{"loc", "msg", "type"}]` for a request that is
-not of the schema (not JSON, missing or unknown fields, wrong types, a question transformers' `parse_questions`
-refuses, too many questions), 400 with the reason as text for a well-formed request that cannot be answered (an
-image that does not decode, an unknown recipe, too many images, max_tokens above the limit), 413 for a body
-over the size limit, 500 when the model failed on a batch. Every body also carries an OpenAI-style
+"""HTTP errors, as `transformers serve` answers (docs/serving.md, "Limits and errors"): 422 with FastAPI's list
+`[{"loc", "msg", "type"}]` for a request off the schema, 400 with the reason for a well-formed request that
+cannot be answered, 413 for a body over the limit, 500 when the model failed; every body also carries OpenAI's
 `{"error": {"message", "type", "code"}}`.
 """
 

@@ -1,17 +1,7 @@
-"""`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server.
-
-Requests by path and status, their latency, time to first token, inter-token latency, prompt and generated
-tokens, generated tokens per second (over the last 10 s), decode and prefill batch sizes, queue depth,
-running requests, requests cancelled by their client (queued or running: never computed further), failed
-model calls. Other parts of the server add their own figures with `counter`, `gauge` and `histogram`, e.g. a
-cache's hits and bytes: `state.metrics.gauge("trimvlm_vision_cache_bytes", "...", fn=lambda: cache.bytes)`.
-
-Across processes (`--api-workers`: serve/workers.py sets PROMETHEUS_MULTIPROC_DIR, a folder of its own, before
-any process makes a metric) prometheus_client's multiprocess mode holds every process's figures in that
-folder: counters and histograms as each process records them, and the gauges that read a function written
-there when the page is made (`refresh`: the engine's when an API process asks for them); a scrape
-(`exposition`) reads them all with a `MultiProcessCollector` (counters and histograms summed, gauges summed
-over the live processes).
+"""`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server
+(docs/serving.md, "Operations"). Other parts of the server add their own with `counter`, `gauge` and
+`histogram`. Across processes (`--api-workers`: PROMETHEUS_MULTIPROC_DIR set by serve/workers.py) the figures
+are prometheus_client's multiprocess ones, the gauges that read a function written at each scrape (`refresh`).
 """
 
 from __future__ import annotations

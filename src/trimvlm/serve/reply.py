@@ -1,20 +1,8 @@
-"""A chat completion's answer, built from what the model thread sends its request (serve/engine.py): each
-choice's tokens as they come, each choice's end, then the request's costs (or an error).
-
-- `whole()`: the `chat.completion` object, once every choice has ended.
-- `stream()`: server-sent events as the tokens come: a role chunk per choice when the first token is there, a
-  chunk per token with the new text (a token that ends inside a character waits for the next; with `stop`,
-  text that could still become a stop string is held back until it is resolved, and a stop string is never
-  sent), each choice's last chunk with its `finish_reason`, then `[DONE]`. The request's `usage` rides on the
-  last choice chunk when n = 1, else on a chunk of its own with no choices (as OpenAI's `include_usage`).
-  An error before the first token is the request's status code (500, 400); after it the stream ends with an
-  error event.
-- `logprobs` (when asked): OpenAI's shape, `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
-  the log-probabilities of the model's distribution (before penalties and temperature), for the tokens whose
-  text is returned; streamed with the chunk that sends the start of their text.
-
-A request whose client closes the connection is cancelled (`Job.cancel`): still queued, it is never computed;
-running, its rows leave the batch at the next step. Nothing is sent to a gone client.
+"""A chat completion's answer, built from the events the model thread sends its request (serve/engine.py, jobs.py):
+`whole()` the `chat.completion` object once every choice has ended; `stream()` server-sent events as the tokens
+come (text that may still become a stop string, or ends inside a character, is held back), each choice's end,
+the usage, then `[DONE]`; `logprobs` in OpenAI's shape (docs/serving.md, "POST /v1/chat/completions"). A
+request whose client has gone is cancelled (`Job.cancel`) and nothing is sent to it ("Cancellation").
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
-"""The one loop that owns the model: continuous batching for chat completions, whole batches for decisions.
+"""The one loop that owns the model (docs/serving.md, "Scheduling"): continuous batching for chat completions
+(the step-level `engine`, serve/engine.py, for the endpoints in `engine.kinds`), whole batches for the others
+(`run(key, payloads)`: one result or exception per payload; a batch that raises runs each request again alone).
 
-`submit` / `enqueue` queue a request (checked and tokenized before it gets here: a bad one never joins a batch)
-under a key: only requests with the same key share a batch (the same endpoint and recipe; a chat completion
-with n > 1 choices has a key of its own). A request still being read or prepared is announced (`arrival()`):
-the loop waits for it (up to `max_wait_s` after the first of a batch arrived) only while more may come, so a
-lone request runs at once. Requests whose key is the step-level engine's (`engine`, the chat engine of
-serve/engine.py, for the endpoints in `engine.kinds`) are batched continuously; the others (System One
-decisions, scores) run whole, `run(key, payloads)` answering a batch with one result (or exception) per
-payload; if such a batch raises, each of its requests runs again alone, so one that breaks the model fails
-only itself. Without an engine the loop is a plain micro-batcher. Each turn of the loop:
-
-1. take what has arrived (block only when nothing runs), and drop the requests whose client has gone;
-2. the prompt being prefilled in chunks (if any) runs its next chunk: at most `max_prefill_tokens` positions;
-3. the oldest waiting request decides what runs next, in arrival order:
-   - a decision or a score: its batch (`run`: one `decision.run`, one `vlm.score`) runs whole;
-   - a chat completion: it is admitted with the waiting ones of its key (the same recipe) while the engine
-     has room (`max_batch` running rows at most) and the prompts' tokens fit what is left of the turn's
-     `max_prefill_tokens`: one prefill over them, their first tokens sent, then they join the running decode
-     batch of their recipe. A prompt longer than the budget is prefilled alone in chunks of the budget, one
-     per turn (`Runner.prefill_chunked`; while it is, only prompts that fit the rest of the budget are admitted), so
-     the running rows keep getting a token every turn; a recipe that reads the whole prefill (a token
-     reducer, a KV policy) prefills it whole;
-4. one decode step of every running batch: every row gets its next token, finished and cancelled rows leave.
-
-So a request that arrives while others decode waits at most one step (plus one prefill) for its first token.
-The loop waits for more requests (up to `max_wait_s`, while more are being read) only when nothing is running:
-a burst arriving at an idle server is prefilled together; under load nothing waits for anything. A request
-whose client has gone (`Job.cancel`) is dropped wherever it waits and never run (`dropped` counts them); the
-loop never stops on a model error. `close` drains what is queued and running, then answers what is left
-`ShuttingDown` (503).
+Requests are queued checked and prepared, under a key: only requests with equal keys share a batch. A request
+still being read is announced (`arrival()`): with nothing running the loop waits for it, up to `max_wait_s` after
+the first of a batch arrived. Each turn: take what has arrived (dropping the requests whose client has gone),
+run the next chunk of a chunked prefill, let the oldest waiting request decide what runs (its whole batch, or
+the chat requests of its key admitted while there is room and prefill budget, `max_prefill_tokens`), then one
+decode step of every running batch. `close` drains what is queued and running, then answers the rest 503.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""`POST /v1/score`: candidate scoring over HTTP, answered by `vlm.score` (its executors and readouts).
-
-The shape follows vLLM's score API (`POST /v1/score`: `text_1` the query, `text_2` the documents; the answer a
-`list` of `{"index", "object": "score", "score"}` and `usage`), with these differences: `text_1` is one question
-(vLLM also takes a list of pairs); `text_2` are the candidate answers, and each `score` is the candidate's
-probability among them (the softmax of their log-likelihoods, or the decision head's), not a cross-encoder's
-similarity; trimvlm's fields: `images` (base64 data URLs, never fetched), `readout` (`loglik` | `head`),
-`executor` (`auto` | `independent` | `batched` | `segments` | `tree`), `recipe`; each item also carries
-`logprob` (the candidate's summed log-likelihood), `logprob_mean`, `tokens`, `greedy`, and the answer
-`chosen` (-1: the head abstains) and the costs.
-
-Concurrent requests with the same readout, executor and recipe run as one `vlm.score` call; with the loglik
-readout, requests on the same images and question share one prefix (their candidates are scored off it
-together; a candidate's log-likelihood does not depend on the others, and each request's probabilities are
-those of its own candidates). The call's costs are split evenly between its requests (`batch_requests`).
+"""`POST /v1/score`: candidate scoring in vLLM's score shape (`text_1` one question, `text_2` its candidates,
+trimvlm's `images`, `readout`, `executor` and `recipe`), answered by `vlm.score` (docs/serving.md, "POST
+/v1/score"). Requests with the same readout, executor and recipe run as one call; with the loglik readout those
+on the same images and question share one prefix, each request's probabilities those of its own candidates.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""`POST /v1/systemone`: System One decision requests, as `transformers serve` takes and answers them.
-
-Request: `{"model"?, "state", "questions": {name: question}, "assets"?: {placeholder: image}}`, plus trimvlm's
-`recipe` extension (a recipe string; default: the server's). The schema is transformers' own: the request
-(its `recipe` taken out) is validated by transformers' `SystemOneRequest` (strict: `state` a string, object or
-list; 1 to 64 questions, each an object; at most 4 assets, each an object; no other field) and its questions by
-`parse_questions`, exactly as `transformers serve` does, before anything else (422, FastAPI's error list). The
-server holds one model, as `transformers serve --force-model` does: `model` may be left out, naming another is
-a 400.
-Response: `{"model", "answers": {name: answer}, "usage": {"input_tokens", "output_tokens": 0, ...}}`, the answers
-exactly as `vlm.decide` gives them for the request alone, `usage` with trimvlm's cost fields
-(`decision.RequestCosts.usage()`) and the server's: `recipe`, `queue_s` (prepared -> its batch started),
-`server_latency_s` (the body read -> the answer ready).
-
-Each request is checked and tokenized by `decision.prepare_request` as it arrives (its errors: 422 / 400, see
-errors.py); requests with the same recipe are then answered together by one `decision.run`. A request whose client closes
-the connection while it is queued is never computed (`reply.unless_gone`).
+"""`POST /v1/systemone`: System One decision requests, as `transformers serve` takes and answers them
+(docs/serving.md, "POST /v1/systemone"): transformers' own schema checks the request (422), `model` may name
+only this server's, `recipe` is trimvlm's extension; each request is prepared as it arrives
+(`decision.prepare_request`, through the request cache) and requests of one recipe are answered together by
+one `decision.run`, each answer what `vlm.decide` gives the request alone.
 """
 
 from __future__ import annotations
