@@ -70,7 +70,7 @@ def build_app(state: ServerState):
 
     @asynccontextmanager
     async def lifespan(app):
-        state.batcher.start()
+        state.start()
         yield
         state.close()
 

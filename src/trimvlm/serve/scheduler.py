@@ -67,7 +67,7 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: deque[Job] = deque()  # taken from the queue, waiting for a batch of their key
         self._closing = False  # the worker has seen the end of the queue: it drains what is there, then stops
-        self._closed = False  # close() was called: nothing more is queued
+        self.closed = False  # close() was called: nothing more is queued
         self._abort = False  # the drain took too long: the worker answers what is left "shutting down" and stops
         self._thread = threading.Thread(target=self._loop, name="trimvlm-serve-model", daemon=True)
         self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
@@ -83,7 +83,7 @@ class Scheduler:
     def close(self, timeout: float = 10.0) -> None:
         """Stop: the requests queued and running are answered (drained) for up to `timeout`; past it, the worker
         answers every request still waiting or running with `ShuttingDown` at its next turn and stops."""
-        self._closed = True
+        self.closed = True
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -107,11 +107,6 @@ class Scheduler:
             settle(job, ShuttingDown("the server is shutting down"))
 
     @property
-    def closed(self) -> bool:
-        """close() was called: nothing more is queued (`ShuttingDown`)."""
-        return self._closed
-
-    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -125,7 +120,7 @@ class Scheduler:
     def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
         """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
         the server is closing."""
-        if self._closed:
+        if self.closed:
             if arrival is not None:
                 arrival.done()
             raise ShuttingDown("the server is shutting down")
