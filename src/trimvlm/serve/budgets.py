@@ -22,6 +22,7 @@ from trimvlm.errors import InputError
 EWMA = 0.2  # the weight of each new measurement
 WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
 QUANTILE = 0.99  # the sustained check bounds this percentile of the time to first token
+MEASURED = ("tokens", "s_per_token", "step_s", "decode_s")  # what an API process takes from the engine's
 SERVICE_CV2 = 0.0  # the squared coefficient of variation of a request's engine time (0: fixed, M/D/1)
 
 
@@ -115,14 +116,13 @@ class LoadBudget:
     def figures(self) -> dict:
         """What the prediction reads (for an API process: `adopt`)."""
         with self._lock:
-            return {"tokens": self.tokens, "s_per_token": self.s_per_token, "step_s": self.step_s,
-                    "decode_s": self.decode_s}
+            return {name: getattr(self, name) for name in MEASURED}
 
     def adopt(self, figures: dict) -> None:
         """Take the engine process's measurements (an API process predicts with them)."""
         with self._lock:
-            self.tokens, self.s_per_token = figures["tokens"], figures["s_per_token"]
-            self.step_s, self.decode_s = figures["step_s"], figures["decode_s"]
+            for name in MEASURED:
+                setattr(self, name, figures[name])
 
     # ---- what the engine measured ----
     def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:

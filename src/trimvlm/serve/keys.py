@@ -41,9 +41,7 @@ class ApiKey:
 
     def keyed(self, path: str) -> bool:
         """Every path but /health, and /metrics only when the operator keyed it."""
-        if path in OPEN:
-            return False
-        return self.metrics if path == "/metrics" else True
+        return path not in OPEN and (self.metrics or path != "/metrics")
 
     def allowed(self, headers: list) -> bool:
         given = b""

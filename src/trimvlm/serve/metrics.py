@@ -70,27 +70,23 @@ class ServeMetrics:
             self.gauge(name, doc, fn=lambda s=stat: stats().get(s, 0))
 
     # ---- registering figures ----
-    def _metric(self, kind, name: str, doc: str, labels=(), **kw):
+    def _metric(self, kind: str, name: str, doc: str, labels=(), **kw):
+        import prometheus_client
+
         if name not in self._made:
-            self._made[name] = kind(name, doc, list(labels), registry=self.registry, **kw)
+            self._made[name] = getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
         return self._made[name]
 
     def counter(self, name: str, doc: str, labels=()):
-        from prometheus_client import Counter
-
-        return self._metric(Counter, name, doc, labels)
+        return self._metric("Counter", name, doc, labels)
 
     def histogram(self, name: str, doc: str, labels=(), buckets=TIME_BUCKETS):
-        from prometheus_client import Histogram
-
-        return self._metric(Histogram, name, doc, labels, buckets=buckets)
+        return self._metric("Histogram", name, doc, labels, buckets=buckets)
 
     def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
         """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape (summed over the live processes
         in multiprocess mode)."""
-        from prometheus_client import Gauge
-
-        made = self._metric(Gauge, name, doc, labels, multiprocess_mode="livesum")
+        made = self._metric("Gauge", name, doc, labels, multiprocess_mode="livesum")
         if fn is not None and self.shared:
             self._live.append((made, fn))
         elif fn is not None:

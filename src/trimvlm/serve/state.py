@@ -152,13 +152,9 @@ class ServerState:
             return self.model_id
         if not isinstance(name, str):
             raise schema_error(f"`model` is a string, got {type(name).__name__}", "model", kind="string_type")
-        if name not in self.aliases:
+        if name not in {self.model_id, Path(self.model_id).name}:
             raise ApiError(400, f"this server answers for {self.model_id!r}; the request asks for {name!r}")
         return name
-
-    @property
-    def aliases(self) -> set[str]:
-        return {self.model_id, Path(self.model_id).name}
 
     async def read_json(self, request) -> dict:
         """The request body as a JSON object: 413 past `max_body_bytes`, 422 for text that is not a JSON object."""
