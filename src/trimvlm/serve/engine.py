@@ -22,7 +22,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
-from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token
+from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token, call_soon
 from trimvlm.serve.stops import token_start
 
 
@@ -79,10 +79,7 @@ class Outbox:
             by_loop.setdefault(job.loop, []).append((job.payload.events, event))
         self.items = []
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the event loop is closed
-                pass
+            call_soon(loop, _deliver, items)
 
 
 def _deliver(items) -> None:

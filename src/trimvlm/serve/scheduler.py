@@ -20,7 +20,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trimvlm.serve.jobs import Job, ShuttingDown, settle
+from trimvlm.serve.jobs import Job, ShuttingDown, call_soon, settle
 
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
@@ -211,10 +211,7 @@ class Scheduler:
         for job in jobs:
             if job not in live:
                 self.dropped += 1
-                try:  # nobody awaits it any more
-                    job.loop.call_soon_threadsafe(job.future.cancel)
-                except RuntimeError:  # the event loop is closed
-                    pass
+                call_soon(job.loop, job.future.cancel)  # nobody awaits it any more
         return live
 
     def _running(self) -> int:
