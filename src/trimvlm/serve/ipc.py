@@ -1,17 +1,11 @@
-"""The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N
-API processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop.
-They talk over `multiprocessing.connection` in typed messages (the dataclasses below): `Submit` (a prepared
-request, no event queue), `Cancel` (its client has gone), `Arrive` (+1 / -1: a request is being prepared, the
-batching waits for it), `Ask` from an API process; `Event` (a chat completion's `jobs.Token`, `ChoiceEnd`,
-`Done` or `Failed`), `Result` (a whole batch's answer or error), `Answer` from the engine. A message is a list
-of them as the standard `pickle` writes it, a tensor as its bytes (`dumps`; multiprocessing's own pickler would
-pass a file descriptor per tensor, torch's pickling a `torch.save` per storage).
-
-On the engine (`bridge`: a thread per API process with an event loop of its own reading the connection) a
-remote request is queued as any other (`Scheduler.enqueue`: its future, its event queue), and a task per
-request sends back what the model thread hands it; the messages of one turn of that loop go as one. On an API
-process `RemoteScheduler` has the scheduler's interface the handlers use; a reader thread hands each message's
-events to the requests' event loop.
+"""The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N API
+processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop. They
+talk over `multiprocessing.connection` in typed messages (the dataclasses below: an API process sends `Submit`,
+`Cancel`, `Arrive`, `Ask`; the engine `Event`, `Result`, `Answer`), lists of them as the standard `pickle` writes
+them, a tensor as its bytes (`dumps`: multiprocessing's own pickler would pass a file descriptor per tensor,
+torch's a `torch.save` per storage). The engine's side is `bridge` (a thread per API process, with an event loop
+of its own: a task per request relays what the model thread hands it); an API process's is `RemoteScheduler`,
+the scheduler's interface over the connection (a reader thread hands the events to the requests' event loop).
 """
 
 from __future__ import annotations

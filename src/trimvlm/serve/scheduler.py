@@ -167,10 +167,11 @@ class Scheduler:
         to `budget` in all (`first` always goes); `wait`: wait for more up to max_wait after `first` arrived.
         Jobs whose client has gone are dropped."""
         room = self.max_batch if room is None else room
-        batch, used = [first], 0 if weight is None else weight(first)
+        weight = weight or (lambda job: 0)
+        batch, used = [first], weight(first)
 
         def fits(job) -> bool:
-            return weight is None or used + weight(job) <= budget
+            return used + weight(job) <= budget
 
         for job in list(self._pending):
             if len(batch) >= room:
@@ -181,7 +182,7 @@ class Scheduler:
                 break
             self._pending.remove(job)
             batch.append(job)
-            used += 0 if weight is None else weight(job)
+            used += weight(job)
         deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
         while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
@@ -198,7 +199,7 @@ class Scheduler:
                 self._closing = True
             elif job.key == first.key and fits(job):
                 batch.append(job)
-                used += 0 if weight is None else weight(job)
+                used += weight(job)
             else:
                 self._pending.append(job)
                 if job.key == first.key:
