@@ -101,12 +101,13 @@ class ChatJob:
 @dataclass
 class Parsed:
     """A checked chat request: the body, the prompt (a string: one user message; or a `Conversation`), the
-    images' data URLs (in the order of the messages), max_tokens."""
+    images' data URLs (in the order of the messages), max_tokens, its stop strings."""
 
     req: ChatBody
     prompt: object
     urls: list[str]
     max_tokens: int
+    stop: StopText | None
 
 
 class ChatReady(NamedTuple):
@@ -157,7 +158,7 @@ def parse(body: dict, limits) -> Parsed:
     max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
     if max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
-    return Parsed(req, prompt, urls, max_tokens)
+    return Parsed(req, prompt, urls, max_tokens, StopText(tuple(stops)) if stops else None)
 
 
 def decode_image(i: int, url: str, limits):
@@ -259,9 +260,8 @@ async def handle(state, request, arrival):
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()), recipe=recipe.recipe,
         max_tokens=parsed.max_tokens, sampling=sampling, stream=req.stream, preprocess_s=time.perf_counter() - t1,
-        events=asyncio.Queue(), n=n, stop=StopText(tuple([req.stop] if isinstance(req.stop, str) else req.stop))
-        if req.stop else None, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_key=ready.prompt_key,
-        prefix_key=ready.prefix_key, request_cached=ready.cached,
+        events=asyncio.Queue(), n=n, stop=parsed.stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_key=ready.prompt_key, prefix_key=ready.prefix_key, request_cached=ready.cached,
     )  # fmt: skip
     # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
     batch_key = JobKey("chat", recipe.label, alone="" if n == 1 else uuid.uuid4().hex)

@@ -152,8 +152,9 @@ class ChatReply:
             self._gone = None
 
     # ---- the answer ----
-    def _usage(self, result: Done, completion: int) -> dict:
+    def _usage(self, result: Done, ends: dict) -> dict:
         u, p = result.usage, self.job.payload
+        completion = sum(e.completion_tokens for e in ends.values())
         model_flops = u["vision_flops"] + u["prefill_flops"] + u["decode_flops"]
         forward = u["forward_s"]
         return {
@@ -201,10 +202,9 @@ class ChatReply:
             "index": i, "message": {"role": "assistant", "content": e.text},
             "logprobs": self._logprobs(e.logprobs), "finish_reason": e.finish_reason,
         } for i, e in sorted(ends.items())]  # fmt: skip
-        completion = sum(e.completion_tokens for e in ends.values())
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": choices, "usage": self._usage(event, completion),
+            "choices": choices, "usage": self._usage(event, ends),
         }  # fmt: skip
 
     def chunk(self, index: int | None, delta: dict, finish=None, usage=None, logprobs=None) -> str:
@@ -247,7 +247,7 @@ class ChatReply:
                         yield self.chunk(i, {}, e.finish_reason)
                 elif isinstance(event, Done):
                     finished = True
-                    usage = self._usage(event, sum(e.completion_tokens for e in ends.values()))
+                    usage = self._usage(event, ends)
                     if p.n == 1:
                         yield self.chunk(0, {}, ends[0].finish_reason, usage)
                     else:

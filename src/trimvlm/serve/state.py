@@ -91,9 +91,7 @@ class ServerState:
     def _run_batch(self, key, payloads: list) -> list:
         """On the model thread: one batch of System One or score requests with the same key (chat completions
         are the scheduler's engine's, step by step)."""
-        if key.kind == "score":
-            return score.run(self, key, payloads)
-        return systemone.run(self, key, payloads)
+        return {"score": score.run, "decide": systemone.run}[key.kind](self, key, payloads)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the model thread: what is queued and running is answered (drained) for up to `timeout`, then

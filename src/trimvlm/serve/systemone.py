@@ -49,10 +49,10 @@ class DecideJob:
 async def handle(state, request, arrival):
     t0 = time.perf_counter()
     raw = await state.read_body(request)
-    tag, seen = state.seen_bodies.recall(raw)
-    if seen is not None:  # a body seen before, found prepared: its checks passed then and pass again
+    tag, seen, prepared = state.seen_bodies.recall(raw)
+    if prepared is not None:  # a body seen before, found prepared: its checks passed then and pass again
         model, recipe = seen.model, state.recipe("decide", seen.recipe)
-        ready = Ready(found_request(seen.prepared, t0), True, seen.key)
+        ready = Ready(found_request(prepared, t0), True, seen.key)
     else:
         body = parse_json(raw)
         extension = body.pop("recipe", None)
@@ -75,15 +75,13 @@ async def handle(state, request, arrival):
     return JSONResponse({"model": model, "answers": done.answers, "usage": usage})
 
 
-@dataclass
-class Seen:
+class Seen(NamedTuple):
     """A body answered before, known by its bytes' digest: what its checks gave (the same bytes give the same
-    again: the schema, the model, the recipe field), and its request cache key. `prepared`: set by `recall`."""
+    again: the schema, the model, the recipe field), and its request cache key."""
 
     model: str
     recipe: object  # its `recipe` field (None: the server's)
     key: bytes
-    prepared: object = None
 
 
 SEEN = 1 << 16  # bodies remembered by their digest (~200 bytes each), least recently seen forgotten first
@@ -105,20 +103,19 @@ class SeenBodies:
     def __len__(self) -> int:
         return len(self.bodies)
 
-    def recall(self, raw: bytes) -> tuple[bytes | None, Seen | None]:
-        """(the body's digest, what was seen of it with its prepared request, or None): with the request cache
+    def recall(self, raw: bytes) -> tuple[bytes | None, Seen | None, object]:
+        """(the body's digest, what was seen of it, its prepared request or None): with the request cache
         on, a body whose bytes were answered before and whose prepared request is still cached is not parsed,
         checked or keyed again, and not sent to the preparation thread (on the event loop: a digest and two
         lookups). One whose prepared request was evicted is prepared again (and remembered again)."""
         if self.cache is None:
-            return None, None
+            return None, None, None
         tag = hashlib.blake2b(raw, digest_size=16).digest()
         seen = self.bodies.get(tag)
         prepared = None if seen is None else self.cache.get(seen.key)
-        if prepared is None:
-            return tag, None
-        self.hits.inc()
-        return tag, dataclasses.replace(seen, prepared=prepared)
+        if prepared is not None:
+            self.hits.inc()
+        return tag, seen, prepared
 
     def remember(self, tag: bytes, seen: Seen) -> None:
         self.bodies.put(tag, seen, 1)
