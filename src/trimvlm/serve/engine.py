@@ -68,16 +68,13 @@ class Outbox:
     loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
 
     def __init__(self):
-        self.items: list[tuple[object, object]] = []  # (its job, an event)
+        self.items: dict[object, list] = {}  # event loop -> [(a request's event queue, an event)]
 
     def post(self, job, event) -> None:
-        self.items.append((job, event))
+        self.items.setdefault(job.loop, []).append((job.payload.events, event))
 
     def flush(self) -> None:
-        by_loop: dict[object, list] = {}
-        for job, event in self.items:
-            by_loop.setdefault(job.loop, []).append((job.payload.events, event))
-        self.items = []
+        by_loop, self.items = self.items, {}
         for loop, items in by_loop.items():
             call_soon(loop, _deliver, items)
 
