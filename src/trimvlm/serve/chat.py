@@ -186,10 +186,8 @@ def decode_image(i: int, url: str, limits):
 def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=None) -> ChatReady:
     """On the preparation thread: the images decoded and the request alone prepared at the plan's resolution
     (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch),
-    its prompt-cache keys hashed here, not on the model thread (`ChatReady`). With the server's request cache (`cache`), a request seen before (the same prompt
-    text, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again (as
-    System One bodies are not: serve/systemone.py; a content-keyed cache of processed inputs, as vLLM's
-    multimodal processor cache)."""
+    its prompt-cache keys hashed (`ChatReady`). A request found in the server's request cache (`cache`: the same
+    prompt, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again."""
     from trimvlm.runtime.limits import check_generation
     from trimvlm.runtime.lru import digest, nbytes
     from trimvlm.runtime.prefix_cache import prompt_key

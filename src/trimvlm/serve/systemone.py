@@ -66,8 +66,8 @@ async def handle(state, request, arrival):
     job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(ready.request, recipe.recipe, ready.key),
                                 arrival)  # fmt: skip
     done = await answered(state, request, job)  # (a batch that has started runs to its end)
-    usage = done.costs.usage() | cache_usage(state) | {"request_cached": ready.cached,
-                                                       "request_coalesced": done.coalesced}  # fmt: skip
+    sizes = {f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()}
+    usage = done.costs.usage() | sizes | {"request_cached": ready.cached, "request_coalesced": done.coalesced}
     usage |= served(recipe.label, job, t0)
     from fastapi.responses import JSONResponse
 
@@ -144,13 +144,6 @@ def prepare_cached(state, body: dict) -> Ready:
     if key is not None:
         cache.put(key, prepared, nbytes([(p.inputs, p.marks) for p in prepared.prompts]))
     return Ready(prepared, False, key)
-
-
-def cache_usage(state) -> dict:
-    """The caches' sizes now, for an answer's `usage` (0 for a cache that is off)."""
-    return {
-        f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()
-    }
 
 
 def request_model():
