@@ -83,12 +83,15 @@ async def unless_gone(request, awaitable):
 
 async def answered(state, request, job):
     """A queued job's result, or ClientGone (the job cancelled: never computed if it has not started) when the
-    client closes the connection first."""
+    client closes the connection first. What its batch raised is its answer (`as_api_error`: a trimvlm error 400,
+    the model's failure 500)."""
     try:
-        return await unless_gone(request, state.result(job))
+        return await unless_gone(request, state.batcher.result(job))
     except ClientGone:
         cancel(state, job)
         raise
+    except Exception as e:  # noqa: BLE001
+        raise as_api_error(e) from e
 
 
 def cancel(state, job) -> None:

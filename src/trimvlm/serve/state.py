@@ -18,7 +18,7 @@ from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve import score, systemone
 from trimvlm.serve.engine import ChatEngine
-from trimvlm.serve.errors import ApiError, as_api_error, parse_json, schema_error
+from trimvlm.serve.errors import ApiError, parse_json, schema_error
 from trimvlm.serve.ipc import RemoteScheduler
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access
@@ -112,14 +112,6 @@ class ServerState:
         if self.batcher.closed:
             raise ShuttingDown("the server is shutting down")
         return await asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args, **kwargs))
-
-    async def result(self, job):
-        """A queued job's result (`Batcher.result`: cancelled with the awaiting task). A trimvlm error raised by
-        the batch is the request's 400; any other, the model's failure: 500."""
-        try:
-            return await self.batcher.result(job)
-        except Exception as e:  # noqa: BLE001
-            raise as_api_error(e) from e
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
