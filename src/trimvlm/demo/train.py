@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from trimvlm.demo import task
+from trimvlm.demo import task, train_common
 from trimvlm.demo.health import HEALTH_IMAGES, scaffold_health
 from trimvlm.demo.model import (
     VISUAL_TOKENS,
@@ -39,91 +39,45 @@ from trimvlm.demo.model import (
     build_model,
     save_checkpoint,
 )
-from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Padding, Spec, aux_cell_loss
-from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Spec, Turn, aux_cell_loss
+from trimvlm.demo.vocab import build_tokenizer, build_vocab
 from trimvlm.progress import steps as step_bar
 
 TRAIN_TURNS = {"exist": 5, "mc": 3, "color": 2, "count": 4, "list": 2, "read": 1}
 P_DESCRIBE = 0.25
-P_SINGLE_TURN = 0.2
 WHERE_TURNS = 2
 VAL_IMAGES = 48
-PAD_MULTIPLE = 32
 TEST_IMAGES = 100
 
 
-class Encoder(Padding):
-    """Turns samples into model inputs without string tokenization overhead (same ids as the tokenizer)."""
+class Encoder(train_common.Encoder):
+    """The grid task's encoder: 64 visual tokens per image."""
 
     def __init__(self):
-        self.kinds = task.KINDS
-        self.background = task.BACKGROUND  # the word a token showing nothing is named with
-        self.vocab = build_vocab()
-        self.processor = build_image_processor()
-        self.pad = self.vocab[PAD]
-        self.eos = self.vocab[EOS]
-        self.image_pad = self.vocab[IMAGE_PAD]
-        self.prefix = [self.vocab[VISION_START]] + [self.image_pad] * VISUAL_TOKENS + [self.vocab[VISION_END]]
+        super().__init__(task, build_vocab(), build_image_processor(), task.BACKGROUND)
         attributes = task.COLOR_NAMES + task.SHAPES + [f"{a}{i}" for a in "rc" for i in range(task.GRID)]
         self.attribute_ids = {self.vocab[w] for w in attributes}
 
-    def words(self, text: str) -> list[int]:
-        return [self.vocab[w] for w in text.split()]
+    def n_visual(self, image) -> int:
+        return VISUAL_TOKENS
 
-    def images(self, images):
-        out = self.processor(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
-
-    def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        """Padded training inputs; "looks" lists a `Look` per turn (the evidence cells, the question's
-        attribute words, the right option's letter and words); "asks" an `Ask` per existence and
-        multiple-choice question."""
-        seqs, labs, looks, asks = [], [], [], []
-        for s in samples:
-            seen: set[str] = set()
-            qas, aux = [], []
-            for q in s.qas:  # drop repeated questions: a repeat could copy the earlier answer
-                if q.question in seen:
-                    continue
-                seen.add(q.question)
-                (aux if q.kind in task.AUX_KINDS else qas).append(q)
-            turns = [qas[int(i)] for i in rng.permutation(len(qas))]
-            if rng.random() < P_SINGLE_TURN:
-                turns = turns[:1]
-            else:  # auxiliary turns last, so that no question can copy its answer from them
-                turns += [aux[int(i)] for i in rng.permutation(len(aux))]
-            ids = list(self.prefix)
-            lab = [-100] * len(ids)
-            for q in turns:
-                prompt = self.words(task.format_prompt(q.question))
-                ans = self.words(q.answer) + [self.eos]
-                start = len(ids)
-                ids += prompt
-                if q.kind in ATTENTION_KINDS:  # the position that predicts the first answer word
-                    cells = task.evidence_cells(s.scene, q.kind, q.params)
-                    words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
-                    option = []  # multiple choice: the right option's letter and its two words
-                    if q.kind == "mc":
-                        at = start + prompt.index(self.vocab[q.answer])
-                        option = [at, at + 1, at + 2]
-                    if q.kind in ("exist", "mc"):
-                        pairs = (
-                            q.params["options"]
-                            if q.kind == "mc"
-                            else [(q.params["color"], q.params["shape"])]
-                        )
-                        asks.append(Ask(len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
-                    cell_keys = [1 + r * task.GRID + c for r, c in cells]
-                    looks.append(Look(len(seqs), len(ids) - 1, cell_keys, words, option))
-                ids += ans
-                lab += [-100] * len(prompt) + ans
-            seqs.append(ids)
-            labs.append(lab)
-        batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
-        batch["looks"] = looks
-        batch["asks"] = asks
-        return batch
+    def supervise(self, turn: Turn, looks: list[Look], asks: list[Ask], names: list) -> None:
+        """A `Look` per turn (the evidence cells, the question's attribute words, the right option's letter and
+        words); an `Ask` per existence and multiple-choice question."""
+        q, start, prompt = turn.qa, turn.start, turn.prompt
+        if q.kind not in ATTENTION_KINDS:
+            return
+        cells = task.evidence_cells(turn.sample.scene, q.kind, q.params)
+        words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
+        option = []  # multiple choice: the right option's letter and its two words
+        if q.kind == "mc":
+            at = start + prompt.index(self.vocab[q.answer])
+            option = [at, at + 1, at + 2]
+        if q.kind in ("exist", "mc"):
+            pairs = q.params["options"] if q.kind == "mc" else [(q.params["color"], q.params["shape"])]
+            asks.append(Ask(turn.row, turn.at, [pair_class(c, sh) for c, sh in pairs]))
+        cell_keys = [1 + r * task.GRID + c for r, c in cells]
+        looks.append(Look(turn.row, turn.at, cell_keys, words, option))
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
         """Per visual token (raster order of cells): its content word, shape word, row word, column word and
@@ -143,12 +97,6 @@ class Encoder(Padding):
         cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
         return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair}
 
-    def prompt_batch(self, items) -> dict:
-        """items: list of (image, question); left-padded for generation."""
-        seqs = [self.prefix + self.words(task.format_prompt(q)) for _, q in items]
-        batch = self._pad(seqs, None, left=True)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
-        return batch
 
 class VisualFold:
     """Keeps the visual tokens centred and at text-embedding scale while training, inside the stock weights.
