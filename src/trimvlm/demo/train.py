@@ -561,20 +561,33 @@ def _train_step(
     return loss.item(), att_loss
 
 
+class _HeldOut(NamedTuple):
+    """The validation samples, their majority-answer accuracy per kind, and the test samples."""
+
+    val: list
+    val_base: dict[str, float]
+    test: list
+
+
+def _held_out(spec: Spec, enc: Encoder) -> _HeldOut:
+    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
+    return _HeldOut(val, majority_baseline(val, enc.kinds), spec.task.generate_split("test", TEST_IMAGES, seed=0))
+
+
 def _validate(
-    run: _Run, enc: Encoder, val, val_base: dict, test, out_dir: Path, tokenizer, train_meta: dict, spec: Spec
-) -> tuple[dict, str]:
+    run: _Run, enc: Encoder, held: _HeldOut, out_dir: Path, tokenizer, train_meta: dict, spec: Spec, log_path: Path
+) -> str:
     """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
-    accuracy too, and the checkpoint is written to `out_dir`. Returns the log record and the console line."""
-    acc = evaluate(run.model, enc, val)
-    score = selection_score(acc, val_base)
+    accuracy too, and the checkpoint is written to `out_dir`. Logs the record; returns the console line."""
+    acc = evaluate(run.model, enc, held.val)
+    score = selection_score(acc, held.val_base)
     rec = {"step": run.step, "val": acc, "val_score": score}
     if run.teacher is not None or run.probe is not None:
-        rec["scaffolds"] = scaffold_health(run, enc, val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
+        rec["scaffolds"] = scaffold_health(run, enc, held.val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
     improved = score > run.best
     if improved:
         run.best = score
-        test_acc = evaluate(run.model, enc, test)
+        test_acc = evaluate(run.model, enc, held.test)
         rec["test"] = test_acc
         meta = {
             "step": run.step,
@@ -590,8 +603,9 @@ def _validate(
             **spec.meta,
         }
         save_checkpoint(run.model, out_dir, meta, tokenizer, spec.image_processor())
+    _log(log_path, rec)
     line = f"step {run.step} val " + " ".join(f"{k}={v:.2f}" for k, v in acc.items())
-    return rec, line + (" *best" if improved else "")
+    return line + (" *best" if improved else "")
 
 
 def train_demo(
@@ -621,8 +635,7 @@ def train_demo(
     out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / f"train-{out_dir.name}"
     work_dir.mkdir(parents=True, exist_ok=True)
-    state_path = work_dir / "train_state.pt"
-    log_path = work_dir / "train_log.jsonl"
+    state_path, log_path = work_dir / "train_state.pt", work_dir / "train_log.jsonl"
 
     spec = spec if spec is not None else GRID_SPEC
     tokenizer = spec.tokenizer()
@@ -634,49 +647,48 @@ def train_demo(
         _resume(run, state_path, out_dir)
 
     enc = spec.encoder()
-    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    val_base = majority_baseline(val, enc.kinds)
-    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
+    held = _held_out(spec, enc)
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
 
-    losses: list[float] = []
-    att_losses: list[float] = []
-    t_last = time.time()
+    window = _Window(log_path)
     with step_bar("train-demo", steps, enabled=progress, phase="training", done=run.step) as bar:
         while run.step < steps:
-            loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
-            if att is not None:
-                att_losses.append(att)
-            losses.append(loss)
+            window.add(*_train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec))
             bar.advance()
-            step = run.step
-            if step % 50 == 0:
-                rec = _log_window(log_path, run, losses, att_losses, (time.time() - t_last) / 50)
-                t_last = time.time()
-                bar.phase(f"training, loss {rec['loss']:.3f}")
-                losses, att_losses = [], []
-            if step % eval_every == 0 or step == steps:
-                bar.phase(f"validating at step {step}")
-                rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta, spec)
-                _log(log_path, rec)
-                bar.note(line)
+            if run.step % 50 == 0:
+                bar.phase(f"training, loss {window.log(run)['loss']:.3f}")
+            if run.step % eval_every == 0 or run.step == steps:
+                bar.phase(f"validating at step {run.step}")
+                bar.note(_validate(run, enc, held, out_dir, tokenizer, train_meta, spec, log_path))
                 bar.phase("training")
-                t_last = time.time()
-            if step % save_every == 0 or step == steps:
+                window.t_last = time.time()
+            if run.step % save_every == 0 or run.step == steps:
                 _save_state(run, state_path, model_kwargs)
     return out_dir
 
 
-def _log_window(log_path: Path, run, losses: list[float], att_losses: list[float], s_per_step: float) -> dict:
-    """Log the mean losses of the last steps (the attention loss when it was trained)."""
-    rec = {"step": run.step, "loss": float(np.mean(losses)), "lr": run.opt.param_groups[0]["lr"],
-           "s_per_step": s_per_step}  # fmt: skip
-    if att_losses:
-        rec["attention_loss"] = float(np.mean(att_losses))
-    _log(log_path, rec)
-    return rec
+class _Window:
+    """The losses of the steps since the last log line (every 50 steps), with their time."""
+
+    def __init__(self, log_path: Path):
+        self.log_path, self.losses, self.att_losses, self.t_last = log_path, [], [], time.time()
+
+    def add(self, loss: float, att: float | None) -> None:
+        if att is not None:
+            self.att_losses.append(att)
+        self.losses.append(loss)
+
+    def log(self, run: _Run) -> dict:
+        """Log the mean losses of the last steps (the attention loss when it was trained); start a new window."""
+        rec = {"step": run.step, "loss": float(np.mean(self.losses)), "lr": run.opt.param_groups[0]["lr"],
+               "s_per_step": (time.time() - self.t_last) / 50}  # fmt: skip
+        if self.att_losses:
+            rec["attention_loss"] = float(np.mean(self.att_losses))
+        _log(self.log_path, rec)
+        self.losses, self.att_losses, self.t_last = [], [], time.time()
+        return rec
 
 
 GRID_SPEC = Spec(task=task, encoder=Encoder, tokenizer=build_tokenizer, build_config=build_config,
