@@ -1,22 +1,16 @@
 """Train demo-scenes: a 12-layer Qwen2.5-VL on the scenes task, with the demo's one training loop
 (`train.train_demo`, seeded and resumable) and the scenes task's encoder and scaffolds.
 
-What differs from the grid task: images have 160 to 400 visual tokens, so every sequence has its own visual
-span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
-holding its centre): its size word is trained there, and the attention teacher points the answer position at
-anchors (a count is the share of attention that reaches the matching anchors; a relation gathers its first
-object's two words and then looks at that object with one head, and its second object's with the next: one
-head over all four words leaves a bag that cannot tell which colour goes with which shape, nor which comes
-first, and relations stayed at chance; mid-way, a relation's answer position names the relation that holds,
-and on the next layer it looks at the asked relation word when that is what holds, else at the sink: named
-97% right at step 8,600, the yes/no answer was still at chance without this match);
-"largest" looks at the largest option; each word of a reading looks
-at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape)
-through the LM head, glyph tokens with a term of their own (at about 1% of the tokens the shared term left
-them at chance after 4,600 steps); its row and column words at the teacher's key layer, and the (colour,
-shape) pair of the object it shows through the pair probe (labelling the anchor alone left the object's other
-tokens told "no pair": the probe named 10% of the anchors after 2,400 steps). None of this is in the saved
-model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
+What differs from the grid task: every sequence has its own visual span (160 to 400 tokens), and an object
+covers many tokens, so the scaffolds name one token per object, its anchor (the token holding its centre). The
+attention teacher points the answer position at anchors (a count is the share of attention on the matching
+anchors; a relation gathers each object's two words and then looks at each object with a head of its own, names
+the relation that holds mid-way, and on the verdict layer looks at the asked relation word when that is what
+holds, else at the sink; "largest" looks at the largest option; each word of a reading looks at its glyph). Every
+visual token names what it shows through the LM head (glyph tokens with a term of their own), its row and column
+words at the teacher's key layer, and its object's (colour, shape) pair through the pair probe; anchors name
+their size (docs/demo.md, demo-scenes). None of this is in the saved model, a plain
+`Qwen2_5_VLForConditionalGeneration`.
 
     trimvlm train-demo --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 11000 --threads 2
 """
