@@ -195,8 +195,7 @@ def _row_items(scene: Scene, axis: str, index: int) -> list[str]:
 def answer_for(scene: Scene, kind: str, params: dict) -> str:
     """Recompute the answer of a question from the scene description alone."""
     if kind == "exist":
-        hit = any(o.color == params["color"] and o.shape == params["shape"] for o in scene.objects)
-        return "yes" if hit else "no"
+        return "yes" if evidence_cells(scene, kind, params) else "no"
     if kind == "mc":
         present = {(o.color, o.shape) for o in scene.objects}
         hits = [i for i, (c, s) in enumerate(params["options"]) if (c, s) in present]
@@ -207,7 +206,7 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
         o = scene.object_at(params["row"], params["col"])
         return o.color if o is not None else BACKGROUND
     if kind == "count":
-        return str(sum(o.color == params["color"] for o in scene.objects))
+        return str(len(evidence_cells(scene, kind, params)))
     if kind == "list":
         items = _row_items(scene, params["axis"], params["index"])
         return " ".join(items) if items else "none"
@@ -217,15 +216,7 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
         objs = sorted(scene.objects, key=lambda o: (o.row, o.col))
         return " ".join(f"r{o.row} c{o.col} {o.color} {o.shape}" for o in objs)
     if kind == "where":
-        objs = sorted(
-            (
-                o
-                for o in scene.objects
-                if o.color == params["color"] and params.get("shape") in (None, o.shape)
-            ),
-            key=lambda o: (o.row, o.col),
-        )
-        return " ".join(f"r{o.row} c{o.col}" for o in objs) or "none"
+        return " ".join(f"r{r} c{c}" for r, c in sorted(evidence_cells(scene, kind, params))) or "none"
     raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
 
 

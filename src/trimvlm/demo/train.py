@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -167,11 +168,7 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
         out = model.generate(**batch, max_new_tokens=n_new, do_sample=False)
         new = out[:, batch["input_ids"].shape[1] :]
         for (_, q), row in zip(chunk, new.tolist(), strict=True):
-            words = []
-            for t in row:
-                if t == enc.eos or t == enc.pad:
-                    break
-                words.append(id2w.get(t, "<unk>"))
+            words = [id2w.get(t, "<unk>") for t in takewhile(lambda t: t not in (enc.eos, enc.pad), row)]
             correct[q.kind].append(int(" ".join(words) == q.answer))
     model.train()
     return {k: float(np.mean(v)) if v else 0.0 for k, v in correct.items()}
