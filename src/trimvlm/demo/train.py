@@ -63,8 +63,8 @@ class Encoder(train_common.Encoder):
         return VISUAL_TOKENS
 
     def supervise(self, turn: Turn, looks: list[Look], asks: list[Ask], names: list) -> None:
-        """A `Look` per turn (the evidence cells, the question's attribute words, the right option's letter and
-        words); an `Ask` per existence and multiple-choice question."""
+        """A `Look` per turn (the evidence cells, the question's attribute words, the right option's letter
+        and words); an `Ask` per existence and multiple-choice question."""
         q, start, prompt = turn.qa, turn.start, turn.prompt
         if q.kind not in ATTENTION_KINDS:
             return
@@ -485,26 +485,20 @@ def _resume(run: _Run, state_path: Path, out_dir: Path) -> None:
 
 def _save_state(run: _Run, state_path: Path, model_kwargs: dict | None) -> None:
     """Write the resumable state atomically (a temporary file, then a rename)."""
-    probe = run.probe
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.opt.state_dict(),
+        "np_rng": run.rng.bit_generator.state,
+        "torch_rng": torch.get_rng_state(),
+        "step": run.step,
+        "best": run.best,
+        "best_metric": BEST_METRIC,
+        "model_kwargs": model_kwargs or {},
+    }
+    if run.probe is not None:
+        state.update(pair_probe=run.probe.state_dict(), pair_probe_opt=run.probe.opt.state_dict())
     tmp = state_path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": run.model.state_dict(),
-            "optimizer": run.opt.state_dict(),
-            "np_rng": run.rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(),
-            "step": run.step,
-            "best": run.best,
-            "best_metric": BEST_METRIC,
-            "model_kwargs": model_kwargs or {},
-            **(
-                {"pair_probe": probe.state_dict(), "pair_probe_opt": probe.opt.state_dict()}
-                if probe is not None
-                else {}
-            ),
-        },
-        tmp,
-    )
+    torch.save(state, tmp)
     tmp.replace(state_path)
 
 
@@ -568,12 +562,14 @@ class _HeldOut(NamedTuple):
 
 def _held_out(spec: Spec, enc: Encoder) -> _HeldOut:
     val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    return _HeldOut(val, majority_baseline(val, enc.kinds), spec.task.generate_split("test", TEST_IMAGES, seed=0))
+    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
+    return _HeldOut(val, majority_baseline(val, enc.kinds), test)
 
 
 def _validate(
-    run: _Run, enc: Encoder, held: _HeldOut, out_dir: Path, tokenizer, train_meta: dict, spec: Spec, log_path: Path
-) -> str:
+    run: _Run, enc: Encoder, held: _HeldOut, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
+    log_path: Path,
+) -> str:  # fmt: skip
     """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
     accuracy too, and the checkpoint is written to `out_dir`. Logs the record; returns the console line."""
     acc = evaluate(run.model, enc, held.val)
@@ -652,7 +648,8 @@ def train_demo(
     window = _Window(log_path)
     with step_bar("train-demo", steps, enabled=progress, phase="training", done=run.step) as bar:
         while run.step < steps:
-            window.add(*_train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec))
+            loss = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
+            window.add(*loss)
             bar.advance()
             if run.step % 50 == 0:
                 bar.phase(f"training, loss {window.log(run)['loss']:.3f}")
@@ -678,7 +675,7 @@ class _Window:
         self.losses.append(loss)
 
     def log(self, run: _Run) -> dict:
-        """Log the mean losses of the last steps (the attention loss when it was trained); start a new window."""
+        """Log the mean losses of the last steps (and the attention loss when it was trained); start anew."""
         rec = {"step": run.step, "loss": float(np.mean(self.losses)), "lr": run.opt.param_groups[0]["lr"],
                "s_per_step": (time.time() - self.t_last) / 50}  # fmt: skip
         if self.att_losses:
