@@ -10,9 +10,10 @@ For every unlabeled input x (the task's images and prompts; answers are never re
    plus N(0, sigma^2) noise scaled by the scores' spread: sigma 0 once, then `seeds` draws per sigma), times
    the layer sets (every `layers_skip`-subset of the candidate layers when there are at most `max_layer_sets`,
    else the block-influence-ranked one and random ones);
-3. every layout runs for real (tokens gathered before layer K, the router's `layer`; its layers skipped), all
-   layouts of one input as rows of one batch with per-row layer plans, teacher-forced on the unpruned answer;
-   its cost is the sum over answer positions of KL(p_full || p_layout);
+3. every layout runs for real (tokens gathered before layer K, the router's `layer`; its layers skipped),
+   teacher-forced on the unpruned answer, all layouts of one input as one layout trie (training/layout_trie.py:
+   the layers two layouts agree on run once); its cost is the sum over answer positions of KL(p_full ||
+   p_layout);
 4. preference pairs come from the grid: two layouts with the same layer set and different token sets (a
    token pair), or the same token set and different layer sets (a layer pair), the cheaper one preferred when
    its cost is below (1 - `margin`) times the other's and `floor` nats below it (near-ties, and differences
@@ -23,7 +24,9 @@ For every unlabeled input x (the task's images and prompts; answers are never re
 5. the router takes Adam steps (one per input, inputs shuffled each epoch) on that loss against a frozen copy
    of its initial self (the reference). log pi(layout) is computed from the logits (logsigmoid), never from
    clamped probabilities, so that saturated scores still carry gradient.
-Seeded; a checkpoint is written every epoch (`--resume` continues from it).
+Seeded (each input's draws by (seed, its index)); a checkpoint is written every epoch (`--resume` continues
+from it); with `work`, each input's measured layouts are written as measured and a new run resumes from them
+(training/collect.py, which also samples v2 layouts near the budgets).
 
 Router v2 (`keeps`, `max_skip`): the grid is every keep x every subset of at most `max_skip` candidate layers
 (the empty one included) x the token sets; besides token and layer pairs (layer pairs: same size) it adds
