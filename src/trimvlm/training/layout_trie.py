@@ -96,24 +96,38 @@ def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor
         group, runs = _segment(runner, group, layouts, layer, runner.num_layers, meter)
         leaves.append(group)
         executed += runs
-    n = max(len(a) for a in answers)
-    hidden = torch.cat([g.seq.hidden[:, -n:] for g in leaves])
-    meter.add("prefill", runner.adapter.head_flops(hidden.shape[0], n))
-    logits = runner.adapter.lm_head(hidden).float()
     inputs = [i for g in leaves for i in g.inputs]
     sets = [s for g in leaves for s in g.sets]
     leaf = torch.zeros(b, len(layouts), dtype=torch.long)
     for r, (i, s) in enumerate(zip(inputs, sets, strict=True)):
         leaf[i, s] = r
-    cost = torch.zeros(b, len(layouts), dtype=torch.float64)
-    if p_full is not None:
-        lens = [len(a) for a in answers]
-        for r, i in enumerate(inputs):
-            q = torch.log_softmax(logits[r, n - lens[i] :].double(), -1)
+    hidden = torch.cat([g.seq.hidden[:, -max(len(a) for a in answers) :] for g in leaves])
+    cost, logits = _score(runner, hidden, inputs, sets, answers, p_full, len(layouts), keep_logits, meter)
+    apart = sum(runner.num_layers - len(m.skip) for m in layouts) * b
+    return TrieOutput(cost, logits, leaf, [len(a) for a in answers], executed, apart)
+
+
+def _score(runner, hidden, inputs, sets, answers, p_full, m: int, keep_logits: bool, meter, chunk: int = 64):
+    """The LM head on the leaves' answer positions (`hidden` [R, n, D]), `chunk` rows at a time (a large
+    vocabulary times hundreds of leaves is not held at once unless `keep_logits`): (each of the M layouts'
+    cost [B, M], the logits [R, n, V] or None)."""
+    n, lens = hidden.shape[1], [len(a) for a in answers]
+    cost = torch.zeros(len(answers), m, dtype=torch.float64)
+    kept = []
+    for a in range(0, hidden.shape[0], chunk):
+        h = hidden[a : a + chunk]
+        meter.add("prefill", runner.adapter.head_flops(h.shape[0], n))
+        logits = runner.adapter.lm_head(h).float()
+        if keep_logits:
+            kept.append(logits)
+        if p_full is None:
+            continue
+        for r in range(a, a + h.shape[0]):
+            i = inputs[r]
+            q = torch.log_softmax(logits[r - a, n - lens[i] :].double(), -1)
             p = p_full[i].to(q.device)
             cost[i, sets[r]] = float((p.exp() * (p - q)).sum())
-    apart = sum(runner.num_layers - len(m.skip) for m in layouts) * b
-    return TrieOutput(cost, logits if keep_logits else None, leaf, [len(a) for a in answers], executed, apart)
+    return cost, torch.cat(kept) if keep_logits else None
 
 
 def _segment(runner, rows: _Rows, layouts, start: int, stop: int, meter) -> tuple[_Rows, int]:
