@@ -183,7 +183,7 @@ class _Fork:
         every = len(run) == len(rows.sets)
         if rows.seq.adds:
             hidden = runner.adapter.after_layer(rows.ran[run], rows.seq if every else _select(rows.seq, run), hidden)
-        rows.seq = rows.seq.with_hidden(hidden if every else rows.seq.hidden.index_copy(0, torch.tensor(run), hidden))
+        rows.seq = rows.seq.with_hidden(hidden if every else rows.seq.hidden.index_copy(0, torch.tensor(run, device=hidden.device), hidden))
         rows.ran[run] += 1
         self.running = None
 
@@ -229,6 +229,7 @@ def _token_fork(runner, rows: _Rows, layouts, by_source: torch.Tensor, layer: in
 def _by_source(seq: LiveSeq, scores: torch.Tensor) -> torch.Tensor:
     """[B, T, S] the score rows by the tokens' original index (`source`) rather than their column."""
     b, t, s = scores.shape
+    scores = scores.to(seq.hidden.device)
     src = seq.source.masked_fill(seq.source < 0, s)[:, None].expand(b, t, s)  # padding: a spare column
     return scores.new_full((b, t, s + 1), float("-inf")).scatter(2, src, scores)[..., :s]
 
