@@ -14,10 +14,23 @@ from trimvlm.runtime.runner import Runner
 from trimvlm.training.layout_trie import Layout, run_trie
 
 LAYER = 1  # the router's layer K: tokens dropped before it (layer 0 is shared by every layout)
-LAYOUTS = [Layout(k, t, frozenset(s)) for k in (0.5, 1.0) for t in (0, 1) for s in ([], [2], [3], [2, 3], [0, 3])]
+LAYOUTS = [
+    Layout(k, t, frozenset(s)) for k in (0.5, 1.0) for t in (0, 1) for s in ([], [2], [3], [2, 3], [0, 3])
+]
 # fewer, for the comparison with each layout run alone: still forks at every layer, a skip before the router's
-FEW = [Layout(k, t, frozenset(s)) for k, t, s in [(0.5, 0, []), (0.5, 0, [2]), (0.5, 0, [3]), (0.5, 1, [2, 3]),
-                                                   (0.5, 1, [0, 3]), (1.0, 0, []), (1.0, 1, [3]), (1.0, 0, [0])]]
+FEW = [
+    Layout(k, t, frozenset(s))
+    for k, t, s in [
+        (0.5, 0, []),
+        (0.5, 0, [2]),
+        (0.5, 0, [3]),
+        (0.5, 1, [2, 3]),
+        (0.5, 1, [0, 3]),
+        (1.0, 0, []),
+        (1.0, 1, [3]),
+        (1.0, 0, [0]),
+    ]
+]
 
 
 def _scores(runner, prep, table):
@@ -46,7 +59,9 @@ def _alone(runner, prep1, scores1, layout, answer):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
-def test_trie_gives_each_layout_the_answer_logits_and_cost_of_running_it_alone(tiny_adapter, family, one_thread):
+def test_trie_gives_each_layout_the_answer_logits_and_cost_of_running_it_alone(
+    tiny_adapter, family, one_thread
+):
     """A ragged batch (three images and prompts of different sizes, answers of 3, 1 and 4 tokens), layouts
     that differ in keep, token ranking and skipped layers (one before the router's layer): every layout's
     logits along the answer equal its own run (prefill, then decode steps), so do its greedy answer and KL."""
@@ -60,7 +75,9 @@ def test_trie_gives_each_layout_the_answer_logits_and_cost_of_running_it_alone(t
     table = torch.randn(3, 2, 4096, generator=gen)
     answers = [torch.tensor([5, 7, 9]), torch.tensor([4]), torch.tensor([3, 3, 8, 1])]
     vocab = adapter.lm_head(torch.zeros(1, adapter.text_config.hidden_size)).shape[-1]
-    p_full = [torch.log_softmax(torch.randn(len(a), vocab, generator=gen, dtype=torch.float64), -1) for a in answers]
+    p_full = [
+        torch.log_softmax(torch.randn(len(a), vocab, generator=gen, dtype=torch.float64), -1) for a in answers
+    ]
     out = run_trie(runner, prep, answers, _scores(runner, prep, table), FEW, LAYER, p_full, keep_logits=True)
     assert out.node_layers < out.layout_layers
     for b in range(3):

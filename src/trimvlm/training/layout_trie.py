@@ -136,7 +136,9 @@ def _segment(runner, rows: _Rows, layouts, start: int, stop: int, meter) -> tupl
     fork = _Fork(rows, layouts, stop)
     cache = KVCache(runner.num_layers)
     cache.keep_kv = False  # one chunk: each layer reads only its own keys
-    out = runner.run(_bare(rows.seq), cache, phase="prefill", hook=fork, skip=fork.plan, meter=meter, start=start)
+    out = runner.run(
+        _bare(rows.seq), cache, phase="prefill", hook=fork, skip=fork.plan, meter=meter, start=start
+    )
     if stop == runner.num_layers:
         fork.rows.seq = fork.rows.seq.with_hidden(out.hidden)
     return fork.rows, fork.executed
@@ -182,8 +184,14 @@ class _Fork:
         rows, run = self.rows, self.running
         every = len(run) == len(rows.sets)
         if rows.seq.adds:
-            hidden = runner.adapter.after_layer(rows.ran[run], rows.seq if every else _select(rows.seq, run), hidden)
-        rows.seq = rows.seq.with_hidden(hidden if every else rows.seq.hidden.index_copy(0, torch.tensor(run, device=hidden.device), hidden))
+            hidden = runner.adapter.after_layer(
+                rows.ran[run], rows.seq if every else _select(rows.seq, run), hidden
+            )
+        rows.seq = rows.seq.with_hidden(
+            hidden
+            if every
+            else rows.seq.hidden.index_copy(0, torch.tensor(run, device=hidden.device), hidden)
+        )
         rows.ran[run] += 1
         self.running = None
 
@@ -191,7 +199,10 @@ class _Fork:
         """Fork every row whose layouts differ on skipping layer i into its runs-it and skips-it rows."""
         parents, sets = [], []
         for r, s in enumerate(self.rows.sets):
-            for part in ([m for m in s if i not in self.layouts[m].skip], [m for m in s if i in self.layouts[m].skip]):
+            for part in (
+                [m for m in s if i not in self.layouts[m].skip],
+                [m for m in s if i in self.layouts[m].skip],
+            ):
                 if part:
                     parents.append(r)
                     sets.append(part)
@@ -218,7 +229,9 @@ def _token_fork(runner, rows: _Rows, layouts, by_source: torch.Tensor, layer: in
         child.sets = list(kids.values())
         if k < 1:
             src = child.seq.source.clamp(min=0)
-            score = by_source[torch.tensor([rows.inputs[r] for r in parents]), torch.tensor([t for _, t in kids])]
+            score = by_source[
+                torch.tensor([rows.inputs[r] for r in parents]), torch.tensor([t for _, t in kids])
+            ]
             score = score.gather(1, src).masked_fill(child.seq.source < 0, float("-inf"))
             with counting(meter, "prefill"):
                 child.seq = RouterTokens(keep=k, layer=layer).reduce(child.seq, runner, Handoff(router=score))
@@ -250,7 +263,9 @@ def _with_answer(runner, seq: LiveSeq, inputs: list[torch.Tensor]) -> LiveSeq:
             "positions": runner.adapter.text_positions(next_positions(seq), n).to(seq.positions.dtype),
             "valid": valid, "visual": torch.zeros_like(valid), "source": none, "image_id": none}  # fmt: skip
     joined = {k: torch.cat([getattr(seq, k), v], dim=2 if k == "positions" else 1) for k, v in tail.items()}
-    joined["adds"] = {k: [torch.cat([t, t.new_zeros(b, n, *t.shape[2:])], 1) for t in ts] for k, ts in seq.adds.items()}
+    joined["adds"] = {
+        k: [torch.cat([t, t.new_zeros(b, n, *t.shape[2:])], 1) for t in ts] for k, ts in seq.adds.items()
+    }
     if seq.size is not None:
         joined["size"] = torch.cat([seq.size, seq.size.new_ones(b, n)], 1)
     full = replace(seq, **joined)
@@ -277,4 +292,3 @@ def _select(seq: LiveSeq, idx) -> LiveSeq:
 def _bare(seq: LiveSeq) -> LiveSeq:
     """`seq` without what the family adds after layers (the trie's hook adds it, by each row's own count)."""
     return replace(seq, adds={}) if seq.adds else seq
-
