@@ -113,9 +113,9 @@ class TokenReducer(Method):
     reads the declarations (a class value, or a property where it follows an option) and does the rest:
 
     attention: "" (none), "llm" (the attention rows of layer L-1 the prefill records: `view.rows`, and the last
-        query's row as `view.attention`; `query_rows` rows, heads averaged unless `per_head`) or "vision" (the
+        query's row as `view.attention`; `query_rows` rows, heads averaged unless `per_head`), "vision" (the
         vision tower's attention each token receives, `view.attention`, and its keys, `view.keys`; the method
-        has a `vision_layer` option).
+        has a `vision_layer` option) or "router" (the meta-router's score of each token, `Handoff.router`).
     wants_text: the instruction's hidden states (`view.text`); wants_keys: layer L's key states (`view.keys`).
     resizes: the method acts before the vision tower by resizing each image (`Plan.resolution`), no `choose`.
     default_layer / min_layer: the layer L when none is given, and the lowest allowed; keep_grid: the keeps the
@@ -310,6 +310,9 @@ class TokenReducer(Method):
         L-1's rows, taken out of the probe so a later prefill never reads them) or the vision tower recorded."""
         if self.attention == "vision":
             view.attention, view.keys, view.key_heads = vision_probe.view_records(view, handoff, self.name)
+            return
+        if self.attention == "router":
+            view.attention = handoff.router[view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
             return
         if self.attention != "llm":
             return
