@@ -194,10 +194,7 @@ class TokenReducer(Method):
 
     def kept_counts(self, n: list[int], owner: list[tuple], grids: list[tuple[int, int]]) -> list[int]:
         """Tokens each unit keeps, from its token count, owning image and grid alone (`counts` on full grids)."""
-        k = image_budgets(n, owner, self.ratio)
-        if type(self).counts is TokenReducer.counts:
-            return k
-        return [int(x) for x in self.counts(grid_view(n, k, grids))]
+        return [int(x) for x in self.counts(grid_view(n, image_budgets(n, owner, self.ratio), grids))]
 
     def check(self, runner) -> None:
         """Raise RecipeError when the options or the declared needs do not fit this model."""
