@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.console import Console
+
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals.report import (
     check_writable,
@@ -35,14 +37,6 @@ DEMO_LIMIT = 300
 DEMO_BATCH_SIZE = 64  # 50 items of a kind in one call: per-call and per-step overheads dominate tiny models
 
 
-def _console(console):
-    if console is not None:
-        return console
-    from rich.console import Console
-
-    return Console()
-
-
 def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
     print_report(result, console=console)
     write_outputs(
@@ -67,7 +61,7 @@ def demo_command(
     import trimvlm
     from trimvlm.loading import resolve
 
-    console = _console(console)
+    console = console or Console()
     limit = check_limit(limit)
     task = get_task("demo", limit=limit, seed=seed)
     chosen = normalize_recipes(recipes if recipes is not None else DEMO_RECIPES)
@@ -103,12 +97,6 @@ def _recipes_from(recipes_file, inline=()) -> list:
 def task_list() -> str:
     """Every registered task, one line each (`trimvlm eval --help`)."""
     return "\n".join(f"{name}: {TASKS[name].about}" for name in sorted(TASKS))
-
-
-def check_threads(threads) -> int | None:
-    if threads is not None and (not is_int(threads) or threads < 1):
-        raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
-    return threads
 
 
 def eval_command(
@@ -147,11 +135,13 @@ def eval_command(
     from trimvlm.integrations.ray_eval import check_workers
     from trimvlm.scoring.calibrate import check_readout_name
 
-    console = _console(console)
+    console = console or Console()
     limit = check_limit(limit)
     workers = check_workers(workers)
     check_readout_name(readout)
-    if check_threads(threads) is not None:
+    if threads is not None and (not is_int(threads) or threads < 1):
+        raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
+    if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
