@@ -25,7 +25,7 @@ from pathlib import Path
 from PIL import Image
 
 from trimvlm.errors import InputError
-from trimvlm.evals.metrics import get_metric
+from trimvlm.evals.metrics import get_metric, option_gold
 from trimvlm.evals.tasks.base import PROBES, Record, Task, check_limit
 
 
@@ -97,7 +97,7 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     if probe not in PROBES:
         raise InputError(f"{where}: unknown probe kind {probe!r}; allowed: {', '.join(PROBES)}")
     if metric == "option":
-        get_metric("option").gold(answers, options)  # the reference must name one of the options
+        option_gold(answers, options)  # the reference must name one of the options
     prompt = obj.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InputError(f"{where}: 'prompt' must be a string")
