@@ -7,42 +7,11 @@ the CPU torch).
 
 lmms-eval 0.7.3 resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
 trimvlm's pyproject registers `manifest` below (a `ModelManifest` naming the simple model class `TrimVLM`).
-
-Model args (`--model_args k=v,...`):
-- `pretrained`: a checkpoint folder or "demo" (`trimvlm.load`); `device` (default cuda when available, else
-  cpu) and `dtype` (float32 | bfloat16 | float16);
-- the recipe: `recipe=` a recipe string in quotes (`recipe="tokens=...,kv=..."`: lmms-eval splits model args
-  on unquoted commas), a YAML/JSON file holding one recipe, or "baseline"; or one model arg per axis,
-  `tokens=`, `kv=`, `depth=`, `router=` (`axis=method:option=value:...`, as in `trimvlm eval`);
-- `executor`: the candidate executor of `loglikelihood` (auto | batched | segments | tree | independent);
-- `batch_size` (requests per trimvlm call), `max_new_tokens` (when a task's generation_kwargs set none),
-  `seed` (sampling, and the recipe's random choices).
-
-Requests:
-- `generate_until` -> `VLM.generate`, batched (requests with the same generation settings, `batch_size` per
-  call), images from the request's doc through the task's `doc_to_visual`. From generation_kwargs:
-  `max_new_tokens`, `temperature` (0, or `do_sample: false`, is greedy), `top_p`, `until` (the text is cut at
-  the first stop string; generation itself stops at the model's end token or `max_new_tokens`, so tokens
-  after a stop string are generated and counted in the costs). `num_beams` > 1 is refused (no beam search);
-  other generation_kwargs (model-specific ones such as `image_aspect_ratio`) are ignored.
-- `loglikelihood` -> `VLM.score` (the `loglik` readout): the requests of one doc with the same context (a multiple-choice question's options)
-  become one `ScoreRequest`, the prefix (images + context through the model's prompt template) encoded once
-  and every continuation a branch off it, run by `executor`. Each answer is (NLL, is_greedy): NLL = -log
-  P(continuation | context), summed over the continuation's tokens, and whether greedy decoding gives the
-  continuation. A loss, not a log-prob: lmms-eval 0.7.3's multiple-choice tasks pick the *argmin* of the
-  first value ("we return the actual loss in many model loglikelihood", api/task.py; its built-in models
-  return the HF loss) although the base class's docstring says log-probability; the bridge returns what its
-  tasks score right. The close marker trimvlm's own readout also scores (the end-of-answer token,
-  docs/scoring.md) is left out: each candidate's `answer_loglik` sums the same per-token log-probs without it
-  (they are computed once). The continuation's surrounding whitespace is dropped
-  (lmms-eval's " A" is its `target_delimiter`; the prompt template already separates the answer). A request
-  with an empty context (the unconditional requests of `acc_mutual_info`) cannot be expressed and is refused.
-  (lmms-eval 0.7.3's evaluator turns every non-text response into text; the pairs are returned inside its
-  `GenerationResult` wrapper there, see `_pair`.)
-- `generate_until_multi_round`: refused (a multi-round conversation is not one trimvlm prompt).
-
-`TrimVLM.costs` holds the running sums of the costs of every call (FLOPs of the model and of the methods, KV
-bytes, seconds), per request type; each request type's sums are logged when its requests finish.
+docs/scale-out.md lists the model args (`pretrained`, `device`, `dtype`, `recipe=` or one per axis, `executor`,
+`batch_size`, `max_new_tokens`, `seed`) and what each request type does: `generate_until` -> `VLM.generate`,
+batched; `loglikelihood` -> `VLM.score` (loglik readout), answered as (NLL, is_greedy), a loss because lmms-eval's
+multiple-choice tasks take the argmin; `generate_until_multi_round` and empty contexts are refused.
+`TrimVLM.costs` holds the running sums of every call's costs per request type, logged when its requests finish.
 """
 
 from __future__ import annotations

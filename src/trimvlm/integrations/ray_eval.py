@@ -1,21 +1,11 @@
 """Evaluation sharded over Ray workers (`trimvlm eval --ray auto|local|ADDRESS --workers N`; optional extra
-`trimvlm[ray]`). docs/scale-out.md says how to point it at a cluster.
+`trimvlm[ray]`); docs/scale-out.md says how it runs and what is identical to one process.
 
-- `run_eval_ray` takes run_eval's own arguments (the model by name instead of loaded, plus the Ray settings);
-  any task of the one registry runs, generation and candidate items alike.
-- The driver builds the task and cuts its batches (run_eval's own `batches`) into shards of consecutive
-  batches. Each shard's items regroup into exactly those batches.
-- `workers` Ray actors each load the model once: on its own GPU (`num_gpus=1`) when the cluster has GPUs,
-  else on the CPU (`num_cpus=1`, one torch thread). Each runs `run_eval` on one shard after another, pulled
-  as it finishes the last (two in flight per worker), with the recipe order every batch has in one process
-  (`order_offset`); the driver's progress bar advances as shards come back.
-- Merge: per-item predictions into the task's order, the per-(probe, kind) cost sums of every shard added up
-  (`CostAcc.merge`), and scores and rows made from them by run_eval's own `finish`, so predictions,
-  scores, FLOPs and KV bytes are those of a single-process run (same batches, same calls). Times are sums
-  of what each worker measured; the ratios divide sums over all shards, and every shard interleaves its
-  recipes on its own worker (per-shard latency ratios are in `settings["ray"]["shards"]`). Peak memory is
-  the largest over the batches measured: with `memory="first"` every worker measures the first batch of
-  each probe kind it runs. Warm-up: every worker's first shard.
+`run_eval_ray` takes run_eval's own arguments (the model by name instead of loaded, plus the Ray settings). The
+driver cuts the task's batches (run_eval's own `batches`) into shards of consecutive batches; each worker loads
+the model once and runs `run_eval` on shard after shard with the recipe order every batch has in one process
+(`order_offset`). The merge puts the predictions back in the task's order, adds up the per-(probe, kind) cost
+sums (`CostAcc.merge`) and makes scores and rows with run_eval's own `finish`.
 """
 
 from __future__ import annotations

@@ -14,30 +14,23 @@ file that registers a task or a benchmark is one.
 
 from trimvlm.evals.tasks.base import (
     GROUP_PROBES,
-    OPTION_INSTRUCTION,
     PROBES,
-    SHORT_INSTRUCTION,
     TASKS,
     Record,
     Task,
     TaskEntry,
     check_limit,
     check_prefill_answers,
-    option_lines,
     register_task,
 )
 from trimvlm.evals.tasks.benchmark import Benchmark, load_benchmark, register_benchmark
-from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_candidate_task, demo_task
-from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
+from trimvlm.evals.tasks.demo import demo_candidate_task, demo_task
+from trimvlm.evals.tasks.jsonl import load_jsonl
 from trimvlm.evals.tasks.lookup import benchmarks, calibration_items, get_task
 from trimvlm.protocol import discover
 
 __all__ = [
-    "DEMO_DEFAULT_ITEMS",
-    "DEMO_METRICS",
-    "OPTION_INSTRUCTION",
     "PROBES",
-    "SHORT_INSTRUCTION",
     "TASKS",
     "Benchmark",
     "Record",
@@ -53,8 +46,6 @@ __all__ = [
     "get_task",
     "load_benchmark",
     "load_jsonl",
-    "option_lines",
-    "record_from_json",
     "register_benchmark",
     "register_task",
 ]
