@@ -24,29 +24,7 @@ import itertools
 import re
 from collections.abc import Sequence
 
-_PUNCT = [
-    ";",
-    "/",
-    "[",
-    "]",
-    '"',
-    "{",
-    "}",
-    "(",
-    ")",
-    "=",
-    "+",
-    "\\",
-    "_",
-    "-",
-    ">",
-    "<",
-    "@",
-    "`",
-    ",",
-    "?",
-    "!",
-]
+_PUNCT = ";/[]\"{}()=+\\_-><@`,?!"  # each deleted or made a space (step 2)
 _DIGIT_COMMA = re.compile(r"\d,\d")
 _PERIOD = re.compile(r"\.(?!\d)")
 NUMBER_WORDS = {
