@@ -105,6 +105,11 @@ OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shippe
 ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)")
 
 
+def TASK(what: str):  # noqa: N802 (an option, as MODEL and DEVICE)
+    """--task, defaulting to the checkpoint's own task (`_task`)."""
+    return typer.Option(None, help=f"{what}; default: the checkpoint's own task")
+
+
 def _warn_unknown(vlm, text: str) -> None:
     """Most of a prompt's words unknown to the model: say so on one line (the answer is then a guess); the
     library's own UnknownWordsWarning is then left out."""
@@ -287,9 +292,7 @@ def _tasks_epilog() -> str:
 @command("eval", epilog=_tasks_epilog(), rich_help_panel=MEASURE)
 def eval_(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="a registered task (listed below) or PATH.jsonl; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("a registered task (listed below) or PATH.jsonl"),
     data: str | None = typer.Option(
         None, help="a benchmark's local copy: Hugging Face parquet shards or <split>.jsonl + images"
     ),
@@ -443,9 +446,7 @@ def train_head(
 @command(rich_help_panel=MEASURE)
 def tune(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="a registered task with a validation split (searched) and a test split; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("a registered task with a validation split (searched) and a test split"),
     budget: list[str] = typer.Option(
         [], help="AXIS=RATIO, repeat: total_flops | prefill_flops | kv_bytes | latency (one point per value, "
         "the product over axes)",
@@ -487,9 +488,7 @@ def train_router(
     model: str = MODEL,
     out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the demo task's val split; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the demo task's val split"),
     n: int = typer.Option(32, help="training inputs"),
     token_keep: float = typer.Option(0.25, help="fraction of each image's visual tokens kept"),
     layers_skip: int = typer.Option(2, help="candidate layers (the last half) skipped per input"),
@@ -529,9 +528,7 @@ def refit_router(
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the refit router to (default: in place)"),
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the task's first val inputs; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the task's first val inputs"),
     n: int = typer.Option(512, help="inputs whose layouts are measured"),
     select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
     epochs: int = typer.Option(40),
@@ -553,9 +550,7 @@ def calibrate_router(
     router: str = ROUTER,
     model: str = MODEL,
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the task's val split after the training ones; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the task's val split after the training ones"),
     n: int = typer.Option(64, help="held-out calibration inputs"),
     skip: int | None = typer.Option(None, help="val inputs to skip (default: the router's training inputs)"),
     select: str = typer.Option("router", help="selectors, comma-separated: router and/or token methods NAME@LAYER"),
@@ -579,9 +574,7 @@ def pick_router(
     budgets: str = typer.Option(..., help="total-FLOP budgets, comma-separated, e.g. 0.85,0.75,0.65"),
     select: str = typer.Option("", help="a token method NAME@LAYER tried as select= beside the router's own "
                                "scores (the tuned recipe's, e.g. dart@2), or one per budget, comma-separated"),
-    task: str | None = typer.Option(
-        None, help="validation items: the task's val split after the router's inputs; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("validation items: the task's val split after the router's inputs"),
     n_val: int = typer.Option(96, help="validation items per variant"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -597,9 +590,7 @@ def pick_router(
 @command(rich_help_panel=TRAIN)
 def calibrate(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="task whose candidate questions calibrate (labels are not used); default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("task whose candidate questions calibrate (labels are not used)"),
     n: int = typer.Option(32, help="calibration inputs"),
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
     seed: int = typer.Option(0),

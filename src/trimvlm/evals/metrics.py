@@ -266,14 +266,6 @@ def get_metric(name: str) -> Metric:
     return metric
 
 
-def register_metric(metric: Metric) -> Metric:
-    """Add a metric instance under its `name` (for benchmarks with their own scoring)."""
-    if not metric.name:
-        raise InputError("a metric needs a non-empty name")
-    METRICS[metric.name] = metric
-    return metric
-
-
 def mismatch_pct(
     predictions: Sequence[str],
     baseline: Sequence[str],

@@ -78,8 +78,9 @@ def _pct(x: float | None) -> str:
 
 
 def _per_item(key: str, costs: dict) -> str:
-    if key == "peak_memory_bytes":
-        return _peak(costs)
+    if key == "peak_memory_bytes":  # "n/m": not measured
+        not_measured = costs.get("peak_memory_kind") in ("", "not_measured", None)
+        return "n/m" if not_measured else human(costs["max"]["peak_memory_bytes"], "B")
     v = costs["per_item"][key]
     return f"{1000 * v:.2f}" if key.endswith("_s") else human(v, "B" if key.startswith("kv") else "")
 
@@ -201,8 +202,8 @@ def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
     if result.largest_budget:
         lb = Sheet(console, "largest tested budget with >= 90% mean retention",
                    ["ranker", "budgets tested", "largest budget", Col("retention %", right=True)])  # fmt: skip
-        for ranker, e in result.largest_budget.items():
-            lb.row(escape(ranker), ",".join(map(str, e["tested"])), _budget(e), _pct(e["retention"]))
+        for ranker, *cells in _largest_budget_rows(result):
+            lb.row(escape(ranker), *cells)
         console.print(lb)
 
 
@@ -212,12 +213,6 @@ MEMORY_KINDS = {
     "cuda_allocator_peak_over_start": "CUDA allocator peak over the memory allocated at the call's start",
     "not_measured": "not measured",
 }
-
-
-def _peak(costs: dict) -> str:
-    if costs.get("peak_memory_kind") in ("", "not_measured", None):
-        return "n/m"
-    return human(costs["max"]["peak_memory_bytes"], "B")
 
 
 def _share(costs: dict) -> str:
@@ -261,9 +256,7 @@ def markdown_summary(result: EvalResult) -> str:
     if result.largest_budget:
         lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
                   "|---|---|---|---|"]  # fmt: skip
-        for ranker, e in result.largest_budget.items():
-            tested = ",".join(map(str, e["tested"]))
-            lines.append(_md_row([ranker, tested, _budget(e), _pct(e["retention"])]))
+        lines += map(_md_row, _largest_budget_rows(result))
     return "\n".join(lines) + "\n"
 
 
@@ -286,15 +279,13 @@ class SavedResult:
     def load(cls, path: str | Path) -> SavedResult:
         return cls(json.loads(Path(path).read_text()))
 
-    def row(self, recipe: str, group: str = "all") -> dict:
-        for r in self.rows:
-            if r["recipe"] == recipe and r["group"] == group:
-                return r
-        raise KeyError((recipe, group))
+    row = EvalResult.row  # the same look-up of a (recipe, group) row
 
 
-def _budget(entry: dict) -> str:
-    return "-" if entry["budget"] is None else str(entry["budget"])
+def _largest_budget_rows(result) -> list[list[str]]:
+    """Per ranker: its name, the budgets tested, the largest reaching 90% retention and that retention %."""
+    return [[ranker, ",".join(map(str, e["tested"])), "-" if e["budget"] is None else str(e["budget"]),
+             _pct(e["retention"])] for ranker, e in result.largest_budget.items()]  # fmt: skip
 
 
 def _md_row(cells) -> str:

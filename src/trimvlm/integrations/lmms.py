@@ -218,19 +218,12 @@ class TrimVLM(_LmmsBase):
     def _generation_settings(self, gen_kwargs) -> tuple:
         g = dict(gen_kwargs or {})
         until = g.pop("until", None)
-        if until is None:
-            until = []
-        elif isinstance(until, str):
-            until = [until]
-        elif not isinstance(until, list | tuple) or not all(isinstance(u, str) for u in until):
-            raise InputError(
-                f"generation_kwargs['until'] must be a string or a list of strings, got {until!r}"
-            )
+        until = [] if until is None else [until] if isinstance(until, str) else until
+        if not isinstance(until, list | tuple) or not all(isinstance(u, str) for u in until):
+            raise InputError(f"generation_kwargs['until'] must be a string or a list of strings, got {until!r}")
         beams = g.pop("num_beams", 1) or 1
         if int(beams) != 1:
-            raise InputError(
-                f"num_beams={beams}: trimvlm generates greedily or by sampling, not by beam search"
-            )
+            raise InputError(f"num_beams={beams}: trimvlm generates greedily or by sampling, not by beam search")
         max_new = _positive_int("max_new_tokens", g.pop("max_new_tokens", None) or self.max_new_tokens)
         temperature = float(g.pop("temperature", 0.0) or 0.0)
         if g.pop("do_sample", None) is False:
@@ -333,9 +326,4 @@ def _pair(pair: tuple[float, bool]):
 
 def cut_at_stop(text: str, until) -> str:
     """The text up to the first occurrence of any stop string (lmms-eval's `until`)."""
-    end = len(text)
-    for u in until:
-        k = text.find(u)
-        if k != -1:
-            end = min(end, k)
-    return text[:end]
+    return text[: min((k for k in map(text.find, until) if k != -1), default=len(text))]
