@@ -1,27 +1,13 @@
-"""Answer metrics and prediction mismatch.
+"""Answer metrics and prediction mismatch (docs/benchmarks.md#metrics describes each one's rule).
 
 Every metric scores one prediction against one record (a number in [0, 1]), gives a canonical form of a
 prediction (what "the same answer" means for that metric, used for mismatch against the baseline), and may add
-task-level numbers (`summary`, e.g. F1 for yes/no).
-
-- `exact`: normalised exact match, max over the references. Normalisation is the usual one of SQuAD/VQA
-  scoring: lowercase, punctuation removed, the articles a/an/the removed, whitespace collapsed.
-- `exact_strict`: exact match after collapsing whitespace only (case and every word kept). For answers where
-  the usual normalisation destroys information, e.g. a read-out string "7 A 3" (the glyph "A" is an article).
-- `option`: multiple-choice accuracy. The prediction is mapped to an option (`option_index`) by, in turn: its
-  leading letter ("B", "(B)", "B.", "B) text", a bare "b"); the option's text; a letter named in free text
-  ("The answer is (B).", "Answer: B", "option B"); one parenthesised letter "(B)" anywhere; one lone capital
-  letter of an option ("I think B"; an "A" in a sentence of more than three words is taken as the article);
-  the text of exactly one option inside the answer. The reference is a letter or an option's text.
-- `yesno`: yes/no accuracy; `summary` adds F1, precision and recall with "yes" as the positive class, and the
-  share of "yes" predictions (as POPE reports them).
-- `anls`: Average Normalized Levenshtein Similarity (DocVQA/ST-VQA): per reference
-  s = 1 - NL if NL < 0.5 else 0, with NL = edit_distance / max(len(pred), len(ref)) on lowercased,
-  whitespace-collapsed strings; the item's score is the max over its references.
-- `vqa`: VQA accuracy with the official 10-answer rule and answer normalisation (`trimvlm.evals.vqa_accuracy`).
-- `relaxed`: ChartQA's relaxed accuracy, 5% tolerance on numbers (`trimvlm.evals.relaxed_accuracy`).
-- `open_match`: a local containment check for MM-Vet-style open answers (`trimvlm.evals.open_match`); NOT
-  MM-Vet's GPT-4 grader, and not comparable with published MM-Vet scores.
+task-level numbers (`summary`, e.g. F1 for yes/no). `exact` normalises as SQuAD/VQA scoring does (lowercase,
+punctuation and the articles a/an/the removed, whitespace collapsed); `exact_strict` only collapses whitespace,
+for answers the usual normalisation destroys (a read-out "7 A 3": the glyph "A" is an article). `option`,
+`yesno`, `anls`, `vqa` (`trimvlm.evals.vqa_accuracy`), `relaxed` (`trimvlm.evals.relaxed_accuracy`) and
+`open_match` (`trimvlm.evals.open_match`: a local containment check, NOT MM-Vet's GPT-4 grader) follow the rules
+there.
 
 `mismatch_pct(preds, base_preds, metric)`: the share (in %) of items whose prediction differs, in the metric's
 canonical form, from the uncompressed model's prediction on the same item.
@@ -97,7 +83,7 @@ def anls(prediction: str, references: str | Sequence[str], threshold: float = 0.
 
 
 def option_index(prediction: str, options: Sequence[str]) -> int | None:
-    """Which option a prediction names, or None (the order of the rules is in the module docstring)."""
+    """Which option a prediction names, or None (docs/benchmarks.md#metrics gives the order of the rules)."""
     raw = str(prediction).strip()
     n = len(options)
     m = re.match(r"^\(?([A-Za-z])(?:[).:,]|\s|$)", raw)

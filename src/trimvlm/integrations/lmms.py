@@ -99,7 +99,7 @@ def build_recipe(recipe=None, **axes) -> Recipe:
 
 
 class TrimVLM(_LmmsBase):
-    """An lmms-eval simple model backed by a trimvlm `VLM` and one recipe (see the module docstring)."""
+    """An lmms-eval simple model backed by a trimvlm `VLM` and one recipe (docs/scale-out.md)."""
 
     is_simple = True
 

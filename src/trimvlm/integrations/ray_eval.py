@@ -201,7 +201,7 @@ def run_eval_ray(
     """`run_eval(vlm, task, recipes, **kw)` with the items sharded over `workers` Ray actors, each loading
     `model` (a checkpoint folder or "demo", on every node) once with `load_kw`: on its own GPU when the cluster
     has GPUs and `load_kw` names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU
-    workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring
+    workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see docs/scale-out.md
     for what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
     check_run_args(kw.get("memory", "first"), kw.get("batch_size", 16), kw.get("max_new_tokens"))
     built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}

@@ -1,13 +1,7 @@
-"""What `trimvlm tune` writes to its folder:
-
-- `tune.json`: the whole report (budgets, each point's ranking and best, every last-round entry with its
-  validation and test figures, the frontier per cost axis, what was skipped and why, recipes run / considered);
-  `tuned=DIR:budget=X` reads it;
-- `best.yaml`: the best recipe of every budget point (a recipes file: `trimvlm eval --recipes DIR/best.yaml`),
-  and `best-<budget>.yaml`, one recipe each (`--recipe DIR/best-total_flops-0.75.yaml`);
-- `recipes/<n>.yaml`: one recipe per frontier entry;
-- `frontier.md` (the test figures as a table) and `frontier.png` (accuracy against each cost axis).
-Every recipe file carries `tuned_for`, the model's fingerprint: another model refuses it.
+"""What `trimvlm tune` writes to its folder (docs/tune.md lists it): `tune.json` (the whole report, which
+`tuned=DIR:budget=X` reads), `best.yaml` and `best-<budget>.yaml` (each point's best), `recipes/<n>.yaml` (one per
+frontier entry), `frontier.md` and `frontier.png`. Every recipe file carries `tuned_for`, the model's
+fingerprint: another model refuses it.
 """
 
 from __future__ import annotations
