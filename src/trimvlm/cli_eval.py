@@ -37,14 +37,6 @@ DEMO_LIMIT = 300
 DEMO_BATCH_SIZE = 64  # 50 items of a kind in one call: per-call and per-step overheads dominate tiny models
 
 
-def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
-    print_report(result, console=console)
-    write_outputs(
-        result, console, [(json_out, write_json), (plot_out, plot_pareto), (markdown_out, write_markdown)]
-    )
-    return result_dict(result)
-
-
 def demo_command(
     limit: int = DEMO_LIMIT,
     json_out: str | Path | None = "trimvlm-demo.json",
@@ -58,13 +50,9 @@ def demo_command(
 ) -> dict:
     """Load the shipped demo model, run the baseline and DEMO_RECIPES on `limit` test items
     of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
-    import trimvlm
     from trimvlm.loading import resolve
 
-    console = console or Console()
     limit = check_limit(limit)
-    task = get_task("demo", limit=limit, seed=seed)
-    chosen = normalize_recipes(recipes if recipes is not None else DEMO_RECIPES)
     try:
         resolve("demo")
     except CheckpointError as e:
@@ -72,9 +60,8 @@ def demo_command(
             f"{e}; `trimvlm demo` needs the trained demo model: train it with `trimvlm train-demo`, or "
             "reinstall a trimvlm release that ships it"
         ) from None
-    vlm = trimvlm.load("demo", **(load_kw or {}))
-    result = run_eval(vlm, task, chosen, batch_size=batch_size, seed=seed, progress=progress, console=console)
-    return _finish(result, json_out, png_out, console)
+    return eval_command("demo", "demo", None, limit, json_out, png_out, batch_size, seed, progress=progress,
+                        console=console, recipes=DEMO_RECIPES if recipes is None else recipes, load_kw=load_kw)
 
 
 def _recipes_from(recipes_file, inline=()) -> list:
@@ -139,10 +126,11 @@ def eval_command(
     limit = check_limit(limit)
     workers = check_workers(workers)
     check_readout_name(readout)
-    if threads is not None and (not is_int(threads) or threads < 1):
-        raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
     if threads is not None:
         import torch
+
+        if not is_int(threads) or threads < 1:
+            raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
 
         torch.set_num_threads(threads)
     if workers is not None and ray is None:
@@ -158,4 +146,6 @@ def eval_command(
         result = run_eval_ray(model, the_task, chosen, workers=workers, ray_address=ray, load_kw=load_kw, **kw)
     else:
         result = run_eval(trimvlm.load(model, **(load_kw or {})), the_task, chosen, **kw)
-    return _finish(result, json_out, plot_out, console, markdown_out)
+    print_report(result, console=console)
+    write_outputs(result, console, [(json_out, write_json), (plot_out, plot_pareto), (markdown_out, write_markdown)])
+    return result_dict(result)

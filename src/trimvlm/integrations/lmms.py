@@ -149,15 +149,13 @@ class TrimVLM(_LmmsBase):
     # --- lmms-eval's interface -------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
         out: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            groups.setdefault(self._generation_settings(req.args[1]), []).append(i)
+        groups = _grouped(requests, lambda req: self._generation_settings(req.args[1]))
         with self._bar(len(requests), "trimvlm generate") as bar:
             for (max_new, temperature, top_p, until), idx in groups.items():
                 for b in range(0, len(idx), self.batch_size):
                     chunk = idx[b : b + self.batch_size]
                     images = [self._visuals(requests[i]) for i in chunk]
-                    prompts = [self._context(requests[i].args[0], requests[i]) for i in chunk]
+                    prompts = [self._context(requests[i]) for i in chunk]
                     res = self.vlm.generate(
                         images, prompts, recipe=self.recipe, max_new_tokens=max_new, temperature=temperature,
                         top_p=top_p, seed=self.seed,
@@ -173,24 +171,13 @@ class TrimVLM(_LmmsBase):
         from trimvlm.scoring.request import ScoreRequest
 
         # one ScoreRequest per (doc, context): the options of a multiple-choice question share their prefix
-        keyed: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            keyed.setdefault(self._loglik_key(req), []).append(i)
-        groups = list(keyed.values())
+        groups = list(_grouped(requests, self._loglik_key).values())
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         with self._bar(len(requests), "trimvlm loglikelihood") as bar:
             for b in range(0, len(groups), self.batch_size):
                 chunk = groups[b : b + self.batch_size]
-                score_reqs = []
-                for g in chunk:
-                    first = requests[g[0]]
-                    score_reqs.append(
-                        ScoreRequest(
-                            images=self._visuals(first),
-                            question=self._context(first.args[0], first),
-                            candidates=[self._continuation(requests[i]) for i in g],
-                        )
-                    )
+                score_reqs = [ScoreRequest(images=self._visuals(requests[g[0]]), question=self._context(requests[g[0]]),
+                                           candidates=[self._continuation(requests[i]) for i in g]) for g in chunk]  # fmt: skip
                 for g, scores in zip(chunk, self.continuation_logliks(score_reqs), strict=True):
                     for i, (loglik, greedy) in zip(g, scores, strict=True):
                         out[i] = (-loglik, greedy)  # lmms-eval's tasks take the argmin: a loss
@@ -264,7 +251,8 @@ class TrimVLM(_LmmsBase):
         return out or None
 
     @staticmethod
-    def _context(ctx, req) -> str:
+    def _context(req) -> str:
+        ctx = req.args[0]
         if not isinstance(ctx, str):
             raise InputError(
                 f"task {req.task_name!r}: the request's context is {type(ctx).__name__}, not text"
@@ -322,6 +310,14 @@ def _pair(pair: tuple[float, bool]):
     if unwrap_generation_output((0.0, True))[0] == (0.0, True):
         return pair
     return GenerationResult(text=pair)  # type: ignore[arg-type]
+
+
+def _grouped(requests, key) -> dict[tuple, list[int]]:
+    """The requests' indices by `key(request)`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, req in enumerate(requests):
+        groups.setdefault(key(req), []).append(i)
+    return groups
 
 
 def cut_at_stop(text: str, until) -> str:

@@ -169,10 +169,7 @@ class RayEvaluator:
     def __call__(self, task: Task | str, recipes=None, *, progress: bool | None = None, **kw) -> EvalResult:
         """run_eval's result for `task` and `recipes` (run_eval's keyword arguments), sharded over the workers."""
         progress = self.progress if progress is None else progress
-        kw = {"batch_size": 16, "memory": "first", **kw}
-        check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
-        built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-        task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)
+        task, kw = _checked(task, kw, progress)
         recipes = normalize_recipes(recipes)
         shards = shards_of(task, kw["batch_size"], len(self.actors) * self.shards_per_worker)
         with progress_bar(self.console, progress) as bar:
@@ -203,12 +200,19 @@ def run_eval_ray(
     has GPUs and `load_kw` names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU
     workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see docs/scale-out.md
     for what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
-    check_run_args(kw.get("memory", "first"), kw.get("batch_size", 16), kw.get("max_new_tokens"))
-    built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-    task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)  # bad input fails before Ray
+    task, kw = _checked(task, kw, progress)  # bad input fails before Ray
     with RayEvaluator(model, workers=workers, ray_address=ray_address, load_kw=load_kw,
                       shards_per_worker=shards_per_worker, progress=progress, console=console) as ev:  # fmt: skip
         return ev(task, recipes, **kw)
+
+
+def _checked(task: Task | str, kw: dict, progress: bool) -> tuple[Task, dict]:
+    """run_eval's checks and its task (built by name, cut to `limit`, capped), before any Ray work; the rest of
+    run_eval's keyword arguments."""
+    kw = {"batch_size": 16, "memory": "first", **kw}
+    check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
+    built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
+    return prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built), kw
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
