@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
+import trimvlm
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals.report import (
     check_writable,
@@ -25,6 +27,7 @@ from trimvlm.evals.tasks import TASKS, check_limit, get_task
 from trimvlm.options import is_int
 from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_recipe
+from trimvlm.scoring.calibrate import check_readout_name
 
 # Shown side by side with the baseline by `trimvlm demo` (codes as in the paper:
 # L3_50 = prune 50% of visual tokens at layer 3, D75 = drop 75% of visual KV at the prefill/decode boundary).
@@ -118,20 +121,15 @@ def eval_command(
     `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
     the model loaded once (trimvlm.integrations.ray_eval, docs/scale-out.md); the results are the single process's.
     `threads`: torch threads of this process (None: torch's default)."""
-    import trimvlm
     from trimvlm.integrations.ray_eval import check_workers
-    from trimvlm.scoring.calibrate import check_readout_name
 
     console = console or Console()
     limit = check_limit(limit)
     workers = check_workers(workers)
     check_readout_name(readout)
     if threads is not None:
-        import torch
-
         if not is_int(threads) or threads < 1:
             raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
-
         torch.set_num_threads(threads)
     if workers is not None and ray is None:
         raise InputError("--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too")

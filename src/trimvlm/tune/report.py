@@ -67,6 +67,11 @@ def _cell(e: dict) -> str:
     return f"{100 * t['accuracy']:.1f}% (mismatch {mm})"
 
 
+def _ratios(e: dict) -> str:
+    """An entry's test ratios to the baseline: total FLOPs | KV bytes | latency."""
+    return " | ".join(f"{e['test']['ratio'][k]:.3f}x" for k in ("total_flops", "kv_bytes", "latency_s"))
+
+
 def markdown(rep: dict) -> str:
     by_spec = {e["spec"]: e for e in rep["entries"]}
     lines = [f"# trimvlm tune: {rep['model'].get('family', '')} on {rep['task']}", "",
@@ -81,9 +86,7 @@ def markdown(rep: dict) -> str:
         if e is None:
             lines.append(f"| {b['label']} | none fits | - | - | - | - |")
             continue
-        ratio = e["test"]["ratio"]
-        lines.append(f"| {b['label']} | `{e['spec']}` | {_cell(e)} | {ratio['total_flops']:.3f}x | "
-                     f"{ratio['kv_bytes']:.3f}x | {ratio['latency_s']:.3f}x |")  # fmt: skip
+        lines.append(f"| {b['label']} | `{e['spec']}` | {_cell(e)} | {_ratios(e)} |")
     base = by_spec["baseline"]
     lines += ["", f"Baseline: {_cell(base)}, {human(base['test'].get('n', 0))} items.", "", "## Frontier (test figures)",
               "", "| recipe | on the frontier of | test accuracy | total FLOPs | KV bytes | latency |",
@@ -91,9 +94,7 @@ def markdown(rep: dict) -> str:
     for spec in dict.fromkeys(s for f in rep["frontier"].values() for s in f):
         e = by_spec[spec]
         axes = ", ".join(a for a in FRONTIER_AXES if spec in rep["frontier"][a])
-        ratio = e["test"]["ratio"]
-        lines.append(f"| `{spec}` | {axes} | {_cell(e)} | {ratio['total_flops']:.3f}x | {ratio['kv_bytes']:.3f}x | "
-                     f"{ratio['latency_s']:.3f}x |")  # fmt: skip
+        lines.append(f"| `{spec}` | {axes} | {_cell(e)} | {_ratios(e)} |")
     return "\n".join(lines) + "\n"
 
 
