@@ -1,12 +1,9 @@
 """Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
 
 - `base`: Record (the generation item), Task, the one registry `TASKS`; `lookup`: `get_task`, `benchmarks`,
-  `calibration_items`;
-- `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `scenes`: demo-scenes' task (`scenes`, `scenes-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
-- `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
-  image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
-- one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
-  mmvet. docs/benchmarks.md lists their prompts, probe kinds and metrics.
+  `calibration_items`; `jsonl`: a task from a JSONL file in trimvlm's own schema;
+- `demo` and `scenes`: the synthetic tasks of the demo models; `benchmark`: the `Benchmark` description each
+  benchmark file (pope, scienceqa, mmbench, ai2d, textvqa, docvqa, chartqa, mmvet) registers, and its loader.
 
 Every module of this package is imported when it is (`protocol.discover`: no list kept by hand), so a new
 file that registers a task or a benchmark is one.
