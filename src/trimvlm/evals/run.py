@@ -107,7 +107,8 @@ class CostAcc:
         self.memory(costs)
 
     def memory(self, costs) -> None:
-        """Take the peak memory of a call that measured it (a timed CPU call does not)."""
+        """Take the peak memory of a call (or of another accumulator) that measured it (a timed CPU call does
+        not)."""
         if costs.peak_memory_kind in ("", "not_measured"):
             self.peak_memory_kind = self.peak_memory_kind or costs.peak_memory_kind
             return
@@ -119,9 +120,7 @@ class CostAcc:
         self.batches += other.batches
         for k in SUM_KEYS:
             self.sums[k] += other.sums[k]
-        self.peak_memory_bytes = max(self.peak_memory_bytes, other.peak_memory_bytes)
-        if other.peak_memory_kind not in ("", "not_measured") or not self.peak_memory_kind:
-            self.peak_memory_kind = other.peak_memory_kind or self.peak_memory_kind
+        self.memory(other)  # its peak, as a call's
         self.executors |= other.executors
 
     def as_dict(self) -> dict:
