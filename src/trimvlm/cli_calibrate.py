@@ -18,10 +18,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+import trimvlm
+from trimvlm.depth.base import model_fingerprint
+from trimvlm.depth.calibration import prepare_batches, rank, ranking_data, write_ranking
 from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.options import is_int
 from trimvlm.progress import progress
+from trimvlm.scoring.calibrate import calibrate, check_readout_name, resolve_readout
 from trimvlm.terminal import Col, Sheet
 
 CANDIDATES = "candidates"
@@ -53,9 +57,6 @@ def check_method(method: str) -> None:
 
 def token_statistics(vlm, method: str, items, batch_size: int, about: dict, model: str, on_step=None) -> dict:
     """The statistics file of token reducer `method`: its `statistics` over the prepared batches of `items`."""
-    from trimvlm.depth.base import model_fingerprint
-    from trimvlm.depth.calibration import prepare_batches
-
     inputs = []
     for prepared in prepare_batches(vlm, items, batch_size):
         inputs += [{"cross": s.cross, "self": s.self_} for s in _token_statistics()[method](vlm.runner, prepared)]
@@ -80,10 +81,6 @@ def calibrate_command(
     """Rank `model`'s layers with `method` on `n` unlabeled val inputs of `task`, print a table, write the
     ranking file to `json_out` (None: not written). `readout` (auto | loglik | head) applies to `candidates`.
     Returns the file's content."""
-    import trimvlm
-    from trimvlm.depth.calibration import write_ranking
-    from trimvlm.scoring.calibrate import check_readout_name
-
     check_method(method)
     check_readout_name(readout)
     if not is_int(seed):
@@ -113,9 +110,6 @@ def calibrate_command(
 
 def _measure(bar, vlm, method: str, items, batch_size: int, about: dict, readout: str, model: str) -> dict:
     """The file's content of `method` on `items`, a progress step per batch or pass."""
-    from trimvlm.depth.calibration import rank, ranking_data
-    from trimvlm.scoring.calibrate import calibrate, resolve_readout
-
     batches = math.ceil(len(items) / batch_size)
     if method in _token_statistics():
         job = bar.add_task(method, total=batches, unit="batch", detail=f"{len(items)} inputs in {batches} batches")

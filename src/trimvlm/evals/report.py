@@ -4,10 +4,14 @@ a JSON file with every number, a Markdown summary; the Pareto PNG is drawn by `t
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 from types import SimpleNamespace
 
+from rich.markup import escape
+
+from trimvlm.errors import InputError
 from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
 from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
 from trimvlm.evals.run import EvalResult, row_interval
@@ -117,8 +121,6 @@ WIDE = 6  # more recipes than this (or recipe columns wider than the console): o
 def _accuracy_columns(result: EvalResult, groups: list[dict], console, first: int) -> Sheet:
     """Accuracy % (`first` 0) or mismatch % vs the baseline (`first` 1) per kind and probe, one column per
     recipe."""
-    from rich.markup import escape
-
     labels = result.labels
     title = "accuracy %" if first == 0 else "mismatch % vs baseline"
     t = Sheet(console, f"{result.task.name}: {title}",
@@ -158,8 +160,6 @@ def diff_text(paired: dict | None) -> str:
 def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
     """Many recipes: accuracy % per probe (per kind: with --wide), then mismatch % per probe, one row per
     recipe."""
-    from rich.markup import escape
-
     summaries = [g for g in groups if g["group_type"] != "kind"]
     probes = [g for g in summaries if g["group"] != "all"]
     cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
@@ -176,8 +176,6 @@ def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
 
 
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
-    from rich.markup import escape
-
     labels = result.labels
     depths = result.depths or [None] * len(labels)
     cost = Sheet(console, "costs per item (latency in ms)",
@@ -294,10 +292,6 @@ def _md_row(cells) -> str:
 
 def check_writable(*paths) -> None:
     """Refuse, before any work, an output path whose folder cannot be made or written (InputError)."""
-    import os
-
-    from trimvlm.errors import InputError
-
     for path in paths:
         if not path:
             continue
@@ -313,8 +307,6 @@ def check_writable(*paths) -> None:
 
 def write_outputs(result, console, outputs) -> None:
     """Write `result` with each (path, writer) whose path is set, and say where it went."""
-    from trimvlm.errors import InputError
-
     for path, writer in outputs:
         if path:
             try:

@@ -30,7 +30,7 @@ from trimvlm.evals.intervals import accuracy_interval, paired_difference
 from trimvlm.evals.items import ItemsRun, RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
-from trimvlm.plan import build_methods
+from trimvlm.plan import build_methods, make_plan
 from trimvlm.progress import steps
 from trimvlm.recipe import Recipe, parse_recipe
 
@@ -324,8 +324,6 @@ def depth_info(recipe: Recipe, vlm) -> dict | None:
     """What a recipe's depth axis skips: method, budget, ranker key, the layers skipped per phase."""
     if recipe.depth is None or getattr(vlm, "runner", None) is None:
         return None
-    from trimvlm.plan import make_plan
-
     spec = recipe.depth
     # the ranker: the method and its options other than the budget (the default scope `candidates` unnamed)
     opts = {k: v for k, v in spec.options.items() if k != "budget" and (k, v) != ("scope", "candidates")}

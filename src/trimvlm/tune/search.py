@@ -25,10 +25,13 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.evals.plot import Point, pareto_front
 from trimvlm.evals.run import batches
-from trimvlm.plan import make_plan
+from trimvlm.evals.tasks import TASKS, get_task
+from trimvlm.plan import build_methods, make_plan
+from trimvlm.progress import steps
 from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
-from trimvlm.tune.journal import Journal, spec_of
+from trimvlm.tune.journal import Journal, local_evaluator, spec_of
 from trimvlm.tune.predict import predict, read_shapes
+from trimvlm.tune.rankings import calibrate_rankings
 from trimvlm.tune.space import Family, Space, load_space
 
 FRONTIER_AXES = ("total_flops", "kv_bytes", "latency_s")
@@ -104,8 +107,6 @@ class Search:
         """An estimate's stand-in for what the shapes cannot tell: a token reducer whose counts follow the data
         (or that changes the vision input) is costed as the shared rule at its layer, a KV policy with a
         per-layer split as the same keep in every layer. Its candidates are then measured and corrected."""
-        from trimvlm.plan import build_methods
-
         methods, out = build_methods(recipe), dict(recipe)
         tokens, kv = methods.get("tokens"), methods.get("kv")
         if tokens is not None and not tokens.predictable:
@@ -140,8 +141,6 @@ class Search:
         return lo
 
     def keep_grid(self, fam: Family):
-        from trimvlm.plan import build_methods
-
         return getattr(build_methods(fam.recipe(1.0)).get("tokens"), "keep_grid", None)
 
     def start(self, point: dict, idx, families: list[Family]) -> list[Candidate]:
@@ -305,8 +304,6 @@ def frontier(entries: list[dict]) -> dict[str, list[str]]:
 
 
 def check_splits(task: str, val_split: str, test_split: str, data) -> None:
-    from trimvlm.evals.tasks.base import TASKS
-
     entry = TASKS.get(str(task))
     if entry is None and data is None:
         raise InputError(f"task {task!r} has no validation split: tune searches a registered task's "
@@ -327,11 +324,6 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     it). `on_run(n)` is called after each evaluation call (n recipes run). `evaluate(task, recipes, **kw)`:
     where every evaluation runs (default run_eval in this process; a `RayEvaluator` shards them over Ray
     workers, with the same predictions and FLOPs, so the same frontier when the budgets are FLOPs or KV bytes)."""
-    from trimvlm.evals.tasks import get_task
-    from trimvlm.progress import steps
-    from trimvlm.tune.journal import local_evaluator
-    from trimvlm.tune.rankings import calibrate_rankings
-
     points = budget_points(budgets)
     if min_retention is not None and not 0 < min_retention <= 1:
         raise InputError(f"min_retention must be in (0, 1], got {min_retention!r}")
