@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -40,8 +41,6 @@ def _rankers() -> dict:
 
 def _token_statistics() -> dict:
     """name -> the `statistics(runner, prepared)` function of each token reducer fitted on calibration data."""
-    import sys
-
     from trimvlm.registry import REGISTRIES, load_methods
 
     load_methods()

@@ -7,6 +7,7 @@ import binascii
 import json
 from pathlib import Path
 
+import trimvlm
 from trimvlm.errors import InputError
 from trimvlm.terminal import Sheet
 
@@ -100,8 +101,6 @@ def print_decisions(result, console, requests=None) -> None:
 
 
 def decide_command(*, model, request, recipe, decision_config, load_kw, console):
-    import trimvlm
-
     requests = read_requests(request)
     vlm = trimvlm.load(model, **load_kw)
     result = vlm.decide(requests, recipe=recipe or None, decision_config=decision_config, return_costs=True)

@@ -24,6 +24,8 @@ from trimvlm.evals.report import (
 )
 from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
 from trimvlm.evals.tasks import TASKS, check_limit, get_task
+from trimvlm.integrations.ray_eval import check_workers, run_eval_ray
+from trimvlm.loading import resolve
 from trimvlm.options import is_int
 from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_recipe
@@ -53,8 +55,6 @@ def demo_command(
 ) -> dict:
     """Load the shipped demo model, run the baseline and DEMO_RECIPES on `limit` test items
     of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
-    from trimvlm.loading import resolve
-
     limit = check_limit(limit)
     try:
         resolve("demo")
@@ -121,8 +121,6 @@ def eval_command(
     `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
     the model loaded once (trimvlm.integrations.ray_eval, docs/scale-out.md); the results are the single process's.
     `threads`: torch threads of this process (None: torch's default)."""
-    from trimvlm.integrations.ray_eval import check_workers
-
     console = console or Console()
     limit = check_limit(limit)
     workers = check_workers(workers)
@@ -139,8 +137,6 @@ def eval_command(
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     kw = {"batch_size": batch_size, "seed": seed, "readout": readout, "progress": progress, "console": console}
     if ray is not None:
-        from trimvlm.integrations.ray_eval import run_eval_ray
-
         result = run_eval_ray(model, the_task, chosen, workers=workers, ray_address=ray, load_kw=load_kw, **kw)
     else:
         result = run_eval(trimvlm.load(model, **(load_kw or {})), the_task, chosen, **kw)

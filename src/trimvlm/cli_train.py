@@ -37,6 +37,7 @@ from trimvlm.scoring.train_head import (
     train,
     without_answer,
 )
+from trimvlm.terminal import Col, Sheet
 from trimvlm.training.calibration import measure, trained_inputs
 from trimvlm.training.layer_pairs import refit_layers
 from trimvlm.training.router import train_router
@@ -286,8 +287,6 @@ def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
 
 
 def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
-    from trimvlm.terminal import Col, Sheet
-
     ab = meta["test_abstention"]
     table = Sheet(console, f"decision head -> {folder}",
                   ["kind", *(Col(c, right=True) for c in ("head", "loglik", "abstains (answer present)",

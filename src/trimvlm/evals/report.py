@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+import transformers
 from rich.markup import escape
 
 from trimvlm.errors import InputError
@@ -19,11 +22,6 @@ from trimvlm.terminal import Col, Sheet, Terminal, fits
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    import torch
-    import transformers
-
     return {
         "trimvlm": version("trimvlm"),
         "torch": torch.__version__,
