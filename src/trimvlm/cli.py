@@ -215,11 +215,11 @@ def _router_variants() -> list[tuple[str, dict]]:
     from trimvlm.loading import DEMO_MODELS
     from trimvlm.router.model import load_router
 
-    out, folders = [], set()
+    first: dict[str, str] = {}
     for name, folder in DEMO_MODELS.items():  # aliases share a folder: each router once, by its first name
-        if folder in folders:
-            continue
-        folders.add(folder)
+        first.setdefault(folder, name)
+    out = []
+    for name in first.values():
         try:
             _, meta = load_router(name)
         except TrimVLMError:

@@ -253,7 +253,7 @@ def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: 
                kinds: list[str]) -> dict:  # fmt: skip
     """What a trained head's checkpoint says of itself: its test report, validation figures, settings."""
     val_pred = predictions(head, sets["val"])
-    meta = {
+    return {
         "task": task,
         "model": str(model),
         "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
@@ -278,7 +278,6 @@ def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: 
             "torch_threads": torch.get_num_threads(),
         },
     }
-    return meta
 
 
 def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
