@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 from pathlib import Path
@@ -66,13 +67,29 @@ def _fail(e: TrimVLMError):
     raise typer.Exit(2)
 
 
+def command(*args, **kw):
+    """`app.command`, its bad input (a TrimVLMError) reported by `_fail`."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            try:
+                return fn(*a, **k)
+            except TrimVLMError as e:
+                _fail(e)
+
+        return app.command(*args, **kw)(run)
+
+    return register
+
+
 def _write_json(path: Path | None, data) -> None:
     if path is None:
         return
     try:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     except OSError as e:
-        _fail(InputError(f"cannot write {path}: {e.strerror}"))
+        raise InputError(f"cannot write {path}: {e.strerror}") from None
     console.print(f"[dim]wrote {path}[/]")
 
 
@@ -86,6 +103,11 @@ MODEL = typer.Option(
 )  # fmt: skip
 OVERWRITE = typer.Option(False, "--overwrite", help="allow writing into a shipped demo checkpoint")
 ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (its shipped router)")
+
+
+def TASK(what: str):  # noqa: N802 (an option, as MODEL and DEVICE)
+    """--task, defaulting to the checkpoint's own task (`_task`)."""
+    return typer.Option(None, help=f"{what}; default: the checkpoint's own task")
 
 
 def _warn_unknown(vlm, text: str) -> None:
@@ -109,13 +131,10 @@ def _load_kw(device: str, dtype: str) -> dict:
     """Checked --device / --dtype for trimvlm.load (bad values: the one-line error)."""
     from trimvlm.loading import parse_device, parse_dtype
 
-    try:
-        return {"device": str(parse_device(device)), "dtype": parse_dtype(dtype)}
-    except TrimVLMError as e:
-        _fail(e)
+    return {"device": str(parse_device(device)), "dtype": parse_dtype(dtype)}
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def generate(
     model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
@@ -133,15 +152,12 @@ def generate(
     """Generate an answer for one image + prompt."""
     import trimvlm
 
-    try:
-        vlm = trimvlm.load(model, **_load_kw(device, dtype))
-        _warn_unknown(vlm, prompt)
-        res = vlm.generate(
-            [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, seed=seed,
-        )  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    vlm = trimvlm.load(model, **_load_kw(device, dtype))
+    _warn_unknown(vlm, prompt)
+    res = vlm.generate(
+        [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, seed=seed,
+    )  # fmt: skip
     console.print(res.texts[0], markup=False)
     c = res.costs
     console.print(
@@ -152,7 +168,7 @@ def generate(
                            "costs": res.costs.as_dict()})  # fmt: skip
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def info(
     model: str = MODEL, json_out: Path | None = JSON_OUT,
     device: str = DEVICE,
@@ -161,10 +177,7 @@ def info(
     """Family, layers and their types, visual tokens per image."""
     import trimvlm
 
-    try:
-        vlm = trimvlm.load(model, **_load_kw(device, dtype))
-    except TrimVLMError as e:
-        _fail(e)
+    vlm = trimvlm.load(model, **_load_kw(device, dtype))
     data = vlm.info()
     table = Sheet(console, f"{model}", ["field", "value"])
     for k, v in data.items():
@@ -173,15 +186,12 @@ def info(
     _write_json(json_out, data)
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def methods(json_out: Path | None = JSON_OUT):
     """Every registered method, per recipe axis: its options (type, default) and what it does."""
     from trimvlm.registry import describe_methods
 
-    try:
-        data = describe_methods()
-    except TrimVLMError as e:  # a method plugin that fails to load
-        _fail(e)
+    data = describe_methods()  # a method plugin that fails to load: the one-line error
     for axis, entries in data.items():
         table = Sheet(console, f"{axis}=", ["method", "options (type = default)", "what it does"], show_lines=True)
         for m in entries:
@@ -205,11 +215,11 @@ def _router_variants() -> list[tuple[str, dict]]:
     from trimvlm.loading import DEMO_MODELS
     from trimvlm.router.model import load_router
 
-    out, folders = [], set()
+    first: dict[str, str] = {}
     for name, folder in DEMO_MODELS.items():  # aliases share a folder: each router once, by its first name
-        if folder in folders:
-            continue
-        folders.add(folder)
+        first.setdefault(folder, name)
+    out = []
+    for name in first.values():
         try:
             _, meta = load_router(name)
         except TrimVLMError:
@@ -227,7 +237,7 @@ TUNED_AND_START = (
 )
 
 
-@app.command(rich_help_panel=MEASURE)
+@command(rich_help_panel=MEASURE)
 def demo(
     limit: int = typer.Option(300, help="test items"),
     json_out: Path = typer.Option(Path("trimvlm-demo.json"), "--json"),
@@ -241,14 +251,11 @@ def demo(
     _wide(wide)
     from trimvlm.cli_eval import demo_command
 
-    try:
-        demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
-                     console=console)
-    except TrimVLMError as e:
-        _fail(e)
+    demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
+                 console=console)
 
 
-@app.command("demo-image", rich_help_panel=USE)
+@command("demo-image", rich_help_panel=USE)
 def demo_image(
     out: Path = typer.Argument(Path("scene.png"), help="PNG file to write"),
     seed: int = typer.Option(0, help="which scene"),
@@ -261,7 +268,7 @@ def demo_image(
         out.parent.mkdir(parents=True, exist_ok=True)
         sample.image.save(out)
     except OSError as e:
-        _fail(InputError(f"cannot write {out}: {e.strerror or e}"))
+        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     table = Sheet(console, f"{out}: questions the demo models answer (seed {seed})", ["question", "answer"])
     for q in sample.qas:
         table.row(q.question, q.answer)
@@ -282,12 +289,10 @@ def _tasks_epilog() -> str:
     return "Tasks (--task; or PATH.jsonl):\n\n" + "\n\n".join(task_list().splitlines())
 
 
-@app.command("eval", epilog=_tasks_epilog(), rich_help_panel=MEASURE)
+@command("eval", epilog=_tasks_epilog(), rich_help_panel=MEASURE)
 def eval_(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="a registered task (listed below) or PATH.jsonl; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("a registered task (listed below) or PATH.jsonl"),
     data: str | None = typer.Option(
         None, help="a benchmark's local copy: Hugging Face parquet shards or <split>.jsonl + images"
     ),
@@ -328,19 +333,16 @@ def eval_(
     load_kw = _load_kw(device or "cpu", dtype)
     if ray is not None and device is None:  # each Ray worker: its own GPU when the cluster has GPUs
         load_kw.pop("device")
-    try:
-        eval_command(
-            model, _task(model, task), str(recipes) if recipes else None, limit,
-            str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
-            max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
-            recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
-            workers=workers, console=console, threads=threads,
-        )  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    eval_command(
+        model, _task(model, task), str(recipes) if recipes else None, limit,
+        str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
+        max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
+        recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
+        workers=workers, console=console, threads=threads,
+    )  # fmt: skip
 
 
-@app.command("train-demo", rich_help_panel=TRAIN)
+@command("train-demo", rich_help_panel=TRAIN)
 def train_demo(
     out: Path = typer.Option(
         Path("runs/demo-qwen3vl"), help="checkpoint folder the best model is written to"
@@ -369,28 +371,25 @@ def train_demo(
     from trimvlm.demo.train import train_demo as _train
 
     if task not in ("demo", "scenes"):
-        _fail(InputError(f"unknown demo task {task!r}; allowed: demo, scenes"))
+        raise InputError(f"unknown demo task {task!r}; allowed: demo, scenes")
     try:
         extra = json.loads(config)
     except json.JSONDecodeError as e:
-        _fail(InputError(f"--config must be a JSON object of model config arguments: {e}"))
+        raise InputError(f"--config must be a JSON object of model config arguments: {e}") from None
     if not isinstance(extra, dict):
-        _fail(InputError(f"--config must be a JSON object of model config arguments, got {config!r}"))
+        raise InputError(f"--config must be a JSON object of model config arguments, got {config!r}")
     kw: dict = {"model_kwargs": {"family": family, **extra}}
     if task == "scenes":
         from trimvlm.demo.scenes_train import SCENES_SPEC
 
         kw = {"model_kwargs": extra, "spec": SCENES_SPEC}
-    try:
-        _train(out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
-               init_from=init_from, lr=lr, work_dir=work, eval_every=eval_every, aux_weight=aux_weight,
-               attention_weight=attention_weight, **kw)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    _train(out_dir=str(out), steps=steps, seed=seed, resume=resume, batch_size=batch_size, threads=threads,
+           init_from=init_from, lr=lr, work_dir=work, eval_every=eval_every, aux_weight=aux_weight,
+           attention_weight=attention_weight, **kw)  # fmt: skip
     console.print(f'wrote {out}; use it: trimvlm generate --model {out} --image scene.png --prompt "how many blue ?"')
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def score(
     model: str = MODEL,
     image: list[Path] = typer.Option([], help="image file (repeat for several images)"),
@@ -411,20 +410,17 @@ def score(
     import trimvlm
     from trimvlm.cli_score import print_scores
 
-    try:
-        vlm = trimvlm.load(model, **_load_kw(device, dtype))
-        _warn_unknown(vlm, question)
-        res = vlm.score(
-            [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
-            recipe=recipe or None, binary=binary,
-        )  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    vlm = trimvlm.load(model, **_load_kw(device, dtype))
+    _warn_unknown(vlm, question)
+    res = vlm.score(
+        [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
+        recipe=recipe or None, binary=binary,
+    )  # fmt: skip
     print_scores(res, console)
     _write_json(json_out, res.as_dict())
 
 
-@app.command("train-head", rich_help_panel=TRAIN)
+@command("train-head", rich_help_panel=TRAIN)
 def train_head(
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the head to (default: the checkpoint's)"),
@@ -441,21 +437,16 @@ def train_head(
     """Train the decision head on a demo task's candidate questions (backbone frozen, seeded)."""
     from trimvlm.cli_train import train_head_command
 
-    try:
-        train_head_command(
-            model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
-            load_kw=_load_kw(device, dtype), overwrite=overwrite, task=task,
-        )
-    except TrimVLMError as e:
-        _fail(e)
+    train_head_command(
+        model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
+        load_kw=_load_kw(device, dtype), overwrite=overwrite, task=task,
+    )
 
 
-@app.command(rich_help_panel=MEASURE)
+@command(rich_help_panel=MEASURE)
 def tune(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="a registered task with a validation split (searched) and a test split; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("a registered task with a validation split (searched) and a test split"),
     budget: list[str] = typer.Option(
         [], help="AXIS=RATIO, repeat: total_flops | prefill_flops | kv_bytes | latency (one point per value, "
         "the product over axes)",
@@ -487,22 +478,17 @@ def tune(
     _wide(wide)
     from trimvlm.cli_tune import tune_command
 
-    try:
-        tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
-                     n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
-                     console=console, load_kw=_load_kw(device, dtype), ray=ray, workers=workers)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
+                 n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
+                 console=console, load_kw=_load_kw(device, dtype), ray=ray, workers=workers)  # fmt: skip
 
 
-@app.command("train-router", rich_help_panel=TRAIN)
+@command("train-router", rich_help_panel=TRAIN)
 def train_router(
     model: str = MODEL,
     out: Path = typer.Option(Path("runs/router"), help="folder the router checkpoint is written to"),
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the demo task's val split; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the demo task's val split"),
     n: int = typer.Option(32, help="training inputs"),
     token_keep: float = typer.Option(0.25, help="fraction of each image's visual tokens kept"),
     layers_skip: int = typer.Option(2, help="candidate layers (the last half) skipped per input"),
@@ -536,29 +522,24 @@ def train_router(
         try:
             values = None if given is None else [float(x) for x in given.split(",")]
         except ValueError:
-            _fail(InputError(f"--{name} must be comma-separated fractions, got {given!r}"))
+            raise InputError(f"--{name} must be comma-separated fractions, got {given!r}") from None
         kept, spent = (values, spent) if name == "keeps" else (kept, values)
     from trimvlm.cli_train import train_router_command
 
-    try:
-        train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
-                             epochs=epochs, seed=seed, out=out, resume=resume, console=console,
-                             load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                             overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width, work=work, near=near,
-                             budgets=spent, cells=cells)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
+                         epochs=epochs, seed=seed, out=out, resume=resume, console=console,
+                         load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
+                         overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width, work=work, near=near,
+                         budgets=spent, cells=cells)  # fmt: skip
 
 
-@app.command("refit-router", rich_help_panel=TRAIN)
+@command("refit-router", rich_help_panel=TRAIN)
 def refit_router(
     router: str = ROUTER,
     model: str = MODEL,
     out: Path | None = typer.Option(None, help="folder to write the refit router to (default: in place)"),
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the task's first val inputs; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the task's first val inputs"),
     n: int = typer.Option(512, help="inputs whose layouts are measured"),
     select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
     epochs: int = typer.Option(40),
@@ -570,22 +551,17 @@ def refit_router(
     about 8 minutes on one CPU thread with demo-qwen35)."""
     from trimvlm.cli_train import refit_router_command
 
-    try:
-        refit_router_command(router, model=model, task=_task(model, task), n=n, select=select, epochs=epochs, out=out,
-                             console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite,
-                             head_only=head_only)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    refit_router_command(router, model=model, task=_task(model, task), n=n, select=select, epochs=epochs, out=out,
+                         console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite,
+                         head_only=head_only)  # fmt: skip
 
 
-@app.command("calibrate-router", rich_help_panel=TRAIN)
+@command("calibrate-router", rich_help_panel=TRAIN)
 def calibrate_router(
     router: str = ROUTER,
     model: str = MODEL,
     overwrite: bool = OVERWRITE,
-    task: str | None = typer.Option(
-        None, help="unlabeled inputs: the task's val split after the training ones; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("unlabeled inputs: the task's val split after the training ones"),
     n: int = typer.Option(64, help="held-out calibration inputs"),
     skip: int | None = typer.Option(None, help="val inputs to skip (default: the router's training inputs)"),
     select: str = typer.Option("router", help="selectors, comma-separated: router and/or token methods NAME@LAYER"),
@@ -596,15 +572,12 @@ def calibrate_router(
     inputs: about 4 minutes on one CPU thread with demo-qwen35)."""
     from trimvlm.cli_train import calibrate_router_command
 
-    try:
-        calibrate_router_command(router, model=model, task=_task(model, task), n=n, skip=skip,
-                                 select=tuple(x.strip() for x in select.split(",") if x.strip()), console=console,
-                                 load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    calibrate_router_command(router, model=model, task=_task(model, task), n=n, skip=skip,
+                             select=tuple(x.strip() for x in select.split(",") if x.strip()), console=console,
+                             load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
 
 
-@app.command("pick-router", rich_help_panel=TRAIN)
+@command("pick-router", rich_help_panel=TRAIN)
 def pick_router(
     router: str = ROUTER,
     model: str = MODEL,
@@ -612,9 +585,7 @@ def pick_router(
     budgets: str = typer.Option(..., help="total-FLOP budgets, comma-separated, e.g. 0.85,0.75,0.65"),
     select: str = typer.Option("", help="a token method NAME@LAYER tried as select= beside the router's own "
                                "scores (the tuned recipe's, e.g. dart@2), or one per budget, comma-separated"),
-    task: str | None = typer.Option(
-        None, help="validation items: the task's val split after the router's inputs; default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("validation items: the task's val split after the router's inputs"),
     n_val: int = typer.Option(96, help="validation items per variant"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -623,19 +594,14 @@ def pick_router(
     plain `router=M:budget=B` runs it. About 1 minute per budget on the demo models (7 variants x 96 items)."""
     from trimvlm.cli_train import pick_router_command
 
-    try:
-        pick_router_command(router, model=model, budgets=budgets, select=select or None, task=_task(model, task), n_val=n_val,
-                            console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    pick_router_command(router, model=model, budgets=budgets, select=select or None, task=_task(model, task), n_val=n_val,
+                        console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
 
 
-@app.command(rich_help_panel=TRAIN)
+@command(rich_help_panel=TRAIN)
 def calibrate(
     model: str = MODEL,
-    task: str | None = typer.Option(
-        None, help="task whose candidate questions calibrate (labels are not used); default: the checkpoint's own task"
-    ),
+    task: str | None = TASK("task whose candidate questions calibrate (labels are not used)"),
     n: int = typer.Option(32, help="calibration inputs"),
     readout: str = typer.Option("auto", help="logits the sensitivity is measured on: auto | loglik | head"),
     seed: int = typer.Option(0),
@@ -653,14 +619,11 @@ def calibrate(
     ranker's order for `depth=ranking:file=...`: --n inputs, one pass per layer and batch of them."""
     from trimvlm.cli_calibrate import calibrate_command
 
-    try:
-        calibrate_command(method, model=model, task=_task(model, task), n=n, readout=readout, seed=seed, json_out=json_out,
-                          console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    calibrate_command(method, model=model, task=_task(model, task), n=n, readout=readout, seed=seed, json_out=json_out,
+                      console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def decide(
     model: str = MODEL,
     request: Path = typer.Option(..., help="JSON file: one System One request, or a list of them"),
@@ -676,15 +639,12 @@ def decide(
     _wide(wide)
     from trimvlm.cli_decide import decide_command
 
-    try:
-        out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,
-                             load_kw=_load_kw(device, dtype), console=console)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,
+                         load_kw=_load_kw(device, dtype), console=console)  # fmt: skip
     _write_json(json_out, out)
 
 
-@app.command(rich_help_panel=USE)
+@command(rich_help_panel=USE)
 def serve(
     model: str = MODEL,
     recipe: str = typer.Option("", help="the default recipe (a request's `recipe` field overrides it)"),
@@ -732,22 +692,19 @@ def serve(
     streaming), GET /metrics."""
     from trimvlm.serve import require
 
-    try:
-        require()
-        from trimvlm.serve.limits import MiB, ServerLimits
-        from trimvlm.serve.main import serve as run_server
+    require()
+    from trimvlm.serve.limits import MiB, ServerLimits
+    from trimvlm.serve.main import serve as run_server
 
-        limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
-                              max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens),
-                              max_prefill_tokens=max_prefill_tokens)  # fmt: skip
-        run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                   limits=limits, decision_config=decision_config, threads=threads,
-                   vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
-                   load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
-                   replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
-                   key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms, api_workers=api_workers)  # fmt: skip
-    except TrimVLMError as e:
-        _fail(e)
+    limits = ServerLimits(max_body_bytes=max_body_mb * MiB, max_images=max_images, max_questions=max_questions,
+                          max_tokens=max_new_tokens, default_max_tokens=min(32, max_new_tokens),
+                          max_prefill_tokens=max_prefill_tokens)  # fmt: skip
+    run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
+               limits=limits, decision_config=decision_config, threads=threads,
+               vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
+               load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
+               replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
+               key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms, api_workers=api_workers)  # fmt: skip
 
 
 if __name__ == "__main__":

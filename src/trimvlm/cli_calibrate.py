@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
+from rich.console import Console
+
+import trimvlm
+from trimvlm.depth.base import model_fingerprint
+from trimvlm.depth.calibration import prepare_batches, rank, ranking_data, write_ranking
 from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.options import is_int
 from trimvlm.progress import progress
+from trimvlm.scoring.calibrate import calibrate, check_readout_name, resolve_readout
 from trimvlm.terminal import Col, Sheet
 
 CANDIDATES = "candidates"
@@ -34,8 +41,6 @@ def _rankers() -> dict:
 
 def _token_statistics() -> dict:
     """name -> the `statistics(runner, prepared)` function of each token reducer fitted on calibration data."""
-    import sys
-
     from trimvlm.registry import REGISTRIES, load_methods
 
     load_methods()
@@ -51,9 +56,6 @@ def check_method(method: str) -> None:
 
 def token_statistics(vlm, method: str, items, batch_size: int, about: dict, model: str, on_step=None) -> dict:
     """The statistics file of token reducer `method`: its `statistics` over the prepared batches of `items`."""
-    from trimvlm.depth.base import model_fingerprint
-    from trimvlm.depth.calibration import prepare_batches
-
     inputs = []
     for prepared in prepare_batches(vlm, items, batch_size):
         inputs += [{"cross": s.cross, "self": s.self_} for s in _token_statistics()[method](vlm.runner, prepared)]
@@ -78,38 +80,24 @@ def calibrate_command(
     """Rank `model`'s layers with `method` on `n` unlabeled val inputs of `task`, print a table, write the
     ranking file to `json_out` (None: not written). `readout` (auto | loglik | head) applies to `candidates`.
     Returns the file's content."""
-    import trimvlm
-    from trimvlm.depth.calibration import rank, ranking_data, write_ranking
-    from trimvlm.scoring.calibrate import calibrate, check_readout_name, resolve_readout
-
     check_method(method)
     check_readout_name(readout)
     if not is_int(seed):
         raise InputError(f"seed must be an integer, got {seed!r}")
     items = calibration_items(task, n, seed, candidates=method == CANDIDATES)
-    if method in _token_statistics():
-        return _token_command(method, model, items, batch_size, {"task": str(task), "split": "val", "seed": seed},
-                              json_out, console, load_kw)  # fmt: skip
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
+    console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     about = {"task": str(task), "split": "val", "seed": seed}
-    batches = math.ceil(len(items) / batch_size)
     with progress(console) as bar:
-        if method == CANDIDATES:
-            job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1), unit="pass",
-                               detail=f"{len(items)} inputs, a pass per layer and batch")  # fmt: skip
-            res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
-                            batch_size=batch_size, on_step=lambda: bar.advance(job))  # fmt: skip
-            about.update(n=res["n"], readout=res["readout"])
-            data = ranking_data(vlm, method, res["J"], res["order"], about, str(model))
-        else:
-            job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers),
-                               detail=f"{len(items)} inputs in {batches} batches")  # fmt: skip
-            data = rank(vlm, method, items, batch_size, on_step=lambda: bar.advance(job), calibration=about,
-                        model=str(model))  # fmt: skip
+        data = _measure(bar, vlm, method, items, batch_size, about, readout, str(model))
+    if method in _token_statistics():
+        if json_out is not None:
+            path = Path(json_out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data) + "\n")
+            console.print(f"wrote {path} ({len(data['inputs'])} inputs); use it as the recipe "
+                          f"tokens={method}:file={path}:keep=K (K: the budget)")  # fmt: skip
+        return data
     print_ranking(data, vlm.adapter.layer_types, console)
     if json_out is not None:
         path = write_ranking(data, json_out)
@@ -117,6 +105,24 @@ def calibrate_command(
         console.print(f"wrote {path}; use it as the recipe depth=ranking:file={path}:budget=K{scope} (the K "
                       f"best-ranked blocks skipped{' in the candidate branches' if scope else ''})")  # fmt: skip
     return data
+
+
+def _measure(bar, vlm, method: str, items, batch_size: int, about: dict, readout: str, model: str) -> dict:
+    """The file's content of `method` on `items`, a progress step per batch or pass."""
+    batches = math.ceil(len(items) / batch_size)
+    if method in _token_statistics():
+        job = bar.add_task(method, total=batches, unit="batch", detail=f"{len(items)} inputs in {batches} batches")
+        return token_statistics(vlm, method, items, batch_size, about, model, on_step=lambda: bar.advance(job))
+    if method == CANDIDATES:
+        job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1), unit="pass",
+                           detail=f"{len(items)} inputs, a pass per layer and batch")  # fmt: skip
+        res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
+                        batch_size=batch_size, on_step=lambda: bar.advance(job))  # fmt: skip
+        return ranking_data(vlm, method, res["J"], res["order"], about | {"n": res["n"], "readout": res["readout"]},
+                            model)  # fmt: skip
+    job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers),
+                       detail=f"{len(items)} inputs in {batches} batches")  # fmt: skip
+    return rank(vlm, method, items, batch_size, on_step=lambda: bar.advance(job), calibration=about, model=model)
 
 
 def print_ranking(data: dict, layer_types: list[str], console) -> None:
@@ -130,24 +136,3 @@ def print_ranking(data: dict, layer_types: list[str], console) -> None:
         t.row(str(layer), layer_types[layer], f"{score:.4g}", str(place[layer] + 1))
     console.print(t)
     console.print(f"order (skipped first to last): {data['order']}")
-
-
-def _token_command(method, model, items, batch_size, about, json_out, console, load_kw) -> dict:
-    import trimvlm
-
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    with progress(console) as bar:
-        batches = math.ceil(len(items) / batch_size)
-        job = bar.add_task(method, total=batches, unit="batch", detail=f"{len(items)} inputs in {batches} batches")
-        data = token_statistics(vlm, method, items, batch_size, about, str(model), on_step=lambda: bar.advance(job))
-    if json_out is not None:
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data) + "\n")
-        console.print(f"wrote {path} ({len(data['inputs'])} inputs); use it as the recipe "
-                      f"tokens={method}:file={path}:keep=K (K: the budget)")  # fmt: skip
-    return data

@@ -7,6 +7,7 @@ import binascii
 import json
 from pathlib import Path
 
+import trimvlm
 from trimvlm.errors import InputError
 from trimvlm.terminal import Sheet
 
@@ -69,11 +70,6 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def _assets(request) -> int | None:
-    """How many images a System One request names (its assets), when it is a dict."""
-    return len(request.get("assets") or {}) if isinstance(request, dict) else None
-
-
 def print_decisions(result, console, requests=None) -> None:
     """A table of answers per request and one line of its costs. `requests`: the requests as sent (their
     assets are the images counted; without them, the images the prompts carried)."""
@@ -88,7 +84,7 @@ def print_decisions(result, console, requests=None) -> None:
             conf = a.get("confidence")
             table.row(name, a["type"], _answer_text(a), "" if conf is None else f"{conf:.3f}", probs)
         console.print(table)
-        images = _assets(sent[i])
+        images = len(sent[i].get("assets") or {}) if isinstance(sent[i], dict) else None  # the images it names
         images = (f"{_count(images, 'image')} ({usage.images} image inputs over the prompts)"
                   if images is not None and images != usage.images else _count(usage.images, "image input"))  # fmt: skip
         console.print(
@@ -105,8 +101,6 @@ def print_decisions(result, console, requests=None) -> None:
 
 
 def decide_command(*, model, request, recipe, decision_config, load_kw, console):
-    import trimvlm
-
     requests = read_requests(request)
     vlm = trimvlm.load(model, **load_kw)
     result = vlm.decide(requests, recipe=recipe or None, decision_config=decision_config, return_costs=True)

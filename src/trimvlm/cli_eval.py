@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from rich.console import Console
+
+import trimvlm
 from trimvlm.errors import CheckpointError, InputError, RecipeError, TrimVLMError
 from trimvlm.evals.report import (
     check_writable,
@@ -20,9 +24,12 @@ from trimvlm.evals.report import (
 )
 from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
 from trimvlm.evals.tasks import TASKS, check_limit, get_task
+from trimvlm.integrations.ray_eval import check_workers, run_eval_ray
+from trimvlm.loading import resolve
 from trimvlm.options import is_int
 from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_recipe
+from trimvlm.scoring.calibrate import check_readout_name
 
 # Shown side by side with the baseline by `trimvlm demo` (codes as in the paper:
 # L3_50 = prune 50% of visual tokens at layer 3, D75 = drop 75% of visual KV at the prefill/decode boundary).
@@ -33,22 +40,6 @@ DEMO_RECIPES: list[dict] = [
 ]
 DEMO_LIMIT = 300
 DEMO_BATCH_SIZE = 64  # 50 items of a kind in one call: per-call and per-step overheads dominate tiny models
-
-
-def _console(console):
-    if console is not None:
-        return console
-    from rich.console import Console
-
-    return Console()
-
-
-def _finish(result, json_out, plot_out, console, markdown_out=None) -> dict:
-    print_report(result, console=console)
-    write_outputs(
-        result, console, [(json_out, write_json), (plot_out, plot_pareto), (markdown_out, write_markdown)]
-    )
-    return result_dict(result)
 
 
 def demo_command(
@@ -64,13 +55,7 @@ def demo_command(
 ) -> dict:
     """Load the shipped demo model, run the baseline and DEMO_RECIPES on `limit` test items
     of the demo task, print the tables, write the JSON and the Pareto PNG. Returns the JSON's content."""
-    import trimvlm
-    from trimvlm.loading import resolve
-
-    console = _console(console)
     limit = check_limit(limit)
-    task = get_task("demo", limit=limit, seed=seed)
-    chosen = normalize_recipes(recipes if recipes is not None else DEMO_RECIPES)
     try:
         resolve("demo")
     except CheckpointError as e:
@@ -78,9 +63,8 @@ def demo_command(
             f"{e}; `trimvlm demo` needs the trained demo model: train it with `trimvlm train-demo`, or "
             "reinstall a trimvlm release that ships it"
         ) from None
-    vlm = trimvlm.load("demo", **(load_kw or {}))
-    result = run_eval(vlm, task, chosen, batch_size=batch_size, seed=seed, progress=progress, console=console)
-    return _finish(result, json_out, png_out, console)
+    return eval_command("demo", "demo", None, limit, json_out, png_out, batch_size, seed, progress=progress,
+                        console=console, recipes=DEMO_RECIPES if recipes is None else recipes, load_kw=load_kw)
 
 
 def _recipes_from(recipes_file, inline=()) -> list:
@@ -103,12 +87,6 @@ def _recipes_from(recipes_file, inline=()) -> list:
 def task_list() -> str:
     """Every registered task, one line each (`trimvlm eval --help`)."""
     return "\n".join(f"{name}: {TASKS[name].about}" for name in sorted(TASKS))
-
-
-def check_threads(threads) -> int | None:
-    if threads is not None and (not is_int(threads) or threads < 1):
-        raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
-    return threads
 
 
 def eval_command(
@@ -143,17 +121,13 @@ def eval_command(
     `ray` ("auto", "local" or a cluster's HOST:PORT): shard the items over `workers` Ray workers, each with
     the model loaded once (trimvlm.integrations.ray_eval, docs/scale-out.md); the results are the single process's.
     `threads`: torch threads of this process (None: torch's default)."""
-    import trimvlm
-    from trimvlm.integrations.ray_eval import check_workers
-    from trimvlm.scoring.calibrate import check_readout_name
-
-    console = _console(console)
+    console = console or Console()
     limit = check_limit(limit)
     workers = check_workers(workers)
     check_readout_name(readout)
-    if check_threads(threads) is not None:
-        import torch
-
+    if threads is not None:
+        if not is_int(threads) or threads < 1:
+            raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
         torch.set_num_threads(threads)
     if workers is not None and ray is None:
         raise InputError("--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too")
@@ -163,9 +137,9 @@ def eval_command(
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     kw = {"batch_size": batch_size, "seed": seed, "readout": readout, "progress": progress, "console": console}
     if ray is not None:
-        from trimvlm.integrations.ray_eval import run_eval_ray
-
         result = run_eval_ray(model, the_task, chosen, workers=workers, ray_address=ray, load_kw=load_kw, **kw)
     else:
         result = run_eval(trimvlm.load(model, **(load_kw or {})), the_task, chosen, **kw)
-    return _finish(result, json_out, plot_out, console, markdown_out)
+    print_report(result, console=console)
+    write_outputs(result, console, [(json_out, write_json), (plot_out, plot_pareto), (markdown_out, write_markdown)])
+    return result_dict(result)

@@ -11,8 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
 
+import trimvlm
+from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
+from trimvlm.evals.tasks import calibration_items as calibration_records
+from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
+from trimvlm.progress import progress as progress_bar
+from trimvlm.router.model import CONFIG, router_folder, save_router
+from trimvlm.router.route import Router
 from trimvlm.scoring.train_head import (
     BINARY_KINDS,
     EXTRACT_BATCH,
@@ -29,7 +37,11 @@ from trimvlm.scoring.train_head import (
     train,
     without_answer,
 )
+from trimvlm.terminal import Col, Sheet
+from trimvlm.training.calibration import measure, trained_inputs
+from trimvlm.training.layer_pairs import refit_layers
 from trimvlm.training.router import train_router
+from trimvlm.training.variants import pick_variant, record_variants
 
 
 def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
@@ -37,13 +49,6 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
                          load_kw: dict | None = None, overwrite: bool = False, **train_kw) -> dict:  # fmt: skip
     """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
     a shipped demo checkpoint only with `overwrite`)."""
-    from rich.console import Console
-
-    import trimvlm
-    from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.loading import refuse_shipped
-    from trimvlm.progress import progress as progress_bar
-
     refuse_shipped(out, overwrite)
     console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
@@ -70,15 +75,6 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     """`trimvlm calibrate-router`: measure a v2 router's held-out calibration (training/calibration.py) on `n`
     val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
     checkpoint (a shipped demo router only with `overwrite`)."""
-
-    from rich.console import Console
-
-    from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.loading import refuse_shipped
-    from trimvlm.progress import progress as progress_bar
-    from trimvlm.router.model import CONFIG, router_folder
-    from trimvlm.training.calibration import measure, trained_inputs
-
     folder = router_folder(router)
     refuse_shipped(folder, overwrite)
     console = console or Console()
@@ -104,12 +100,6 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
                         n_val: int = 96, console=None, load_kw: dict | None = None, overwrite: bool = False) -> dict:  # fmt: skip
     """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
     (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
-    from rich.console import Console
-
-    from trimvlm.loading import refuse_shipped
-    from trimvlm.router.model import router_folder
-    from trimvlm.training.variants import pick_variant, record_variants
-
     folder = router_folder(router)
     refuse_shipped(folder, overwrite)
     console = console or Console()
@@ -139,9 +129,6 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
 
 def _v2_router(model, folder: Path, load_kw, verb: str):
     """(the loaded model, the v2 router in `folder` checked against it as a `Router` at budget 1)."""
-    import trimvlm
-    from trimvlm.router.route import Router
-
     vlm = trimvlm.load(model, **(load_kw or {}))
     r = Router(path=str(folder), budget=1.0)
     if "budget" not in r.meta:
@@ -156,15 +143,6 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     """`trimvlm refit-router`: train a v2 router's layer scores on layouts run with `select`'s tokens
     (training/layer_pairs.py) on the task's first `n` val inputs; write it to `out` (default: in place; a
     shipped demo router only with `overwrite`)."""
-    from rich.console import Console
-
-    from trimvlm.depth.base import model_fingerprint
-    from trimvlm.evals.tasks import calibration_items as calibration_records
-    from trimvlm.loading import refuse_shipped
-    from trimvlm.progress import progress as progress_bar
-    from trimvlm.router.model import router_folder, save_router
-    from trimvlm.training.layer_pairs import refit_layers
-
     folder = router_folder(router)
     out = folder if out is None else Path(out)
     refuse_shipped(out, overwrite)
@@ -221,10 +199,6 @@ def train_head_command(
     questions (`task`: `demo` or `scenes`; default the checkpoint's own task, else `demo`). Returns the saved
     meta. The same seed and thread count give bitwise-equal weights (the shipped heads: one thread). A shipped
     demo checkpoint is written to only with `overwrite`."""
-    import trimvlm
-    from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
-    from trimvlm.progress import progress as progress_bar
-
     _check(steps, items, out)
     refuse_shipped(out if out is not None else resolve(model), overwrite)
     if not isinstance(threads, int) or threads < 1:
@@ -282,7 +256,7 @@ def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: 
                kinds: list[str]) -> dict:  # fmt: skip
     """What a trained head's checkpoint says of itself: its test report, validation figures, settings."""
     val_pred = predictions(head, sets["val"])
-    meta = {
+    return {
         "task": task,
         "model": str(model),
         "test_items": {"split": "test", "seed": 0, "n_images": TEST_IMAGES, "questions_per_kind": 1},
@@ -307,7 +281,6 @@ def _head_meta(model, head, sets: dict, settings: Settings, fit: dict, seconds: 
             "torch_threads": torch.get_num_threads(),
         },
     }
-    return meta
 
 
 def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
@@ -316,8 +289,6 @@ def _abstain_accuracy(pred: torch.Tensor, c: Cached) -> float | None:
 
 
 def _print_summary(console, folder: Path, meta: dict, kinds: list[str]) -> None:
-    from trimvlm.terminal import Col, Sheet
-
     ab = meta["test_abstention"]
     table = Sheet(console, f"decision head -> {folder}",
                   ["kind", *(Col(c, right=True) for c in ("head", "loglik", "abstains (answer present)",

@@ -66,10 +66,7 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         with socket.create_connection(hp, timeout=timeout):
             pass
     except OSError as e:
-        if isinstance(e, TimeoutError | socket.timeout):
-            why = f"no answer within {timeout:g} s"
-        else:
-            why = (e.strerror or str(e)).lower()
+        why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
         raise RayError(
             f"cannot reach the Ray cluster at {address} ({why}); start it with "
             "`ray start --head` on that machine, check the address and port, or use --ray local"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trimvlm.adapters import ADAPTERS, adapter_for
-from trimvlm.errors import CheckpointError, did_you_mean
+from trimvlm.errors import CheckpointError, InputError, did_you_mean
 
 DEMO_DIR = Path(__file__).parent / "demo" / "checkpoints"
 DEMO_MODELS = {"demo": "qwen3vl", "demo-qwen3vl": "qwen3vl", "demo-qwen35": "qwen35", "demo-scenes": "scenes"}
@@ -64,8 +64,6 @@ def checkpoint_task(path_or_id: str | Path | None) -> str:
 def refuse_shipped(folder: str | Path, overwrite: bool) -> None:
     """A command that writes into `folder` refuses when it is (or lies inside) a demo checkpoint shipped with
     trimvlm, unless `overwrite` was asked for (the CLI's --overwrite)."""
-    from trimvlm.errors import InputError
-
     path = Path(folder).expanduser().resolve()
     if not overwrite and path.is_relative_to(DEMO_DIR.resolve()):
         raise InputError(

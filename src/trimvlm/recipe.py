@@ -8,6 +8,7 @@ or a list of those / of strings. An empty recipe (or "baseline") applies nothing
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -190,8 +191,6 @@ def tuned_recipe(text: str) -> Recipe:
     """`tuned=DIR:budget=0.75` (or `tuned=DIR:total_flops=0.75:kv_bytes=0.3`): the best recipe `trimvlm tune`
     found for that budget point, read from DIR/tune.json. `budget=X` names the point whose only, or first, axis
     is X."""
-    import json
-
     spec = parse_method(text.removeprefix("tuned="))
     path = Path(spec.method) / "tune.json"
     if not path.exists():

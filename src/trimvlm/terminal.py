@@ -37,7 +37,8 @@ class Terminal(Console):
     def print(self, *objects, **kw) -> None:
         """rich's print; a table wider than the console is printed at its natural width when `whole`."""
         tables = [o.table if isinstance(o, Sheet) else o for o in objects if isinstance(o, Sheet | Table)]
-        width = max((natural_width(self, t) for t in tables), default=0) if self.whole else 0
+        natural = (sum(word_and_line_widths(self, t)[1]) + frame(t) for t in tables)  # nothing limiting them
+        width = max(natural, default=0) if self.whole else 0
         if width <= self.width:
             return super().print(*objects, **kw)
         kept, self.width = self.width, width
@@ -112,11 +113,6 @@ def frame(table: Table) -> int:
     """The characters of `table`'s rows that are not cell content: padding and borders."""
     n = len(table.columns)
     return n * (table.padding[1] + table.padding[3]) + (n + 1 if table.box else 0)
-
-
-def natural_width(console: Console, table: Table) -> int:
-    """The width `table` takes when nothing limits it."""
-    return sum(word_and_line_widths(console, table)[1]) + frame(table)
 
 
 def fits(console: Console, sheet: Sheet) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -70,14 +71,10 @@ class PairedDifference:
 
 
 def normal_quantile(level: float) -> float:
-    """z with P(|Z| <= z) = level for a standard normal Z (bisection on erf)."""
+    """z with P(|Z| <= z) = level for a standard normal Z."""
     if not 0 < level < 1:
         raise InputError(f"an interval's level must be in (0, 1), got {level}")
-    lo, hi = 0.0, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if math.erf(mid / math.sqrt(2)) < level else (lo, mid)
-    return (lo + hi) / 2
+    return NormalDist().inv_cdf(0.5 + level / 2)
 
 
 def wilson(successes: int, n: int, level: float = LEVEL) -> Interval:

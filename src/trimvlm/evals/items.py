@@ -38,8 +38,25 @@ class RunOptions:
     executor: str = "auto"  # candidate items: the executor of vlm.score
 
 
+class BatchedByKind:
+    """What the candidate and decision items share: batches of one (probe, kind); no checks before a run; one
+    untimed baseline call per batch takes the one-time costs (the vision FLOP count of new shapes, kernel
+    set-up) before its recipes run."""
+
+    def batch_key(self, task) -> tuple:
+        return (self.probe, self.kind)
+
+    @classmethod
+    def prepare(cls, vlm, items, task, opts: RunOptions) -> RunOptions:
+        return opts
+
+    @classmethod
+    def untimed(cls, vlm, items, task, opts: RunOptions) -> None:
+        cls.run(vlm, items, None, task, opts)
+
+
 @dataclass
-class CandidateItem:
+class CandidateItem(BatchedByKind):
     """One question scored over its fixed candidates (FastJEV's protocol): the chosen candidate is the argmax of
     the decision logits (head readout: an abstention, -1, counts as wrong)."""
 
@@ -51,9 +68,6 @@ class CandidateItem:
     kind: str
     probe: str = "candidates"
     metric: str = "choice"
-
-    def batch_key(self, task) -> tuple:
-        return (self.probe, self.kind)
 
     def request(self):
         from trimvlm.scoring.request import ScoreRequest
@@ -76,12 +90,6 @@ class CandidateItem:
         check_choice(opts.executor, opts.readout, vlm.head)
         return opts
 
-    @classmethod
-    def untimed(cls, vlm, items, task, opts: RunOptions) -> None:
-        """The first call on a batch pays one-time costs (the vision FLOP count of new shapes, kernel set-up):
-        one untimed baseline call takes them."""
-        cls.run(vlm, items, None, task, opts)
-
     def score(self, output) -> float:
         return float(output == self.answer)
 
@@ -98,7 +106,7 @@ class CandidateItem:
 
 
 @dataclass
-class DecisionItem:
+class DecisionItem(BatchedByKind):
     """One System One request (`vlm.decide`: a state, its assets, several typed questions) with the expected
     answer of each question: a noul question's `yes` / `no` (yes: the probability of true is above one half),
     a choice question's option name, a score question's most probable criterion. Its output is the answer
@@ -111,22 +119,10 @@ class DecisionItem:
     probe: str = "decision"
     metric: str = "decision"
 
-    def batch_key(self, task) -> tuple:
-        return (self.probe, self.kind)
-
     @classmethod
     def run(cls, vlm, items, recipe, task, opts: RunOptions, track_memory: bool = False):
         res = vlm.decide([it.request for it in items], recipe=recipe, return_costs=True, track_memory=track_memory)
         return ItemsRun([{q: picked(a) for q, a in out.items()} for out in res.answers], res.costs)
-
-    @classmethod
-    def prepare(cls, vlm, items, task, opts: RunOptions) -> RunOptions:
-        return opts
-
-    @classmethod
-    def untimed(cls, vlm, items, task, opts: RunOptions) -> None:
-        """One untimed baseline call takes the one-time costs (the vision FLOP count of new shapes)."""
-        cls.run(vlm, items, None, task, opts)
 
     def score(self, output) -> float:
         return sum(output.get(q) == a for q, a in self.answers.items()) / len(self.answers)

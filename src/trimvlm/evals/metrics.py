@@ -1,27 +1,13 @@
-"""Answer metrics and prediction mismatch.
+"""Answer metrics and prediction mismatch (docs/benchmarks.md#metrics describes each one's rule).
 
 Every metric scores one prediction against one record (a number in [0, 1]), gives a canonical form of a
 prediction (what "the same answer" means for that metric, used for mismatch against the baseline), and may add
-task-level numbers (`summary`, e.g. F1 for yes/no).
-
-- `exact`: normalised exact match, max over the references. Normalisation is the usual one of SQuAD/VQA
-  scoring: lowercase, punctuation removed, the articles a/an/the removed, whitespace collapsed.
-- `exact_strict`: exact match after collapsing whitespace only (case and every word kept). For answers where
-  the usual normalisation destroys information, e.g. a read-out string "7 A 3" (the glyph "A" is an article).
-- `option`: multiple-choice accuracy. The prediction is mapped to an option (`option_index`) by, in turn: its
-  leading letter ("B", "(B)", "B.", "B) text", a bare "b"); the option's text; a letter named in free text
-  ("The answer is (B).", "Answer: B", "option B"); one parenthesised letter "(B)" anywhere; one lone capital
-  letter of an option ("I think B"; an "A" in a sentence of more than three words is taken as the article);
-  the text of exactly one option inside the answer. The reference is a letter or an option's text.
-- `yesno`: yes/no accuracy; `summary` adds F1, precision and recall with "yes" as the positive class, and the
-  share of "yes" predictions (as POPE reports them).
-- `anls`: Average Normalized Levenshtein Similarity (DocVQA/ST-VQA): per reference
-  s = 1 - NL if NL < 0.5 else 0, with NL = edit_distance / max(len(pred), len(ref)) on lowercased,
-  whitespace-collapsed strings; the item's score is the max over its references.
-- `vqa`: VQA accuracy with the official 10-answer rule and answer normalisation (`trimvlm.evals.vqa_accuracy`).
-- `relaxed`: ChartQA's relaxed accuracy, 5% tolerance on numbers (`trimvlm.evals.relaxed_accuracy`).
-- `open_match`: a local containment check for MM-Vet-style open answers (`trimvlm.evals.open_match`); NOT
-  MM-Vet's GPT-4 grader, and not comparable with published MM-Vet scores.
+task-level numbers (`summary`, e.g. F1 for yes/no). `exact` normalises as SQuAD/VQA scoring does (lowercase,
+punctuation and the articles a/an/the removed, whitespace collapsed); `exact_strict` only collapses whitespace,
+for answers the usual normalisation destroys (a read-out "7 A 3": the glyph "A" is an article). `option`,
+`yesno`, `anls`, `vqa` (`trimvlm.evals.vqa_accuracy`), `relaxed` (`trimvlm.evals.relaxed_accuracy`) and
+`open_match` (`trimvlm.evals.open_match`: a local containment check, NOT MM-Vet's GPT-4 grader) follow the rules
+there.
 
 `mismatch_pct(preds, base_preds, metric)`: the share (in %) of items whose prediction differs, in the metric's
 canonical form, from the uncompressed model's prediction on the same item.
@@ -31,7 +17,8 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from trimvlm.errors import InputError
@@ -96,7 +83,7 @@ def anls(prediction: str, references: str | Sequence[str], threshold: float = 0.
 
 
 def option_index(prediction: str, options: Sequence[str]) -> int | None:
-    """Which option a prediction names, or None (the order of the rules is in the module docstring)."""
+    """Which option a prediction names, or None (docs/benchmarks.md#metrics gives the order of the rules)."""
     raw = str(prediction).strip()
     n = len(options)
     m = re.match(r"^\(?([A-Za-z])(?:[).:,]|\s|$)", raw)
@@ -190,155 +177,78 @@ def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[s
     }
 
 
-# --------------------------------------------------------------------------------------------- registry
-
-
+@dataclass(frozen=True)
 class Metric:
-    """One metric: `score` an item, the `canonical` form of a prediction, task-level `summary` numbers."""
+    """One metric: `score(prediction, answers, options)` of an item, the `canonical(prediction, options)` form of a
+    prediction (what "the same answer" means for mismatch), task-level `summary(predictions, answers, options)`
+    numbers."""
 
-    name: str = ""
-
-    def score(self, prediction: str, answers: Sequence[str], options: Sequence[str] | None = None) -> float:
-        raise NotImplementedError
-
-    def canonical(self, prediction: str, options: Sequence[str] | None = None) -> Hashable:
-        return normalize_answer(prediction)
-
-    def summary(
-        self,
-        predictions: Sequence[str],
-        answers: Sequence[Sequence[str]],
-        options: Sequence[Sequence[str] | None],
-    ) -> dict[str, float]:
-        return {}
+    name: str
+    score: Callable[..., float]
+    canonical: Callable[..., Hashable] = lambda prediction, options=None: normalize_answer(prediction)
+    summary: Callable[..., dict[str, float]] = lambda predictions, answers, options: {}
 
 
-class ExactMatch(Metric):
-    name = "exact"
-
-    def score(self, prediction, answers, options=None):
-        return exact_match(prediction, answers)
-
-
-class ExactStrict(Metric):
-    name = "exact_strict"
-
-    def score(self, prediction, answers, options=None):
-        return exact_strict(prediction, answers)
-
-    def canonical(self, prediction, options=None):
-        return collapse(prediction)
+def option_gold(answers: Sequence[str], options: Sequence[str]) -> int:
+    """The option the references name (the first that names one)."""
+    for a in answers:
+        k = option_index(a, options)
+        if k is not None:
+            return k
+    raise InputError(f"reference answer {list(answers)!r} names none of the options {list(options)!r}")
 
 
-class OptionAccuracy(Metric):
-    name = "option"
-
-    def gold(self, answers: Sequence[str], options: Sequence[str]) -> int:
-        for a in answers:
-            k = option_index(a, options)
-            if k is not None:
-                return k
-        raise InputError(f"reference answer {list(answers)!r} names none of the options {list(options)!r}")
-
-    def score(self, prediction, answers, options=None):
-        if not options:
-            raise InputError("metric 'option' needs the item's options; this item has none")
-        return float(option_index(prediction, options) == self.gold(answers, options))
-
-    def canonical(self, prediction, options=None):
-        k = option_index(prediction, options or [])
-        return k if k is not None else normalize_answer(prediction)
+def _option_score(prediction, answers, options=None) -> float:
+    if not options:
+        raise InputError("metric 'option' needs the item's options; this item has none")
+    return float(option_index(prediction, options) == option_gold(answers, options))
 
 
-class YesNoAccuracy(Metric):
-    name = "yesno"
-
-    def score(self, prediction, answers, options=None):
-        golds = {yes_no(a) for a in answers}
-        p = yes_no(prediction)
-        return float(p is not None and p in golds)
-
-    def canonical(self, prediction, options=None):
-        p = yes_no(prediction)
-        return p if p is not None else normalize_answer(prediction)
-
-    def summary(self, predictions, answers, options):
-        golds = [yes_no(a[0]) or "" for a in answers]
-        s = yes_no_f1([yes_no(p) for p in predictions], golds)
-        return {k: v for k, v in s.items() if k != "accuracy"}
+def _option_canonical(prediction, options=None):
+    k = option_index(prediction, options or [])
+    return k if k is not None else normalize_answer(prediction)
 
 
-class ANLS(Metric):
-    name = "anls"
-
-    def score(self, prediction, answers, options=None):
-        return anls(prediction, answers)
-
-    def canonical(self, prediction, options=None):
-        return collapse(prediction).lower()
+def _yes_no_score(prediction, answers, options=None) -> float:
+    p = yes_no(prediction)
+    return float(p is not None and p in {yes_no(a) for a in answers})
 
 
-class VQAAccuracy(Metric):
-    """TextVQA / VQA v2: min(1, #humans / 3) over the 10 leave-one-out subsets, official normalisation."""
-
-    name = "vqa"
-
-    def score(self, prediction, answers, options=None):
-        return vqa_accuracy(prediction, answers)
-
-    def canonical(self, prediction, options=None):
-        return normalize_vqa_answer(prediction)
+def _yes_no_canonical(prediction, options=None):
+    p = yes_no(prediction)
+    return p if p is not None else normalize_answer(prediction)
 
 
-class RelaxedAccuracy(Metric):
-    """ChartQA: numbers within 5% of the reference, exact (case-insensitive) match otherwise."""
-
-    name = "relaxed"
-
-    def score(self, prediction, answers, options=None):
-        return relaxed_accuracy(prediction, answers)
-
-    def canonical(self, prediction, options=None):
-        return str(prediction).strip().lower()
-
-
-class OpenMatch(Metric):
-    """MM-Vet-style open answers, locally: the reference's words contained in the answer. Not the GPT-4
-    grader (see trimvlm.evals.open_match)."""
-
-    name = "open_match"
-
-    def score(self, prediction, answers, options=None):
-        return open_match(prediction, answers, normalize_answer)
+def _yes_no_summary(predictions, answers, options) -> dict[str, float]:
+    s = yes_no_f1([yes_no(p) for p in predictions], [yes_no(a[0]) or "" for a in answers])
+    return {k: v for k, v in s.items() if k != "accuracy"}
 
 
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        ExactMatch(),
-        ExactStrict(),
-        OptionAccuracy(),
-        YesNoAccuracy(),
-        ANLS(),
-        VQAAccuracy(),
-        RelaxedAccuracy(),
-        OpenMatch(),
+        Metric("exact", lambda p, answers, options=None: exact_match(p, answers)),
+        Metric("exact_strict", lambda p, answers, options=None: exact_strict(p, answers),
+               lambda p, options=None: collapse(p)),
+        Metric("option", _option_score, _option_canonical),
+        Metric("yesno", _yes_no_score, _yes_no_canonical, _yes_no_summary),
+        Metric("anls", lambda p, answers, options=None: anls(p, answers), lambda p, options=None: collapse(p).lower()),
+        # TextVQA / VQA v2: min(1, #humans / 3) over the 10 leave-one-out subsets, official normalisation
+        Metric("vqa", lambda p, answers, options=None: vqa_accuracy(p, answers),
+               lambda p, options=None: normalize_vqa_answer(p)),
+        # ChartQA: numbers within 5% of the reference, exact (case-insensitive) match otherwise
+        Metric("relaxed", lambda p, answers, options=None: relaxed_accuracy(p, answers),
+               lambda p, options=None: str(p).strip().lower()),
+        # MM-Vet-style open answers, locally: the reference's words contained in the answer (not the GPT-4 grader)
+        Metric("open_match", lambda p, answers, options=None: open_match(p, answers, normalize_answer)),
     )
-}
+}  # fmt: skip
 
 
 def get_metric(name: str) -> Metric:
     metric = METRICS.get(str(name))
     if metric is None:
         raise InputError(f"unknown metric {name!r}; known metrics: {', '.join(sorted(METRICS))}")
-    return metric
-
-
-def register_metric(metric: Metric) -> Metric:
-    """Add a metric instance under its `name` (for benchmarks with their own scoring)."""
-    if not metric.name:
-        raise InputError("a metric needs a non-empty name")
-    METRICS[metric.name] = metric
     return metric
 
 

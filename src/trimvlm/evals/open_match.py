@@ -1,16 +1,10 @@
 """A local stand-in for MM-Vet's grader: does the open answer contain the reference?
 
-THIS IS NOT MM-VET'S METRIC. MM-Vet scores each answer with a GPT-4 judge (0.0 .. 1.0, partial credit for
-long descriptions); no judge can be reached here. This metric only says whether the reference's words occur
-in the answer, so its numbers are not comparable with published MM-Vet scores; use them to compare recipes
-against the baseline on the same items (mismatch, relative drops), not as MM-Vet results.
-
-Rule: both texts are normalised (lowercase, punctuation removed, articles a/an/the dropped, spaces
-collapsed: `normalize_answer`). A reference part is found when its normalised words occur as a contiguous
-run of whole words in the normalised answer. MM-Vet's references may join parts with `<OR>` (any part found
-scores 1) or `<AND>` (the score is the share of parts found, as the judge's examples give 0.5 for one of
-two). A long free-text reference (MM-Vet's "gen" questions) is almost never contained: those items score 0
-unless the answer repeats it."""
+THIS IS NOT MM-VET'S METRIC (a GPT-4 judge grades MM-Vet; none can be reached here): its numbers compare recipes
+with the baseline on the same items, never with published MM-Vet scores (docs/benchmarks.md#metrics). A
+reference part is found when its normalised words occur as a contiguous run of whole words in the normalised
+answer; `<OR>` joins alternatives, `<AND>` parts each worth their share. A long free-text reference is almost
+never contained: such items score 0 unless the answer repeats it."""
 
 from __future__ import annotations
 

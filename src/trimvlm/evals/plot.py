@@ -51,12 +51,8 @@ def pareto_front(points: list[Point]) -> list[int]:
 
 def styles(named: list[str]) -> dict[str, tuple[str, str]]:
     """label -> (marker, colour): the first (the baseline) a black star, then each colour with its own marker."""
-    out = {}
-    for k, label in enumerate(dict.fromkeys(named)):
-        out[label] = (
-            BASELINE_STYLE if k == 0 else (MARKERS[(k - 1) % len(MARKERS)], COLOURS[(k - 1) % len(COLOURS)])
-        )
-    return out
+    return {label: BASELINE_STYLE if k == 0 else (MARKERS[(k - 1) % len(MARKERS)], COLOURS[(k - 1) % len(COLOURS)])
+            for k, label in enumerate(dict.fromkeys(named))}  # fmt: skip
 
 
 def frontier_labels(panels: list[Panel], limit: int = MAX_NAMED) -> list[str]:

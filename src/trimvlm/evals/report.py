@@ -4,10 +4,17 @@ a JSON file with every number, a Markdown summary; the Pareto PNG is drawn by `t
 from __future__ import annotations
 
 import json
+import os
 import platform
+from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+import transformers
+from rich.markup import escape
+
+from trimvlm.errors import InputError
 from trimvlm.evals.plot import eval_figure as pareto_figure  # noqa: F401 (the Pareto figure, importable here too)
 from trimvlm.evals.plot import pareto_front, plot_pareto  # noqa: F401
 from trimvlm.evals.run import EvalResult, row_interval
@@ -15,11 +22,6 @@ from trimvlm.terminal import Col, Sheet, Terminal, fits
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    import torch
-    import transformers
-
     return {
         "trimvlm": version("trimvlm"),
         "torch": torch.__version__,
@@ -78,8 +80,9 @@ def _pct(x: float | None) -> str:
 
 
 def _per_item(key: str, costs: dict) -> str:
-    if key == "peak_memory_bytes":
-        return _peak(costs)
+    if key == "peak_memory_bytes":  # "n/m": not measured
+        not_measured = costs.get("peak_memory_kind") in ("", "not_measured", None)
+        return "n/m" if not_measured else human(costs["max"]["peak_memory_bytes"], "B")
     v = costs["per_item"][key]
     return f"{1000 * v:.2f}" if key.endswith("_s") else human(v, "B" if key.startswith("kv") else "")
 
@@ -116,8 +119,6 @@ WIDE = 6  # more recipes than this (or recipe columns wider than the console): o
 def _accuracy_columns(result: EvalResult, groups: list[dict], console, first: int) -> Sheet:
     """Accuracy % (`first` 0) or mismatch % vs the baseline (`first` 1) per kind and probe, one column per
     recipe."""
-    from rich.markup import escape
-
     labels = result.labels
     title = "accuracy %" if first == 0 else "mismatch % vs baseline"
     t = Sheet(console, f"{result.task.name}: {title}",
@@ -157,8 +158,6 @@ def diff_text(paired: dict | None) -> str:
 def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
     """Many recipes: accuracy % per probe (per kind: with --wide), then mismatch % per probe, one row per
     recipe."""
-    from rich.markup import escape
-
     summaries = [g for g in groups if g["group_type"] != "kind"]
     probes = [g for g in summaries if g["group"] != "all"]
     cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
@@ -175,8 +174,6 @@ def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
 
 
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
-    from rich.markup import escape
-
     labels = result.labels
     depths = result.depths or [None] * len(labels)
     cost = Sheet(console, "costs per item (latency in ms)",
@@ -201,8 +198,8 @@ def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
     if result.largest_budget:
         lb = Sheet(console, "largest tested budget with >= 90% mean retention",
                    ["ranker", "budgets tested", "largest budget", Col("retention %", right=True)])  # fmt: skip
-        for ranker, e in result.largest_budget.items():
-            lb.row(escape(ranker), ",".join(map(str, e["tested"])), _budget(e), _pct(e["retention"]))
+        for ranker, *cells in _largest_budget_rows(result):
+            lb.row(escape(ranker), *cells)
         console.print(lb)
 
 
@@ -212,12 +209,6 @@ MEMORY_KINDS = {
     "cuda_allocator_peak_over_start": "CUDA allocator peak over the memory allocated at the call's start",
     "not_measured": "not measured",
 }
-
-
-def _peak(costs: dict) -> str:
-    if costs.get("peak_memory_kind") in ("", "not_measured", None):
-        return "n/m"
-    return human(costs["max"]["peak_memory_bytes"], "B")
 
 
 def _share(costs: dict) -> str:
@@ -261,9 +252,7 @@ def markdown_summary(result: EvalResult) -> str:
     if result.largest_budget:
         lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
                   "|---|---|---|---|"]  # fmt: skip
-        for ranker, e in result.largest_budget.items():
-            tested = ",".join(map(str, e["tested"]))
-            lines.append(_md_row([ranker, tested, _budget(e), _pct(e["retention"])]))
+        lines += map(_md_row, _largest_budget_rows(result))
     return "\n".join(lines) + "\n"
 
 
@@ -286,15 +275,13 @@ class SavedResult:
     def load(cls, path: str | Path) -> SavedResult:
         return cls(json.loads(Path(path).read_text()))
 
-    def row(self, recipe: str, group: str = "all") -> dict:
-        for r in self.rows:
-            if r["recipe"] == recipe and r["group"] == group:
-                return r
-        raise KeyError((recipe, group))
+    row = EvalResult.row  # the same look-up of a (recipe, group) row
 
 
-def _budget(entry: dict) -> str:
-    return "-" if entry["budget"] is None else str(entry["budget"])
+def _largest_budget_rows(result) -> list[list[str]]:
+    """Per ranker: its name, the budgets tested, the largest reaching 90% retention and that retention %."""
+    return [[ranker, ",".join(map(str, e["tested"])), "-" if e["budget"] is None else str(e["budget"]),
+             _pct(e["retention"])] for ranker, e in result.largest_budget.items()]  # fmt: skip
 
 
 def _md_row(cells) -> str:
@@ -303,10 +290,6 @@ def _md_row(cells) -> str:
 
 def check_writable(*paths) -> None:
     """Refuse, before any work, an output path whose folder cannot be made or written (InputError)."""
-    import os
-
-    from trimvlm.errors import InputError
-
     for path in paths:
         if not path:
             continue
@@ -322,8 +305,6 @@ def check_writable(*paths) -> None:
 
 def write_outputs(result, console, outputs) -> None:
     """Write `result` with each (path, writer) whose path is set, and say where it went."""
-    from trimvlm.errors import InputError
-
     for path, writer in outputs:
         if path:
             try:

@@ -30,7 +30,7 @@ from trimvlm.evals.intervals import accuracy_interval, paired_difference
 from trimvlm.evals.items import ItemsRun, RunOptions
 from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
 from trimvlm.options import is_int
-from trimvlm.plan import build_methods
+from trimvlm.plan import build_methods, make_plan
 from trimvlm.progress import steps
 from trimvlm.recipe import Recipe, parse_recipe
 
@@ -107,7 +107,8 @@ class CostAcc:
         self.memory(costs)
 
     def memory(self, costs) -> None:
-        """Take the peak memory of a call that measured it (a timed CPU call does not)."""
+        """Take the peak memory of a call (or of another accumulator) that measured it (a timed CPU call does
+        not)."""
         if costs.peak_memory_kind in ("", "not_measured"):
             self.peak_memory_kind = self.peak_memory_kind or costs.peak_memory_kind
             return
@@ -119,9 +120,7 @@ class CostAcc:
         self.batches += other.batches
         for k in SUM_KEYS:
             self.sums[k] += other.sums[k]
-        self.peak_memory_bytes = max(self.peak_memory_bytes, other.peak_memory_bytes)
-        if other.peak_memory_kind not in ("", "not_measured") or not self.peak_memory_kind:
-            self.peak_memory_kind = other.peak_memory_kind or self.peak_memory_kind
+        self.memory(other)  # its peak, as a call's
         self.executors |= other.executors
 
     def as_dict(self) -> dict:
@@ -325,8 +324,6 @@ def depth_info(recipe: Recipe, vlm) -> dict | None:
     """What a recipe's depth axis skips: method, budget, ranker key, the layers skipped per phase."""
     if recipe.depth is None or getattr(vlm, "runner", None) is None:
         return None
-    from trimvlm.plan import make_plan
-
     spec = recipe.depth
     # the ranker: the method and its options other than the budget (the default scope `candidates` unnamed)
     opts = {k: v for k, v in spec.options.items() if k != "budget" and (k, v) != ("scope", "candidates")}

@@ -1,21 +1,10 @@
-"""VQA accuracy (VQA v2 / TextVQA / VizWiz) with the official answer normalisation.
+"""VQA accuracy (VQA v2 / TextVQA / VizWiz) with the official answer normalisation, written from the
+evaluation's public description (visualqa.org, "Evaluation"; docs/benchmarks.md#metrics states the rule).
 
-Written from the evaluation's public description (visualqa.org, "Evaluation"): an answer is correct to the
-degree that humans gave it, `min(1, #humans who said it / 3)`, averaged over the 10 subsets of 9 of the
-10 human answers (leave one out). Before comparing, the prediction and every human answer are normalised:
-
-1. newlines and tabs become spaces, surrounding space is removed;
-2. punctuation: each of  ; / [ ] " { } ( ) = + \\ _ - > < @ ` , ? !  is deleted where it touches a space (or
-   everywhere, when the text holds a digit,digit group such as "100,978"), otherwise replaced by a space;
-   a period is removed unless a digit follows it (decimal points are kept); apostrophes and colons are kept;
-3. lowercase; number words zero..ten (and "none") become digits; the articles a, an, the are dropped;
-   a contraction written without its apostrophe gets it back ("dont" -> "don't", "couldntve" ->
-   "couldn't've"). The official table's keys for "I'd", "I'm", "I've" are capitalised and never match
-   lowercased text, and forms that are also plain words ("well", "were", "shed", "its", ...) are not in it:
-   those are left alone here too.
-
-The official scorer normalises punctuation only when the human answers differ from each other; this one
-normalises every time (as the EvalAI TextVQA server's answer processor does), so "yes." scores like "yes".
+The official contraction table's keys for "I'd", "I'm", "I've" are capitalised and never match lowercased text,
+and forms that are also plain words ("well", "were", "shed", "its", ...) are not in it: those are left alone
+here too. The official scorer normalises punctuation only when the human answers differ from each other; this
+one normalises every time (as the EvalAI TextVQA server's answer processor does), so "yes." scores like "yes".
 """
 
 from __future__ import annotations
@@ -24,29 +13,7 @@ import itertools
 import re
 from collections.abc import Sequence
 
-_PUNCT = [
-    ";",
-    "/",
-    "[",
-    "]",
-    '"',
-    "{",
-    "}",
-    "(",
-    ")",
-    "=",
-    "+",
-    "\\",
-    "_",
-    "-",
-    ">",
-    "<",
-    "@",
-    "`",
-    ",",
-    "?",
-    "!",
-]
+_PUNCT = ";/[]\"{}()=+\\_-><@`,?!"  # each deleted or made a space (step 2)
 _DIGIT_COMMA = re.compile(r"\d,\d")
 _PERIOD = re.compile(r"\.(?!\d)")
 NUMBER_WORDS = {
@@ -81,7 +48,7 @@ CONTRACTIONS = {s: w for w in _WRITTEN for s in _spellings(w) if s not in _KEEP_
 
 
 def normalize_vqa_answer(text: str) -> str:
-    """The official VQA normalisation of one answer (steps in the module docstring)."""
+    """The official VQA normalisation of one answer: punctuation, lowercase, number words, articles, contractions."""
     text = str(text).replace("\n", " ").replace("\t", " ").strip()
     delete_all = _DIGIT_COMMA.search(text) is not None
     for p in _PUNCT:

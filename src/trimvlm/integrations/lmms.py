@@ -7,42 +7,11 @@ the CPU torch).
 
 lmms-eval 0.7.3 resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
 trimvlm's pyproject registers `manifest` below (a `ModelManifest` naming the simple model class `TrimVLM`).
-
-Model args (`--model_args k=v,...`):
-- `pretrained`: a checkpoint folder or "demo" (`trimvlm.load`); `device` (default cuda when available, else
-  cpu) and `dtype` (float32 | bfloat16 | float16);
-- the recipe: `recipe=` a recipe string in quotes (`recipe="tokens=...,kv=..."`: lmms-eval splits model args
-  on unquoted commas), a YAML/JSON file holding one recipe, or "baseline"; or one model arg per axis,
-  `tokens=`, `kv=`, `depth=`, `router=` (`axis=method:option=value:...`, as in `trimvlm eval`);
-- `executor`: the candidate executor of `loglikelihood` (auto | batched | segments | tree | independent);
-- `batch_size` (requests per trimvlm call), `max_new_tokens` (when a task's generation_kwargs set none),
-  `seed` (sampling, and the recipe's random choices).
-
-Requests:
-- `generate_until` -> `VLM.generate`, batched (requests with the same generation settings, `batch_size` per
-  call), images from the request's doc through the task's `doc_to_visual`. From generation_kwargs:
-  `max_new_tokens`, `temperature` (0, or `do_sample: false`, is greedy), `top_p`, `until` (the text is cut at
-  the first stop string; generation itself stops at the model's end token or `max_new_tokens`, so tokens
-  after a stop string are generated and counted in the costs). `num_beams` > 1 is refused (no beam search);
-  other generation_kwargs (model-specific ones such as `image_aspect_ratio`) are ignored.
-- `loglikelihood` -> `VLM.score` (the `loglik` readout): the requests of one doc with the same context (a multiple-choice question's options)
-  become one `ScoreRequest`, the prefix (images + context through the model's prompt template) encoded once
-  and every continuation a branch off it, run by `executor`. Each answer is (NLL, is_greedy): NLL = -log
-  P(continuation | context), summed over the continuation's tokens, and whether greedy decoding gives the
-  continuation. A loss, not a log-prob: lmms-eval 0.7.3's multiple-choice tasks pick the *argmin* of the
-  first value ("we return the actual loss in many model loglikelihood", api/task.py; its built-in models
-  return the HF loss) although the base class's docstring says log-probability; the bridge returns what its
-  tasks score right. The close marker trimvlm's own readout also scores (the end-of-answer token,
-  docs/scoring.md) is left out: each candidate's `answer_loglik` sums the same per-token log-probs without it
-  (they are computed once). The continuation's surrounding whitespace is dropped
-  (lmms-eval's " A" is its `target_delimiter`; the prompt template already separates the answer). A request
-  with an empty context (the unconditional requests of `acc_mutual_info`) cannot be expressed and is refused.
-  (lmms-eval 0.7.3's evaluator turns every non-text response into text; the pairs are returned inside its
-  `GenerationResult` wrapper there, see `_pair`.)
-- `generate_until_multi_round`: refused (a multi-round conversation is not one trimvlm prompt).
-
-`TrimVLM.costs` holds the running sums of the costs of every call (FLOPs of the model and of the methods, KV
-bytes, seconds), per request type; each request type's sums are logged when its requests finish.
+docs/scale-out.md lists the model args (`pretrained`, `device`, `dtype`, `recipe=` or one per axis, `executor`,
+`batch_size`, `max_new_tokens`, `seed`) and what each request type does: `generate_until` -> `VLM.generate`,
+batched; `loglikelihood` -> `VLM.score` (loglik readout), answered as (NLL, is_greedy), a loss because lmms-eval's
+multiple-choice tasks take the argmin; `generate_until_multi_round` and empty contexts are refused.
+`TrimVLM.costs` holds the running sums of every call's costs per request type, logged when its requests finish.
 """
 
 from __future__ import annotations
@@ -130,7 +99,7 @@ def build_recipe(recipe=None, **axes) -> Recipe:
 
 
 class TrimVLM(_LmmsBase):
-    """An lmms-eval simple model backed by a trimvlm `VLM` and one recipe (see the module docstring)."""
+    """An lmms-eval simple model backed by a trimvlm `VLM` and one recipe (docs/scale-out.md)."""
 
     is_simple = True
 
@@ -180,15 +149,13 @@ class TrimVLM(_LmmsBase):
     # --- lmms-eval's interface -------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
         out: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            groups.setdefault(self._generation_settings(req.args[1]), []).append(i)
+        groups = _grouped(requests, lambda req: self._generation_settings(req.args[1]))
         with self._bar(len(requests), "trimvlm generate") as bar:
             for (max_new, temperature, top_p, until), idx in groups.items():
                 for b in range(0, len(idx), self.batch_size):
                     chunk = idx[b : b + self.batch_size]
                     images = [self._visuals(requests[i]) for i in chunk]
-                    prompts = [self._context(requests[i].args[0], requests[i]) for i in chunk]
+                    prompts = [self._context(requests[i]) for i in chunk]
                     res = self.vlm.generate(
                         images, prompts, recipe=self.recipe, max_new_tokens=max_new, temperature=temperature,
                         top_p=top_p, seed=self.seed,
@@ -204,24 +171,13 @@ class TrimVLM(_LmmsBase):
         from trimvlm.scoring.request import ScoreRequest
 
         # one ScoreRequest per (doc, context): the options of a multiple-choice question share their prefix
-        keyed: dict[tuple, list[int]] = {}
-        for i, req in enumerate(requests):
-            keyed.setdefault(self._loglik_key(req), []).append(i)
-        groups = list(keyed.values())
+        groups = list(_grouped(requests, self._loglik_key).values())
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         with self._bar(len(requests), "trimvlm loglikelihood") as bar:
             for b in range(0, len(groups), self.batch_size):
                 chunk = groups[b : b + self.batch_size]
-                score_reqs = []
-                for g in chunk:
-                    first = requests[g[0]]
-                    score_reqs.append(
-                        ScoreRequest(
-                            images=self._visuals(first),
-                            question=self._context(first.args[0], first),
-                            candidates=[self._continuation(requests[i]) for i in g],
-                        )
-                    )
+                score_reqs = [ScoreRequest(images=self._visuals(requests[g[0]]), question=self._context(requests[g[0]]),
+                                           candidates=[self._continuation(requests[i]) for i in g]) for g in chunk]  # fmt: skip
                 for g, scores in zip(chunk, self.continuation_logliks(score_reqs), strict=True):
                     for i, (loglik, greedy) in zip(g, scores, strict=True):
                         out[i] = (-loglik, greedy)  # lmms-eval's tasks take the argmin: a loss
@@ -249,19 +205,12 @@ class TrimVLM(_LmmsBase):
     def _generation_settings(self, gen_kwargs) -> tuple:
         g = dict(gen_kwargs or {})
         until = g.pop("until", None)
-        if until is None:
-            until = []
-        elif isinstance(until, str):
-            until = [until]
-        elif not isinstance(until, list | tuple) or not all(isinstance(u, str) for u in until):
-            raise InputError(
-                f"generation_kwargs['until'] must be a string or a list of strings, got {until!r}"
-            )
+        until = [] if until is None else [until] if isinstance(until, str) else until
+        if not isinstance(until, list | tuple) or not all(isinstance(u, str) for u in until):
+            raise InputError(f"generation_kwargs['until'] must be a string or a list of strings, got {until!r}")
         beams = g.pop("num_beams", 1) or 1
         if int(beams) != 1:
-            raise InputError(
-                f"num_beams={beams}: trimvlm generates greedily or by sampling, not by beam search"
-            )
+            raise InputError(f"num_beams={beams}: trimvlm generates greedily or by sampling, not by beam search")
         max_new = _positive_int("max_new_tokens", g.pop("max_new_tokens", None) or self.max_new_tokens)
         temperature = float(g.pop("temperature", 0.0) or 0.0)
         if g.pop("do_sample", None) is False:
@@ -302,7 +251,8 @@ class TrimVLM(_LmmsBase):
         return out or None
 
     @staticmethod
-    def _context(ctx, req) -> str:
+    def _context(req) -> str:
+        ctx = req.args[0]
         if not isinstance(ctx, str):
             raise InputError(
                 f"task {req.task_name!r}: the request's context is {type(ctx).__name__}, not text"
@@ -362,11 +312,14 @@ def _pair(pair: tuple[float, bool]):
     return GenerationResult(text=pair)  # type: ignore[arg-type]
 
 
+def _grouped(requests, key) -> dict[tuple, list[int]]:
+    """The requests' indices by `key(request)`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, req in enumerate(requests):
+        groups.setdefault(key(req), []).append(i)
+    return groups
+
+
 def cut_at_stop(text: str, until) -> str:
     """The text up to the first occurrence of any stop string (lmms-eval's `until`)."""
-    end = len(text)
-    for u in until:
-        k = text.find(u)
-        if k != -1:
-            end = min(end, k)
-    return text[:end]
+    return text[: min((k for k in map(text.find, until) if k != -1), default=len(text))]

@@ -1,21 +1,11 @@
 """Evaluation sharded over Ray workers (`trimvlm eval --ray auto|local|ADDRESS --workers N`; optional extra
-`trimvlm[ray]`). docs/scale-out.md says how to point it at a cluster.
+`trimvlm[ray]`); docs/scale-out.md says how it runs and what is identical to one process.
 
-- `run_eval_ray` takes run_eval's own arguments (the model by name instead of loaded, plus the Ray settings);
-  any task of the one registry runs, generation and candidate items alike.
-- The driver builds the task and cuts its batches (run_eval's own `batches`) into shards of consecutive
-  batches. Each shard's items regroup into exactly those batches.
-- `workers` Ray actors each load the model once: on its own GPU (`num_gpus=1`) when the cluster has GPUs,
-  else on the CPU (`num_cpus=1`, one torch thread). Each runs `run_eval` on one shard after another, pulled
-  as it finishes the last (two in flight per worker), with the recipe order every batch has in one process
-  (`order_offset`); the driver's progress bar advances as shards come back.
-- Merge: per-item predictions into the task's order, the per-(probe, kind) cost sums of every shard added up
-  (`CostAcc.merge`), and scores and rows made from them by run_eval's own `finish`, so predictions,
-  scores, FLOPs and KV bytes are those of a single-process run (same batches, same calls). Times are sums
-  of what each worker measured; the ratios divide sums over all shards, and every shard interleaves its
-  recipes on its own worker (per-shard latency ratios are in `settings["ray"]["shards"]`). Peak memory is
-  the largest over the batches measured: with `memory="first"` every worker measures the first batch of
-  each probe kind it runs. Warm-up: every worker's first shard.
+`run_eval_ray` takes run_eval's own arguments (the model by name instead of loaded, plus the Ray settings). The
+driver cuts the task's batches (run_eval's own `batches`) into shards of consecutive batches; each worker loads
+the model once and runs `run_eval` on shard after shard with the recipe order every batch has in one process
+(`order_offset`). The merge puts the predictions back in the task's order, adds up the per-(probe, kind) cost
+sums (`CostAcc.merge`) and makes scores and rows with run_eval's own `finish`.
 """
 
 from __future__ import annotations
@@ -179,10 +169,7 @@ class RayEvaluator:
     def __call__(self, task: Task | str, recipes=None, *, progress: bool | None = None, **kw) -> EvalResult:
         """run_eval's result for `task` and `recipes` (run_eval's keyword arguments), sharded over the workers."""
         progress = self.progress if progress is None else progress
-        kw = {"batch_size": 16, "memory": "first", **kw}
-        check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
-        built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-        task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)
+        task, kw = _checked(task, kw, progress)
         recipes = normalize_recipes(recipes)
         shards = shards_of(task, kw["batch_size"], len(self.actors) * self.shards_per_worker)
         with progress_bar(self.console, progress) as bar:
@@ -211,14 +198,21 @@ def run_eval_ray(
     """`run_eval(vlm, task, recipes, **kw)` with the items sharded over `workers` Ray actors, each loading
     `model` (a checkpoint folder or "demo", on every node) once with `load_kw`: on its own GPU when the cluster
     has GPUs and `load_kw` names no device or a CUDA one, else on the CPU. `workers` None: one per GPU (GPU
-    workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see the module docstring
+    workers), else per CPU. `ray_address`: see `connect`. The result is run_eval's (see docs/scale-out.md
     for what is identical to one process and what is per shard); `settings["ray"]` says how it ran."""
-    check_run_args(kw.get("memory", "first"), kw.get("batch_size", 16), kw.get("max_new_tokens"))
-    built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-    task = prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built)  # bad input fails before Ray
+    task, kw = _checked(task, kw, progress)  # bad input fails before Ray
     with RayEvaluator(model, workers=workers, ray_address=ray_address, load_kw=load_kw,
                       shards_per_worker=shards_per_worker, progress=progress, console=console) as ev:  # fmt: skip
         return ev(task, recipes, **kw)
+
+
+def _checked(task: Task | str, kw: dict, progress: bool) -> tuple[Task, dict]:
+    """run_eval's checks and its task (built by name, cut to `limit`, capped), before any Ray work; the rest of
+    run_eval's keyword arguments."""
+    kw = {"batch_size": 16, "memory": "first", **kw}
+    check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
+    built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
+    return prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built), kw
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):

@@ -1,16 +1,7 @@
-"""Budgets of `trimvlm tune`: ratios to the uncompressed model on the same items, per cost axis.
-
-`--budget total_flops=0.85 --budget total_flops=0.75 --budget kv_bytes=0.3` gives two budget points, each the
-combination of one value per axis (the product over axes): {total_flops 0.85, kv_bytes 0.3} and
-{total_flops 0.75, kv_bytes 0.3}. Axes:
-
-- `total_flops`: the model's FLOPs (vision, prefill, decode) plus every method's own;
-- `prefill_flops`: the model's prefill FLOPs (vision included);
-- `kv_bytes`: the KV held at the prefill/decode boundary;
-- `latency`: the timed phases, measured in the same process as the baseline.
-
-Prefill FLOPs and KV bytes follow from the recipe and the input shapes (`tune.predict`); decode FLOPs, method
-FLOPs and latency are measured.
+"""Budgets of `trimvlm tune`: ratios to the uncompressed model on the same items, per cost axis (`AXES`;
+docs/tune.md says what each counts). Values of one axis are several budget points; values of different axes
+combine (the product over axes): `--budget total_flops=0.85 --budget total_flops=0.75 --budget kv_bytes=0.3`
+gives {total_flops 0.85, kv_bytes 0.3} and {total_flops 0.75, kv_bytes 0.3}.
 """
 
 from __future__ import annotations

@@ -25,10 +25,12 @@ from typing import NamedTuple
 
 import torch
 
+from trimvlm.evals.tasks.base import Record
 from trimvlm.kernels.select import keep_count
 from trimvlm.plan import LayerPlan, build_methods, make_plan
 from trimvlm.recipe import parse_recipe
 from trimvlm.runtime.layers import ATTENTION
+from trimvlm.tokens.base import _image_of, make_view
 
 
 class Unit(NamedTuple):
@@ -68,8 +70,6 @@ class Predicted:
 
 def read_shapes(vlm, task, batch_list: list[list[int]]) -> list[BatchShape] | None:
     """The shapes of every batch; None when the task holds items other than generation records."""
-    from trimvlm.evals.tasks.base import Record
-
     records = task.records
     if not all(isinstance(r, Record) for r in records):
         return None
@@ -82,8 +82,6 @@ def read_shapes(vlm, task, batch_list: list[list[int]]) -> list[BatchShape] | No
 
 def _shape(vlm, images: list, prompts: list, plan=None) -> BatchShape:
     """One batch's shape, its images prepared as `plan` says (its resolution: tokens=downsample)."""
-    from trimvlm.tokens.base import _image_of, make_view
-
     runner = vlm.runner
     prepared = vlm.prepare(images, prompts, plan=plan)
     seq = vlm.adapter.layout_seq(prepared)  # the layout only: the tower runs once per new shape, to be counted

@@ -8,13 +8,12 @@ import json
 from pathlib import Path
 
 from trimvlm.depth.base import model_fingerprint
+from trimvlm.depth.calibration import rank, write_ranking
 
 CALIBRATION_INPUTS = 48
 
 
 def calibrate_rankings(vlm, space, val, folder: Path, batch_size: int = 16) -> None:
-    from trimvlm.depth.calibration import rank, write_ranking
-
     fp = model_fingerprint(vlm.adapter)
     for method in space.rankers:
         path = Path(folder) / f"{method}.json"

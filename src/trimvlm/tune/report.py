@@ -1,13 +1,7 @@
-"""What `trimvlm tune` writes to its folder:
-
-- `tune.json`: the whole report (budgets, each point's ranking and best, every last-round entry with its
-  validation and test figures, the frontier per cost axis, what was skipped and why, recipes run / considered);
-  `tuned=DIR:budget=X` reads it;
-- `best.yaml`: the best recipe of every budget point (a recipes file: `trimvlm eval --recipes DIR/best.yaml`),
-  and `best-<budget>.yaml`, one recipe each (`--recipe DIR/best-total_flops-0.75.yaml`);
-- `recipes/<n>.yaml`: one recipe per frontier entry;
-- `frontier.md` (the test figures as a table) and `frontier.png` (accuracy against each cost axis).
-Every recipe file carries `tuned_for`, the model's fingerprint: another model refuses it.
+"""What `trimvlm tune` writes to its folder (docs/tune.md lists it): `tune.json` (the whole report, which
+`tuned=DIR:budget=X` reads), `best.yaml` and `best-<budget>.yaml` (each point's best), `recipes/<n>.yaml` (one per
+frontier entry), `frontier.md` and `frontier.png`. Every recipe file carries `tuned_for`, the model's
+fingerprint: another model refuses it.
 """
 
 from __future__ import annotations
@@ -73,6 +67,11 @@ def _cell(e: dict) -> str:
     return f"{100 * t['accuracy']:.1f}% (mismatch {mm})"
 
 
+def _ratios(e: dict) -> str:
+    """An entry's test ratios to the baseline: total FLOPs | KV bytes | latency."""
+    return " | ".join(f"{e['test']['ratio'][k]:.3f}x" for k in ("total_flops", "kv_bytes", "latency_s"))
+
+
 def markdown(rep: dict) -> str:
     by_spec = {e["spec"]: e for e in rep["entries"]}
     lines = [f"# trimvlm tune: {rep['model'].get('family', '')} on {rep['task']}", "",
@@ -87,9 +86,7 @@ def markdown(rep: dict) -> str:
         if e is None:
             lines.append(f"| {b['label']} | none fits | - | - | - | - |")
             continue
-        ratio = e["test"]["ratio"]
-        lines.append(f"| {b['label']} | `{e['spec']}` | {_cell(e)} | {ratio['total_flops']:.3f}x | "
-                     f"{ratio['kv_bytes']:.3f}x | {ratio['latency_s']:.3f}x |")  # fmt: skip
+        lines.append(f"| {b['label']} | `{e['spec']}` | {_cell(e)} | {_ratios(e)} |")
     base = by_spec["baseline"]
     lines += ["", f"Baseline: {_cell(base)}, {human(base['test'].get('n', 0))} items.", "", "## Frontier (test figures)",
               "", "| recipe | on the frontier of | test accuracy | total FLOPs | KV bytes | latency |",
@@ -97,9 +94,7 @@ def markdown(rep: dict) -> str:
     for spec in dict.fromkeys(s for f in rep["frontier"].values() for s in f):
         e = by_spec[spec]
         axes = ", ".join(a for a in FRONTIER_AXES if spec in rep["frontier"][a])
-        ratio = e["test"]["ratio"]
-        lines.append(f"| `{spec}` | {axes} | {_cell(e)} | {ratio['total_flops']:.3f}x | {ratio['kv_bytes']:.3f}x | "
-                     f"{ratio['latency_s']:.3f}x |")  # fmt: skip
+        lines.append(f"| `{spec}` | {axes} | {_cell(e)} | {_ratios(e)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,27 +1,15 @@
-"""`trimvlm.tune(vlm, task, budgets)`: the best recipe for each cost budget, found on the validation split.
-
-For every budget point (`tune.budgets`) and every family of the space (`tune.space`):
-1. **Prediction first.** The family's token `keep` is bisected on the predicted costs (`tune.predict`: prefill
-   FLOPs and KV bytes are exact from the shapes; total FLOPs are predicted as the prefill plus the baseline's
-   decode) over all the validation items: the largest keep in [low, high] whose predicted ratios meet the
-   budget. A family that is over budget on those even at the lowest keep, or a fixed family over budget, is
-   skipped before it runs. The budget is a ratio over all the validation items, not over a round's: with
-   images of several sizes a few items' cost mix (how much of it the vision tower is, how much padding a batch
-   has) can differ from all of them by several points, and a keep bisected on them would under- or overspend.
-   With a beam (the space's `beam: B`), round 0 runs the one-axis families first, and the joint families
-   (tokens+kv, tokens+depth) are formed with the B best token families of that round only.
-2. **Successive halving.** Round r runs the surviving candidates on the first n_r items of a seeded permutation
-   of the validation items (n_0 = `start`, then x `eta` up to all of them), in one interleaved `run_eval`
-   call with the baseline. Its measured ratio on a predicted axis is projected to all the validation items
-   (measured - predicted on the round's items, the recipe's own offset such as its method FLOPs, plus the
-   prediction on all of them; equal to the measurement in the last round, which runs them all). A candidate
-   whose ratio is over the budget (beyond `tol`) gets its keep re-bisected with the measured offset (latency:
-   scaled by budget / measured) and runs again, at most `corrections` times; then it is dropped. The best 1 / eta (by validation accuracy, then
-   mismatch, then total FLOPs) go on to the next round. The last round's ranking gives the point's best.
-3. **Frontier.** Every candidate that reached the last round of some point, with the baseline, is a point of
-   (cost ratio, validation accuracy); the non-dominated ones for each of total FLOPs, KV bytes and latency are
-   the frontier. The frontier and each point's best are then evaluated once on the test split (never seen
-   before: the test items are read only here), in one interleaved call, and those are the figures reported.
+"""`trimvlm.tune(vlm, task, budgets)`: the best recipe for each cost budget, found on the validation split
+(docs/tune.md describes the search). For every budget point (`tune.budgets`) and every family of the space
+(`tune.space`):
+1. **Prediction first.** The family's token `keep` is bisected on the predicted costs (`tune.predict`) over all
+   the validation items; a family over budget even at the lowest keep is skipped before it runs. With a beam,
+   round 0 runs the one-axis families first and the joint families are formed with its B best token families.
+2. **Successive halving.** Round r runs the survivors on the first n_r items of a seeded permutation in one
+   interleaved `run_eval` call with the baseline; a measured ratio is projected to all the validation items; a
+   candidate over budget gets its keep re-bisected (at most `corrections` times), then it is dropped; the best
+   1 / eta go on.
+3. **Frontier.** The non-dominated last-round candidates per cost axis and each point's best are evaluated once
+   on the test split (read only here).
 Seeded (the item permutation), resumable (`tune.journal`), with a progress bar.
 """
 
@@ -37,10 +25,13 @@ from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.evals.plot import Point, pareto_front
 from trimvlm.evals.run import batches
-from trimvlm.plan import make_plan
+from trimvlm.evals.tasks import TASKS, get_task
+from trimvlm.plan import build_methods, make_plan
+from trimvlm.progress import steps
 from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
-from trimvlm.tune.journal import Journal, spec_of
+from trimvlm.tune.journal import Journal, local_evaluator, spec_of
 from trimvlm.tune.predict import predict, read_shapes
+from trimvlm.tune.rankings import calibrate_rankings
 from trimvlm.tune.space import Family, Space, load_space
 
 FRONTIER_AXES = ("total_flops", "kv_bytes", "latency_s")
@@ -116,8 +107,6 @@ class Search:
         """An estimate's stand-in for what the shapes cannot tell: a token reducer whose counts follow the data
         (or that changes the vision input) is costed as the shared rule at its layer, a KV policy with a
         per-layer split as the same keep in every layer. Its candidates are then measured and corrected."""
-        from trimvlm.plan import build_methods
-
         methods, out = build_methods(recipe), dict(recipe)
         tokens, kv = methods.get("tokens"), methods.get("kv")
         if tokens is not None and not tokens.predictable:
@@ -152,8 +141,6 @@ class Search:
         return lo
 
     def keep_grid(self, fam: Family):
-        from trimvlm.plan import build_methods
-
         return getattr(build_methods(fam.recipe(1.0)).get("tokens"), "keep_grid", None)
 
     def start(self, point: dict, idx, families: list[Family]) -> list[Candidate]:
@@ -317,8 +304,6 @@ def frontier(entries: list[dict]) -> dict[str, list[str]]:
 
 
 def check_splits(task: str, val_split: str, test_split: str, data) -> None:
-    from trimvlm.evals.tasks.base import TASKS
-
     entry = TASKS.get(str(task))
     if entry is None and data is None:
         raise InputError(f"task {task!r} has no validation split: tune searches a registered task's "
@@ -339,11 +324,6 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     it). `on_run(n)` is called after each evaluation call (n recipes run). `evaluate(task, recipes, **kw)`:
     where every evaluation runs (default run_eval in this process; a `RayEvaluator` shards them over Ray
     workers, with the same predictions and FLOPs, so the same frontier when the budgets are FLOPs or KV bytes)."""
-    from trimvlm.evals.tasks import get_task
-    from trimvlm.progress import steps
-    from trimvlm.tune.journal import local_evaluator
-    from trimvlm.tune.rankings import calibrate_rankings
-
     points = budget_points(budgets)
     if min_retention is not None and not 0 < min_retention <= 1:
         raise InputError(f"min_retention must be in (0, 1], got {min_retention!r}")
@@ -375,18 +355,8 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
         res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
                        progress=False)
         bar.advance()
-    for e in entries_l:
-        if e["spec"] in chosen or e["spec"] == "baseline":
-            row = res.row(e["spec"])
-            e["test"] = {k: row[k] for k in ("accuracy", "mismatch_pct", "retention", "n", "ratio")}
-            groups = [g for g in ("prefill", "full") if any(r["group"] == g for r in res.rows)]
-            e["test"]["by_probe"] = {g: {k: res.row(e["spec"], g)[k] for k in ("accuracy", "mismatch_pct")}
-                                     for g in groups}  # fmt: skip
-    for r in results:
-        r["best"] = r["ranking"][0] if r["ranking"] else None
-        best = next((e for e in entries_l if e["spec"] == r["best"]), None)
-        r["meets_min_retention"] = None if min_retention is None or best is None else \
-            (best["test"]["retention"] or 0) >= min_retention
+    _add_test(entries_l, [*chosen, "baseline"], res)
+    _add_best(results, entries_l, min_retention)
     return {"model": vlm.info() | {"fingerprint": fp}, "fingerprint": fp, "task": str(task),
             "splits": {"val": val_split, "test": test_split}, "n_val": len(val.records), "n_test": len(test.records),
             "seed": seed, "space": space.path, "budgets": results, "entries": entries_l, "frontier": front,
@@ -395,3 +365,23 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
             "left_out_by_beam": search.left_out,
             "evaluated_recipes": len(journal.ran), "skipped": search.skipped, "dropped": search.dropped,
             "touched_val_items": len(journal.touched)}  # fmt: skip
+
+
+def _add_test(entries: list[dict], specs: list[str], res) -> None:
+    """The test split's figures of the entries evaluated on it (`specs`), from its result `res`."""
+    groups = [g for g in ("prefill", "full") if any(r["group"] == g for r in res.rows)]
+    for e in entries:
+        if e["spec"] in specs:
+            row = res.row(e["spec"])
+            e["test"] = {k: row[k] for k in ("accuracy", "mismatch_pct", "retention", "n", "ratio")}
+            e["test"]["by_probe"] = {g: {k: res.row(e["spec"], g)[k] for k in ("accuracy", "mismatch_pct")}
+                                     for g in groups}  # fmt: skip
+
+
+def _add_best(results: list[dict], entries: list[dict], min_retention: float | None) -> None:
+    """Each budget point's best (the first of its ranking), and whether it keeps `min_retention` on the test."""
+    for r in results:
+        r["best"] = r["ranking"][0] if r["ranking"] else None
+        best = next((e for e in entries if e["spec"] == r["best"]), None)
+        r["meets_min_retention"] = None if min_retention is None or best is None else \
+            (best["test"]["retention"] or 0) >= min_retention

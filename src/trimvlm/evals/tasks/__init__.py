@@ -1,12 +1,9 @@
 """Evaluation tasks: a list of `Record`s plus generation settings, by name (`get_task`).
 
 - `base`: Record (the generation item), Task, the one registry `TASKS`; `lookup`: `get_task`, `benchmarks`,
-  `calibration_items`;
-- `demo`: the synthetic demo tasks (`demo`, `demo-candidates`); `scenes`: demo-scenes' task (`scenes`, `scenes-candidates`); `jsonl`: a task from a JSONL file in trimvlm's own schema;
-- `layout`: finding and reading a benchmark's local copy (Hugging Face datasets parquet shards, or JSONL +
-  image files); `benchmark`: the `Benchmark` description each benchmark file registers, and its loader;
-- one file per benchmark: pope, scienceqa, mmbench, ai2d, textvqa, docvqa (DocVQA and InfoVQA), chartqa,
-  mmvet. docs/benchmarks.md lists their prompts, probe kinds and metrics.
+  `calibration_items`; `jsonl`: a task from a JSONL file in trimvlm's own schema;
+- `demo` and `scenes`: the synthetic tasks of the demo models; `benchmark`: the `Benchmark` description each
+  benchmark file (pope, scienceqa, mmbench, ai2d, textvqa, docvqa, chartqa, mmvet) registers, and its loader.
 
 Every module of this package is imported when it is (`protocol.discover`: no list kept by hand), so a new
 file that registers a task or a benchmark is one.
@@ -14,30 +11,23 @@ file that registers a task or a benchmark is one.
 
 from trimvlm.evals.tasks.base import (
     GROUP_PROBES,
-    OPTION_INSTRUCTION,
     PROBES,
-    SHORT_INSTRUCTION,
     TASKS,
     Record,
     Task,
     TaskEntry,
     check_limit,
     check_prefill_answers,
-    option_lines,
     register_task,
 )
 from trimvlm.evals.tasks.benchmark import Benchmark, load_benchmark, register_benchmark
-from trimvlm.evals.tasks.demo import DEMO_DEFAULT_ITEMS, DEMO_METRICS, demo_candidate_task, demo_task
-from trimvlm.evals.tasks.jsonl import load_jsonl, record_from_json
+from trimvlm.evals.tasks.demo import demo_candidate_task, demo_task
+from trimvlm.evals.tasks.jsonl import load_jsonl
 from trimvlm.evals.tasks.lookup import benchmarks, calibration_items, get_task
 from trimvlm.protocol import discover
 
 __all__ = [
-    "DEMO_DEFAULT_ITEMS",
-    "DEMO_METRICS",
-    "OPTION_INSTRUCTION",
     "PROBES",
-    "SHORT_INSTRUCTION",
     "TASKS",
     "Benchmark",
     "Record",
@@ -53,8 +43,6 @@ __all__ = [
     "get_task",
     "load_benchmark",
     "load_jsonl",
-    "option_lines",
-    "record_from_json",
     "register_benchmark",
     "register_task",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 
 from trimvlm.errors import InputError
 from trimvlm.evals.items import ItemsRun
-from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
+from trimvlm.evals.metrics import OPTION_LETTERS, get_metric, option_gold
 from trimvlm.options import is_int
 
 PROBES = ("prefill", "full")  # of generation records
@@ -156,7 +156,7 @@ def check_prefill_answers(task: Task, tokenizer) -> None:
             continue
         refs = r.answers
         if r.metric == "option":
-            refs = [OPTION_LETTERS[get_metric("option").gold(r.answers, r.options)]]
+            refs = [OPTION_LETTERS[option_gold(r.answers, r.options)]]
         lengths = [
             min(
                 len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (a.strip(), " " + a.strip())

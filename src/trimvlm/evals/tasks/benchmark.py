@@ -9,6 +9,7 @@ decodes their images under a progress bar and returns the Task.
 
 from __future__ import annotations
 
+import ast
 import math
 import random
 from collections.abc import Callable
@@ -120,8 +121,6 @@ def option_letter(index, n_options: int, where: str, column: str = "answer") -> 
 def string_list(row: dict, column: str, where: str, at_least: int = 2) -> list[str]:
     value = row.get(column)
     if isinstance(value, str) and value.startswith("["):  # a list written as text in some JSONL exports
-        import ast
-
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -45,6 +45,24 @@ def demo_questions(limit: int | None, seed: int, split: str, generator=None, def
     return samples, questions[:n]
 
 
+def question_records(questions: list[DemoQuestion], metrics: dict[str, str]) -> list[Record]:
+    """The generation records of drawn questions, scored by `metrics[kind]` (the options are already part of
+    each question's text)."""
+    return [Record(id=qid, images=[s.image], question=qa.question, answers=[qa.answer], options=qa.options,
+                   probe=qa.probe, metric=metrics[qa.kind], kind=qa.kind, prompt=qa.question)
+            for qid, s, qa in questions]  # fmt: skip
+
+
+def candidate_items(questions: list[DemoQuestion]) -> list[CandidateItem]:
+    """The drawn questions, each scored over its fixed candidates."""
+    return [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
+                          answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
+
+
+def split_info(split: str, seed: int, samples) -> dict:
+    return {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
+
+
 SPLITS = ("train", "val", "test")
 
 
@@ -55,20 +73,7 @@ def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> T
     from trimvlm.demo import task as demo
 
     samples, questions = demo_questions(limit, seed, split)
-    records = [
-        Record(
-            id=qid,
-            images=[s.image],
-            question=qa.question,
-            answers=[qa.answer],
-            options=qa.options,
-            probe=qa.probe,
-            metric=DEMO_METRICS[qa.kind],
-            kind=qa.kind,
-            prompt=qa.question,  # options are already part of the demo's question text
-        )
-        for qid, s, qa in questions
-    ]
+    records = question_records(questions, DEMO_METRICS)
     # Caps for the full-pipeline kinds: the longest possible answer plus its end token (a list names at most
     # MAX_OBJECTS colours; a drawn string has 3-4 glyphs), never below the longest reference here + 1, so a
     # truncated answer can never equal a reference. A model that answers right always stops before the cap.
@@ -81,7 +86,7 @@ def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> T
         records=records,
         max_new_tokens=max(caps.values()),
         prefill_tokens=1,
-        info={"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1},
+        info=split_info(split, seed, samples),
         kind_max_new_tokens=caps,
     )
 
@@ -90,10 +95,8 @@ def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> T
 def demo_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """`limit` candidate questions (default 300) of the demo task's `split`, one of every kind per image."""
     samples, questions = demo_questions(limit, seed, split)
-    items = [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
-                           answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
-    info = {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
-    return Task(name="demo-candidates", records=items, max_new_tokens=1, info=info)
+    return Task(name="demo-candidates", records=candidate_items(questions), max_new_tokens=1,
+                info=split_info(split, seed, samples))  # fmt: skip
 
 
 DECISION_KINDS = ("exist", "mc", "count")

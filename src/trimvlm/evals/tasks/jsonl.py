@@ -20,12 +20,13 @@ see `trimvlm.data.layout`.)
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from PIL import Image
 
 from trimvlm.errors import InputError
-from trimvlm.evals.metrics import get_metric
+from trimvlm.evals.metrics import get_metric, option_gold
 from trimvlm.evals.tasks.base import PROBES, Record, Task, check_limit
 
 
@@ -37,20 +38,29 @@ def _strings(value, what: str, where: str) -> list[str]:
     raise InputError(f"{where}: {what} must be a string or a list of strings, got {value!r}")
 
 
+def _images(paths, folder: Path, rid, where: str) -> list[Path]:
+    """The record's image files (relative to `folder`), each decoded now: a broken image stops the task before
+    the run, never in the middle of it."""
+    images = []
+    for p in _strings(paths, "images", where):
+        path = Path(p).expanduser()
+        path = path if path.is_absolute() else folder / path
+        if not path.exists():
+            raise InputError(f"{where}: image file not found: {path}")
+        try:
+            with Image.open(path) as im:
+                im.load()
+        except Exception as e:  # PIL raises several types for unreadable files
+            raise InputError(
+                f"{where}: record {rid!s}: image {path} cannot be decoded "
+                f"({type(e).__name__}); give a PNG/JPEG/... file PIL can open"
+            ) from None
+        images.append(path)
+    return images
+
+
 def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Record:
-    known = {
-        "id",
-        "image",
-        "images",
-        "question",
-        "answer",
-        "answers",
-        "options",
-        "metric",
-        "probe",
-        "kind",
-        "prompt",
-    }
+    known = {f.name for f in fields(Record)} | {"image", "answer"}
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - known)
@@ -70,22 +80,7 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     options = _strings(obj["options"], "options", where) if obj.get("options") is not None else None
     if "image" in obj and "images" in obj:
         raise InputError(f"{where}: give 'image' or 'images', not both")
-    paths = obj.get("images", obj.get("image")) or []
-    images = []
-    for p in _strings(paths, "images", where):
-        path = Path(p).expanduser()
-        path = path if path.is_absolute() else folder / path
-        if not path.exists():
-            raise InputError(f"{where}: image file not found: {path}")
-        try:  # decode now: a broken image stops the task before the run, never in the middle of it
-            with Image.open(path) as im:
-                im.load()
-        except Exception as e:  # PIL raises several types for unreadable files
-            raise InputError(
-                f"{where}: record {obj.get('id', default_id)!s}: image {path} cannot be decoded "
-                f"({type(e).__name__}); give a PNG/JPEG/... file PIL can open"
-            ) from None
-        images.append(path)
+    images = _images(obj.get("images", obj.get("image")) or [], folder, obj.get("id", default_id), where)
     metric = str(obj.get("metric", "option" if options else "exact"))
     try:
         get_metric(metric)
@@ -97,7 +92,7 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     if probe not in PROBES:
         raise InputError(f"{where}: unknown probe kind {probe!r}; allowed: {', '.join(PROBES)}")
     if metric == "option":
-        get_metric("option").gold(answers, options)  # the reference must name one of the options
+        option_gold(answers, options)  # the reference must name one of the options
     prompt = obj.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InputError(f"{where}: 'prompt' must be a string")

@@ -5,9 +5,8 @@ the five colours, largest: its option letters, read: the string and three near m
 
 from __future__ import annotations
 
-from trimvlm.evals.items import CandidateItem
-from trimvlm.evals.tasks.base import Record, Task, register_task
-from trimvlm.evals.tasks.demo import SPLITS, demo_questions
+from trimvlm.evals.tasks.base import Task, register_task
+from trimvlm.evals.tasks.demo import SPLITS, candidate_items, demo_questions, question_records, split_info
 
 SCENES_DEFAULT_ITEMS = 600
 SCENES_METRICS = {
@@ -27,22 +26,13 @@ def _questions(limit, seed, split):
     return demo_questions(limit, seed, split, generator=scenes, default=SCENES_DEFAULT_ITEMS)
 
 
-def _info(split: str, seed: int, samples) -> dict:
-    return {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
-
-
 @register_task("scenes", "the scenes task (160-400 visual tokens, objects spanning many): generated answers "
                "(600 test questions)", splits=SPLITS, candidates="scenes-candidates")  # fmt: skip
 def scenes_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """`limit` questions (default 600) of the scenes task's `split`, one of every kind per image."""
     samples, questions = _questions(limit, seed, split)
-    records = [
-        Record(id=qid, images=[s.image], question=qa.question, answers=[qa.answer], options=qa.options,
-               probe=qa.probe, metric=SCENES_METRICS[qa.kind], kind=qa.kind, prompt=qa.question)
-        for qid, s, qa in questions
-    ]  # fmt: skip
-    return Task(name="scenes", records=records, max_new_tokens=READ_CAP, prefill_tokens=1,
-                info=_info(split, seed, samples), kind_max_new_tokens={"read": READ_CAP})  # fmt: skip
+    return Task(name="scenes", records=question_records(questions, SCENES_METRICS), max_new_tokens=READ_CAP,
+                prefill_tokens=1, info=split_info(split, seed, samples), kind_max_new_tokens={"read": READ_CAP})  # fmt: skip
 
 
 @register_task("scenes-candidates", "the scenes task's questions, each scored over its fixed candidates",
@@ -50,6 +40,5 @@ def scenes_task(limit: int | None = None, seed: int = 0, split: str = "test") ->
 def scenes_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """`limit` candidate questions (default 600) of the scenes task's `split`, one of every kind per image."""
     samples, questions = _questions(limit, seed, split)
-    items = [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
-                           answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
-    return Task(name="scenes-candidates", records=items, max_new_tokens=1, info=_info(split, seed, samples))
+    return Task(name="scenes-candidates", records=candidate_items(questions), max_new_tokens=1,
+                info=split_info(split, seed, samples))  # fmt: skip
