@@ -16,6 +16,7 @@ import os
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -56,6 +57,15 @@ class Prepared:
             self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
             model_inputs=inputs,
         )  # fmt: skip
+
+
+class Images(NamedTuple):
+    """What a family's image processor made of a batch's images (`Adapter.process_images`): the model inputs,
+    per sample the prompt text of each image, per sample the tiles of each image (tiled families; None: none)."""
+
+    inputs: dict
+    blocks: list[list[str]]
+    tiles: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -305,17 +315,92 @@ class Adapter:
             "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
         )
 
+    @on_host
     def prepare_processed(self, inputs: list[dict]) -> Prepared:
         """A left-padded batch from the processor outputs of single prompts (`decision_processor`'s, each a
         batch of one with its sentinels dropped)."""
-        raise NotImplementedError(f"{self.family}: no batch from processor outputs")
+        ids, att = self.pad_batch([x["input_ids"][0].tolist() for x in inputs])
+        given = [x for x in inputs if x.get("pixel_values") is not None]
+        model_inputs = {}
+        for k in ("pixel_values", *self.processed_image_inputs) if given else ():
+            model_inputs[k] = torch.cat([x[k] for x in given])
+        if given:
+            model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.model.dtype)
+        per_image = [self.processed_images(x) for x in inputs]
+        return Prepared(
+            ids, att, model_inputs | self.token_inputs(ids), n_images=[len(p) for p in per_image],
+            image_keys=[[pixel_key(c) for c in p] for p in per_image],
+        )  # fmt: skip
+
+    processed_image_inputs: tuple[str, ...] = ()  # processor outputs concatenated beside the pixels
+
+    def processed_images(self, inputs: dict) -> list[torch.Tensor]:
+        """The pixels of each image of one processor output."""
+        return [] if inputs.get("pixel_values") is None else list(inputs["pixel_values"])
 
     # ---- to implement per family ----
-    def prepare(self, images, prompts: list[str]) -> Prepared:
+    def process_images(self, per_sample: list[list[Image.Image]]) -> Images:
+        """The family's image processor over a batch's images (at least one)."""
         raise NotImplementedError
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
-        raise NotImplementedError
+    def image_features(self, prepared: Prepared, probe, grids):
+        """The vision tower's output for the batch's images (`pooler_output`), with the probe's records when one
+        is given. The default fits families whose `get_image_features` reads a feature layer and strategy from
+        the config (LLaVA, InternVL)."""
+        cfg = self.model.config
+        pixel_values = prepared.model_inputs["pixel_values"]
+        return self.encode_vision(
+            probe,
+            lambda: self.inner.get_image_features(
+                pixel_values=pixel_values,
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            ),
+            lambda rec: self._vision_units(rec, pixel_values),
+            grids,
+        )
+
+    def vision_adds(self, out, embeds, visual) -> dict:
+        """Per-position tensors the family adds after given layers (`LiveSeq.adds`; Qwen3-VL deepstack)."""
+        return {}
+
+    @on_host
+    def prepare(self, images, prompts: list[str]) -> Prepared:
+        """A left-padded batch of `prompts` (strings or `Conversation`s), one image entry per prompt."""
+        per_sample = load_images(images, len(prompts))
+        found = Images({}, [[] for _ in per_sample])
+        if any(per_sample):
+            found = self.process_images(per_sample)
+        rows = [
+            self.tokenize(self.render_prompt(prompt, len(ims), blocks.__getitem__))
+            for ims, prompt, blocks in zip(per_sample, prompts, found.blocks, strict=True)
+        ]
+        ids, att = self.pad_batch(rows)
+        return Prepared(
+            ids, att, found.inputs | self.token_inputs(ids), n_images=[len(x) for x in per_sample],
+            tiles=found.tiles or [[] for _ in per_sample], image_keys=image_keys(per_sample),
+        )  # fmt: skip
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"]
+
+    def token_inputs(self, ids: torch.Tensor) -> dict:
+        """Model inputs read from the padded token ids (Qwen-VL's `mm_token_type_ids`)."""
+        return {}
+
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
+        """The batch's live sequence: token embeddings with the image features written at the visual tokens
+        (the vision tower runs here, with `vision`, a `VisionProbe`, recording), positions and layout."""
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self.layout(prepared)
+        adds = {}
+        if "pixel_values" in prepared.model_inputs:
+            out = self.image_features(prepared, vision, grids)
+            embeds = self.merge_features(embeds, visual, out.pooler_output)
+            adds = self.vision_adds(out, embeds, visual)
+        positions = self.positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts, adds)
 
     def layout(self, prepared: Prepared):
         """Where the batch's images lie, read from the token ids and image grids alone: (visual [B, S] bool,
@@ -547,8 +632,7 @@ class Adapter:
             image_keys=prepared.image_keys,
         )
 
-    @staticmethod
-    def running_positions(prepared: Prepared) -> torch.Tensor:
+    def positions(self, prepared: Prepared) -> torch.Tensor:
         """[1, B, S] 1-D position ids: the count of real tokens before each one, as transformers' `generate`
         computes them for a left-padded batch (its plain forward counts padding too; RoPE only sees
         differences, so the logits of real tokens are the same)."""
@@ -556,29 +640,40 @@ class Adapter:
         return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)[None]
 
     @staticmethod
-    def tile_layout(visual: torch.Tensor, grid: tuple[int, int], token: str):
-        """Families whose images are runs of equal tiles (Idefics3, InternVL): per sample, one `grid` per
-        tile, the index of each tile's first token, and tile ids [B, S] (-1 on text)."""
+    def unit_layout(visual: torch.Tensor, sizes: list[list[int]], offset: int = 0):
+        """Units (images, or tiles) whose tokens are the visual tokens in order, per sample `sizes[b][j]` of them
+        for unit j: (unit ids [B, S] (-1 on text), per sample the index of each unit's first token + `offset`)."""
         image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
-        n = grid[0] * grid[1]
-        grids, starts = [], []
-        for b in range(visual.shape[0]):
-            idx = torch.nonzero(visual[b]).flatten()
-            if idx.numel() and (n == 0 or idx.numel() % n):
+        starts = []
+        for b, counts in enumerate(sizes):
+            idx, first = torch.nonzero(visual[b]).flatten(), 0
+            starts.append([])
+            for j, n in enumerate(counts):
+                image_id[b, idx[first : first + n]] = j
+                starts[b].append(int(idx[first]) + offset)
+                first += n
+        return image_id, starts
+
+    def tile_layout(self, visual: torch.Tensor, grid: tuple[int, int], token: str):
+        """Families whose images are runs of equal tiles (Idefics3, InternVL): (visual, tile ids [B, S] (-1 on
+        text), per sample one `grid` per tile, the index of each tile's first token)."""
+        n, grids = grid[0] * grid[1], []
+        for b, found in enumerate(visual.sum(1).tolist()):
+            if found and (n == 0 or found % n):
                 raise InputError(
-                    f"sample {b} has {idx.numel()} {token} tokens, not a multiple of the {n} tokens of one "
+                    f"sample {b} has {found} {token} tokens, not a multiple of the {n} tokens of one "
                     f"tile; do not write {token} in a prompt, pass the images instead"
                 )
-            count = idx.numel() // n if n else 0
-            grids.append([grid] * count)
-            starts.append([int(idx[t * n]) for t in range(count)])
-            for t in range(count):
-                image_id[b, idx[t * n : (t + 1) * n]] = t
-        return image_id, grids, starts
+            grids.append([grid] * (found // n if n else 0))
+        image_id, starts = self.unit_layout(visual, [[n] * len(g) for g in grids])
+        return visual, image_id, grids, starts
 
     @staticmethod
-    def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Write the image features, in order, at the visual positions of the text embeddings."""
+    def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats) -> torch.Tensor:
+        """Write the image features (a tensor, or a list of per-image tensors), in order, at the visual positions
+        of the text embeddings."""
+        if isinstance(feats, list | tuple):
+            feats = torch.cat(list(feats), dim=0)
         feats = feats.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
         if feats.shape[0] != int(visual.sum()):
             raise InputError(
@@ -618,23 +713,6 @@ class Adapter:
             raise InputError(f"the vision tower encoded {len(units)} units, the prompts have {len(flat)}")
         probe.results.update(zip(flat, units, strict=True))
         return out
-
-    def encode_feature_layer(self, prepared: Prepared, probe, grids):
-        """The vision tower's output for families whose `get_image_features` reads a feature layer and strategy
-        from the config (LLaVA, InternVL), with the probe's records when one is given."""
-        cfg = self.model.config
-        pixel_values = prepared.model_inputs["pixel_values"]
-        return self.encode_vision(
-            probe,
-            lambda: self.inner.get_image_features(
-                pixel_values=pixel_values,
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            ),
-            lambda rec: self._vision_units(rec, pixel_values),
-            grids,
-        )
 
     @staticmethod
     def vision_tokens(stat: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor) -> list:
