@@ -174,24 +174,19 @@ def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]
 def image_keys(per_sample: list[list[Image.Image]]) -> list[list[int]]:
     """A 63-bit fingerprint of each image's pixels and size: the identity a seeded random choice draws from,
     so an image gets the same subset alone or in any batch, and different images different subsets."""
-    out = []
-    for ims in per_sample:
-        keys = []
-        for im in ims:
-            h = hashlib.blake2b(digest_size=8)
-            h.update(f"{im.size}{im.mode}".encode())
-            h.update(im.tobytes())
-            keys.append(int.from_bytes(h.digest(), "little") >> 1)
-        out.append(keys)
-    return out
+    return [[_key63(f"{im.size}{im.mode}", im.tobytes()) for im in ims] for ims in per_sample]
 
 
 def pixel_key(pixels: torch.Tensor) -> int:
     """`image_keys`' fingerprint of one image already turned into pixel values (a decision request's images reach
     trimvlm through the processor): its shape and bytes."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(str(tuple(pixels.shape)).encode())
-    h.update(pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return _key63(str(tuple(pixels.shape)), data)
+
+
+def _key63(shape: str, data: bytes) -> int:
+    h = hashlib.blake2b(shape.encode(), digest_size=8)
+    h.update(data)
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -255,7 +250,8 @@ class Adapter:
             meta = json.loads((folder / "trimvlm.json").read_text())
             self.prompt_template = meta.get("prompt_template", self.prompt_template)
             self.use_chat_template = False
-        self._linear_macs = [self._count_linear_macs(layer) for layer in self.layers]
+        linear = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in self.layers]
+        self._linear_macs = [sum(m.in_features * m.out_features for m in ms) for ms in linear]
 
     # ---- the model's parts; the defaults fit transformers' `XForConditionalGeneration` layout ----
     @property
@@ -462,13 +458,11 @@ class Adapter:
         positions = torch.zeros(1, b, s, dtype=torch.long, device=visual.device)
         return self.sequence_from(prepared, empty, positions, visual, image_id, grids, starts)
 
-    @property
+    @functools.cached_property
     def layer_types(self) -> list[str]:
         """Per decoder layer its type (read once: the runner asks for it at every layer of every step)."""
-        if getattr(self, "_layer_types", None) is None:
-            types = getattr(self.text_config, "layer_types", None)
-            self._layer_types = list(types) if types else [ATTENTION] * len(self.layers)
-        return self._layer_types
+        types = getattr(self.text_config, "layer_types", None)
+        return list(types) if types else [ATTENTION] * len(self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -726,18 +720,17 @@ class Adapter:
         return [VisionUnit(received=received[u], keys=k[u]) for u in range(stat.shape[0])]
 
     # ---- cost accounting (matmul FLOPs of what ran) ----
-    @staticmethod
-    def _count_linear_macs(layer: torch.nn.Module) -> int:
-        return sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    @functools.cached_property
+    def _score_macs(self) -> int:
+        """Heads x head_dim, read from the config once."""
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_attention_heads * head_dim
 
     def layer_flops(self, i: int, batch: int, q: int, k: int) -> int:
         """Matmul FLOPs of layer i for `batch` rows of q queries over k keys (2 per multiply-add)."""
         flops = 2 * batch * q * self._linear_macs[i]
         if self.layer_types[i] == ATTENTION:
-            if getattr(self, "_score_macs", None) is None:  # heads x head_dim, read from the config once
-                cfg = self.text_config
-                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                self._score_macs = cfg.num_attention_heads * head_dim
             flops += 4 * batch * q * k * self._score_macs
         else:
             flops += self.linear_layer_core_flops(i, batch, q)

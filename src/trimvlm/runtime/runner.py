@@ -319,17 +319,8 @@ class Runner:
         `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence. The
         layers skipped are `skip` when given, else the plan's for this phase."""
         skip = _phase_skip(plan, phase, skip)
-        b, q = tokens.shape
-        dev = tokens.device
-        valid = torch.ones(b, q, dtype=torch.bool, device=dev) if valid is None else valid
-        seq = LiveSeq(
-            hidden=self.adapter.embed_tokens(tokens),
-            positions=positions,
-            valid=valid,
-            visual=torch.zeros(b, q, dtype=torch.bool, device=dev),
-            source=torch.full((b, q), -1, dtype=torch.long, device=dev),
-            image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
-        )
+        valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
+        seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
 
 

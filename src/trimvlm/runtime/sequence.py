@@ -42,6 +42,17 @@ class LiveSeq:
     # A content fingerprint of every image, per sample (seeded random choices draw per image from it).
     image_keys: list[list[int]] = field(default_factory=list)
 
+    @classmethod
+    def text(cls, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> LiveSeq:
+        """A chunk of text tokens (no image, no prefill index)."""
+        b, q = valid.shape
+        dev = valid.device
+        return cls(
+            hidden=hidden, positions=positions, valid=valid, visual=torch.zeros(b, q, dtype=torch.bool, device=dev),
+            source=torch.full((b, q), -1, dtype=torch.long, device=dev),
+            image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
+        )  # fmt: skip
+
     @property
     def batch(self) -> int:
         return self.hidden.shape[0]
