@@ -502,18 +502,11 @@ class Adapter:
     def render_prompt(self, prompt, n_images: int, image_block) -> str:
         """The text of one prompt (a string: one user turn with its images; or a `Conversation`), each image
         written by `image_block(k)`."""
-        if isinstance(prompt, Conversation):
-            return self.render_conversation(prompt, n_images, image_block)
-        if not isinstance(prompt, str) or not prompt.strip():
+        if isinstance(prompt, str) and prompt.strip():
+            prompt = Conversation((Turn("user", prompt, n_images),))
+        if not isinstance(prompt, Conversation):
             raise InputError("empty prompt: give a non-empty question or instruction")
-        images = "".join(image_block(k) for k in range(n_images))
-        if self.use_chat_template:
-            content = [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
-            return self._expand_chat_images(text, image_block)
-        return images + self.prompt_template.format(prompt=prompt, question=prompt)
+        return self.render_conversation(prompt, n_images, image_block)
 
     def render_conversation(self, conv: Conversation, n_images: int, image_block) -> str:
         """A conversation ending with a user turn, rendered for the next assistant turn. With a chat template:
@@ -529,7 +522,8 @@ class Adapter:
                 for t in conv.turns
             ]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self._expand_chat_images(text, image_block)
+            parts = text.split(self.chat_image_marker)  # each marker becomes that image's full block
+            return parts[0] + "".join(image_block(k) + rest for k, rest in enumerate(parts[1:]))
         system = " ".join(t.text for t in conv.turns if t.role == "system")
         parts, first = [], True
         for t in conv.turns:
@@ -541,15 +535,7 @@ class Adapter:
                 parts.append(f"{t.text} {self.tokenizer.eos_token}")
         return "".join(image_block(k) for k in range(n_images)) + " ".join(parts)
 
-    # what a chat template writes for one image; each occurrence becomes that image's full block
-    chat_image_marker: str = ""
-
-    def _expand_chat_images(self, text: str, image_block) -> str:
-        parts = text.split(self.chat_image_marker)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
+    chat_image_marker: str = ""  # what a chat template writes for one image
 
     PER_TOKEN = ("mm_token_type_ids", "token_type_ids")  # model inputs with one entry per token, padded too
 

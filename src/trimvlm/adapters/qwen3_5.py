@@ -91,11 +91,11 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
             # (every group's start states are taken before any group's final states are written back)
             key = n if groups is None else n * (int(groups.max()) + 1) + groups
             sels = [torch.nonzero(key == k).flatten() for k in key.unique().tolist()]
-            runs = [(sel, int(n[sel[0]]), cache.state_rows(i, sel)) for sel in sels if int(n[sel[0]]) > 0]
+            runs = [(sel, int(n[sel[0]]), cache.layer_rows(i, sel)) for sel in sels if int(n[sel[0]]) > 0]
             for sel, m, sub in runs:
                 out[sel, q - m :] = self._call(i, hidden[sel, q - m :], position_embeddings, sub)
             for sel, _, sub in runs:
-                cache.put_state_rows(i, sel, sub)
+                cache.put_layer_rows(i, sel, sub)
         if order is not None:
             back = torch.empty_like(out)
             back[rows, order] = out

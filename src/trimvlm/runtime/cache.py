@@ -230,19 +230,6 @@ class KVCache:
             return None
         return self.prefix.state_owner if layer_idx in self.prefix.states else None
 
-    def state_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
-        """A cache holding rows `rows` of one recurrent layer's states, to run a subset of the batch (rows
-        whose chunks hold different numbers of valid tokens); write back with `put_state_rows`. Own states are
-        copied; shared (prefix) states are handed on as a read-only broadcast view when the rows share one."""
-        sub = KVCache(self.num_layers)
-        own = self.states.get(layer_idx)
-        if own or self.prefix is None:
-            sub.states = state_rows({layer_idx: own or {}}, rows)
-        else:
-            sub.prefix = SharedPrefix([], self.prefix.states, self.prefix.state_owner.index_select(0, rows))
-        sub.keep_final_states = self.keep_final_states
-        return sub
-
     def put_state_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
         """Take rows `rows` of one recurrent layer's states from `sub` (out of place: new tensors)."""
         if not self.keep_final_states:
@@ -301,8 +288,8 @@ class KVCache:
 
     def layer_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
         """A cache holding rows `rows` of one layer (its KV entries or recurrent states, and the chunk being
-        written), to run that layer on a subset of the batch (a per-sample layer plan); write back with
-        `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
+        written), to run that layer on a subset of the batch (a per-sample layer plan, or the rows of a recurrent
+        layer with the same count of valid tokens); write back with `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
         same tensors, read by the rows' owners."""
         sub = KVCache(self.num_layers)
         if layer_idx in self.layers:

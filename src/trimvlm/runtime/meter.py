@@ -15,6 +15,7 @@ its own (the eval harness does).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -128,21 +129,18 @@ class Meter:
         """Record the cache after decoding (it only grows during decode, so this is its peak)."""
         self.costs.kv_bytes_peak = max(self.costs.kv_bytes_peak, cache.attention_bytes())
 
+    @contextlib.contextmanager
     def timer(self, phase: str):
-        meter = self
-
-        class _T:
-            def __enter__(self):
-                if meter.device.type == "cuda":
-                    torch.cuda.synchronize(meter.device)
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if meter.device.type == "cuda":
-                    torch.cuda.synchronize(meter.device)
-                meter.costs.seconds[phase] += time.perf_counter() - self.t0
-
-        return _T()
+        """Time the block on `phase` (CUDA synchronized at both ends)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.costs.seconds[phase] += time.perf_counter() - t0
 
     def start_memory(self) -> None:
         if self.track_tensors:
@@ -154,24 +152,17 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mem0 = torch.cuda.memory_allocated(self.device)
 
+    @contextlib.contextmanager
     def phase_memory(self, phase: str):
         """Context: with tensor tracking, record the peak of this phase over the live bytes at its start."""
-        import contextlib
-
-        meter = self
-
-        @contextlib.contextmanager
-        def _section():
-            if meter._tracker is None:
-                yield
-                return
-            meter._tracker.start_section()
-            try:
-                yield
-            finally:
-                meter.costs.peak_memory_phase[phase] = meter._tracker.end_section()
-
-        return _section()
+        if self._tracker is None:
+            yield
+            return
+        self._tracker.start_section()
+        try:
+            yield
+        finally:
+            self.costs.peak_memory_phase[phase] = self._tracker.end_section()
 
     def stop_memory(self) -> None:
         if self._tracker is not None:
