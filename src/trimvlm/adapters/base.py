@@ -8,6 +8,7 @@ evaluation never look at model classes; they talk to this protocol.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -301,15 +302,30 @@ class Adapter:
     # the decision config the model ships (a decision model's, read with its weights); None: read from the folder
     decision_config = None
 
+    def processor_options(self) -> dict | None:
+        """The options the family's transformers processor takes beside the image processor, tokenizer and chat
+        template (`decision_processor`); None: decision requests are not wired for the family."""
+        return None
+
     def decision_processor(self):
         """A fresh processor (or tokenizer, for a text-only model) for transformers' `decision.prepare_inputs`,
         over a copy of this adapter's tokenizer (prepare_inputs adds its sentinel tokens to it)."""
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
         from trimvlm.errors import UnsupportedModelError
 
-        raise UnsupportedModelError(
-            f"decision requests are not wired for the {self.family} family yet; supported: qwen3_vl, "
-            "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
-        )
+        options = self.processor_options()
+        if options is None:
+            raise UnsupportedModelError(
+                f"decision requests are not wired for the {self.family} family yet; supported: qwen3_vl, "
+                "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
+            )
+        tokenizer = copy.deepcopy(self.tokenizer)
+        if self.image_processor is None:  # a text-only backbone: transformers tokenizes with the tokenizer
+            return tokenizer
+        cls = images_only_processor(PROCESSOR_MAPPING_NAMES[self.model.config.model_type])
+        chat_template = getattr(tokenizer, "chat_template", None)
+        return cls(image_processor=self.image_processor, tokenizer=tokenizer, chat_template=chat_template, **options)
 
     @on_host
     def prepare_processed(self, inputs: list[dict]) -> Prepared:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Images, Prepared, images_only_processor
+from trimvlm.adapters.base import Adapter, Images, Prepared
 from trimvlm.errors import InputError
 
 IMAGE = "<image>"
@@ -62,17 +62,11 @@ class LlavaAdapter(Adapter):
         blocks = [[block] * len(ims) for ims in per_sample]
         return Images({"pixel_values": pixel_values.to(self.model.dtype)}, blocks)
 
-    # ---- decision requests ----
-    def decision_processor(self):
-        import copy
-
-        tokenizer = copy.deepcopy(self.tokenizer)
-        return images_only_processor("LlavaProcessor")(
-            image_processor=self.image_processor, tokenizer=tokenizer, patch_size=self.patch_size,
-            vision_feature_select_strategy=self.model.config.vision_feature_select_strategy,
-            num_additional_image_tokens=int(self.has_cls), image_token=IMAGE,
-            chat_template=getattr(tokenizer, "chat_template", None),
-        )  # fmt: skip
+    def processor_options(self) -> dict:
+        return {
+            "patch_size": self.patch_size, "image_token": IMAGE, "num_additional_image_tokens": int(self.has_cls),
+            "vision_feature_select_strategy": self.model.config.vision_feature_select_strategy,
+        }  # fmt: skip
 
     def layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in patches and where each image's patch (0, 0) lies (`image_start`): its

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Images, Prepared, current_resolution, images_only_processor
+from trimvlm.adapters.base import Adapter, Images, Prepared, current_resolution
 from trimvlm.adapters.patch_embed import as_matmul
 from trimvlm.adapters.vision_rotary import compiled_rotary
 from trimvlm.errors import InputError
@@ -77,19 +77,8 @@ class QwenVLAdapterMixin:
         return out, {"size": {"shortest_edge": min(areas), "longest_edge": max(areas)}}
 
     # ---- decision requests ----
-    def decision_processor(self):
-        import copy
-
-        tokenizer = copy.deepcopy(self.tokenizer)
-        if self.image_processor is None:  # a text-only backbone: transformers tokenizes with the tokenizer
-            return tokenizer
-        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-        cls = images_only_processor(PROCESSOR_MAPPING_NAMES[self.model.config.model_type])
-        return cls(
-            image_processor=self.image_processor, tokenizer=tokenizer,
-            chat_template=getattr(tokenizer, "chat_template", None),
-        )  # fmt: skip
+    def processor_options(self) -> dict:
+        return {}
 
     processed_image_inputs = ("image_grid_thw",)
 
@@ -102,9 +91,9 @@ class QwenVLAdapterMixin:
         visual = prepared.input_ids == self.model.config.image_token_id
         grid_thw = prepared.model_inputs.get("image_grid_thw")
         thw = iter([] if grid_thw is None else grid_thw.tolist())
-        m, grids = self.merge, [[next(thw) for _ in range(n)] for n in prepared.n_images]
-        image_id, starts = self.unit_layout(visual, [[t * h * w // m**2 for t, h, w in g] for g in grids])
-        return visual, image_id, [[(h // m, w // m) for _, h, w in g] for g in grids], starts
+        grids = [[next(thw) for _ in range(n)] for n in prepared.n_images]  # (t, h, w) in patches
+        image_id, starts = self.unit_layout(visual, [[t * h * w // self.merge**2 for t, h, w in s] for s in grids])
+        return visual, image_id, [[(h // self.merge, w // self.merge) for _, h, w in s] for s in grids], starts
 
     def positions(self, prepared: Prepared) -> torch.Tensor:
         ids, att = prepared.input_ids, prepared.attention_mask

@@ -57,17 +57,16 @@ class Runner:
         key = self.adapter.vision_key(prepared)
         embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
         cache = self.adapter.vision_cache if vision is None and self.adapter.caches_vision else None
+        if cache is not None:
+            cache.last_flops = 0
         with meter.timer("vision"), counting(meter, "vision"):
-            if cache is not None:  # it books what ran: the images it did not hold (runtime/vision_cache.py)
-                cache.last_flops = 0
-                seq = embed(prepared)
-                meter.add("vision", cache.last_flops)
-                return seq
-            if vision is not None:
+            if cache is not None or vision is not None:
                 seq = embed(prepared)
             else:
                 seq, _ = self.flops.run(key, lambda: embed(prepared))
-        meter.add("vision", self.vision_flops(prepared))  # remembered now, except for a probed unseen shape
+        # the vision cache books what ran: the images it did not hold (runtime/vision_cache.py); else the FLOPs
+        # are remembered now, except for a probed unseen shape
+        meter.add("vision", cache.last_flops if cache is not None else self.vision_flops(prepared))
         return seq
 
     def vision_flops(self, prepared) -> int:

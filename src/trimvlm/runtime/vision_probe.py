@@ -70,46 +70,6 @@ class VisionProbe:
     heads: int = 0
     mode: str = ""
 
-    def layer_index(self, depth: int) -> int:
-        i = self.layer + depth if self.layer < 0 else self.layer
-        if not 0 <= i < depth:
-            raise TrimVLMError(
-                f"vision layer {self.layer} out of range: this vision tower has {depth} layers "
-                f"(allowed {-depth}..{depth - 1})"
-            )
-        return i
-
-    def clear(self) -> None:
-        self.results.clear()
-
-    def for_view(self, view, name: str = "tokens") -> tuple[torch.Tensor, torch.Tensor]:
-        """(received [U, N], keys [U, N, H * d]) aligned with the units of a `VisualView` (0 on pads), taken out of
-        the probe so a later prefill can never read them."""
-        u, n = view.mask.shape
-        dev = view.mask.device
-        got = []
-        for i in range(u):
-            key = (int(view.sample[i]), int(view.image[i]))
-            rec = self.results.pop(key, None)
-            if rec is None:
-                raise TrimVLMError(
-                    f"{name} needs the vision tower's attention of sample {key[0]}, unit {key[1]}: pass the plan's "
-                    "vision_probe to the prefill (AttentionContext(vision=...)) so the images are encoded with it"
-                )
-            if rec.received.shape[0] != int(view.n[i]):
-                raise TrimVLMError(
-                    f"{name}: the vision probe recorded {rec.received.shape[0]} tokens for sample {key[0]}, unit "
-                    f"{key[1]}, but the unit has {int(view.n[i])}; it reads the projector's tokens, at layer 0"
-                )
-            got.append(rec)
-        d = got[0].keys.shape[-1]
-        received = torch.zeros(u, n, dtype=torch.float32, device=dev)
-        keys = torch.zeros(u, n, d, dtype=torch.float32, device=dev)
-        for i, rec in enumerate(got):
-            m = rec.received.shape[0]
-            received[i, :m] = rec.received.to(dev)
-            keys[i, :m] = rec.keys.to(dev)
-        return received, keys
 
 
 @dataclass
@@ -247,8 +207,14 @@ def use_vision_attention(module):
 def recording(probe: VisionProbe, modules: list, *, cls: bool):
     """Record `probe`'s layer of the vision tower whose attention modules are `modules` (in layer order) while
     the block runs; yields the `Recording`."""
-    rec = Recording(probe=probe, target=modules[probe.layer_index(len(modules))], cls=cls)
-    probe.clear()
+    depth = len(modules)
+    if not -depth <= probe.layer < depth:
+        raise TrimVLMError(
+            f"vision layer {probe.layer} out of range: this vision tower has {depth} layers "
+            f"(allowed {-depth}..{depth - 1})"
+        )
+    rec = Recording(probe=probe, target=modules[probe.layer], cls=cls)
+    probe.results.clear()
     probe.mode = "cls" if cls else "mean"
     token = _ACTIVE.set(rec)
     try:
@@ -284,12 +250,32 @@ def check_layer(runner, layer: int, name: str) -> None:
 
 
 def view_records(view, handoff, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(received [U, N], keys [U, N, H * d], heads) for the units of `view`, from the probe in the handoff."""
+    """(received [U, N], keys [U, N, H * d], heads) aligned with the units of `view`, a `VisualView` (0 on pads),
+    from the probe in the handoff, taken out of the probe so a later prefill can never read them."""
     probe = handoff.vision
     if not isinstance(probe, VisionProbe):
         raise TrimVLMError(
             f"tokens={name} needs the vision tower's attention: pass the plan's vision_probe to the prefill "
             "(AttentionContext(vision=plan.vision_probe))"
         )
-    received, keys = probe.for_view(view, f"tokens={name}")
+    u, n = view.mask.shape
+    dev = view.mask.device
+    received, keys = torch.zeros(u, n, dtype=torch.float32, device=dev), None
+    for i in range(u):
+        key = (int(view.sample[i]), int(view.image[i]))
+        rec = probe.results.pop(key, None)
+        if rec is None:
+            raise TrimVLMError(
+                f"tokens={name} needs the vision tower's attention of sample {key[0]}, unit {key[1]}: pass the "
+                "plan's vision_probe to the prefill (AttentionContext(vision=...)) so the images are encoded with it"
+            )
+        m = rec.received.shape[0]
+        if m != int(view.n[i]):
+            raise TrimVLMError(
+                f"tokens={name}: the vision probe recorded {m} tokens for sample {key[0]}, unit {key[1]}, but the "
+                f"unit has {int(view.n[i])}; it reads the projector's tokens, at layer 0"
+            )
+        if keys is None:
+            keys = torch.zeros(u, n, rec.keys.shape[-1], dtype=torch.float32, device=dev)
+        received[i, :m], keys[i, :m] = rec.received.to(dev), rec.keys.to(dev)
     return received, keys, probe.heads
