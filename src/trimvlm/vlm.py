@@ -170,10 +170,8 @@ class VLM:
             meter=Meter(device=self.runner.device, track_tensors=track_memory),
         )
         stops = set(self.stop_ids())
-        toks = []
-        for b in range(prepared.batch):
-            row = out.tokens[b, : int(out.lengths[b])].tolist()
-            toks.append([t for t in row if t not in stops])
+        rows = [out.tokens[b, : int(out.lengths[b])].tolist() for b in range(prepared.batch)]
+        toks = [[t for t in row if t not in stops] for row in rows]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]
         return GenerationResult(texts=texts, tokens=toks, costs=out.costs, recipe=plan.recipe.label())
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.kernels.flops import count
 from trimvlm.runtime.layers import ATTENTION, LINEAR
 from trimvlm.runtime.sequence import LiveSeq
@@ -311,8 +311,6 @@ class Adapter:
         """A fresh processor (or tokenizer, for a text-only model) for transformers' `decision.prepare_inputs`,
         over a copy of this adapter's tokenizer (prepare_inputs adds its sentinel tokens to it)."""
         from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-        from trimvlm.errors import UnsupportedModelError
 
         options = self.processor_options()
         if options is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trimvlm.runtime.lru import ByteLRU
+from trimvlm.runtime.memory import TensorMemory
 
 
 @dataclass
@@ -72,16 +73,11 @@ class Costs:
         return self.model_flops + self.method_total_flops
 
     def as_dict(self) -> dict:
+        totals = ("prefill", "decode", "method_prefill", "method_decode", "model", "method_total", "total")
         return {
             "flops": dict(self.flops),
             "method_flops": dict(self.method_flops),
-            "prefill_flops": self.prefill_flops,
-            "decode_flops": self.decode_flops,
-            "method_prefill_flops": self.method_prefill_flops,
-            "method_decode_flops": self.method_decode_flops,
-            "model_flops": self.model_flops,
-            "method_total_flops": self.method_total_flops,
-            "total_flops": self.total_flops,
+            **{f"{name}_flops": getattr(self, f"{name}_flops") for name in totals},
             "layer_flops": {k: dict(v) for k, v in self.layer_flops.items()},
             "kv_bytes": self.kv_bytes,
             "kv_bytes_peak": self.kv_bytes_peak,
@@ -144,8 +140,6 @@ class Meter:
 
     def start_memory(self) -> None:
         if self.track_tensors:
-            from trimvlm.runtime.memory import TensorMemory
-
             self._tracker = TensorMemory().__enter__()
             return
         if self.device.type == "cuda":

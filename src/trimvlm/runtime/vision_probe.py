@@ -42,7 +42,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trimvlm.errors import TrimVLMError
+from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels.flops import count, matmul_flops
 from trimvlm.runtime.held import Held
 
@@ -234,8 +234,6 @@ def request(handoff, layer: int) -> VisionProbe:
 
 def check_layer(runner, layer: int, name: str) -> None:
     """RecipeError unless this model has a vision tower with a layer `layer` the probe can record."""
-    from trimvlm.errors import RecipeError
-
     try:
         depth = len(runner.adapter.vision_attention_modules())
     except (NotImplementedError, AttributeError) as e:
