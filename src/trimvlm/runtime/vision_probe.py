@@ -37,6 +37,7 @@ import copy
 import itertools
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -72,16 +73,24 @@ class VisionProbe:
 
 
 
+class Call(NamedTuple):
+    """The raw record of one attention call: stat [B, S] the [CLS] row (queries 1) or the column sums over the
+    valid query rows (queries = their count), keys [B, S, Hk * d], queries [B]."""
+
+    stat: torch.Tensor
+    keys: torch.Tensor
+    queries: torch.Tensor
+
+
 @dataclass
 class Recording:
-    """One active recording: the probed attention module, the statistic, and the raw records of its calls in
-    call order: (stat [B, S], keys [B, S, Hk * d], queries [B]) per call, where stat is the [CLS] row (queries 1)
-    or the column sums over the valid query rows (queries = their count)."""
+    """One active recording: the probed attention module, the statistic, and the records of its calls in
+    call order."""
 
     probe: VisionProbe
     target: torch.nn.Module
     cls: bool
-    calls: list = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     heads: int = 0
     flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
 
@@ -106,19 +115,19 @@ class Recording:
 
     def batched(self, b: int, s: int):
         """(stat [b, s], keys [b, s, D], queries [b]) of a tower that runs all units in one call per layer."""
-        if len(self.calls) != 1 or tuple(self.calls[0][0].shape) != (b, s):
+        if len(self.calls) != 1 or tuple(self.calls[0].stat.shape) != (b, s):
             raise Incomplete(
-                f"expected one call over [{b}, {s}] tokens, got {[tuple(c[0].shape) for c in self.calls]}"
+                f"expected one call over [{b}, {s}] tokens, got {[tuple(c.stat.shape) for c in self.calls]}"
             )
         return self.calls[0]
 
     def packed(self, total: int):
         """(stat [total], keys [total, D]) of a tower that runs one image (or window) per call, concatenated in
         call order: the layer's token order."""
-        got = sum(c[0].numel() for c in self.calls)
-        if got != total or any(c[0].shape[0] != 1 for c in self.calls):
+        got = sum(c.stat.numel() for c in self.calls)
+        if got != total or any(c.stat.shape[0] != 1 for c in self.calls):
             raise Incomplete(f"expected {total} tokens in calls of one sequence each, got {got}")
-        return torch.cat([c[0][0] for c in self.calls]), torch.cat([c[1][0] for c in self.calls])
+        return torch.cat([c.stat[0] for c in self.calls]), torch.cat([c.keys[0] for c in self.calls])
 
     @torch.no_grad()
     def record(self, query, key, mask, scaling) -> None:
@@ -127,19 +136,12 @@ class Recording:
         self.heads = hk
         kr = key if hk == h else key.repeat_interleave(h // hk, 1)
         kt = kr.transpose(-1, -2)
-        add = None
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-                    ~mask, float("-inf")
-                )
-            else:
-                add = mask.float()
-        if self.cls:
-            sc = self._scores(query[:, :, :1], kt, scaling)
-            if add is not None:
-                sc = sc + add[:, :, :1]
-            stat = torch.softmax(sc, dim=-1).mean(1)[:, 0]  # [B, S]
+        add = None if mask is None else mask.float()  # additive
+        if mask is not None and mask.dtype == torch.bool:
+            add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+        if self.cls:  # the [CLS] query's row, heads averaged: [B, S]
+            first = None if add is None else add[:, :, :1]
+            stat = self._column_sums(query[:, :, :1], kt, first, None, scaling).mean(1)
             queries = torch.ones(b, dtype=torch.float32, device=query.device)
         else:
             if mask is None:
@@ -162,7 +164,7 @@ class Recording:
                 stat /= h  # heads averaged
             queries = valid.sum(1).float()
         keys = key.detach().transpose(1, 2).reshape(b, key.shape[2], hk * d).to(torch.float32, copy=True)
-        self.calls.append((stat, keys, queries))
+        self.calls.append(Call(stat, keys, queries))
 
 
 class Incomplete(TrimVLMError):
