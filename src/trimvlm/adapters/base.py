@@ -21,11 +21,12 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
+from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.kernels.flops import count
 from trimvlm.runtime.layers import ATTENTION, LINEAR
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 __all__ = ["ATTENTION", "LINEAR", "Adapter", "Conversation", "Prepared", "Turn"]
 
@@ -491,7 +492,7 @@ class Adapter:
     def next_positions(self, prepared: Prepared) -> torch.Tensor:
         """[B] the position id each row's next token takes (`Runner.prefill`'s `next_pos`), from the batch alone,
         before any model work: one position per real token, unless the family's positions differ (M-RoPE)."""
-        return prepared.attention_mask.sum(-1)
+        return next_positions(self.positions(prepared), prepared.attention_mask.bool())
 
     def processed_positions(self, inputs: dict) -> int:
         """The positions one processor output (a decision prompt, a batch of one) takes, on the host."""
@@ -586,16 +587,12 @@ class Adapter:
         )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, attention mask) of `rows` left-padded, built on the host (preprocessing: `prepare` moves
+        the batch to the model's device)."""
         pad = self.tokenizer.pad_token_id
-        pad = 0 if pad is None else pad
-        s = max(len(r) for r in rows)
-        # built on the host (preprocessing); `prepare` moves the batch to the model's device
-        ids = torch.full((len(rows), s), pad, dtype=torch.long, device="cpu")
-        att = torch.zeros((len(rows), s), dtype=torch.long, device="cpu")
-        for b, r in enumerate(rows):
-            ids[b, s - len(r) :] = torch.tensor(r, dtype=torch.long, device="cpu")
-            att[b, s - len(r) :] = 1
-        return ids, att
+        seqs = [torch.tensor(r, dtype=torch.long, device="cpu") for r in rows]
+        ids = pad_sequence(seqs, batch_first=True, padding_value=0 if pad is None else pad, padding_side="left")
+        return ids, pad_sequence([torch.ones_like(t) for t in seqs], batch_first=True, padding_side="left")
 
     def sequence_from(
         self, prepared: Prepared, embeds, positions, visual, image_id, grids, starts, adds=None

@@ -108,11 +108,6 @@ class QwenVLAdapterMixin:
         )
         return pos
 
-    def next_positions(self, prepared: Prepared) -> torch.Tensor:
-        """M-RoPE: an image takes fewer positions than tokens; the next one follows the model's own rule."""
-        pos = self.positions(prepared).masked_fill(prepared.attention_mask[None] == 0, -1)
-        return pos.amax(dim=(0, 2)) + 1
-
     def processed_positions(self, inputs: dict) -> int:
         ids = inputs["input_ids"]
         extra = self.token_inputs(ids)

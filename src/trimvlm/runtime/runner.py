@@ -33,7 +33,7 @@ from trimvlm.runtime.masks import chunk_mask
 from trimvlm.runtime.meter import FlopsMemo, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.prefix_cache import assemble, prefill_prompts
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
 TokenHook = Callable[[int, LiveSeq, "Runner"], LiveSeq]
@@ -375,12 +375,6 @@ def _phase_skip(plan: Plan | None, phase: str, skip):
     return plan.skip_branch if phase == "branch" else plan.skip_decode
 
 
-def next_positions(seq: LiveSeq) -> torch.Tensor:
-    """[B] the position id each row's next token takes (its largest valid position + 1)."""
-    pos = seq.positions.masked_fill(~seq.valid[None], -1)
-    return pos.amax(dim=(0, 2)) + 1
-
-
 class Prefill:
     """A prefill in progress, the one prefill body: made, it embeds the batch (the vision tower runs once); each
     `advance(n)` runs the next `n` positions through the decoder with everything the plan holds (its token hook,
@@ -396,7 +390,7 @@ class Prefill:
         self.all_logits, self.lm_head = all_logits, lm_head
         self.ctx = plan.attention_context()
         self.seq = runner.encode(prepared, meter, None if self.ctx is None else self.ctx.vision)
-        self.next_pos = next_positions(self.seq)
+        self.next_pos = next_positions(self.seq.positions, self.seq.valid)
         self.cache = KVCache(runner.num_layers)
         self.done = self.reused = 0  # positions already run; those read from `prefix`
         if prefix is not None:

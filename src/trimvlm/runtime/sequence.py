@@ -20,6 +20,12 @@ def compact_order(keep: torch.Tensor) -> torch.Tensor:
     return torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, keep.shape[1] - new_len :]
 
 
+def next_positions(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] the position id each row's next token takes (its largest valid position + 1), from positions
+    [A, B, S] and valid [B, S]."""
+    return positions.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
+
+
 @dataclass
 class LiveSeq:
     hidden: torch.Tensor  # [B, S, D]
