@@ -39,12 +39,8 @@ class Idefics3Adapter(Adapter):
         vc = self.model.config.vision_config
         return vc.image_size // vc.patch_size // self.model.config.scale_factor
 
-    @property
-    def image_seq_len(self) -> int:
-        return self.tile_side**2
-
     def image_block(self, rows: int, cols: int) -> str:
-        tile = IMAGE * self.image_seq_len
+        tile = IMAGE * self.tile_side**2  # `image_seq_len` tokens
         glob = FAKE + GLOBAL + tile + FAKE
         if rows == 0 and cols == 0:
             return glob

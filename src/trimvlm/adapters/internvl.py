@@ -42,14 +42,6 @@ class InternVLAdapter(Adapter):
             self.image_token_id
         )
 
-    @property
-    def start_token(self) -> str:
-        return getattr(self.tokenizer, "start_image_token", None) or START
-
-    @property
-    def end_token(self) -> str:
-        return getattr(self.tokenizer, "end_image_token", None) or END
-
     def tile_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h, w) LLM tokens of one tile of height x width pixels: patches per side times `downsample_ratio`."""
         ph, pw = _pair(self.model.config.vision_config.patch_size)
@@ -57,7 +49,8 @@ class InternVLAdapter(Adapter):
         return int(height // ph * ratio), int(width // pw * ratio)
 
     def image_block(self, tokens: int) -> str:
-        return self.start_token + self.context_token * tokens + self.end_token
+        start = getattr(self.tokenizer, "start_image_token", None) or START
+        return start + self.context_token * tokens + (getattr(self.tokenizer, "end_image_token", None) or END)
 
     # ---- inputs ----
     def process_images(self, per_sample) -> Images:

@@ -26,16 +26,13 @@ class QwenVLAdapterMixin:
     def merge(self) -> int:
         return self.model.config.vision_config.spatial_merge_size
 
-    def _image_tokens(self, grid) -> int:
-        return int(grid.prod().item()) // (self.merge**2)
-
     resizes = True  # dynamic resolution: the token grid follows the image's size
 
     def process_images(self, per_sample) -> Images:
         flat, kw = self._at_resolution([im for ims in per_sample for im in ims])
         proc = self._process(flat, **kw)
         grids = proc["image_grid_thw"]
-        counts = iter(self._image_tokens(g) for g in grids)
+        counts = iter(int(g.prod().item()) // self.merge**2 for g in grids)
         blocks = [[VISION_START + IMAGE_PAD * next(counts) + VISION_END for _ in ims] for ims in per_sample]
         pixels = proc["pixel_values"].to(self.model.dtype)
         return Images({"pixel_values": pixels, "image_grid_thw": grids}, blocks)

@@ -219,9 +219,7 @@ class KVCache:
 
     def has_state(self, layer_idx: int) -> bool:
         """Whether a recurrent layer continues from a state (its own, or a shared prefix's)."""
-        if self.states.get(layer_idx):
-            return True
-        return self.prefix is not None and bool(self.prefix.states.get(layer_idx))
+        return bool(self.start_states(layer_idx)[0])
 
     def state_groups(self, layer_idx: int) -> torch.Tensor | None:
         """[B] the shared state row each branch starts from, while this layer's states are still the shared
