@@ -228,18 +228,6 @@ class KVCache:
             return None
         return self.prefix.state_owner if layer_idx in self.prefix.states else None
 
-    def put_state_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
-        """Take rows `rows` of one recurrent layer's states from `sub` (out of place: new tensors)."""
-        if not self.keep_final_states:
-            return
-        st = self.states.setdefault(layer_idx, {})
-        for k, v in sub.states.get(layer_idx, {}).items():
-            old = st.get(k)
-            if old is None:
-                batch = self._pending[0].shape[0]
-                old = torch.zeros((batch, *v.shape[1:]), dtype=v.dtype, device=v.device)
-            st[k] = old.index_copy(0, rows, v.to(old.dtype))
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length(layer_idx)
 
@@ -304,10 +292,10 @@ class KVCache:
     def put_layer_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
         """Take rows `rows` of one layer from `sub` (the rows that ran it). The rows that did not run it get no
         entries of their own: the chunk's columns are added for them as invalid padding (the batch's tensors
-        are rectangular), so they attend to nothing there; their recurrent states stay as they were."""
-        new = sub.layers.get(layer_idx)
+        are rectangular), so they attend to nothing there; their recurrent states stay as they were (the rows'
+        states are taken out of place: new tensors)."""
+        new, b = sub.layers.get(layer_idx), self._pending[0].shape[0]
         if new is not None:
-            b = self._pending[0].shape[0]
             old = self.layers.get(layer_idx)
             q = new.key.shape[2] - (0 if old is None else old.key.shape[2])
 
@@ -319,8 +307,13 @@ class KVCache:
                 return base.index_copy(0, rows, t)
 
             self.layers[layer_idx] = new.map(widen)
-        if sub.states.get(layer_idx):
-            self.put_state_rows(layer_idx, rows, sub)
+        if sub.states.get(layer_idx) and self.keep_final_states:
+            st = self.states.setdefault(layer_idx, {})
+            for k, v in sub.states[layer_idx].items():
+                old = st.get(k)
+                if old is None:
+                    old = torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                st[k] = old.index_copy(0, rows, v.to(old.dtype))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (samples that stopped leave), in place, freeing the others' entries and
