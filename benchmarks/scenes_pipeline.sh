@@ -52,9 +52,14 @@ step 6 && $BIN/trimvlm tune --model demo-scenes --task scenes --budget total_flo
     --out $R/tune-scenes
 
 # 7. router v2: train, refit on the tuned method's tokens, calibrate on held-out inputs, record the variants.
-#    Every layout is run for real (about 0.13 s each here): training runs 5 keeps x 22 layer sets (at most 2
-#    of the 6 candidate layers) x 3 token sets per input (about 45 s an input), the refit and the calibration
-#    5 x 22 per input, so the input counts are small (about an hour for the four commands)
+#    Training runs 5 keeps x 22 layer sets (at most 2 of the 6 candidate layers) x 7 token sets per input, every
+#    layout for real, one layout trie per input (docs/depth.md, "Training data at scale"): about 8 s an input on
+#    one loaded CPU thread against about 210 s with the layouts run apart; the refit and the calibration run
+#    5 x 22 per input apart. For thousands of training inputs, in the background, resumable (run it again after
+#    an interruption; progress: one line per input in runs/router-scenes-data/log.jsonl):
+#      OMP_NUM_THREADS=1 nohup $BIN/trimvlm train-router --model demo-scenes --task scenes --n 4000 --epochs 20 \
+#          --layer 2 --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --near 0.05 --budgets 0.75,0.6,0.45 \
+#          --work runs/router-scenes-data --out runs/router-scenes > runs/router-scenes.log 2>&1 &
 step 7 && $BIN/trimvlm train-router --model demo-scenes --task scenes --n 40 --epochs 20 --layer 2 \
     --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --out $CKPT/router --overwrite
 step 7 && $BIN/trimvlm refit-router demo-scenes --model demo-scenes --task scenes --n 64 --select density@0 --overwrite

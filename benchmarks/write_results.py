@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trimvlm.evals import plot
+from trimvlm.evals.intervals import wilson
+from trimvlm.evals.run import compare, group_items
 from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
 from trimvlm.tune.report import frontier_figure
 
@@ -170,14 +172,43 @@ def budget_table(data: dict, args: dict) -> str:
 
 
 def tune_table(data: dict, args: dict) -> str:
-    """`trimvlm tune`'s tune.json: the best recipe per budget. Its test figures are not repeated here: the budget
-    tables (`benchmarks/budget_table.py`) measure the same recipes beside the other contenders."""
+    """`trimvlm tune`'s tune.json: the best recipe per budget and its figures on the held-out test items:
+    accuracy with its 95% Wilson interval, realised total-FLOP and latency ratios against the baseline."""
     by_spec = {e["spec"]: e for e in data["entries"]}
     rows = []
     for b in data["budgets"]:
         e = by_spec.get(b["best"]) if b["best"] else None
-        rows.append([b["label"], f"`{e['spec']}`" if e else "none fits"])
-    return markdown_table(["budget", f"best recipe ({data['n_val']} validation items searched)"], rows)
+        test = (e or {}).get("test") or {}
+        if not test:
+            rows.append([b["label"], f"`{e['spec']}`" if e else "none fits", "-", "-", "-"])
+            continue
+        iv = wilson(round(test["accuracy"] * test["n"]), test["n"])
+        ratio = test["ratio"]
+        rows.append([b["label"], f"`{e['spec']}`", f"{100 * test['accuracy']:.1f}% [{100 * iv.low:.1f}-{100 * iv.high:.1f}]",
+                     f"{ratio['total_flops']:.3f}x", f"{ratio['latency_s']:.2f}x"])  # fmt: skip
+    n_test = data.get("n_test", "?")
+    head = ["budget", f"best recipe ({data['n_val']} validation items searched)",
+            f"test accuracy [95% CI] ({n_test} items)", "total FLOPs", "latency"]  # fmt: skip
+    return markdown_table(head, rows)
+
+
+def paired_table(data: dict, args: dict) -> str:
+    """Paired comparisons on the same items: `pairs` ("A vs B; C vs D"), `group` (all, a kind or a probe; default
+    all). Each row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact
+    p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero."""
+    result, group = SavedResult(data), args.get("group", "all")
+    rows = []
+    for pair in (x for x in args["pairs"].split(";") if x.strip()):
+        a, b = (x.strip() for x in pair.split(" vs "))
+        paired = compare(result, a, b, group)
+        d = paired.diff
+        verdict = f"{a} ahead" if d.low > 0 else f"{b} ahead" if d.high < 0 else "no difference shown"
+        acc = [100 * result.row(x, group)["accuracy"] for x in (a, b)]
+        rows.append([a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
+                     f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
+                     verdict])  # fmt: skip
+    n = len(group_items(result, group))
+    return markdown_table(["A", "B", "A acc", "B acc", f"A - B, points (95% CI, {n} items)", "p", "verdict"], rows)
 
 
 def scoring_table(data: dict, args: dict) -> str:
@@ -208,7 +239,7 @@ def scan_table(data: dict, args: dict) -> str:
     return markdown_table(["model", *(h for _, h in cols)], rows)
 
 
-TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table}
+TABLES = {"rows": rows_table, "pivot": pivot_table, "budget": budget_table, "tune": tune_table, "scoring": scoring_table, "scan": scan_table, "paired": paired_table}
 
 
 # --------------------------------------------------------------------------------------------- figures

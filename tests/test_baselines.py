@@ -119,7 +119,7 @@ def test_dart_splits_the_budget_over_key_norm_pivots(qwen, pivot):
     view = _view(runner, adapter, *ragged_batch(), keep=0.4, layer=2)
     dart = build_methods(f"tokens=dart:keep=0.4:pivots=3:pivot={pivot}")["tokens"]
     assert dart.at(runner) == 2  # the paper's layer
-    dart.prepare(view, runner, Handoff())
+    view.keys = runner.layer_keys(view.layer, view.features) if dart.wants_keys else None  # its declared need
     sel = dart.choose(view)
     for u in range(view.mask.shape[0]):
         n = int(view.n[u])

@@ -422,7 +422,8 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
 
 
 def test_the_answer_is_the_json_fastapi_would_send(plain):
-    """`json_response` skips FastAPI's `jsonable_encoder`: the bytes are the same for a real answer and usage."""
+    """The System One answer is sent as a plain `JSONResponse`, without FastAPI's `jsonable_encoder`: the bytes are
+    the same for a real answer and usage."""
     need_extra("fastapi")
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import JSONResponse
@@ -431,11 +432,10 @@ def test_the_answer_is_the_json_fastapi_would_send(plain):
     from trimvlm.decision import run as run_decisions
     from trimvlm.plan import decision_plan
     from trimvlm.recipe import parse_recipe
-    from trimvlm.serve.systemone import json_response
 
     result = run_decisions(plain, [prepare_request(plain, request(3))], decision_plan(parse_recipe(""), plain.runner))
     content = {"model": "demo", "answers": result.answers[0], "usage": result.usage[0].usage() | {"recipe": "x"}}
-    assert json_response(content).body == JSONResponse(jsonable_encoder(content)).body
+    assert JSONResponse(content).body == JSONResponse(jsonable_encoder(content)).body
 
 
 @pytest.mark.parametrize("recipe", ["", REDUCE])

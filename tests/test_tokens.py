@@ -24,14 +24,14 @@ FAMILY = "qwen3_vl"
 def registered(keep: float, layers: tuple[int, ...], counted: bool) -> list[str]:
     """Every registered token method that reduces with `keep` at each of `layers`, read from the registry;
     `counted`: only those that keep the shared count K = ceil(N * keep) per image in the live sequence
-    (predictable, neither `kept_counts` nor `apply` their own: pool counts windows, downsample resizes the
+    (predictable, with neither their own `counts` nor `resizes`: pool counts windows, downsample resizes the
     images when they are prepared). A method that refuses the layer (one acting before the LLM: prumerge,
     visionzip, holov, downsample; tests/test_vision_baselines.py, tests/test_tokens_field.py) or the keep
     (pool's grid of keeps) is left out; any other refusal fails here."""
     load_methods()
     out = []
     for name, cls in sorted(REGISTRIES["tokens"].items()):
-        own = cls.kept_counts is not TokenReducer.kept_counts or cls.apply is not TokenReducer.apply
+        own = cls.counts is not TokenReducer.counts or cls.resizes
         if counted and (not cls.predictable or own):
             continue
         try:

@@ -517,24 +517,35 @@ def train_router(
     ),
     max_skip: int | None = typer.Option(None, help="router v2: most candidate layers a layout skips"),
     width: int = typer.Option(64, help="the router's width (its FLOPs are method FLOPs: narrower is cheaper)"),
+    work: Path | None = typer.Option(
+        None, help="folder each input's measured layouts are written to as measured; run again to resume"
+    ),
+    near: float | None = typer.Option(
+        None, help="router v2: noise-perturbed token sets run only layouts within this total-FLOP ratio of a --budgets"
+    ),
+    budgets: str | None = typer.Option(None, help="router v2: total-FLOP budgets, e.g. 0.75,0.6,0.45 (with --near)"),
+    cells: int | None = typer.Option(None, help="with --near: at most this many (keep, layer set) cells per input"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
-    inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model)."""
-    kept = None
-    if keeps is not None:
+    inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
+    --work only measures the inputs' layouts."""
+    kept = spent = None
+    for name, given in (("keeps", keeps), ("budgets", budgets)):
         try:
-            kept = [float(x) for x in keeps.split(",")]
+            values = None if given is None else [float(x) for x in given.split(",")]
         except ValueError:
-            _fail(InputError(f"--keeps must be comma-separated fractions, got {keeps!r}"))
+            _fail(InputError(f"--{name} must be comma-separated fractions, got {given!r}"))
+        kept, spent = (values, spent) if name == "keeps" else (kept, values)
     from trimvlm.cli_train import train_router_command
 
     try:
         train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
                              epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                              load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                             overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width)  # fmt: skip
+                             overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width, work=work, near=near,
+                             budgets=spent, cells=cells)  # fmt: skip
     except TrimVLMError as e:
         _fail(e)
 

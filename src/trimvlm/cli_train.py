@@ -55,6 +55,9 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
                            out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
     for e in log["epochs"]:
         console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
+    if not epochs:
+        console.print(f"measured the layouts of {len(records)} inputs into {train_kw.get('work')}; no epoch trained")
+        return {"out": None, **log}
     use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if train_kw.get("keeps")
            else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
     console.print(f"wrote {out}; use it as the recipe {use}")

@@ -29,7 +29,11 @@ class Method:
 
     name: the recipe name (`register` sets it); excludes: the other axes whose choice this method makes itself
     (a recipe naming both is refused); predictable: whether `trimvlm tune` may predict its costs from the shapes
-    alone (a method whose counts or budgets follow the data says False, as a class value or a property)."""
+    alone (a method whose counts or budgets follow the data says False, as a class value or a property).
+
+    Each axis asks one hook of a method (tokens: `choose(view)`, kv: `scores(view)`, depth: `skipped(runner)`)
+    and reads what else it needs from declarations on the class; the axis' base implements `check` and
+    `apply`."""
 
     name: ClassVar[str] = "?"
     excludes: ClassVar[tuple[str, ...]] = ()

@@ -10,6 +10,7 @@ requests with one forward and returns a `DecisionResult`: the answers, in the sh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -124,17 +125,13 @@ def encoded_images(vlm, groups: list[list], cuts: list[int] | None, fwd) -> tupl
     cache = vlm.adapter.vision_cache if vlm.adapter.caches_vision else None
     per_row = fwd.n_images
     if cuts is None:  # one row per prompt: a request's images are those of its prompts
-        bounds = [0]
-        for g in groups:
-            bounds.append(bounds[-1] + len(g))
+        bounds = [0, *accumulate(len(g) for g in groups)]
         per_row = [sum(per_row[bounds[r] : bounds[r + 1]]) for r in range(len(groups))]
     elif reuse is None:
         per_row = list(per_row)
     counts = [per_row[r] for r in ran]
     seen = cache.last_hits if cache is not None else None
-    if seen is None or len(seen) != sum(
-        counts
-    ):  # nothing cached: every image of a request that ran was encoded
+    if seen is None or len(seen) != sum(counts):  # nothing cached: each image ran
         seen = [False] * sum(counts)
     k = 0
     for r, n in zip(ran, counts, strict=True):

@@ -25,14 +25,15 @@ from trimvlm.errors import InputError
 
 @dataclass
 class Prompt:
-    inputs: dict[
-        str, Any
-    ]  # the processor's tensors of one prompt (a batch of one), sentinels and marks dropped
-    marks: torch.Tensor  # [n] tokens before each `<|mark|>`: question j is read at token marks[j] - 1
-    questions: list  # transformers' `Question`s read in this prompt, in template order
-    label_ids: (
-        list[list[int]] | None
-    )  # per question its labels' token ids (plain VLMs), None for a decision head
+    """One rendered prompt: `inputs` the processor's tensors (a batch of one; sentinels and marks dropped),
+    `marks` [n] the tokens before each `<|mark|>` (question j is read at token marks[j] - 1), `questions`
+    transformers' `Question`s read in it (template order), `label_ids` per question its labels' token ids
+    (plain VLMs; None for a decision head)."""
+
+    inputs: dict[str, Any]
+    marks: torch.Tensor
+    questions: list
+    label_ids: list[list[int]] | None
 
     @property
     def tokens(self) -> int:

@@ -88,65 +88,23 @@ def build_config(
     if family == "qwen2_5_vl":
         return build_scenes_config(tokenizer, hidden=hidden, layers=layers or 12, heads=heads,
                                    kv_heads=kv_heads, head_dim=head_dim, vision_hidden=vision_hidden)  # fmt: skip
-    layers = layers if layers is not None else (8 if hybrid else 6)
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    ids = tok.convert_tokens_to_ids
     rotary = 0.5 if hybrid else 1.0  # Qwen3.5 rotates part of each head (partial_rotary_factor)
     half = int(head_dim * rotary) // 2
     hw = (half * 5) // 16  # same proportions as Qwen3-VL's [24, 20, 20] for head_dim 128
-    mrope = [half - 2 * hw, hw, hw]
-    text_config = {
-        "vocab_size": len(tok),
-        "hidden_size": hidden,
-        "intermediate_size": hidden * 4,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": mrope,
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": ids(PAD),
-        "eos_token_id": ids(EOS),
-    }
+    rope = {"mrope_section": [half - 2 * hw, hw, hw], "mrope_interleaved": True}
+    text = _text_config(tok, hidden, layers if layers is not None else (8 if hybrid else 6), heads, kv_heads,
+                        head_dim, rope, max_position_embeddings=1024)  # fmt: skip
     if hybrid:
-        text_config["rope_parameters"]["partial_rotary_factor"] = rotary
-        text_config.update(
-            full_attention_interval=HYBRID_FULL_ATTENTION_INTERVAL,
-            linear_conv_kernel_dim=4,
-            linear_num_key_heads=kv_heads,
-            linear_num_value_heads=heads,
-            linear_key_head_dim=head_dim,
-            linear_value_head_dim=head_dim,
-        )
+        text["rope_parameters"]["partial_rotary_factor"] = rotary
+        text.update(full_attention_interval=HYBRID_FULL_ATTENTION_INTERVAL, linear_conv_kernel_dim=4,
+                    linear_num_key_heads=kv_heads, linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                    linear_value_head_dim=head_dim)  # fmt: skip
     grid = task.IMAGE_SIZE // PATCH
-    vision_config = {
-        "depth": vision_depth,
-        "hidden_size": vision_hidden,
-        "intermediate_size": vision_hidden * 4,
-        "num_heads": max(1, vision_hidden // 32),
-        "in_channels": 3,
-        "patch_size": PATCH,
-        "spatial_merge_size": MERGE,
-        "temporal_patch_size": TEMPORAL,
-        "out_hidden_size": hidden,
-        "num_position_embeddings": grid * grid,
-    }
+    vision = _vision_config(vision_hidden, vision_depth, hidden, num_position_embeddings=grid * grid)
     if not hybrid:  # Qwen3.5's vision tower has no deepstack mergers
-        vision_config["deepstack_visual_indexes"] = list(range(min(2, vision_depth)))
-    return FAMILIES[family].config(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids(IMAGE_PAD),
-        video_token_id=ids(VIDEO_PAD),
-        vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END),
-        tie_word_embeddings=False,
-    )
+        vision["deepstack_visual_indexes"] = list(range(min(2, vision_depth)))
+    return _vlm_config(FAMILIES[family].config, tok, text, vision)
 
 
 def build_scenes_config(
@@ -164,28 +122,39 @@ def build_scenes_config(
     from trimvlm.demo import scenes
 
     tok = tokenizer if tokenizer is not None else build_tokenizer(scenes.vocabulary_words())
-    ids = tok.convert_tokens_to_ids
     half = head_dim // 2
     hw = (half * 3) // 8  # Qwen2.5-VL's [16, 24, 24] for head_dim 128
-    text_config = {
-        "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": hidden * 4,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "max_position_embeddings": 2048, "bos_token_id": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]},
-        "pad_token_id": ids(PAD), "eos_token_id": ids(EOS),
-    }  # fmt: skip
-    vision_config = {
-        "depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 4,
-        "num_heads": max(1, vision_hidden // 32), "in_channels": 3, "patch_size": PATCH,
-        "spatial_merge_size": MERGE, "temporal_patch_size": TEMPORAL, "out_hidden_size": hidden,
-        "window_size": 4 * MERGE * PATCH, "fullatt_block_indexes": list(range(vision_depth // 2, vision_depth)),
-        "tokens_per_second": 2,
-    }  # fmt: skip
-    return Qwen2_5_VLConfig(
-        text_config=text_config, vision_config=vision_config, image_token_id=ids(IMAGE_PAD),
-        video_token_id=ids(VIDEO_PAD), vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END), tie_word_embeddings=False,
-    )  # fmt: skip
+    rope = {"mrope_section": [half - 2 * hw, hw, hw]}
+    text = _text_config(tok, hidden, layers, heads, kv_heads, head_dim, rope, max_position_embeddings=2048,
+                        bos_token_id=None)  # fmt: skip
+    full = list(range(vision_depth // 2, vision_depth))
+    vision = _vision_config(vision_hidden, vision_depth, hidden, window_size=4 * MERGE * PATCH,
+                            fullatt_block_indexes=full, tokens_per_second=2)  # fmt: skip
+    return _vlm_config(Qwen2_5_VLConfig, tok, text, vision)
+
+
+def _text_config(tok, hidden, layers, heads, kv_heads, head_dim, rope: dict, **extra) -> dict:
+    """A demo decoder's text config: MLP width 4 x hidden, default M-RoPE with `rope`'s sections."""
+    ids = tok.convert_tokens_to_ids
+    return {"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": hidden * 4,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **rope},
+            "pad_token_id": ids(PAD), "eos_token_id": ids(EOS), **extra}  # fmt: skip
+
+
+def _vision_config(vision_hidden: int, depth: int, hidden: int, **extra) -> dict:
+    """A demo vision tower: patch 8, spatial merge 2, temporal patch 2, heads of 32 channels."""
+    return {"depth": depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 4,
+            "num_heads": max(1, vision_hidden // 32), "in_channels": 3, "patch_size": PATCH,
+            "spatial_merge_size": MERGE, "temporal_patch_size": TEMPORAL, "out_hidden_size": hidden,
+            **extra}  # fmt: skip
+
+
+def _vlm_config(config_cls: type, tok, text: dict, vision: dict) -> PretrainedConfig:
+    ids = tok.convert_tokens_to_ids
+    return config_cls(text_config=text, vision_config=vision, image_token_id=ids(IMAGE_PAD),
+                      video_token_id=ids(VIDEO_PAD), vision_start_token_id=ids(VISION_START),
+                      vision_end_token_id=ids(VISION_END), tie_word_embeddings=False)  # fmt: skip
 
 
 def build_model(config: PretrainedConfig | None = None, seed: int = 0):

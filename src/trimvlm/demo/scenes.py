@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from trimvlm.demo import task as grid
-from trimvlm.demo.task import _GLYPHS, GLYPH_CHARS, OPTION_LETTERS, QA
+from trimvlm.demo.task import _GLYPHS, GLYPH_CHARS, OPTION_LETTERS, QA, Sample, pick
 from trimvlm.errors import InputError
 
 TOKEN_PX = 16  # patch 8 x spatial merge 2
@@ -115,18 +115,7 @@ class Scene:
         return [o for o in self.objects if color in (None, o.color) and shape in (None, o.shape)]
 
 
-@dataclass
-class Sample:
-    image: Image.Image
-    scene: Scene
-    qas: list[QA]
-
-
 # --------------------------------------------------------------------------------------------- scenes
-
-
-def _pick(rng: np.random.Generator, items):
-    return items[int(rng.integers(len(items)))]
 
 
 def _grey(rng: np.random.Generator, lo: int, hi: int) -> tuple[int, int, int]:
@@ -170,13 +159,13 @@ def _draw_scene(rng: np.random.Generator) -> Scene:
     sizes, weights = zip(*SIZES, strict=True)
     p = np.array(weights) / sum(weights)
     rows, cols = sizes[int(rng.choice(len(sizes), p=p))]
-    kind = _pick(rng, ["gradient", "gradient", "stripes", "checker"])
+    kind = pick(rng, ["gradient", "gradient", "stripes", "checker"])
     background = {"kind": kind, "a": _grey(rng, 95, 150), "b": _grey(rng, 150, 200),
-                  "vertical": bool(rng.random() < 0.5), "period": int(_pick(rng, [4, 6, 8]))}  # fmt: skip
+                  "vertical": bool(rng.random() < 0.5), "period": int(pick(rng, [4, 6, 8]))}  # fmt: skip
     # the text: 2-4 glyphs, a glyph one token (or 2 x 2 tokens when it fits), the box on the token grid
     n_text = int(rng.integers(2, 5))
     scale = 2 if (rng.random() < 0.3 and n_text * 2 <= cols) else 1
-    text = "".join(_pick(rng, GLYPH_CHARS) for _ in range(n_text))
+    text = "".join(pick(rng, GLYPH_CHARS) for _ in range(n_text))
     text_row = int(rng.integers(0, rows - scale + 1))
     text_col = int(rng.integers(0, cols - n_text * scale + 1))
     text_box = Box(text_col * TOKEN_PX, text_row * TOKEN_PX,
@@ -190,7 +179,7 @@ def _draw_scene(rng: np.random.Generator) -> Scene:
             break
         color, shape = pairs[int(k)]
         for _ in range(40):  # a place that leaves every object mostly visible and its centre token its own
-            size = int(_pick(rng, OBJECT_SIZES))
+            size = int(pick(rng, OBJECT_SIZES))
             h = size // 2
             o = Obj(color, shape, int(rng.integers(h, cols * TOKEN_PX - size + h + 1)),
                     int(rng.integers(h, rows * TOKEN_PX - size + h + 1)), size)  # fmt: skip
@@ -366,21 +355,21 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
     if kind == "exist":
         present = sorted((o.color, o.shape) for o in objs)
         absent = [(c, s) for c in COLOR_NAMES for s in SHAPES if (c, s) not in present]
-        c, s = _pick(rng, present if rng.random() < 0.5 else absent)
+        c, s = pick(rng, present if rng.random() < 0.5 else absent)
         return {"color": c, "shape": s}
     if kind == "count":
         if rng.random() < 0.5:
-            return {"color": _pick(rng, COLOR_NAMES)}
-        return {"shape": _pick(rng, SHAPES)}
+            return {"color": pick(rng, COLOR_NAMES)}
+        return {"shape": pick(rng, SHAPES)}
     if kind == "color":
-        return {"shape": _pick(rng, [s for s in SHAPES if len(scene.find(shape=s)) == 1])}
+        return {"shape": pick(rng, [s for s in SHAPES if len(scene.find(shape=s)) == 1])}
     if kind == "relation":
         rels = list(RELATIONS)
         pairs = [(a, b, r) for a in objs for b in objs if a is not b for r in rels
                  if abs((a.cx - b.cx) if r in ("left", "right") else (a.cy - b.cy)) >= RELATION_GAP]  # fmt: skip
         want = rng.random() < 0.5
         pool = [(a, b, r) for a, b, r in pairs if _relation_holds(a, b, r) == want] or pairs
-        a, b, r = pool[int(rng.integers(len(pool)))]
+        a, b, r = pick(rng, pool)
         return {"a": a.name, "b": b.name, "rel": r}
     if kind == "largest":
         for _ in range(50):
@@ -412,7 +401,7 @@ def _candidates(kind: str, answer: str, params: dict, rng: np.random.Generator) 
         if len(cands) >= 4:
             break
         alt = list(words)
-        alt[int(rng.integers(len(alt)))] = _pick(rng, GLYPH_CHARS)
+        alt[int(rng.integers(len(alt)))] = pick(rng, GLYPH_CHARS)
         if " ".join(alt) not in cands:
             cands.append(" ".join(alt))
     return [cands[int(i)] for i in rng.permutation(len(cands))]
@@ -447,11 +436,10 @@ def generate_split(split: str, n: int, seed: int = 0) -> list[Sample]:
     return grid.draw(make_sample, split_rng(split, seed), n)
 
 
-def format_prompt(question: str) -> str:
-    return PROMPT_TEMPLATE.format(question=question)
-
-
 GRID_WORDS = max(max(r, c) for (r, c), _ in SIZES)  # r0.. / c0.. words of the training scaffold
+
+
+format_prompt = grid.format_prompt  # the same PROMPT_TEMPLATE
 
 
 def vocabulary_words() -> list[str]:
@@ -463,8 +451,4 @@ def vocabulary_words() -> list[str]:
     words += [str(i) for i in range(10)] + [ch for ch in GLYPH_CHARS if not ch.isdigit()] + OPTION_LETTERS
     words += [f"r{i}" for i in range(GRID_WORDS)] + [f"c{i}" for i in range(GRID_WORDS)]
     words += [f"s{s}" for s in OBJECT_SIZES]
-    out: list[str] = []
-    for w in words:
-        if w not in out:
-            out.append(w)
-    return out
+    return list(dict.fromkeys(words))

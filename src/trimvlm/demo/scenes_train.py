@@ -1,22 +1,16 @@
 """Train demo-scenes: a 12-layer Qwen2.5-VL on the scenes task, with the demo's one training loop
 (`train.train_demo`, seeded and resumable) and the scenes task's encoder and scaffolds.
 
-What differs from the grid task: images have 160 to 400 visual tokens, so every sequence has its own visual
-span; an object covers many tokens, so the scaffolds name one token per object, its anchor (the token
-holding its centre): its size word is trained there, and the attention teacher points the answer position at
-anchors (a count is the share of attention that reaches the matching anchors; a relation gathers its first
-object's two words and then looks at that object with one head, and its second object's with the next: one
-head over all four words leaves a bag that cannot tell which colour goes with which shape, nor which comes
-first, and relations stayed at chance; mid-way, a relation's answer position names the relation that holds,
-and on the next layer it looks at the asked relation word when that is what holds, else at the sink: named
-97% right at step 8,600, the yes/no answer was still at chance without this match);
-"largest" looks at the largest option; each word of a reading looks
-at its own glyph). Every visual token names what it shows (colour or glyph or "background", and its shape)
-through the LM head, glyph tokens with a term of their own (at about 1% of the tokens the shared term left
-them at chance after 4,600 steps); its row and column words at the teacher's key layer, and the (colour,
-shape) pair of the object it shows through the pair probe (labelling the anchor alone left the object's other
-tokens told "no pair": the probe named 10% of the anchors after 2,400 steps). None of this is in the saved
-model, which is a plain `Qwen2_5_VLForConditionalGeneration`.
+What differs from the grid task: every sequence has its own visual span (160 to 400 tokens), and an object
+covers many tokens, so the scaffolds name one token per object, its anchor (the token holding its centre). The
+attention teacher points the answer position at anchors (a count is the share of attention on the matching
+anchors; a relation gathers each object's two words and then looks at each object with a head of its own, names
+the relation that holds mid-way, and on the verdict layer looks at the asked relation word when that is what
+holds, else at the sink; "largest" looks at the largest option; each word of a reading looks at its glyph). Every
+visual token names what it shows through the LM head (glyph tokens with a term of their own), its row and column
+words at the teacher's key layer, and its object's (colour, shape) pair through the pair probe; anchors name
+their size (docs/demo.md, demo-scenes). None of this is in the saved model, a plain
+`Qwen2_5_VLForConditionalGeneration`.
 
     trimvlm train-demo --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 11000 --threads 2
 """
@@ -30,12 +24,10 @@ import torch
 
 from trimvlm.demo import scenes
 from trimvlm.demo.model import build_image_processor, build_scenes_config
-from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Padding, Spec, aux_cell_loss
-from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Encoder, Look, Spec, Turn, aux_cell_loss
+from trimvlm.demo.vocab import build_tokenizer, build_vocab
 
 TRAIN_TURNS = {"exist": 2, "count": 2, "color": 1, "relation": 2, "largest": 1, "read": 1}
-P_SINGLE_TURN = 0.2
-PAD_MULTIPLE = 32
 RELATION_LAYER = 7  # after the teacher's object layers (2-4) and two more: where a relation is named
 SEEN_PIXELS = 64  # a token shows an object when a quarter of its pixels do
 N_PAIRS = len(scenes.COLOR_NAMES) * len(scenes.SHAPES)
@@ -83,28 +75,16 @@ def scenes_tokenizer():
     return build_tokenizer(scenes.vocabulary_words())
 
 
-class ScenesEncoder(Padding):
-    """Scenes samples -> model inputs (the tokenizer's ids, without string tokenization); each image's own
-    number of visual tokens."""
+class ScenesEncoder(Encoder):
+    """The scenes task's encoder: each image's own number of visual tokens."""
 
     def __init__(self):
-        self.kinds = scenes.KINDS
-        self.background = "background"  # the word a token showing nothing is named with
-        self.vocab = build_vocab(scenes.vocabulary_words())
-        self.processor = build_image_processor("scenes")
-        self.pad, self.eos, self.image_pad = self.vocab[PAD], self.vocab[EOS], self.vocab[IMAGE_PAD]
+        vocab = build_vocab(scenes.vocabulary_words())
+        super().__init__(scenes, vocab, build_image_processor("scenes"), "background")
         self.attribute_ids = {self.vocab[w] for w in scenes.COLOR_NAMES + scenes.SHAPES}
 
-    def prefix(self, scene: scenes.Scene) -> list[int]:
-        n = scene.rows * scene.cols
-        return [self.vocab[VISION_START]] + [self.image_pad] * n + [self.vocab[VISION_END]]
-
-    def words(self, text: str) -> list[int]:
-        return [self.vocab[w] for w in text.split()]
-
-    def images(self, images):
-        out = self.processor(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+    def n_visual(self, image) -> int:
+        return (image.height // scenes.TOKEN_PX) * (image.width // scenes.TOKEN_PX)
 
     def _look(self, s, q, start: int, prompt: list[int]):
         """(keys for the teacher's first head, keys for its second head, option positions, pairs asked)."""
@@ -134,47 +114,25 @@ class ScenesEncoder(Padding):
             pairs = []
         return keys, second, option, pairs
 
-    def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        seqs, labs, looks, asks, names = [], [], [], [], []
-        for s in samples:
-            seen: set[str] = set()
-            qas = [q for q in s.qas if not (q.question in seen or seen.add(q.question))]
-            turns = [qas[int(i)] for i in rng.permutation(len(qas))]
-            if rng.random() < P_SINGLE_TURN:
-                turns = turns[:1]
-            ids = self.prefix(s.scene)
-            lab = [-100] * len(ids)
-            for q in turns:
-                prompt = self.words(scenes.format_prompt(q.question))
-                ans = self.words(q.answer) + [self.eos]
-                start = len(ids)
-                ids += prompt
-                at = len(ids) - 1  # the position that predicts the first answer word
-                keys, second, option, pairs = self._look(s, q, start, prompt)
-                words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
-                second_words = []
-                if q.kind == "relation" and len(words) == 4:  # a bag of four words cannot tell which colour goes with which shape,
-                    words, second_words = words[:2], words[2:]  # nor which object comes first: a head each
-                verdict = []
-                if q.kind == "relation":
-                    truth = relation_truth(s.scene, q.params)
-                    names.append(RelationName(len(seqs), at, self.vocab[truth]))
-                    asked = start + prompt.index(self.vocab[q.params["rel"]])
-                    verdict = [asked] if truth == q.params["rel"] else [0]  # yes: the asked word; no: the sink
-                looks.append(Look(len(seqs), at, keys, words, option, second, second_words, verdict))
-                if pairs:
-                    asks.append(Ask(len(seqs), at, pairs))
-                if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
-                    looks += [Look(len(seqs), at + j, glyph, [], []) for j, glyph in enumerate(glyph_keys(s.scene))
-                              if j > 0]  # fmt: skip
-                ids += ans
-                lab += [-100] * len(prompt) + ans
-            seqs.append(ids)
-            labs.append(lab)
-        batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
-        batch["looks"], batch["asks"], batch["names"] = looks, asks, names
-        return batch
+    def supervise(self, turn: Turn, looks: list[Look], asks: list[Ask], names: list[RelationName]) -> None:
+        """The teacher's `Look`s, the probe's `Ask` and a relation's `RelationName` for one turn."""
+        s, q, start, prompt, row, at = turn.sample, turn.qa, turn.start, turn.prompt, turn.row, turn.at
+        keys, second, option, pairs = self._look(s, q, start, prompt)
+        words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
+        second_words = []
+        if q.kind == "relation" and len(words) == 4:  # a bag of four words cannot tell which colour goes with which shape,
+            words, second_words = words[:2], words[2:]  # nor which object comes first: a head each
+        verdict = []
+        if q.kind == "relation":
+            truth = relation_truth(s.scene, q.params)
+            names.append(RelationName(row, at, self.vocab[truth]))
+            asked = start + prompt.index(self.vocab[q.params["rel"]])
+            verdict = [asked] if truth == q.params["rel"] else [0]  # yes: the asked word; no: the sink
+        looks.append(Look(row, at, keys, words, option, second, second_words, verdict))
+        if pairs:
+            asks.append(Ask(row, at, pairs))
+        if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
+            looks += [Look(row, at + j, glyph, [], []) for j, glyph in enumerate(glyph_keys(s.scene)) if j > 0]
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
         """Per visual token: content word, shape word, row and column words, pair class (of the object it shows;
@@ -205,17 +163,6 @@ class ScenesEncoder(Padding):
             for o in sc.objects:
                 out["size"][i, scenes.anchor_token(sc, o)] = v[f"s{o.size}"]
         return out
-
-    def prompt_batch(self, items) -> dict:
-        """items: list of (image, question); left-padded for generation. The image's size sets its span."""
-        seqs = []
-        for im, q in items:
-            n = (im.height // scenes.TOKEN_PX) * (im.width // scenes.TOKEN_PX)
-            seqs.append([self.vocab[VISION_START]] + [self.image_pad] * n + [self.vocab[VISION_END]]
-                        + self.words(scenes.format_prompt(q)))  # fmt: skip
-        batch = self._pad(seqs, None, left=True)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
-        return batch
 
 
 def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:

@@ -121,6 +121,11 @@ class Sample:
 # --------------------------------------------------------------------------------------------- scenes
 
 
+def pick(rng: np.random.Generator, items):
+    """One of `items`, drawn uniformly."""
+    return items[int(rng.integers(len(items)))]
+
+
 def make_scene(rng: np.random.Generator) -> Scene:
     n_text = int(rng.integers(3, 5))
     text = "".join(GLYPH_CHARS[int(i)] for i in rng.integers(0, len(GLYPH_CHARS), n_text))
@@ -133,11 +138,7 @@ def make_scene(rng: np.random.Generator) -> Scene:
     objects = []
     for p in sorted(int(x) for x in picks):
         r, c = free[p]
-        objects.append(
-            Obj(
-                r, c, COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))], SHAPES[int(rng.integers(len(SHAPES)))]
-            )
-        )
+        objects.append(Obj(r, c, pick(rng, COLOR_NAMES), pick(rng, SHAPES)))
     occupied = taken | {(o.row, o.col) for o in objects}
     stripes: list[tuple[int, int]] = []
     if rng.random() < 0.6:  # a rectangular patch of repeated stripe texture on empty background
@@ -194,8 +195,7 @@ def _row_items(scene: Scene, axis: str, index: int) -> list[str]:
 def answer_for(scene: Scene, kind: str, params: dict) -> str:
     """Recompute the answer of a question from the scene description alone."""
     if kind == "exist":
-        hit = any(o.color == params["color"] and o.shape == params["shape"] for o in scene.objects)
-        return "yes" if hit else "no"
+        return "yes" if evidence_cells(scene, kind, params) else "no"
     if kind == "mc":
         present = {(o.color, o.shape) for o in scene.objects}
         hits = [i for i, (c, s) in enumerate(params["options"]) if (c, s) in present]
@@ -206,7 +206,7 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
         o = scene.object_at(params["row"], params["col"])
         return o.color if o is not None else BACKGROUND
     if kind == "count":
-        return str(sum(o.color == params["color"] for o in scene.objects))
+        return str(len(evidence_cells(scene, kind, params)))
     if kind == "list":
         items = _row_items(scene, params["axis"], params["index"])
         return " ".join(items) if items else "none"
@@ -216,15 +216,7 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
         objs = sorted(scene.objects, key=lambda o: (o.row, o.col))
         return " ".join(f"r{o.row} c{o.col} {o.color} {o.shape}" for o in objs)
     if kind == "where":
-        objs = sorted(
-            (
-                o
-                for o in scene.objects
-                if o.color == params["color"] and params.get("shape") in (None, o.shape)
-            ),
-            key=lambda o: (o.row, o.col),
-        )
-        return " ".join(f"r{o.row} c{o.col}" for o in objs) or "none"
+        return " ".join(f"r{r} c{c}" for r, c in sorted(evidence_cells(scene, kind, params))) or "none"
     raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")
 
 
@@ -286,10 +278,10 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
     absent = [p for p in all_pairs if p not in present]
     if kind == "exist":
         pool = sorted(present) if (rng.random() < 0.5 and present) else absent
-        c, s = pool[int(rng.integers(len(pool)))]
+        c, s = pick(rng, pool)
         return {"color": c, "shape": s}
     if kind == "mc":
-        right = sorted(present)[int(rng.integers(len(present)))]
+        right = pick(rng, sorted(present))
         wrong_idx = rng.choice(len(absent), size=3, replace=False)
         opts = [absent[int(i)] for i in wrong_idx]
         opts.insert(int(rng.integers(4)), right)
@@ -297,33 +289,30 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
     if kind == "color":
         text_cells = set(scene.text_cells())
         if rng.random() < 0.7:
-            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            o = pick(rng, scene.objects)
             return {"row": o.row, "col": o.col}
         occupied = text_cells | {(o.row, o.col) for o in scene.objects}
         empty = [(r, c) for r in range(GRID) for c in range(GRID) if (r, c) not in occupied]
-        r, c = empty[int(rng.integers(len(empty)))]
+        r, c = pick(rng, empty)
         return {"row": r, "col": c}
     if kind == "count":
         colors = sorted({o.color for o in scene.objects})
         pool = colors if rng.random() < 0.8 else COLOR_NAMES
-        return {"color": pool[int(rng.integers(len(pool)))]}
+        return {"color": pick(rng, pool)}
     if kind == "list":
         axis = "row" if rng.random() < 0.5 else "col"
         if rng.random() < 0.85:
-            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            o = pick(rng, scene.objects)
             index = o.row if axis == "row" else o.col
         else:
             index = int(rng.integers(GRID))
         return {"axis": axis, "index": index}
     if kind == "where":
         if rng.random() < 0.7:
-            o = scene.objects[int(rng.integers(len(scene.objects)))]
+            o = pick(rng, scene.objects)
             color, shape = o.color, o.shape
         else:
-            color, shape = (
-                COLOR_NAMES[int(rng.integers(len(COLOR_NAMES)))],
-                SHAPES[int(rng.integers(len(SHAPES)))],
-            )
+            color, shape = pick(rng, COLOR_NAMES), pick(rng, SHAPES)
         return {"color": color, "shape": shape if rng.random() < 0.5 else None}
     return {}
 
@@ -348,14 +337,14 @@ def _candidates(scene: Scene, kind: str, answer: str, rng: np.random.Generator) 
             break
         if kind == "list" and (answer == "none" or rng.random() < 0.25):
             alt = (
-                [vocab[int(rng.integers(len(vocab)))] for _ in range(int(rng.integers(1, 3)))]
+                [pick(rng, vocab) for _ in range(int(rng.integers(1, 3)))]
                 if answer == "none"
                 else words[:-1] or ["none"]
             )
         else:
             alt = list(words)
             j = int(rng.integers(len(alt)))
-            alt[j] = vocab[int(rng.integers(len(vocab)))]
+            alt[j] = pick(rng, vocab)
         s = " ".join(alt)
         if s not in cands:
             cands.append(s)
@@ -441,8 +430,4 @@ def vocabulary_words() -> list[str]:
     words += COLOR_NAMES + SHAPES
     words += [f"r{i}" for i in range(GRID)] + [f"c{i}" for i in range(GRID)]
     words += [str(i) for i in range(10)] + [ch for ch in GLYPH_CHARS if not ch.isdigit()]
-    out: list[str] = []
-    for w in words + OPTION_LETTERS:
-        if w not in out:
-            out.append(w)
-    return out
+    return list(dict.fromkeys(words + OPTION_LETTERS))

@@ -24,13 +24,14 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from trimvlm.demo import task
+from trimvlm.demo import task, train_common
 from trimvlm.demo.health import HEALTH_IMAGES, scaffold_health
 from trimvlm.demo.model import (
     VISUAL_TOKENS,
@@ -39,91 +40,45 @@ from trimvlm.demo.model import (
     build_model,
     save_checkpoint,
 )
-from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Padding, Spec, aux_cell_loss
-from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START, build_tokenizer, build_vocab
+from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Spec, Turn, aux_cell_loss
+from trimvlm.demo.vocab import build_tokenizer, build_vocab
 from trimvlm.progress import steps as step_bar
 
 TRAIN_TURNS = {"exist": 5, "mc": 3, "color": 2, "count": 4, "list": 2, "read": 1}
 P_DESCRIBE = 0.25
-P_SINGLE_TURN = 0.2
 WHERE_TURNS = 2
 VAL_IMAGES = 48
-PAD_MULTIPLE = 32
 TEST_IMAGES = 100
 
 
-class Encoder(Padding):
-    """Turns samples into model inputs without string tokenization overhead (same ids as the tokenizer)."""
+class Encoder(train_common.Encoder):
+    """The grid task's encoder: 64 visual tokens per image."""
 
     def __init__(self):
-        self.kinds = task.KINDS
-        self.background = task.BACKGROUND  # the word a token showing nothing is named with
-        self.vocab = build_vocab()
-        self.processor = build_image_processor()
-        self.pad = self.vocab[PAD]
-        self.eos = self.vocab[EOS]
-        self.image_pad = self.vocab[IMAGE_PAD]
-        self.prefix = [self.vocab[VISION_START]] + [self.image_pad] * VISUAL_TOKENS + [self.vocab[VISION_END]]
+        super().__init__(task, build_vocab(), build_image_processor(), task.BACKGROUND)
         attributes = task.COLOR_NAMES + task.SHAPES + [f"{a}{i}" for a in "rc" for i in range(task.GRID)]
         self.attribute_ids = {self.vocab[w] for w in attributes}
 
-    def words(self, text: str) -> list[int]:
-        return [self.vocab[w] for w in text.split()]
+    def n_visual(self, image) -> int:
+        return VISUAL_TOKENS
 
-    def images(self, images):
-        out = self.processor(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
-
-    def train_batch(self, samples, rng: np.random.Generator) -> dict:
-        """Padded training inputs; "looks" lists a `Look` per turn (the evidence cells, the question's
-        attribute words, the right option's letter and words); "asks" an `Ask` per existence and
-        multiple-choice question."""
-        seqs, labs, looks, asks = [], [], [], []
-        for s in samples:
-            seen: set[str] = set()
-            qas, aux = [], []
-            for q in s.qas:  # drop repeated questions: a repeat could copy the earlier answer
-                if q.question in seen:
-                    continue
-                seen.add(q.question)
-                (aux if q.kind in task.AUX_KINDS else qas).append(q)
-            turns = [qas[int(i)] for i in rng.permutation(len(qas))]
-            if rng.random() < P_SINGLE_TURN:
-                turns = turns[:1]
-            else:  # auxiliary turns last, so that no question can copy its answer from them
-                turns += [aux[int(i)] for i in rng.permutation(len(aux))]
-            ids = list(self.prefix)
-            lab = [-100] * len(ids)
-            for q in turns:
-                prompt = self.words(task.format_prompt(q.question))
-                ans = self.words(q.answer) + [self.eos]
-                start = len(ids)
-                ids += prompt
-                if q.kind in ATTENTION_KINDS:  # the position that predicts the first answer word
-                    cells = task.evidence_cells(s.scene, q.kind, q.params)
-                    words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
-                    option = []  # multiple choice: the right option's letter and its two words
-                    if q.kind == "mc":
-                        at = start + prompt.index(self.vocab[q.answer])
-                        option = [at, at + 1, at + 2]
-                    if q.kind in ("exist", "mc"):
-                        pairs = (
-                            q.params["options"]
-                            if q.kind == "mc"
-                            else [(q.params["color"], q.params["shape"])]
-                        )
-                        asks.append(Ask(len(seqs), len(ids) - 1, [pair_class(c, sh) for c, sh in pairs]))
-                    cell_keys = [1 + r * task.GRID + c for r, c in cells]
-                    looks.append(Look(len(seqs), len(ids) - 1, cell_keys, words, option))
-                ids += ans
-                lab += [-100] * len(prompt) + ans
-            seqs.append(ids)
-            labs.append(lab)
-        batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
-        batch["looks"] = looks
-        batch["asks"] = asks
-        return batch
+    def supervise(self, turn: Turn, looks: list[Look], asks: list[Ask], names: list) -> None:
+        """A `Look` per turn (the evidence cells, the question's attribute words, the right option's letter
+        and words); an `Ask` per existence and multiple-choice question."""
+        q, start, prompt = turn.qa, turn.start, turn.prompt
+        if q.kind not in ATTENTION_KINDS:
+            return
+        cells = task.evidence_cells(turn.sample.scene, q.kind, q.params)
+        words = [start + i for i, t in enumerate(prompt) if t in self.attribute_ids]
+        option = []  # multiple choice: the right option's letter and its two words
+        if q.kind == "mc":
+            at = start + prompt.index(self.vocab[q.answer])
+            option = [at, at + 1, at + 2]
+        if q.kind in ("exist", "mc"):
+            pairs = q.params["options"] if q.kind == "mc" else [(q.params["color"], q.params["shape"])]
+            asks.append(Ask(turn.row, turn.at, [pair_class(c, sh) for c, sh in pairs]))
+        cell_keys = [1 + r * task.GRID + c for r, c in cells]
+        looks.append(Look(turn.row, turn.at, cell_keys, words, option))
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
         """Per visual token (raster order of cells): its content word, shape word, row word, column word and
@@ -143,12 +98,6 @@ class Encoder(Padding):
         cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
         return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair}
 
-    def prompt_batch(self, items) -> dict:
-        """items: list of (image, question); left-padded for generation."""
-        seqs = [self.prefix + self.words(task.format_prompt(q)) for _, q in items]
-        batch = self._pad(seqs, None, left=True)
-        batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
-        return batch
 
 class VisualFold:
     """Keeps the visual tokens centred and at text-embedding scale while training, inside the stock weights.
@@ -219,11 +168,7 @@ def evaluate(model, enc: Encoder, samples, batch_size: int = 64, max_new_tokens:
         out = model.generate(**batch, max_new_tokens=n_new, do_sample=False)
         new = out[:, batch["input_ids"].shape[1] :]
         for (_, q), row in zip(chunk, new.tolist(), strict=True):
-            words = []
-            for t in row:
-                if t == enc.eos or t == enc.pad:
-                    break
-                words.append(id2w.get(t, "<unk>"))
+            words = [id2w.get(t, "<unk>") for t in takewhile(lambda t: t not in (enc.eos, enc.pad), row)]
             correct[q.kind].append(int(" ".join(words) == q.answer))
     model.train()
     return {k: float(np.mean(v)) if v else 0.0 for k, v in correct.items()}
@@ -540,26 +485,20 @@ def _resume(run: _Run, state_path: Path, out_dir: Path) -> None:
 
 def _save_state(run: _Run, state_path: Path, model_kwargs: dict | None) -> None:
     """Write the resumable state atomically (a temporary file, then a rename)."""
-    probe = run.probe
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.opt.state_dict(),
+        "np_rng": run.rng.bit_generator.state,
+        "torch_rng": torch.get_rng_state(),
+        "step": run.step,
+        "best": run.best,
+        "best_metric": BEST_METRIC,
+        "model_kwargs": model_kwargs or {},
+    }
+    if run.probe is not None:
+        state.update(pair_probe=run.probe.state_dict(), pair_probe_opt=run.probe.opt.state_dict())
     tmp = state_path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": run.model.state_dict(),
-            "optimizer": run.opt.state_dict(),
-            "np_rng": run.rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(),
-            "step": run.step,
-            "best": run.best,
-            "best_metric": BEST_METRIC,
-            "model_kwargs": model_kwargs or {},
-            **(
-                {"pair_probe": probe.state_dict(), "pair_probe_opt": probe.opt.state_dict()}
-                if probe is not None
-                else {}
-            ),
-        },
-        tmp,
-    )
+    torch.save(state, tmp)
     tmp.replace(state_path)
 
 
@@ -613,20 +552,35 @@ def _train_step(
     return loss.item(), att_loss
 
 
+class _HeldOut(NamedTuple):
+    """The validation samples, their majority-answer accuracy per kind, and the test samples."""
+
+    val: list
+    val_base: dict[str, float]
+    test: list
+
+
+def _held_out(spec: Spec, enc: Encoder) -> _HeldOut:
+    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
+    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
+    return _HeldOut(val, majority_baseline(val, enc.kinds), test)
+
+
 def _validate(
-    run: _Run, enc: Encoder, val, val_base: dict, test, out_dir: Path, tokenizer, train_meta: dict, spec: Spec
-) -> tuple[dict, str]:
+    run: _Run, enc: Encoder, held: _HeldOut, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
+    log_path: Path,
+) -> str:  # fmt: skip
     """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
-    accuracy too, and the checkpoint is written to `out_dir`. Returns the log record and the console line."""
-    acc = evaluate(run.model, enc, val)
-    score = selection_score(acc, val_base)
+    accuracy too, and the checkpoint is written to `out_dir`. Logs the record; returns the console line."""
+    acc = evaluate(run.model, enc, held.val)
+    score = selection_score(acc, held.val_base)
     rec = {"step": run.step, "val": acc, "val_score": score}
     if run.teacher is not None or run.probe is not None:
-        rec["scaffolds"] = scaffold_health(run, enc, val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
+        rec["scaffolds"] = scaffold_health(run, enc, held.val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
     improved = score > run.best
     if improved:
         run.best = score
-        test_acc = evaluate(run.model, enc, test)
+        test_acc = evaluate(run.model, enc, held.test)
         rec["test"] = test_acc
         meta = {
             "step": run.step,
@@ -642,8 +596,9 @@ def _validate(
             **spec.meta,
         }
         save_checkpoint(run.model, out_dir, meta, tokenizer, spec.image_processor())
+    _log(log_path, rec)
     line = f"step {run.step} val " + " ".join(f"{k}={v:.2f}" for k, v in acc.items())
-    return rec, line + (" *best" if improved else "")
+    return line + (" *best" if improved else "")
 
 
 def train_demo(
@@ -673,8 +628,7 @@ def train_demo(
     out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / f"train-{out_dir.name}"
     work_dir.mkdir(parents=True, exist_ok=True)
-    state_path = work_dir / "train_state.pt"
-    log_path = work_dir / "train_log.jsonl"
+    state_path, log_path = work_dir / "train_state.pt", work_dir / "train_log.jsonl"
 
     spec = spec if spec is not None else GRID_SPEC
     tokenizer = spec.tokenizer()
@@ -686,49 +640,49 @@ def train_demo(
         _resume(run, state_path, out_dir)
 
     enc = spec.encoder()
-    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    val_base = majority_baseline(val, enc.kinds)
-    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
+    held = _held_out(spec, enc)
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
 
-    losses: list[float] = []
-    att_losses: list[float] = []
-    t_last = time.time()
+    window = _Window(log_path)
     with step_bar("train-demo", steps, enabled=progress, phase="training", done=run.step) as bar:
         while run.step < steps:
-            loss, att = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
-            if att is not None:
-                att_losses.append(att)
-            losses.append(loss)
+            loss = _train_step(run, enc, steps, batch_size, lr, warmup, aux_weight, attention_weight, spec)
+            window.add(*loss)
             bar.advance()
-            step = run.step
-            if step % 50 == 0:
-                rec = _log_window(log_path, run, losses, att_losses, (time.time() - t_last) / 50)
-                t_last = time.time()
-                bar.phase(f"training, loss {rec['loss']:.3f}")
-                losses, att_losses = [], []
-            if step % eval_every == 0 or step == steps:
-                bar.phase(f"validating at step {step}")
-                rec, line = _validate(run, enc, val, val_base, test, out_dir, tokenizer, train_meta, spec)
-                _log(log_path, rec)
-                bar.note(line)
+            if run.step % 50 == 0:
+                bar.phase(f"training, loss {window.log(run)['loss']:.3f}")
+            if run.step % eval_every == 0 or run.step == steps:
+                bar.phase(f"validating at step {run.step}")
+                bar.note(_validate(run, enc, held, out_dir, tokenizer, train_meta, spec, log_path))
                 bar.phase("training")
-                t_last = time.time()
-            if step % save_every == 0 or step == steps:
+                window.t_last = time.time()
+            if run.step % save_every == 0 or run.step == steps:
                 _save_state(run, state_path, model_kwargs)
     return out_dir
 
 
-def _log_window(log_path: Path, run, losses: list[float], att_losses: list[float], s_per_step: float) -> dict:
-    """Log the mean losses of the last steps (the attention loss when it was trained)."""
-    rec = {"step": run.step, "loss": float(np.mean(losses)), "lr": run.opt.param_groups[0]["lr"],
-           "s_per_step": s_per_step}  # fmt: skip
-    if att_losses:
-        rec["attention_loss"] = float(np.mean(att_losses))
-    _log(log_path, rec)
-    return rec
+class _Window:
+    """The losses of the steps since the last log line (every 50 steps), with their time."""
+
+    def __init__(self, log_path: Path):
+        self.log_path, self.losses, self.att_losses, self.t_last = log_path, [], [], time.time()
+
+    def add(self, loss: float, att: float | None) -> None:
+        if att is not None:
+            self.att_losses.append(att)
+        self.losses.append(loss)
+
+    def log(self, run: _Run) -> dict:
+        """Log the mean losses of the last steps (and the attention loss when it was trained); start anew."""
+        rec = {"step": run.step, "loss": float(np.mean(self.losses)), "lr": run.opt.param_groups[0]["lr"],
+               "s_per_step": (time.time() - self.t_last) / 50}  # fmt: skip
+        if self.att_losses:
+            rec["attention_loss"] = float(np.mean(self.att_losses))
+        _log(self.log_path, rec)
+        self.losses, self.att_losses, self.t_last = [], [], time.time()
+        return rec
 
 
 GRID_SPEC = Spec(task=task, encoder=Encoder, tokenizer=build_tokenizer, build_config=build_config,

@@ -1,5 +1,5 @@
 """What the demo's one training loop (trimvlm.demo.train) and each task's training module share: the `Spec` a
-task brings to the loop, the batch padding of both encoders (`Padding`) and the per-cell auxiliary loss through
+task brings to the loop, what both encoders share (`Encoder`) and the per-cell auxiliary loss through
 the LM head (`aux_cell_loss`, read at decoder layer `AUX_POSITION_LAYER`)."""
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START
+
 AUX_POSITION_LAYER = 2
 MID_CONTENT = True
+P_SINGLE_TURN = 0.2  # sequences cut to one turn: the exact evaluation format
+PAD_MULTIPLE = 32
 
 
 class Look(NamedTuple):
@@ -32,6 +36,21 @@ class Look(NamedTuple):
     verdict: Sequence[int] = ()
 
 
+class Turn(NamedTuple):
+    """One question of a training sequence: its sample, the sequence's `row` in the batch, where its prompt
+    starts and the prompt's ids (the answer is predicted at `start + len(prompt) - 1`)."""
+
+    sample: Any
+    qa: Any
+    row: int
+    start: int
+    prompt: list[int]
+
+    @property
+    def at(self) -> int:
+        return self.start + len(self.prompt) - 1
+
+
 class Ask(NamedTuple):
     """An existence or multiple-choice question's answer position (`row`, `at`) and the (colour, shape) pair
     classes it asks for (the pair probe's targets)."""
@@ -41,8 +60,67 @@ class Ask(NamedTuple):
     pairs: list[int]
 
 
-class Padding:
-    """An encoder's batch padding: it reads the encoder's `pad` and `image_pad` ids."""
+class Encoder:
+    """What both tasks' encoders share: samples -> model inputs with the tokenizer's ids (no string
+    tokenization), the turns of a training sequence, and the batch padding. A task's encoder writes `n_visual`
+    (an image's visual tokens), `supervise` (one turn's teacher, probe and naming targets) and `cell_targets`."""
+
+    def __init__(self, task, vocab: dict[str, int], processor, background: str):
+        self.task, self.kinds, self.vocab, self.processor = task, task.KINDS, vocab, processor
+        self.background = background  # the word a token showing nothing is named with
+        self.pad, self.eos, self.image_pad = vocab[PAD], vocab[EOS], vocab[IMAGE_PAD]
+
+    def span(self, n: int) -> list[int]:
+        """The image's `n` visual tokens between <|vision_start|> and <|vision_end|>."""
+        return [self.vocab[VISION_START]] + [self.image_pad] * n + [self.vocab[VISION_END]]
+
+    def words(self, text: str) -> list[int]:
+        return [self.vocab[w] for w in text.split()]
+
+    def images(self, images):
+        out = self.processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def turns(self, s, rng: np.random.Generator) -> list:
+        """A sample's questions once each (a repeat could copy the earlier answer), shuffled; cut to one turn
+        with probability P_SINGLE_TURN, else with the auxiliary turns last (no question can copy from them)."""
+        seen: set[str] = set()
+        qas = [q for q in s.qas if not (q.question in seen or seen.add(q.question))]
+        aux = [q for q in qas if q.kind in self.task.AUX_KINDS]
+        qas = [q for q in qas if q.kind not in self.task.AUX_KINDS]
+        turns = [qas[int(i)] for i in rng.permutation(len(qas))]
+        if rng.random() < P_SINGLE_TURN:
+            return turns[:1]
+        return turns + [aux[int(i)] for i in rng.permutation(len(aux))]
+
+    def train_batch(self, samples, rng: np.random.Generator) -> dict:
+        """Padded training inputs; the loss is on answer tokens and their end token. "looks" lists the
+        teacher's `Look`s, "asks" the pair probe's `Ask`s, "names" what a task's positions name mid-way."""
+        seqs, labs, looks, asks, names = [], [], [], [], []
+        for s in samples:
+            ids = self.span(self.n_visual(s.image))
+            lab = [-100] * len(ids)
+            for q in self.turns(s, rng):
+                prompt = self.words(self.task.format_prompt(q.question))
+                ans = self.words(q.answer) + [self.eos]
+                start = len(ids)
+                ids += prompt
+                self.supervise(Turn(s, q, len(seqs), start, prompt), looks, asks, names)
+                ids += ans
+                lab += [-100] * len(prompt) + ans
+            seqs.append(ids)
+            labs.append(lab)
+        batch = self._pad(seqs, labs, left=False, multiple=PAD_MULTIPLE)
+        batch["pixel_values"], batch["image_grid_thw"] = self.images([s.image for s in samples])
+        batch["looks"], batch["asks"], batch["names"] = looks, asks, names
+        return batch
+
+    def prompt_batch(self, items) -> dict:
+        """items: list of (image, question); left-padded for generation."""
+        seqs = [self.span(self.n_visual(im)) + self.words(self.task.format_prompt(q)) for im, q in items]
+        batch = self._pad(seqs, None, left=True)
+        batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
+        return batch
 
     def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
         n = max(len(s) for s in seqs)

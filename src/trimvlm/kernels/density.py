@@ -52,20 +52,7 @@ def spatial_density(
     """
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be an odd integer >= 1, got {window}")
-    flat = grid is not None
-    x = features
-    if flat:
-        h, w = grid
-        if x.shape[-2] != h * w:
-            raise ValueError(f"{x.shape[-2]} tokens do not fill a {h}x{w} grid")
-        x = x.reshape(*x.shape[:-2], h, w, x.shape[-1])
-    if x.dim() not in (3, 4):
-        raise ValueError(
-            f"features must be [h, w, d] or [B, h, w, d] (or flat with grid), got {tuple(x.shape)}"
-        )
-    squeeze = x.dim() == 3
-    if squeeze:
-        x = x[None]
+    x, squeeze, flat = _grids(features, grid)
     b, h, w, _ = x.shape
     dt = torch.promote_types(x.dtype, torch.float32)
     xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
@@ -77,21 +64,38 @@ def spatial_density(
         count_flops(2 * b * h * w * xn.shape[-1])  # the dot products, as `rowdot` counts them
         sim, count = _window_dots(xn, valid, window)
     else:
-        if m is not None:
-            xn = xn * m[..., None]
-        # Neighbours outside the grid (or masked) add 0 to the similarity sum and 0 to the count. Since
-        # sum_n cos(x, x_n) = <xn, sum_n xn_n>, the neighbours' unit vectors are summed first: a window box sum
-        # (sum pooling over each feature plane, read in place from the [B, h, w, d] layout) minus the cell itself,
-        # then one dot product. The box sum is element-wise work, uncounted here as by torch's FlopCounterMode; it
-        # is 1.7x faster than the shifted adds it replaced (docs/tokens.md).
-        ones = m if m is not None else xn.new_ones(b, h, w)
-        acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
-        count = _box_sum(ones[:, None], window)[:, 0] - ones
-        sim = rowdot(xn, acc)  # counted as method FLOPs: 2 * N * d
+        sim, count = _box_dots(xn, m, window)
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:
         rho = rho * m
     return _shaped(rho, squeeze, flat)
+
+
+def _box_dots(xn: torch.Tensor, m: torch.Tensor | None, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per cell of xn [B, h, w, d] the summed cosine to its window neighbours and their count, by torch ops.
+
+    Neighbours outside the grid (or masked by `m`) add 0 to both. Since sum_n cos(x, x_n) = <xn, sum_n xn_n>,
+    the neighbours' unit vectors are summed first (a window box sum over each feature plane, minus the cell
+    itself; element-wise work, uncounted as by torch's FlopCounterMode), then one dot product."""
+    if m is not None:
+        xn = xn * m[..., None]
+    ones = m if m is not None else xn.new_ones(xn.shape[:-1])
+    acc = _box_sum(xn.permute(0, 3, 1, 2), window).permute(0, 2, 3, 1).sub_(xn)  # in place: no fresh pages
+    count = _box_sum(ones[:, None], window)[:, 0] - ones
+    return rowdot(xn, acc), count  # the dots counted as method FLOPs: 2 * N * d
+
+
+def _grids(x: torch.Tensor, grid: tuple[int, int] | None) -> tuple[torch.Tensor, bool, bool]:
+    """The features as [B, h, w, d], and whether they came as one grid and flat (`_shaped` undoes both)."""
+    flat = grid is not None
+    if flat:
+        h, w = grid
+        if x.shape[-2] != h * w:
+            raise ValueError(f"{x.shape[-2]} tokens do not fill a {h}x{w} grid")
+        x = x.reshape(*x.shape[:-2], h, w, x.shape[-1])
+    if x.dim() not in (3, 4):
+        raise ValueError(f"features must be [h, w, d] or [B, h, w, d] (or flat with grid), got {tuple(x.shape)}")
+    return (x[None], True, flat) if x.dim() == 3 else (x, False, flat)
 
 
 def _shaped(rho: torch.Tensor, squeeze: bool, flat: bool) -> torch.Tensor:

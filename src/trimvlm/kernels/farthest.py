@@ -14,24 +14,15 @@ from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.threads import for_units
 
-# farthest point's rows per product at most (N where N is smaller; a run predicted from the pool is at most
-# the pool's candidates); its look-ahead pool: N / 4 within POOL_MIN..2 x block. One thread, interleaved
-# against the [K, d] x [d, N] product at d = 1024 and 2048, K = N / 5, N = 576-4096: the pool's distances
-# cost 20-50% of a full block's rows and let a refill be certain of 15-200 picks; 512 rows at N = 4096 were
-# 20% slower than 256 (a pool of 1024), at N = 2304 the same.
+# Rows per distance product at most (N where N is smaller); the look-ahead pool: N / 4 within POOL_MIN..2 x block
+# (tuned on one thread at d = 1024-2048, N = 576-4096, K = N / 5).
 BLOCK, POOL_MIN = 256, 128
-# The first refill's guess (nothing is certain before the first distance row is known) is computed in
-# stages, all from its one pool product: STAGE rows where the pool holds under a fifth of the tokens, else
-# GUESS, then twice the last stage's while the guess keeps being the rule's picks. With few candidates the
-# rule soon picks outside the pool (at N = 2304 with a pool of 256, after 24 of 128 guesses); with more a
-# guess can still fail (smooth features at d = 64, N = 1024: after 72 of 256), and at most one stage of rows
-# goes unused. At N = 1024, K = 205, d = 1024 a guess that held ran all its picks from one pool product: 128
-# + 77 rows, 15% faster than 128 rows, then a refill with a new pool (one and two threads).
+# The first refill's guess (nothing is certain before the first distance row is known) is computed in stages
+# from its one pool product: STAGE rows where the pool holds under a fifth of the tokens, else GUESS, then twice
+# the last stage's while the guess keeps being the rule's picks (at most one stage of rows goes unused).
 STAGE, GUESS = 32, 128
-# A later refill whose pick is among its unit's last pool first runs the rule ahead on that pool again, with
-# the current scores (the same certainty), and takes the run when it is at least REUSE_MIN picks (or all it
-# needs): no new pool product. On the synthetic features at d = 1024: 9% fewer products at N = 2304, 3% at N
-# = 4096.
+# A later refill whose pick is among its unit's last pool first runs the rule ahead on that pool again with the
+# current scores (the same certainty) and takes the run when it is at least REUSE_MIN picks: no new pool product.
 REUSE, REUSE_MIN = True, 16
 GRAM_BLOCK = 256  # the look-ahead pool's products: rows per product of its upper block triangle (0: one product)
 
@@ -54,23 +45,17 @@ def farthest_point(
     xn [U, N, d] unit-normalised features; mask [U, N] real tokens; k [U] picks per row; tilt [U, N]
     (beta * rho~); first [U] the first pick. Ties go to the lowest index.
 
-    Each pick needs one distance row D[s_t, :] per unit: K x N x d multiply-adds in all, the method's compute
-    floor. The rows are computed up to `block` (default BLOCK, at most N) at a time as one
-    [q, d] x [d, N] product (a compute-bound matrix product instead of a memory-bound matrix-vector product per
-    pick), for the picks the rule is certain to make next: the rule is run ahead on the `pool` best current
+    Each pick needs one distance row D[s_t, :] per unit (K x N x d multiply-adds in all, the method's compute
+    floor). The rows are computed up to `block` (default BLOCK, at most N) at a time as one [q, d] x [d, N]
+    product, for the picks the rule is certain to make next: the rule run ahead on the `pool` best current
     candidates (default N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
-    [pool, pool] distances, as long as its picks score above every token outside the pool (`_predict`; at the
-    first step, before any distance is known, a full block is a guess, computed in stages: STAGE rows where the
-    pool holds under a fifth of the tokens, else GUESS, then twice as many while the guess holds). A unit whose
-    pick is not among its cached rows refills (only that unit), from its last pool when its pick is there and the
-    run is long enough (`_reuse`), else from a new pool.
-    The prediction only chooses which rows to compute: every pick is still the exact argmax of the exact
-    current scores over all N tokens, from the computed rows (block = 1 is the plain one-row-per-pick loop).
-    The O(N) per-pick bookkeeping (running min, tilt, argmax) runs on [U, N] host arrays: compiled, one fused
-    pass per pick, each unit up to its next miss (units on the threads of `kernels.threads`), or as numpy array
-    operations, all units in step (the fallback). Both refill the same units at the same step with the same
-    rows, so picks, rows and method FLOPs are the same. Memory O(U * block * N) beyond the features: no N x N
-    matrix.
+    [pool, pool] distances, while its picks score above every token outside the pool (`_predict`; the first
+    refill guesses, in stages). A unit whose pick has no cached row refills alone, from its last pool when the
+    run is long enough (`_reuse`), else from a new pool. The prediction only chooses which rows to compute: every
+    pick is the exact argmax of the exact current scores over all N tokens (block = 1 is the plain loop). The
+    O(N) per-pick bookkeeping runs compiled (`kernels.picks`, units on the threads of `kernels.threads`) or as
+    numpy array operations (the fallback); both give the same picks, rows and method FLOPs. Memory
+    O(U * block * N) beyond the features: no N x N matrix.
 
     Returns picks [U, max k] (row u valid up to k[u]) and, with `track_nearest`, nearest [U, N]: the pick among
     row u's first k[u] closest in cosine distance to each token (the earliest such pick on ties).

@@ -29,6 +29,17 @@ def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _start(state: torch.Tensor | None, rows: torch.Tensor | None, shape: tuple, device) -> tuple:
+    """The rows' start states [B * H_v, d_k, d_v] in float32, and whether they are a tensor of their own (else
+    `state` itself, which the loop must not write)."""
+    if state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device), True
+    if rows is not None:
+        return state.index_select(0, rows).to(torch.float32).reshape(shape), True
+    s = state.to(torch.float32).reshape(shape)  # a broadcast view is copied here, once
+    return s, s.data_ptr() != state.data_ptr()
+
+
 def gated_delta_steps(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,13 +78,7 @@ def gated_delta_steps(
     qs, ks, vs = (x.transpose(0, 1).reshape(t, bh, 1, x.shape[-1]) for x in (qn, kn, v.to(f32)))
     alphas, betas = (x.transpose(0, 1).reshape(t, bh, 1, 1) for x in (alpha, bet))
     inplace = not torch.is_grad_enabled()
-    if state is None:
-        s = torch.zeros(bh, d_k, d_v, dtype=f32, device=v.device)
-    elif rows is not None:
-        s = state.index_select(0, rows).to(f32).reshape(bh, d_k, d_v)
-    else:
-        s = state.to(f32).reshape(bh, d_k, d_v)  # a broadcast view is copied here, once
-    own = state is None or rows is not None or s.data_ptr() != state.data_ptr()
+    s, own = _start(state, rows, (bh, d_k, d_v), v.device)
     kq = torch.cat([ks, qs], dim=2)  # [T, BH, 2, d_k]: k and q read the old state in one product
     qk = (qs * ks).sum(-1, keepdim=True)  # [T, BH, 1, 1]
     out = torch.zeros(t, bh, 1, d_v, dtype=f32, device=v.device)

@@ -11,18 +11,19 @@ batch). Surviving keys keep the RoPE rotation they were written with, and decodi
 counter (`PrefillOutput.next_pos`), so an eviction is exactly "these keys are masked out" for every later token.
 Recurrent (Gated DeltaNet) states hold no per-token entries and are left untouched.
 
-A policy is a small dataclass that implements `scores(view) -> [B, K]` (higher = keep; only the visual, valid
-entries are compared) and, if it scores by attention, asks for prefill attention rows with `rows_wanted` (or
-for the column sums over every prefill query with `colsum`). Two optional hooks: `layer_budgets` (a policy
-that splits one total over the layers instead of ceil(N_post * keep) in each; the total per sample stays the
-same, so every policy is compared at equal KV entries) and `compensate` (a policy that folds the evicted
-entries into the kept ones before they are freed, e.g. LOOK-M's merge). Ties are broken by cache order
+A policy is a small dataclass that implements one hook, `scores(view) -> [B, K]` (higher = keep; only the
+visual, valid entries are compared), and, if it scores by attention, declares the prefill attention rows it
+reads (`rows_wanted`, `per_head`) or the column sums over every prefill query (`colsum`). Two optional extras:
+`layer_weights` (a policy that splits one total over the layers instead of ceil(N_post * keep) in each; the
+total per sample stays the same, so every policy is compared at equal KV entries) and `compensate` (a policy
+that folds the evicted entries into the kept ones before they are freed, e.g. LOOK-M's merge). Ties are broken by cache order
 (earlier entry first), so a sample's selection does not depend on its batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -57,6 +58,13 @@ class KVPolicy(Method):
     keep: float = 0.25
     seed: int = 0
 
+    # what a policy declares it needs (a class value, or a property where it follows an option)
+    rows_wanted: ClassVar[int] = 0  # prefill attention rows (the last query tokens) it scores with; 0 = none
+    per_head: ClassVar[bool] = False  # those rows per head ([B, H, n, K]) instead of heads averaged
+    # score with the attention every key received from *all* prefill queries (summed over queries and heads,
+    # `AttentionProbe(colsum=True)`) instead of the last `rows_wanted` rows
+    colsum: ClassVar[bool] = False
+
     def __post_init__(self):
         if not is_number(self.keep) or not 0 <= self.keep <= 1:
             raise ValueError(
@@ -69,21 +77,6 @@ class KVPolicy(Method):
     def scores(self, view: LayerView) -> torch.Tensor:
         """[B, K] score per entry; higher = kept. Only `view.candidates` entries are compared."""
         raise NotImplementedError
-
-    @property
-    def rows_wanted(self) -> int:
-        """Prefill attention rows (last query tokens) this policy scores with; 0 = none."""
-        return 0
-
-    @property
-    def per_head(self) -> bool:
-        return False
-
-    @property
-    def colsum(self) -> bool:
-        """Score with the attention every key received from *all* prefill queries (summed over queries and
-        heads, `AttentionProbe(colsum=True)`) instead of the last `rows_wanted` rows."""
-        return False
 
     def layer_weights(self, views: dict[int, LayerView]) -> dict[int, torch.Tensor] | None:
         """[B] weight per attention layer for splitting each sample's total visual budget over the layers
@@ -164,9 +157,8 @@ class KVPolicy(Method):
     def _attention_rows(self, layer: int, entry: LayerKV, handoff):
         probe = handoff.probes.get("kv")
         if probe is None or layer not in probe.results:
-            name = getattr(self, "name", type(self).__name__)
             raise TrimVLMError(
-                f"kv={name} scores by prefill attention, but none was recorded for layer {layer}: pass "
+                f"kv={self.name} scores by prefill attention, but none was recorded for layer {layer}: pass "
                 "`probe=policy.probe(runner, handoff)` (or the plan's probe) to the prefill"
             )
         att = probe.results[layer]

@@ -42,6 +42,7 @@ Deviations, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -63,16 +64,14 @@ class LookM(KVPolicy):
     merge: str = "pivotal"
     recent: float = 0.0
 
+    colsum: ClassVar[bool] = True  # H2O's column sums: the attention from every prefill query
+
     def __post_init__(self):
         super().__post_init__()
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {', '.join(MERGES)}, got {self.merge!r}")
         if not is_number(self.recent) or not 0 <= self.recent <= 1:
             raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
-
-    @property
-    def colsum(self) -> bool:
-        return True
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return heavy_and_recent(view.attention.float(), view, self.recent)

@@ -37,6 +37,7 @@ Deviations, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -58,6 +59,8 @@ class VLCache(KVPolicy):
     threshold: float = 0.01
     budgets: str = "sparsity"
 
+    per_head: ClassVar[bool] = True
+
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)
@@ -75,10 +78,6 @@ class VLCache(KVPolicy):
         """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): only with the uniform budget;
         the per-layer split follows the attention and is measured."""
         return self.budgets == "uniform"
-
-    @property
-    def per_head(self) -> bool:
-        return True
 
     def _post(self, view: LayerView) -> torch.Tensor:
         """[B, n] the post-vision rows (all recorded rows for a sample that has none)."""

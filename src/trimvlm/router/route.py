@@ -35,8 +35,7 @@ from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 class RouterTokens(TokenReducer):
     """The token half of a router layout: keep each image's highest router scores (`Handoff.router`)."""
 
-    def prepare(self, view: VisualView, runner, handoff) -> None:
-        view.attention = handoff.router[view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
+    attention: ClassVar[str] = "router"
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))

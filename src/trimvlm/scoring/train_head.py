@@ -1,34 +1,20 @@
 """`trimvlm train-head`: train the decision head of a checkpoint on the demo task's candidate questions.
 
-The backbone is frozen: every item's features (z_q, u_i, the six language-model features) are extracted once,
-without gradients, by the `batched` executor, and cached; only the head is trained on the cache (AdamW,
-cross-entropy over [candidate logits, abstain]). Candidate lists of different lengths are padded to the longest
-one and the padding is masked out of the softmax, so a request with N candidates is exactly the engine's
-softmax over [logit_1 .. logit_N, abstain].
-
-Binary requests (one candidate statement, answered as P(true) = sigmoid(logit), the [logit, 0] form): from the
-same images' `exist` questions (statement "yes", true when the answer is yes) and `color` questions (one colour
-statement, the right one half of the time), extracted as requests of their own (N = 1, exactly what the readout
-sees at inference). Their binary cross-entropy, weighted by `binary_weight`, is added to the choice loss; each
-step draws a choice batch and a binary batch from separate seeded streams.
-
-Abstention: for a fraction of the items with three or more candidates the right answer is removed (at least
-two candidates stay) and the target becomes "abstain". The head is selected by validation accuracy (val split,
-the same construction), and saved next to the checkpoint with its test-split figures: accuracy per kind with
-the head and with the log-likelihood readout on the same items, and how often it abstains, with the answer
-present and with it removed, and the binary accuracy (P(true) >= 0.5) per binary kind. Validation selects on
-the pooled accuracy of every validation request (choice and binary alike), then on the summed loss.
-
-Everything is seeded: the training split, the abstention picks and the mini-batch order come from numpy
-generators seeded with `seed`, the head's initialisation from a forked torch generator.
-
-The command itself (loading, the splits, progress, writing, the summary) is `trimvlm.cli_train.train_head_command`.
+The backbone is frozen: every item's features (z_q, u_i, the six language-model features) are extracted once by
+the `batched` executor and cached; only the head is trained on the cache (AdamW, cross-entropy over [candidate
+logits, abstain], padded candidates masked out, so a request with N candidates is exactly the engine's softmax).
+Binary requests (one candidate statement, P(true) = sigmoid(logit)) come from the same images' `exist` and
+`color` questions; their binary cross-entropy, weighted by `binary_weight`, is added to the choice loss, from a
+batch stream of their own. For a fraction of the items with three or more candidates the right answer is
+removed (at least two stay) and the target is "abstain". The head of the best validation step (pooled accuracy
+of every validation request, then the summed loss) is kept, with its test-split figures (`test_report`).
+Everything is seeded by `seed`. The command itself is `trimvlm.cli_train.train_head_command`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -109,16 +95,8 @@ class Cached:
 
     def subset(self, idx) -> Cached:
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.target.device)
-        return Cached(
-            self.z_q[idx],
-            self.u[idx],
-            self.feats[idx],
-            self.mask[idx],
-            self.target[idx],
-            self.sums[idx],
-            [self.kinds[int(i)] for i in idx],
-            self.binary[idx],
-        )
+        rows = (x[idx] for x in (self.z_q, self.u, self.feats, self.mask, self.target, self.sums))
+        return Cached(*rows, [self.kinds[int(i)] for i in idx], self.binary[idx])
 
     @property
     def abstains(self) -> torch.Tensor:
@@ -303,11 +281,7 @@ def train(
     rng = np.random.default_rng([settings.seed, 7])
     gen = torch.Generator(device="cpu").manual_seed(settings.seed)  # the head trains on the host
     choice = _Stream(train_set, settings.batch_size, rng, gen, settings)
-    use_binary = binary_train is not None and len(binary_train) > 0 and settings.binary_weight > 0
-    if use_binary:
-        rng_b = np.random.default_rng([settings.seed, 8])
-        gen_b = torch.Generator(device="cpu").manual_seed(int(rng_b.integers(2**62)))
-        binary = _Stream(binary_train, settings.binary_batch_size, rng_b, gen_b, settings)
+    binary = _binary_stream(binary_train, settings)
     val_binary = binary_val if binary_val is not None and len(binary_val) > 0 else None
     best = _Best(accuracy=-1.0, loss=math.inf, step=0)
     best_state = {k: v.clone() for k, v in head.state_dict().items()}
@@ -315,32 +289,17 @@ def train(
     task = progress.add_task("train head", total=settings.steps) if progress is not None else None
     for step in range(1, settings.steps + 1):
         loss = loss_of(head, choice.next())
-        if use_binary:
+        if binary is not None:
             loss = loss + loss_of(head, binary.next(), settings.binary_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         if step % settings.eval_every == 0 or step == settings.steps:
-            head.eval()
-            with torch.no_grad():
-                v_loss = float(loss_of(head, val_set))
-                hits, total = int((predictions(head, val_set) == val_set.target).sum()), len(val_set)
-                entry = {
-                    "step": step,
-                    "train_loss": float(loss.detach()),
-                    "val_choice_accuracy": hits / total,
-                }
-                if val_binary is not None:  # pooled: every validation request counts once
-                    v_loss += float(loss_of(head, val_binary, settings.binary_weight))
-                    b_hits = int((predictions(head, val_binary) == val_binary.target).sum())
-                    entry["val_binary_accuracy"] = b_hits / len(val_binary)
-                    hits, total = hits + b_hits, total + len(val_binary)
-                v_acc = hits / total
-            head.train()
-            history.append({**entry, "val_loss": v_loss, "val_accuracy": v_acc})
-            if (v_acc, -v_loss) > (best.accuracy, -best.loss):
-                best = _Best(v_acc, v_loss, step)
+            entry = _validate(head, val_set, val_binary, settings.binary_weight)
+            history.append({"step": step, "train_loss": float(loss.detach()), **entry})
+            if (entry["val_accuracy"], -entry["val_loss"]) > (best.accuracy, -best.loss):
+                best = _Best(entry["val_accuracy"], entry["val_loss"], step)
                 best_state = {k: v.clone() for k, v in head.state_dict().items()}
         if progress is not None:
             progress.update(task, advance=1, description=f"train head (val acc {best.accuracy:.3f} @ {best.step})")
@@ -351,6 +310,31 @@ def train(
         "best_val_loss": best.loss,
         "history": history,
     }
+
+
+def _binary_stream(binary_train: Cached | None, settings: Settings) -> _Stream | None:
+    """The binary requests' batches, with their own seeded order and dropout stream; None without any."""
+    if binary_train is None or len(binary_train) == 0 or settings.binary_weight <= 0:
+        return None
+    rng_b = np.random.default_rng([settings.seed, 8])
+    gen_b = torch.Generator(device="cpu").manual_seed(int(rng_b.integers(2**62)))
+    return _Stream(binary_train, settings.binary_batch_size, rng_b, gen_b, settings)
+
+
+def _validate(head: DecisionHead, val_set: Cached, val_binary: Cached | None, binary_weight: float) -> dict:
+    """Validation loss and accuracy, pooled over the choice and binary requests (each request counts once)."""
+    head.eval()
+    with torch.no_grad():
+        v_loss = float(loss_of(head, val_set))
+        hits, total = int((predictions(head, val_set) == val_set.target).sum()), len(val_set)
+        entry = {"val_choice_accuracy": hits / total}
+        if val_binary is not None:
+            v_loss += float(loss_of(head, val_binary, binary_weight))
+            b_hits = int((predictions(head, val_binary) == val_binary.target).sum())
+            entry["val_binary_accuracy"] = b_hits / len(val_binary)
+            hits, total = hits + b_hits, total + len(val_binary)
+    head.train()
+    return {**entry, "val_loss": v_loss, "val_accuracy": hits / total}
 
 
 class _Best(NamedTuple):
@@ -385,7 +369,7 @@ def _dropped(c: Cached, p: float, gen: torch.Generator) -> Cached:
         keep = torch.rand(x.shape, generator=gen, device=gen.device) >= p
         return x * keep / (1 - p)
 
-    return Cached(drop(c.z_q), drop(c.u), c.feats, c.mask, c.target, c.sums, c.kinds, c.binary)
+    return replace(c, z_q=drop(c.z_q), u=drop(c.u))
 
 
 # ----------------------------------------------------------------------------------------- evaluation

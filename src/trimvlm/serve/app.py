@@ -13,14 +13,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from trimvlm.decision.config import resolve_config
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.serve import chat, require, score, systemone
-from trimvlm.serve.errors import ApiError
+from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access, ApiKey
 from trimvlm.serve.limits import Batching, CacheSizes, ServerLimits
 from trimvlm.serve.logs import AccessLog
 from trimvlm.serve.recipes import RecipeOptions
+from trimvlm.serve.reply import ClientGone
 from trimvlm.serve.state import ServerState
 
 # how long an idle client connection stays open: longer than clients keep theirs (httpx and the openai client:
@@ -32,20 +33,22 @@ log = logging.getLogger("trimvlm.serve")
 
 
 def _errors(app) -> None:
-    """Every error as its answer: an ApiError its status, the server closing 503, a client gone during the
-    upload 499, a bug of ours a 500 (never a dead server)."""
+    """Every error as its answer: an ApiError its status, a trimvlm error 400 / 422, the server closing 503, a client gone during the
+    upload 499 (gone later: 499, sent to nobody), a bug of ours a 500 (never a dead server)."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+    async def answer(_request: Request, e: Exception):
+        err = as_api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(ShuttingDown)
-    async def _closing(_request: Request, e: ShuttingDown):  # queued after the server began to stop
-        err = ApiError(503, str(e))
-        return JSONResponse(err.body(), status_code=503)
+    async def gone(_request: Request, _e: ClientGone):
+        return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
+
+    for error in (ApiError, TrimVLMError, ShuttingDown):  # (a trimvlm error raised reading a request: 400 / 422)
+        app.add_exception_handler(error, answer)
+    app.add_exception_handler(ClientGone, gone)
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, _e: ClientDisconnect):  # during the upload: one line, no traceback
+    async def _upload(request: Request, _e: ClientDisconnect):  # during the upload: one line, no traceback
         client = request.client
         log.warning(
             "%s %s: the client%s closed the connection during the upload", request.method, request.url.path,
@@ -72,20 +75,17 @@ def build_app(state: ServerState):
         state.close()
 
     app = FastAPI(title="trimvlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
     _errors(app)
 
-    @app.post("/v1/systemone")
-    async def systemone_route(request: Request):
-        return await systemone.handle(state, request)
+    def endpoint(handle):
+        async def route(request: Request):
+            with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
+                return await handle(state, request, arrival)
 
-    @app.post("/v1/chat/completions")
-    async def chat_route(request: Request):
-        return await chat.handle(state, request)
+        return route
 
-    @app.post("/v1/score")
-    async def score_route(request: Request):
-        return await score.handle(state, request)
+    for path, module in (("/v1/systemone", systemone), ("/v1/chat/completions", chat), ("/v1/score", score)):
+        app.add_api_route(path, endpoint(module.handle), methods=["POST"])
 
     @app.get("/v1/models")
     async def models():

@@ -1,33 +1,10 @@
-"""Budgets that follow the load (`trimvlm serve --tuned DIR --slo-ttft-ms T`): a chat request that names no
-recipe runs the most accurate recipe of the tuned frontier that the load allows; as the load grows, new
-requests take the next cheaper recipe, down to the cheapest.
-
-The ladder: the baseline, then the best recipe of each budget point of DIR/tune.json (`trimvlm tune`), most
-expensive (most accurate) first, each with its time relative to the baseline (the test split's measured
-`latency_s` ratio; the `prefill_flops` ratio where a report has no latency). A rung r is allowed for a new
-request with `waiting` requests queued ahead when both hold:
-
-    now:       (waiting + 1) * P(r) + step_s                  <=  T
-    sustained: P(r) + step_s + W99(rate, S(r))                <=  T
-
-P(r) = tokens * s_per_token * ratio(r): the predicted prefill of a mean prompt on rung r. The first check is
-the request's own predicted time to first token behind the queue now. The second is the 99th percentile of
-the time to first token that the recent arrival rate would give if every request ran on r: W99 is the 99th
-percentile of the wait of a single-server queue with Poisson arrivals, from the exponential tail of M/G/1
-waits, P(wait > t) = rho * exp(-2 * (1 - rho) * t / ((1 + c2) * S)) (exact for M/M/1, c2 = 1), taken with
-c2 = 0 (M/D/1: a request's engine time on a rung is set by its prompt, which varies little within a task):
-W99 = S / (2 * (1 - rho)) * ln(rho / 0.01) (0 where rho <= 0.01; no bound where rho >= 1), with
-S(r) = P(r) + decode_s the engine time a request takes and rho = rate * S(r). Without the second check a
-short queue lets every new request take an expensive rung, and at an arrival rate beyond what those rungs
-sustain the queue grows until the first check turns, then drains, then grows again; a bound on the mean
-utilisation alone still lets bursts of arrivals queue past T on a rung busy most of the time.
-`rate`: requests that follow the load, in the last WINDOW_S seconds, over the time since the oldest of them
-(at least WINDOW_S / 4). `tokens`: the mean prompt length of the requests prefilled so far; `s_per_token`:
-the measured prefill seconds per prompt token, at the baseline's cost (a prefill run under rung r is divided
-by its ratio); `step_s`: the measured time of a decode step (a waiting request waits for one per turn);
-`decode_s`: the decode-step seconds the engine ran per request admitted (taken as the same on every rung).
-All are exponential moving averages of what the engine ran. A request's own `recipe` always wins (and is not
-counted in the rate).
+"""Budgets that follow the load (`trimvlm serve --tuned DIR --slo-ttft-ms T`; docs/serving.md, "Budgets that
+follow the load", gives the model): a chat request that names no recipe runs the most accurate rung of the
+ladder (the baseline, then DIR/tune.json's budget points' best recipes, most expensive first) whose predicted
+time to first token fits T behind the queue now, `(waiting + 1) * P(r) + step_s`, and whose 99th percentile at
+the recent arrival rate would fit T too, `P(r) + step_s + W99(rate, S(r))` (an M/D/1 queue's tail); else the
+cheapest. P(r): a mean prompt's predicted prefill on rung r; S(r) = P(r) + decode_s, a request's engine time.
+The measurements are exponential moving averages of what the engine ran. A request's own `recipe` always wins.
 """
 
 from __future__ import annotations
@@ -45,6 +22,7 @@ from trimvlm.errors import InputError
 EWMA = 0.2  # the weight of each new measurement
 WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
 QUANTILE = 0.99  # the sustained check bounds this percentile of the time to first token
+MEASURED = ("tokens", "s_per_token", "step_s", "decode_s")  # what an API process takes from the engine's
 SERVICE_CV2 = 0.0  # the squared coefficient of variation of a request's engine time (0: fixed, M/D/1)
 
 
@@ -138,14 +116,13 @@ class LoadBudget:
     def figures(self) -> dict:
         """What the prediction reads (for an API process: `adopt`)."""
         with self._lock:
-            return {"tokens": self.tokens, "s_per_token": self.s_per_token, "step_s": self.step_s,
-                    "decode_s": self.decode_s}
+            return {name: getattr(self, name) for name in MEASURED}
 
     def adopt(self, figures: dict) -> None:
         """Take the engine process's measurements (an API process predicts with them)."""
         with self._lock:
-            self.tokens, self.s_per_token = figures["tokens"], figures["s_per_token"]
-            self.step_s, self.decode_s = figures["step_s"], figures["decode_s"]
+            for name in MEASURED:
+                setattr(self, name, figures[name])
 
     # ---- what the engine measured ----
     def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:

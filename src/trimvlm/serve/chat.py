@@ -1,21 +1,8 @@
-"""`POST /v1/chat/completions`: OpenAI-style chat completions, answered by `VLM.generate`.
-
-The conversation is one user message (trimvlm's `generate` renders one user turn): its `content` is text, or a
-list of `{"type": "text", "text"}` and `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`
-parts. The images go first, in their order, then the text parts joined by newlines (where the parts stood
-among the text is not kept: the model's prompt format places the images). Images come only as base64 data
-URLs; a URL is never fetched.
-
-Fields: `model`?, `messages`, `max_tokens` / `max_completion_tokens` (default and limit: the server's),
-`temperature` (default 0: greedy), `top_p`, `seed`, `stream`, `stream_options` (accepted; the usage is always
-sent), `n` (1 only), `user` (ignored), and trimvlm's `recipe` extension. Unknown fields: 422.
-
-Scheduling: continuous batching at the step level (serve/scheduler.py, serve/engine.py): a request is admitted
-between two decode steps, prefilled, and joins the running decode batch; each row is what the request alone
-returns from `vlm.generate`, greedy or sampled with its seed.
-
-Streaming: `data: {chunk}` server-sent events (a role chunk, one chunk per token's new text as the step that
-made it ends, a last chunk with `finish_reason` and `usage`), then `data: [DONE]` (serve/reply.py).
+"""`POST /v1/chat/completions`: OpenAI-style chat completions with base64 data-URL images (never fetched), each
+answer what `VLM.generate` gives the request alone (docs/serving.md, "POST /v1/chat/completions"). A request is
+checked (`parse`: 422 off the schema, 400 for what this server cannot honour) and prepared alone on the
+preparation thread (`prepare`), then decoded step by step in the running batch (engine.py) and answered, whole
+or streamed, by reply.py.
 """
 
 from __future__ import annotations
@@ -31,11 +18,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
-from trimvlm.serve.errors import ApiError, from_trimvlm
+from trimvlm.serve.errors import ApiError, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
@@ -114,12 +101,13 @@ class ChatJob:
 @dataclass
 class Parsed:
     """A checked chat request: the body, the prompt (a string: one user message; or a `Conversation`), the
-    images' data URLs (in the order of the messages), max_tokens."""
+    images' data URLs (in the order of the messages), max_tokens, its stop strings."""
 
     req: ChatBody
     prompt: object
     urls: list[str]
     max_tokens: int
+    stop: StopText | None
 
 
 class ChatReady(NamedTuple):
@@ -138,14 +126,7 @@ DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 
 def parse(body: dict, limits) -> Parsed:
     """The checked request, or a 422 (not of the schema) / 400 (what this server cannot honour, named)."""
-    try:
-        req = ChatBody.model_validate(body)
-    except ValidationError as e:
-        detail = [
-            {"loc": ["body", *item["loc"]], "msg": item["msg"], "type": item["type"]}
-            for item in e.errors(include_url=False)
-        ]
-        raise ApiError(422, detail) from e
+    req = validated(ChatBody, body)
     if req.n is not None and req.n > MAX_N:
         raise ApiError(400, f"n={req.n}: at most {MAX_N} choices per request")
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -177,7 +158,7 @@ def parse(body: dict, limits) -> Parsed:
     max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
     if max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
-    return Parsed(req, prompt, urls, max_tokens)
+    return Parsed(req, prompt, urls, max_tokens, StopText(tuple(stops)) if stops else None)
 
 
 def decode_image(i: int, url: str, limits):
@@ -205,10 +186,8 @@ def decode_image(i: int, url: str, limits):
 def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=None) -> ChatReady:
     """On the preparation thread: the images decoded and the request alone prepared at the plan's resolution
     (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch),
-    its prompt-cache keys hashed here, not on the model thread (`ChatReady`). With the server's request cache (`cache`), a request seen before (the same prompt
-    text, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again (as
-    System One bodies are not: serve/systemone.py; a content-keyed cache of processed inputs, as vLLM's
-    multimodal processor cache)."""
+    its prompt-cache keys hashed (`ChatReady`). A request found in the server's request cache (`cache`: the same
+    prompt, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again."""
     from trimvlm.runtime.limits import check_generation
     from trimvlm.runtime.lru import digest, nbytes
     from trimvlm.runtime.prefix_cache import prompt_key
@@ -250,12 +229,7 @@ def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
     return prompt_key(plan.label(), part)
 
 
-async def handle(state, request):
-    with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
-        return await _handle(state, request, arrival)
-
-
-async def _handle(state, request, arrival):
+async def handle(state, request, arrival):
     t0 = time.perf_counter()
     body = await state.read_json(request)
     parsed = parse(body, state.limits)
@@ -265,23 +239,16 @@ async def _handle(state, request, arrival):
         recipe = state.rung()
     else:
         recipe = state.recipe("chat", req.recipe)
-    if state.vlm.adapter.decision_head is not None:
-        raise ApiError(
-            400,
-            "this server holds a decision model (no LM head): ask it System One requests at /v1/systemone",
-        )
+    state.need_lm_head()
     n = req.n or 1
     if n > 1 and recipe.plan.per_sample:
         raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
     from trimvlm.runtime.generate import Sampling
 
-    try:
-        sampling = Sampling(  # checks them
-            temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        )  # fmt: skip
-    except TrimVLMError as e:
-        raise from_trimvlm(e) from e
+    sampling = Sampling(  # checks them
+        temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+    )  # fmt: skip
     t1 = time.perf_counter()
     ready = await state.prepare(
         prepare, state.vlm, parsed.prompt, parsed.urls, state.limits, parsed.max_tokens, recipe.plan,
@@ -291,9 +258,8 @@ async def _handle(state, request, arrival):
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()), recipe=recipe.recipe,
         max_tokens=parsed.max_tokens, sampling=sampling, stream=req.stream, preprocess_s=time.perf_counter() - t1,
-        events=asyncio.Queue(), n=n, stop=StopText(tuple([req.stop] if isinstance(req.stop, str) else req.stop))
-        if req.stop else None, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_key=ready.prompt_key,
-        prefix_key=ready.prefix_key, request_cached=ready.cached,
+        events=asyncio.Queue(), n=n, stop=parsed.stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_key=ready.prompt_key, prefix_key=ready.prefix_key, request_cached=ready.cached,
     )  # fmt: skip
     # n > 1: a key of its own (never batched with others: its rows decode off its own prompt's KV)
     batch_key = JobKey("chat", recipe.label, alone="" if n == 1 else uuid.uuid4().hex)

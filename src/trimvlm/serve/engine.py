@@ -1,24 +1,13 @@
-"""Step-level continuous batching of chat completions, on the model thread (the scheduler calls it).
+"""Step-level continuous batching of chat completions, on the model thread (the scheduler calls it; docs/serving.md,
+"Scheduling").
 
-`admit(jobs)`: one `Runner.prefill` over requests of one recipe (each prepared alone on the preparation thread,
-collated here), their first tokens chosen and sent, then their rows join the running decode batch of that
-recipe (`runtime.generate.Decoding.join`: the caches are left-padded to one length, padding attended by no
-one). `step()`: one decode step of every running batch; each row's token is sent to its request at once
-(true streaming); a row that stopped, reached its `max_tokens` or whose client has gone leaves the batch at
-that step (its cache rows freed).
-
-A row is one choice of a request: a request of n choices prefills once and its n rows read the prompt's KV
-as a shared, uncopied prefix (`KVCache.share_prefix`), in the running batch too. A request whose earlier
-turns' prompt is in the prefix cache prefills only its new tokens on top of it (`Runner.prefill_chunked` from
-the stored entry). Each row is what the request alone gets from `vlm.generate`: greedy rows take their argmax,
-a sampled row (temperature > 0) draws from its own `torch.Generator` seeded with its `seed` (+ its choice's
-index), one draw per token, exactly as a batch of one does, after OpenAI's penalties on what it generated. A
-row ends at a stop token, a stop string in its text (serve/stops.py), or `max_tokens`. (Rows of one batch
-agree with their solo runs to float rounding, as a padded batch does.)
-
-Costs per request (its `usage`): its share of each model call it took part in: the prefill it was admitted
-with (vision by its image tokens, the rest by rows) and every decode step it ran in (split by the rows of that
-step); `forward_s` is the time of those calls; `batch_requests` the most rows a call of it held.
+`admit(jobs)`: one `Runner.prefill` over requests of one recipe (each prepared alone), their first tokens sent,
+their rows joining the running decode batch of that recipe (`Decoding.join`); a prompt whose earlier turns are in
+the prefix cache prefills only its new tokens, a long one is prefilled in chunks (`prefill_chunk`). `step()`: one
+decode step of every running batch, each row's token sent at once; a row that stopped, reached its `max_tokens`
+or whose client has gone leaves at that step. A row is one choice of a request: the n rows of a request read its
+prompt's KV as a shared prefix, and each draws as the request alone does (its own seeded generator, after its
+penalties). A request's `usage` is its share of each model call it took part in.
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ import torch
 from trimvlm.decision.costs import split
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
-from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token
+from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token, call_soon
 from trimvlm.serve.stops import token_start
 
 
@@ -79,21 +68,15 @@ class Outbox:
     loop together once a model call is done (one wake-up of the loop per step, not one per row)."""
 
     def __init__(self):
-        self.items: list[tuple[object, object]] = []  # (its job, an event)
+        self.items: dict[object, list] = {}  # event loop -> [(a request's event queue, an event)]
 
     def post(self, job, event) -> None:
-        self.items.append((job, event))
+        self.items.setdefault(job.loop, []).append((job.payload.events, event))
 
     def flush(self) -> None:
-        by_loop: dict[object, list] = {}
-        for job, event in self.items:
-            by_loop.setdefault(job.loop, []).append((job.payload.events, event))
-        self.items = []
+        by_loop, self.items = self.items, {}
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the event loop is closed
-                pass
+            call_soon(loop, _deliver, items)
 
 
 def _deliver(items) -> None:
@@ -154,7 +137,8 @@ class ChatEngine:
                 self._continue(job, plan, earlier[id(job)])
         long = chunk is not None and len(rest) == 1 and self.prefill_tokens(rest[0]) > chunk
         if long and not self.partial and plan.chunkable and not self._stored(rest[0]):
-            self._begin_chunked(rest[0], plan, chunk)
+            self.partial = self._chunked(rest[0], plan)
+            self.prefill_chunk(chunk)
         elif rest:
             self._admit(rest, plan)
         self.outbox.flush()
@@ -173,6 +157,12 @@ class ChatEngine:
             return None
         return cache.get(p.prefix_key)
 
+    def _fail(self, jobs, error: BaseException) -> None:
+        """A model call raised: its requests are answered `error` (the loop and the other requests go on)."""
+        self.failed += 1
+        for job in dict.fromkeys(jobs):  # (a job is hashed as itself)
+            self.outbox.post(job, Failed(error))
+
     def _admit(self, jobs: list, plan) -> None:
         t0 = time.perf_counter()
         meter = Meter(device=self.runner.device)
@@ -180,30 +170,21 @@ class ChatEngine:
         try:
             out, found = self.runner.prefill_prompts(parts, plan, meter=meter, keys=keys)
         except Exception as e:  # noqa: BLE001  (a model error must not end the loop)
-            self.failed += 1
             if len(jobs) == 1:
-                self.outbox.post(jobs[0], Failed(e))
-            else:
-                for job in jobs:
-                    self._admit([job], plan)
+                return self._fail(jobs, e)
+            self.failed += 1
+            for job in jobs:
+                self._admit([job], plan)
             return
         reused = [j.payload.prompt_tokens if hit else 0 for j, hit in zip(jobs, found, strict=True)]
         self._start(jobs, plan, out, meter, time.perf_counter() - t0, reused)
 
-    def _continue(self, job, plan, entry) -> None:
+    def _continue(self, job, plan, stored) -> None:
         """Prefill the request's new tokens on top of its earlier turns' stored KV (all of them now), store its
         prompt, and let its rows join."""
-        t0 = time.perf_counter()
-        meter = Meter(device=self.runner.device)
-        try:
-            work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=meter, prefix=entry[0])
-            out = work.advance(work.left)
-        except Exception as e:  # noqa: BLE001
-            self.failed += 1
-            self.outbox.post(job, Failed(e))
-            return
-        self._store(job, out)
-        self._start([job], plan, out, meter, time.perf_counter() - t0, [work.reused])
+        part = self._chunked(job, plan, prefix=stored.entry)
+        if part is not None:
+            self._advance_chunked(part, part.work.left)
 
     def _store(self, job, out) -> None:
         """A request's prompt prefilled alone (in chunks, or on top of its earlier turns), stored for reuse."""
@@ -214,47 +195,49 @@ class ChatEngine:
             store(cache, p.prompt_key, out, 0, p.prepared.n_images[0], p.prompt_tokens)
 
     # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
-    def _begin_chunked(self, job, plan, chunk: int) -> None:
-        meter = Meter(device=self.runner.device)
+    def _chunked(self, job, plan, prefix=None) -> Partial | None:
+        """The request's prefill to be run in chunks (on top of `prefix`, a stored entry), or None (it failed)."""
         try:
             t0 = time.perf_counter()
-            work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=meter)
+            work = self.runner.prefill_chunked(job.payload.prepared, plan, meter=Meter(device=self.runner.device),
+                                               prefix=prefix)  # fmt: skip
         except Exception as e:  # noqa: BLE001
-            self.failed += 1
-            self.outbox.post(job, Failed(e))
-            return
-        self.partial = Partial(job, work, plan, time.perf_counter() - t0)
-        self.prefill_chunk(chunk)
+            return self._fail([job], e)
+        return Partial(job, work, plan, time.perf_counter() - t0)
 
     def prefill_chunk(self, tokens: int) -> int:
         """Run the next chunk (at most `tokens` positions) of the prompt being prefilled in chunks; once it is
         done its rows join the running batch (their first tokens sent). The positions run (0: none pending)."""
-        if not self.partial:
-            return 0
         part = self.partial
-        job, work = part.job, part.work
-        if job.cancelled:  # its client has gone: no more of it is computed
+        if not part:
+            return 0
+        if part.job.cancelled:  # its client has gone: no more of it is computed
             self.partial = None
             self.cancelled += 1
             return 0
-        n = min(tokens, work.left)
+        n = min(tokens, part.work.left)
+        if self._advance_chunked(part, n):
+            self.partial = None
+        self.outbox.flush()
+        return n
+
+    def _advance_chunked(self, part: Partial, n: int) -> bool:
+        """Run `n` more positions of a chunked prefill; once it is done (True; or failed) its prompt is stored
+        (where its recipe reuses prompts) and its rows join the running batch."""
         t0 = time.perf_counter()
         try:
-            out = work.advance(n)
-            self.chunks += 1
+            out = part.work.advance(n)
         except Exception as e:  # noqa: BLE001
-            self.partial, self.failed = None, self.failed + 1
-            self.outbox.post(job, Failed(e))
-            self.outbox.flush()
-            return n
+            self._fail([part.job], e)
+            return True
+        self.chunks += part is self.partial  # (the rest of a continued conversation is not counted a chunk)
         part.seconds += time.perf_counter() - t0
-        if out is not None:
-            self.partial = None
-            if part.plan.reuses_prompts:
-                self._store(job, out)
-            self._start([job], part.plan, out, work.meter, part.seconds, [0])
-            self.outbox.flush()
-        return n
+        if out is None:
+            return False
+        if part.plan.reuses_prompts:
+            self._store(part.job, out)
+        self._start([part.job], part.plan, out, part.work.meter, part.seconds, [part.work.reused])
+        return True
 
     # ---- the rows of prefilled requests ----
     def _start(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]) -> None:
@@ -288,13 +271,11 @@ class ChatEngine:
         for b, (job, p) in enumerate(zip(jobs, payloads, strict=True)):
             p.open = p.n
             for i in range(p.n):  # choice i draws as the request alone with seed + i
-                s = p.sampling
-                sampling = Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed + i,
-                                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)  # fmt: skip
+                sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
                 gen = None
-                if s.temperature > 0:
+                if sampling.temperature > 0:
                     gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
-                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if s.penalized else None
+                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if sampling.penalized else None
                 rows.append(Row(job=job, index=i, sampling=sampling, gen=gen, counts=counts))
                 owner.append(b)
         c, ones = meter.costs, [1] * len(jobs)
@@ -333,10 +314,8 @@ class ChatEngine:
 
     def abort(self, error: Exception) -> None:
         """Answer every running request `error` and drop its rows (the server stops)."""
-        jobs = {id(r.job): r.job for g in self.groups.values() for r in g.rows}
-        if self.partial:
-            jobs[id(self.partial.job)] = self.partial.job
-        for job in jobs.values():
+        jobs = [r.job for g in self.groups.values() for r in g.rows] + ([self.partial.job] if self.partial else [])
+        for job in dict.fromkeys(jobs):
             self.outbox.post(job, Failed(error))
         self.groups, self.partial = {}, None
         self.outbox.flush()
@@ -358,9 +337,7 @@ class ChatEngine:
         try:
             logits = group.decoding.step(group.last, meter)
         except Exception as e:  # noqa: BLE001  (its rows fail; the loop and the other groups go on)
-            self.failed += 1
-            for job in {id(r.job): r.job for r in group.rows}.values():
-                self.outbox.post(job, Failed(e))
+            self._fail([r.job for r in group.rows], e)
             group.rows = []
             return
         seconds = time.perf_counter() - t0
@@ -373,7 +350,7 @@ class ChatEngine:
             u["decode_flops"] += d
             u["method_flops"] += m
             row.job.payload.batch = max(row.job.payload.batch, n)
-        for job in {id(r.job): r.job for r in group.rows}.values():
+        for job in dict.fromkeys(r.job for r in group.rows):
             job.payload.usage["forward_s"] += seconds
         if self.metrics is not None:
             self.metrics.decode_step(n, seconds)

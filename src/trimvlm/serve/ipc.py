@@ -1,17 +1,11 @@
-"""The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N
-API processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop.
-They talk over `multiprocessing.connection` in typed messages (the dataclasses below): `Submit` (a prepared
-request, no event queue), `Cancel` (its client has gone), `Arrive` (+1 / -1: a request is being prepared, the
-batching waits for it), `Ask` from an API process; `Event` (a chat completion's `jobs.Token`, `ChoiceEnd`,
-`Done` or `Failed`), `Result` (a whole batch's answer or error), `Answer` from the engine. A message is a list
-of them as the standard `pickle` writes it, a tensor as its bytes (`dumps`; multiprocessing's own pickler would
-pass a file descriptor per tensor, torch's pickling a `torch.save` per storage).
-
-On the engine (`bridge`: a thread per API process with an event loop of its own reading the connection) a
-remote request is queued as any other (`Scheduler.enqueue`: its future, its event queue), and a task per
-request sends back what the model thread hands it; the messages of one turn of that loop go as one. On an API
-process `RemoteScheduler` has the scheduler's interface the handlers use; a reader thread hands each message's
-events to the requests' event loop.
+"""The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N API
+processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop. They
+talk over `multiprocessing.connection` in typed messages (the dataclasses below: an API process sends `Submit`,
+`Cancel`, `Arrive`, `Ask`; the engine `Event`, `Result`, `Answer`), lists of them as the standard `pickle` writes
+them, a tensor as its bytes (`dumps`: multiprocessing's own pickler would pass a file descriptor per tensor,
+torch's a `torch.save` per storage). The engine's side is `bridge` (a thread per API process, with an event loop
+of its own: a task per request relays what the model thread hands it); an API process's is `RemoteScheduler`,
+the scheduler's interface over the connection (a reader thread hands the events to the requests' event loop).
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ import torch
 from trimvlm.serve.engine import Outbox
 from trimvlm.serve.errors import ApiError, as_api_error
 from trimvlm.serve.jobs import Done, Failed, Job, ShuttingDown, settle
-from trimvlm.serve.scheduler import Scheduler
+from trimvlm.serve.scheduler import Arrival, Scheduler
 
 ASK_TIMEOUT_S = 10.0
 
@@ -214,25 +208,6 @@ class _RemoteJob(Job):
             self.scheduler.send(Cancel(self.rid))
 
 
-class _RemoteArrival:
-    def __init__(self, scheduler: RemoteScheduler):
-        self.scheduler, self._open = scheduler, True
-        scheduler.send(Arrive(1))
-
-    def done(self, *first) -> None:
-        """The request is prepared (its `first` messages, its `Submit`, go with the end of its arrival)."""
-        msgs = [*first, *([Arrive(-1)] if self._open else [])]
-        self._open = False
-        if msgs:
-            self.scheduler.send(*msgs)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done()
-
-
 class RemoteScheduler:
     """The engine's scheduler as an API process's handlers use it (`jobs.Job`s whose events and results come
     over the connection)."""
@@ -245,7 +220,7 @@ class RemoteScheduler:
         self._jobs: dict[int, _RemoteJob] = {}
         self._asked: dict[int, Future] = {}
         self._ids = itertools.count()
-        self._closed = False
+        self.closed = False
         self._lock = threading.Lock()  # one message at a time on the connection
         self.conn: Connection | None = None
         self._reader = None
@@ -266,7 +241,7 @@ class RemoteScheduler:
     def close(self, timeout: float = 10.0) -> None:
         """Shut the connection's socket down: the reader here and the engine's bridge for this process both read
         EOF and return (a descriptor closed under a blocked read would leave both reads blocked)."""
-        self._closed = True
+        self.closed = True
         if self.conn is None:
             return
         with contextlib.suppress(OSError, ValueError):
@@ -276,22 +251,20 @@ class RemoteScheduler:
             self.conn.close()
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def alive(self) -> bool:
-        return self._reader is not None and self._reader.is_alive() and not self._closed
+        return self._reader is not None and self._reader.is_alive() and not self.closed
 
-    def arrival(self) -> _RemoteArrival:
-        return _RemoteArrival(self)
+    arrival = Scheduler.arrival
+
+    def arriving(self, delta: int) -> None:
+        self.send(Arrive(delta))
 
     def waiting(self) -> int:
         """This process's requests sent and not yet started (the engine's queue holds others' too)."""
         return sum(1 for j in list(self._jobs.values()) if not j.started)
 
-    def enqueue(self, key, payload, arrival: _RemoteArrival | None = None) -> Job:
-        if self._closed or not self.alive:
+    def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
+        if self.closed or not self.alive:
             if arrival is not None:
                 arrival.done()
             raise ShuttingDown("the server is shutting down")
@@ -301,7 +274,9 @@ class RemoteScheduler:
         self._jobs[rid] = job
         streamed = getattr(payload, "events", None) is not None
         submit = Submit(rid, key, dataclasses.replace(payload, events=None) if streamed else payload, streamed)
-        (self.send if arrival is None else arrival.done)(submit)
+        self.send(submit)
+        if arrival is not None:
+            arrival.done()
         return job
 
     result = staticmethod(Scheduler.result)  # (awaits the job's future, which the reader thread settles)
@@ -311,7 +286,7 @@ class RemoteScheduler:
 
     def ask(self, what: str):
         """The engine's answer to `what` ("stats", "refresh", "load"), waited for (at most ASK_TIMEOUT_S)."""
-        if self._closed:
+        if self.closed:
             raise ShuttingDown("the server is shutting down")
         qid = next(self._ids)
         answer = self._asked[qid] = Future()
@@ -333,7 +308,7 @@ class RemoteScheduler:
             for msg in msgs:
                 self._take(msg, outbox)
             outbox.flush()
-        lost, self._closed = not self._closed, True
+        lost, self.closed = not self.closed, True
         for job in list(self._jobs.values()):  # the engine has gone: every request still waiting is answered
             settle(job, ShuttingDown("the engine process has stopped"))
         for answer in [a for a in list(self._asked.values()) if not a.done()]:

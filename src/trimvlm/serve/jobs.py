@@ -6,6 +6,7 @@ job's result (`settle`: its future, or the event a request answered by events wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -90,10 +91,7 @@ def settle(job: Job, result) -> None:
     answered by events waits for (`payload.events`: a chat completion)."""
     events = getattr(job.payload, "events", None)
     if events is not None and isinstance(result, BaseException):
-        try:
-            job.loop.call_soon_threadsafe(events.put_nowait, Failed(result))
-        except RuntimeError:  # the event loop is closed
-            pass
+        call_soon(job.loop, events.put_nowait, Failed(result))
 
     def put():
         if job.future.done():  # the client went away
@@ -103,7 +101,10 @@ def settle(job: Job, result) -> None:
         else:
             job.future.set_result(result)
 
-    try:
-        job.loop.call_soon_threadsafe(put)
-    except RuntimeError:  # the event loop is closed
-        pass
+    call_soon(job.loop, put)
+
+
+def call_soon(loop, fn, *args) -> None:
+    """`fn(*args)` on the event loop `loop`, from another thread (nothing once that loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)

@@ -1,17 +1,7 @@
-"""`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server.
-
-Requests by path and status, their latency, time to first token, inter-token latency, prompt and generated
-tokens, generated tokens per second (over the last 10 s), decode and prefill batch sizes, queue depth,
-running requests, requests cancelled by their client (queued or running: never computed further), failed
-model calls. Other parts of the server add their own figures with `counter`, `gauge` and `histogram`, e.g. a
-cache's hits and bytes: `state.metrics.gauge("trimvlm_vision_cache_bytes", "...", fn=lambda: cache.bytes)`.
-
-Across processes (`--api-workers`: serve/workers.py sets PROMETHEUS_MULTIPROC_DIR, a folder of its own, before
-any process makes a metric) prometheus_client's multiprocess mode holds every process's figures in that
-folder: counters and histograms as each process records them, and the gauges that read a function written
-there when the page is made (`refresh`: the engine's when an API process asks for them); a scrape
-(`exposition`) reads them all with a `MultiProcessCollector` (counters and histograms summed, gauges summed
-over the live processes).
+"""`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server
+(docs/serving.md, "Operations"). Other parts of the server add their own with `counter`, `gauge` and
+`histogram`. Across processes (`--api-workers`: PROMETHEUS_MULTIPROC_DIR set by serve/workers.py) the figures
+are prometheus_client's multiprocess ones, the gauges that read a function written at each scrape (`refresh`).
 """
 
 from __future__ import annotations
@@ -37,11 +27,6 @@ SCHEDULER_GAUGES = (  # (name, the scheduler's figure, doc)
 PATHS = {"/v1/systemone", "/v1/chat/completions", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
-def shared() -> bool:
-    """Whether this process's metrics are prometheus_client's multiprocess ones (PROMETHEUS_MULTIPROC_DIR)."""
-    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
-
-
 class ServeMetrics:
     def __init__(self, stats: Callable[[], dict] | None = None):
         """`stats()`: the scheduler's figures now (`waiting`, `running`, `failed_batches`), read at each scrape
@@ -49,7 +34,7 @@ class ServeMetrics:
         from prometheus_client import CollectorRegistry  # (here: it picks its multiprocess mode at import)
 
         self.registry = CollectorRegistry()
-        self.shared = shared()
+        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # prometheus_client's multiprocess mode
         self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape (shared)
         self._made: dict[str, object] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
@@ -85,27 +70,23 @@ class ServeMetrics:
             self.gauge(name, doc, fn=lambda s=stat: stats().get(s, 0))
 
     # ---- registering figures ----
-    def _metric(self, kind, name: str, doc: str, labels=(), **kw):
+    def _metric(self, kind: str, name: str, doc: str, labels=(), **kw):
+        import prometheus_client
+
         if name not in self._made:
-            self._made[name] = kind(name, doc, list(labels), registry=self.registry, **kw)
+            self._made[name] = getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
         return self._made[name]
 
     def counter(self, name: str, doc: str, labels=()):
-        from prometheus_client import Counter
-
-        return self._metric(Counter, name, doc, labels)
+        return self._metric("Counter", name, doc, labels)
 
     def histogram(self, name: str, doc: str, labels=(), buckets=TIME_BUCKETS):
-        from prometheus_client import Histogram
-
-        return self._metric(Histogram, name, doc, labels, buckets=buckets)
+        return self._metric("Histogram", name, doc, labels, buckets=buckets)
 
     def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
         """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape (summed over the live processes
         in multiprocess mode)."""
-        from prometheus_client import Gauge
-
-        made = self._metric(Gauge, name, doc, labels, multiprocess_mode="livesum")
+        made = self._metric("Gauge", name, doc, labels, multiprocess_mode="livesum")
         if fn is not None and self.shared:
             self._live.append((made, fn))
         elif fn is not None:
@@ -117,15 +98,6 @@ class ServeMetrics:
         path = path if path in PATHS else "other"
         self.requests.labels(path=path, status=str(status)).inc()
         self.latency.labels(path=path).observe(seconds)
-
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
-
-    def cancelled(self, stage: str) -> None:
-        self.cancels.labels(stage=stage).inc()
 
     def prefill(self, rows: int, prompt_tokens: int, seconds: float) -> None:
         self.prefill_batch.observe(rows)

@@ -5,6 +5,7 @@ recipe may not name files on the server unless it is the server's own; `tuned=NA
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from trimvlm.recipe import AXES, parse_recipe
 from trimvlm.serve.budgets import LoadBudget, ladder
 from trimvlm.serve.errors import ApiError, from_trimvlm, schema_error
 
-MEMO = 256  # distinct recipe texts remembered checked (then the memo starts again)
+MEMO = 256  # distinct recipe texts remembered checked (the least recently asked forgotten first)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Recipes:
         self.runner, self.default = runner, options.recipe or ""
         self.folder = None if options.recipe_dir is None else Path(options.recipe_dir)
         self.load = None if options.tuned is None else LoadBudget(ladder(options.tuned), options.slo_ttft_ms / 1000)
-        self._checked: dict[tuple[str, str, bool], Recipe] = {}
+        self._checked = functools.lru_cache(MEMO)(self._check)  # (a bad recipe raises: never remembered)
         for rung in [] if self.load is None else self.load.rungs:  # each checked before the server listens
             try:
                 self.get("chat", rung.text, own=True)
@@ -106,12 +107,7 @@ class Recipes:
             raise schema_error(
                 f"`recipe` is a recipe string, got {type(value).__name__}", "recipe", kind="string_type"
             )
-        key = (kind, value, own)
-        if key not in self._checked:
-            if len(self._checked) > MEMO:
-                self._checked.clear()
-            self._checked[key] = self._check(kind, value, own or value == self.default)
-        return self._checked[key]
+        return self._checked(kind, value, own or value == self.default)
 
     def _check(self, kind: str, value: str, own: bool) -> Recipe:
         text, operators = (value, True) if own else client_recipe(value, self.folder)

@@ -1,18 +1,7 @@
-"""Scale-out: `trimvlm serve --replicas N --ray ADDRESS` runs N copies of the server as one Ray Serve deployment
-behind one HTTP route.
-
-Each replica is a Ray actor that loads the model once and runs the very app `trimvlm serve` runs in one
-process (`app.build_app` over `app.make_state`: the same routes, scheduler, caches, limits and checks), wrapped
-by Ray Serve's ASGI ingress; Ray Serve's HTTP proxy on `--host:--port` spreads the requests over the replicas
-(power of two choices on their queue lengths). A request is answered whole by one replica, so each answer is
-what the single-process server gives; continuous batching, streaming and the caches work per replica
-(requests on different replicas do not batch together and do not share caches). `GET /metrics` and `/health`
-are those of the replica that answered.
-
-`--ray` is the address `trimvlm eval --ray` takes (`trimvlm.cluster.connect`): `local` (a Ray started here),
-`auto` (the running cluster: RAY_ADDRESS or `ray start` on this machine) or HOST:PORT. Each replica asks Ray for
-`--threads` CPUs (one GPU with `--device cuda`). Needs `pip install "trimvlm[ray]"` (Ray Serve) besides the
-serve extra.
+"""Scale-out: `trimvlm serve --replicas N --ray ADDRESS` runs N copies of the server (`app.build_app` over
+`app.make_state`, each its own scheduler and caches) as one Ray Serve deployment behind one HTTP route
+(docs/serving.md, "Scale-out"). `--ray` is the address `trimvlm eval --ray` takes (`trimvlm.cluster.connect`);
+each replica asks Ray for `--threads` CPUs (one GPU with `--device cuda`). Needs `trimvlm[ray]`.
 """
 
 from __future__ import annotations

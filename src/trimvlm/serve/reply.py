@@ -1,20 +1,8 @@
-"""A chat completion's answer, built from what the model thread sends its request (serve/engine.py): each
-choice's tokens as they come, each choice's end, then the request's costs (or an error).
-
-- `whole()`: the `chat.completion` object, once every choice has ended.
-- `stream()`: server-sent events as the tokens come: a role chunk per choice when the first token is there, a
-  chunk per token with the new text (a token that ends inside a character waits for the next; with `stop`,
-  text that could still become a stop string is held back until it is resolved, and a stop string is never
-  sent), each choice's last chunk with its `finish_reason`, then `[DONE]`. The request's `usage` rides on the
-  last choice chunk when n = 1, else on a chunk of its own with no choices (as OpenAI's `include_usage`).
-  An error before the first token is the request's status code (500, 400); after it the stream ends with an
-  error event.
-- `logprobs` (when asked): OpenAI's shape, `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`,
-  the log-probabilities of the model's distribution (before penalties and temperature), for the tokens whose
-  text is returned; streamed with the chunk that sends the start of their text.
-
-A request whose client closes the connection is cancelled (`Job.cancel`): still queued, it is never computed;
-running, its rows leave the batch at the next step. Nothing is sent to a gone client.
+"""A chat completion's answer, built from the events the model thread sends its request (serve/engine.py, jobs.py):
+`whole()` the `chat.completion` object once every choice has ended; `stream()` server-sent events as the tokens
+come (text that may still become a stop string, or ends inside a character, is held back), each choice's end,
+the usage, then `[DONE]`; `logprobs` in OpenAI's shape (docs/serving.md, "POST /v1/chat/completions"). A
+request whose client has gone is cancelled (`Job.cancel`) and nothing is sent to it ("Cancellation").
 """
 
 from __future__ import annotations
@@ -93,6 +81,33 @@ async def unless_gone(request, awaitable):
     return work.result()
 
 
+async def answered(state, request, job):
+    """A queued job's result, or ClientGone (the job cancelled: never computed if it has not started) when the
+    client closes the connection first. What its batch raised is its answer (`as_api_error`: a trimvlm error 400,
+    the model's failure 500)."""
+    try:
+        return await unless_gone(request, state.batcher.result(job))
+    except ClientGone:
+        cancel(state, job)
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise as_api_error(e) from e
+
+
+def cancel(state, job) -> None:
+    """The client has gone: its request is not computed further (it leaves its queue or its batch), counted by
+    the stage it had reached."""
+    if not job.cancelled:
+        stage = "finished" if job.finished else "running" if job.started else "queued"
+        job.cancel()
+        state.metrics.cancels.labels(stage=stage).inc()
+
+
+def served(recipe: str, job, t0: float) -> dict:
+    """The server's part of an answer's `usage`: the recipe, the time queued and the server's latency."""
+    return {"recipe": recipe, "queue_s": job.started - job.enqueued, "server_latency_s": time.perf_counter() - t0}
+
+
 class ChatReply:
     def __init__(self, state, request, job, *, model: str, recipe: str, t0: float):
         self.state, self.request, self.job = state, request, job
@@ -122,20 +137,16 @@ class ChatReply:
         if isinstance(event, Token):
             if self._last is None:
                 self._first = now
-                metrics.first_token(now - self.t0)
+                metrics.ttft.observe(now - self.t0)
             else:
-                metrics.inter_token(now - self._last)
+                metrics.itl.observe(now - self._last)
             self._last = now
         elif isinstance(event, Failed):
             raise as_api_error(event.error)
         return event
 
     def cancel(self) -> None:
-        """The client has gone: the request is not computed further (it leaves its queue or its batch)."""
-        if not self.job.cancelled:
-            self.job.cancel()
-            stage = "finished" if self.job.finished else "running" if self.job.started else "queued"
-            self.state.metrics.cancelled(stage)
+        cancel(self.state, self.job)
         self._stop_watching()
 
     def _stop_watching(self) -> None:
@@ -144,8 +155,9 @@ class ChatReply:
             self._gone = None
 
     # ---- the answer ----
-    def _usage(self, result: Done, completion: int) -> dict:
+    def _usage(self, result: Done, ends: dict) -> dict:
         u, p = result.usage, self.job.payload
+        completion = sum(e.completion_tokens for e in ends.values())
         model_flops = u["vision_flops"] + u["prefill_flops"] + u["decode_flops"]
         forward = u["forward_s"]
         return {
@@ -157,8 +169,7 @@ class ChatReply:
             "prefix_reused": bool(u["prefix_reused"]), "prefix_tokens_reused": u["prefix_tokens_reused"],
             "request_cached": p.request_cached,
             "preprocess_s": p.preprocess_s, "forward_s": forward, "latency_s": p.preprocess_s + forward,
-            "batch_requests": result.batch, "recipe": self.recipe,
-            "queue_s": self.job.started - self.job.enqueued, "server_latency_s": time.perf_counter() - self.t0,
+            "batch_requests": result.batch, **served(self.recipe, self.job, self.t0),
             # the engine's time to first token (queued -> sent by the model thread) and the server's (received ->
             # the first token here)
             "engine_ttft_s": u.get("engine_ttft_s"),
@@ -180,8 +191,6 @@ class ChatReply:
                             for e in entries], "refusal": None}  # fmt: skip
 
     async def whole(self):
-        from fastapi.responses import Response
-
         ends = {}
         try:
             while True:
@@ -190,18 +199,15 @@ class ChatReply:
                     ends[event.choice] = event
                 elif isinstance(event, Done):
                     break
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it (uvicorn sends nothing to a closed connection)
         finally:
             self._stop_watching()
         choices = [{
             "index": i, "message": {"role": "assistant", "content": e.text},
             "logprobs": self._logprobs(e.logprobs), "finish_reason": e.finish_reason,
         } for i, e in sorted(ends.items())]  # fmt: skip
-        completion = sum(e.completion_tokens for e in ends.values())
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": choices, "usage": self._usage(event, completion),
+            "choices": choices, "usage": self._usage(event, ends),
         }  # fmt: skip
 
     def chunk(self, index: int | None, delta: dict, finish=None, usage=None, logprobs=None) -> str:
@@ -215,12 +221,9 @@ class ChatReply:
     async def stream(self):
         """The event stream's response, once the first token (or the result) is there: an error before it is
         still the request's status code."""
-        from fastapi.responses import Response, StreamingResponse
+        from fastapi.responses import StreamingResponse
 
-        try:
-            first = await self._next()
-        except ClientGone:
-            return Response(status_code=499)
+        first = await self._next()
         self._stop_watching()  # from here Starlette watches the connection and cancels the stream
         return StreamingResponse(self._events(first), media_type="text/event-stream")
 
@@ -247,7 +250,7 @@ class ChatReply:
                         yield self.chunk(i, {}, e.finish_reason)
                 elif isinstance(event, Done):
                     finished = True
-                    usage = self._usage(event, sum(e.completion_tokens for e in ends.values()))
+                    usage = self._usage(event, ends)
                     if p.n == 1:
                         yield self.chunk(0, {}, ends[0].finish_reason, usage)
                     else:

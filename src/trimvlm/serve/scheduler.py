@@ -1,34 +1,13 @@
-"""The one loop that owns the model: continuous batching for chat completions, whole batches for decisions.
+"""The one loop that owns the model (docs/serving.md, "Scheduling"): continuous batching for chat completions
+(the step-level `engine`, serve/engine.py, for the endpoints in `engine.kinds`), whole batches for the others
+(`run(key, payloads)`: one result or exception per payload; a batch that raises runs each request again alone).
 
-`submit` / `enqueue` queue a request (checked and tokenized before it gets here: a bad one never joins a batch)
-under a key: only requests with the same key share a batch (the same endpoint and recipe; a chat completion
-with n > 1 choices has a key of its own). A request still being read or prepared is announced (`arrival()`):
-the loop waits for it (up to `max_wait_s` after the first of a batch arrived) only while more may come, so a
-lone request runs at once. Requests whose key is the step-level engine's (`engine`, the chat engine of
-serve/engine.py, for the endpoints in `engine.kinds`) are batched continuously; the others (System One
-decisions, scores) run whole, `run(key, payloads)` answering a batch with one result (or exception) per
-payload; if such a batch raises, each of its requests runs again alone, so one that breaks the model fails
-only itself. Without an engine the loop is a plain micro-batcher. Each turn of the loop:
-
-1. take what has arrived (block only when nothing runs), and drop the requests whose client has gone;
-2. the prompt being prefilled in chunks (if any) runs its next chunk: at most `max_prefill_tokens` positions;
-3. the oldest waiting request decides what runs next, in arrival order:
-   - a decision or a score: its batch (`run`: one `decision.run`, one `vlm.score`) runs whole;
-   - a chat completion: it is admitted with the waiting ones of its key (the same recipe) while the engine
-     has room (`max_batch` running rows at most) and the prompts' tokens fit what is left of the turn's
-     `max_prefill_tokens`: one prefill over them, their first tokens sent, then they join the running decode
-     batch of their recipe. A prompt longer than the budget is prefilled alone in chunks of the budget, one
-     per turn (`Runner.prefill_chunked`; while it is, only prompts that fit the rest of the budget are admitted), so
-     the running rows keep getting a token every turn; a recipe that reads the whole prefill (a token
-     reducer, a KV policy) prefills it whole;
-4. one decode step of every running batch: every row gets its next token, finished and cancelled rows leave.
-
-So a request that arrives while others decode waits at most one step (plus one prefill) for its first token.
-The loop waits for more requests (up to `max_wait_s`, while more are being read) only when nothing is running:
-a burst arriving at an idle server is prefilled together; under load nothing waits for anything. A request
-whose client has gone (`Job.cancel`) is dropped wherever it waits and never run (`dropped` counts them); the
-loop never stops on a model error. `close` drains what is queued and running, then answers what is left
-`ShuttingDown` (503).
+Requests are queued checked and prepared, under a key: only requests with equal keys share a batch. A request
+still being read is announced (`arrival()`): with nothing running the loop waits for it, up to `max_wait_s` after
+the first of a batch arrived. Each turn: take what has arrived (dropping the requests whose client has gone),
+run the next chunk of a chunked prefill, let the oldest waiting request decide what runs (its whole batch, or
+the chat requests of its key admitted while there is room and prefill budget, `max_prefill_tokens`), then one
+decode step of every running batch. `close` drains what is queued and running, then answers the rest 503.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trimvlm.serve.jobs import Job, ShuttingDown, settle
+from trimvlm.serve.jobs import Job, ShuttingDown, call_soon, settle
 
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
@@ -88,7 +67,7 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending: deque[Job] = deque()  # taken from the queue, waiting for a batch of their key
         self._closing = False  # the worker has seen the end of the queue: it drains what is there, then stops
-        self._closed = False  # close() was called: nothing more is queued
+        self.closed = False  # close() was called: nothing more is queued
         self._abort = False  # the drain took too long: the worker answers what is left "shutting down" and stops
         self._thread = threading.Thread(target=self._loop, name="trimvlm-serve-model", daemon=True)
         self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
@@ -104,7 +83,7 @@ class Scheduler:
     def close(self, timeout: float = 10.0) -> None:
         """Stop: the requests queued and running are answered (drained) for up to `timeout`; past it, the worker
         answers every request still waiting or running with `ShuttingDown` at its next turn and stops."""
-        self._closed = True
+        self.closed = True
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -128,11 +107,6 @@ class Scheduler:
             settle(job, ShuttingDown("the server is shutting down"))
 
     @property
-    def closed(self) -> bool:
-        """close() was called: nothing more is queued (`ShuttingDown`)."""
-        return self._closed
-
-    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -146,7 +120,7 @@ class Scheduler:
     def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
         """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
         the server is closing."""
-        if self._closed:
+        if self.closed:
             if arrival is not None:
                 arrival.done()
             raise ShuttingDown("the server is shutting down")
@@ -156,12 +130,6 @@ class Scheduler:
         if arrival is not None:
             arrival.done()
         return job
-
-    def put(self, job: Job) -> None:
-        """Queue a job made elsewhere (an API process's request, serve/ipc.py); `ShuttingDown` once closing."""
-        if self._closed:
-            raise ShuttingDown("the server is shutting down")
-        self._queue.put(job)
 
     def arriving(self, delta: int) -> None:
         """Requests on their way from elsewhere (an API process's `arrival()`): +1 when one begins, -1 after."""
@@ -199,10 +167,11 @@ class Scheduler:
         to `budget` in all (`first` always goes); `wait`: wait for more up to max_wait after `first` arrived.
         Jobs whose client has gone are dropped."""
         room = self.max_batch if room is None else room
-        batch, used = [first], 0 if weight is None else weight(first)
+        weight = weight or (lambda job: 0)
+        batch, used = [first], weight(first)
 
         def fits(job) -> bool:
-            return weight is None or used + weight(job) <= budget
+            return used + weight(job) <= budget
 
         for job in list(self._pending):
             if len(batch) >= room:
@@ -213,7 +182,7 @@ class Scheduler:
                 break
             self._pending.remove(job)
             batch.append(job)
-            used += 0 if weight is None else weight(job)
+            used += weight(job)
         deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
         while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
@@ -230,7 +199,7 @@ class Scheduler:
                 self._closing = True
             elif job.key == first.key and fits(job):
                 batch.append(job)
-                used += 0 if weight is None else weight(job)
+                used += weight(job)
             else:
                 self._pending.append(job)
                 if job.key == first.key:
@@ -243,10 +212,7 @@ class Scheduler:
         for job in jobs:
             if job not in live:
                 self.dropped += 1
-                try:  # nobody awaits it any more
-                    job.loop.call_soon_threadsafe(job.future.cancel)
-                except RuntimeError:  # the event loop is closed
-                    pass
+                call_soon(job.loop, job.future.cancel)  # nobody awaits it any more
         return live
 
     def _running(self) -> int:

@@ -1,18 +1,7 @@
-"""`POST /v1/score`: candidate scoring over HTTP, answered by `vlm.score` (its executors and readouts).
-
-The shape follows vLLM's score API (`POST /v1/score`: `text_1` the query, `text_2` the documents; the answer a
-`list` of `{"index", "object": "score", "score"}` and `usage`), with these differences: `text_1` is one question
-(vLLM also takes a list of pairs); `text_2` are the candidate answers, and each `score` is the candidate's
-probability among them (the softmax of their log-likelihoods, or the decision head's), not a cross-encoder's
-similarity; trimvlm's fields: `images` (base64 data URLs, never fetched), `readout` (`loglik` | `head`),
-`executor` (`auto` | `independent` | `batched` | `segments` | `tree`), `recipe`; each item also carries
-`logprob` (the candidate's summed log-likelihood), `logprob_mean`, `tokens`, `greedy`, and the answer
-`chosen` (-1: the head abstains) and the costs.
-
-Concurrent requests with the same readout, executor and recipe run as one `vlm.score` call; with the loglik
-readout, requests on the same images and question share one prefix (their candidates are scored off it
-together; a candidate's log-likelihood does not depend on the others, and each request's probabilities are
-those of its own candidates). The call's costs are split evenly between its requests (`batch_requests`).
+"""`POST /v1/score`: candidate scoring in vLLM's score shape (`text_1` one question, `text_2` its candidates,
+trimvlm's `images`, `readout`, `executor` and `recipe`), answered by `vlm.score` (docs/serving.md, "POST
+/v1/score"). Requests with the same readout, executor and recipe run as one call; with the loglik readout those
+on the same images and question share one prefix, each request's probabilities those of its own candidates.
 """
 
 from __future__ import annotations
@@ -22,12 +11,12 @@ import uuid
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from trimvlm.serve.chat import _Strict, decode_image
-from trimvlm.serve.errors import ApiError
+from trimvlm.serve.errors import ApiError, validated
 from trimvlm.serve.jobs import JobKey
-from trimvlm.serve.reply import ClientGone, unless_gone
+from trimvlm.serve.reply import answered, served
 
 
 class ScoreBody(_Strict):
@@ -60,11 +49,7 @@ def parse(body: dict, limits) -> ScoreBody:
     from trimvlm.scoring.executors import NAMES
     from trimvlm.scoring.request import READOUTS
 
-    try:
-        req = ScoreBody.model_validate(body)
-    except ValidationError as e:
-        detail = [{"loc": ["body", *i["loc"]], "msg": i["msg"], "type": i["type"]} for i in e.errors(include_url=False)]
-        raise ApiError(422, detail) from e
+    req = validated(ScoreBody, body)
     if not isinstance(req.text_1, str):
         raise ApiError(400, "text_1: one question per request (a string)")
     if not req.text_1.strip():
@@ -84,38 +69,24 @@ def parse(body: dict, limits) -> ScoreBody:
     return req
 
 
-async def handle(state, request) -> dict:
-    with state.batcher.arrival() as arrival:
-        return await _handle(state, request, arrival)
-
-
-async def _handle(state, request, arrival) -> dict:
+async def handle(state, request, arrival) -> dict:
     t0 = time.perf_counter()
     body = await state.read_json(request)
     req = parse(body, state.limits)
     model = state.model_name(body)
     recipe = state.recipe("score", req.recipe)
-    if state.vlm.adapter.decision_head is not None:
-        raise ApiError(400, "this server holds a decision model (no LM head): ask it System One requests at "
-                            "/v1/systemone")  # fmt: skip
+    state.need_lm_head()
     if req.readout == "head" and state.vlm.head is None:
         raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")
     images = await state.prepare(lambda: [decode_image(i + 1, u, state.limits) for i, u in enumerate(req.images)])
     job = ScoreJob(images, req.text_1, req.text_2, recipe.recipe, (*req.images, req.text_1))
     queued = state.batcher.enqueue(JobKey("score", recipe.label, req.readout, req.executor), job, arrival)
-    try:
-        scored = await unless_gone(request, state.result(queued))
-    except ClientGone:
-        queued.cancel()
-        from fastapi.responses import Response
-
-        return Response(status_code=499)
+    scored = await answered(state, request, queued)
     data = [{
         "index": k, "object": "score", "score": c.prob, "text": c.text, "logit": c.logit, "logprob": c.loglik_sum,
         "logprob_mean": c.loglik_mean, "tokens": c.n_tokens, "greedy": c.is_greedy,
     } for k, c in enumerate(scored.result.candidates)]  # fmt: skip
-    usage = scored.usage | {"recipe": recipe.label, "queue_s": queued.started - queued.enqueued,
-              "server_latency_s": time.perf_counter() - t0}  # fmt: skip
+    usage = scored.usage | served(recipe.label, queued, t0)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "chosen": scored.result.chosen, "abstain_prob": scored.result.abstain_prob,
             "usage": usage}  # fmt: skip

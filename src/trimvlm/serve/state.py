@@ -14,13 +14,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trimvlm.errors import TrimVLMError
 from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve import score, systemone
-from trimvlm.serve.bodies import parse_json, read_body
 from trimvlm.serve.engine import ChatEngine
-from trimvlm.serve.errors import ApiError, as_api_error, from_trimvlm, schema_error
+from trimvlm.serve.errors import ApiError, parse_json, schema_error
 from trimvlm.serve.ipc import RemoteScheduler
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access
@@ -93,9 +91,7 @@ class ServerState:
     def _run_batch(self, key, payloads: list) -> list:
         """On the model thread: one batch of System One or score requests with the same key (chat completions
         are the scheduler's engine's, step by step)."""
-        if key.kind == "score":
-            return score.run(self, key, payloads)
-        return systemone.run(self, key, payloads)
+        return {"score": score.run, "decide": systemone.run}[key.kind](self, key, payloads)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the model thread: what is queued and running is answered (drained) for up to `timeout`, then
@@ -111,23 +107,11 @@ class ServerState:
         return self.metrics.exposition()
 
     async def prepare(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the preparation thread; a trimvlm error becomes its HTTP error (503 once the
-        server is shutting down)."""
+        """`fn(*args, **kwargs)` on the preparation thread (503 once the server is shutting down; a trimvlm error
+        it raises is answered as its HTTP error: app.py)."""
         if self.batcher.closed:
             raise ShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._prep, lambda: fn(*args, **kwargs))
-        except TrimVLMError as e:
-            raise from_trimvlm(e) from e
-
-    async def result(self, job):
-        """A queued job's result (`Batcher.result`: cancelled with the awaiting task). A trimvlm error raised by
-        the batch is the request's 400; any other, the model's failure: 500."""
-        try:
-            return await self.batcher.result(job)
-        except Exception as e:  # noqa: BLE001
-            raise as_api_error(e) from e
+        return await asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args, **kwargs))
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
@@ -145,6 +129,12 @@ class ServerState:
         """The recipe of a request (`Recipes.get`)."""
         return self.recipes.get(kind, value, own=own)
 
+    def need_lm_head(self) -> None:
+        """400 for a chat or score request to a server holding a decision model."""
+        if self.vlm.adapter.decision_head is not None:
+            raise ApiError(400, "this server holds a decision model (no LM head): ask it System One requests at "
+                                "/v1/systemone")  # fmt: skip
+
     def model_name(self, body: dict) -> str:
         """The `model` a request names (it may name none): this server answers for its model only (400 else)."""
         name = body.get("model")
@@ -152,17 +142,23 @@ class ServerState:
             return self.model_id
         if not isinstance(name, str):
             raise schema_error(f"`model` is a string, got {type(name).__name__}", "model", kind="string_type")
-        if name not in self.aliases:
+        if name not in {self.model_id, Path(self.model_id).name}:
             raise ApiError(400, f"this server answers for {self.model_id!r}; the request asks for {name!r}")
         return name
-
-    @property
-    def aliases(self) -> set[str]:
-        return {self.model_id, Path(self.model_id).name}
 
     async def read_json(self, request) -> dict:
         """The request body as a JSON object: 413 past `max_body_bytes`, 422 for text that is not a JSON object."""
         return parse_json(await self.read_body(request))
 
     async def read_body(self, request) -> bytes:
-        return await read_body(request, self.limits.max_body_bytes)
+        """The request body's bytes: 413 past `max_body_bytes` (by its Content-Length or as it is read)."""
+        limit, length = self.limits.max_body_bytes, request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is {int(length)} bytes, at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -1,20 +1,8 @@
-"""`POST /v1/systemone`: System One decision requests, as `transformers serve` takes and answers them.
-
-Request: `{"model"?, "state", "questions": {name: question}, "assets"?: {placeholder: image}}`, plus trimvlm's
-`recipe` extension (a recipe string; default: the server's). The schema is transformers' own: the request
-(its `recipe` taken out) is validated by transformers' `SystemOneRequest` (strict: `state` a string, object or
-list; 1 to 64 questions, each an object; at most 4 assets, each an object; no other field) and its questions by
-`parse_questions`, exactly as `transformers serve` does, before anything else (422, FastAPI's error list). The
-server holds one model, as `transformers serve --force-model` does: `model` may be left out, naming another is
-a 400.
-Response: `{"model", "answers": {name: answer}, "usage": {"input_tokens", "output_tokens": 0, ...}}`, the answers
-exactly as `vlm.decide` gives them for the request alone, `usage` with trimvlm's cost fields
-(`decision.RequestCosts.usage()`) and the server's: `recipe`, `queue_s` (prepared -> its batch started),
-`server_latency_s` (the body read -> the answer ready).
-
-Each request is checked and tokenized by `decision.prepare_request` as it arrives (its errors: 422 / 400, see
-errors.py); requests with the same recipe are then answered together by one `decision.run`. A request whose client closes
-the connection while it is queued is never computed (`reply.unless_gone`).
+"""`POST /v1/systemone`: System One decision requests, as `transformers serve` takes and answers them
+(docs/serving.md, "POST /v1/systemone"): transformers' own schema checks the request (422), `model` may name
+only this server's, `recipe` is trimvlm's extension; each request is prepared as it arrives
+(`decision.prepare_request`, through the request cache) and requests of one recipe are answered together by
+one `decision.run`, each answer what `vlm.decide` gives the request alone.
 """
 
 from __future__ import annotations
@@ -28,10 +16,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
-from trimvlm.serve.bodies import parse_json
-from trimvlm.serve.errors import ApiError, schema_error
+from trimvlm.serve.errors import parse_json, schema_error, validated
 from trimvlm.serve.jobs import JobKey
-from trimvlm.serve.reply import ClientGone, unless_gone
+from trimvlm.serve.reply import answered, served
 
 
 class Ready(NamedTuple):
@@ -59,18 +46,13 @@ class DecideJob:
     body: bytes | None = None  # the request cache's key of its body (None: the cache is off, never coalesced)
 
 
-async def handle(state, request) -> dict:
-    with state.batcher.arrival() as arrival:  # the model thread waits for it while it is prepared
-        return await _handle(state, request, arrival)
-
-
-async def _handle(state, request, arrival) -> dict:
+async def handle(state, request, arrival):
     t0 = time.perf_counter()
     raw = await state.read_body(request)
-    tag, seen = state.seen_bodies.recall(raw)
-    if seen is not None:  # a body seen before, found prepared: its checks passed then and pass again
+    tag, seen, prepared = state.seen_bodies.recall(raw)
+    if prepared is not None:  # a body seen before, found prepared: its checks passed then and pass again
         model, recipe = seen.model, state.recipe("decide", seen.recipe)
-        ready = Ready(found_request(seen.prepared, t0), True, seen.key)
+        ready = Ready(found_request(prepared, t0), True, seen.key)
     else:
         body = parse_json(raw)
         extension = body.pop("recipe", None)
@@ -83,31 +65,23 @@ async def _handle(state, request, arrival) -> dict:
             state.seen_bodies.remember(tag, Seen(model, extension, ready.key))
     job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(ready.request, recipe.recipe, ready.key),
                                 arrival)  # fmt: skip
-    try:  # a client that has gone while its request is queued: the request is never computed
-        done = await unless_gone(request, state.result(job))
-    except ClientGone:
-        stage = "running" if job.started else "queued"  # a batch that has started runs to its end
-        job.cancel()
-        state.metrics.cancelled(stage)
-        from fastapi.responses import Response
+    done = await answered(state, request, job)  # (a batch that has started runs to its end)
+    sizes = {f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()}
+    usage = done.costs.usage() | sizes | {"request_cached": ready.cached, "request_coalesced": done.coalesced}
+    usage |= served(recipe.label, job, t0)
+    from fastapi.responses import JSONResponse
 
-        return Response(status_code=499)  # nobody reads it
-    usage = done.costs.usage() | cache_usage(state) | {"request_cached": ready.cached,
-                                                       "request_coalesced": done.coalesced}  # fmt: skip
-    usage |= {"recipe": recipe.label, "queue_s": job.started - job.enqueued,
-              "server_latency_s": time.perf_counter() - t0}  # fmt: skip
-    return json_response({"model": model, "answers": done.answers, "usage": usage})
+    # (a JSONResponse: without the `jsonable_encoder` walk FastAPI gives a dict; the answer is JSON types)
+    return JSONResponse({"model": model, "answers": done.answers, "usage": usage})
 
 
-@dataclass
-class Seen:
+class Seen(NamedTuple):
     """A body answered before, known by its bytes' digest: what its checks gave (the same bytes give the same
-    again: the schema, the model, the recipe field), and its request cache key. `prepared`: set by `recall`."""
+    again: the schema, the model, the recipe field), and its request cache key."""
 
     model: str
     recipe: object  # its `recipe` field (None: the server's)
     key: bytes
-    prepared: object = None
 
 
 SEEN = 1 << 16  # bodies remembered by their digest (~200 bytes each), least recently seen forgotten first
@@ -129,20 +103,19 @@ class SeenBodies:
     def __len__(self) -> int:
         return len(self.bodies)
 
-    def recall(self, raw: bytes) -> tuple[bytes | None, Seen | None]:
-        """(the body's digest, what was seen of it with its prepared request, or None): with the request cache
+    def recall(self, raw: bytes) -> tuple[bytes | None, Seen | None, object]:
+        """(the body's digest, what was seen of it, its prepared request or None): with the request cache
         on, a body whose bytes were answered before and whose prepared request is still cached is not parsed,
         checked or keyed again, and not sent to the preparation thread (on the event loop: a digest and two
         lookups). One whose prepared request was evicted is prepared again (and remembered again)."""
         if self.cache is None:
-            return None, None
+            return None, None, None
         tag = hashlib.blake2b(raw, digest_size=16).digest()
         seen = self.bodies.get(tag)
         prepared = None if seen is None else self.cache.get(seen.key)
-        if prepared is None:
-            return tag, None
-        self.hits.inc()
-        return tag, dataclasses.replace(seen, prepared=prepared)
+        if prepared is not None:
+            self.hits.inc()
+        return tag, seen, prepared
 
     def remember(self, tag: bytes, seen: Seen) -> None:
         self.bodies.put(tag, seen, 1)
@@ -151,14 +124,6 @@ class SeenBodies:
 def found_request(found, t0: float):
     """A prepared request found in the request cache: its `preprocess_s` is the lookup's."""
     return dataclasses.replace(found, seconds=time.perf_counter() - t0)
-
-
-def json_response(content: dict):
-    """The answer as FastAPI would send the dict (its JSONResponse: compact, UTF-8, no NaN), without its
-    `jsonable_encoder` walk: the answer holds only JSON types (str, int, float, bool, None, lists, dicts)."""
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(content)
 
 
 def prepare_cached(state, body: dict) -> Ready:
@@ -181,13 +146,6 @@ def prepare_cached(state, body: dict) -> Ready:
     return Ready(prepared, False, key)
 
 
-def cache_usage(state) -> dict:
-    """The caches' sizes now, for an answer's `usage` (0 for a cache that is off)."""
-    return {
-        f"{name}_cache_bytes": 0 if st is None else st["bytes"] for name, st in state.cache_stats().items()
-    }
-
-
 def request_model():
     """transformers' `SystemOneRequest` (transformers/cli/serving/systemone.py): the schema `transformers serve`
     validates a System One request with."""
@@ -205,17 +163,11 @@ def check_schema(state, body: dict) -> None:
     """422 for what `transformers serve` refuses with 422: its `SystemOneRequest.model_validate(body,
     strict=True)` (a missing `model` filled with the server's, as a pinned server does), then `parse_questions`
     with the server's decision config."""
-    from pydantic import ValidationError
     from transformers.decision import parse_questions
 
     from trimvlm.decision.config import resolve_config
 
-    try:
-        request = request_model().model_validate({"model": state.model_id} | body, strict=True)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        detail = [{"loc": ["body", *d["loc"]], "msg": d["msg"], "type": d["type"]} for d in errors]
-        raise ApiError(422, detail) from e
+    request = validated(request_model(), {"model": state.model_id} | body, strict=True)
     try:
         parse_questions(request.questions, resolve_config(state.vlm, state.decision_config))
     except ValueError as e:
@@ -254,11 +206,4 @@ def run(state, key, jobs: list[DecideJob]) -> list:
 
 
 # what a coalesced copy of a request did not cost
-FREE = {
-    "vision_flops": 0,
-    "layer_flops": 0,
-    "readout_flops": 0,
-    "method_flops": 0,
-    "kv_bytes": 0,
-    "state_bytes": 0,
-}
+FREE = dict.fromkeys(("vision_flops", "layer_flops", "readout_flops", "method_flops", "kv_bytes", "state_bytes"), 0)

@@ -111,27 +111,13 @@ def concurrent_runs(run, keys, repeats: int) -> dict:
     often (so runs interleave inside a forward). Returns key -> list of results; an exception in a thread is
     raised here."""
     import sys
-    import threading
-
-    got, errors = {k: [] for k in keys}, []
-
-    def worker(key):
-        try:
-            for _ in range(repeats):
-                got[key].append(run(key))
-        except Exception as e:  # a thread's exception would otherwise vanish
-            errors.append(e)
+    from concurrent.futures import ThreadPoolExecutor
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        threads = [threading.Thread(target=worker, args=(k,)) for k in keys]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(max_workers=max(1, len(keys))) as pool:
+            futures = {k: pool.submit(lambda k=k: [run(k) for _ in range(repeats)]) for k in keys}
     finally:
         sys.setswitchinterval(old)
-    if errors:
-        raise errors[0]
-    return got
+    return {k: f.result() for k, f in futures.items()}

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trimvlm.errors import RecipeError
 from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
@@ -42,19 +41,9 @@ class DART(TokenReducer):
         if self.pivot not in ("key", "hidden"):
             raise ValueError(f"pivot must be 'key' or 'hidden', got {self.pivot!r}")
 
-    def check(self, runner) -> None:
-        super().check(runner)
-        lay = self.at(runner)
-        if self.pivot == "key" and not runner.is_attention(lay):
-            raise RecipeError(
-                f"tokens=dart: layer {lay} is a {runner.adapter.layer_types[lay]} layer without attention keys; "
-                f"choose an attention layer ({[i for i in range(runner.num_layers) if runner.is_attention(i)]}) "
-                "or pivot=hidden"
-            )
-
-    def prepare(self, view: VisualView, runner, handoff) -> None:
-        if self.pivot == "key":
-            view.keys = runner.layer_keys(view.layer, view.features)
+    @property
+    def wants_keys(self) -> bool:
+        return self.pivot == "key"
 
     def choose(self, view: VisualView) -> Selection:
         x = view.features.float()

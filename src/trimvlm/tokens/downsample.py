@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from trimvlm.errors import RecipeError
 from trimvlm.options import is_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import TokenReducer
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """(h, w) LLM token grid -> the grid the image is prepared at: each side scaled by sqrt(keep), rounded, at
-    least 1 (the aspect ratio kept)."""
-
-    keep: float
-
-    def __call__(self, h: int, w: int) -> tuple[int, int]:
-        s = math.sqrt(self.keep)
-        return max(1, round(h * s)), max(1, round(w * s))
 
 
 @register("tokens", "downsample")
@@ -46,20 +33,10 @@ class Downsample(TokenReducer):
 
     layer: int | None = None
 
+    resizes: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer is not None and (not is_int(self.layer) or self.layer != 0):
             raise ValueError(f"layer must be 0 for downsample: the image is resized before the vision tower; got "
                              f"{self.layer!r}")  # fmt: skip
-
-    def check(self, runner) -> None:
-        if not getattr(runner.adapter, "resizes", False):
-            raise RecipeError(
-                f"tokens=downsample: the {runner.adapter.family} processor gives every image the same tokens at "
-                "any size (a fixed-resolution tower), so a smaller image gives no fewer tokens; downsample runs on "
-                "the dynamic-resolution families (qwen3_vl, qwen2_5_vl, qwen3_5); use tokens=pool here"
-            )
-
-    def apply(self, plan, runner) -> None:
-        self.check(runner)
-        plan.resolution = Resolution(self.ratio) if self.ratio < 1 else None

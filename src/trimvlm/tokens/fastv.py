@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
 from trimvlm.options import is_number, require_int
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, kept_positions
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 @register("tokens", "fastv")
@@ -34,6 +35,7 @@ class FastV(TokenReducer):
     trials: int = 1
     seed: int = 0
 
+    attention: ClassVar[str] = "llm"
     default_layer = 2
     min_layer = 1
 
@@ -44,22 +46,13 @@ class FastV(TokenReducer):
         require_int("trials", self.trials, minimum=1)
         require_int("seed", self.seed)
 
-    def layer_why(self) -> str:
-        return " (fastv ranks by the attention of layer L-1, so L >= 1)"
-
-    def wants_attention(self, runner) -> bool:
-        return True
-
-    def probe(self, runner, handoff):
-        return self.last_query_probe(runner, handoff)
-
     def choose(self, view: VisualView) -> Selection:
-        return Selection(keep=topk_mask(view.attention, view.k, view.mask))
+        sel = Selection(keep=topk_mask(view.attention, view.k, view.mask))
+        return sel if self.trials <= 1 or self.noise == 0 else self.search(view, sel)
 
-    def refine(self, view: VisualView, seq, runner, sel: Selection) -> Selection:
-        if self.trials <= 1 or self.noise == 0:
-            return sel
-        target = torch.log_softmax(runner.finish(seq, view.layer).double(), -1)
+    def search(self, view: VisualView, sel: Selection) -> Selection:
+        """The noise-perturbed trials, each judged by the KL of the look-ahead (`view.finish`)."""
+        target = torch.log_softmax(view.finish().double(), -1)
         att = view.attention.float()
         m = view.mask.float()
         n = m.sum(1, keepdim=True)
@@ -75,7 +68,7 @@ class FastV(TokenReducer):
                 u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
                 gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
                 keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
-            logits = runner.finish(seq.gather(kept_positions(seq, view, keep)), view.layer)
+            logits = view.finish(keep)
             q = torch.log_softmax(logits.double(), -1)
             kl = (target.exp() * (target - q)).sum(-1)  # [B]
             if best_kl is None:

@@ -11,13 +11,12 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.protocol import register
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.plan import Plan
-from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, instruction
 
 ALL_ROWS = 1 << 30  # an AttentionProbe that records every query row of the prompt
 PRECISION = 0.01  # the binary search on alpha stops at this width (the paper's)
@@ -40,14 +39,6 @@ def received(att: torch.Tensor, cols: torch.Tensor, text: torch.Tensor) -> tuple
     return cross, self_
 
 
-def instruction_rows(visual: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[S] bool: the valid text tokens after the sample's last visual token (all its text when none follow)."""
-    col = torch.arange(visual.shape[0], device=visual.device)
-    last = int(torch.where(visual & valid, col, -1).max())
-    rows = valid & ~visual & (col > last)
-    return rows if bool(rows.any()) else valid & ~visual
-
-
 def deletion_order(cross: torch.Tensor, self_: torch.Tensor) -> torch.Tensor:
     """[n] keep score (higher: deleted later) of n tokens: a token is deleted once it is among the lowest by both
     distributions, i.e. in ascending order of max(rank by cross, rank by self) (ranks ascending from 0; ties:
@@ -68,9 +59,8 @@ def statistics(runner, prepared) -> list[Stats]:
     out = runner.prefill(prepared, Plan(probe=probe))
     seq = out.seq
     stats = []
-    for b in range(seq.batch):
+    for b, text in enumerate(instruction(seq)):
         vis = seq.visual[b] & seq.valid[b]
-        text = instruction_rows(seq.visual[b], seq.valid[b])
         cross, self_ = [], []
         for i in range(runner.num_layers):
             att = probe.results.get(i)
@@ -188,9 +178,12 @@ class FitPrune(TokenReducer):
     pruned layers for each alpha); a layer without attention weights (Gated DeltaNet) never prunes."""
 
     predictable: ClassVar[bool] = False  # the kept counts follow the calibration file
+    attention: ClassVar[str] = "llm"  # every query row of the prompt, per head
+    query_rows: ClassVar[int] = ALL_ROWS
+    per_head: ClassVar[bool] = True
 
     file: str = ""
-    # per plan, set by `apply` and read by each stage: layer it drops before -> the alive fraction from there on
+    # per plan, set by `stages` and read by each stage: layer it drops before -> the alive fraction from there on
     fractions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     min_layer = 1
 
@@ -214,62 +207,23 @@ class FitPrune(TokenReducer):
         return fit(data["stats"], self.ratio)
 
     def stages(self, runner) -> dict[int, float]:
-        """layer it drops before -> the alive fraction from there on."""
+        """layer it drops before -> the alive fraction from there on (kept in `fractions` for the stages)."""
         out, prev = {}, 1.0
         for i, f in enumerate(self.recipe(runner)[: runner.num_layers - 1]):
             if f < prev - 1e-12:
                 out[i + 1] = f
             prev = f
+        self.fractions = out
         return out
 
-    def at(self, runner) -> int:
-        return min(self.stages(runner), default=1)
-
-    def check(self, runner) -> None:
-        for lay in self.stages(runner):
-            if not runner.is_attention(lay - 1):
-                raise RecipeError(f"tokens=fitprune: its recipe prunes after layer {lay - 1}, which has no attention "
-                                  "weights on this model: calibrate this model")  # fmt: skip
-
-    def wants_attention(self, runner) -> bool:
-        return True
-
-    def apply(self, plan, runner) -> None:
-        self.check(runner)
-        stages = self.stages(runner) if self.ratio < 1 else {}
-        plan.handoff.probes.pop("tokens", None)
-        if not stages:
-            return
-        plan.handoff.probes["tokens"] = AttentionProbe(
-            last=ALL_ROWS, layers={i - 1 for i in stages}, per_head=True
-        )
-        plan.probe = plan.handoff.probes["tokens"].merge(plan.probe)
-        handoff = plan.handoff
-
-        def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
-            return self.reduce(seq, run, handoff, layer=i) if i in stages else seq
-
-        plan.hook = _hook
-        self.fractions = stages
-
-    def prepare(self, view: VisualView, runner, handoff) -> None:
+    def counts(self, view: VisualView) -> torch.Tensor:
         n0 = view.grid[:, 0] * view.grid[:, 1]
-        view.k = torch.minimum(keep_count(n0, self.fractions[view.layer], minimum=1), view.n)
-
-    def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
-        probe = handoff.probes.get("tokens")
-        res = None if probe is None else probe.results.pop(lay - 1, None)
-        if res is None or res.shape[-1] != seq.length or res.shape[-2] != seq.length:
-            raise TrimVLMError(
-                f"tokens=fitprune needs every query row of layer {lay - 1} recorded in this prefill"
-            )
-        out = torch.full(view.mask.shape, -math.inf, dtype=torch.float64, device=view.mask.device)
-        for u in range(view.mask.shape[0]):
-            b, n = int(view.sample[u]), int(view.n[u])
-            cols = view.cols[u, :n]
-            cross, self_ = received(res[b], cols, instruction_rows(seq.visual[b], seq.valid[b]))
-            out[u, :n] = deletion_order(cross, self_)
-        return out
+        return torch.minimum(keep_count(n0, self.fractions[view.layer], minimum=1), view.n)
 
     def choose(self, view: VisualView) -> Selection:
-        return Selection(keep=topk_mask(view.attention, view.k, view.mask))
+        order = torch.full(view.mask.shape, -math.inf, dtype=torch.float64, device=view.mask.device)
+        for u in range(view.mask.shape[0]):
+            n = int(view.n[u])
+            cross, self_ = received(view.rows[u], view.cols[u, :n], view.row_text[u])
+            order[u, :n] = deletion_order(cross, self_)
+        return Selection(keep=topk_mask(order, view.k, view.mask))

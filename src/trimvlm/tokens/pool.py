@@ -77,18 +77,9 @@ class Pool(TokenReducer):
             raise ValueError("pool always averages each window (merge=true); for a strided subset use tokens=random")
         strides(self.ratio)
 
-    def kept_counts(self, n, owner, grids) -> list[int]:
-        """The number of windows of each unit's grid (the count `prepare` sets)."""
-        short, long = strides(self.ratio)
-        out = []
-        for h, w in grids:
-            sh, sw = (short, long) if w >= h else (long, short)
-            out.append(-(-h // sh) * -(-w // sw))
-        return out
-
-    def prepare(self, view: VisualView, runner, handoff) -> None:
-        # the kept count is the number of windows (see the class docstring), not the shared ceil(N * keep)
-        view.k = _window_counts(windows(view, *strides(self.ratio)), view.mask).to(view.k)
+    def counts(self, view: VisualView) -> torch.Tensor:
+        """The number of windows of each unit's grid (see the class docstring), not the shared ceil(N * keep)."""
+        return _window_counts(windows(view, *strides(self.ratio)), view.mask)
 
     def choose(self, view: VisualView) -> Selection:
         win = windows(view, *strides(self.ratio))

@@ -8,13 +8,10 @@ from typing import ClassVar
 
 import torch
 
-from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.options import stage_layers
 from trimvlm.protocol import register
-from trimvlm.runtime.attention import AttentionProbe
-from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, after_attention_layers, scaled_stages
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
 
 PAPER_LAYERS = (8, 16, 24)  # LLaVA's 32 layers in 4 stages: tokens are dropped before layers 8, 16 and 24
 PAPER_DEPTH = 32
@@ -49,6 +46,7 @@ class PyramidDrop(TokenReducer):
     the one attention row per stage (the probe's QK^T)."""
 
     predictable: ClassVar[bool] = False  # several reductions: the counts follow no single-layer rule
+    attention: ClassVar[str] = "llm"
 
     layer: int | None = None
     layers: str = ""
@@ -60,9 +58,6 @@ class PyramidDrop(TokenReducer):
         if self.layers:
             stage_layers(self.layers, "8-16-24")
 
-    def layer_why(self) -> str:
-        return " (pyramiddrop ranks by the attention of layer L-1, so L >= 1)"
-
     def stages(self, runner) -> list[int]:
         """The layers the stages drop before, on this model."""
         if self.layers:
@@ -71,44 +66,9 @@ class PyramidDrop(TokenReducer):
         first = self.layer if self.layer is not None else max(1, round(PAPER_LAYERS[0] * depth / PAPER_DEPTH))
         return scaled_stages(first, depth, PAPER_LAYERS, PAPER_DEPTH)
 
-    def at(self, runner) -> int:
-        return min(self.stages(runner), default=self.layer or 1)
-
-    def check(self, runner) -> None:
-        ok = after_attention_layers(runner)
-        if not self.stages(runner):
-            raise RecipeError(
-                f"tokens=pyramiddrop: layer {self.layer} leaves no stage on this model; allowed: {ok}"
-            )
-        for lay in self.stages(runner):
-            if lay not in ok:
-                raise RecipeError(f"tokens=pyramiddrop: stage layer {lay} needs an attention layer before it "
-                                  f"(layer {lay - 1}); allowed on this model: {ok}")  # fmt: skip
-
-    def wants_attention(self, runner) -> bool:
-        return True
-
-    def probe(self, runner, handoff):
-        if self.ratio >= 1:
-            return None
-        handoff.probes["tokens"] = AttentionProbe(last=1, layers={s - 1 for s in self.stages(runner)})
-        return handoff.probes["tokens"]
-
-    def hook(self, runner, handoff):
-        stages = self.stages(runner)
-        if self.ratio >= 1:
-            return None
-
-        def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
-            return self.reduce(seq, run, handoff, layer=i) if i in stages else seq
-
-        return _hook
-
-    def prepare(self, view: VisualView, runner, handoff) -> None:
-        stages = self.stages(runner)
+    def counts(self, view: VisualView) -> torch.Tensor:
         n0 = view.grid[:, 0] * view.grid[:, 1]
-        counts = stage_counts(n0, self.ratio, len(stages))[stages.index(view.layer)]
-        view.k = torch.minimum(counts, view.n)
+        return torch.minimum(stage_counts(n0, self.ratio, view.stages)[view.stage], view.n)
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))

@@ -9,13 +9,13 @@ from typing import ClassVar
 
 import torch
 
-from trimvlm.errors import RecipeError, TrimVLMError
+from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import matmul
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, after_attention_layers, scaled_stages
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
 
 PAPER_LAYERS = (3, 7, 16)  # before these decoder layers: after the paper's layers 2, 6 and 15 of LLaVA's 32
 PAPER_DEPTH = 32
@@ -92,12 +92,13 @@ class SparseVLM(TokenReducer):
     1e-6 noise). Method FLOPs: the rater products, the attention rows, the clustering distances."""
 
     predictable: ClassVar[bool] = False  # its stages keep counts that follow the raters: measured, never predicted
+    attention: ClassVar[str] = "llm"
 
     layer: int | None = None
     layers: str = ""
     rows: int = 64
     merge: bool = True
-    # per call, set before the first layer and read by the stages: the original positions of each sample's raters
+    # per call, set before the first layer (`start`) and read by the stages: each sample's raters' original positions
     raters: list | None = field(default=None, init=False, repr=False, compare=False)
 
     default_layer = 3
@@ -111,82 +112,49 @@ class SparseVLM(TokenReducer):
         if self.layers:
             stage_layers(self.layers, "3-7-16")
 
-    def layer_why(self) -> str:
-        return " (sparsevlm ranks by the attention of layer L-1, so L >= 1)"
+    @property
+    def query_rows(self) -> int:
+        return self.rows
 
     def stages(self, runner) -> list[int]:
         """The layers the stages reduce before, on this model."""
         if self.layers:
             return stage_layers(self.layers, "3-7-16")
-        return scaled_stages(self.at(runner), runner.num_layers, PAPER_LAYERS, PAPER_DEPTH)
+        return scaled_stages(super().stages(runner)[0], runner.num_layers, PAPER_LAYERS, PAPER_DEPTH)
 
-    def check(self, runner) -> None:
-        n, ok = runner.num_layers, after_attention_layers(runner)
-        for lay in self.stages(runner):
-            if lay not in ok:
-                raise RecipeError(
-                    f"tokens=sparsevlm: stage layer {lay} must be in 1..{n - 1} with an attention layer before it; "
-                    f"allowed on this model: {ok}"
-                )
+    def start(self, seq: LiveSeq) -> None:
+        self.raters = raters(seq) if bool(seq.visual.any()) else None
 
-    def wants_attention(self, runner) -> bool:
-        return True
-
-    def probe(self, runner, handoff):
-        from trimvlm.runtime.attention import AttentionProbe
-
-        if self.ratio >= 1:
-            return None  # keep = 1: nothing is recorded, nothing runs
-        handoff.probes["tokens"] = AttentionProbe(last=self.rows, layers={s - 1 for s in self.stages(runner)})
-        return handoff.probes["tokens"]
-
-    def hook(self, runner, handoff):
-        stages = self.stages(runner)
-        if self.ratio >= 1:
-            return None
-
-        def _hook(i: int, seq: LiveSeq, run) -> LiveSeq:
-            if i == 0:  # the method's own state for this call's later stages
-                self.raters = raters(seq) if bool(seq.visual.any()) else None
-            return self.reduce(seq, run, handoff, layer=i) if i in stages else seq
-
-        self._stage_of = {lay: j + 1 for j, lay in enumerate(stages)}
-        self._n_stages = len(stages)
-        return _hook
-
-    def read_attention(self, view: VisualView, seq: LiveSeq, lay: int, handoff) -> torch.Tensor:
-        probe = handoff.probes.get("tokens")
-        res = None if probe is None else probe.results.pop(lay - 1, None)
-        if res is None or self.raters is None:
-            raise TrimVLMError(f"tokens=sparsevlm needs the raters and the attention of layer {lay - 1} recorded")
-        r = res.shape[1]  # [B, r, S]: the last r query rows
-        cols = torch.arange(seq.length - r, seq.length, device=res.device)
-        src = seq.source[:, cols]  # [B, r] original position of each recorded row
-        rate = torch.stack([torch.isin(src[b], self.raters[b]) for b in range(seq.batch)])  # [B, r]
-        w = rate.to(res.dtype)
-        score = (res * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)  # [B, S] mean over raters
-        return score[view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
-
-    def _counts(self, view: VisualView) -> tuple[torch.Tensor, torch.Tensor]:
+    def selected(self, view: VisualView) -> tuple[torch.Tensor, torch.Tensor]:
         """(K_j selected, recycled clusters) per unit at this stage."""
-        j = self._stage_of[view.layer]
+        j, s = view.stage + 1, view.stages
         n0 = view.grid[:, 0] * view.grid[:, 1]
         final = torch.ceil(n0.double() * self.ratio - 1e-9).long().clamp(min=1)
-        kj = torch.round(n0.double() * self.ratio ** (j / self._n_stages)).long()
-        kj = final if j == self._n_stages else kj
+        kj = torch.round(n0.double() * self.ratio ** (j / s)).long()
+        kj = final if j == s else kj
         kj = torch.minimum(kj.clamp(min=1), view.n)
         deleted = view.n - kj
         cand = torch.where(deleted > 0, (0.3 * deleted).long() + 1, 0).minimum(deleted)
         clusters = torch.where(cand > 0, cand // 10 + 1, 0).minimum(cand)
         return kj, clusters
 
-    def prepare(self, view: VisualView, runner, handoff) -> None:
-        kj, clusters = self._counts(view)
-        view.k = kj + clusters
+    def counts(self, view: VisualView) -> torch.Tensor:
+        kj, clusters = self.selected(view)
+        return kj + clusters
+
+    def rated(self, view: VisualView) -> torch.Tensor:
+        """[U, N] each token's mean attention from its sample's raters (the recorded rows that are raters)."""
+        if self.raters is None:
+            raise TrimVLMError("tokens=sparsevlm needs the raters chosen before layer 0 (`start`)")
+        samples = view.sample.tolist()
+        rate = torch.stack([torch.isin(src, self.raters[b]) for src, b in zip(view.row_source, samples, strict=True)])
+        w = rate.to(view.rows.dtype)
+        score = (view.rows * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)  # [U, S]: raters' mean
+        return score.gather(1, view.cols).float().masked_fill(~view.mask, 0.0)
 
     def choose(self, view: VisualView) -> Selection:
-        kj, clusters = self._counts(view)
-        score = view.attention
+        kj, clusters = self.selected(view)
+        score = self.rated(view)
         keep = topk_mask(score, kj, view.mask)
         deleted = view.mask & ~keep
         cand = topk_mask(score, torch.where(clusters > 0, (0.3 * deleted.sum(1)).long() + 1, 0), deleted)

@@ -1,15 +1,14 @@
-"""The shared part of reducers that read the vision tower's attention (PruMerge, VisionZip): they act at LLM
-layer 0, ask for a `VisionProbe` of one vision layer, and read its records (attention received, keys) per unit."""
+"""The shared options of reducers that read the vision tower's attention (PruMerge, VisionZip, HoloV, FasterVLM,
+VisPruner): they act at LLM layer 0 and declare `attention = "vision"`, so the base asks for a `VisionProbe` of
+their `vision_layer` and hands them its records (attention received, keys) per unit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import ClassVar
 
 from trimvlm.options import is_int
-from trimvlm.runtime import vision_probe
-from trimvlm.tokens.base import TokenReducer, VisualView
+from trimvlm.tokens.base import TokenReducer
 
 
 @dataclass
@@ -18,6 +17,8 @@ class VisionAttentionReducer(TokenReducer):
     penultimate; negative counts from the end); `layer` can only be 0 (the projector's tokens)."""
 
     vision_layer: int = -2
+
+    attention: ClassVar[str] = "vision"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,21 +31,3 @@ class VisionAttentionReducer(TokenReducer):
             raise ValueError(
                 f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
             )
-
-    def check(self, runner) -> None:
-        vision_probe.check_layer(runner, self.vision_layer, self.name)
-
-    def vision_probe(self, runner, handoff):
-        return vision_probe.request(handoff, self.vision_layer) if self.ratio < 1 else None
-
-    def wants_attention(self, runner) -> bool:
-        return True  # the vision tower's, read from the handoff (`_attention`), not an LLM layer's
-
-    def read_attention(self, view: VisualView, seq, lay: int, handoff) -> torch.Tensor:
-        view.attention, keys, heads = vision_probe.view_records(view, handoff, self.name)
-        view.keys = self.vision_keys(keys, heads)
-        return view.attention
-
-    def vision_keys(self, keys: torch.Tensor, heads: int) -> torch.Tensor:
-        """The keys the merge compares, from the recorded [U, N, heads * d] keys (default: heads concatenated)."""
-        return keys

@@ -71,10 +71,6 @@ class VisionZip(VisionAttentionReducer):
         if self.dominant + self.contextual == 0:
             raise ValueError("dominant + contextual must be > 0 (the split of the budget, default 54 + 10)")
 
-    def vision_keys(self, keys: torch.Tensor, heads: int) -> torch.Tensor:
-        u, n, d = keys.shape
-        return keys.view(u, n, heads, d // heads).mean(2)  # VisionZip's metric: keys averaged over heads
-
     def choose(self, view: VisualView) -> Selection:
         scores = view.attention.masked_fill(~view.mask, 0.0)
         n_dom, n_ctx = split(view.k, self.dominant, self.contextual)
@@ -84,6 +80,8 @@ class VisionZip(VisionAttentionReducer):
         if not self.merge:
             return Selection(keep=keep)
         into = torch.where(targets.any(1, keepdim=True), targets, keep)
-        assign = nearest_kept(view.keys, view.mask, into)
+        u, n, d = view.keys.shape
+        keys = view.keys.view(u, n, view.key_heads, d // view.key_heads).mean(2)  # its metric: heads averaged
+        assign = nearest_kept(keys, view.mask, into)
         weight = view.size.float() if self.size_weighted else torch.ones_like(scores)
         return Selection(keep=keep, assign=assign, weight=weight)

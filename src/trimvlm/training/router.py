@@ -10,9 +10,10 @@ For every unlabeled input x (the task's images and prompts; answers are never re
    plus N(0, sigma^2) noise scaled by the scores' spread: sigma 0 once, then `seeds` draws per sigma), times
    the layer sets (every `layers_skip`-subset of the candidate layers when there are at most `max_layer_sets`,
    else the block-influence-ranked one and random ones);
-3. every layout runs for real (tokens gathered before layer K, the router's `layer`; its layers skipped), all
-   layouts of one input as rows of one batch with per-row layer plans, teacher-forced on the unpruned answer;
-   its cost is the sum over answer positions of KL(p_full || p_layout);
+3. every layout runs for real (tokens gathered before layer K, the router's `layer`; its layers skipped),
+   teacher-forced on the unpruned answer, all layouts of one input as one layout trie (training/layout_trie.py:
+   the layers two layouts agree on run once); its cost is the sum over answer positions of KL(p_full ||
+   p_layout);
 4. preference pairs come from the grid: two layouts with the same layer set and different token sets (a
    token pair), or the same token set and different layer sets (a layer pair), the cheaper one preferred when
    its cost is below (1 - `margin`) times the other's and `floor` nats below it (near-ties, and differences
@@ -23,7 +24,9 @@ For every unlabeled input x (the task's images and prompts; answers are never re
 5. the router takes Adam steps (one per input, inputs shuffled each epoch) on that loss against a frozen copy
    of its initial self (the reference). log pi(layout) is computed from the logits (logsigmoid), never from
    clamped probabilities, so that saturated scores still carry gradient.
-Seeded; a checkpoint is written every epoch (`--resume` continues from it).
+Seeded (each input's draws by (seed, its index)); a checkpoint is written every epoch (`--resume` continues
+from it); with `work`, each input's measured layouts are written as measured and a new run resumes from them
+(training/collect.py, which also samples v2 layouts near the budgets).
 
 Router v2 (`keeps`, `max_skip`): the grid is every keep x every subset of at most `max_skip` candidate layers
 (the empty one included) x the token sets; besides token and layer pairs (layer pairs: same size) it adds
@@ -47,7 +50,9 @@ from trimvlm.router.route import RouterTokens, _packed
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
 from trimvlm.runtime.plan import Handoff, Plan
+from trimvlm.training.collect import Collect, Measured, check_sampling, prepare_work, stored
 from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
+from trimvlm.training.layout_trie import Layout, run_trie
 
 
 @dataclass
@@ -203,7 +208,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
                  sigmas=(0.0, 0.5, 1.0), seeds: int = 3, answer_tokens: int = 8, beta: float = 0.1, lr: float = 1e-3,
                  width: int = 64, heads: int = 4, layer: int = 0, margin: float = 0.1, floor: float = 0.05, out=None,
                  resume: bool = False, on_step=None, keeps=None, max_skip: int | None = None,
-                 budgets=None) -> dict:  # fmt: skip
+                 budgets=None, work=None, near: float | None = None, cells: int | None = None) -> dict:  # fmt: skip
     """Train a router for `vlm` on `records`; returns the training log. Writes `out` every epoch.
 
     v1 (default): layouts at one budget, `token_keep` and `layers_skip`. v2 (`keeps`, a list of token keeps,
@@ -219,6 +224,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     cand = list(range(runner.num_layers // 2, runner.num_layers))
     v2 = keeps is not None
     keeps, max_skip = _check_layouts(cand, layers_skip, keeps, max_skip, layer)
+    check_sampling(v2, near, budgets, cells)
     keeps = keeps or [token_keep]
     flops = _flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer) if v2 else None
     hidden = vlm.adapter.text_config.hidden_size
@@ -232,10 +238,12 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
         router = copy.deepcopy(ref).requires_grad_(True)
     router.train()
     opt = torch.optim.Adam(router.parameters(), lr=lr)
+    collect = Collect(cand, keeps, layer, seed, list(sigmas), seeds, answer_tokens, layers_skip,
+                      all_subsets(cand, max_skip) if v2 else None, near, budgets if near is not None else None,
+                      cells, flops["cost"] if v2 else None)  # fmt: skip
+    folder = prepare_work(work, model_fingerprint(vlm.adapter), collect)
     with torch.no_grad():
-        data, kls = _examples(vlm, records, ref, cand, keeps, flops, layer=layer, seed=seed, sigmas=sigmas,
-                              seeds=seeds, answer_tokens=answer_tokens, margin=margin, floor=floor,
-                              lays=all_subsets(cand, max_skip) if v2 else None, layers_skip=layers_skip,
+        data, kls = _examples(vlm, records, ref, flops, collect, margin=margin, floor=floor, work=folder,
                               on_step=on_step)  # fmt: skip
     log = {"epochs": [], "inputs": len(records),
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in data[0].pairs} if data else {}}  # fmt: skip
@@ -281,46 +289,60 @@ def _check_layouts(cand: list[int], layers_skip: int, keeps, max_skip, layer: in
     return keeps, max_skip
 
 
-def _examples(vlm, records, ref, cand, keeps, flops, *, layer, seed, sigmas, seeds, answer_tokens, margin, floor,
-              lays, layers_skip, on_step) -> tuple[list[Example], list[torch.Tensor]]:  # fmt: skip
-    """Per training input its layouts (token sets x layer sets at every keep; `lays` None: v1's sampled layer
-    sets), their measured cost (KL), the preference pairs and the reference router's log-probs; and per input
-    [keeps, layer sets] the KL of the plain-ranking token set (v2's calibration)."""
-    from trimvlm.depth.block_influence import block_influence
+def _examples(vlm, records, ref, flops, collect: Collect, *, margin, floor, work=None,
+              on_step=None) -> tuple[list[Example], list[torch.Tensor]]:  # fmt: skip
+    """Per training input its layouts (token sets x layer sets at every keep; v1: sampled layer sets), their
+    measured cost (KL, one layout trie per input), the preference pairs and the reference router's log-probs;
+    and per input [keeps, layer sets] the KL of the plain-ranking token set (v2's calibration). Each input's
+    random draws are seeded by (seed, its index), so a run resumed from `work` (training/collect.py) is the run
+    that was not interrupted."""
+    order = None
+    if collect.lays is None:  # v1 ranks layer sets by block influence, on the first input
+        from trimvlm.depth.block_influence import block_influence
 
-    runner = vlm.runner
-    n_layers = runner.num_layers
-    gen = torch.Generator().manual_seed(seed)
-    data, kls, order = [], [], None
-    for r in records:
-        prep = vlm.prepare([list(r.images)], [r.prompt_text()])
-        if order is None:
-            bi = block_influence(runner, [prep])
-            order = sorted(range(n_layers), key=lambda i: (bi[i], i))
-        tok, p_full, fv, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
-        fv = fv[0]
-        n_ans = answer_length(tok[0], vlm.stop_ids())
-        vis = (seq.visual & seq.valid)[0]
-        cols = torch.nonzero(vis).flatten()
-        toks = token_sets(gen, fv, cols, list(sigmas), seeds)
-        sets = lays if lays is not None else layer_sets(gen, cand, layers_skip, order)
-        rows = [t for t in toks for _ in sets]
-        plans = torch.zeros(len(rows), n_layers, dtype=torch.bool)
-        for i in range(len(rows)):
-            plans[i, sets[i % len(sets)]] = True
-        scores = torch.stack(rows).masked_fill(~vis[None], float("-inf"))
-        cost = torch.cat([layout_costs(runner, prep, tok[0, :n_ans], p_full[0, :n_ans], scores, plans, k, layer)
-                          for k in keeps])  # fmt: skip
-        chosen = torch.cat([torch.cat([_kept(seq, scores, k, layer), ~plans[:, cand]], dim=1) for k in keeps])
-        feats = _features(seq)
-        rp = layout_logprob_logits(_logits(ref, feats).expand(chosen.shape[0], -1), chosen)
-        pairs = preference_pairs(cost, len(toks), len(sets), margin, floor, n_keep=len(keeps),
-                                 sizes=[len(x) for x in sets], flops=None if flops is None else flops["cost"])  # fmt: skip
-        data.append(Example(feats, chosen, pairs, rp))
-        kls.append(cost.view(len(keeps), len(toks), len(sets))[:, 0])  # the plain FastV token set's KL
+        bi = block_influence(vlm.runner, [vlm.prepare([list(records[0].images)], [records[0].prompt_text()])])
+        order = sorted(range(vlm.runner.num_layers), key=lambda i: (bi[i], i))
+    data, kls = [], []
+    for j, r in enumerate(records):
+        m = stored(work, j, lambda r=r, j=j: measure_input(vlm, r, collect, order, j))
+        sets = len(m.sizes)
+        pairs = preference_pairs(m.cost, m.n_tok, sets, margin, floor, n_keep=m.n_keep, sizes=m.sizes,
+                                 flops=None if flops is None else flops["cost"])  # fmt: skip
+        rp = layout_logprob_logits(_logits(ref, m.feats).expand(m.chosen.shape[0], -1), m.chosen)
+        data.append(Example(m.feats, m.chosen, pairs, rp))
+        kls.append(m.cost.view(m.n_keep, m.n_tok, sets)[:, 0])  # the plain FastV token set's KL
         if on_step is not None:
             on_step()
     return data, kls
+
+
+@torch.no_grad()
+def measure_input(vlm, r, collect: Collect, order, index: int):
+    """(the `Measured` layouts of input `r`, the trie's `TrieOutput`): every layout of the grid (v2 with
+    `collect.cells`: the plain token set's at every cell, the others' at the cells near the budgets) run as
+    one layout trie, teacher-forced on the unpruned answer."""
+    runner, c = vlm.runner, collect
+    gen = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
+    prep = vlm.prepare([list(r.images)], [r.prompt_text()])
+    tok, p_full, fv, seq = unpruned_pass(runner, prep, c.answer_tokens, max(c.layer, 2) - 1, c.layer)
+    n_ans = answer_length(tok[0], vlm.stop_ids())
+    vis = (seq.visual & seq.valid)[0]
+    toks = token_sets(gen, fv[0], torch.nonzero(vis).flatten(), list(c.sigmas), c.seeds)
+    sets = c.lays if c.lays is not None else layer_sets(gen, c.cand, c.layers_skip, order)
+    cells = c.sampled(gen)
+    grid = [(k, t, j) for k in range(len(c.keeps)) for t in range(len(toks)) for j in range(len(sets))]
+    run = [i for i, (k, t, j) in enumerate(grid) if cells is None or t == 0 or (k, j) in cells]
+    layouts = [Layout(c.keeps[grid[i][0]], grid[i][1], frozenset(sets[grid[i][2]])) for i in run]
+    scores = torch.stack(toks).masked_fill(~vis[None], float("-inf"))
+    out = run_trie(runner, prep, [tok[0, :n_ans]], scores[None], layouts, c.layer, [p_full[0, :n_ans]])
+    cost = torch.full((len(grid),), float("nan"), dtype=torch.float64)
+    cost[run] = out.cost[0]
+    plans = torch.zeros(len(toks) * len(sets), runner.num_layers, dtype=torch.bool)
+    for i in range(len(plans)):
+        plans[i, sets[i % len(sets)]] = True
+    rows = torch.stack([t for t in scores for _ in sets])
+    chosen = torch.cat([torch.cat([_kept(seq, rows, k, c.layer), ~plans[:, c.cand]], dim=1) for k in c.keeps])
+    return Measured(_features(seq), chosen, cost, len(c.keeps), len(toks), [len(x) for x in sets]), out
 
 
 def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) -> float:
