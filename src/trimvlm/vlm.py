@@ -170,25 +170,17 @@ class VLM:
             meter=Meter(device=self.runner.device, track_tensors=track_memory),
         )
         stops = set(self.stop_ids())
-        toks = []
-        for b in range(prepared.batch):
-            row = out.tokens[b, : int(out.lengths[b])].tolist()
-            toks.append([t for t in row if t not in stops])
+        rows = [out.tokens[b, : int(out.lengths[b])].tolist() for b in range(prepared.batch)]
+        toks = [[t for t in row if t not in stops] for row in rows]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]
         return GenerationResult(texts=texts, tokens=toks, costs=out.costs, recipe=plan.recipe.label())
 
-    @property
+    @cached_property
     def head(self):
-        """The decision head saved next to the checkpoint (None when there is none), loaded once."""
-        if not hasattr(self, "_head"):
-            from trimvlm.scoring.head import DecisionHead
+        """The decision head saved next to the checkpoint (None when there is none), loaded once (settable)."""
+        from trimvlm.scoring.head import DecisionHead
 
-            self._head = DecisionHead.load(self.adapter.folder, device=self.adapter.device)
-        return self._head
-
-    @head.setter
-    def head(self, value) -> None:
-        self._head = value
+        return DecisionHead.load(self.adapter.folder, device=self.adapter.device)
 
     @torch.no_grad()
     def score(

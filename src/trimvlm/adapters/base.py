@@ -8,6 +8,7 @@ evaluation never look at model classes; they talk to this protocol.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -16,14 +17,16 @@ import os
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from PIL import Image
+from torch.nn.utils.rnn import pad_sequence
 
-from trimvlm.errors import InputError
+from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.kernels.flops import count
 from trimvlm.runtime.layers import ATTENTION, LINEAR
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 __all__ = ["ATTENTION", "LINEAR", "Adapter", "Conversation", "Prepared", "Turn"]
 
@@ -56,6 +59,15 @@ class Prepared:
             self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
             model_inputs=inputs,
         )  # fmt: skip
+
+
+class Images(NamedTuple):
+    """What a family's image processor made of a batch's images (`Adapter.process_images`): the model inputs,
+    per sample the prompt text of each image, per sample the tiles of each image (tiled families; None: none)."""
+
+    inputs: dict
+    blocks: list[list[str]]
+    tiles: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,24 +176,19 @@ def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]
 def image_keys(per_sample: list[list[Image.Image]]) -> list[list[int]]:
     """A 63-bit fingerprint of each image's pixels and size: the identity a seeded random choice draws from,
     so an image gets the same subset alone or in any batch, and different images different subsets."""
-    out = []
-    for ims in per_sample:
-        keys = []
-        for im in ims:
-            h = hashlib.blake2b(digest_size=8)
-            h.update(f"{im.size}{im.mode}".encode())
-            h.update(im.tobytes())
-            keys.append(int.from_bytes(h.digest(), "little") >> 1)
-        out.append(keys)
-    return out
+    return [[_key63(f"{im.size}{im.mode}", im.tobytes()) for im in ims] for ims in per_sample]
 
 
 def pixel_key(pixels: torch.Tensor) -> int:
     """`image_keys`' fingerprint of one image already turned into pixel values (a decision request's images reach
     trimvlm through the processor): its shape and bytes."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(str(tuple(pixels.shape)).encode())
-    h.update(pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return _key63(str(tuple(pixels.shape)), data)
+
+
+def _key63(shape: str, data: bytes) -> int:
+    h = hashlib.blake2b(shape.encode(), digest_size=8)
+    h.update(data)
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -245,7 +252,8 @@ class Adapter:
             meta = json.loads((folder / "trimvlm.json").read_text())
             self.prompt_template = meta.get("prompt_template", self.prompt_template)
             self.use_chat_template = False
-        self._linear_macs = [self._count_linear_macs(layer) for layer in self.layers]
+        linear = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in self.layers]
+        self._linear_macs = [sum(m.in_features * m.out_features for m in ms) for ms in linear]
 
     # ---- the model's parts; the defaults fit transformers' `XForConditionalGeneration` layout ----
     @property
@@ -295,27 +303,115 @@ class Adapter:
     # the decision config the model ships (a decision model's, read with its weights); None: read from the folder
     decision_config = None
 
+    def processor_options(self) -> dict | None:
+        """The options the family's transformers processor takes beside the image processor, tokenizer and chat
+        template (`decision_processor`); None: decision requests are not wired for the family."""
+        return None
+
     def decision_processor(self):
         """A fresh processor (or tokenizer, for a text-only model) for transformers' `decision.prepare_inputs`,
         over a copy of this adapter's tokenizer (prepare_inputs adds its sentinel tokens to it)."""
-        from trimvlm.errors import UnsupportedModelError
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-        raise UnsupportedModelError(
-            f"decision requests are not wired for the {self.family} family yet; supported: qwen3_vl, "
-            "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
-        )
+        options = self.processor_options()
+        if options is None:
+            raise UnsupportedModelError(
+                f"decision requests are not wired for the {self.family} family yet; supported: qwen3_vl, "
+                "qwen2_5_vl, qwen3_5, llava (and JevForDecision checkpoints over them)"
+            )
+        tokenizer = copy.deepcopy(self.tokenizer)
+        if self.image_processor is None:  # a text-only backbone: transformers tokenizes with the tokenizer
+            return tokenizer
+        cls = images_only_processor(PROCESSOR_MAPPING_NAMES[self.model.config.model_type])
+        chat_template = getattr(tokenizer, "chat_template", None)
+        return cls(image_processor=self.image_processor, tokenizer=tokenizer, chat_template=chat_template, **options)
 
+    @on_host
     def prepare_processed(self, inputs: list[dict]) -> Prepared:
         """A left-padded batch from the processor outputs of single prompts (`decision_processor`'s, each a
         batch of one with its sentinels dropped)."""
-        raise NotImplementedError(f"{self.family}: no batch from processor outputs")
+        ids, att = self.pad_batch([x["input_ids"][0].tolist() for x in inputs])
+        given = [x for x in inputs if x.get("pixel_values") is not None]
+        model_inputs = {}
+        for k in ("pixel_values", *self.processed_image_inputs) if given else ():
+            model_inputs[k] = torch.cat([x[k] for x in given])
+        if given:
+            model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.model.dtype)
+        per_image = [self.processed_images(x) for x in inputs]
+        return Prepared(
+            ids, att, model_inputs | self.token_inputs(ids), n_images=[len(p) for p in per_image],
+            image_keys=[[pixel_key(c) for c in p] for p in per_image],
+        )  # fmt: skip
+
+    processed_image_inputs: tuple[str, ...] = ()  # processor outputs concatenated beside the pixels
+
+    def processed_images(self, inputs: dict) -> list[torch.Tensor]:
+        """The pixels of each image of one processor output."""
+        return [] if inputs.get("pixel_values") is None else list(inputs["pixel_values"])
 
     # ---- to implement per family ----
-    def prepare(self, images, prompts: list[str]) -> Prepared:
+    def process_images(self, per_sample: list[list[Image.Image]]) -> Images:
+        """The family's image processor over a batch's images (at least one)."""
         raise NotImplementedError
 
-    def embed(self, prepared: Prepared) -> LiveSeq:
-        raise NotImplementedError
+    def image_features(self, prepared: Prepared, probe, grids):
+        """The vision tower's output for the batch's images (`pooler_output`), with the probe's records when one
+        is given. The default fits families whose `get_image_features` reads a feature layer and strategy from
+        the config (LLaVA, InternVL)."""
+        cfg = self.model.config
+        pixel_values = prepared.model_inputs["pixel_values"]
+        return self.encode_vision(
+            probe,
+            lambda: self.inner.get_image_features(
+                pixel_values=pixel_values,
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                return_dict=True,
+            ),
+            lambda rec: self._vision_units(rec, pixel_values),
+            grids,
+        )
+
+    def vision_adds(self, out, embeds, visual) -> dict:
+        """Per-position tensors the family adds after given layers (`LiveSeq.adds`; Qwen3-VL deepstack)."""
+        return {}
+
+    @on_host
+    def prepare(self, images, prompts: list[str]) -> Prepared:
+        """A left-padded batch of `prompts` (strings or `Conversation`s), one image entry per prompt."""
+        per_sample = load_images(images, len(prompts))
+        found = Images({}, [[] for _ in per_sample])
+        if any(per_sample):
+            found = self.process_images(per_sample)
+        rows = [
+            self.tokenize(self.render_prompt(prompt, len(ims), blocks.__getitem__))
+            for ims, prompt, blocks in zip(per_sample, prompts, found.blocks, strict=True)
+        ]
+        ids, att = self.pad_batch(rows)
+        return Prepared(
+            ids, att, found.inputs | self.token_inputs(ids), n_images=[len(x) for x in per_sample],
+            tiles=found.tiles or [[] for _ in per_sample], image_keys=image_keys(per_sample),
+        )  # fmt: skip
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"]
+
+    def token_inputs(self, ids: torch.Tensor) -> dict:
+        """Model inputs read from the padded token ids (Qwen-VL's `mm_token_type_ids`)."""
+        return {}
+
+    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
+        """The batch's live sequence: token embeddings with the image features written at the visual tokens
+        (the vision tower runs here, with `vision`, a `VisionProbe`, recording), positions and layout."""
+        embeds = self.embed_tokens(prepared.input_ids)
+        visual, image_id, grids, starts = self.layout(prepared)
+        adds = {}
+        if "pixel_values" in prepared.model_inputs:
+            out = self.image_features(prepared, vision, grids)
+            embeds = self.merge_features(embeds, visual, out.pooler_output)
+            adds = self.vision_adds(out, embeds, visual)
+        positions = self.positions(prepared)
+        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts, adds)
 
     def layout(self, prepared: Prepared):
         """Where the batch's images lie, read from the token ids and image grids alone: (visual [B, S] bool,
@@ -377,13 +473,11 @@ class Adapter:
         positions = torch.zeros(1, b, s, dtype=torch.long, device=visual.device)
         return self.sequence_from(prepared, empty, positions, visual, image_id, grids, starts)
 
-    @property
+    @functools.cached_property
     def layer_types(self) -> list[str]:
         """Per decoder layer its type (read once: the runner asks for it at every layer of every step)."""
-        if getattr(self, "_layer_types", None) is None:
-            types = getattr(self.text_config, "layer_types", None)
-            self._layer_types = list(types) if types else [ATTENTION] * len(self.layers)
-        return self._layer_types
+        types = getattr(self.text_config, "layer_types", None)
+        return list(types) if types else [ATTENTION] * len(self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -398,7 +492,7 @@ class Adapter:
     def next_positions(self, prepared: Prepared) -> torch.Tensor:
         """[B] the position id each row's next token takes (`Runner.prefill`'s `next_pos`), from the batch alone,
         before any model work: one position per real token, unless the family's positions differ (M-RoPE)."""
-        return prepared.attention_mask.sum(-1)
+        return next_positions(self.positions(prepared), prepared.attention_mask.bool())
 
     def processed_positions(self, inputs: dict) -> int:
         """The positions one processor output (a decision prompt, a batch of one) takes, on the host."""
@@ -423,18 +517,11 @@ class Adapter:
     def render_prompt(self, prompt, n_images: int, image_block) -> str:
         """The text of one prompt (a string: one user turn with its images; or a `Conversation`), each image
         written by `image_block(k)`."""
-        if isinstance(prompt, Conversation):
-            return self.render_conversation(prompt, n_images, image_block)
-        if not isinstance(prompt, str) or not prompt.strip():
+        if isinstance(prompt, str) and prompt.strip():
+            prompt = Conversation((Turn("user", prompt, n_images),))
+        if not isinstance(prompt, Conversation):
             raise InputError("empty prompt: give a non-empty question or instruction")
-        images = "".join(image_block(k) for k in range(n_images))
-        if self.use_chat_template:
-            content = [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
-            return self._expand_chat_images(text, image_block)
-        return images + self.prompt_template.format(prompt=prompt, question=prompt)
+        return self.render_conversation(prompt, n_images, image_block)
 
     def render_conversation(self, conv: Conversation, n_images: int, image_block) -> str:
         """A conversation ending with a user turn, rendered for the next assistant turn. With a chat template:
@@ -450,7 +537,8 @@ class Adapter:
                 for t in conv.turns
             ]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self._expand_chat_images(text, image_block)
+            parts = text.split(self.chat_image_marker)  # each marker becomes that image's full block
+            return parts[0] + "".join(image_block(k) + rest for k, rest in enumerate(parts[1:]))
         system = " ".join(t.text for t in conv.turns if t.role == "system")
         parts, first = [], True
         for t in conv.turns:
@@ -462,15 +550,7 @@ class Adapter:
                 parts.append(f"{t.text} {self.tokenizer.eos_token}")
         return "".join(image_block(k) for k in range(n_images)) + " ".join(parts)
 
-    # what a chat template writes for one image; each occurrence becomes that image's full block
-    chat_image_marker: str = ""
-
-    def _expand_chat_images(self, text: str, image_block) -> str:
-        parts = text.split(self.chat_image_marker)
-        out = parts[0]
-        for k, rest in enumerate(parts[1:]):
-            out += image_block(k) + rest
-        return out
+    chat_image_marker: str = ""  # what a chat template writes for one image
 
     PER_TOKEN = ("mm_token_type_ids", "token_type_ids")  # model inputs with one entry per token, padded too
 
@@ -507,16 +587,12 @@ class Adapter:
         )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, attention mask) of `rows` left-padded, built on the host (preprocessing: `prepare` moves
+        the batch to the model's device)."""
         pad = self.tokenizer.pad_token_id
-        pad = 0 if pad is None else pad
-        s = max(len(r) for r in rows)
-        # built on the host (preprocessing); `prepare` moves the batch to the model's device
-        ids = torch.full((len(rows), s), pad, dtype=torch.long, device="cpu")
-        att = torch.zeros((len(rows), s), dtype=torch.long, device="cpu")
-        for b, r in enumerate(rows):
-            ids[b, s - len(r) :] = torch.tensor(r, dtype=torch.long, device="cpu")
-            att[b, s - len(r) :] = 1
-        return ids, att
+        seqs = [torch.tensor(r, dtype=torch.long, device="cpu") for r in rows]
+        ids = pad_sequence(seqs, batch_first=True, padding_value=0 if pad is None else pad, padding_side="left")
+        return ids, pad_sequence([torch.ones_like(t) for t in seqs], batch_first=True, padding_side="left")
 
     def sequence_from(
         self, prepared: Prepared, embeds, positions, visual, image_id, grids, starts, adds=None
@@ -547,8 +623,7 @@ class Adapter:
             image_keys=prepared.image_keys,
         )
 
-    @staticmethod
-    def running_positions(prepared: Prepared) -> torch.Tensor:
+    def positions(self, prepared: Prepared) -> torch.Tensor:
         """[1, B, S] 1-D position ids: the count of real tokens before each one, as transformers' `generate`
         computes them for a left-padded batch (its plain forward counts padding too; RoPE only sees
         differences, so the logits of real tokens are the same)."""
@@ -556,29 +631,40 @@ class Adapter:
         return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)[None]
 
     @staticmethod
-    def tile_layout(visual: torch.Tensor, grid: tuple[int, int], token: str):
-        """Families whose images are runs of equal tiles (Idefics3, InternVL): per sample, one `grid` per
-        tile, the index of each tile's first token, and tile ids [B, S] (-1 on text)."""
+    def unit_layout(visual: torch.Tensor, sizes: list[list[int]], offset: int = 0):
+        """Units (images, or tiles) whose tokens are the visual tokens in order, per sample `sizes[b][j]` of them
+        for unit j: (unit ids [B, S] (-1 on text), per sample the index of each unit's first token + `offset`)."""
         image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
-        n = grid[0] * grid[1]
-        grids, starts = [], []
-        for b in range(visual.shape[0]):
-            idx = torch.nonzero(visual[b]).flatten()
-            if idx.numel() and (n == 0 or idx.numel() % n):
+        starts = []
+        for b, counts in enumerate(sizes):
+            idx, first = torch.nonzero(visual[b]).flatten(), 0
+            starts.append([])
+            for j, n in enumerate(counts):
+                image_id[b, idx[first : first + n]] = j
+                starts[b].append(int(idx[first]) + offset)
+                first += n
+        return image_id, starts
+
+    def tile_layout(self, visual: torch.Tensor, grid: tuple[int, int], token: str):
+        """Families whose images are runs of equal tiles (Idefics3, InternVL): (visual, tile ids [B, S] (-1 on
+        text), per sample one `grid` per tile, the index of each tile's first token)."""
+        n, grids = grid[0] * grid[1], []
+        for b, found in enumerate(visual.sum(1).tolist()):
+            if found and (n == 0 or found % n):
                 raise InputError(
-                    f"sample {b} has {idx.numel()} {token} tokens, not a multiple of the {n} tokens of one "
+                    f"sample {b} has {found} {token} tokens, not a multiple of the {n} tokens of one "
                     f"tile; do not write {token} in a prompt, pass the images instead"
                 )
-            count = idx.numel() // n if n else 0
-            grids.append([grid] * count)
-            starts.append([int(idx[t * n]) for t in range(count)])
-            for t in range(count):
-                image_id[b, idx[t * n : (t + 1) * n]] = t
-        return image_id, grids, starts
+            grids.append([grid] * (found // n if n else 0))
+        image_id, starts = self.unit_layout(visual, [[n] * len(g) for g in grids])
+        return visual, image_id, grids, starts
 
     @staticmethod
-    def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Write the image features, in order, at the visual positions of the text embeddings."""
+    def merge_features(embeds: torch.Tensor, visual: torch.Tensor, feats) -> torch.Tensor:
+        """Write the image features (a tensor, or a list of per-image tensors), in order, at the visual positions
+        of the text embeddings."""
+        if isinstance(feats, list | tuple):
+            feats = torch.cat(list(feats), dim=0)
         feats = feats.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
         if feats.shape[0] != int(visual.sum()):
             raise InputError(
@@ -619,23 +705,6 @@ class Adapter:
         probe.results.update(zip(flat, units, strict=True))
         return out
 
-    def encode_feature_layer(self, prepared: Prepared, probe, grids):
-        """The vision tower's output for families whose `get_image_features` reads a feature layer and strategy
-        from the config (LLaVA, InternVL), with the probe's records when one is given."""
-        cfg = self.model.config
-        pixel_values = prepared.model_inputs["pixel_values"]
-        return self.encode_vision(
-            probe,
-            lambda: self.inner.get_image_features(
-                pixel_values=pixel_values,
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            ),
-            lambda rec: self._vision_units(rec, pixel_values),
-            grids,
-        )
-
     @staticmethod
     def vision_tokens(stat: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor) -> list:
         """One `VisionUnit` per row of stat [U, P] (attention received per vision token) and keys [U, P, D]:
@@ -648,18 +717,17 @@ class Adapter:
         return [VisionUnit(received=received[u], keys=k[u]) for u in range(stat.shape[0])]
 
     # ---- cost accounting (matmul FLOPs of what ran) ----
-    @staticmethod
-    def _count_linear_macs(layer: torch.nn.Module) -> int:
-        return sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    @functools.cached_property
+    def _score_macs(self) -> int:
+        """Heads x head_dim, read from the config once."""
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_attention_heads * head_dim
 
     def layer_flops(self, i: int, batch: int, q: int, k: int) -> int:
         """Matmul FLOPs of layer i for `batch` rows of q queries over k keys (2 per multiply-add)."""
         flops = 2 * batch * q * self._linear_macs[i]
         if self.layer_types[i] == ATTENTION:
-            if getattr(self, "_score_macs", None) is None:  # heads x head_dim, read from the config once
-                cfg = self.text_config
-                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                self._score_macs = cfg.num_attention_heads * head_dim
             flops += 4 * batch * q * k * self._score_macs
         else:
             flops += self.linear_layer_core_flops(i, batch, q)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.adapters.base import Adapter, Images, Prepared
 
 IMAGE, FAKE, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
 
@@ -40,12 +39,8 @@ class Idefics3Adapter(Adapter):
         vc = self.model.config.vision_config
         return vc.image_size // vc.patch_size // self.model.config.scale_factor
 
-    @property
-    def image_seq_len(self) -> int:
-        return self.tile_side**2
-
     def image_block(self, rows: int, cols: int) -> str:
-        tile = IMAGE * self.image_seq_len
+        tile = IMAGE * self.tile_side**2  # `image_seq_len` tokens
         glob = FAKE + GLOBAL + tile + FAKE
         if rows == 0 and cols == 0:
             return glob
@@ -57,55 +52,32 @@ class Idefics3Adapter(Adapter):
         return text + "\n" + glob
 
     # ---- inputs ----
-    @on_host
-    def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images, len(prompts))
-        model_inputs = {}
-        rows = [[0] * len(ims) for ims in per_sample]
-        cols = [[0] * len(ims) for ims in per_sample]
-        if any(per_sample):
-            proc = self.image_processor(images=per_sample, return_row_col_info=True, return_tensors="pt")
-            model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
-            if proc.get("pixel_attention_mask") is not None:
-                model_inputs["pixel_attention_mask"] = proc["pixel_attention_mask"]
-            rows = [_as_list(r) for r in _as_list(proc["rows"])]
-            cols = [_as_list(c) for c in _as_list(proc["cols"])]
-        id_rows = []
-        for b, (ims, prompt) in enumerate(zip(per_sample, prompts, strict=True)):
-            r, c = rows[b], cols[b]
-            text = self.render_prompt(prompt, len(ims), lambda k, r=r, c=c: self.image_block(r[k], c[k]))
-            ids = self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"]
-            id_rows.append(ids)
-        ids, att = self.pad_batch(id_rows)
-        tiles = [[ri * ci + 1 if ri * ci else 1 for ri, ci in zip(r, c, strict=True)] for r, c in zip(rows, cols, strict=True)]
-        return Prepared(
-            ids, att, model_inputs, n_images=[len(x) for x in per_sample], tiles=tiles,
-            image_keys=image_keys(per_sample),
-        )  # fmt: skip
+    def process_images(self, per_sample) -> Images:
+        proc = self.image_processor(images=per_sample, return_row_col_info=True, return_tensors="pt")
+        inputs = {"pixel_values": proc["pixel_values"].to(self.model.dtype)}
+        if proc.get("pixel_attention_mask") is not None:
+            inputs["pixel_attention_mask"] = proc["pixel_attention_mask"]
+        rows, cols = _as_list(proc["rows"]), _as_list(proc["cols"])
+        shape = [list(zip(_as_list(r), _as_list(c), strict=True)) for r, c in zip(rows, cols, strict=True)]
+        blocks = [[self.image_block(r, c) for r, c in sample] for sample in shape]
+        return Images(inputs, blocks, [[r * c + 1 if r * c else 1 for r, c in sample] for sample in shape])
 
     def layout(self, prepared: Prepared):
         """Per sample: one (side, side) grid per tile, the start index of each tile's tokens, tile ids."""
         visual = prepared.input_ids == self.image_token_id
-        image_id, grids, starts = self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
-        return visual, image_id, grids, starts
+        return self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
 
-    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
-        embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self.layout(prepared)
-        if "pixel_values" in prepared.model_inputs:
-            out = self.encode_vision(
-                vision,
-                lambda: self.inner.get_image_features(
-                    prepared.model_inputs["pixel_values"],
-                    prepared.model_inputs.get("pixel_attention_mask"),
-                    return_dict=True,
-                ),
-                lambda rec: self._vision_units(rec, sum(len(g) for g in grids)),
-                grids,
-            )
-            embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
-        positions = self.running_positions(prepared)
-        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
+    def image_features(self, prepared: Prepared, probe, grids):
+        return self.encode_vision(
+            probe,
+            lambda: self.inner.get_image_features(
+                prepared.model_inputs["pixel_values"],
+                prepared.model_inputs.get("pixel_attention_mask"),
+                return_dict=True,
+            ),
+            lambda rec: self._vision_units(rec, sum(len(g) for g in grids)),
+            grids,
+        )
 
     # ---- vision-tower probe ----
     def vision_attention_modules(self) -> list:

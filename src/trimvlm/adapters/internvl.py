@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.adapters.base import Adapter, Prepared, image_keys, load_images, on_host
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.adapters.base import Adapter, Images, Prepared
 
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 
@@ -43,14 +42,6 @@ class InternVLAdapter(Adapter):
             self.image_token_id
         )
 
-    @property
-    def start_token(self) -> str:
-        return getattr(self.tokenizer, "start_image_token", None) or START
-
-    @property
-    def end_token(self) -> str:
-        return getattr(self.tokenizer, "end_image_token", None) or END
-
     def tile_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h, w) LLM tokens of one tile of height x width pixels: patches per side times `downsample_ratio`."""
         ph, pw = _pair(self.model.config.vision_config.patch_size)
@@ -58,53 +49,25 @@ class InternVLAdapter(Adapter):
         return int(height // ph * ratio), int(width // pw * ratio)
 
     def image_block(self, tokens: int) -> str:
-        return self.start_token + self.context_token * tokens + self.end_token
+        start = getattr(self.tokenizer, "start_image_token", None) or START
+        return start + self.context_token * tokens + (getattr(self.tokenizer, "end_image_token", None) or END)
 
     # ---- inputs ----
-    @on_host
-    def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images, len(prompts))
+    def process_images(self, per_sample) -> Images:
         flat = [im for ims in per_sample for im in ims]
-        model_inputs = {}
-        tiles, per_tile = [], 0
-        if flat:
-            proc = self.image_processor(
-                images=flat, crop_to_patches=self.crop_to_patches, return_tensors="pt"
-            )
-            pixel_values = proc["pixel_values"]
-            model_inputs["pixel_values"] = pixel_values.to(self.model.dtype)
-            tiles = [int(n) for n in proc["num_patches"]]
-            h, w = self.tile_grid(*pixel_values.shape[-2:])
-            per_tile = h * w
-        id_rows, k0, per_image = [], 0, []
-        for ims, prompt in zip(per_sample, prompts, strict=True):
-            counts = tiles[k0 : k0 + len(ims)]
-            per_image.append(counts)
-            k0 += len(ims)
-            text = self.render_prompt(prompt, len(ims), lambda k, c=counts: self.image_block(per_tile * c[k]))
-            id_rows.append(self.tokenizer(text, add_special_tokens=not self.use_chat_template)["input_ids"])
-        ids, att = self.pad_batch(id_rows)
-        return Prepared(
-            ids, att, model_inputs, n_images=[len(x) for x in per_sample], tiles=per_image,
-            image_keys=image_keys(per_sample),
-        )  # fmt: skip
+        proc = self.image_processor(images=flat, crop_to_patches=self.crop_to_patches, return_tensors="pt")
+        pixel_values = proc["pixel_values"]
+        h, w = self.tile_grid(*pixel_values.shape[-2:])
+        counts = iter(int(n) for n in proc["num_patches"])
+        tiles = [[next(counts) for _ in ims] for ims in per_sample]
+        blocks = [[self.image_block(h * w * n) for n in t] for t in tiles]
+        return Images({"pixel_values": pixel_values.to(self.model.dtype)}, blocks, tiles)
 
     def layout(self, prepared: Prepared):
         """Per sample: one (h, w) grid per tile, the index of each tile's first token, tile ids."""
-        visual = prepared.input_ids == self.image_token_id
         pixel_values = prepared.model_inputs.get("pixel_values")
         grid = self.tile_grid(*pixel_values.shape[-2:]) if pixel_values is not None else (0, 0)
-        image_id, grids, starts = self.tile_layout(visual, grid, self.context_token)
-        return visual, image_id, grids, starts
-
-    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
-        embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self.layout(prepared)
-        if "pixel_values" in prepared.model_inputs:
-            out = self.encode_feature_layer(prepared, vision, grids)
-            embeds = self.merge_features(embeds, visual, out.pooler_output)
-        positions = self.running_positions(prepared)
-        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts)
+        return self.tile_layout(prepared.input_ids == self.image_token_id, grid, self.context_token)
 
     # ---- vision-tower probe ----
     @property

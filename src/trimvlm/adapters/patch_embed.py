@@ -3,9 +3,7 @@
 The Qwen-VL towers embed patches that the image processor has already cut out: each row of `pixel_values` is
 one patch, viewed as [C, T, P, P] and passed through a `Conv3d` whose kernel and stride are [T, P, P], so every
 output is the dot product of one flattened patch with one flattened filter. On a CPU, torch runs that
-convolution several times slower than the same product as a `linear` (measured on one thread: 4,096 patches of
-Qwen2.5-VL's size (1,176 values, 1,280 filters) took about 0.7 s as a Conv3d and 0.09 s as a linear; the
-demo-scenes tower spent 9% of its time in it for 1% of its FLOPs). `as_matmul(conv)` runs the product instead
+convolution several times slower than the same product as a `linear`. `as_matmul(conv)` runs the product instead
 while its context is open (reference-counted over overlapping contexts): same weights (viewed, not copied), same
 FLOPs (torch's counter counts 2 x patches x filter size x filters for both), and the same values up to the order
 of the sums (within about 1e-6). An input whose spatial size is not the kernel's, a padded or dilated or grouped

@@ -91,11 +91,11 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
             # (every group's start states are taken before any group's final states are written back)
             key = n if groups is None else n * (int(groups.max()) + 1) + groups
             sels = [torch.nonzero(key == k).flatten() for k in key.unique().tolist()]
-            runs = [(sel, int(n[sel[0]]), cache.state_rows(i, sel)) for sel in sels if int(n[sel[0]]) > 0]
+            runs = [(sel, int(n[sel[0]]), cache.layer_rows(i, sel)) for sel in sels if int(n[sel[0]]) > 0]
             for sel, m, sub in runs:
                 out[sel, q - m :] = self._call(i, hidden[sel, q - m :], position_embeddings, sub)
             for sel, _, sub in runs:
-                cache.put_state_rows(i, sel, sub)
+                cache.put_layer_rows(i, sel, sub)
         if order is not None:
             back = torch.empty_like(out)
             back[rows, order] = out
@@ -111,7 +111,7 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         for call in cache.tree.calls:
             x = flat[call.nodes.clamp(min=0)]
             real = call.nodes >= 0
-            table, rows = _start_states(i, call, cache, finals), _start_rows(call)
+            table, rows = _start(i, call, cache, finals)
             if x.shape[1] <= self.recurrent_max_len:  # padding after a chain's end: absent, not run
                 y, states = self._linear_steps(i, x, real, table, rows)
             else:
@@ -202,22 +202,16 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         return 2 * batch * q * (3 * h_v * d_k * d_v + conv_dim * cfg.linear_conv_kernel_dim)
 
 
-def _start_states(i, call, cache, finals) -> dict[str, torch.Tensor]:
-    """The table of start states of a call's rows: the prefix's own tensors (rows = requests) when the chains
-    hang off the prefix, else one row per distinct parent chain."""
+def _start(i, call, cache, finals) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the table of start states of a call's rows, the table row each reads): the prefix's own tensors (rows =
+    requests) when the chains hang off the prefix, else one row per distinct parent chain."""
     if bool((call.parent < 0).all()):
-        return cache.prefix.states[i]
+        return cache.prefix.states[i], call.owner
     if bool((call.parent < 0).any()):
         raise ValueError("a tree call mixes chains that start at the prefix and chains that continue others")
-    parents = call.parent.unique().tolist()
-    return {k: torch.cat([finals[p][k] for p in parents]) for k in finals[parents[0]]}
-
-
-def _start_rows(call) -> torch.Tensor:
-    if bool((call.parent < 0).all()):
-        return call.owner
     parents = call.parent.unique()
-    return torch.searchsorted(parents, call.parent)
+    table = {k: torch.cat([finals[p][k] for p in parents.tolist()]) for k in finals[int(parents[0])]}
+    return table, torch.searchsorted(parents, call.parent)
 
 
 def _as_saved(tokenizer, folder):

@@ -6,20 +6,10 @@ from types import SimpleNamespace
 
 import torch
 
-from trimvlm.adapters.base import (
-    Adapter,
-    Prepared,
-    current_resolution,
-    image_keys,
-    images_only_processor,
-    load_images,
-    on_host,
-    pixel_key,
-)
+from trimvlm.adapters.base import Adapter, Images, Prepared, current_resolution
 from trimvlm.adapters.patch_embed import as_matmul
 from trimvlm.adapters.vision_rotary import compiled_rotary
 from trimvlm.errors import InputError
-from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.runtime.vision_probe import VisionUnit
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -36,37 +26,22 @@ class QwenVLAdapterMixin:
     def merge(self) -> int:
         return self.model.config.vision_config.spatial_merge_size
 
-    def _image_tokens(self, grid) -> int:
-        return int(grid.prod().item()) // (self.merge**2)
-
     resizes = True  # dynamic resolution: the token grid follows the image's size
 
-    @on_host
-    def prepare(self, images, prompts) -> Prepared:
-        per_sample = load_images(images, len(prompts))
-        flat = [im for ims in per_sample for im in ims]
-        model_inputs = {}
-        grids = torch.zeros(0, 3, dtype=torch.long, device="cpu")
-        if flat:
-            flat, kw = self._at_resolution(flat)
-            proc = self._process(flat, **kw)
-            model_inputs["pixel_values"] = proc["pixel_values"].to(self.model.dtype)
-            grids = proc["image_grid_thw"]
-            model_inputs["image_grid_thw"] = grids
-        rows, k0 = [], 0
-        for ims, prompt in zip(per_sample, prompts, strict=True):
-            counts = [self._image_tokens(grids[k0 + k]) for k in range(len(ims))]
-            text = self.render_prompt(
-                prompt, len(ims), lambda k, c=counts: VISION_START + IMAGE_PAD * c[k] + VISION_END
-            )
-            rows.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            k0 += len(ims)
-        ids, att = self.pad_batch(rows)
-        image_pad_id = self.model.config.image_token_id
-        model_inputs["mm_token_type_ids"] = (ids == image_pad_id).to(torch.int32)
-        return Prepared(
-            ids, att, model_inputs, n_images=[len(x) for x in per_sample], image_keys=image_keys(per_sample)
-        )
+    def process_images(self, per_sample) -> Images:
+        flat, kw = self._at_resolution([im for ims in per_sample for im in ims])
+        proc = self._process(flat, **kw)
+        grids = proc["image_grid_thw"]
+        counts = iter(int(g.prod().item()) // self.merge**2 for g in grids)
+        blocks = [[VISION_START + IMAGE_PAD * next(counts) + VISION_END for _ in ims] for ims in per_sample]
+        pixels = proc["pixel_values"].to(self.model.dtype)
+        return Images({"pixel_values": pixels, "image_grid_thw": grids}, blocks)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def token_inputs(self, ids: torch.Tensor) -> dict:
+        return {"mm_token_type_ids": (ids == self.model.config.image_token_id).to(torch.int32)}
 
     def _process(self, flat: list, **kw):
         """The checkpoint's image processor on `flat`; an image it refuses (an aspect ratio of 200 or more, a
@@ -99,62 +74,23 @@ class QwenVLAdapterMixin:
         return out, {"size": {"shortest_edge": min(areas), "longest_edge": max(areas)}}
 
     # ---- decision requests ----
-    def decision_processor(self):
-        import copy
+    def processor_options(self) -> dict:
+        return {}
 
-        tokenizer = copy.deepcopy(self.tokenizer)
-        if self.image_processor is None:  # a text-only backbone: transformers tokenizes with the tokenizer
-            return tokenizer
-        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    processed_image_inputs = ("image_grid_thw",)
 
-        cls = images_only_processor(PROCESSOR_MAPPING_NAMES[self.model.config.model_type])
-        return cls(
-            image_processor=self.image_processor, tokenizer=tokenizer,
-            chat_template=getattr(tokenizer, "chat_template", None),
-        )  # fmt: skip
-
-    @on_host
-    def prepare_processed(self, inputs: list[dict]) -> Prepared:
-        rows = [x["input_ids"][0].tolist() for x in inputs]
-        ids, att = self.pad_batch(rows)
-        model_inputs, grids, pixels = {}, [], []
-        for x in inputs:
-            if x.get("pixel_values") is not None:
-                pixels.append(x["pixel_values"])
-                grids.append(x["image_grid_thw"])
-        if pixels:
-            model_inputs["pixel_values"] = torch.cat(pixels).to(self.model.dtype)
-            model_inputs["image_grid_thw"] = torch.cat(grids)
-        model_inputs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).to(torch.int32)
-        n_images = [0 if x.get("image_grid_thw") is None else len(x["image_grid_thw"]) for x in inputs]
-        keys = []
-        for x, n in zip(inputs, n_images, strict=True):
-            sizes = [] if n == 0 else x["image_grid_thw"].prod(-1).tolist()
-            chunks = [] if n == 0 else x["pixel_values"].split(sizes)
-            keys.append([pixel_key(c) for c in chunks])
-        return Prepared(ids, att, model_inputs, n_images=n_images, image_keys=keys)
+    def processed_images(self, inputs: dict) -> list[torch.Tensor]:
+        grid = inputs.get("image_grid_thw")
+        return [] if grid is None else list(inputs["pixel_values"].split(grid.prod(-1).tolist()))
 
     def layout(self, prepared: Prepared):
         """Per sample: grids (h, w) in merged tokens and the start index of each image's tokens."""
-        grid_thw = prepared.model_inputs.get("image_grid_thw")
         visual = prepared.input_ids == self.model.config.image_token_id
-        grids, starts, k = [], [], 0
-        image_id = torch.full(visual.shape, -1, dtype=torch.long, device=visual.device)
-        for b in range(prepared.batch):
-            g, st = [], []
-            idx = torch.nonzero(visual[b]).flatten().tolist()
-            pos = 0
-            for j in range(prepared.n_images[b]):
-                t, h, w = (int(x) for x in grid_thw[k])
-                n = t * h * w // self.merge**2
-                g.append((h // self.merge, w // self.merge))
-                st.append(idx[pos])
-                image_id[b, idx[pos] : idx[pos] + n] = j
-                pos += n
-                k += 1
-            grids.append(g)
-            starts.append(st)
-        return visual, image_id, grids, starts
+        grid_thw = prepared.model_inputs.get("image_grid_thw")
+        thw = iter([] if grid_thw is None else grid_thw.tolist())
+        grids = [[next(thw) for _ in range(n)] for n in prepared.n_images]  # (t, h, w) in patches
+        image_id, starts = self.unit_layout(visual, [[t * h * w // self.merge**2 for t, h, w in s] for s in grids])
+        return visual, image_id, [[(h // self.merge, w // self.merge) for _, h, w in s] for s in grids], starts
 
     def positions(self, prepared: Prepared) -> torch.Tensor:
         ids, att = prepared.input_ids, prepared.attention_mask
@@ -169,34 +105,18 @@ class QwenVLAdapterMixin:
         )
         return pos
 
-    def next_positions(self, prepared: Prepared) -> torch.Tensor:
-        """M-RoPE: an image takes fewer positions than tokens; the next one follows the model's own rule."""
-        pos = self.positions(prepared).masked_fill(prepared.attention_mask[None] == 0, -1)
-        return pos.amax(dim=(0, 2)) + 1
-
     def processed_positions(self, inputs: dict) -> int:
         ids = inputs["input_ids"]
-        extra = {"mm_token_type_ids": (ids == self.model.config.image_token_id).to(torch.int32)}
+        extra = self.token_inputs(ids)
         if inputs.get("image_grid_thw") is not None:
             extra["image_grid_thw"] = inputs["image_grid_thw"]
         return int(self.next_positions(Prepared(ids, torch.ones_like(ids), extra))[0])
 
-    def embed(self, prepared: Prepared, vision=None) -> LiveSeq:
-        embeds = self.embed_tokens(prepared.input_ids)
-        visual, image_id, grids, starts = self.layout(prepared)
-        adds = {}
-        if "pixel_values" in prepared.model_inputs:
-            grid_thw = prepared.model_inputs["image_grid_thw"]
-            out = self.image_features(prepared.model_inputs["pixel_values"], grid_thw, vision, grids)
-            embeds = self.merge_features(embeds, visual, torch.cat(out.pooler_output, dim=0))
-            adds = self.vision_adds(out, embeds, visual)
-        positions = self.positions(prepared)
-        return self.sequence_from(prepared, embeds, positions, visual, image_id, grids, starts, adds)
-
-    def image_features(self, pixel_values, grid_thw, vision, grids):
+    def image_features(self, prepared: Prepared, vision, grids):
         """The vision tower's output for the batch's images (`pooler_output`: per image, `deepstack_features`: per
         deepstack layer, per image): one call, or through the vision cache when one is set and no probe records
         the tower (only the images it does not hold are encoded)."""
+        pixel_values, grid_thw = (prepared.model_inputs[k] for k in ("pixel_values", "image_grid_thw"))
 
         def call(pixels, grid):
             visual = self.inner.visual
@@ -216,10 +136,6 @@ class QwenVLAdapterMixin:
         parts = self.vision_cache.features(list(zip(chunks, grid_thw, strict=True)), encode)
         deep = [[p[d] for p in parts] for d in range(1, len(parts[0]))]
         return SimpleNamespace(pooler_output=[p[0] for p in parts], deepstack_features=deep)
-
-    def vision_adds(self, out, embeds, visual) -> dict:
-        """Per-position tensors the family adds after given layers (none for Qwen2.5-VL and Qwen3.5)."""
-        return {}
 
     # ---- vision-tower probe ----
     def vision_attention_modules(self) -> list:

@@ -1,8 +1,7 @@
 """The Qwen-VL towers' rotary embedding, compiled (`kernels.rotary`), while trimvlm encodes images.
 
-The towers call their modeling module's `apply_rotary_pos_emb_vision(q, k, cos, sin)` in every layer. On the
-CPU in float32 it spent about 11% of the demo-scenes tower's time (a real Qwen2.5-VL layer at 4,096 patches: 60
-ms of rotation beside about 400 ms of products), in six passes over q and k where one suffices.
+The towers call their modeling module's `apply_rotary_pos_emb_vision(q, k, cos, sin)` in every layer, in six
+passes over q and k where one suffices.
 `compiled_rotary(tower)` puts the compiled rotation in that module's place while its context is open, for the
 calls it can take (`kernels.rotary.usable`: float32 on the CPU, numba present); any other call runs the module's
 own function. Both give the same values bit for bit, so two threads encoding at once can only differ in which

@@ -14,10 +14,14 @@ on the method line when it runs inside a counted region.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from trimvlm.errors import RecipeError
 from trimvlm.kernels.flops import count, matmul
 
 
@@ -77,11 +81,6 @@ WEIGHTS = "router.safetensors"
 
 def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, extra: dict | None = None) -> None:
     """Write the router to `folder` (weights + a JSON config naming the model it was built for)."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in router.state_dict().items()}, str(folder / WEIGHTS))
@@ -94,8 +93,6 @@ def save_router(router: MetaRouter, folder, *, fingerprint: str, hidden: int, ex
 def router_folder(folder):
     """A router folder, or a demo model's name ("demo", "demo-qwen35"): the router shipped next to its
     checkpoint."""
-    from pathlib import Path
-
     from trimvlm.loading import DEMO_DIR, DEMO_MODELS
 
     key = str(folder)
@@ -107,8 +104,6 @@ def load_router(folder) -> tuple[MetaRouter, dict]:
     `folder` may name a demo model ("demo", "demo-qwen35"): the router shipped next to its checkpoint.
     Read from disk once per checkpoint (and again only when its files change); the module is shared, in eval
     mode, and never trained by its readers."""
-    from trimvlm.errors import RecipeError
-
     folder = router_folder(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
         raise RecipeError(f"router checkpoint not found: {folder} needs {CONFIG} and {WEIGHTS} (trimvlm train-router)")
@@ -118,13 +113,6 @@ def load_router(folder) -> tuple[MetaRouter, dict]:
 
 @functools.lru_cache(maxsize=16)
 def _read_router(folder: str, stamp: tuple) -> tuple[MetaRouter, dict]:
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from trimvlm.errors import RecipeError
-
     folder = Path(folder)
     try:
         meta = json.loads((folder / CONFIG).read_text())

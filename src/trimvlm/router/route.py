@@ -25,6 +25,7 @@ from trimvlm.errors import RecipeError
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_int, is_number
 from trimvlm.protocol import Method, build, register
+from trimvlm.router.budget import BudgetTable, recorded_variant
 from trimvlm.router.model import load_router
 from trimvlm.runtime.plan import LayerPlan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
@@ -75,8 +76,6 @@ class Router(Method):
     def __post_init__(self):
         self.variant = None  # the recorded variant the plain recipe took: {"budget", "select", "price"}
         if self.budget is not None and self.select is None and self.price is None and is_number(self.budget):
-            from trimvlm.router.budget import recorded_variant
-
             self.variant = recorded_variant(load_router(self.path)[1], float(self.budget))
             if self.variant is not None:
                 self.select, self.price = self.variant["select"], self.variant["price"]
@@ -115,8 +114,6 @@ class Router(Method):
             if "budget" not in self.meta:
                 raise RecipeError(f"router {self.path} is a v1 router (one fixed keep and layer count); budget= "
                                   "needs one trained on several budgets (trimvlm train-router --keeps ...)")  # fmt: skip
-            from trimvlm.router.budget import BudgetTable
-
             self.table = BudgetTable(self.meta["budget"])
             if self.select != "router":  # the method at its own layer; the router's FLOPs only where it runs
                 at = self.selector(0.5).layer

@@ -15,6 +15,23 @@ import torch
 
 from trimvlm.runtime.sequence import LiveSeq, compact_order
 
+# what pads each field of a `LayerKV` (a padded column is invalid, never attended)
+FILL = {"key": 0, "value": 0, "valid": False, "visual": False, "source": -1}
+
+
+def column_dim(t: torch.Tensor) -> int:
+    """The entries' axis of a `LayerKV` field: 2 for key / value [B, Hk, K, hd], 1 for the metadata [B, K]."""
+    return 2 if t.dim() == 4 else 1
+
+
+def left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
+    """`t` left-padded with `fill` to `width` entries along `dim`."""
+    if t.shape[dim] == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - t.shape[dim]
+    return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim=dim)
+
 
 @dataclass
 class LayerKV:
@@ -23,6 +40,18 @@ class LayerKV:
     valid: torch.Tensor  # [B, K] bool
     visual: torch.Tensor  # [B, K] bool
     source: torch.Tensor  # [B, K] long (original prefill index, or -1 for padding / generated tokens)
+
+    def map(self, fn) -> LayerKV:
+        """`fn(name, tensor)` over every field."""
+        return LayerKV(**{n: fn(n, getattr(self, n)) for n in FILL})
+
+    def rows(self, rows: torch.Tensor) -> LayerKV:
+        return self.map(lambda _, t: t.index_select(0, rows))
+
+
+def state_rows(states: dict[int, dict[str, torch.Tensor]], rows: torch.Tensor) -> dict:
+    """Rows `rows` of recurrent states (per layer, per name; copies)."""
+    return {i: {k: v.index_select(0, rows) for k, v in st.items() if v is not None} for i, st in states.items()}
 
 
 @dataclass
@@ -190,9 +219,7 @@ class KVCache:
 
     def has_state(self, layer_idx: int) -> bool:
         """Whether a recurrent layer continues from a state (its own, or a shared prefix's)."""
-        if self.states.get(layer_idx):
-            return True
-        return self.prefix is not None and bool(self.prefix.states.get(layer_idx))
+        return bool(self.start_states(layer_idx)[0])
 
     def state_groups(self, layer_idx: int) -> torch.Tensor | None:
         """[B] the shared state row each branch starts from, while this layer's states are still the shared
@@ -200,33 +227,6 @@ class KVCache:
         if self.prefix is None or self.states.get(layer_idx):
             return None
         return self.prefix.state_owner if layer_idx in self.prefix.states else None
-
-    def state_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
-        """A cache holding rows `rows` of one recurrent layer's states, to run a subset of the batch (rows
-        whose chunks hold different numbers of valid tokens); write back with `put_state_rows`. Own states are
-        copied; shared (prefix) states are handed on as a read-only broadcast view when the rows share one."""
-        sub = KVCache(self.num_layers)
-        own = self.states.get(layer_idx)
-        if own or self.prefix is None:
-            sub.states[layer_idx] = {
-                k: v.index_select(0, rows) for k, v in (own or {}).items() if v is not None
-            }
-        else:
-            sub.prefix = SharedPrefix([], self.prefix.states, self.prefix.state_owner.index_select(0, rows))
-        sub.keep_final_states = self.keep_final_states
-        return sub
-
-    def put_state_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
-        """Take rows `rows` of one recurrent layer's states from `sub` (out of place: new tensors)."""
-        if not self.keep_final_states:
-            return
-        st = self.states.setdefault(layer_idx, {})
-        for k, v in sub.states.get(layer_idx, {}).items():
-            old = st.get(k)
-            if old is None:
-                batch = self._pending[0].shape[0]
-                old = torch.zeros((batch, *v.shape[1:]), dtype=v.dtype, device=v.device)
-            st[k] = old.index_copy(0, rows, v.to(old.dtype))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length(layer_idx)
@@ -268,26 +268,20 @@ class KVCache:
     def copy_rows(self, rows: torch.Tensor) -> KVCache:
         """An independent cache holding copies of rows `rows` (KV entries and recurrent states)."""
         out = KVCache(self.num_layers)
-        for i, e in self.layers.items():
-            out.layers[i] = LayerKV(
-                *(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual, e.source))
-            )
-        out.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
+        out.layers = {i: e.rows(rows) for i, e in self.layers.items()}
+        out.states = state_rows(self.states, rows)
         return out
 
     def layer_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
         """A cache holding rows `rows` of one layer (its KV entries or recurrent states, and the chunk being
-        written), to run that layer on a subset of the batch (a per-sample layer plan); write back with
-        `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
+        written), to run that layer on a subset of the batch (a per-sample layer plan, or the rows of a recurrent
+        layer with the same count of valid tokens); write back with `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
         same tensors, read by the rows' owners."""
         sub = KVCache(self.num_layers)
-        e = self.layers.get(layer_idx)
-        if e is not None:
-            sub.layers[layer_idx] = LayerKV(*(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual,
-                                                                                e.source)))  # fmt: skip
-        st = self.states.get(layer_idx)
-        if st:
-            sub.states[layer_idx] = {k: v.index_select(0, rows) for k, v in st.items() if v is not None}
+        if layer_idx in self.layers:
+            sub.layers[layer_idx] = self.layers[layer_idx].rows(rows)
+        if self.states.get(layer_idx):
+            sub.states = state_rows({layer_idx: self.states[layer_idx]}, rows)
         if self.prefix is not None:  # branches off a shared prefix: the rows' owners, nothing copied
             sub.prefix = SharedPrefix([SharedPart(p.layers, p.owner.index_select(0, rows)) for p in self.prefix.parts],
                                       self.prefix.states, self.prefix.state_owner.index_select(0, rows))  # fmt: skip
@@ -298,28 +292,28 @@ class KVCache:
     def put_layer_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
         """Take rows `rows` of one layer from `sub` (the rows that ran it). The rows that did not run it get no
         entries of their own: the chunk's columns are added for them as invalid padding (the batch's tensors
-        are rectangular), so they attend to nothing there; their recurrent states stay as they were."""
-        new = sub.layers.get(layer_idx)
+        are rectangular), so they attend to nothing there; their recurrent states stay as they were (the rows'
+        states are taken out of place: new tensors)."""
+        new, b = sub.layers.get(layer_idx), self._pending[0].shape[0]
         if new is not None:
-            b = self._pending[0].shape[0]
             old = self.layers.get(layer_idx)
             q = new.key.shape[2] - (0 if old is None else old.key.shape[2])
 
-            def widen(t, fill, old_t):
-                pad = torch.full((b, *t.shape[1:2], q, *t.shape[3:]) if t.dim() == 4 else (b, q), fill,
-                                 dtype=t.dtype, device=t.device)  # fmt: skip
-                base = pad if old_t is None else torch.cat([old_t, pad], dim=2 if t.dim() == 4 else 1)
+            def widen(name, t):
+                shape = [b, *t.shape[1:]]
+                shape[column_dim(t)] = q
+                pad = torch.full(shape, FILL[name], dtype=t.dtype, device=t.device)
+                base = pad if old is None else torch.cat([getattr(old, name), pad], dim=column_dim(t))
                 return base.index_copy(0, rows, t)
 
-            self.layers[layer_idx] = LayerKV(
-                key=widen(new.key, 0, None if old is None else old.key),
-                value=widen(new.value, 0, None if old is None else old.value),
-                valid=widen(new.valid, False, None if old is None else old.valid),
-                visual=widen(new.visual, False, None if old is None else old.visual),
-                source=widen(new.source, -1, None if old is None else old.source),
-            )
-        if sub.states.get(layer_idx):
-            self.put_state_rows(layer_idx, rows, sub)
+            self.layers[layer_idx] = new.map(widen)
+        if sub.states.get(layer_idx) and self.keep_final_states:
+            st = self.states.setdefault(layer_idx, {})
+            for k, v in sub.states[layer_idx].items():
+                old = st.get(k)
+                if old is None:
+                    old = torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                st[k] = old.index_copy(0, rows, v.to(old.dtype))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (samples that stopped leave), in place, freeing the others' entries and
@@ -327,9 +321,8 @@ class KVCache:
         their metadata share it again."""
         metas: dict[tuple, LayerKV] = {}
         for i, e in list(self.layers.items()):
-            sel = LayerKV(*(t.index_select(0, rows) for t in (e.key, e.value, e.valid, e.visual, e.source)))
-            self.layers[i] = sel
-            self.gather(i, sel.valid)
+            self.layers[i] = e.rows(rows)
+            self.gather(i, self.layers[i].valid)
             new = self.layers[i]
             key = (id(e.valid), id(e.visual), id(e.source))
             if key in metas:
@@ -338,7 +331,7 @@ class KVCache:
                     new.valid, new.visual, new.source = m.valid, m.visual, m.source
             else:
                 metas[key] = new
-        self.states = {i: {k: v.index_select(0, rows) for k, v in st.items()} for i, st in self.states.items()}
+        self.states = state_rows(self.states, rows)
         if self.prefix is not None:  # branches off a shared prefix: the rows that stay keep their owners
             p = self.prefix
             parts = [SharedPart(q.layers, q.owner.index_select(0, rows)) for q in p.parts]
@@ -368,20 +361,19 @@ class KVCache:
             self.prefix = SharedPrefix(parts, {}, owner)
         memo: dict[tuple, torch.Tensor] = {}
 
-        def cat(x, y, nx, ny, fill, name):
-            k = max(x.shape[2 if x.dim() == 4 else 1] if x is not None else 0,
-                    y.shape[2 if y.dim() == 4 else 1] if y is not None else 0)  # fmt: skip
-            key = (name, id(x), id(y), k)
-            if key not in memo:
-                memo[key] = torch.cat([_left_pad(x, nx, k, fill, y), _left_pad(y, ny, k, fill, x)], dim=0)
+        def cat(name, x, y):
+            key = (name, id(x), id(y))
+            if key not in memo:  # a layer one side never ran is padding there: no columns of its own
+                x = _no_columns(y, a_rows) if x is None else x
+                y = _no_columns(x, b_rows) if y is None else y
+                d = column_dim(x)
+                k = max(x.shape[d], y.shape[d])
+                memo[key] = torch.cat([left_pad(x, k, FILL[name], d), left_pad(y, k, FILL[name], d)], dim=0)
             return memo[key]
 
         for i in sorted(set(self.layers) | set(other.layers)):
             a, b = self.layers.get(i), other.layers.get(i)
-            self.layers[i] = LayerKV(*(
-                cat(getattr(a, f, None), getattr(b, f, None), a_rows, b_rows, fill, f)
-                for f, fill in (("key", 0), ("value", 0), ("valid", False), ("visual", False), ("source", -1))
-            ))  # fmt: skip
+            self.layers[i] = LayerKV(**{n: cat(n, getattr(a, n, None), getattr(b, n, None)) for n in FILL})
         for i in set(self.states) | set(other.states):
             a, b = self.states.get(i, {}), other.states.get(i, {})
             if set(a) != set(b):
@@ -408,17 +400,11 @@ class KVCache:
         return sum(t.nbytes for st in self.states.values() for t in st.values() if t is not None)
 
 
-def _left_pad(t: torch.Tensor | None, rows: int, k: int, fill, like: torch.Tensor | None) -> torch.Tensor:
-    """`t` ([B, H, K', d] entries or [B, K'] metadata) left-padded with `fill` to K = k columns; an absent `t`
-    (a layer this side never ran) is `rows` rows of padding shaped like `like`."""
-    ref = t if t is not None else like
-    four = ref.dim() == 4
-    have = 0 if t is None else t.shape[2 if four else 1]
-    if have == k:
-        return t
-    shape = (rows, *ref.shape[1:2], k - have, *ref.shape[3:]) if four else (rows, k - have)
-    pad = torch.full(shape, fill, dtype=ref.dtype, device=ref.device)
-    return pad if t is None else torch.cat([pad, t], dim=2 if four else 1)
+def _no_columns(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` rows shaped like `like`, with no entries."""
+    shape = [rows, *like.shape[1:]]
+    shape[column_dim(like)] = 0
+    return like.new_empty(shape)
 
 
 @dataclass

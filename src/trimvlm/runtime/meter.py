@@ -15,6 +15,7 @@ its own (the eval harness does).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trimvlm.runtime.lru import ByteLRU
+from trimvlm.runtime.memory import TensorMemory
 
 
 @dataclass
@@ -71,16 +73,11 @@ class Costs:
         return self.model_flops + self.method_total_flops
 
     def as_dict(self) -> dict:
+        totals = ("prefill", "decode", "method_prefill", "method_decode", "model", "method_total", "total")
         return {
             "flops": dict(self.flops),
             "method_flops": dict(self.method_flops),
-            "prefill_flops": self.prefill_flops,
-            "decode_flops": self.decode_flops,
-            "method_prefill_flops": self.method_prefill_flops,
-            "method_decode_flops": self.method_decode_flops,
-            "model_flops": self.model_flops,
-            "method_total_flops": self.method_total_flops,
-            "total_flops": self.total_flops,
+            **{f"{name}_flops": getattr(self, f"{name}_flops") for name in totals},
             "layer_flops": {k: dict(v) for k, v in self.layer_flops.items()},
             "kv_bytes": self.kv_bytes,
             "kv_bytes_peak": self.kv_bytes_peak,
@@ -128,50 +125,38 @@ class Meter:
         """Record the cache after decoding (it only grows during decode, so this is its peak)."""
         self.costs.kv_bytes_peak = max(self.costs.kv_bytes_peak, cache.attention_bytes())
 
+    @contextlib.contextmanager
     def timer(self, phase: str):
-        meter = self
-
-        class _T:
-            def __enter__(self):
-                if meter.device.type == "cuda":
-                    torch.cuda.synchronize(meter.device)
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if meter.device.type == "cuda":
-                    torch.cuda.synchronize(meter.device)
-                meter.costs.seconds[phase] += time.perf_counter() - self.t0
-
-        return _T()
+        """Time the block on `phase` (CUDA synchronized at both ends)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.costs.seconds[phase] += time.perf_counter() - t0
 
     def start_memory(self) -> None:
         if self.track_tensors:
-            from trimvlm.runtime.memory import TensorMemory
-
             self._tracker = TensorMemory().__enter__()
             return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mem0 = torch.cuda.memory_allocated(self.device)
 
+    @contextlib.contextmanager
     def phase_memory(self, phase: str):
         """Context: with tensor tracking, record the peak of this phase over the live bytes at its start."""
-        import contextlib
-
-        meter = self
-
-        @contextlib.contextmanager
-        def _section():
-            if meter._tracker is None:
-                yield
-                return
-            meter._tracker.start_section()
-            try:
-                yield
-            finally:
-                meter.costs.peak_memory_phase[phase] = meter._tracker.end_section()
-
-        return _section()
+        if self._tracker is None:
+            yield
+            return
+        self._tracker.start_section()
+        try:
+            yield
+        finally:
+            self.costs.peak_memory_phase[phase] = self._tracker.end_section()
 
     def stop_memory(self) -> None:
         if self._tracker is not None:

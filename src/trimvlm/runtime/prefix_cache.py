@@ -22,12 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.cache import KVCache, LayerKV, PrefillOutput
+from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.runtime.sequence import LiveSeq
-
-META = ("valid", "visual", "source")
-FILL = {"key": 0, "value": 0, "valid": False, "visual": False, "source": -1}
 
 
 @dataclass
@@ -48,7 +45,7 @@ class PrefixEntry:
 
     @property
     def nbytes(self) -> int:
-        kv = [getattr(e, n) for e in self.layers.values() for n in ("key", "value", *META)]
+        kv = [getattr(e, n) for e in self.layers.values() for n in FILL]
         return nbytes(kv) + nbytes(self.states) + self.next_pos.nbytes + self.hidden.nbytes
 
 
@@ -137,10 +134,7 @@ def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEn
     layers = {}
     for i, e in out.cache.layers.items():
         cols = torch.nonzero(e.valid[b]).flatten()
-        layers[i] = LayerKV(
-            key=e.key[b : b + 1].index_select(2, cols), value=e.value[b : b + 1].index_select(2, cols),
-            **{n: getattr(e, n)[b : b + 1].index_select(1, cols) for n in META},
-        )  # fmt: skip
+        layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
     states = {
         i: {k: v[b : b + 1].clone() for k, v in st.items() if v is not None}
         for i, st in out.cache.states.items()
@@ -165,59 +159,38 @@ def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[s
     return views, stacked
 
 
-def _left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
-    if t.shape[dim] == width:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width - t.shape[dim]
-    return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim=dim)
-
-
-def assemble_stacked(rows: list[PrefixEntry]) -> dict[int, LayerKV] | None:
-    """The layers of a left-padded batch of stacked entries (`PrefixEntry.stacked`, the same layers): per field
-    one tensor, each row copied into its columns once for all layers; None unless every entry is stacked."""
-    if any(r.stacked is None or r.layers.keys() != rows[0].layers.keys() for r in rows):
-        return None
-    out = {}
-    for n, fill in FILL.items():
-        first = rows[0].stacked[n]  # [L, 1, Hk, K, hd] (key, value) or [L, 1, K]
-        dim = 3 if n in ("key", "value") else 2
-        width = max(r.stacked[n].shape[dim] for r in rows)
-        shape = list(first.shape)
-        shape[1], shape[dim] = len(rows), width
-        out[n] = torch.full(shape, fill, dtype=first.dtype, device=first.device)
-        for b, r in enumerate(rows):
-            t = r.stacked[n]
-            out[n][:, b : b + 1].narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
-    return {i: LayerKV(**{n: out[n][j] for n in FILL}) for j, i in enumerate(rows[0].layers)}
+def _padded_batch(parts: list[torch.Tensor], fill, batch: int, dim: int) -> torch.Tensor:
+    """Parts of one row each (axis `batch`) as one batch, each left-padded with `fill` to the widest along axis
+    `dim`: one copy per part."""
+    width = max(t.shape[dim] for t in parts)
+    shape = list(parts[0].shape)
+    shape[batch], shape[dim] = len(parts), width
+    out = torch.full(shape, fill, dtype=parts[0].dtype, device=parts[0].device)
+    for b, t in enumerate(parts):
+        out.narrow(batch, b, 1).narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
+    return out
 
 
 def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
-    """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read)."""
+    """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read).
+    Stacked entries (`PrefixEntry.stacked`, the same layers) are copied once per field for all layers."""
     cache = KVCache(num_layers)
-    stacked = assemble_stacked(rows)
-    if stacked is not None:
-        cache.layers.update(stacked)
+    if all(r.stacked is not None and r.layers.keys() == rows[0].layers.keys() for r in rows):
+        parts = {n: [r.stacked[n] for r in rows] for n in FILL}  # [L, 1, ...] each
+        out = {n: _padded_batch(p, FILL[n], 1, column_dim(p[0][0]) + 1) for n, p in parts.items()}
+        cache.layers = {i: LayerKV(**{n: out[n][j] for n in FILL}) for j, i in enumerate(rows[0].layers)}
     else:
         for i in rows[0].layers:
-            parts = [r.layers[i] for r in rows]
-            width = max(p.key.shape[2] for p in parts)
-            cache.layers[i] = LayerKV(**{
-                n: torch.cat([_left_pad(getattr(p, n), width, FILL[n], 2 if n in ("key", "value") else 1)
-                              for p in parts])
-                for n in FILL
-            })  # fmt: skip
+            parts = {n: [getattr(r.layers[i], n) for r in rows] for n in FILL}
+            padded = {n: _padded_batch(p, FILL[n], 0, column_dim(p[0])) for n, p in parts.items()}
+            cache.layers[i] = LayerKV(**padded)
     cache.states = {
         i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
     }
     hidden = torch.cat([r.hidden for r in rows])
     b, dev = hidden.shape[0], hidden.device
-    seq = LiveSeq(
-        hidden=hidden, positions=torch.zeros(1, b, 1, dtype=torch.long, device=dev),
-        valid=torch.ones(b, 1, dtype=torch.bool, device=dev), visual=torch.zeros(b, 1, dtype=torch.bool, device=dev),
-        source=torch.full((b, 1), -1, dtype=torch.long, device=dev),
-        image_id=torch.full((b, 1), -1, dtype=torch.long, device=dev),
-    )  # fmt: skip
+    positions = torch.zeros(1, b, 1, dtype=torch.long, device=dev)
+    seq = LiveSeq.text(hidden, positions, torch.ones(b, 1, dtype=torch.bool, device=dev))
     return PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=torch.cat([r.next_pos for r in rows]))
 
 

@@ -33,7 +33,7 @@ from trimvlm.runtime.masks import chunk_mask
 from trimvlm.runtime.meter import FlopsMemo, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.prefix_cache import assemble, prefill_prompts
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
 TokenHook = Callable[[int, LiveSeq, "Runner"], LiveSeq]
@@ -57,17 +57,16 @@ class Runner:
         key = self.adapter.vision_key(prepared)
         embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
         cache = self.adapter.vision_cache if vision is None and self.adapter.caches_vision else None
+        if cache is not None:
+            cache.last_flops = 0
         with meter.timer("vision"), counting(meter, "vision"):
-            if cache is not None:  # it books what ran: the images it did not hold (runtime/vision_cache.py)
-                cache.last_flops = 0
-                seq = embed(prepared)
-                meter.add("vision", cache.last_flops)
-                return seq
-            if vision is not None:
+            if cache is not None or vision is not None:
                 seq = embed(prepared)
             else:
                 seq, _ = self.flops.run(key, lambda: embed(prepared))
-        meter.add("vision", self.vision_flops(prepared))  # remembered now, except for a probed unseen shape
+        # the vision cache books what ran: the images it did not hold (runtime/vision_cache.py); else the FLOPs
+        # are remembered now, except for a probed unseen shape
+        meter.add("vision", cache.last_flops if cache is not None else self.vision_flops(prepared))
         return seq
 
     def vision_flops(self, prepared) -> int:
@@ -319,17 +318,8 @@ class Runner:
         `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence. The
         layers skipped are `skip` when given, else the plan's for this phase."""
         skip = _phase_skip(plan, phase, skip)
-        b, q = tokens.shape
-        dev = tokens.device
-        valid = torch.ones(b, q, dtype=torch.bool, device=dev) if valid is None else valid
-        seq = LiveSeq(
-            hidden=self.adapter.embed_tokens(tokens),
-            positions=positions,
-            valid=valid,
-            visual=torch.zeros(b, q, dtype=torch.bool, device=dev),
-            source=torch.full((b, q), -1, dtype=torch.long, device=dev),
-            image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
-        )
+        valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
+        seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
 
 
@@ -385,12 +375,6 @@ def _phase_skip(plan: Plan | None, phase: str, skip):
     return plan.skip_branch if phase == "branch" else plan.skip_decode
 
 
-def next_positions(seq: LiveSeq) -> torch.Tensor:
-    """[B] the position id each row's next token takes (its largest valid position + 1)."""
-    pos = seq.positions.masked_fill(~seq.valid[None], -1)
-    return pos.amax(dim=(0, 2)) + 1
-
-
 class Prefill:
     """A prefill in progress, the one prefill body: made, it embeds the batch (the vision tower runs once); each
     `advance(n)` runs the next `n` positions through the decoder with everything the plan holds (its token hook,
@@ -406,7 +390,7 @@ class Prefill:
         self.all_logits, self.lm_head = all_logits, lm_head
         self.ctx = plan.attention_context()
         self.seq = runner.encode(prepared, meter, None if self.ctx is None else self.ctx.vision)
-        self.next_pos = next_positions(self.seq)
+        self.next_pos = next_positions(self.seq.positions, self.seq.valid)
         self.cache = KVCache(runner.num_layers)
         self.done = self.reused = 0  # positions already run; those read from `prefix`
         if prefix is not None:

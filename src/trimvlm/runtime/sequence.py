@@ -20,6 +20,12 @@ def compact_order(keep: torch.Tensor) -> torch.Tensor:
     return torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, keep.shape[1] - new_len :]
 
 
+def next_positions(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] the position id each row's next token takes (its largest valid position + 1), from positions
+    [A, B, S] and valid [B, S]."""
+    return positions.masked_fill(~valid[None], -1).amax(dim=(0, 2)) + 1
+
+
 @dataclass
 class LiveSeq:
     hidden: torch.Tensor  # [B, S, D]
@@ -41,6 +47,17 @@ class LiveSeq:
     tile_image: list[list[int]] = field(default_factory=list)
     # A content fingerprint of every image, per sample (seeded random choices draw per image from it).
     image_keys: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def text(cls, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> LiveSeq:
+        """A chunk of text tokens (no image, no prefill index)."""
+        b, q = valid.shape
+        dev = valid.device
+        return cls(
+            hidden=hidden, positions=positions, valid=valid, visual=torch.zeros(b, q, dtype=torch.bool, device=dev),
+            source=torch.full((b, q), -1, dtype=torch.long, device=dev),
+            image_id=torch.full((b, q), -1, dtype=torch.long, device=dev),
+        )  # fmt: skip
 
     @property
     def batch(self) -> int:

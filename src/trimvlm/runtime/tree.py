@@ -17,9 +17,8 @@ import torch
 # Rows with the same prefix row and the same ancestors (the leaves of one fork) read one context: the prefix's
 # keys and their ancestors' keys, in one attention call with their queries folded together (no per-row copy of
 # the ancestors). That is one call per run of such rows; past MAX_CONTEXT_RUNS runs, or fewer than
-# MIN_ROWS_PER_RUN rows per run on average (small calls cost more than the gather they save: 16 candidates in
-# groups of 4 ran 1.14-1.21x slower fused), the rows gather their ancestors per row instead (one call for all
-# of them, next to the prefix's).
+# MIN_ROWS_PER_RUN rows per run on average (small calls cost more than the gather they save), the rows gather
+# their ancestors per row instead (one call for all of them, next to the prefix's).
 MAX_CONTEXT_RUNS = 8
 MIN_ROWS_PER_RUN = 8
 

@@ -37,12 +37,13 @@ import copy
 import itertools
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trimvlm.errors import TrimVLMError
+from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels.flops import count, matmul_flops
 from trimvlm.runtime.held import Held
 
@@ -70,58 +71,26 @@ class VisionProbe:
     heads: int = 0
     mode: str = ""
 
-    def layer_index(self, depth: int) -> int:
-        i = self.layer + depth if self.layer < 0 else self.layer
-        if not 0 <= i < depth:
-            raise TrimVLMError(
-                f"vision layer {self.layer} out of range: this vision tower has {depth} layers "
-                f"(allowed {-depth}..{depth - 1})"
-            )
-        return i
 
-    def clear(self) -> None:
-        self.results.clear()
 
-    def for_view(self, view, name: str = "tokens") -> tuple[torch.Tensor, torch.Tensor]:
-        """(received [U, N], keys [U, N, H * d]) aligned with the units of a `VisualView` (0 on pads), taken out of
-        the probe so a later prefill can never read them."""
-        u, n = view.mask.shape
-        dev = view.mask.device
-        got = []
-        for i in range(u):
-            key = (int(view.sample[i]), int(view.image[i]))
-            rec = self.results.pop(key, None)
-            if rec is None:
-                raise TrimVLMError(
-                    f"{name} needs the vision tower's attention of sample {key[0]}, unit {key[1]}: pass the plan's "
-                    "vision_probe to the prefill (AttentionContext(vision=...)) so the images are encoded with it"
-                )
-            if rec.received.shape[0] != int(view.n[i]):
-                raise TrimVLMError(
-                    f"{name}: the vision probe recorded {rec.received.shape[0]} tokens for sample {key[0]}, unit "
-                    f"{key[1]}, but the unit has {int(view.n[i])}; it reads the projector's tokens, at layer 0"
-                )
-            got.append(rec)
-        d = got[0].keys.shape[-1]
-        received = torch.zeros(u, n, dtype=torch.float32, device=dev)
-        keys = torch.zeros(u, n, d, dtype=torch.float32, device=dev)
-        for i, rec in enumerate(got):
-            m = rec.received.shape[0]
-            received[i, :m] = rec.received.to(dev)
-            keys[i, :m] = rec.keys.to(dev)
-        return received, keys
+class Call(NamedTuple):
+    """The raw record of one attention call: stat [B, S] the [CLS] row (queries 1) or the column sums over the
+    valid query rows (queries = their count), keys [B, S, Hk * d], queries [B]."""
+
+    stat: torch.Tensor
+    keys: torch.Tensor
+    queries: torch.Tensor
 
 
 @dataclass
 class Recording:
-    """One active recording: the probed attention module, the statistic, and the raw records of its calls in
-    call order: (stat [B, S], keys [B, S, Hk * d], queries [B]) per call, where stat is the [CLS] row (queries 1)
-    or the column sums over the valid query rows (queries = their count)."""
+    """One active recording: the probed attention module, the statistic, and the records of its calls in
+    call order."""
 
     probe: VisionProbe
     target: torch.nn.Module
     cls: bool
-    calls: list = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     heads: int = 0
     flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
 
@@ -146,19 +115,19 @@ class Recording:
 
     def batched(self, b: int, s: int):
         """(stat [b, s], keys [b, s, D], queries [b]) of a tower that runs all units in one call per layer."""
-        if len(self.calls) != 1 or tuple(self.calls[0][0].shape) != (b, s):
+        if len(self.calls) != 1 or tuple(self.calls[0].stat.shape) != (b, s):
             raise Incomplete(
-                f"expected one call over [{b}, {s}] tokens, got {[tuple(c[0].shape) for c in self.calls]}"
+                f"expected one call over [{b}, {s}] tokens, got {[tuple(c.stat.shape) for c in self.calls]}"
             )
         return self.calls[0]
 
     def packed(self, total: int):
         """(stat [total], keys [total, D]) of a tower that runs one image (or window) per call, concatenated in
         call order: the layer's token order."""
-        got = sum(c[0].numel() for c in self.calls)
-        if got != total or any(c[0].shape[0] != 1 for c in self.calls):
+        got = sum(c.stat.numel() for c in self.calls)
+        if got != total or any(c.stat.shape[0] != 1 for c in self.calls):
             raise Incomplete(f"expected {total} tokens in calls of one sequence each, got {got}")
-        return torch.cat([c[0][0] for c in self.calls]), torch.cat([c[1][0] for c in self.calls])
+        return torch.cat([c.stat[0] for c in self.calls]), torch.cat([c.keys[0] for c in self.calls])
 
     @torch.no_grad()
     def record(self, query, key, mask, scaling) -> None:
@@ -167,19 +136,12 @@ class Recording:
         self.heads = hk
         kr = key if hk == h else key.repeat_interleave(h // hk, 1)
         kt = kr.transpose(-1, -2)
-        add = None
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-                    ~mask, float("-inf")
-                )
-            else:
-                add = mask.float()
-        if self.cls:
-            sc = self._scores(query[:, :, :1], kt, scaling)
-            if add is not None:
-                sc = sc + add[:, :, :1]
-            stat = torch.softmax(sc, dim=-1).mean(1)[:, 0]  # [B, S]
+        add = None if mask is None else mask.float()  # additive
+        if mask is not None and mask.dtype == torch.bool:
+            add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+        if self.cls:  # the [CLS] query's row, heads averaged: [B, S]
+            first = None if add is None else add[:, :, :1]
+            stat = self._column_sums(query[:, :, :1], kt, first, None, scaling).mean(1)
             queries = torch.ones(b, dtype=torch.float32, device=query.device)
         else:
             if mask is None:
@@ -202,7 +164,7 @@ class Recording:
                 stat /= h  # heads averaged
             queries = valid.sum(1).float()
         keys = key.detach().transpose(1, 2).reshape(b, key.shape[2], hk * d).to(torch.float32, copy=True)
-        self.calls.append((stat, keys, queries))
+        self.calls.append(Call(stat, keys, queries))
 
 
 class Incomplete(TrimVLMError):
@@ -247,8 +209,14 @@ def use_vision_attention(module):
 def recording(probe: VisionProbe, modules: list, *, cls: bool):
     """Record `probe`'s layer of the vision tower whose attention modules are `modules` (in layer order) while
     the block runs; yields the `Recording`."""
-    rec = Recording(probe=probe, target=modules[probe.layer_index(len(modules))], cls=cls)
-    probe.clear()
+    depth = len(modules)
+    if not -depth <= probe.layer < depth:
+        raise TrimVLMError(
+            f"vision layer {probe.layer} out of range: this vision tower has {depth} layers "
+            f"(allowed {-depth}..{depth - 1})"
+        )
+    rec = Recording(probe=probe, target=modules[probe.layer], cls=cls)
+    probe.results.clear()
     probe.mode = "cls" if cls else "mean"
     token = _ACTIVE.set(rec)
     try:
@@ -268,8 +236,6 @@ def request(handoff, layer: int) -> VisionProbe:
 
 def check_layer(runner, layer: int, name: str) -> None:
     """RecipeError unless this model has a vision tower with a layer `layer` the probe can record."""
-    from trimvlm.errors import RecipeError
-
     try:
         depth = len(runner.adapter.vision_attention_modules())
     except (NotImplementedError, AttributeError) as e:
@@ -284,12 +250,32 @@ def check_layer(runner, layer: int, name: str) -> None:
 
 
 def view_records(view, handoff, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(received [U, N], keys [U, N, H * d], heads) for the units of `view`, from the probe in the handoff."""
+    """(received [U, N], keys [U, N, H * d], heads) aligned with the units of `view`, a `VisualView` (0 on pads),
+    from the probe in the handoff, taken out of the probe so a later prefill can never read them."""
     probe = handoff.vision
     if not isinstance(probe, VisionProbe):
         raise TrimVLMError(
             f"tokens={name} needs the vision tower's attention: pass the plan's vision_probe to the prefill "
             "(AttentionContext(vision=plan.vision_probe))"
         )
-    received, keys = probe.for_view(view, f"tokens={name}")
+    u, n = view.mask.shape
+    dev = view.mask.device
+    received, keys = torch.zeros(u, n, dtype=torch.float32, device=dev), None
+    for i in range(u):
+        key = (int(view.sample[i]), int(view.image[i]))
+        rec = probe.results.pop(key, None)
+        if rec is None:
+            raise TrimVLMError(
+                f"tokens={name} needs the vision tower's attention of sample {key[0]}, unit {key[1]}: pass the "
+                "plan's vision_probe to the prefill (AttentionContext(vision=...)) so the images are encoded with it"
+            )
+        m = rec.received.shape[0]
+        if m != int(view.n[i]):
+            raise TrimVLMError(
+                f"tokens={name}: the vision probe recorded {m} tokens for sample {key[0]}, unit {key[1]}, but the "
+                f"unit has {int(view.n[i])}; it reads the projector's tokens, at layer 0"
+            )
+        if keys is None:
+            keys = torch.zeros(u, n, rec.keys.shape[-1], dtype=torch.float32, device=dev)
+        received[i, :m], keys[i, :m] = rec.received.to(dev), rec.keys.to(dev)
     return received, keys, probe.heads

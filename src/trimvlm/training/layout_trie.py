@@ -33,8 +33,7 @@ from trimvlm.router.route import RouterTokens
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.plan import Handoff, LayerPlan
-from trimvlm.runtime.runner import next_positions
-from trimvlm.runtime.sequence import LiveSeq
+from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 
 @dataclass(frozen=True)
@@ -260,7 +259,7 @@ def _with_answer(runner, seq: LiveSeq, inputs: list[torch.Tensor]) -> LiveSeq:
         ids[r, : len(a)], valid[r, : len(a)] = a.to(dev), True
     none = torch.full((b, n), -1, dtype=torch.long, device=dev)
     tail = {"hidden": runner.adapter.embed_tokens(ids).to(seq.hidden.dtype),
-            "positions": runner.adapter.text_positions(next_positions(seq), n).to(seq.positions.dtype),
+            "positions": runner.adapter.text_positions(next_positions(seq.positions, seq.valid), n).to(seq.positions.dtype),
             "valid": valid, "visual": torch.zeros_like(valid), "source": none, "image_id": none}  # fmt: skip
     joined = {k: torch.cat([getattr(seq, k), v], dim=2 if k == "positions" else 1) for k, v in tail.items()}
     joined["adds"] = {
