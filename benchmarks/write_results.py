@@ -195,14 +195,15 @@ def tune_table(data: dict, args: dict) -> str:
 def paired_table(data: dict, args: dict) -> str:
     """Paired comparisons on the same items: `pairs` ("A vs B; C vs D"), `group` (all, a kind or a probe; default
     all). Each row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact
-    p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero."""
+    p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero and p < 0.05."""
     result, group = SavedResult(data), args.get("group", "all")
     rows = []
     for pair in (x for x in args["pairs"].split(";") if x.strip()):
         a, b = (x.strip() for x in pair.split(" vs "))
         paired = compare(result, a, b, group)
         d = paired.diff
-        verdict = f"{a} ahead" if d.low > 0 else f"{b} ahead" if d.high < 0 else "no difference shown"
+        shown = paired.p_value < 0.05  # and the interval excludes zero: both tests agree
+        verdict = f"{a} ahead" if shown and d.low > 0 else f"{b} ahead" if shown and d.high < 0 else "no difference shown"
         acc = [100 * result.row(x, group)["accuracy"] for x in (a, b)]
         rows.append([a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
                      f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
