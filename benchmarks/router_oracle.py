@@ -122,6 +122,18 @@ def distribution(right, cost) -> dict:
             "at_or_below": {str(b): int((c <= b).sum()) for b in (0.3, 0.45, 0.6, 0.75, 1.0)}}  # fmt: skip
 
 
+def by_kind(right, task, full: int) -> dict:
+    """Per question kind: its items, the share the unpruned layout answers right and the share some layout does
+    (where the oracle's lead over the unpruned model comes from)."""
+    out = {}
+    for kind in dict.fromkeys(r.kind for r in task.records):
+        idx = [i for i, r in enumerate(task.records) if r.kind == kind]
+        sub = right[idx]
+        out[kind] = {"n": len(idx), "unpruned": float(sub[:, full].float().mean()),
+                     "some_layout": float(sub.any(1).float().mean())}  # fmt: skip
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo-scenes")
@@ -166,10 +178,11 @@ def main(argv=None) -> None:
         print(
             f"note: {a.table} holds {table.get('items')} items of seed {table.get('seed', 0)}, not {a.limit} of {a.seed}"
         )
+    full = next(i for i, m in enumerate(layouts) if m.keep >= 1 and not m.skip)
     out = {"model": a.model, "task": a.task, "seed": a.seed, "items": len(task.records), "threads": a.threads,
            "seconds_per_item": per_item, "select": space["select"], "keeps": space["keeps"],
            "subsets": [list(s) for s in space["subsets"]], "layouts": len(layouts), "cost": cost.tolist(),
-           "unpruned_right": int(right[:, [i for i, m in enumerate(layouts) if m.keep >= 1 and not m.skip][0]].sum()),
+           "unpruned_right": int(right[:, full].sum()), "by_kind": by_kind(right, task, full),
            "cheapest_right": distribution(right, cost), "rows": rows(right, cost, space, layouts, table)}  # fmt: skip
     print(json.dumps(out["rows"], indent=1), f"\n{per_item:.2f} s per item")
     if a.json:
