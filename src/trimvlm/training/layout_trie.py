@@ -19,7 +19,8 @@ all of them) and the same skipped layers so far. So the layer loop runs once per
   as one batch, and each leaf's cost is the sum over the answer of KL(p_full || p_leaf).
 
 `run_trie` takes a batch of inputs (ragged: images and prompts of different sizes, answers of different lengths)
-and one list of layouts for all of them.
+and one list of layouts for all of them. With `reducer` (keep -> a token method, e.g. a router's `select=`
+method) the tokens are that method's, as a recipe runs it (its merge included), rather than the top of a score row.
 """
 
 from __future__ import annotations
@@ -76,14 +77,15 @@ class _Rows:
 @torch.no_grad()
 def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor, layouts: list[Layout],
              layer: int, p_full: list[torch.Tensor] | None = None, *, meter: Meter | None = None,
-             keep_logits: bool = False) -> TrieOutput:  # fmt: skip
+             keep_logits: bool = False, reducer=None) -> TrieOutput:  # fmt: skip
     """Run every layout of `layouts` on every input of `prepared` as one trie, teacher-forced on `answers`
     (per input its answer tokens [n_b]; `p_full` per input its unpruned log-probs along it [n_b, V]).
     `scores` [B, T, S]: per input its token score rows by column of the prepared (unreduced) sequence,
-    -inf off the visual tokens; `layer`: the router's layer K, where tokens are dropped."""
+    -inf off the visual tokens (None with `reducer`); `layer`: the router's layer K, where tokens are dropped;
+    `reducer`: keep -> the token method that reduces there instead (the layouts' `tokens` then unused)."""
     meter = meter or Meter(device=runner.device)
     seq = runner.encode(prepared, meter)
-    by_source = _by_source(seq, scores)
+    by_source = None if reducer is not None else _by_source(seq, scores)
     seq = _with_answer(runner, seq, [a[:-1] for a in answers])
     b = seq.batch
     rows = _Rows(seq, list(range(b)), [list(range(len(layouts)))] * b, torch.zeros(b, dtype=torch.long))
@@ -91,7 +93,7 @@ def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor
     if layer > 0:
         rows, executed = _segment(runner, rows, layouts, 0, layer, meter)
     leaves = []
-    for group in _token_fork(runner, rows, layouts, by_source, layer, meter):
+    for group in _token_fork(runner, rows, layouts, by_source, layer, meter, reducer):
         group, runs = _segment(runner, group, layouts, layer, runner.num_layers, meter)
         leaves.append(group)
         executed += runs
@@ -212,21 +214,25 @@ class _Fork:
         return True
 
 
-def _token_fork(runner, rows: _Rows, layouts, by_source: torch.Tensor, layer: int, meter) -> list[_Rows]:
+def _token_fork(runner, rows: _Rows, layouts, by_source, layer: int, meter, reducer=None) -> list[_Rows]:
     """Fork the rows entering the router's layer by token selection: per keep, one group of rows (each a
-    distinct (row, token score row); keep 1 drops nothing, whatever the row), its tokens dropped."""
+    distinct (row, token score row); keep 1 drops nothing, whatever the row), its tokens dropped (by the top
+    of its score row, or by `reducer(keep)`)."""
     groups: dict[float, dict] = {}
     for r, s in enumerate(rows.sets):
         for m in s:
             k = min(float(layouts[m].keep), 1.0)
-            key = (r, layouts[m].tokens if k < 1 else -1)
+            key = (r, layouts[m].tokens if k < 1 and reducer is None else -1)
             groups.setdefault(k, {}).setdefault(key, []).append(m)
     out = []
     for k, kids in sorted(groups.items()):
         parents = [r for r, _ in kids]
         child = rows.take(parents)
         child.sets = list(kids.values())
-        if k < 1:
+        if k < 1 and reducer is not None:
+            with counting(meter, "prefill"):
+                child.seq = reducer(k).reduce(child.seq, runner, Handoff(), layer)
+        elif k < 1:
             src = child.seq.source.clamp(min=0)
             score = by_source[
                 torch.tensor([rows.inputs[r] for r in parents]), torch.tensor([t for _, t in kids])

@@ -31,7 +31,7 @@ from it); with `work`, each input's measured layouts are written as measured and
 Router v2 (`keeps`, `max_skip`): the grid is every keep x every subset of at most `max_skip` candidate layers
 (the empty one included) x the token sets; besides token and layer pairs (layer pairs: same size) it adds
 iso-cost pairs, two layouts of one token set with different numbers of skipped layers at total-FLOP ratios
-within 0.05 of each other (predicted from the shapes, `_flop_table`). The last checkpoint carries the budget
+within 0.05 of each other (predicted from the shapes, `flop_table`). The last checkpoint carries the budget
 section (router/budget.py): the cost table, and the training inputs' layer logits and plain-ranking KL on
 which `router=PATH:budget=B` calibrates its keep and price.
 """
@@ -226,7 +226,7 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     keeps, max_skip = _check_layouts(cand, layers_skip, keeps, max_skip, layer)
     check_sampling(v2, near, budgets, cells)
     keeps = keeps or [token_keep]
-    flops = _flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer) if v2 else None
+    flops = flop_table(vlm, records, keeps, all_subsets(cand, max_skip), layer) if v2 else None
     hidden = vlm.adapter.text_config.hidden_size
     start = 0
     if resume and out is not None and (Path(out) / "router.json").exists():
@@ -363,7 +363,7 @@ def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) 
     return total / max(1, steps)
 
 
-def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
+def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
     tune.predict: any reducer's kept counts at a layer equal the router's), with the tokens reduced at the
     router's layer (`cost`) and at every layer up to it (`cost_by_layer`, for a `select=` method acting at its
@@ -373,7 +373,7 @@ def _flop_table(vlm, records, keeps, subsets, layer) -> dict:
     from trimvlm.tune.predict import predict, read_shapes
 
     task = Task(name="router", records=list(records))
-    shapes = read_shapes(vlm, task, batches(task, 16))
+    shapes = read_shapes(vlm, task, batches(task, batch))
     base = predict(vlm, {}, shapes).prefill_flops
 
     def table(at: int) -> list[list[float]]:
