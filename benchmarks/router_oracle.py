@@ -134,6 +134,21 @@ def by_kind(right, task, full: int) -> dict:
     return out
 
 
+def _right(a, vlm, task, layouts, space) -> tuple[torch.Tensor, float]:
+    """Per item and layout, whether it answers right, and the seconds per item: read from `--right` when that
+    file exists, else measured (and written there)."""
+    if a.right is not None and a.right.exists():
+        got = torch.load(a.right)
+        return got["right"], got["seconds_per_item"]
+    selector = next(iter(space["routers"].values())).selector
+    start = time.perf_counter()
+    right = measure(vlm, task, layouts, selector, space["layer"], a.batch)
+    per_item = (time.perf_counter() - start) / len(task.records)
+    if a.right is not None:
+        torch.save({"right": right, "seconds_per_item": per_item}, a.right)
+    return right, per_item
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo-scenes")
@@ -152,7 +167,10 @@ def main(argv=None) -> None:
                     "exists (nothing measured), else written")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 4 items, one budget")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.limit, a.batch, a.eval_batch, a.budgets, a.right = 4, 4, 4, "0.6", None
     torch.set_num_threads(a.threads)
     vlm = trimvlm.load(a.model)
     space = layout_space(a.model, [float(b) for b in a.budgets.split(",")])
@@ -164,15 +182,7 @@ def main(argv=None) -> None:
     by = grid[str(space["layer"])]
     cost = torch.tensor([by[i][j] + space["share"] for i in range(len(space["keeps"])) for j in range(len(space["subsets"]))],
                         dtype=torch.float64)  # fmt: skip
-    selector = next(iter(space["routers"].values())).selector
-    start = time.perf_counter()
-    if a.right is not None and a.right.exists():
-        right, per_item = (got := torch.load(a.right))["right"], got["seconds_per_item"]
-    else:
-        right = measure(vlm, task, layouts, selector, space["layer"], a.batch)
-        per_item = (time.perf_counter() - start) / len(task.records)
-        if a.right is not None:
-            torch.save({"right": right, "seconds_per_item": per_item}, a.right)
+    right, per_item = _right(a, vlm, task, layouts, space)
     table = json.loads(a.table.read_text()) if a.table else None
     if table is not None and (table.get("items") != a.limit or table.get("seed", 0) != a.seed):
         print(
