@@ -19,7 +19,7 @@ def tune(vlm, task="demo", budgets=("total_flops=0.5",), **kw):
     return _tune(vlm, task, list(budgets), **kw)
 
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 __all__ = [
     "VLM",
     "GenerationResult",
