@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 from trimvlm.evals import plot
 from trimvlm.evals.intervals import wilson
-from trimvlm.evals.run import compare, group_items
+from trimvlm.evals.run import compare
 from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
 from trimvlm.tune.report import frontier_figure
 
@@ -197,10 +197,11 @@ def paired_table(data: dict, args: dict) -> str:
     all). Each row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact
     p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero and p < 0.05."""
     result, group = SavedResult(data), args.get("group", "all")
-    rows = []
+    rows, n = [], 0
     for pair in (x for x in args["pairs"].split(";") if x.strip()):
         a, b = (x.strip() for x in pair.split(" vs "))
         paired = compare(result, a, b, group)
+        n = paired.n
         d = paired.diff
         shown = paired.p_value < 0.05  # and the interval excludes zero: both tests agree
         verdict = f"{a} ahead" if shown and d.low > 0 else f"{b} ahead" if shown and d.high < 0 else "no difference shown"
@@ -208,7 +209,6 @@ def paired_table(data: dict, args: dict) -> str:
         rows.append([a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
                      f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
                      verdict])  # fmt: skip
-    n = len(group_items(result, group))
     return markdown_table(["A", "B", "A acc", "B acc", f"A - B, points (95% CI, {n} items)", "p", "verdict"], rows)
 
 

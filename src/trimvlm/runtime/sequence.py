@@ -102,6 +102,22 @@ class LiveSeq:
         seq.image_id = seq.image_id.masked_fill(~new_valid, -1)
         return seq
 
+    def take_rows(self, idx) -> LiveSeq:
+        """Rows (samples) `idx` of every per-row field, in that order (a row may repeat)."""
+        t = torch.as_tensor(idx, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v.index_select(1 if f.name == "positions" else 0, t.to(v.device))
+            elif f.name == "adds":
+                out[f.name] = {k: [x.index_select(0, t.to(x.device)) for x in xs] for k, xs in v.items()}
+            elif isinstance(v, list):
+                out[f.name] = [v[j] for j in t.tolist()] if v else v
+            else:
+                out[f.name] = v
+        return LiveSeq(**out)
+
     def with_hidden(self, hidden: torch.Tensor) -> LiveSeq:
         seq = LiveSeq(**{f.name: getattr(self, f.name) for f in fields(self)})
         seq.hidden = hidden

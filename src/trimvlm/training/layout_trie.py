@@ -25,7 +25,7 @@ method) the tokens are that method's, as a recipe runs it (its merge included), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,7 +70,7 @@ class _Rows:
     ran: torch.Tensor  # [R] long, on the host
 
     def take(self, idx: list[int]) -> _Rows:
-        return _Rows(_select(self.seq, idx), [self.inputs[j] for j in idx], [self.sets[j] for j in idx],
+        return _Rows(self.seq.take_rows(idx), [self.inputs[j] for j in idx], [self.sets[j] for j in idx],
                      self.ran[idx])  # fmt: skip
 
 
@@ -178,7 +178,7 @@ class _Fork:
         every = len(run) == len(self.rows.sets)
         if every and prev == run and not forked and not self.rows.seq.adds:
             return seq  # the rows that ran the last layer, unchanged: the runner keeps its sequence
-        return _bare(self.rows.seq if every else _select(self.rows.seq, run))
+        return _bare(self.rows.seq if every else self.rows.seq.take_rows(run))
 
     def _took(self, hidden: torch.Tensor, runner) -> None:
         """The output of the last layer for the rows that ran it."""
@@ -186,7 +186,7 @@ class _Fork:
         every = len(run) == len(rows.sets)
         if rows.seq.adds:
             hidden = runner.adapter.after_layer(
-                rows.ran[run], rows.seq if every else _select(rows.seq, run), hidden
+                rows.ran[run], rows.seq if every else rows.seq.take_rows(run), hidden
             )
         rows.seq = rows.seq.with_hidden(
             hidden
@@ -275,23 +275,6 @@ def _with_answer(runner, seq: LiveSeq, inputs: list[torch.Tensor]) -> LiveSeq:
         joined["size"] = torch.cat([seq.size, seq.size.new_ones(b, n)], 1)
     full = replace(seq, **joined)
     return full.gather(full.valid)
-
-
-def _select(seq: LiveSeq, idx) -> LiveSeq:
-    """Rows `idx` of every per-row field of `seq`."""
-    t = torch.as_tensor(idx, dtype=torch.long)
-    out = {}
-    for f in fields(seq):
-        v = getattr(seq, f.name)
-        if isinstance(v, torch.Tensor):
-            out[f.name] = v.index_select(1 if f.name == "positions" else 0, t.to(v.device))
-        elif f.name == "adds":
-            out[f.name] = {k: [x.index_select(0, t.to(x.device)) for x in xs] for k, xs in v.items()}
-        elif isinstance(v, list):
-            out[f.name] = [v[j] for j in t.tolist()] if v else v
-        else:
-            out[f.name] = v
-    return LiveSeq(**out)
 
 
 def _bare(seq: LiveSeq) -> LiveSeq:
