@@ -71,7 +71,7 @@ def step_times(runner, out, caches, steps: int) -> list[list[float]]:
     return times
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="decode_memory.json")
     ap.add_argument(
@@ -90,45 +90,46 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.hidden, args.layers, args.steps = "256,1024", 64, 2, 3
-    torch.set_num_threads(args.threads)
-    folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
-                                           heads=8, kv_heads=4, vision_hidden=32)  # fmt: skip
-    adapter = load_adapter(folder)
-    runner = Runner(adapter)
-    policy = build_method("kv", args.policy, {"keep": args.keep})
-    rows = []
-    for n_vis in [int(x) for x in args.contexts.split(",")]:
-        prep = adapter.prepare([images_for(n_vis)], ["describe the image"])
-        handoff = Handoff()
-        probe = policy.probe(runner, handoff)
-        t0 = time.perf_counter()
-        out = runner.prefill(prep, Plan(probe=probe))
-        t_prefill = time.perf_counter() - t0
-        e0 = out.cache.layers[0]
-        got_vis = int((e0.visual & e0.valid).sum())
-        if got_vis != n_vis and not args.model:
-            raise SystemExit(f"asked for {n_vis} visual tokens, the model made {got_vis}")
-        n_vis = got_vis
-        n_text = int((~e0.visual & e0.valid).sum())
-        base = copy.deepcopy(out.cache)
-        bytes_base = base.attention_bytes()
-        t0 = time.perf_counter()
-        policy.bind(runner, handoff)(out)
-        t_evict = time.perf_counter() - t0
-        bytes_kv = out.cache.attention_bytes()
-        _, hk, _, hd = e0.key.shape
-        per_entry = len(out.cache.layers) * 2 * hk * hd * e0.key.element_size()
-        analytic = per_entry * (n_text + math.ceil(n_vis * args.keep - 1e-9))
-        assert bytes_base == per_entry * (n_text + n_vis)
-        assert bytes_kv == analytic, (bytes_kv, analytic)
-        step_times(runner, out, [base, copy.deepcopy(out.cache)], 2)  # warm-up on throwaway copies
-        tb, te = step_times(runner, out, [base, out.cache], args.steps)
-        mb, me = statistics.median(tb), statistics.median(te)
-        rows.append({
-            "visual_tokens": n_vis, "text_tokens": n_text, "kv_bytes_baseline": bytes_base, "kv_bytes_evicted": bytes_kv,
-            "kv_bytes_analytic": analytic, "kv_ratio": bytes_kv / bytes_base, "step_ms_baseline": 1e3 * mb,
-            "step_ms_evicted": 1e3 * me, "step_speedup": mb / me, "prefill_s": t_prefill, "evict_ms": 1e3 * t_evict,
-        })  # fmt: skip
+    return args
+
+
+def measure_context(args, adapter, runner, policy, n_vis: int) -> dict:
+    """One context: prefill, evict, the KV bytes against the analytic count, and the decode step times of the
+    baseline and the evicted cache in turn."""
+    prep = adapter.prepare([images_for(n_vis)], ["describe the image"])
+    handoff = Handoff()
+    probe = policy.probe(runner, handoff)
+    t0 = time.perf_counter()
+    out = runner.prefill(prep, Plan(probe=probe))
+    t_prefill = time.perf_counter() - t0
+    e0 = out.cache.layers[0]
+    got_vis = int((e0.visual & e0.valid).sum())
+    if got_vis != n_vis and not args.model:
+        raise SystemExit(f"asked for {n_vis} visual tokens, the model made {got_vis}")
+    n_vis = got_vis
+    n_text = int((~e0.visual & e0.valid).sum())
+    base = copy.deepcopy(out.cache)
+    bytes_base = base.attention_bytes()
+    t0 = time.perf_counter()
+    policy.bind(runner, handoff)(out)
+    t_evict = time.perf_counter() - t0
+    bytes_kv = out.cache.attention_bytes()
+    _, hk, _, hd = e0.key.shape
+    per_entry = len(out.cache.layers) * 2 * hk * hd * e0.key.element_size()
+    analytic = per_entry * (n_text + math.ceil(n_vis * args.keep - 1e-9))
+    assert bytes_base == per_entry * (n_text + n_vis)
+    assert bytes_kv == analytic, (bytes_kv, analytic)
+    step_times(runner, out, [base, copy.deepcopy(out.cache)], 2)  # warm-up on throwaway copies
+    tb, te = step_times(runner, out, [base, out.cache], args.steps)
+    mb, me = statistics.median(tb), statistics.median(te)
+    return {
+        "visual_tokens": n_vis, "text_tokens": n_text, "kv_bytes_baseline": bytes_base, "kv_bytes_evicted": bytes_kv,
+        "kv_bytes_analytic": analytic, "kv_ratio": bytes_kv / bytes_base, "step_ms_baseline": 1e3 * mb,
+        "step_ms_evicted": 1e3 * me, "step_speedup": mb / me, "prefill_s": t_prefill, "evict_ms": 1e3 * t_evict,
+    }  # fmt: skip
+
+
+def show(args, rows: list[dict]) -> None:
     table = Table(title=f"decode memory and step time: baseline vs kv={args.policy}:keep={args.keep}")
     for col in ("visual", "text", "KV base MiB", "KV evicted MiB", "ratio", "step ms base", "step ms evicted",
                 "speedup", "evict ms"):  # fmt: skip
@@ -140,6 +141,18 @@ def main(argv=None):
             f"{r['step_ms_evicted']:.2f}", f"{r['step_speedup']:.2f}x", f"{r['evict_ms']:.1f}",
         )  # fmt: skip
     Console(width=160).print(table)
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), hidden=args.hidden, layers=args.layers,
+                                           heads=8, kv_heads=4, vision_hidden=32)  # fmt: skip
+    adapter = load_adapter(folder)
+    runner = Runner(adapter)
+    policy = build_method("kv", args.policy, {"keep": args.keep})
+    rows = [measure_context(args, adapter, runner, policy, int(n)) for n in args.contexts.split(",")]
+    show(args, rows)
     meta = {"model": "tiny qwen3_vl", "hidden": args.hidden, "layers": args.layers, "heads": 8, "kv_heads": 4,
             "policy": args.policy, "keep": args.keep, "steps": args.steps, "threads": args.threads,
             "torch": torch.__version__}  # fmt: skip

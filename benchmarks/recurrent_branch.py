@@ -28,6 +28,7 @@ import tempfile
 import torch
 
 from trimvlm.loading import load_adapter
+from trimvlm.runtime.generate import generate
 from trimvlm.testing import REAL_WIDTHS, WORDS, random_image, tiny_checkpoint
 from trimvlm.vlm import VLM
 
@@ -51,7 +52,7 @@ def use(adapter, path: str, default: int | None) -> None:
         adapter.recurrent_max_len = 0 if path == "chunked" else default
 
 
-def main(argv=None) -> None:
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--candidates", type=int, default=64)
     p.add_argument("--suffix", type=int, default=8, help="tokens per candidate, the close marker included")
@@ -71,7 +72,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.candidates, args.hidden, args.rounds, args.decode, args.width = 8, 64, 1, 4, None
-    torch.set_num_threads(args.threads)
+    return args
+
+
+def setup(args):
+    """The random Qwen3.5 model, its recurrent_max_len (from --max-len) and the two timed calls: scoring the
+    candidates on one image, and greedy decoding of 4 ragged rows, each on a chosen path."""
     torch.manual_seed(0)
     shape = dict(hidden=args.hidden, heads=args.heads)
     shape.update(REAL_WIDTHS.get(args.width, {}))
@@ -81,23 +87,24 @@ def main(argv=None) -> None:
     default = getattr(ad, "recurrent_max_len", None)
     if default is not None and args.max_len is not None:
         default = args.max_len
-    names = paths(ad)
     image = random_image(0, (128, 128))
     cands = candidates(args.candidates, args.suffix)
+    prep = ad.prepare([[random_image(s, (64 + 32 * s, 64))] for s in range(4)], [PROMPT] * 4)
 
     def score(path, executor, track=False):
         use(ad, path, default)
         return vlm.score(image, PROMPT, cands, executor=executor, track_memory=track)
 
-    prep = ad.prepare([[random_image(s, (64 + 32 * s, 64))] for s in range(4)], [PROMPT] * 4)
-
     def decode(path):
-        from trimvlm.runtime.generate import generate
-
         use(ad, path, default)
-        tok = ad.tokenizer
-        return generate(vlm.runner, prep, max_new_tokens=args.decode, stop_ids=[], pad_id=tok.pad_token_id)
+        return generate(vlm.runner, prep, max_new_tokens=args.decode, stop_ids=[], pad_id=ad.tokenizer.pad_token_id)
 
+    return ad, default, score, decode
+
+
+def rounds(n: int, names: list[str], score, decode):
+    """One warm-up, then `n` rounds over the paths (every other round in reverse): each path's branch and decode
+    seconds per round, its last scoring result and its decoded tokens."""
     for path in names:  # warm-up
         for ex in EXECUTORS:
             score(path, ex)
@@ -105,9 +112,8 @@ def main(argv=None) -> None:
     branch = {(pa, ex): [] for pa in names for ex in EXECUTORS}
     steps = {pa: [] for pa in names}
     last, tokens = {}, {}
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for path in order:
+    for r in range(n):
+        for path in names if r % 2 == 0 else names[::-1]:
             for ex in EXECUTORS:
                 res = score(path, ex)
                 branch[(path, ex)].append(res.costs.seconds["branch"])
@@ -115,8 +121,12 @@ def main(argv=None) -> None:
             out = decode(path)
             steps[path].append(out.costs.seconds["decode"])
             tokens[path] = out.tokens
-    rows = []
+    return branch, steps, last, tokens
+
+
+def score_rows(args, names, score, branch, last) -> list[dict]:
     ref = last[("chunked", "batched")]
+    rows = []
     for path in names:
         for ex in EXECUTORS:
             res = last[(path, ex)]
@@ -129,13 +139,10 @@ def main(argv=None) -> None:
                 "peak_branch_bytes": score(path, ex, track=True).costs.peak_memory_phase["branch"],
                 "max_score_diff_vs_chunked": err,
             })  # fmt: skip
-    decode_rows = [
-        {"path": pa, "decode_s": statistics.median(steps[pa]), "decode_rounds_s": steps[pa],
-         "same_tokens_as_chunked": bool(torch.equal(tokens[pa], tokens["chunked"]))}
-        for pa in names
-    ]  # fmt: skip
-    if default is not None:
-        ad.recurrent_max_len = type(ad).recurrent_max_len
+    return rows
+
+
+def chunked_over_recurrent(names, rows, decode_rows) -> dict:
     ratios = {}
     if "recurrent" in names:
         by = {(r["path"], r["executor"]): r for r in rows}
@@ -144,6 +151,24 @@ def main(argv=None) -> None:
             ratios[ex] = {"branch_time": c["branch_s"] / s["branch_s"],
                           "peak_memory": c["peak_branch_bytes"] / s["peak_branch_bytes"]}  # fmt: skip
         ratios["decode_time"] = decode_rows[0]["decode_s"] / decode_rows[1]["decode_s"]
+    return ratios
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    ad, default, score, decode = setup(args)
+    names = paths(ad)
+    branch, steps, last, tokens = rounds(args.rounds, names, score, decode)
+    rows = score_rows(args, names, score, branch, last)
+    decode_rows = [
+        {"path": pa, "decode_s": statistics.median(steps[pa]), "decode_rounds_s": steps[pa],
+         "same_tokens_as_chunked": bool(torch.equal(tokens[pa], tokens["chunked"]))}
+        for pa in names
+    ]  # fmt: skip
+    if default is not None:
+        ad.recurrent_max_len = type(ad).recurrent_max_len
+    ratios = chunked_over_recurrent(names, rows, decode_rows)
     for r in rows:
         print(f"{r['path']:9s} {r['executor']:7s} N={r['candidates']} T={r['suffix_tokens']}  branch "
               f"{r['branch_s'] * 1e3:8.2f} ms  peak {r['peak_branch_bytes'] / 2**20:8.2f} MiB  "

@@ -31,7 +31,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="runner_overhead.json")
     ap.add_argument("--repeats", type=int, default=7)
@@ -49,6 +49,61 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.batches, args.new_tokens, args.repeats, args.width = 64, 2, [1, 2], 4, 1, None
+    return args
+
+
+def calls(adapter, runner, prep, new_tokens: int) -> dict:
+    """The four timed calls on one batch: the runner's and the model's own forward and generate."""
+    model, pad = adapter.model, adapter.tokenizer.pad_token_id
+    inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
+
+    def ours_fwd():
+        runner.prefill(prep, all_logits=True)
+
+    def ref_fwd():
+        with torch.no_grad():
+            model(**inputs)
+
+    def ours_gen():
+        generate(runner, prep, max_new_tokens=new_tokens, stop_ids=[], pad_id=pad)
+
+    def ref_gen():
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=pad)  # fmt: skip
+
+    return {"ours_fwd": ours_fwd, "ref_fwd": ref_fwd, "ours_gen": ours_gen, "ref_gen": ref_gen}
+
+
+def measure(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each call: one warm-up each, then `repeats` rounds, every other round in reverse order
+    within each pair (forward, generate)."""
+    for fn in fns.values():
+        fn()
+    t = {name: [] for name in fns}
+    for r in range(repeats):
+        order = list(fns.items())
+        if r % 2:
+            order = order[1::-1] + order[:1:-1]
+        for name, fn in order:
+            t[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in t.items()}
+
+
+def show(rows: list[dict]) -> None:
+    table = Table(title="trimvlm runner vs the model's own forward / generate (median, interleaved)")
+    for col in ("batch", "seq", "ours fwd ms", "model fwd ms", "fwd ratio", "ours gen ms", "model gen ms",
+                "gen ratio"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch"]), str(r["seq_len"]), f"{r['ours_fwd_s'] * 1e3:.1f}", f"{r['ref_fwd_s'] * 1e3:.1f}",
+                      f"{r['forward_ratio']:.3f}", f"{r['ours_gen_s'] * 1e3:.1f}", f"{r['ref_gen_s'] * 1e3:.1f}",
+                      f"{r['generate_ratio']:.3f}")  # fmt: skip
+    Console(width=160).print(table)
+
+
+def main(argv=None):
+    args = parse(argv)
     torch.set_num_threads(args.threads)
     shape = dict(heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64), hidden=args.hidden)
     shape.update(REAL_WIDTHS.get(args.width, {}))
@@ -56,65 +111,16 @@ def main(argv=None):
     folder = args.model or tiny_checkpoint("qwen3_vl", tempfile.mkdtemp(), layers=layers, vision_hidden=64, **shape)
     adapter = load_adapter(folder)
     runner = Runner(adapter)
-    model = adapter.model
-    tok = adapter.tokenizer
     rows = []
     for batch in args.batches:
         images = [[random_image(i, (256, 256))] for i in range(batch)]  # 256 px / 8 / 2 -> 16x16 = 256 tokens
         prep = adapter.prepare(images, ["what is the colour of the square"] * batch)
-        inputs = dict(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs)
-
-        def ours_fwd(prep=prep):
-            runner.prefill(prep, all_logits=True)
-
-        def ref_fwd(inputs=inputs):
-            with torch.no_grad():
-                model(**inputs)
-
-        def ours_gen(prep=prep):
-            generate(runner, prep, max_new_tokens=args.new_tokens, stop_ids=[], pad_id=tok.pad_token_id)
-
-        def ref_gen(inputs=inputs):
-            with torch.no_grad():
-                model.generate(**inputs, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                               do_sample=False, pad_token_id=tok.pad_token_id)  # fmt: skip
-
-        for fn in (ours_fwd, ref_fwd, ours_gen, ref_gen):  # warm-up
-            fn()
-        t = {"ours_fwd": [], "ref_fwd": [], "ours_gen": [], "ref_gen": []}
-        for r in range(args.repeats):
-            order = [
-                ("ours_fwd", ours_fwd),
-                ("ref_fwd", ref_fwd),
-                ("ours_gen", ours_gen),
-                ("ref_gen", ref_gen),
-            ]
-            if r % 2:
-                order = order[1::-1] + order[:1:-1]
-            for name, fn in order:
-                t[name].append(timed(fn))
-        med = {k: statistics.median(v) for k, v in t.items()}
+        med = measure(calls(adapter, runner, prep, args.new_tokens), args.repeats)
         rows.append({
             "batch": batch, "seq_len": prep.input_ids.shape[1], **{f"{k}_s": v for k, v in med.items()},
             "forward_ratio": med["ours_fwd"] / med["ref_fwd"], "generate_ratio": med["ours_gen"] / med["ref_gen"],
         })  # fmt: skip
-    table = Table(title="trimvlm runner vs the model's own forward / generate (median, interleaved)")
-    for col in (
-        "batch",
-        "seq",
-        "ours fwd ms",
-        "model fwd ms",
-        "fwd ratio",
-        "ours gen ms",
-        "model gen ms",
-        "gen ratio",
-    ):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["batch"]), str(r["seq_len"]), f"{r['ours_fwd_s'] * 1e3:.1f}", f"{r['ref_fwd_s'] * 1e3:.1f}",
-                      f"{r['forward_ratio']:.3f}", f"{r['ours_gen_s'] * 1e3:.1f}", f"{r['ref_gen_s'] * 1e3:.1f}",
-                      f"{r['generate_ratio']:.3f}")  # fmt: skip
-    Console(width=160).print(table)
+    show(rows)
     out = {"benchmark": "runner_overhead", "threads": args.threads, "repeats": args.repeats,
            "torch": torch.__version__, "rows": rows}  # fmt: skip
     with open(args.json, "w") as f:

@@ -84,6 +84,59 @@ def one_run(vlm, image, cands, executor, track=False):
     return time.perf_counter() - t0, res
 
 
+def conditions(args) -> list[tuple]:
+    """The (candidates, suffix length, shared fraction, branching) conditions scanned."""
+    grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
+    if args.grid == "small":
+        grid = [g for g in grid if all(x in ok for x, ok in zip(g[:3], SMALL_GRID, strict=True))]
+    if args.quick:  # two conditions: no sharing and 75% shared, 4 candidates of 8 tokens, flat
+        grid = [g for g in grid if g[0] == 4 and g[1] == 8 and g[2] in (0.0, 0.75) and g[3] == "flat"]
+    return grid
+
+
+def timed_rounds(vlm, image, cands, rounds: int, reps: int, order_rng):
+    """Per executor: seconds and branch seconds per call in each round (the executors in a shuffled order, call
+    by call in turn, so a drift of the host over the round hits all alike), and its last result."""
+    times = {e: [] for e in EXECUTORS}
+    branch = {e: [] for e in EXECUTORS}
+    results = {}
+    for _ in range(rounds):
+        order = list(EXECUTORS)
+        order_rng.shuffle(order)
+        spent = {e: [0.0, 0.0] for e in EXECUTORS}  # seconds, branch seconds over the round's calls
+        for _ in range(reps):
+            for e in order:
+                dt, res = one_run(vlm, image, cands, e)
+                spent[e][0] += dt
+                spent[e][1] += res.costs.seconds.get("branch", 0.0)
+                results[e] = res
+        for e in EXECUTORS:
+            times[e].append(spent[e][0] / reps)
+            branch[e].append(spent[e][1] / reps)
+    return times, branch, results
+
+
+def executor_cells(vlm, image, cands, times, branch, results) -> dict:
+    """Each executor's latency, memory, FLOPs and largest score difference from `independent`."""
+    ref, cells = results["independent"], {}
+    for e in EXECUTORS:
+        err = max(
+            abs(a - b)
+            for ra, rb in zip(ref.results, results[e].results, strict=True)
+            for a, b in zip(ra.logits, rb.logits, strict=True)
+        )
+        _, mem = one_run(vlm, image, cands, e, track=True)
+        cells[e] = {
+            "latency_s": statistics.median(times[e]),  # the median of the rounds
+            "latency_rounds_s": times[e],
+            "branch_s": statistics.median(branch[e]),
+            "peak_branch_bytes": mem.costs.peak_memory_phase.get("branch", 0),
+            "branch_flops": results[e].costs.flops.get("branch", 0),
+            "max_score_error": err,
+        }
+    return cells
+
+
 def scan_model(family: str, args) -> list[dict]:
     torch.manual_seed(0)
     _, heads, kv_heads = WIDTHS[args.width]
@@ -98,45 +151,21 @@ def scan_model(family: str, args) -> list[dict]:
         "seconds": time.perf_counter() - t0,
         "call_cost_slots": _measured(vlm.adapter.model),
     }
-    grid = list(itertools.product(CANDIDATES, LENGTHS, SHARING, BRANCHING))
-    if args.grid == "small":
-        grid = [g for g in grid if all(x in ok for x, ok in zip(g[:3], SMALL_GRID, strict=True))]
-    if args.quick:  # two conditions: no sharing and 75% shared, 4 candidates of 8 tokens, flat
-        grid = [g for g in grid if g[0] == 4 and g[1] == 8 and g[2] in (0.0, 0.75) and g[3] == "flat"]
     rows = []
     order_rng = random.Random(1)
-    for k, (n, length, share, branching) in enumerate(grid):
+    for k, (n, length, share, branching) in enumerate(conditions(args)):
         cands = candidates(n, length, share, branching, seed=k)
         warm, _ = one_run(vlm, image, cands, "batched")  # warm-up; it also sizes the calls per timing
         reps = max(1, math.ceil(args.min_time / warm))  # the same for every executor of this condition
-        times = {e: [] for e in EXECUTORS}
-        branch = {e: [] for e in EXECUTORS}
-        results = {}
-        for _ in range(args.rounds):
-            order = list(EXECUTORS)
-            order_rng.shuffle(order)
-            spent = {e: [0.0, 0.0] for e in EXECUTORS}  # seconds, branch seconds over the round's calls
-            for _ in range(reps):  # call by call in turn: a drift of the host over the round hits all alike
-                for e in order:
-                    dt, res = one_run(vlm, image, cands, e)
-                    spent[e][0] += dt
-                    spent[e][1] += res.costs.seconds.get("branch", 0.0)
-                    results[e] = res
-            for e in EXECUTORS:
-                times[e].append(spent[e][0] / reps)
-                branch[e].append(spent[e][1] / reps)
-        ref = results["independent"]
+        times, branch, results = timed_rounds(vlm, image, cands, args.rounds, reps, order_rng)
+        ref, tree = results["independent"], results["tree"]
         row = {
-            "model": family,
-            "candidates": n,
-            "suffix_tokens": length,
-            "shared": share,
-            "branching": branching,
+            "model": family, "candidates": n, "suffix_tokens": length, "shared": share, "branching": branching,
             "logical_tokens": ref.tokens["logical"],
-            "unique_tokens": results["tree"].tokens["unique"],
-            "tree_executed_tokens": results["tree"].tokens["executed"],
+            "unique_tokens": tree.tokens["unique"],
+            "tree_executed_tokens": tree.tokens["executed"],
             # no merge taken: `tree` ran batched's own code (executors/tree_schedule.py run_pieces)
-            "tree_plain_layout": results["tree"].tokens["executed"] == ref.tokens["logical"],
+            "tree_plain_layout": tree.tokens["executed"] == ref.tokens["logical"],
             "calls_per_timing": reps,
             # the median over rounds of tree / batched within each round (round-to-round drift cancels)
             "tree_over_batched_paired": statistics.median(
@@ -145,22 +174,8 @@ def scan_model(family: str, args) -> list[dict]:
             "auto_chose": results["auto"].executor,
             "tree_call_cost_slots": list(calibration["call_cost_slots"].values()),
             "calibration_s": calibration["seconds"],
-        }
-        for e in EXECUTORS:
-            err = max(
-                abs(a - b)
-                for ra, rb in zip(ref.results, results[e].results, strict=True)
-                for a, b in zip(ra.logits, rb.logits, strict=True)
-            )
-            _, mem = one_run(vlm, image, cands, e, track=True)
-            row[e] = {
-                "latency_s": statistics.median(times[e]),  # the median of the rounds
-                "latency_rounds_s": times[e],
-                "branch_s": statistics.median(branch[e]),
-                "peak_branch_bytes": mem.costs.peak_memory_phase.get("branch", 0),
-                "branch_flops": results[e].costs.flops.get("branch", 0),
-                "max_score_error": err,
-            }
+        }  # fmt: skip
+        row.update(executor_cells(vlm, image, cands, times, branch, results))
         rows.append(row)
         print(_line(row), flush=True)
     return rows

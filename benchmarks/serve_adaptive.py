@@ -135,7 +135,7 @@ def summarize(name: str, results: list[dict], pct) -> dict:
     }  # fmt: skip
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--task", default=None, help="the test questions (default: the checkpoint's own task)")
@@ -158,11 +158,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.calibrate, args.seconds, args.warmup, args.items, args.clients, args.max_new_tokens = 1.0, 1.0, 0.5, 12, 2, 6
-    sl = _serve_load()
     args.max_wait_ms = 10.0
-    from trimvlm.loading import checkpoint_task
+    return args
 
-    pool = items(args.task or checkpoint_task(args.model), args.items)
+
+def run(args, sl, pool: list[dict]) -> tuple[dict, float, float]:
+    """The fixed and the adaptive server: the fixed one's capacity (closed loop), then open-loop arrivals at
+    --load times it on both in alternating slices. Returns each server's requests, the capacity and the rate."""
     off = ("--prefix-cache-mb", "0", "--vision-cache-mb", "0", "--request-cache-mb", "0")  # every prompt new
     fixed = sl.Server(args, args.max_batch, ("--recipe", args.recipe, *off))
     adaptive = None
@@ -187,10 +189,10 @@ def main(argv=None):
         fixed.close()
         if adaptive is not None:
             adaptive.close()
-    rows = [summarize(name, results[name], sl.pct) for name in ("fixed", "adaptive")]
-    out = {"model": args.model, "tuned": args.tuned, "slo_ttft_ms": args.slo_ttft_ms, "capacity_rps": capacity,
-           "rate_rps": rate, "threads": args.threads, "rows": rows,
-           "failed": sum(r["failed"] for r in rows)}  # fmt: skip
+    return results, capacity, rate
+
+
+def show(args, rows: list[dict], capacity: float, rate: float) -> None:
     t = Table(title=f"open-loop arrivals at {rate:.2f}/s ({args.load:g}x the fixed server's {capacity:.2f}/s), "
                     f"TTFT objective {args.slo_ttft_ms:g} ms")  # fmt: skip
     for col in ("server", "requests", "failed", "TTFT p50", "TTFT p99", "engine TTFT p99", "e2e p50", "e2e p99",
@@ -202,6 +204,20 @@ def main(argv=None):
                   f"{r['e2e_p50_ms'] or 0:.0f}", f"{r['e2e_p99_ms'] or 0:.0f}",
                   f"{r['accuracy'] or 0:.3f}", ", ".join(f"{k}: {v}" for k, v in r["recipes"].items()))  # fmt: skip
     console.print(t)
+
+
+def main(argv=None):
+    args = parse(argv)
+    sl = _serve_load()
+    from trimvlm.loading import checkpoint_task
+
+    pool = items(args.task or checkpoint_task(args.model), args.items)
+    results, capacity, rate = run(args, sl, pool)
+    rows = [summarize(name, results[name], sl.pct) for name in ("fixed", "adaptive")]
+    out = {"model": args.model, "tuned": args.tuned, "slo_ttft_ms": args.slo_ttft_ms, "capacity_rps": capacity,
+           "rate_rps": rate, "threads": args.threads, "rows": rows,
+           "failed": sum(r["failed"] for r in rows)}  # fmt: skip
+    show(args, rows, capacity, rate)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

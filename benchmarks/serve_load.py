@@ -409,7 +409,7 @@ def cancellation(args, server, pool: list[str]) -> dict:
     }  # fmt: skip
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--clients", default=None, help="comma-separated client counts (default 32; --full: 1,8,32,64)")
@@ -447,10 +447,12 @@ def main(argv=None):
     if args.quick:
         args.clients, args.seconds, args.warmup, args.rounds = "2", 0.5, 0.2, 1
         args.images, args.max_new_tokens, args.cancel_clients = 2, 4, 4
-    clients = [int(x) for x in args.clients.split(",")]
-    endpoints = args.endpoints.split(",")
+    return args
+
+
+def run_servers(args, clients: list[int], endpoints: list[str], other: str) -> tuple[list[dict], dict | None]:
+    """The two servers started, every cell measured on both, the cancellation run; the servers closed."""
     pool = images(args.images, args.image_size)
-    other = f"api-workers-{args.api_workers}" if args.api_workers else "one-at-a-time"  # the second server
     servers = {}
     try:
         budget = ("--max-prefill-tokens", str(args.max_prefill_tokens))
@@ -464,8 +466,13 @@ def main(argv=None):
     finally:
         for server in servers.values():
             server.close()
-    table = Table(title=f"trimvlm serve on {args.model}: {args.seconds:g} s per cell")
-    for col in ("endpoint", "recipe", "clients", "batched req/s", f"{other} req/s", f"{other} / batched" if args.api_workers else "ratio",
+    return rows, cancel
+
+
+def summarize(rows: list[dict], other: str, api_workers: int) -> tuple[list[dict], Table]:
+    """One summary row and one table row per cell of the batching server, beside the same cell of the other."""
+    table = Table()
+    for col in ("endpoint", "recipe", "clients", "batched req/s", f"{other} req/s", f"{other} / batched" if api_workers else "ratio",
                 "p50 ms (b / 1)", "p99 ms (b / 1)", "TTFT p50 / p99 ms (b)", "TTFT / e2e p50 (b)", f"same, >= {LONG} chunks", "mean batch",
                 "failed"):  # fmt: skip
         table.add_column(col)
@@ -478,7 +485,7 @@ def main(argv=None):
             and (r["endpoint"], r["recipe"], r["clients"]) == (row["endpoint"], row["recipe"], row["clients"])
         )  # fmt: skip
         # batched / one-at-a-time; with --api-workers: the split server / the one-process one
-        ratio = one["throughput_rps"] / row["throughput_rps"] if args.api_workers else row["throughput_rps"] / one["throughput_rps"]
+        ratio = one["throughput_rps"] / row["throughput_rps"] if api_workers else row["throughput_rps"] / one["throughput_rps"]
         ttft_share = None if row["ttft_p50_ms"] is None else row["ttft_p50_ms"] / row["p50_ms"]
         summary.append({"endpoint": row["endpoint"], "recipe": row["recipe"], "clients": row["clients"],
                         "batched_rps": row["throughput_rps"], "one_at_a_time_rps": one["throughput_rps"],
@@ -507,6 +514,17 @@ def main(argv=None):
             f"{row['mean_batch'] or 0:.1f}",
             str(row["failed"] + one["failed"]),
         )  # fmt: skip
+    return summary, table
+
+
+def main(argv=None):
+    args = parse(argv)
+    clients = [int(x) for x in args.clients.split(",")]
+    endpoints = args.endpoints.split(",")
+    other = f"api-workers-{args.api_workers}" if args.api_workers else "one-at-a-time"  # the second server
+    rows, cancel = run_servers(args, clients, endpoints, other)
+    summary, table = summarize(rows, other, args.api_workers)
+    table.title = f"trimvlm serve on {args.model}: {args.seconds:g} s per cell"
     console.print(table)
     failed = sum(r["failed"] for r in rows)
     console.print(f"failed requests: {failed}")

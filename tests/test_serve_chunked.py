@@ -59,24 +59,15 @@ def test_only_plans_that_read_nothing_of_the_whole_prefill_are_chunked(vlms):
     assert not make_plan(parse_recipe("kv=snapkv:keep=0.5"), runner).chunkable
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
-    """--max-prefill-tokens 16: A decodes; B (a ~70-token prompt) arrives and is prefilled in ceil(70 / 16)
-    chunks, one per turn, each followed by a decode step of A (A keeps getting tokens); B then joins A's
-    batch. Both equal their answers alone; A's first request and B each take one vision encode."""
-    need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+def _a_then_b(demo, monkeypatch):
+    """A decodes on a server with --max-prefill-tokens 16; B arrives while A's first step is held. Returns both
+    answers, the chunk and step events in order, the runner's calls and the server state."""
     from conftest import live
-    from test_serve_engine import WAIT_S, HeldSteps, client, image, messages, solo, wait_for
+    from test_serve_engine import WAIT_S, HeldSteps, client, messages, wait_for
 
-    import trimvlm
     from trimvlm.serve.limits import ServerLimits
     from trimvlm.serve.state import ServerState
 
-    torch.set_num_threads(1)
-    demo = trimvlm.load("demo")
-    ref_a, ref_b = solo(demo, 3).texts[0], solo(demo, 8, "read text ?").texts[0]
-    tokens_a = int(demo.prepare(image(3), "describe ?").attention_mask.sum())
-    tokens_b = int(demo.prepare(image(8), "read text ?").attention_mask.sum())
-    assert len(solo(demo, 3).tokens[0]) >= 6
     events, lock = [], threading.Lock()
     real_advance = Prefill.advance
 
@@ -115,6 +106,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
     finally:
         b_queued.set()
         calls.close()
+    return out, events, calls, state
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
+    """--max-prefill-tokens 16: A decodes; B (a ~70-token prompt) arrives and is prefilled in ceil(70 / 16)
+    chunks, one per turn, each followed by a decode step of A (A keeps getting tokens); B then joins A's
+    batch. Both equal their answers alone; A's first request and B each take one vision encode."""
+    need_extra("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+    from test_serve_engine import image, solo
+
+    import trimvlm
+
+    torch.set_num_threads(1)
+    demo = trimvlm.load("demo")
+    ref_a, ref_b = solo(demo, 3).texts[0], solo(demo, 8, "read text ?").texts[0]
+    tokens_a = int(demo.prepare(image(3), "describe ?").attention_mask.sum())
+    tokens_b = int(demo.prepare(image(8), "read text ?").attention_mask.sum())
+    assert len(solo(demo, 3).tokens[0]) >= 6
+    out, events, calls, state = _a_then_b(demo, monkeypatch)
     assert out == {"A": ref_a, "B": ref_b}
 
     def pieces(n):
