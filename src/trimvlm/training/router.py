@@ -175,28 +175,21 @@ def preference_pairs(cost: torch.Tensor, n_tok: int, n_lay: int, margin: float, 
     - iso (router v2, with `flops` [n_keep, n_lay] total-FLOP ratios): the same token set, layer sets of
       different sizes, at FLOP ratios within `iso` of each other (more tokens and a skipped layer against fewer
       tokens and none, at one cost)."""
-    sizes = sizes or [0] * n_lay
-    idx = [(k, t, j) for k in range(n_keep) for t in range(n_tok) for j in range(n_lay)]
-    flat = cost.view(-1)
+    n = n_keep * n_tok * n_lay
+    flat = torch.arange(n)  # flat = (k * n_tok + t) * n_lay + j
+    k, t, j = flat // (n_tok * n_lay), flat // n_lay % n_tok, flat % n_lay
+    size = torch.tensor(sizes or [0] * n_lay)[j]
 
-    def at(k, t, j):
-        return (k * n_tok + t) * n_lay + j
+    def same(x):
+        return x[:, None] == x[None, :]
 
-    groups = {"tokens": lambda a, b: a[0] == b[0] and a[2] == b[2] and a[1] != b[1],
-              "layers": lambda a, b: a[0] == b[0] and a[1] == b[1] and a[2] != b[2] and sizes[a[2]] == sizes[b[2]]}  # fmt: skip
+    groups = {"tokens": same(k) & same(j) & ~same(t), "layers": same(k) & same(t) & ~same(j) & same(size)}
     if flops is not None:
-        groups["iso"] = lambda a, b: (a[1] == b[1] and sizes[a[2]] != sizes[b[2]]
-                                      and abs(flops[a[0]][a[2]] - flops[b[0]][b[2]]) <= iso)  # fmt: skip
-    out = {}
-    for kind, same in groups.items():
-        w, lo = [], []
-        for a, b in itertools.permutations(idx, 2):
-            ca, cb = flat[at(*a)], flat[at(*b)]
-            if same(a, b) and ca < (1 - margin) * cb and cb - ca > floor:
-                w.append(at(*a))
-                lo.append(at(*b))
-        out[kind] = (torch.tensor(w, dtype=torch.long), torch.tensor(lo, dtype=torch.long))
-    return out
+        ratio = torch.tensor(flops, dtype=torch.float64)[k, j]
+        groups["iso"] = same(t) & ~same(size) & ((ratio[:, None] - ratio[None, :]).abs() <= iso)
+    c = cost.reshape(-1)
+    better = (c[:, None] < (1 - margin) * c[None, :]) & (c[None, :] - c[:, None] > floor)  # row over column
+    return {kind: tuple(torch.nonzero(mask & better, as_tuple=True)) for kind, mask in groups.items()}
 
 
 def all_subsets(cand: list[int], max_skip: int) -> list[list[int]]:
