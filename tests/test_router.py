@@ -60,6 +60,32 @@ def test_preference_pairs_compare_only_layouts_that_differ_in_one_part_and_skip_
     assert len(many) == 5 and many[0] == [8, 9, 10] and len({tuple(m) for m in many}) == 5
 
 
+def test_preference_pairs_equal_a_pairwise_loop_on_a_v2_grid_with_unmeasured_layouts():
+    """Every ordered pair of the [keep x token set x layer set] grid tested one by one (the definition) gives the
+    same winners and losers, in the same order, as the tensor masks; NaN (unmeasured) layouts pair with none."""
+    from trimvlm.training.router import preference_pairs
+
+    g = torch.Generator().manual_seed(3)
+    n_keep, n_tok, n_lay, margin, floor, iso = 3, 4, 6, 0.1, 0.05, 0.05
+    cost = torch.rand(n_keep * n_tok * n_lay, generator=g) * 2
+    cost[torch.rand(cost.shape, generator=g) < 0.3] = float("nan")
+    sizes = [0, 1, 1, 2, 2, 2]
+    flops = [[0.9 - 0.1 * k - 0.07 * sizes[j] for j in range(n_lay)] for k in range(n_keep)]
+    got = preference_pairs(cost, n_tok, n_lay, margin, floor, n_keep=n_keep, sizes=sizes, flops=flops, iso=iso)
+    cells = [(k, t, j) for k in range(n_keep) for t in range(n_tok) for j in range(n_lay)]
+    kinds = {
+        "tokens": lambda a, b: a[0] == b[0] and a[2] == b[2] and a[1] != b[1],
+        "layers": lambda a, b: a[0] == b[0] and a[1] == b[1] and a[2] != b[2] and sizes[a[2]] == sizes[b[2]],
+        "iso": lambda a, b: a[1] == b[1] and sizes[a[2]] != sizes[b[2]]
+        and abs(flops[a[0]][a[2]] - flops[b[0]][b[2]]) <= iso,
+    }
+    for kind, same in kinds.items():
+        want = [(i, j) for i, a in enumerate(cells) for j, b in enumerate(cells) if i != j and same(a, b)
+                and float(cost[i]) < (1 - margin) * float(cost[j]) and float(cost[j]) - float(cost[i]) > floor]
+        assert want, kind
+        assert list(zip(got[kind][0].tolist(), got[kind][1].tolist(), strict=True)) == want, kind
+
+
 def test_answer_length_stops_at_the_first_stop_token():
     from trimvlm.training.router import answer_length
 
