@@ -177,11 +177,17 @@ class EvalResult:
         }
 
 
+def grouped(items, key) -> dict[tuple, list[int]]:
+    """The items' indices by `key(item)`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return groups
+
+
 def batches(task: Task, batch_size: int) -> list[list[int]]:
     """Item indices per batch: grouped by the items' batch key in order of first appearance, cut to size."""
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(task.records):
-        groups.setdefault((type(r).__name__, *r.batch_key(task)), []).append(i)
+    groups = grouped(task.records, lambda r: (type(r).__name__, *r.batch_key(task)))
     return [idx[b : b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
 
 
