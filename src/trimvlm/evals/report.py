@@ -250,9 +250,8 @@ def markdown_summary(result: EvalResult) -> str:
     retention."""
     lines = [markdown_table(*summary_table(result))]
     if result.largest_budget:
-        lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
-                  "|---|---|---|---|"]  # fmt: skip
-        lines += map(_md_row, _largest_budget_rows(result))
+        head = ["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]
+        lines += ["", markdown_table(head, _largest_budget_rows(result))]
     return "\n".join(lines) + "\n"
 
 

@@ -276,10 +276,8 @@ class TrimVLM(_LmmsBase):
         acc["seconds"] += float(sum(costs.seconds.values()))
 
     def _log(self, kind: str, n: int) -> None:
-        try:
-            from loguru import logger
-        except ImportError:  # pragma: no cover - lmms-eval depends on loguru
-            return
+        from loguru import logger  # lmms-eval depends on it
+
         logger.info(
             f"trimvlm {kind}: {n} requests, recipe {self.recipe.label()}: {json.dumps(self.costs[kind])}"
         )
