@@ -42,11 +42,6 @@ class Interval:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
                 "method": self.method}  # fmt: skip
 
-    def pct(self, digits: int = 1) -> str:
-        """'95.5 (93.6-96.9)': the estimate and interval in %."""
-        f = f"{{:.{digits}f}}"
-        return f"{f.format(100 * self.estimate)} ({f.format(100 * self.low)}-{f.format(100 * self.high)})"
-
 
 @dataclass(frozen=True)
 class PairedDifference:

@@ -1,17 +1,13 @@
 """The lmms-eval bridge: any lmms-eval task through trimvlm (optional extra `trimvlm[lmms]`; `make lmms` on
-the CPU torch).
+the CPU torch). docs/scale-out.md lists the model args and what each request type does.
 
     python -m lmms_eval --model trimvlm \\
         --model_args pretrained=demo,tokens=density:keep=0.5:layer=3,kv=density:keep=0.25,executor=auto \\
         --tasks pope --batch_size 8
 
-lmms-eval 0.7.3 resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
-trimvlm's pyproject registers `manifest` below (a `ModelManifest` naming the simple model class `TrimVLM`).
-docs/scale-out.md lists the model args (`pretrained`, `device`, `dtype`, `recipe=` or one per axis, `executor`,
-`batch_size`, `max_new_tokens`, `seed`) and what each request type does: `generate_until` -> `VLM.generate`,
-batched; `loglikelihood` -> `VLM.score` (loglik readout), answered as (NLL, is_greedy), a loss because lmms-eval's
-multiple-choice tasks take the argmin; `generate_until_multi_round` and empty contexts are refused.
-`TrimVLM.costs` holds the running sums of every call's costs per request type, logged when its requests finish.
+lmms-eval resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
+trimvlm's pyproject registers `manifest` below. `TrimVLM.costs` holds the running sums of every call's costs
+per request type, logged when its requests finish.
 """
 
 from __future__ import annotations
