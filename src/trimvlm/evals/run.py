@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -315,10 +316,8 @@ def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, d
 
 def _model_info(vlm) -> dict:
     info = {}
-    try:
+    with suppress(Exception):  # a stand-in model without info()
         info = dict(vlm.info())
-    except Exception:  # a stand-in model without info()
-        pass
     folder = getattr(getattr(vlm, "adapter", None), "folder", None)
     if folder is not None:
         info["folder"] = str(folder)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,10 +158,8 @@ class RayEvaluator:
 
     def close(self) -> None:
         for a in self.actors:
-            try:
+            with suppress(Exception):
                 self.ray.kill(a)
-            except Exception:
-                pass
         self.actors = []
         if self.started:
             self.ray.shutdown()
