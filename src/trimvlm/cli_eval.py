@@ -23,11 +23,10 @@ from trimvlm.evals.report import (
     write_outputs,
 )
 from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
-from trimvlm.evals.tasks import TASKS, check_limit, get_task
+from trimvlm.evals.tasks import TASKS, check_limit
 from trimvlm.integrations.ray_eval import check_workers, run_eval_ray
 from trimvlm.loading import resolve
 from trimvlm.options import is_int
-from trimvlm.plan import build_methods
 from trimvlm.recipe import load_recipes, parse_recipe
 from trimvlm.scoring.calibrate import check_readout_name
 
@@ -68,7 +67,7 @@ def demo_command(
 
 
 def _recipes_from(recipes_file, inline=()) -> list:
-    """The recipes of the file (if any), then the inline recipe strings, each validated now."""
+    """The recipes of the file (if any), then the inline recipe strings (normalize_recipes validates them)."""
     out = []
     if recipes_file is not None:
         try:
@@ -77,11 +76,7 @@ def _recipes_from(recipes_file, inline=()) -> list:
             raise
         except Exception as e:  # e.g. pydantic validation of a malformed entry
             raise RecipeError(f"recipe file {recipes_file} is not a valid list of recipes: {e}") from e
-    for text in inline:
-        r = parse_recipe(text)
-        build_methods(r)
-        out.append(r)
-    return out
+    return out + [parse_recipe(text) for text in inline]
 
 
 def task_list() -> str:
@@ -132,8 +127,8 @@ def eval_command(
     if workers is not None and ray is None:
         raise InputError("--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too")
     check_writable(json_out, plot_out, markdown_out)
-    the_task = get_task(task, limit=limit, seed=seed, data=data, split=split, progress=progress)
-    the_task = prepare_task(the_task, max_new_tokens=max_new_tokens)  # a cap that cannot apply fails now
+    the_task = prepare_task(str(task), limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
+                            progress=progress)  # a cap that cannot apply fails now, before the model loads
     chosen = normalize_recipes(_recipes_from(recipes_file, recipes or ()))
     kw = {"batch_size": batch_size, "seed": seed, "readout": readout, "progress": progress, "console": console}
     if ray is not None:

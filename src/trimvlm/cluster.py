@@ -22,22 +22,6 @@ class RayError(TrimVLMError):
     """Ray is missing, its cluster cannot be reached, or a worker failed."""
 
 
-def require_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise RayError(f'--ray needs Ray ({e}): `make ray`, or `pip install "trimvlm[ray]"`') from None
-    return ray
-
-
-def _host_port(address: str) -> tuple[str, int] | None:
-    rest = address.split("://", 1)[-1].rstrip("/")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
 def _auto_address() -> str:
     """The address `ray.init(address="auto")` would use: RAY_ADDRESS, else the cluster `ray start` last
     started on this machine (the file Ray writes in its temp folder)."""
@@ -56,14 +40,14 @@ def _auto_address() -> str:
 
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """Refuse an address nobody answers on within `timeout` seconds (ray.init would wait much longer)."""
-    hp = _host_port(address)
-    if hp is None:
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
         raise InputError(
             f"Ray address {address!r} is not HOST:PORT (or ray://HOST:PORT); give --ray auto, local or "
             "an address such as 10.0.0.1:6379"
         )
     try:
-        with socket.create_connection(hp, timeout=timeout):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             pass
     except OSError as e:
         why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
@@ -78,7 +62,10 @@ def connect(ray_address: str | None):
     None: the Ray already initialised in this process, else a new local instance. "local": a new local
     instance. "auto": the running cluster (RAY_ADDRESS or `ray start` on this machine). Else HOST:PORT or
     ray://HOST:PORT, checked to answer within a few seconds first."""
-    ray = require_ray()
+    try:
+        import ray
+    except ImportError as e:
+        raise RayError(f'--ray needs Ray ({e}): `make ray`, or `pip install "trimvlm[ray]"`') from None
     explicit = ray_address not in (None, "auto", "local")
     if explicit:  # before anything else: an address nobody answers on fails in seconds, not minutes
         check_reachable(str(ray_address))

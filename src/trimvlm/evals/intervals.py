@@ -42,11 +42,6 @@ class Interval:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
                 "method": self.method}  # fmt: skip
 
-    def pct(self, digits: int = 1) -> str:
-        """'95.5 (93.6-96.9)': the estimate and interval in %."""
-        f = f"{{:.{digits}f}}"
-        return f"{f.format(100 * self.estimate)} ({f.format(100 * self.low)}-{f.format(100 * self.high)})"
-
 
 @dataclass(frozen=True)
 class PairedDifference:
@@ -102,24 +97,22 @@ def is_binary(arr: np.ndarray) -> bool:
     return bool(np.isin(arr, (0.0, 1.0)).all())
 
 
-def _resampled_means(arr: np.ndarray, resamples: int, seed: int) -> np.ndarray:
-    """Means of `resamples` bootstrap draws of the rows of `arr` (items x columns), in chunks."""
+def _bootstrap(arr: np.ndarray, level: float, resamples: int, seed: int) -> tuple[np.ndarray, float, float]:
+    """The means of `resamples` bootstrap draws of the items (drawn in chunks) and their percentile interval."""
     rng = np.random.default_rng(seed)
-    n, out = arr.shape[0], []
-    for start in range(0, resamples, 500):
-        idx = rng.integers(0, n, size=(min(500, resamples - start), n))
-        out.append(arr[idx].mean(axis=1))
-    return np.concatenate(out)
+    draws = (rng.integers(0, arr.size, size=(min(500, resamples - s), arr.size)) for s in range(0, resamples, 500))
+    means = np.concatenate([arr[idx].mean(axis=1) for idx in draws])
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return means, float(low), float(high)
 
 
 def bootstrap_mean(values: Sequence[float], level: float = LEVEL, resamples: int = RESAMPLES,
                    seed: int = 0) -> Interval:  # fmt: skip
     """Percentile bootstrap interval of the mean over items."""
     arr = _scores(values)
-    means = _resampled_means(arr[:, None], resamples, seed)[:, 0]
-    tail = (1 - level) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return Interval(float(arr.mean()), float(low), float(high), level, "bootstrap")
+    _, low, high = _bootstrap(arr, level, resamples, seed)
+    return Interval(float(arr.mean()), low, high, level, "bootstrap")
 
 
 def accuracy_interval(scores: Sequence[float], level: float = LEVEL, seed: int = 0) -> Interval:
@@ -146,9 +139,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = LEV
     if x.size != y.size:
         raise InputError(f"a paired test needs the same items: {x.size} scores against {y.size}")
     d = x - y
-    diffs = _resampled_means(d[:, None], resamples, seed)[:, 0]
-    tail = (1 - level) / 2
-    low, high = (float(v) for v in np.quantile(diffs, [tail, 1 - tail]))
+    diffs, low, high = _bootstrap(d, level, resamples, seed)
     interval = Interval(float(d.mean()), low, high, level, "paired bootstrap")
     if is_binary(x) and is_binary(y):
         a_only, b_only = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())

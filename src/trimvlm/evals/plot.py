@@ -143,7 +143,6 @@ def draw_panel(ax, panel: Panel, style: dict[str, tuple[str, str]]) -> None:
     _named(ax, [p for p in pts if p.label in style], style)
     # the front's points the legend does not name (nor a named recipe on the same spot)
     unnamed = [p for p in front if not any(_same(p, q) for q in pts if q.label in style)]
-    others = [p for p in pts if p.label not in style]
     label_points(ax, [((p.x, p.y), _front_name(p, others)) for p in unnamed], [FRONT_COLOUR] * len(unnamed))
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel(panel.xlabel)

@@ -175,13 +175,12 @@ def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
 
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
     labels = result.labels
-    depths = result.depths or [None] * len(labels)
     cost = Sheet(console, "costs per item (latency in ms)",
                  ["recipe", "probe", *_cost_cols(), Col("method FLOPs", right=True, wide=True)])  # fmt: skip
     ratio = Sheet(console, "cost / baseline (same items, interleaved; FLOPs = model + method)",
-                  ["recipe", "probe", Col("skipped", right=True, wide=not any(depths)), Col("retention %", right=True),
-                   *_cost_cols(), Col("method share", right=True, wide=True)])  # fmt: skip
-    for label, depth in zip(labels, depths, strict=True):
+                  ["recipe", "probe", Col("skipped", right=True, wide=not any(result.depths)),
+                   Col("retention %", right=True), *_cost_cols(), Col("method share", right=True, wide=True)])  # fmt: skip
+    for label, depth in zip(labels, result.depths, strict=True):
         for g in summaries:
             row = result.row(label, g["group"])
             style = "bold" if g["group_type"] == "all" else None
@@ -227,8 +226,7 @@ def summary_table(result: EvalResult) -> tuple[list[str], list[list[str]]]:
     head = ["recipe", "skipped", *(f"{p} {x}" for p in probes for x in ("acc", "acc 95% CI", "mismatch %")), "retention %",
             *(h for k, h in COST_COLUMNS if k != "total_flops"), "total FLOPs", "method share"]  # fmt: skip
     rows = []
-    depths = result.depths or [None] * len(result.labels)
-    for label, depth in zip(result.labels, depths, strict=True):
+    for label, depth in zip(result.labels, result.depths, strict=True):
         cells = [label, _skipped(depth)]
         for p in probes:
             row = result.row(label, p)
@@ -250,9 +248,8 @@ def markdown_summary(result: EvalResult) -> str:
     retention."""
     lines = [markdown_table(*summary_table(result))]
     if result.largest_budget:
-        lines += ["", _md_row(["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]),
-                  "|---|---|---|---|"]  # fmt: skip
-        lines += map(_md_row, _largest_budget_rows(result))
+        head = ["ranker", "budgets tested", "largest budget with >= 90% retention", "retention %"]
+        lines += ["", markdown_table(head, _largest_budget_rows(result))]
     return "\n".join(lines) + "\n"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -139,8 +140,8 @@ class EvalResult:
     scores: list[list[float]]  # [recipe][item]
     rows: list[dict]  # one per (recipe, group)
     settings: dict
+    depths: list[dict | None]  # per recipe: what its depth axis skips
     costs: list[dict] = field(default_factory=list, repr=False)  # per recipe: CostKey -> CostAcc
-    depths: list[dict | None] = field(default_factory=list)  # per recipe: what its depth axis skips
 
     @property
     def labels(self) -> list[str]:
@@ -163,12 +164,11 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         t = self.task
-        depths = self.depths or [None] * len(self.recipes)
         return {
             "task": {"name": t.name, "items": len(t.records), "kinds": t.kinds(), **t.info},
             "settings": self.settings,
             "recipes": [{"label": r.label(), "recipe": r.model_dump(exclude_none=True), "depth": d}
-                        for r, d in zip(self.recipes, depths, strict=True)],  # fmt: skip
+                        for r, d in zip(self.recipes, self.depths, strict=True)],  # fmt: skip
             "results": self.rows,
             "largest_budget_90": self.largest_budget,
             "items": [rec.as_json() for rec in t.records],
@@ -177,11 +177,17 @@ class EvalResult:
         }
 
 
+def grouped(items, key) -> dict[tuple, list[int]]:
+    """The items' indices by `key(item)`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return groups
+
+
 def batches(task: Task, batch_size: int) -> list[list[int]]:
     """Item indices per batch: grouped by the items' batch key in order of first appearance, cut to size."""
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(task.records):
-        groups.setdefault((type(r).__name__, *r.batch_key(task)), []).append(i)
+    groups = grouped(task.records, lambda r: (type(r).__name__, *r.batch_key(task)))
     return [idx[b : b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
 
 
@@ -310,10 +316,8 @@ def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, d
 
 def _model_info(vlm) -> dict:
     info = {}
-    try:
+    with suppress(Exception):  # a stand-in model without info()
         info = dict(vlm.info())
-    except Exception:  # a stand-in model without info()
-        pass
     folder = getattr(getattr(vlm, "adapter", None), "folder", None)
     if folder is not None:
         info["folder"] = str(folder)
@@ -363,27 +367,20 @@ def result_rows(task: Task, recipes, preds, scores, accs) -> list[dict]:
                 ratio[key] = (num / den) if den else None
             metrics = sorted({records[i].metric for i in idx})
             same = sum(records[i].canonical(preds[r][i]) == records[i].canonical(preds[0][i]) for i in idx)
+            mine = [scores[r][i] for i in idx]
             row = {"recipe": recipe.label(), "group": name, "group_type": gtype,
                    "probe": name if gtype == "probe" else (kinds[name]["probe"] if gtype == "kind" else "mixed"),
                    "metric": metrics[0] if len(metrics) == 1 else "mixed", "n": len(idx),
-                   "accuracy": sum(scores[r][i] for i in idx) / len(idx),
+                   "accuracy": sum(mine) / len(idx),
                    "mismatch_pct": 100.0 * (len(idx) - same) / len(idx), "agreement": same / len(idx),
-                   "retention": _retention(task, scores, r, idx), "costs": costs, "ratio": ratio}  # fmt: skip
-            row.update(_intervals(scores, r, idx))
+                   "retention": _retention(task, scores, r, idx), "costs": costs, "ratio": ratio,
+                   "accuracy_interval": accuracy_interval(mine).as_dict()}  # fmt: skip
+            if r > 0:  # paired against the baseline on the same items
+                row["vs_baseline"] = paired_difference(mine, [scores[0][i] for i in idx], resamples=2000).as_dict()
             if len(metrics) == 1:  # a task-level summary (POPE's F1, abstentions) of every one-metric group
                 row.update(type(records[idx[0]]).summary([records[i] for i in idx], [preds[r][i] for i in idx]))
             rows.append(row)
     return rows
-
-
-def _intervals(scores, r: int, idx: list[int]) -> dict:
-    """The accuracy's 95% interval and, for every recipe but the baseline, its paired difference against the
-    baseline on the same items (`trimvlm.evals.intervals`)."""
-    mine = [scores[r][i] for i in idx]
-    out = {"accuracy_interval": accuracy_interval(mine).as_dict()}
-    if r > 0:
-        out["vs_baseline"] = paired_difference(mine, [scores[0][i] for i in idx], resamples=2000).as_dict()
-    return out
 
 
 def compare(result, a: str, b: str, group: str = "all"):

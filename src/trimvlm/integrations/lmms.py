@@ -1,29 +1,25 @@
 """The lmms-eval bridge: any lmms-eval task through trimvlm (optional extra `trimvlm[lmms]`; `make lmms` on
-the CPU torch).
+the CPU torch). docs/scale-out.md lists the model args and what each request type does.
 
     python -m lmms_eval --model trimvlm \\
         --model_args pretrained=demo,tokens=density:keep=0.5:layer=3,kv=density:keep=0.25,executor=auto \\
         --tasks pope --batch_size 8
 
-lmms-eval 0.7.3 resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
-trimvlm's pyproject registers `manifest` below (a `ModelManifest` naming the simple model class `TrimVLM`).
-docs/scale-out.md lists the model args (`pretrained`, `device`, `dtype`, `recipe=` or one per axis, `executor`,
-`batch_size`, `max_new_tokens`, `seed`) and what each request type does: `generate_until` -> `VLM.generate`,
-batched; `loglikelihood` -> `VLM.score` (loglik readout), answered as (NLL, is_greedy), a loss because lmms-eval's
-multiple-choice tasks take the argmin; `generate_until_multi_round` and empty contexts are refused.
-`TrimVLM.costs` holds the running sums of every call's costs per request type, logged when its requests finish.
+lmms-eval resolves `--model` through its v2 registry, which reads the `lmms_eval.models` entry point:
+trimvlm's pyproject registers `manifest` below. `TrimVLM.costs` holds the running sums of every call's costs
+per request type, logged when its requests finish.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from pathlib import Path
 
 from trimvlm.errors import InputError, RecipeError, TrimVLMError
+from trimvlm.evals.run import grouped
 from trimvlm.plan import build_methods
 from trimvlm.progress import steps
-from trimvlm.recipe import AXES, Recipe, load_recipes, parse_recipe
+from trimvlm.recipe import AXES, Recipe, parse_recipe
 
 try:
     from lmms_eval.api.model import lmms as _LmmsBase
@@ -76,17 +72,7 @@ def _positive_int(name: str, v) -> int:
 def build_recipe(recipe=None, **axes) -> Recipe:
     """The one recipe of a bridge run: `recipe` (a string, a dict, a Recipe, or a YAML/JSON file with one
     recipe) and/or one spec per axis (`tokens="density:keep=0.5:layer=3"`); an axis given twice is refused."""
-    recipe = _unquote(recipe)
-    if isinstance(recipe, str) and recipe.strip() and Path(recipe).suffix in (".yaml", ".yml", ".json"):
-        found = [r for r in load_recipes(recipe) if not (r.is_baseline and r.label() == "baseline")]
-        if len(found) > 1:
-            raise RecipeError(
-                f"recipe file {recipe} holds {len(found)} recipes; an lmms-eval run applies one: give a file "
-                "with one recipe (run lmms-eval once per recipe)"
-            )
-        base = found[0] if found else Recipe(name="baseline")
-    else:
-        base = parse_recipe(recipe)
+    base = parse_recipe(_unquote(recipe))  # a file: the one recipe it holds
     given = {a: _unquote(v) for a, v in axes.items() if v is not None}
     for a in given:
         if getattr(base, a) is not None:
@@ -149,7 +135,7 @@ class TrimVLM(_LmmsBase):
     # --- lmms-eval's interface -------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
         out: list[str | None] = [None] * len(requests)
-        groups = _grouped(requests, lambda req: self._generation_settings(req.args[1]))
+        groups = grouped(requests, lambda req: self._generation_settings(req.args[1]))
         with self._bar(len(requests), "trimvlm generate") as bar:
             for (max_new, temperature, top_p, until), idx in groups.items():
                 for b in range(0, len(idx), self.batch_size):
@@ -171,7 +157,7 @@ class TrimVLM(_LmmsBase):
         from trimvlm.scoring.request import ScoreRequest
 
         # one ScoreRequest per (doc, context): the options of a multiple-choice question share their prefix
-        groups = list(_grouped(requests, self._loglik_key).values())
+        groups = list(grouped(requests, self._loglik_key).values())
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         with self._bar(len(requests), "trimvlm loglikelihood") as bar:
             for b in range(0, len(groups), self.batch_size):
@@ -286,10 +272,8 @@ class TrimVLM(_LmmsBase):
         acc["seconds"] += float(sum(costs.seconds.values()))
 
     def _log(self, kind: str, n: int) -> None:
-        try:
-            from loguru import logger
-        except ImportError:  # pragma: no cover - lmms-eval depends on loguru
-            return
+        from loguru import logger  # lmms-eval depends on it
+
         logger.info(
             f"trimvlm {kind}: {n} requests, recipe {self.recipe.label()}: {json.dumps(self.costs[kind])}"
         )
@@ -310,14 +294,6 @@ def _pair(pair: tuple[float, bool]):
     if unwrap_generation_output((0.0, True))[0] == (0.0, True):
         return pair
     return GenerationResult(text=pair)  # type: ignore[arg-type]
-
-
-def _grouped(requests, key) -> dict[tuple, list[int]]:
-    """The requests' indices by `key(request)`, in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for i, req in enumerate(requests):
-        groups.setdefault(key(req), []).append(i)
-    return groups
 
 
 def cut_at_stop(text: str, until) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,10 +158,8 @@ class RayEvaluator:
 
     def close(self) -> None:
         for a in self.actors:
-            try:
+            with suppress(Exception):
                 self.ray.kill(a)
-            except Exception:
-                pass
         self.actors = []
         if self.started:
             self.ray.shutdown()
@@ -287,17 +286,9 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
         "address": where,
         "workers": workers,
         "worker_info": infos,
-        "shards": [
-            {
-                "items": len(idx),
-                "first_batch": offset,
-                "batches": n,
-                "worker": results[s]["worker"],
-                "seconds": results[s]["seconds"],
-                "latency_ratio": results[s]["latency_ratio"],
-            }
-            for s, (idx, offset, n) in enumerate(shards)
-        ],
+        "shards": [{"items": len(idx), "first_batch": offset, "batches": n,
+                    **{k: results[s][k] for k in ("worker", "seconds", "latency_ratio")}}
+                   for s, (idx, offset, n) in enumerate(shards)],  # fmt: skip
         "seconds": seconds,
         "timing": "sums over shards; each shard's recipes interleaved on its own worker",
     }

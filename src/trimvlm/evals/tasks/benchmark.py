@@ -13,6 +13,7 @@ import ast
 import math
 import random
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -121,10 +122,8 @@ def option_letter(index, n_options: int, where: str, column: str = "answer") -> 
 def string_list(row: dict, column: str, where: str, at_least: int = 2) -> list[str]:
     value = row.get(column)
     if isinstance(value, str) and value.startswith("["):  # a list written as text in some JSONL exports
-        try:
+        with suppress(ValueError, SyntaxError):
             value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
     if not isinstance(value, list) or len(value) < at_least or any(missing(v) for v in value):
         raise InputError(
             f"{where}: column {column!r} must hold a list of >= {at_least} options, got {value!r:.80}"
