@@ -84,7 +84,6 @@ class ChatJob:
     recipe: object
     max_tokens: int
     sampling: object  # runtime.generate.Sampling (choice i draws with seed + i)
-    stream: bool
     preprocess_s: float
     events: asyncio.Queue  # what the model thread sends this request: its tokens, then its result (engine.py)
     n: int = 1  # choices, decoded off one prefill
@@ -257,7 +256,7 @@ async def handle(state, request, arrival):
     prepared = ready.prepared
     job = ChatJob(
         prepared=prepared, prompt_tokens=int(prepared.attention_mask.sum()), recipe=recipe.recipe,
-        max_tokens=parsed.max_tokens, sampling=sampling, stream=req.stream, preprocess_s=time.perf_counter() - t1,
+        max_tokens=parsed.max_tokens, sampling=sampling, preprocess_s=time.perf_counter() - t1,
         events=asyncio.Queue(), n=n, stop=parsed.stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         prompt_key=ready.prompt_key, prefix_key=ready.prefix_key, request_cached=ready.cached,
     )  # fmt: skip

@@ -130,11 +130,13 @@ class ChatEngine:
             job.started, job.batch = t0, len(jobs)
             job.payload.batch = len(jobs)
         plan = make_plan(jobs[0].payload.recipe, self.runner)
-        earlier = {id(j): self._earlier(j, plan) for j in jobs}
-        rest = [j for j in jobs if earlier[id(j)] is None]
-        for job in jobs:
-            if earlier[id(job)] is not None:
-                self._continue(job, plan, earlier[id(job)])
+        rest = []
+        for job in jobs:  # one whose earlier turns are stored: only its new tokens, on top of them (all now)
+            stored = self._earlier(job, plan)
+            if stored is None:
+                rest.append(job)
+            elif part := self._chunked(job, plan, prefix=stored.entry):
+                self._advance_chunked(part, part.work.left)
         long = chunk is not None and len(rest) == 1 and self.prefill_tokens(rest[0]) > chunk
         if long and not self.partial and plan.chunkable and not self._stored(rest[0]):
             self.partial = self._chunked(rest[0], plan)
@@ -178,13 +180,6 @@ class ChatEngine:
             return
         reused = [j.payload.prompt_tokens if hit else 0 for j, hit in zip(jobs, found, strict=True)]
         self._start(jobs, plan, out, meter, time.perf_counter() - t0, reused)
-
-    def _continue(self, job, plan, stored) -> None:
-        """Prefill the request's new tokens on top of its earlier turns' stored KV (all of them now), store its
-        prompt, and let its rows join."""
-        part = self._chunked(job, plan, prefix=stored.entry)
-        if part is not None:
-            self._advance_chunked(part, part.work.left)
 
     def _store(self, job, out) -> None:
         """A request's prompt prefilled alone (in chunks, or on top of its earlier turns), stored for reuse."""

@@ -1,7 +1,7 @@
 """The front end in processes of its own (`trimvlm serve --api-workers N`, docs/serving.md "API processes"): N API
 processes read HTTP, parse, check and tokenize; one engine process owns the model and the scheduler loop. They
 talk over `multiprocessing.connection` in typed messages (the dataclasses below: an API process sends `Submit`,
-`Cancel`, `Arrive`, `Ask`; the engine `Event`, `Result`, `Answer`), lists of them as the standard `pickle` writes
+`Cancel`, `Arrive`, `Ask`; the engine `Event`, `Answer`), lists of them as the standard `pickle` writes
 them, a tensor as its bytes (`dumps`: multiprocessing's own pickler would pass a file descriptor per tensor,
 torch's a `torch.save` per storage). The engine's side is `bridge` (a thread per API process, with an event loop
 of its own: a task per request relays what the model thread hands it); an API process's is `RemoteScheduler`,
@@ -26,7 +26,7 @@ from multiprocessing.connection import Client, Connection
 import torch
 
 from trimvlm.serve.engine import Outbox
-from trimvlm.serve.errors import ApiError, as_api_error
+from trimvlm.serve.errors import as_api_error
 from trimvlm.serve.jobs import Done, Failed, Job, ShuttingDown, settle
 from trimvlm.serve.scheduler import Arrival, Scheduler
 
@@ -60,14 +60,7 @@ class Ask:
 @dataclasses.dataclass
 class Event:
     rid: int
-    event: object  # jobs.Token | ChoiceEnd | Done | Failed (its error an ApiError)
-
-
-@dataclasses.dataclass
-class Result:
-    rid: int
-    value: object  # the answer (None with an error)
-    error: ApiError | None = None
+    event: object  # streamed: jobs.Token | ChoiceEnd | Done | Failed (its error an ApiError); else the result
 
 
 @dataclasses.dataclass
@@ -162,7 +155,7 @@ class _Bridge:
             job = self.state.batcher.enqueue(msg.key, msg.payload)
         except ShuttingDown as e:
             error = as_api_error(e)
-            self._post(Event(msg.rid, Failed(error)) if msg.streamed else Result(msg.rid, None, error))
+            self._post(Event(msg.rid, Failed(error) if msg.streamed else error))
             return
         relay = self._events if msg.streamed else self._result
         self.requests[msg.rid] = (job, asyncio.ensure_future(relay(msg.rid, job)))
@@ -180,9 +173,9 @@ class _Bridge:
 
     async def _result(self, rid: int, job: Job) -> None:
         try:
-            self._post(Result(rid, await job.future))
+            self._post(Event(rid, await job.future))
         except Exception as e:  # noqa: BLE001  (the batch's error is the request's answer)
-            self._post(Result(rid, None, as_api_error(e)))
+            self._post(Event(rid, as_api_error(e)))
         self.requests.pop(rid, None)
 
     def _post(self, msg) -> None:
@@ -326,10 +319,10 @@ class RemoteScheduler:
         if job is None:
             return
         job.started = job.started or time.perf_counter()
-        if isinstance(msg, Event):
-            if isinstance(msg.event, Done | Failed):
-                self._jobs.pop(msg.rid, None)
-            outbox.post(job, msg.event)
-        else:
+        if getattr(job.payload, "events", None) is None:  # answered by its result
             self._jobs.pop(msg.rid, None)
-            settle(job, msg.value if msg.error is None else msg.error)
+            settle(job, msg.event)
+            return
+        if isinstance(msg.event, Done | Failed):
+            self._jobs.pop(msg.rid, None)
+        outbox.post(job, msg.event)

@@ -13,6 +13,7 @@ decode step of every running batch. `close` drains what is queued and running, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -94,17 +95,18 @@ class Scheduler:
 
     def _fail_waiting(self) -> None:
         """Answer every request still waiting `ShuttingDown` (never computed)."""
-        left = list(self._pending)
+        left = [*self._pending, *self._drained()]
         self._pending.clear()
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                left.append(job)
-        for job in left:
+        for job in filter(None, left):
             settle(job, ShuttingDown("the server is shutting down"))
+
+    def _drained(self) -> list:
+        """What is in the queue now (None: its end), taken out."""
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._queue.get_nowait())
+        return out
 
     @property
     def alive(self) -> bool:
@@ -220,20 +222,13 @@ class Scheduler:
 
     def _take(self) -> None:
         """Move what has arrived to the waiting list; block for one request when nothing else is to do."""
-        if not self._pending and not self._running() and not self._closing:
-            self._arrived(self._queue.get())
-        while True:
-            try:
-                self._arrived(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        first = [self._queue.get()] if not self._pending and not self._running() and not self._closing else []
+        for job in first + self._drained():
+            if job is None:
+                self._closing = True
+            else:
+                self._pending.append(job)
         self._pending = deque(self._live(list(self._pending)))
-
-    def _arrived(self, job) -> None:
-        if job is None:
-            self._closing = True
-        else:
-            self._pending.append(job)
 
     def _loop(self) -> None:
         engine = self.engine
