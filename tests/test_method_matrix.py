@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import need_extra, plan_prefill, ragged_batch
+from conftest import live, need_extra, plan_prefill, ragged_batch
 
 from trimvlm.cli_calibrate import token_statistics
 from trimvlm.depth.base import model_fingerprint
@@ -156,10 +156,9 @@ def server(demo):
     need_extra("fastapi", "uvicorn", "httpx")
     from trimvlm.serve.limits import CacheSizes
     from trimvlm.serve.state import ServerState
-    from trimvlm.testing.live_server import live_server
 
     state = ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))
-    with live_server(state) as url:
+    with live(state) as (url, _):
         yield url
 
 

@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import need_extra
+from conftest import live, need_extra
 from PIL import Image
 
 import trimvlm
@@ -186,11 +186,10 @@ def test_over_http_a_repeat_is_a_hit_and_metrics_say_so(plain):
 
     from trimvlm.serve.limits import Batching
     from trimvlm.serve.state import ServerState
-    from trimvlm.testing.live_server import live_server
 
     state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1))
     body = request(8) | {"model": "demo"}
-    with live_server(state) as url:
+    with live(state) as (url, _):
         a = httpx.post(url + "/v1/systemone", json=body, timeout=120).json()
         b = httpx.post(url + "/v1/systemone", json=body, timeout=120).json()
         metrics = httpx.get(url + "/metrics").text
@@ -277,7 +276,6 @@ def test_a_repeated_chat_prompt_is_not_prefilled_again(plain):
     import threading
 
     import httpx
-    from conftest import live
     from test_serve_engine import data_url
 
     from trimvlm.serve.limits import Batching, CacheSizes
@@ -355,7 +353,6 @@ def test_a_repeated_chat_request_is_not_prepared_again(plain, monkeypatch):
     another max_tokens is another request. With --request-cache-mb 0 nothing is found."""
     need_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
     import httpx
-    from conftest import live
     from test_serve_engine import data_url, image
 
     from trimvlm.serve import chat
@@ -394,7 +391,6 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
     from trimvlm.serve import systemone
     from trimvlm.serve.limits import Batching, CacheSizes
     from trimvlm.serve.state import ServerState
-    from trimvlm.testing.live_server import live_server
 
     checks, real = [], systemone.check_schema
     monkeypatch.setattr(systemone, "check_schema", lambda state, body: checks.append(1) or real(state, body))
@@ -406,7 +402,7 @@ def test_a_body_sent_again_is_not_parsed_or_checked_again(plain, monkeypatch):
     for mb in (256, 0):
         checks.clear()
         state = ServerState(trimvlm.load("demo"), model_id="demo", batching=Batching(max_wait_ms=1), caches=CacheSizes(request_mb=mb))
-        with live_server(state) as url:
+        with live(state) as (url, _):
             out = [httpx.post(url + "/v1/systemone", content=c, **post) for c in (raw, raw, reordered, bad, bad)]
             metrics = httpx.get(url + "/metrics").text
         assert [r.status_code for r in out] == [200, 200, 200, 422, 422]

@@ -6,7 +6,7 @@ plan allows). A client's recipe never reads a server path: tuned= names a folder
 import json
 
 import pytest
-from conftest import hand_flops, need_extra
+from conftest import hand_flops, live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
 
@@ -17,7 +17,6 @@ from trimvlm.registry import REGISTRIES, load_methods  # noqa: E402
 from trimvlm.serve.limits import CacheSizes, ServerLimits  # noqa: E402
 from trimvlm.serve.recipes import RecipeOptions  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
-from trimvlm.testing.live_server import live_server  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (the demo model: conftest's `demo`)
 
@@ -64,7 +63,7 @@ def servers(demo):
     prompt (~70 tokens) whole, one in chunks of 16."""
     whole = ServerState(demo, model_id="demo", caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))
     chunked = ServerState(demo, model_id="demo", limits=ServerLimits(max_prefill_tokens=16), caches=CacheSizes(vision_mb=0, prefix_mb=0, request_mb=0))  # fmt: skip
-    with live_server(whole) as a, live_server(chunked) as b:
+    with live(whole) as (a, _), live(chunked) as (b, _):
         yield {"whole": (a, whole), "chunked": (b, chunked)}
 
 

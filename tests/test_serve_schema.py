@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import need_extra
+from conftest import live, need_extra
 
 need_extra("fastapi", "uvicorn", "httpx")
 
@@ -21,7 +21,6 @@ import trimvlm  # noqa: E402
 from trimvlm.serve.limits import Batching  # noqa: E402
 from trimvlm.serve.state import ServerState  # noqa: E402
 from trimvlm.testing.decisions import DEMO_QUESTIONS as QUESTIONS  # noqa: E402
-from trimvlm.testing.live_server import live_server  # noqa: E402
 
 
 def png(seed: int) -> dict:
@@ -86,7 +85,7 @@ def state():
 
 @pytest.fixture(scope="module")
 def url(state):
-    with live_server(state) as u:
+    with live(state) as (u, _):
         yield u
 
 

@@ -92,14 +92,9 @@ def dumps(msgs: list) -> bytes:
 
 def _answer(state, what: str):
     """The engine's answer to an API process's `Ask`."""
-    if what == "stats":
-        return state.batcher.stats()
-    if what == "refresh":
-        return state.metrics.refresh()
-    if state.load is None:  # "load": an API process's load-following request has come; what its choice reads
+    if what == "load" and state.load is None:
         return None
-    state.load.arrived()
-    return state.load.figures() | {"waiting": state.batcher.waiting(), "rate": state.load.rate()}
+    return {"stats": state.batcher.stats, "refresh": state.metrics.refresh, "load": state.load_arrived}[what]()
 
 
 # ---- the engine's side ----
@@ -205,8 +200,6 @@ class RemoteScheduler:
     """The engine's scheduler as an API process's handlers use it (`jobs.Job`s whose events and results come
     over the connection)."""
 
-    engine = None
-
     def __init__(self, address, authkey: bytes, *, max_batch: int, max_wait_s: float):
         self.address, self.authkey = address, authkey
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
@@ -257,19 +250,15 @@ class RemoteScheduler:
         return sum(1 for j in list(self._jobs.values()) if not j.started)
 
     def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
-        if self.closed or not self.alive:
-            if arrival is not None:
-                arrival.done()
-            raise ShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        rid = next(self._ids)
-        job = _RemoteJob(key=key, payload=payload, future=loop.create_future(), loop=loop, scheduler=self, rid=rid)
-        self._jobs[rid] = job
-        streamed = getattr(payload, "events", None) is not None
-        submit = Submit(rid, key, dataclasses.replace(payload, events=None) if streamed else payload, streamed)
-        self.send(submit)
-        if arrival is not None:
-            arrival.done()
+        with arrival or contextlib.nullcontext():
+            if self.closed or not self.alive:
+                raise ShuttingDown("the server is shutting down")
+            loop = asyncio.get_running_loop()
+            rid = next(self._ids)
+            job = _RemoteJob(key=key, payload=payload, future=loop.create_future(), loop=loop, scheduler=self, rid=rid)
+            self._jobs[rid] = job
+            streamed = getattr(payload, "events", None) is not None
+            self.send(Submit(rid, key, dataclasses.replace(payload, events=None) if streamed else payload, streamed))
         return job
 
     result = staticmethod(Scheduler.result)  # (awaits the job's future, which the reader thread settles)

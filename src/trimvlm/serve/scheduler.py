@@ -122,15 +122,12 @@ class Scheduler:
     def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
         """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
         the server is closing."""
-        if self.closed:
-            if arrival is not None:
-                arrival.done()
-            raise ShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        job = Job(key=key, payload=payload, future=loop.create_future(), loop=loop)
-        self._queue.put(job)
-        if arrival is not None:
-            arrival.done()
+        with arrival or contextlib.nullcontext():
+            if self.closed:
+                raise ShuttingDown("the server is shutting down")
+            loop = asyncio.get_running_loop()
+            job = Job(key=key, payload=payload, future=loop.create_future(), loop=loop)
+            self._queue.put(job)
         return job
 
     def arriving(self, delta: int) -> None:

@@ -115,15 +115,19 @@ class ServerState:
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
-        ladder's rung for the queue now (an API process asks the engine for its queue and measurements)."""
-        if self.remote:  # the engine counts the arrival
+        ladder's rung for the queue now."""
+        figures = self.load_arrived()
+        return self.recipe("chat", self.load.choose(figures["waiting"], figures["rate"]).text, own=True)
+
+    def load_arrived(self) -> dict:
+        """A load-following request has come (counted): what its rung's choice reads, the measurements, the queue
+        and the arrival rate (an API process asks the engine, which counts it, and adopts its measurements)."""
+        if self.remote:
             figures = self.batcher.ask("load")
             self.load.adopt(figures)
-            waiting, rate = figures["waiting"], figures["rate"]
-        else:
-            self.load.arrived()
-            waiting, rate = self.batcher.waiting(), self.load.rate()
-        return self.recipe("chat", self.load.choose(waiting, rate).text, own=True)
+            return figures
+        self.load.arrived()
+        return self.load.figures() | {"waiting": self.batcher.waiting(), "rate": self.load.rate()}
 
     def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
         """The recipe of a request (`Recipes.get`)."""
