@@ -137,12 +137,9 @@ def parse(body: dict, limits) -> Parsed:
     for i, m in enumerate(req.messages):
         if m.role == "tool":
             raise ApiError(400, f"messages[{i}]: role 'tool': this server runs no tools")
-        texts, images = [], []
-        for part in [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []:
-            if isinstance(part, TextPart):
-                texts.append(part.text)
-            else:
-                images.append(part.image_url if isinstance(part.image_url, str) else part.image_url.url)
+        parts = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
+        texts = [p.text for p in parts if isinstance(p, TextPart)]
+        images = [getattr(p.image_url, "url", p.image_url) for p in parts if isinstance(p, ImagePart)]
         urls += images
         turns.append(Turn("system" if m.role == "developer" else m.role, "\n".join(texts), len(images)))
     if len(urls) > limits.max_images:

@@ -66,10 +66,11 @@ async def disconnected(request) -> None:
         pass
 
 
-async def unless_gone(request, awaitable):
-    """The awaitable's result, or ClientGone when the client closes the connection first (the awaitable is then
-    cancelled: a queued job is never run)."""
-    work = asyncio.ensure_future(awaitable)
+async def answered(state, request, job):
+    """A queued job's result, or ClientGone (the job cancelled: never computed if it has not started) when the
+    client closes the connection first. What its batch raised is its answer (`as_api_error`: a trimvlm error 400,
+    the model's failure 500)."""
+    work = asyncio.ensure_future(state.batcher.result(job))
     gone = asyncio.ensure_future(disconnected(request))
     try:
         done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -77,19 +78,10 @@ async def unless_gone(request, awaitable):
         gone.cancel()
     if work not in done:
         work.cancel()
-        raise ClientGone()
-    return work.result()
-
-
-async def answered(state, request, job):
-    """A queued job's result, or ClientGone (the job cancelled: never computed if it has not started) when the
-    client closes the connection first. What its batch raised is its answer (`as_api_error`: a trimvlm error 400,
-    the model's failure 500)."""
-    try:
-        return await unless_gone(request, state.batcher.result(job))
-    except ClientGone:
         cancel(state, job)
-        raise
+        raise ClientGone()
+    try:
+        return work.result()
     except Exception as e:  # noqa: BLE001
         raise as_api_error(e) from e
 

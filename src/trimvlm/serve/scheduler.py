@@ -26,7 +26,7 @@ from trimvlm.serve.jobs import Job, ShuttingDown, call_soon, settle
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
 
-class Arrival:
+class Arrival(contextlib.AbstractContextManager):
     """A request on its way to the batcher (being read, checked, tokenized): the loop waits for it."""
 
     def __init__(self, batcher: Scheduler):
@@ -38,9 +38,6 @@ class Arrival:
         if self._open:
             self._open = False
             self._batcher.arriving(-1)
-
-    def __enter__(self) -> Arrival:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.done()

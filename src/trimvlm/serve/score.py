@@ -107,7 +107,7 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
         cands = list(dict.fromkeys(c for i in members for c in jobs[i].candidates))
         first = jobs[members[0]]
         for i in members:
-            where[i] = (len(requests), {c: k for k, c in enumerate(cands)})
+            where[i] = (len(requests), {c: k for k, c in enumerate(cands)}, len(members))
         requests.append(ScoreRequest(first.images or None, first.question, cands))
     out = state.vlm.score(requests, readout=readout, executor=executor, recipe=jobs[0].recipe)
     c, n = out.costs, len(jobs)
@@ -118,7 +118,7 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
     shares = {k: split(v, [1] * n) for k, v in shares.items()}
     results = []
     for i, j in enumerate(jobs):
-        r, index = where[i]
+        r, index, shared = where[i]
         got = out.results[r]
         if readout == "loglik" and [x.text for x in got.candidates] != j.candidates:  # its own candidates' softmax
             import torch
@@ -130,7 +130,6 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
                               key=lambda k: cands[k].logit))  # fmt: skip
         usage = {k: v[i] for k, v in shares.items()}
         usage |= {"candidates": len(j.candidates), "executor": out.executor, "readout": readout,
-                  "batch_requests": n, "shared_prefix_requests": len(groups[jobs[i].prefix if readout == "loglik"
-                                                                            else (i,)])}  # fmt: skip
+                  "batch_requests": n, "shared_prefix_requests": shared}
         results.append(Scored(got, usage))
     return results
