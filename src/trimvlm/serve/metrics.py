@@ -36,7 +36,6 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # prometheus_client's multiprocess mode
         self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape (shared)
-        self._made: dict[str, object] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
         self._lock = threading.Lock()
         c, h = self.counter, self.histogram
@@ -73,9 +72,7 @@ class ServeMetrics:
     def _metric(self, kind: str, name: str, doc: str, labels=(), **kw):
         import prometheus_client
 
-        if name not in self._made:
-            self._made[name] = getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
-        return self._made[name]
+        return getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
 
     def counter(self, name: str, doc: str, labels=()):
         return self._metric("Counter", name, doc, labels)

@@ -105,7 +105,6 @@ class ChatReply:
         self.state, self.request, self.job = state, request, job
         self.model, self.recipe, self.t0 = model, recipe, t0
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.tokens = 0
         self._last = None  # when the previous token came (inter-token latency)
         self._first = None  # when the first token came
         self._gone = None
