@@ -75,8 +75,7 @@ def _tensor(dtype, shape, device, data: bytearray) -> torch.Tensor:
 
 
 def _reduce_tensor(t: torch.Tensor):
-    """A tensor as (dtype, shape, device, its bytes): a copy in the message (torch's own pickling runs
-    `torch.save` per storage, several times slower)."""
+    """A tensor as (dtype, shape, device, its bytes): a copy in the message (torch's pickling is slower)."""
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return _tensor, (t.dtype, tuple(t.shape), str(t.device), bytearray(data))
 

@@ -10,7 +10,6 @@ import torch
 import uvicorn
 
 from trimvlm.errors import InputError
-from trimvlm.serve import require
 from trimvlm.serve.app import KEEP_ALIVE_S, build_app, make_state
 from trimvlm.serve.logs import configure
 from trimvlm.serve.replicas import serve_replicas
@@ -33,7 +32,6 @@ def serve(
     under uvicorn, with `api_workers` N > 0 as an engine process and N API processes, or with `ray` (an
     address: auto, local, HOST:PORT) as `replicas` Ray Serve replicas behind one HTTP route. `options`:
     `make_state`'s."""
-    require()
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
     if not isinstance(api_workers, int) or api_workers < 0:

@@ -132,8 +132,7 @@ class Scheduler:
         self._arriving += delta
 
     async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
-        """Queue one request; (its result, its job: times and batch size). An exception of its batch is raised.
-        If the awaiting task is cancelled, the job is too (it will not run if it has not started)."""
+        """Queue one request; (its result as `result` gives it, its job: times and batch size)."""
         job = self.enqueue(key, payload, arrival)
         return await self.result(job), job
 

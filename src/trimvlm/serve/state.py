@@ -94,8 +94,7 @@ class ServerState:
         return {"score": score.run, "decide": systemone.run}[key.kind](self, key, payloads)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the model thread: what is queued and running is answered (drained) for up to `timeout`, then
-        answered 503 (`Scheduler.close`)."""
+        """Stop the model thread (`Scheduler.close`) and the preparation thread."""
         self.batcher.close(timeout)
         self._prep.shutdown(wait=False, cancel_futures=True)
 
