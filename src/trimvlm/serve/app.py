@@ -8,10 +8,12 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+import trimvlm
 from trimvlm.decision.config import resolve_config
 from trimvlm.errors import InputError, TrimVLMError
 from trimvlm.serve import chat, require, score, systemone
@@ -137,10 +139,6 @@ def make_state(
     """Load `model` and check the server's options (`trimvlm serve`'s) and recipe: what one server (or one
     replica, or one API process: `remote`) serves."""
     require()
-    import torch
-
-    import trimvlm
-
     parts = {"batching": Batching(max_batch, max_wait_ms), "limits": limits,
              "caches": CacheSizes(vision_cache_mb, prefix_cache_mb, request_cache_mb),
              "recipes": RecipeOptions(recipe, recipe_dir, tuned, slo_ttft_ms), "access": Access(api_key, key_metrics)}  # fmt: skip

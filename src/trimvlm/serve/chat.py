@@ -18,10 +18,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, NamedTuple
 
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from trimvlm.adapters.base import Conversation, Turn
 from trimvlm.errors import TrimVLMError
+from trimvlm.runtime.generate import Sampling
+from trimvlm.runtime.limits import check_generation
+from trimvlm.runtime.lru import digest, nbytes
+from trimvlm.runtime.prefix_cache import prompt_key
 from trimvlm.serve.errors import ApiError, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
@@ -159,8 +164,6 @@ def parse(body: dict, limits) -> Parsed:
 
 def decode_image(i: int, url: str, limits):
     """Image i of a request (1-based in messages) from its data URL, or a 400."""
-    from PIL import Image
-
     m = DATA_URL.fullmatch(url.strip())
     if m is None:
         shown = url[:40] + ("..." if len(url) > 40 else "")
@@ -184,10 +187,6 @@ def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=N
     (a bad prompt or image, or a prompt + max_tokens past the model's positions, fails here, never in a batch),
     its prompt-cache keys hashed (`ChatReady`). A request found in the server's request cache (`cache`: the same
     prompt, images' data URLs, max_tokens and recipe) is not decoded, processed, checked or hashed again."""
-    from trimvlm.runtime.limits import check_generation
-    from trimvlm.runtime.lru import digest, nbytes
-    from trimvlm.runtime.prefix_cache import prompt_key
-
     label = plan.label()
     key = None if cache is None else digest("chat request", label, max_tokens, repr(prompt), *urls)
     found = None if key is None else cache.get(key)
@@ -207,8 +206,6 @@ def prepare(vlm, prompt, urls: list[str], limits, max_tokens: int, plan, cache=N
 def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
     """The prompt key of a conversation's earlier turns (the messages before its last assistant turn, as that
     turn's request sent them), when their prompt is the start of this one's; else None."""
-    from trimvlm.runtime.prefix_cache import prompt_key
-
     if not isinstance(prompt, Conversation):
         return None
     turns = prompt.turns
@@ -239,8 +236,6 @@ async def handle(state, request, arrival):
     n = req.n or 1
     if n > 1 and recipe.plan.per_sample:
         raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
-    from trimvlm.runtime.generate import Sampling
-
     sampling = Sampling(  # checks them
         temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

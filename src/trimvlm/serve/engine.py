@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from trimvlm.decision.costs import split
+from trimvlm.plan import make_plan
 from trimvlm.runtime.generate import Decoding, Sampling, choose
 from trimvlm.runtime.meter import Meter
+from trimvlm.runtime.prefix_cache import store
 from trimvlm.serve.jobs import ChoiceEnd, Done, Failed, JobKey, LogProb, Token, call_soon
 from trimvlm.serve.stops import token_start
 
@@ -123,8 +125,6 @@ class ChatEngine:
         are in the prefix cache prefills only its new tokens on top of them. `chunk`: a lone request whose
         prompt is longer is prefilled `chunk` tokens now and the rest over the next turns (`prefill_chunk`),
         when its recipe changes nothing inside the prefill (`Runner.prefill_chunked`); else it is prefilled whole."""
-        from trimvlm.plan import make_plan
-
         t0 = time.perf_counter()
         for job in jobs:
             job.started, job.batch = t0, len(jobs)
@@ -183,8 +183,6 @@ class ChatEngine:
 
     def _store(self, job, out) -> None:
         """A request's prompt prefilled alone (in chunks, or on top of its earlier turns), stored for reuse."""
-        from trimvlm.runtime.prefix_cache import store
-
         cache, p = self.runner.prefix_cache, job.payload
         if cache is not None and p.prompt_key is not None:
             store(cache, p.prompt_key, out, 0, p.prepared.n_images[0], p.prompt_tokens)

@@ -11,8 +11,12 @@ import uuid
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from pydantic import Field
 
+from trimvlm.decision.costs import split
+from trimvlm.scoring.executors import NAMES
+from trimvlm.scoring.request import READOUTS, CandidateScore, ScoreRequest, ScoreResult
 from trimvlm.serve.chat import _Strict, decode_image
 from trimvlm.serve.errors import ApiError, validated
 from trimvlm.serve.jobs import JobKey
@@ -46,9 +50,6 @@ class Scored(NamedTuple):
 
 
 def parse(body: dict, limits) -> ScoreBody:
-    from trimvlm.scoring.executors import NAMES
-    from trimvlm.scoring.request import READOUTS
-
     req = validated(ScoreBody, body)
     if not isinstance(req.text_1, str):
         raise ApiError(400, "text_1: one question per request (a string)")
@@ -95,9 +96,6 @@ async def handle(state, request, arrival) -> dict:
 def run(state, key, jobs: list[ScoreJob]) -> list:
     """On the model thread: the batch's requests as one `vlm.score` call; its `Scored` per job. With
     the loglik readout, jobs on the same prefix are one request over the union of their candidates."""
-    from trimvlm.decision.costs import split
-    from trimvlm.scoring.request import CandidateScore, ScoreRequest, ScoreResult
-
     readout, executor = key.readout, key.executor
     groups: dict[tuple, list[int]] = {}
     for i, j in enumerate(jobs):
@@ -121,8 +119,6 @@ def run(state, key, jobs: list[ScoreJob]) -> list:
         r, index, shared = where[i]
         got = out.results[r]
         if readout == "loglik" and [x.text for x in got.candidates] != j.candidates:  # its own candidates' softmax
-            import torch
-
             mine = [got.candidates[index[cand]] for cand in j.candidates]
             probs = torch.softmax(torch.tensor([m.loglik_sum for m in mine], dtype=torch.float64), 0).tolist()
             cands = [CandidateScore(**{**vars(m), "logit": m.loglik_sum, "prob": p}) for m, p in zip(mine, probs, strict=True)]

@@ -15,6 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from transformers.decision import parse_questions
+
+from trimvlm import decision
+from trimvlm.decision.config import resolve_config
+from trimvlm.plan import decision_plan
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.serve.errors import parse_json, schema_error, validated
 from trimvlm.serve.jobs import JobKey
@@ -130,15 +135,13 @@ def prepare_cached(state, body: dict) -> Ready:
     """`decision.prepare_request` of the body (`Ready`): through the server's request
     cache when it is on, a body seen before (the same JSON, keys in any order) is not parsed, decoded or
     tokenized again (its `preprocess_s` is the lookup's)."""
-    from trimvlm.decision import prepare_request
-
     t0 = time.perf_counter()
     cache = state.request_cache
     key = None if cache is None else digest("request", json.dumps(body, sort_keys=True, ensure_ascii=False))
     found = None if key is None else cache.get(key)
     if found is not None:
         return Ready(found_request(found, t0), True, key)
-    prepared = prepare_request(
+    prepared = decision.prepare_request(
         state.vlm, body, decision_config=state.decision_config, limits=state.limits.decision()
     )
     if key is not None:
@@ -163,10 +166,6 @@ def check_schema(state, body: dict) -> None:
     """422 for what `transformers serve` refuses with 422: its `SystemOneRequest.model_validate(body,
     strict=True)` (a missing `model` filled with the server's, as a pinned server does), then `parse_questions`
     with the server's decision config."""
-    from transformers.decision import parse_questions
-
-    from trimvlm.decision.config import resolve_config
-
     request = validated(request_model(), {"model": state.model_id} | body, strict=True)
     try:
         parse_questions(request.questions, resolve_config(state.vlm, state.decision_config))
@@ -181,9 +180,6 @@ def run(state, key, jobs: list[DecideJob]) -> list:
     key) are computed once (request coalescing): the copies get the same answers, and, as for a cache hit,
     costs of what ran for them: no FLOPs and no KV bytes of their own (`request_coalesced`). With the request
     cache off, nothing is coalesced."""
-    from trimvlm.decision import run as run_decisions
-    from trimvlm.plan import decision_plan
-
     first: dict[object, int] = {}  # body key -> index of its first job among the jobs run
     runs, which = [], []
     for j in jobs:
@@ -193,7 +189,7 @@ def run(state, key, jobs: list[DecideJob]) -> list:
             runs.append(j)
         which.append(first[k])
     plan = decision_plan(jobs[0].recipe, state.vlm.runner)
-    result = run_decisions(state.vlm, [j.prepared for j in runs], plan)
+    result = decision.run(state.vlm, [j.prepared for j in runs], plan)
     out = []
     for pos, (i, j) in enumerate(zip(which, jobs, strict=True)):
         answers, costs = result.answers[i], result.usage[i]
