@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from pydantic import ValidationError
+
 from trimvlm.decision import QuestionError, RequestError
 from trimvlm.errors import TrimVLMError
 from trimvlm.serve.jobs import ShuttingDown
@@ -40,8 +42,6 @@ def schema_error(msg: str, *loc, kind: str = "value_error") -> ApiError:
 
 def validated(schema, body: dict, **kw):
     """`schema.model_validate(body)` (a pydantic model), or a 422 with pydantic's errors in FastAPI's shape."""
-    from pydantic import ValidationError
-
     try:
         return schema.model_validate(body, **kw)
     except ValidationError as e:

@@ -21,6 +21,7 @@ from trimvlm import decision
 from trimvlm.decision.config import resolve_config
 from trimvlm.plan import decision_plan
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
+from trimvlm.serve import INSTALL, MissingExtraError
 from trimvlm.serve.errors import parse_json, schema_error, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import answered, served
@@ -155,8 +156,6 @@ def request_model():
     try:
         from transformers.cli.serving.systemone import SystemOneRequest
     except (ImportError, NameError) as e:  # the module defines it only when serving's extras are installed
-        from trimvlm.serve import INSTALL, MissingExtraError
-
         msg = f"/v1/systemone needs transformers' serving schema (pydantic, openai): {INSTALL}"
         raise MissingExtraError(msg) from e
     return SystemOneRequest
