@@ -365,8 +365,8 @@ class ChatEngine:
             if k is not None:
                 lp = torch.log_softmax(logits[i].float(), -1)
                 t = int(tok[i])
-                top = torch.topk(lp, k) if k else None
-                pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                top = torch.topk(lp, k)
+                pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
                 lps[i] = LogProb(t, float(lp[t]), pairs)
         return tok, lps
 

@@ -58,15 +58,11 @@ class ServeMetrics:
             "at the next step), finished (already computed)",
             ("stage",),
         )
-        if stats is not None:
-            self._scheduler(stats)
-
-    def _scheduler(self, stats: Callable[[], dict]) -> None:
-        """The model loop's figures (`stats()`'s), read at each scrape."""
-        self.gauge("trimvlm_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
-                   fn=self.rate)  # fmt: skip
-        for name, stat, doc in SCHEDULER_GAUGES:
-            self.gauge(name, doc, fn=lambda s=stat: stats().get(s, 0))
+        if stats is not None:  # the model loop's figures, read at each scrape
+            self.gauge("trimvlm_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+                       fn=self.rate)  # fmt: skip
+            for name, stat, doc in SCHEDULER_GAUGES:
+                self.gauge(name, doc, fn=lambda s=stat: stats().get(s, 0))
 
     # ---- registering figures ----
     def _metric(self, kind: str, name: str, doc: str, labels=(), **kw):

@@ -78,11 +78,6 @@ def client_recipe(text: str, recipe_dir: Path | None):
     return text, False
 
 
-def _hide(message: str, folder: Path) -> str:
-    """An error's text with the server's recipe folder written as `--recipe-dir`."""
-    return " ".join(message.replace(str(folder.resolve()), "<--recipe-dir>").split())
-
-
 class Recipes:
     """The server's recipes over `runner`: `get(kind, text)` a request's, checked once per distinct text; `load`:
     the load-following ladder (serve/budgets.py), or None."""
@@ -121,9 +116,10 @@ class Recipes:
                 )
             plan = (decision_plan if kind == "decide" else make_plan)(parsed, self.runner)
         except RecipeError as e:
+            msg = str(e)
             if not own and self.folder is not None:  # never the server's paths in a client's answer
-                raise ApiError(400, f"recipe {value!r}: {_hide(str(e), self.folder)}") from e
-            raise ApiError(400, f"recipe {value!r}: {' '.join(str(e).split())}") from e
+                msg = msg.replace(str(self.folder.resolve()), "<--recipe-dir>")
+            raise ApiError(400, f"recipe {value!r}: {' '.join(msg.split())}") from e
         except TrimVLMError as e:
             raise from_trimvlm(e) from e
         return Recipe(label=parsed.label(), recipe=parsed, plan=plan)

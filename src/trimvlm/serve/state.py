@@ -46,6 +46,7 @@ class ServerState:
         self.request_cache = None if requests is None else ByteLRU(requests, "request cache")
         self.metrics = ServeMetrics(None if self.remote else lambda: self.batcher.stats())
         self.recipes = Recipes(vlm.runner, recipes)
+        self.load = self.recipes.load  # the load-following ladder (serve/budgets.py), or None
         self.recipes_run = self.metrics.counter(
             "trimvlm_chat_requests_by_recipe", "chat completions admitted, by the recipe they run", ("recipe",)
         )
@@ -60,11 +61,6 @@ class ServerState:
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trimvlm-serve-prepare")
         self.seen_bodies = systemone.SeenBodies(self.request_cache, self.metrics)
         self._figures()
-
-    @property
-    def load(self):
-        """The load-following ladder (serve/budgets.py), or None."""
-        return self.recipes.load
 
     def _figures(self) -> None:
         """The caches' figures on /metrics, read at each scrape (the model's caches and the tree executor's
