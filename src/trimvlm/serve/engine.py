@@ -181,12 +181,6 @@ class ChatEngine:
         reused = [j.payload.prompt_tokens if hit else 0 for j, hit in zip(jobs, found, strict=True)]
         self._start(jobs, plan, out, meter, time.perf_counter() - t0, reused)
 
-    def _store(self, job, out) -> None:
-        """A request's prompt prefilled alone (in chunks, or on top of its earlier turns), stored for reuse."""
-        cache, p = self.runner.prefix_cache, job.payload
-        if cache is not None and p.prompt_key is not None:
-            store(cache, p.prompt_key, out, 0, p.prepared.n_images[0], p.prompt_tokens)
-
     # ---- chunked prefill (one long prompt at a time, a chunk per turn) ----
     def _chunked(self, job, plan, prefix=None) -> Partial | None:
         """The request's prefill to be run in chunks (on top of `prefix`, a stored entry), or None (it failed)."""
@@ -227,8 +221,9 @@ class ChatEngine:
         part.seconds += time.perf_counter() - t0
         if out is None:
             return False
-        if part.plan.reuses_prompts:
-            self._store(part.job, out)
+        cache, p = self.runner.prefix_cache, part.job.payload
+        if part.plan.reuses_prompts and cache is not None and p.prompt_key is not None:
+            store(cache, p.prompt_key, out, 0, p.prepared.n_images[0], p.prompt_tokens)
         self._start([part.job], part.plan, out, part.work.meter, part.seconds, [part.work.reused])
         return True
 
