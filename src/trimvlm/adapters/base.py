@@ -677,10 +677,7 @@ class Adapter:
     def vision_config(self):
         return self.model.config.vision_config
 
-    @property
-    def vision_has_cls(self) -> bool:
-        """Whether the vision tower puts a [CLS] token first (its row is the probe's statistic)."""
-        return False
+    vision_has_cls = False  # whether the vision tower puts a [CLS] token first (its row is the probe's statistic)
 
     def vision_attention_modules(self) -> list[torch.nn.Module]:
         """The vision tower's attention modules, in layer order (each family says where they are)."""
@@ -704,17 +701,6 @@ class Adapter:
             raise InputError(f"the vision tower encoded {len(units)} units, the prompts have {len(flat)}")
         probe.results.update(zip(flat, units, strict=True))
         return out
-
-    @staticmethod
-    def vision_tokens(stat: torch.Tensor, keys: torch.Tensor, groups: torch.Tensor) -> list:
-        """One `VisionUnit` per row of stat [U, P] (attention received per vision token) and keys [U, P, D]:
-        LLM token t of a unit is made of vision tokens groups[t] ([n, g], e.g. the 2x2 patches of a spatial merge
-        or a pixel shuffle): its attention is their sum, its key their mean."""
-        from trimvlm.runtime.vision_probe import VisionUnit
-
-        received = stat[:, groups].sum(-1)
-        k = keys[:, groups].mean(-2)
-        return [VisionUnit(received=received[u], keys=k[u]) for u in range(stat.shape[0])]
 
     # ---- cost accounting (matmul FLOPs of what ran) ----
     @functools.cached_property

@@ -88,10 +88,9 @@ class Idefics3Adapter(Adapter):
         patches the connector's pixel shuffle concatenates (found by shuffling the patch indices)."""
         vc = self.vision_config
         p = (vc.image_size // vc.patch_size) ** 2
-        stat, keys, queries = rec.batched(tiles, p)
-        idx = torch.arange(p, device=stat.device)[None, :, None]
+        idx = torch.arange(p)[None, :, None]
         groups = self.inner.connector.pixel_shuffle(idx, self.model.config.scale_factor)[0]
-        return self.vision_tokens(stat / queries.clamp(min=1)[:, None], keys, groups)
+        return rec.batched(tiles, p, groups)
 
 
 class SmolVLMAdapter(Idefics3Adapter):

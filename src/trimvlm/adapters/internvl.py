@@ -70,9 +70,7 @@ class InternVLAdapter(Adapter):
         return self.tile_layout(prepared.input_ids == self.image_token_id, grid, self.context_token)
 
     # ---- vision-tower probe ----
-    @property
-    def vision_has_cls(self) -> bool:
-        return True  # InternViT puts a [CLS] token first; the "default" feature strategy drops it
+    vision_has_cls = True  # InternViT puts a [CLS] token first; the "default" feature strategy drops it
 
     def vision_attention_modules(self) -> list:
         return [layer.attention for layer in self.inner.vision_tower.encoder.layer]
@@ -82,7 +80,6 @@ class InternVLAdapter(Adapter):
         the pixel shuffle (`downsample_ratio`) concatenates, found by shuffling the patch indices."""
         ph, pw = _pair(self.vision_config.patch_size)
         h, w = pixel_values.shape[-2] // ph, pixel_values.shape[-1] // pw
-        stat, keys, queries = rec.batched(pixel_values.shape[0], 1 + h * w)
-        idx = torch.arange(1, 1 + h * w, device=stat.device).reshape(1, h, w, 1)
+        idx = torch.arange(1, 1 + h * w).reshape(1, h, w, 1)
         groups = self.inner.pixel_shuffle(idx, scale_factor=self.model.config.downsample_ratio)
-        return self.vision_tokens(stat / queries[:, None], keys, groups.reshape(-1, groups.shape[-1]))
+        return rec.batched(pixel_values.shape[0], 1 + h * w, groups.reshape(-1, groups.shape[-1]))

@@ -25,7 +25,7 @@ class LlavaAdapter(Adapter):
         return self.model.config.vision_config.patch_size
 
     @property
-    def has_cls(self) -> bool:
+    def vision_has_cls(self) -> bool:
         """Whether the vision tower puts a CLS token before the patches (CLIP does, SigLIP does not)."""
         embeddings = getattr(self.inner.vision_tower, "embeddings", None)
         return getattr(embeddings, "class_embedding", None) is not None
@@ -35,7 +35,7 @@ class LlavaAdapter(Adapter):
         """Index of patch (0, 0) relative to an image's first token: 1 when a CLS token is kept ("full"
         strategy on CLIP), -1 when the "default" strategy drops a patch (a tower without CLS), else 0."""
         full = self.model.config.vision_feature_select_strategy == "full"
-        if self.has_cls:
+        if self.vision_has_cls:
             return int(full)
         return 0 if full else -1
 
@@ -64,7 +64,7 @@ class LlavaAdapter(Adapter):
 
     def processor_options(self) -> dict:
         return {
-            "patch_size": self.patch_size, "image_token": IMAGE, "num_additional_image_tokens": int(self.has_cls),
+            "patch_size": self.patch_size, "image_token": IMAGE, "num_additional_image_tokens": int(self.vision_has_cls),
             "vision_feature_select_strategy": self.model.config.vision_feature_select_strategy,
         }  # fmt: skip
 
@@ -85,10 +85,6 @@ class LlavaAdapter(Adapter):
         return visual, image_id, [[grid] * k for k in prepared.n_images], starts
 
     # ---- vision-tower probe ----
-    @property
-    def vision_has_cls(self) -> bool:
-        return self.has_cls
-
     def vision_attention_modules(self) -> list:
         tower = self.inner.vision_tower
         return [layer.self_attn for layer in getattr(tower, "vision_model", tower).encoder.layers]
@@ -97,8 +93,6 @@ class LlavaAdapter(Adapter):
         """One attention call for all images; the LLM tokens of an image are its vision tokens after the ones the
         feature strategy drops (the [CLS] token, or patch 0 on a tower without one), one to one."""
         h, w = self._grid(pixel_values)
-        s = h * w + int(self.has_cls)
-        stat, keys, queries = rec.batched(pixel_values.shape[0], s)
+        s = h * w + int(self.vision_has_cls)
         n = self._image_tokens((h, w))
-        groups = torch.arange(s - n, s, device=stat.device)[:, None]
-        return self.vision_tokens(stat / queries[:, None], keys, groups)
+        return rec.batched(pixel_values.shape[0], s, torch.arange(s - n, s)[:, None])

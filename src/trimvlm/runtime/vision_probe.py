@@ -21,8 +21,8 @@ thread never records into it. The function is transformers' SDPA for every call 
 for the probed layer of the active recording it also computes the statistic above, counted as method FLOPs
 (`kernels.flops`, the "vision" line). Qwen-VL towers call it once per image (or per window), with no mask;
 CLIP/SigLIP/InternViT/Idefics3 towers once per layer for all images, with a padding mask where images have padded
-patches. The adapter then maps the raw per-call records to LLM tokens (`Adapter.vision_tokens`) and stores them
-in `probe.results[(sample, unit)]`.
+patches. The records become LLM tokens (`Recording.batched`, or the adapter over `Recording.packed`), stored in
+`probe.results[(sample, unit)]`.
 
 Why the module's own config and not the shared vision config: the shared configs are never written while the
 model runs (other threads and a user's code read them). The probed module reads, while the probe is active, a
@@ -113,13 +113,19 @@ class Recording:
     def commit(self) -> None:
         count(self.flops)
 
-    def batched(self, b: int, s: int):
-        """(stat [b, s], keys [b, s, D], queries [b]) of a tower that runs all units in one call per layer."""
+    def batched(self, b: int, s: int, groups: torch.Tensor) -> list[VisionUnit]:
+        """One `VisionUnit` per unit of a tower that runs all b units in one call per layer over s tokens: LLM
+        token t of a unit is made of vision tokens groups[t] ([n, g], e.g. the 2x2 patches of a spatial merge
+        or a pixel shuffle): its attention (per query row) is their sum, its key their mean."""
         if len(self.calls) != 1 or tuple(self.calls[0].stat.shape) != (b, s):
             raise Incomplete(
                 f"expected one call over [{b}, {s}] tokens, got {[tuple(c.stat.shape) for c in self.calls]}"
             )
-        return self.calls[0]
+        call = self.calls[0]
+        groups = groups.to(call.stat.device)
+        received = (call.stat / call.queries.clamp(min=1)[:, None])[:, groups].sum(-1)
+        k = call.keys[:, groups].mean(-2)
+        return [VisionUnit(received=received[u], keys=k[u]) for u in range(b)]
 
     def packed(self, total: int):
         """(stat [total], keys [total, D]) of a tower that runs one image (or window) per call, concatenated in
