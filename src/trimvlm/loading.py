@@ -52,10 +52,9 @@ def checkpoint_task(path_or_id: str | Path | None) -> str:
     """The demo task a checkpoint was trained on (its trimvlm.json `task`: `demo` or `scenes`); `demo` for a
     checkpoint that names none or cannot be found (loading it reports that)."""
     try:
-        folder = resolve(path_or_id) if path_or_id is not None else None
+        meta = resolve(path_or_id) / "trimvlm.json" if path_or_id is not None else None
     except CheckpointError:
         return "demo"
-    meta = folder / "trimvlm.json" if folder is not None else None
     if meta is not None and meta.is_file():
         return str(json.loads(meta.read_text()).get("task", "demo"))
     return "demo"

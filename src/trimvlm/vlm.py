@@ -101,10 +101,8 @@ class VLM:
         return sorted(i for i in ids if i is not None)
 
     def prepare(self, images, prompts, plan=None):
-        """One prompt (a string, or a `Conversation` of system, user and assistant turns; images: None, one
-        image or path, or a list of them) or a batch (a list of prompts and a list with one such image entry
-        per prompt). `plan`: a plan whose methods act when the
-        images are prepared (its `resolution`, tokens=downsample)."""
+        """One prompt (a string, or a `Conversation`; images: None, one image or path, or a list of them) or a
+        batch (a list of prompts, a list with one such image entry per prompt), at `plan`'s `resolution`."""
         if isinstance(prompts, str | Conversation):
             prompts, images = [prompts], [images]
         elif not isinstance(prompts, list | tuple) or not all(isinstance(p, str | Conversation) for p in prompts):
@@ -197,11 +195,8 @@ class VLM:
     ):
         """Score candidates against image(s) + question, prefix encoded once. One request (question a string)
         or a batch (lists of questions, image entries and candidate lists; or `ScoreRequest`s as the first
-        argument).
-        Returns a `ScoreBatch`: per request the candidate logits in the original order, probabilities, the
-        chosen candidate, per-candidate log-likelihood (sum, mean, count, is-greedy), the abstention logit
-        (head readout), and the costs (peak memory measured on the tensors with `track_memory`, which slows
-        the call)."""
+        argument). Returns a `ScoreBatch`: per request the candidate logits in the original order,
+        probabilities, the choice, per-candidate log-likelihood, the abstention logit (head readout), the costs."""
         from trimvlm.scoring.engine import score_requests
         from trimvlm.scoring.request import as_requests
 
@@ -256,11 +251,9 @@ class VLM:
             )
 
     def use_caches(self, *, vision_bytes: int | None = None, prefix_bytes: int | None = None) -> dict:
-        """Turn the cross-request caches on (a byte bound each) or off (None): the vision-feature cache (per image
-        its tower output; the Qwen-VL families, `Adapter.caches_vision`) and the System One prefix cache (the
-        state's KV, per recipe). Answers are the same with and without them; what a request did not run costs it
-        nothing on its cost lines. `trimvlm serve` turns both on; evaluations and benchmarks never do. Returns
-        `cache_stats()`."""
+        """Turn the cross-request caches on (a byte bound each) or off (None): the vision-feature cache
+        (`Adapter.caches_vision` families) and the prefix cache. Answers are the same with and without them; what
+        a request did not run costs it nothing. `trimvlm serve` turns both on. Returns `cache_stats()`."""
         ad = self.adapter
         ad.vision_cache = None
         if vision_bytes is not None and ad.caches_vision:

@@ -163,14 +163,8 @@ def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]
         raise InputError(f"images must be a list with one entry per prompt, got {type(images).__name__}")
     if n_prompts is not None and len(images) != n_prompts:
         raise InputError(f"got {len(images)} image lists for {n_prompts} prompts; give one per prompt")
-    out = []
-    for sample in images:
-        if sample is None:
-            sample = []
-        elif not isinstance(sample, list | tuple):
-            sample = [sample]
-        out.append([_open(x) for x in sample])
-    return out
+    samples = [[] if s is None else s if isinstance(s, list | tuple) else [s] for s in images]
+    return [[_open(x) for x in s] for s in samples]
 
 
 def image_keys(per_sample: list[list[Image.Image]]) -> list[list[int]]:
@@ -600,13 +594,10 @@ class Adapter:
         valid = prepared.attention_mask.bool()
         b, s = valid.shape
         tile_image = []
-        for bi in range(b):
-            per_image = prepared.tiles[bi] if bi < len(prepared.tiles) else None
+        for bi in range(b):  # per unit (tile) its image: without tiles, one unit per image
             n_units = len(grids[bi]) if bi < len(grids) else 0
-            if per_image:
-                tile_image.append([j for j, n in enumerate(per_image) for _ in range(n)][:n_units])
-            else:
-                tile_image.append(list(range(n_units)))
+            per_image = (prepared.tiles[bi] if bi < len(prepared.tiles) else None) or [1] * n_units
+            tile_image.append([j for j, n in enumerate(per_image) for _ in range(n)][:n_units])
         source = torch.arange(s, device=valid.device)[None].expand(b, s).masked_fill(~valid, -1)
         return LiveSeq(
             hidden=embeds,

@@ -25,7 +25,6 @@ def _as_list(x) -> list:
 
 class Idefics3Adapter(Adapter):
     family = "idefics3"
-    rope_axes = 1
     chat_image_marker = IMAGE
 
     @property

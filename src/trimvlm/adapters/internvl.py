@@ -27,7 +27,6 @@ def _pair(x) -> tuple[int, int]:
 
 class InternVLAdapter(Adapter):
     family = "internvl"
-    rope_axes = 1
     # InternVLProcessor asks the image processor for tiles by default; a processor with max_patches=1 never tiles
     crop_to_patches = True
 

@@ -17,7 +17,6 @@ IMAGE = "<image>"
 
 class LlavaAdapter(Adapter):
     family = "llava"
-    rope_axes = 1
     chat_image_marker = IMAGE
 
     @property

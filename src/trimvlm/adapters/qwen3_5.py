@@ -76,13 +76,12 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         b, q = hidden.shape[:2]
         valid = torch.ones(b, q, dtype=torch.bool, device=hidden.device) if valid is None else valid
         n = valid.sum(1)
-        rows = torch.arange(b, device=hidden.device)[:, None]
         left = torch.arange(q, device=valid.device)[None] >= (q - n)[:, None]  # valid tokens at the right end
         order = None
         if not torch.equal(valid, left):
             # stable sort: invalid positions first, valid ones after them in their order
             order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
-            hidden = hidden[rows, order]
+            hidden = hidden.gather(1, order[..., None].expand_as(hidden))
         if cache is None or not cache.has_state(i):  # a fresh state: what the model does with left padding
             out = self._call(i, hidden, position_embeddings, cache, left.to(torch.long))
         else:
@@ -97,9 +96,7 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
             for sel, _, sub in runs:
                 cache.put_layer_rows(i, sel, sub)
         if order is not None:
-            back = torch.empty_like(out)
-            back[rows, order] = out
-            out = back
+            out = out.scatter(1, order[..., None].expand_as(out), out)  # each token back to its place
         return out
 
     def _run_tree_linear(self, i, hidden, cache):
@@ -133,17 +130,14 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         order = None
         if valid is not None and not bool(valid.all()):
             order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid first, in order
-            ar = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
-            hidden, valid = hidden[ar, order], valid[ar, order]
+            hidden, valid = hidden.gather(1, order[..., None].expand_as(hidden)), valid.gather(1, order)
         else:
             valid = None
         out, states = self._linear_steps(i, hidden, valid, table, rows)
         if cache is not None:
             cache.set_states(i, states)
         if order is not None:
-            back = torch.empty_like(out)
-            back[ar, order] = out
-            out = back
+            out = out.scatter(1, order[..., None].expand_as(out), out)  # each token back to its place
         return out
 
     def _linear_steps(self, i, x, valid, table, rows):

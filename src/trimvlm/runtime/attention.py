@@ -56,9 +56,7 @@ class AttentionProbe:
 
     def merge(self, other: AttentionProbe | ProbeSet | None) -> AttentionProbe | ProbeSet:
         """One probe object recording for both (each keeps reading its own `results`)."""
-        if other is None:
-            return self
-        return ProbeSet([self, *(other.members if isinstance(other, ProbeSet) else [other])])
+        return self if other is None else ProbeSet([self]).merge(other)
 
     def record(self, layer_idx, query, key, mask, scaling) -> None:
         (_record_colsum if self.colsum else _record_rows)(self, layer_idx, query, key, mask, scaling)
@@ -69,6 +67,7 @@ class ProbeSet:
     """Several methods' probes recorded in one run; each member computes and keeps its own results."""
 
     members: list[AttentionProbe]
+    chunk_valid: torch.Tensor | None = None  # set by the runner, handed to each member that records
 
     def wants(self, layer_idx) -> bool:
         return any(p.wants(layer_idx) for p in self.members)
@@ -78,18 +77,10 @@ class ProbeSet:
             return self
         return ProbeSet(self.members + (other.members if isinstance(other, ProbeSet) else [other]))
 
-    @property
-    def chunk_valid(self):
-        return self.members[0].chunk_valid
-
-    @chunk_valid.setter
-    def chunk_valid(self, value) -> None:
-        for p in self.members:
-            p.chunk_valid = value
-
     def record(self, layer_idx, query, key, mask, scaling) -> None:
         for p in self.members:
             if p.wants(layer_idx):
+                p.chunk_valid = self.chunk_valid
                 p.record(layer_idx, query, key, mask, scaling)
 
 

@@ -72,6 +72,11 @@ class SharedPrefix:
     states: dict[int, dict[str, torch.Tensor]]
     state_owner: torch.Tensor  # [B] long
 
+    def rows(self, rows: torch.Tensor) -> SharedPrefix:
+        """What batch rows `rows` read of it: the same tensors, read by those rows' owners."""
+        parts = [SharedPart(p.layers, p.owner.index_select(0, rows)) for p in self.parts]
+        return SharedPrefix(parts, self.states, self.state_owner.index_select(0, rows))
+
 
 class RowRun(NamedTuple):
     """A maximal run of batch rows [start, end) that read one row of a shared part."""
@@ -109,7 +114,6 @@ class KVCache:
         self.prefix: SharedPrefix | None = None
         self._pending = None  # the chunk being written: (valid, visual, source) [B, Q]
         self._meta_memo: dict[tuple[int, str], torch.Tensor] = {}
-        self._recording = False
         # False for leaf branches: their final conv/recurrent states have no reader, so they are never stored
         self.keep_final_states = True
         # a TreeSchedule when the chunk is a candidate tree (recurrent layers run its chains)
@@ -135,18 +139,15 @@ class KVCache:
             return key_states, value_states
         valid, visual, source = self._pending
         entry = self.layers.get(layer_idx)
-        if entry is None:
-            self.layers[layer_idx] = LayerKV(key_states, value_states, valid, visual, source)
-        else:
-            entry.key = torch.cat([entry.key, key_states], dim=2)
-            entry.value = torch.cat([entry.value, value_states], dim=2)
-            entry.valid = self._cat_meta("valid", entry.valid, valid)
-            entry.visual = self._cat_meta("visual", entry.visual, visual)
-            entry.source = self._cat_meta("source", entry.source, source)
-        entry = self.layers[layer_idx]
-        return entry.key, entry.value
+        new = LayerKV(key_states, value_states, valid, visual, source)
+        if entry is not None:
+            new = entry.map(lambda n, t: self._cat(n, t, getattr(new, n)))
+        self.layers[layer_idx] = new
+        return new.key, new.value
 
-    def _cat_meta(self, name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _cat(self, name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if name in ("key", "value"):
+            return torch.cat([old, new], dim=2)
         # layers that shared one metadata tensor keep sharing the concatenated one
         key = (id(old), name)
         if key not in self._meta_memo:
@@ -168,11 +169,9 @@ class KVCache:
         return self._state(layer_idx, "recurrent")
 
     def update_conv_state(self, new_conv_state, layer_idx, *args, conv_kernel_size=None, **kwargs):
-        """`new_conv_state` [B, C, Q] holds the chunk's conv inputs. Returns them with the cached left context
-        prepended (the previous `conv_kernel_size` inputs; zeros on the first chunk when it is shorter than the
-        kernel), the causal conv's input; keeps the last `conv_kernel_size` inputs as the new state, in a new
-        tensor. (The model's single-token decode instead writes the held conv state in place; a branch cache holds
-        its own copies of the prefix states, so a prefix is never changed.)"""
+        """`new_conv_state` [B, C, Q] holds the chunk's conv inputs. Returns the causal conv's input: them with
+        the cached left context prepended (zeros on a first chunk shorter than the kernel); keeps the last
+        `conv_kernel_size` inputs as the new state, in a new tensor (a prefix's state is never changed)."""
         old = self.get_conv_state(layer_idx)
         if old is None:
             full = new_conv_state
@@ -209,13 +208,7 @@ class KVCache:
     def is_recording_past(self, layer_idx) -> bool:
         # a branch reads shared states as broadcast views: the model's in-place single-token conv update
         # must not run on them, so branches always take the out-of-place path
-        return self._recording or self.prefix is not None
-
-    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
-        if layer_idx is None:
-            layers = set(self.states) | (set(self.prefix.states) if self.prefix is not None else set())
-            return bool(layers) and all(self.get_recurrent_state(i) is not None for i in layers)
-        return self.get_recurrent_state(layer_idx) is not None
+        return self.prefix is not None
 
     def has_state(self, layer_idx: int) -> bool:
         """Whether a recurrent layer continues from a state (its own, or a shared prefix's)."""
@@ -273,27 +266,23 @@ class KVCache:
         return out
 
     def layer_rows(self, layer_idx: int, rows: torch.Tensor) -> KVCache:
-        """A cache holding rows `rows` of one layer (its KV entries or recurrent states, and the chunk being
-        written), to run that layer on a subset of the batch (a per-sample layer plan, or the rows of a recurrent
-        layer with the same count of valid tokens); write back with `put_layer_rows`. Branches off a shared prefix keep reading it: the sub-cache's parts and states are the
-        same tensors, read by the rows' owners."""
+        """A cache holding rows `rows` of one layer (its KV entries or recurrent states, the chunk being written
+        and the shared prefix they read), to run that layer on a subset of the batch; write back with
+        `put_layer_rows`."""
         sub = KVCache(self.num_layers)
         if layer_idx in self.layers:
             sub.layers[layer_idx] = self.layers[layer_idx].rows(rows)
         if self.states.get(layer_idx):
             sub.states = state_rows({layer_idx: self.states[layer_idx]}, rows)
-        if self.prefix is not None:  # branches off a shared prefix: the rows' owners, nothing copied
-            sub.prefix = SharedPrefix([SharedPart(p.layers, p.owner.index_select(0, rows)) for p in self.prefix.parts],
-                                      self.prefix.states, self.prefix.state_owner.index_select(0, rows))  # fmt: skip
+        if self.prefix is not None:
+            sub.prefix = self.prefix.rows(rows)
         sub._pending = tuple(t.index_select(0, rows) for t in self._pending)
         sub.keep_final_states, sub.keep_kv = self.keep_final_states, self.keep_kv
         return sub
 
     def put_layer_rows(self, layer_idx: int, rows: torch.Tensor, sub: KVCache) -> None:
-        """Take rows `rows` of one layer from `sub` (the rows that ran it). The rows that did not run it get no
-        entries of their own: the chunk's columns are added for them as invalid padding (the batch's tensors
-        are rectangular), so they attend to nothing there; their recurrent states stay as they were (the rows'
-        states are taken out of place: new tensors)."""
+        """Take rows `rows` of one layer from `sub` (the rows that ran it). The other rows get the chunk's columns
+        as invalid padding, and keep their recurrent states."""
         new, b = sub.layers.get(layer_idx), self._pending[0].shape[0]
         if new is not None:
             old = self.layers.get(layer_idx)
@@ -333,20 +322,15 @@ class KVCache:
                 metas[key] = new
         self.states = state_rows(self.states, rows)
         if self.prefix is not None:  # branches off a shared prefix: the rows that stay keep their owners
-            p = self.prefix
-            parts = [SharedPart(q.layers, q.owner.index_select(0, rows)) for q in p.parts]
-            parts = [q for q in parts if bool((q.owner >= 0).any())]  # a part no row reads any more is let go
-            self.prefix = SharedPrefix(parts, p.states, p.state_owner.index_select(0, rows))
-            if not parts and not any(p.states.values()):
-                self.prefix = None
+            p = self.prefix.rows(rows)
+            p.parts = [q for q in p.parts if bool((q.owner >= 0).any())]  # a part no row reads any more is let go
+            self.prefix = p if p.parts or any(p.states.values()) else None
 
     def join(self, other: KVCache) -> None:
         """Append the rows of `other` after this cache's rows, in place (a request admitted into a running decode
-        batch). Each layer's entries are left-padded to the longer of the two with invalid columns (attended to
-        by no one, as a padded batch's), recurrent states are concatenated; layers that shared their metadata
-        share it again. Rows reading shared prefix parts (branches, `share_prefix`) keep reading them, uncopied:
-        each part's owners say which row of it a row reads, -1 for the other cache's rows (they attend to
-        nothing there). Shared recurrent states cannot be joined (ValueError)."""
+        batch). Each layer's entries are left-padded with invalid columns to the longer of the two, recurrent
+        states are concatenated. Rows reading shared prefix parts keep reading them, uncopied (owner -1 for the
+        other cache's rows). Shared recurrent states cannot be joined (ValueError)."""
         for c in (self, other):
             if c.prefix is not None and any(c.prefix.states.values()):
                 raise ValueError("caches reading shared recurrent states cannot be joined")

@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from trimvlm.errors import InputError
 from trimvlm.runtime.tensor_memo import remembered
@@ -47,13 +48,7 @@ def _blake(t: torch.Tensor) -> bytes:
 
 def nbytes(value) -> int:
     """Bytes of the tensors in a value (tensors, and tuples / lists / dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(nbytes(v) for v in value)
-    return 0
+    return sum(t.nbytes for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
 class ByteLRU:
@@ -103,11 +98,6 @@ class ByteLRU:
         """Whether `key` is stored (neither a hit nor a miss, nor a use)."""
         with self._lock:
             return key in self._items
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.bytes = 0
 
     def stats(self) -> dict:
         return {

@@ -26,6 +26,11 @@ from trimvlm.runtime.lru import ByteLRU
 from trimvlm.runtime.memory import TensorMemory
 
 
+def _over(line: str, *phases: str) -> property:
+    """The sum of the FLOPs line `line` over `phases` (every phase when none is named)."""
+    return property(lambda self: sum(getattr(self, line).get(p, 0) for p in phases or getattr(self, line)))
+
+
 @dataclass
 class Costs:
     flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # phase -> the model's FLOPs
@@ -42,30 +47,13 @@ class Costs:
     peak_memory_phase: dict[str, int] = field(default_factory=dict)  # phase -> its peak over its start
     layers_run: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    @property
-    def prefill_flops(self) -> int:
-        """The model's prefill FLOPs (vision tower included)."""
-        return self.flops.get("prefill", 0) + self.flops.get("vision", 0)
-
-    @property
-    def decode_flops(self) -> int:
-        return self.flops.get("decode", 0)
-
-    @property
-    def method_prefill_flops(self) -> int:
-        return self.method_flops.get("prefill", 0) + self.method_flops.get("vision", 0)
-
-    @property
-    def method_decode_flops(self) -> int:
-        return self.method_flops.get("decode", 0)
-
-    @property
-    def model_flops(self) -> int:
-        return sum(self.flops.values())
-
-    @property
-    def method_total_flops(self) -> int:
-        return sum(self.method_flops.values())
+    # the model's FLOPs (`flops`) or the methods' (`method_flops`) over phases: prefill includes the vision tower
+    prefill_flops = _over("flops", "prefill", "vision")
+    decode_flops = _over("flops", "decode")
+    method_prefill_flops = _over("method_flops", "prefill", "vision")
+    method_decode_flops = _over("method_flops", "decode")
+    model_flops = _over("flops")  # every phase
+    method_total_flops = _over("method_flops")
 
     @property
     def total_flops(self) -> int:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim
+from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim, state_rows
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -34,9 +34,7 @@ class PrefixEntry:
     layers: dict[int, LayerKV]
     states: dict[int, dict[str, torch.Tensor]]
     next_pos: torch.Tensor  # [1]
-    hidden: (
-        torch.Tensor
-    )  # [1, 1, D] its last final-normed state (the branch executors read its width and dtype)
+    hidden: torch.Tensor  # [1, 1, D] its last final-normed state (branch executors read its width and dtype)
     n_images: int
     tokens: int
     # per field of LayerKV, its layers stacked ([layers, 1, ...]; `layers` are views of it), when every layer
@@ -135,10 +133,7 @@ def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEn
     for i, e in out.cache.layers.items():
         cols = torch.nonzero(e.valid[b]).flatten()
         layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
-    states = {
-        i: {k: v[b : b + 1].clone() for k, v in st.items() if v is not None}
-        for i, st in out.cache.states.items()
-    }
+    states = state_rows(out.cache.states, out.next_pos.new_tensor([b]))
     layers, stacked = stack_layers(layers)
     return PrefixEntry(
         layers=layers, states=states, next_pos=out.next_pos[b : b + 1].clone(),
@@ -199,13 +194,9 @@ def prompt_key(label: str, prepared, tokens: int | None = None) -> bytes:
     earlier turn of a conversation: the same images, a prefix of the ids), and the recipe it runs with."""
     inputs, ids = prepared.model_inputs, prepared.input_ids
     if tokens is not None:  # the inputs with one entry per token (shaped as the ids) cut as the ids are
-        inputs = {k: v[:, :tokens] if _per_token(v, ids) else v for k, v in inputs.items()}
+        inputs = {k: v[:, :tokens] if getattr(v, "shape", None) == ids.shape else v for k, v in inputs.items()}
         ids = ids[:, :tokens]
     return digest("chat", label, ids, *(x for k in sorted(inputs) for x in (k, inputs[k])))
-
-
-def _per_token(v, ids: torch.Tensor) -> bool:
-    return isinstance(v, torch.Tensor) and v.shape == ids.shape
 
 
 def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) -> tuple[PrefillOutput, list[bool]]:

@@ -18,7 +18,6 @@ read the whole prefill. A plan that acts when the batch is prepared (tokens=down
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -29,7 +28,6 @@ from trimvlm.kernels.flops import count, counting, paused
 from trimvlm.runtime.attention import AttentionContext, select_attention
 from trimvlm.runtime.cache import KVCache, PrefillOutput
 from trimvlm.runtime.layers import ATTENTION
-from trimvlm.runtime.masks import chunk_mask
 from trimvlm.runtime.meter import FlopsMemo, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.prefix_cache import assemble, prefill_prompts
@@ -48,24 +46,18 @@ class Runner:
 
     def encode(self, prepared, meter: Meter, vision=None) -> LiveSeq:
         """Embed the batch (the vision tower runs once, timed on the meter's vision line) and book the vision
-        tower's FLOPs. They are counted by torch's FlopCounterMode on this very encode the first time its input
-        shapes are seen (`Adapter.vision_key`: pixel shapes and image grids, not the prompts) and remembered, so
-        a shape is never encoded a second time to be counted. (The counter's dispatch overhead falls in that
-        first call's vision time: benchmarks warm every shape up first.) While a vision-tower probe records
-        attention (PruMerge, VisionZip: method work inside the encode) an unseen shape is counted on a separate,
-        untimed encode instead, so the probe's work is never booked as the model's."""
-        key = self.adapter.vision_key(prepared)
-        embed = self.adapter.embed if vision is None else functools.partial(self.adapter.embed, vision=vision)
+        tower's FLOPs, counted on this very encode the first time its input shapes (`Adapter.vision_key`) are
+        seen and remembered (benchmarks warm every shape up first: the counter slows that call). With a
+        vision-tower probe (method work inside the encode) an unseen shape is counted on an untimed encode."""
         cache = self.adapter.vision_cache if vision is None and self.adapter.caches_vision else None
         if cache is not None:
             cache.last_flops = 0
         with meter.timer("vision"), counting(meter, "vision"):
             if cache is not None or vision is not None:
-                seq = embed(prepared)
+                seq = self.adapter.embed(prepared, vision)
             else:
-                seq, _ = self.flops.run(key, lambda: embed(prepared))
-        # the vision cache books what ran: the images it did not hold (runtime/vision_cache.py); else the FLOPs
-        # are remembered now, except for a probed unseen shape
+                seq, _ = self.flops.run(self.adapter.vision_key(prepared), lambda: self.adapter.embed(prepared))
+        # the vision cache books the images it did not hold (runtime/vision_cache.py)
         meter.add("vision", cache.last_flops if cache is not None else self.vision_flops(prepared))
         return seq
 
@@ -93,12 +85,10 @@ class Runner:
         return self.adapter.model.device
 
     def layer_keys(self, i: int, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Key states (pre-RoPE, heads concatenated) layer i would compute from `hidden`; None when layer i
-        has no attention keys."""
+        """`Adapter.layer_keys`."""
         return self.adapter.layer_keys(i, hidden)
 
     def is_attention(self, i: int) -> bool:
-        """Whether decoder layer i is an attention layer (it has attention weights and a KV cache)."""
         return self.adapter.layer_types[i] == ATTENTION
 
     def check_skip(self, skip, batch: int) -> None:
@@ -125,8 +115,7 @@ class Runner:
                 )
 
     def check_prepared(self, prepared, plan: Plan) -> None:
-        """A batch fits `plan`: prepared at the plan's resolution (tokens=downsample resizes the images when
-        they are prepared) and its layer plan valid for the batch; else a one-line error."""
+        """A batch fits `plan`: prepared at the plan's resolution and its layer plan valid for the batch."""
         if getattr(prepared, "resolution", None) != plan.resolution:
             raise TrimVLMError(
                 f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
@@ -152,10 +141,8 @@ class Runner:
         return work.advance(work.left)
 
     def prefill_chunked(self, prepared, plan: Plan | None = None, *, meter: Meter | None = None, prefix=None):
-        """The `Prefill` of one prepared request (a batch of one), its prompt run `advance(n)` positions at a
-        time, so a caller can interleave other work between two chunks; `meter` books all of it. `prefix`: a
-        `PrefixEntry` of the prompt's first tokens (runtime/prefix_cache.py: an earlier turn of the same
-        conversation): the cache starts as that entry's and only the rest of the prompt is run."""
+        """The `Prefill` of one prepared request (a batch of one), for its caller to `advance`. `prefix`: a
+        `PrefixEntry` of the prompt's first tokens (an earlier turn of the same conversation), not run again."""
         plan = plan or Plan()
         if prepared.batch != 1:
             raise TrimVLMError(f"a chunked prefill holds one request, got a batch of {prepared.batch}")
@@ -164,9 +151,7 @@ class Runner:
         return Prefill(self, prepared, plan, meter or Meter(device=self.device), prefix=prefix)
 
     def prefill_prompts(self, parts: list, plan: Plan, *, meter: Meter, keys: list | None = None):
-        """The prefill of requests `parts` (each prepared alone) as one batch, the prompts found in the
-        runner's prefix cache read from it and the others prefilled together (and stored); (the output, per
-        request whether it was found). runtime/prefix_cache.py, `prefill_prompts`."""
+        """runtime/prefix_cache.py, `prefill_prompts`."""
         return prefill_prompts(self, parts, plan, meter, keys)
 
     def run(
@@ -182,8 +167,7 @@ class Runner:
         within: torch.Tensor | None = None,
         start: int = 0,
     ) -> LiveSeq:
-        """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`. Returns the final-normed
-        seq."""
+        """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`; the final-normed seq."""
         ad = self.adapter
         select_attention(ad.text_model)  # (nothing is written unless someone changed it since)
         pos_emb = ad.rotary(seq.hidden, seq.positions)
@@ -254,8 +238,7 @@ class Runner:
     @torch.no_grad()
     def finish(self, seq: LiveSeq, start: int) -> torch.Tensor:
         """[B, V] next-token logits of `seq` entering layer `start`, run through the remaining layers on a
-        scratch cache (nothing else is touched). Its FLOPs are returned to the active method counter: a method
-        that looks ahead pays for it on the method line."""
+        scratch cache; its FLOPs are counted on the active method line (a method that looks ahead pays)."""
         meter = Meter(device=self.device)
         with paused():
             out = self.run(seq, KVCache(self.num_layers), phase="lookahead", meter=meter, start=start)
@@ -264,9 +247,8 @@ class Runner:
         return logits
 
     def _after_layer(self, ran, rows, seq, hidden):
-        """The family's additions after a layer that ran on all rows (`rows` None) or on `rows`, keyed by the
-        layer's index in each row's executed stack (its `layer_idx` in the model with that row's skipped layers
-        removed; -1 where the row skipped it). Returns (hidden, the rows' counts of layers run)."""
+        """`Adapter.after_layer` after a layer that ran on all rows (`rows` None) or on `rows`; (hidden, the
+        rows' counts of layers run)."""
         if rows is None and not seq.adds:  # nothing the family adds (a decode step, a text-only chunk)
             return hidden, ran + 1
         runs = torch.ones_like(ran, dtype=torch.bool)
@@ -315,8 +297,8 @@ class Runner:
         plan: Plan | None = None,
     ) -> LiveSeq:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
-        `within` [B, Q, Q] replaces the causal mask inside the chunk); the final-normed live sequence. The
-        layers skipped are `skip` when given, else the plan's for this phase."""
+        `within` [B, Q, Q] replaces the causal mask inside the chunk, `skip` the plan's layers for the phase);
+        the final-normed live sequence."""
         skip = _phase_skip(plan, phase, skip)
         valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
         seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
@@ -326,9 +308,28 @@ class Runner:
 SKIPPED = object()  # `_layer_rows`: no row runs the layer
 
 
+def chunk_mask(
+    past_valid: torch.Tensor | None,
+    new_valid: torch.Tensor,
+    within: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, 1, Q, Kp + Q] bool (True: may attend): every query sees the valid past entries and, inside the
+    chunk, `within` ([B, Q, Q] bool, default causal) restricted to valid keys. A query always sees itself, so
+    padded rows stay finite (their outputs are never read)."""
+    b, q = new_valid.shape
+    dev = new_valid.device
+    if within is None:
+        within = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(b, q, q)
+    eye = torch.eye(q, dtype=torch.bool, device=dev)[None]
+    own = (within & new_valid[:, None, :]) | eye
+    if past_valid is None or past_valid.shape[1] == 0:
+        return own[:, None]
+    past = past_valid[:, None, :].expand(b, q, past_valid.shape[1])
+    return torch.cat([past, own], dim=-1)[:, None]
+
+
 def _reading(ctx: AttentionContext | None, cache: KVCache) -> AttentionContext | None:
-    """`ctx`, with what the chunk's attention reads besides its own keys: the cache's shared prefix parts and
-    its candidate tree (a new context when there is none and they are needed)."""
+    """`ctx` (or a new one) with the cache's shared prefix parts and candidate tree, when it has them."""
     if (cache.prefix is not None and cache.prefix.parts) or cache.tree is not None:
         ctx = ctx or AttentionContext()
         ctx.shared = cache.prefix.parts if cache.prefix is not None else None
@@ -376,12 +377,10 @@ def _phase_skip(plan: Plan | None, phase: str, skip):
 
 
 class Prefill:
-    """A prefill in progress, the one prefill body: made, it embeds the batch (the vision tower runs once); each
-    `advance(n)` runs the next `n` positions through the decoder with everything the plan holds (its token hook,
-    layer plan and attention context), against the KV cache the earlier chunks wrote (each chunk attends to all
-    the cache holds and causally within itself). The last chunk gives the `PrefillOutput`: logits, final norm,
-    the KV bytes and the plan's step at the prefill/decode boundary (`after_prefill`); `meter` books all of it.
-    `prefix`: a `PrefixEntry` of the prompt's first tokens, whose KV the cache starts as (not run again)."""
+    """A prefill in progress: made, it embeds the batch (the vision tower runs once); each `advance(n)` runs the
+    next `n` positions through the decoder with everything the plan holds, against the KV cache the earlier
+    chunks wrote. The last chunk gives the `PrefillOutput` and runs the plan's step at the prefill/decode
+    boundary (`after_prefill`); `meter` books all of it. `prefix`: a `PrefixEntry` the cache starts as."""
 
     def __init__(self, runner: Runner, prepared, plan: Plan, meter: Meter, all_logits=False, lm_head=True, *,
                  prefix=None):  # fmt: skip

@@ -7,7 +7,7 @@ token dropped after layer L leaves the others exactly where RoPE put them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -81,26 +81,16 @@ class LiveSeq:
     def index_select(self, order: torch.Tensor, new_valid: torch.Tensor) -> LiveSeq:
         """Take columns `order` [B, S'] of every per-position tensor; `new_valid` marks real entries."""
         b_idx = torch.arange(self.batch, device=order.device)[:, None]
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "hidden":
-                out[f.name] = v[b_idx, order]
-            elif f.name == "positions":
-                out[f.name] = v[:, b_idx, order]
-            elif f.name in ("visual", "source", "image_id", "size"):
-                out[f.name] = None if v is None else v[b_idx, order]
-            elif f.name == "valid":
-                out[f.name] = new_valid
-            elif f.name == "adds":
-                out[f.name] = {k: [t[b_idx, order] for t in ts] for k, ts in v.items()}
-            else:
-                out[f.name] = v
-        seq = LiveSeq(**out)
-        seq.visual = seq.visual & new_valid
-        seq.source = seq.source.masked_fill(~new_valid, -1)
-        seq.image_id = seq.image_id.masked_fill(~new_valid, -1)
-        return seq
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[b_idx, order]
+
+        return replace(
+            self, hidden=take(self.hidden), positions=self.positions[:, b_idx, order], valid=new_valid,
+            visual=take(self.visual) & new_valid, source=take(self.source).masked_fill(~new_valid, -1),
+            image_id=take(self.image_id).masked_fill(~new_valid, -1), size=take(self.size),
+            adds={k: [take(t) for t in ts] for k, ts in self.adds.items()},
+        )  # fmt: skip
 
     def take_rows(self, idx) -> LiveSeq:
         """Rows (samples) `idx` of every per-row field, in that order (a row may repeat)."""
@@ -119,6 +109,4 @@ class LiveSeq:
         return LiveSeq(**out)
 
     def with_hidden(self, hidden: torch.Tensor) -> LiveSeq:
-        seq = LiveSeq(**{f.name: getattr(self, f.name) for f in fields(self)})
-        seq.hidden = hidden
-        return seq
+        return replace(self, hidden=hidden)
