@@ -142,8 +142,7 @@ class VLM:
         """Generate for one prompt (images: one image/path or a list) or a batch (lists of equal length).
         `track_memory`: measure peak memory on the tensors (slower; on CUDA the allocator's peak is always
         measured). `presence_penalty`, `frequency_penalty`: OpenAI's (runtime/generate.py, `Sampling`).
-        `prepared`: a batch already prepared (`vlm.prepare`, or `adapter.collate` of several;
-        images and prompts are then None), so nothing is prepared twice."""
+        `prepared`: a prepared batch (`vlm.prepare`, `adapter.collate`; then images=None, prompts=None)."""
         self._needs_lm_head("generate")
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

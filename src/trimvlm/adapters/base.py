@@ -350,8 +350,7 @@ class Adapter:
 
     def image_features(self, prepared: Prepared, probe, grids):
         """The vision tower's output for the batch's images (`pooler_output`), with the probe's records when one
-        is given. The default fits families whose `get_image_features` reads a feature layer and strategy from
-        the config (LLaVA, InternVL)."""
+        is given; this default fits LLaVA and InternVL (feature layer and strategy from the config)."""
         cfg = self.model.config
         pixel_values = prepared.model_inputs["pixel_values"]
         return self.encode_vision(
@@ -458,9 +457,8 @@ class Adapter:
 
     # ---- shared behaviour ----
     def layout_seq(self, prepared: Prepared) -> LiveSeq:
-        """The batch's sequence as `embed` lays it out (validity, visual tokens, units, grids, owning images)
-        with no vision tower run and no embedding: hidden is [B, S, 0] and positions are zeros. What the
-        shapes of a prefill follow from (`tune/predict.py`), at the price of reading the token ids."""
+        """The batch's sequence as `embed` lays it out, with no vision tower run and no embedding (hidden is
+        [B, S, 0], positions are zeros): what the shapes of a prefill follow from (`tune/predict.py`)."""
         visual, image_id, grids, starts = self.layout(prepared)
         b, s = visual.shape
         empty = torch.zeros(b, s, 0, device=visual.device)
@@ -616,8 +614,7 @@ class Adapter:
 
     def positions(self, prepared: Prepared) -> torch.Tensor:
         """[1, B, S] 1-D position ids: the count of real tokens before each one, as transformers' `generate`
-        computes them for a left-padded batch (its plain forward counts padding too; RoPE only sees
-        differences, so the logits of real tokens are the same)."""
+        computes them for a left-padded batch."""
         att = prepared.attention_mask
         return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)[None]
 
@@ -668,7 +665,7 @@ class Adapter:
     def vision_config(self):
         return self.model.config.vision_config
 
-    vision_has_cls = False  # whether the vision tower puts a [CLS] token first (its row is the probe's statistic)
+    vision_has_cls = False  # the vision tower puts a [CLS] token first (its row is the probe's statistic)
 
     def vision_attention_modules(self) -> list[torch.nn.Module]:
         """The vision tower's attention modules, in layer order (each family says where they are)."""
@@ -676,9 +673,8 @@ class Adapter:
 
     def encode_vision(self, probe, encode, to_units, grids):
         """`encode()`, the family's vision-tower call. With a `VisionProbe`, the call runs recording the probe's
-        layer, and `to_units(recording)` maps the records to one `VisionUnit` per visual unit in batch order
-        (images, or tiles), stored in `probe.results[(sample, unit)]` following `grids`; the probe's FLOPs are
-        counted once its records are known complete."""
+        layer, and `to_units(recording)` gives one `VisionUnit` per visual unit in batch order (images, or
+        tiles), stored in `probe.results[(sample, unit)]` following `grids`."""
         if probe is None:
             return encode()
         from trimvlm.runtime.vision_probe import recording

@@ -63,7 +63,8 @@ class LlavaAdapter(Adapter):
 
     def processor_options(self) -> dict:
         return {
-            "patch_size": self.patch_size, "image_token": IMAGE, "num_additional_image_tokens": int(self.vision_has_cls),
+            "patch_size": self.patch_size, "image_token": IMAGE,
+            "num_additional_image_tokens": int(self.vision_has_cls),
             "vision_feature_select_strategy": self.model.config.vision_feature_select_strategy,
         }  # fmt: skip
 

@@ -141,12 +141,10 @@ class Qwen35Adapter(QwenVLAdapterMixin, Adapter):
         return out
 
     def _linear_steps(self, i, x, valid, table, rows):
-        """Decoder layer i (a Gated DeltaNet layer) over x [B, T, D] in the recurrent form, the gated delta rule
-        stepped T times (`kernels.gated_delta`) instead of transformers' chunked kernel, which pads to 64 tokens.
-        The module's own weights and sub-modules compute everything around the recurrence (the layer's norms,
-        projections, conv, gated norm, MLP), in the order of transformers' layer. `valid` [B, T] (None: all)
-        holds each row's valid tokens first; rows start from `table` (conv / recurrent states, {}: fresh) rows
-        `rows` (None: row b from row b). Returns the layer's output and the rows' final states."""
+        """Decoder layer i (a Gated DeltaNet layer) over x [B, T, D] in the recurrent form (`kernels.gated_delta`),
+        the module's own sub-modules computing everything around the recurrence in the order of transformers'
+        layer. `valid` [B, T] (None: all) holds each row's valid tokens first; rows start from `table` (conv /
+        recurrent states, {}: fresh) rows `rows` (None: row b from row b). Returns (output, final states)."""
         layer = self.layers[i]
         gdn = layer.linear_attn
         h = layer.input_layernorm(x)

@@ -154,13 +154,10 @@ def generate(
     forced: torch.Tensor | None = None,
     on_logits: Callable[[int, torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
-    """`Runner.prefill(prepared, plan)` (everything the plan holds, its KV step included), then decode with the
-    plan's decode layers. `forced` [max_new_tokens]: the token every row takes at each step (teacher forcing),
-    instead of the sampled one; `on_logits(t, logits)`: shown each step's logits [live rows, V] before the
-    choice.
-
-    A sample that stops leaves the batch: its cache rows are removed and the columns no live row uses are
-    compacted away, so decode FLOPs, KV bytes and time are those of the live rows only."""
+    """`Runner.prefill(prepared, plan)`, then decode with the plan's decode layers. `forced` [max_new_tokens]:
+    the token every row takes at each step (teacher forcing); `on_logits(t, logits)`: shown each step's logits
+    [live rows, V] before the choice. A sample that stops leaves the batch (its cache rows and the columns no
+    live row uses are dropped), so decode FLOPs, KV bytes and time are those of the live rows only."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     sampling = sampling or Sampling()

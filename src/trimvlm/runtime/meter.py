@@ -176,9 +176,7 @@ def flop_counter():
 
 class FlopsMemo(ByteLRU):
     """FLOPs of a call by its key (the shapes it depends on): counted by `flop_counter` on the call the first
-    time the key is seen, then remembered, so a shape never runs a second time to be counted. At most `keys`
-    keys (entries of size 1), least recently used dropped first. The runner keeps one: the vision tower's counts
-    and the vision cache's encodes of the images it did not hold, under keys of their own."""
+    time the key is seen, then remembered. At most `keys` keys, least recently used dropped first."""
 
     def __init__(self, keys: int = 256):
         super().__init__(keys, "FLOPs memo")

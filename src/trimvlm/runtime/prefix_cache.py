@@ -200,11 +200,9 @@ def prompt_key(label: str, prepared, tokens: int | None = None) -> bytes:
 
 
 def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) -> tuple[PrefillOutput, list[bool]]:
-    """The prefill of the requests `parts` (each prepared alone) as one batch (`Runner.prefill_prompts`): with the
-    runner's prefix cache on and a plan whose prompts are reusable, the prompts found there are read from it (no
-    vision tower, no prefill), the others prefilled together and stored (their rows, padding removed, and the
-    logits of their last token); found and prefilled rows are assembled as one left-padded batch. (The output,
-    per request whether it was found.) `keys`: their `prompt_key`s, when the preparation made them."""
+    """The prefill of the requests `parts` (each prepared alone) as one batch, and per request whether it was
+    found: with the runner's prefix cache on and a plan whose prompts are reusable, the prompts found there are
+    read from it, the others prefilled together and stored. `keys`: their `prompt_key`s, when already made."""
     cache = runner.prefix_cache
     if cache is None or not plan.reuses_prompts:
         return runner.prefill(runner.adapter.collate(parts), plan, meter=meter), [False] * len(parts)
