@@ -33,7 +33,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trimvlm.demo import task
-from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
+from trimvlm.demo.vocab import EOS, PAD, build_tokenizer, vision_ids
 from trimvlm.errors import InputError
 
 PATCH = 8
@@ -51,9 +51,13 @@ def build_image_processor(task_name: str = "demo") -> Qwen2VLImageProcessorPil:
         lo, hi = scenes.MIN_TOKENS * scenes.TOKEN_PX**2, scenes.MAX_TOKENS * scenes.TOKEN_PX**2
     else:
         lo = hi = task.IMAGE_SIZE * task.IMAGE_SIZE
-    return Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=lo, max_pixels=hi
-    )
+    return qwen_image_processor(lo, hi)
+
+
+def qwen_image_processor(min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessorPil:
+    """Qwen-VL's PIL image processor (no torchvision needed): patch 8, spatial merge 2, temporal patch 2."""
+    return Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                                    min_pixels=min_pixels, max_pixels=max_pixels)  # fmt: skip
 
 
 class Family(NamedTuple):
@@ -151,10 +155,7 @@ def _vision_config(vision_hidden: int, depth: int, hidden: int, **extra) -> dict
 
 
 def _vlm_config(config_cls: type, tok, text: dict, vision: dict) -> PretrainedConfig:
-    ids = tok.convert_tokens_to_ids
-    return config_cls(text_config=text, vision_config=vision, image_token_id=ids(IMAGE_PAD),
-                      video_token_id=ids(VIDEO_PAD), vision_start_token_id=ids(VISION_START),
-                      vision_end_token_id=ids(VISION_END), tie_word_embeddings=False)  # fmt: skip
+    return config_cls(text_config=text, vision_config=vision, **vision_ids(tok), tie_word_embeddings=False)
 
 
 def build_model(config: PretrainedConfig | None = None, seed: int = 0):

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from trimvlm.demo import task as grid
-from trimvlm.demo.task import _GLYPHS, GLYPH_CHARS, OPTION_LETTERS, QA, Sample, pick
+from trimvlm.demo.task import GLYPH_CHARS, OPTION_LETTERS, QA, Sample, pick
 from trimvlm.errors import InputError
 
 TOKEN_PX = 16  # patch 8 x spatial merge 2
@@ -246,16 +246,7 @@ def render(scene: Scene) -> Image.Image:
     d = ImageDraw.Draw(img)
     for o in scene.objects:
         _draw_shape(d, o, COLORS[o.color])
-    g = scene.glyph_scale
-    for i, ch in enumerate(scene.text):
-        x, y = (scene.text_col + i * g) * TOKEN_PX, scene.text_row * TOKEN_PX
-        side = TOKEN_PX * g
-        d.rectangle([x, y, x + side - 1, y + side - 1], fill=(245, 245, 245))
-        for gy, line in enumerate(_GLYPHS[ch]):
-            for gx, px in enumerate(line):
-                if px == "#":
-                    d.rectangle([x + (3 + 2 * gx) * g, y + (1 + 2 * gy) * g,
-                                 x + (5 + 2 * gx) * g - 1, y + (3 + 2 * gy) * g - 1], fill=(0, 0, 0))  # fmt: skip
+    grid.draw_glyphs(d, scene.text, scene.text_col * TOKEN_PX, scene.text_row * TOKEN_PX, scene.glyph_scale)
     return img
 
 

@@ -169,16 +169,21 @@ def render(scene: Scene) -> Image.Image:
             d.ellipse([x + 2, y + 2, x + 13, y + 13], fill=rgb)
         else:
             d.polygon([(x + 8, y + 2), (x + 14, y + 13), (x + 1, y + 13)], fill=rgb)
-    for i, ch in enumerate(scene.text):
-        x, y = (scene.text_col + i) * CELL, scene.text_row * CELL
-        d.rectangle([x, y, x + CELL - 1, y + CELL - 1], fill=(245, 245, 245))
+    draw_glyphs(d, scene.text, scene.text_col * CELL, scene.text_row * CELL)
+    return img
+
+
+def draw_glyphs(d: ImageDraw.ImageDraw, text: str, x: int, y: int, scale: int = 1) -> None:
+    """`text` from (x, y) rightwards, a glyph in black on a white box of `scale` x `scale` cells each."""
+    side = CELL * scale
+    for i, ch in enumerate(text):
+        x0 = x + i * side
+        d.rectangle([x0, y, x0 + side - 1, y + side - 1], fill=(245, 245, 245))
         for gy, line in enumerate(_GLYPHS[ch]):
             for gx, px in enumerate(line):
                 if px == "#":
-                    d.rectangle(
-                        [x + 3 + 2 * gx, y + 1 + 2 * gy, x + 4 + 2 * gx, y + 2 + 2 * gy], fill=(0, 0, 0)
-                    )
-    return img
+                    d.rectangle([x0 + (3 + 2 * gx) * scale, y + (1 + 2 * gy) * scale,
+                                 x0 + (5 + 2 * gx) * scale - 1, y + (3 + 2 * gy) * scale - 1], fill=(0, 0, 0))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- answers
@@ -411,22 +416,8 @@ def format_prompt(question: str) -> str:
 
 def vocabulary_words() -> list[str]:
     """Every word the task can produce, in a fixed order."""
-    words = [
-        "?",
-        "<ans>",
-        "is",
-        "there",
-        "a",
-        "which",
-        "present",
-        "color",
-        "at",
-        "how",
-        "many",
-        "list",
-        "row",
-    ]
-    words += ["col", "read", "text", "describe", "yes", "no", "none", BACKGROUND]
+    words = "? <ans> is there a which present color at how many list row col read text describe yes no none".split()
+    words += [BACKGROUND]
     words += COLOR_NAMES + SHAPES
     words += [f"r{i}" for i in range(GRID)] + [f"c{i}" for i in range(GRID)]
     words += [str(i) for i in range(10)] + [ch for ch in GLYPH_CHARS if not ch.isdigit()]

@@ -38,3 +38,10 @@ def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
     )
     fast.padding_side = "left"
     return fast
+
+
+def vision_ids(tok) -> dict[str, int]:
+    """The special-token ids a Qwen-VL config names, from `tok`."""
+    ids = tok.convert_tokens_to_ids
+    return {"image_token_id": ids(IMAGE_PAD), "video_token_id": ids(VIDEO_PAD),
+            "vision_start_token_id": ids(VISION_START), "vision_end_token_id": ids(VISION_END)}  # fmt: skip

@@ -45,25 +45,6 @@ def random_image(seed: int, size=(64, 64)) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def qwen_vision_ids(tok) -> dict:
-    """The special-token ids every Qwen-VL config names, from the word tokenizer."""
-    return {
-        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
-        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
-        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
-        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
-    }
-
-
-def qwen_image_processor(patch: int = 8, merge: int = 2):
-    """Qwen-VL's PIL image processor (no torchvision needed) for the tiny checkpoints."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=512 * 512
-    )
-
-
 # Text widths of real checkpoints for the benchmarks' `--width`: a random-weight model at that width (with few
 # layers, so it runs in minutes) shows what the tiny shapes cannot: the same figures at a real matrix size.
 REAL_WIDTHS = {"3b": dict(hidden=2048, heads=16, kv_heads=2)}  # Qwen2.5-VL-3B's text model

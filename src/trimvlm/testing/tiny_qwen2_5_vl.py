@@ -1,7 +1,7 @@
 """Tiny random Qwen2.5-VL: window attention in the vision tower (windows of 2x2 merged tokens), the last
 vision block with full attention. `deepstack` is ignored (Qwen2.5-VL has none)."""
 
-from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+from trimvlm.demo.model import qwen_image_processor, vision_ids
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -22,8 +22,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             patch_size=patch, spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=hidden,
             window_size=2 * merge * patch, fullatt_block_indexes=[1], tokens_per_second=2,
         ),
-        **qwen_vision_ids(tok),
+        **vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = qwen_image_processor(patch, merge)
+    proc = qwen_image_processor(32 * 32, 512 * 512)
     return Qwen2_5_VLForConditionalGeneration(cfg), proc

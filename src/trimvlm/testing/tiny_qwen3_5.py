@@ -2,7 +2,7 @@
 full-attention layer, repeated (`full_attention_interval` = 4, as the real checkpoints). Qwen3.5's vision
 tower has no deepstack features, so `deepstack` is accepted for a uniform signature and ignored."""
 
-from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+from trimvlm.demo.model import qwen_image_processor, vision_ids
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -27,8 +27,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2, patch_size=8,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
         ),
-        **qwen_vision_ids(tok),
+        **vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = qwen_image_processor(8, 2)
+    proc = qwen_image_processor(32 * 32, 512 * 512)
     return Qwen3_5ForConditionalGeneration(cfg), proc

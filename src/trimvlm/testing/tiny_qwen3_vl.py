@@ -1,6 +1,6 @@
 """Tiny random Qwen3-VL (deepstack in the first `deepstack` layers)."""
 
-from trimvlm.testing import qwen_image_processor, qwen_vision_ids
+from trimvlm.demo.model import qwen_image_processor, vision_ids
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -21,8 +21,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
             deepstack_visual_indexes=list(range(deepstack)),
         ),
-        **qwen_vision_ids(tok),
+        **vision_ids(tok),
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = qwen_image_processor(8, 2)
+    proc = qwen_image_processor(32 * 32, 512 * 512)
     return Qwen3VLForConditionalGeneration(cfg), proc
