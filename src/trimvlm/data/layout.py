@@ -65,14 +65,6 @@ class Source:
         return self.path if self.path.is_dir() else self.path.parent
 
 
-def _pq():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # a declared dependency; only a broken install gets here
-        raise InputError("reading parquet shards needs pyarrow: pip install pyarrow") from None
-    return pq
-
-
 def _split_and_config(file: Path, root: Path) -> tuple[str, str]:
     parts = list(file.parent.relative_to(root).parts) if file.parent != root else []
     if file.stem.isdigit() and parts:  # <config>/<split>/0000.parquet
@@ -156,7 +148,7 @@ def find_source(
     files = found[(config, split)]
     src = Source(path=root, form=form, config=config, split=split, files=files, columns=[], rows=0)
     if form == "parquet":
-        pq = _pq()
+        import pyarrow.parquet as pq
         try:
             metas = [pq.ParquetFile(f) for f in files]
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a broken file
@@ -195,7 +187,7 @@ def read_columns(src: Source, names: Sequence[str]) -> dict[str, list]:
     """The values of the columns `names` (not the image column) for every row, in file order."""
     if src.form == "jsonl":
         return {n: [row.get(n) for row in src._jsonl] for n in names}
-    pq = _pq()
+    import pyarrow.parquet as pq
     out: dict[str, list] = {n: [] for n in names}
     for f in src.files:
         try:
@@ -212,7 +204,7 @@ def read_columns(src: Source, names: Sequence[str]) -> dict[str, list]:
 
 def _row_groups(src: Source) -> list[tuple[Any, Path, int, int, int]]:
     """(parquet file, its path, row group, first row, rows) over the split, in order."""
-    pq = _pq()
+    import pyarrow.parquet as pq
     out, start = [], 0
     for f in src.files:
         pf = pq.ParquetFile(f)

@@ -205,7 +205,7 @@ SCENES_META = {
 
 SCENES_SPEC = Spec(
     task=scenes, encoder=ScenesEncoder, tokenizer=scenes_tokenizer,
-    build_config=lambda tok, **kw: build_scenes_config(tok, **kw), train_samples=train_samples,
+    build_config=build_scenes_config, train_samples=train_samples,
     aux_loss=scenes_aux_loss, n_pairs=N_PAIRS, image_processor=lambda: build_image_processor("scenes"),
     teacher={"layers": (2, 3, 4), "word_layers": (1,), "option_layers": (5,), "verdict_layers": (RELATION_LAYER,),
              "rows_only": True}, meta=SCENES_META,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
@@ -42,6 +43,7 @@ from trimvlm.demo.model import (
 )
 from trimvlm.demo.train_common import AUX_POSITION_LAYER, Ask, Look, Spec, Turn, aux_cell_loss
 from trimvlm.demo.vocab import build_tokenizer, build_vocab
+from trimvlm.evals.tasks.demo import split_info
 from trimvlm.progress import steps as step_bar
 
 TRAIN_TURNS = {"exist": 5, "mc": 3, "color": 2, "count": 4, "list": 2, "read": 1}
@@ -380,12 +382,9 @@ BEST_METRIC = "skill-min+mean"
 
 def majority_baseline(samples, kinds=None) -> dict[str, float]:
     """Per kind, the accuracy of always giving the most frequent answer."""
-    answers: dict[str, list[str]] = {k: [] for k in (kinds if kinds is not None else task.KINDS)}
-    for s in samples:
-        for q in s.qas:
-            if q.kind in answers:
-                answers[q.kind].append(q.answer)
-    return {k: max(v.count(a) for a in set(v)) / len(v) if v else 0.0 for k, v in answers.items()}
+    answers = {k: Counter(q.answer for s in samples for q in s.qas if q.kind == k)
+               for k in (kinds if kinds is not None else task.KINDS)}  # fmt: skip
+    return {k: max(c.values()) / c.total() if c else 0.0 for k, c in answers.items()}
 
 
 def selection_score(acc: dict[str, float], base: dict[str, float]) -> float:
@@ -476,10 +475,8 @@ def _resume(run: _Run, state_path: Path, out_dir: Path) -> None:
     if run.probe is not None and "pair_probe" in st:
         run.probe.load_state_dict(st["pair_probe"])
         run.probe.opt.load_state_dict(st["pair_probe_opt"])
-    if not out_dir.exists():  # a new output folder: its first evaluation is saved
-        run.best = -1.0
-    if st.get("best_metric") != BEST_METRIC:  # saved under an older selection rule: re-select
-        run.best = -1.0
+    if not out_dir.exists() or st.get("best_metric") != BEST_METRIC:
+        run.best = -1.0  # a new output folder, or a state saved under another selection rule: re-select
     print(f"resumed from {state_path} at step {run.step} (best min-kind val acc {run.best:.3f})", flush=True)
 
 
@@ -586,12 +583,7 @@ def _validate(
             "step": run.step,
             "val_accuracy": acc,
             "test_accuracy": test_acc,
-            "test_items": {
-                "split": "test",
-                "seed": 0,
-                "n_images": TEST_IMAGES,
-                "questions_per_kind": 1,
-            },
+            "test_items": split_info("test", 0, held.test),
             "train": dict(train_meta),
             **spec.meta,
         }

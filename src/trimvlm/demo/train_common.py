@@ -14,7 +14,6 @@ import torch
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START
 
 AUX_POSITION_LAYER = 2
-MID_CONTENT = True
 P_SINGLE_TURN = 0.2  # sequences cut to one turn: the exact evaluation format
 PAD_MULTIPLE = 32
 
@@ -164,9 +163,9 @@ def aux_cell_loss(model, out, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     mid = model.lm_head(lm.norm(out.hidden_states[AUX_POSITION_LAYER][:, vis])).float()
     loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["row"].reshape(-1))
     loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["col"].reshape(-1))
-    if MID_CONTENT:  # name the content there too, where the search by colour and shape reads its keys
-        loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["content"].reshape(-1))
-        loss = loss + 0.25 * ce(mid.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
+    # name the content there too, where the search by colour and shape reads its keys
+    loss = loss + 0.5 * ce(mid.reshape(-1, v), targets["content"].reshape(-1))
+    loss = loss + 0.25 * ce(mid.reshape(-1, v), targets["shape"].reshape(-1), ignore_index=-100)
     return loss
 
 
