@@ -79,11 +79,10 @@ def _teacher_mass(teacher, weights: dict, looks) -> tuple[float | None, float | 
     rows = [i for i, look in enumerate(looks) if look.keys]
     if not layers or not rows:
         return None, None
+    at = torch.tensor([look.row for look in looks]), torch.tensor([look.at for look in looks])
     keys, sink = [], []
     for layer in layers:
-        w = weights[layer]
-        for i in rows:
-            row = w[i, 0] if teacher.rows_only else w[looks[i].row, teacher.head, looks[i].at]
-            keys.append(float(row[list(looks[i].keys)].sum()))
-            sink.append(float(row[0]))
+        w = teacher.weights_of(weights[layer], *at, teacher.head)
+        keys += [float(w[i, list(looks[i].keys)].sum()) for i in rows]
+        sink += [float(w[i, 0]) for i in rows]
     return float(np.mean(keys)), float(np.mean(sink))

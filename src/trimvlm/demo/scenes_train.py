@@ -134,35 +134,22 @@ class ScenesEncoder(Encoder):
         if q.kind == "read":  # each later word (predicted at the word before it) looks at its glyph
             looks += [Look(row, at + j, glyph, [], []) for j, glyph in enumerate(glyph_keys(s.scene)) if j > 0]
 
-    def cell_targets(self, samples) -> dict[str, torch.Tensor]:
+    def token_targets(self, sc: scenes.Scene) -> dict[str, list[int]]:
         """Per visual token: content word, shape word, row and column words, pair class (of the object it shows;
-        no pair on background and text) and size word at anchors; -100 past each image's tokens."""
-        n = max(s.scene.rows * s.scene.cols for s in samples)
-        out = {k: torch.full((len(samples), n), -100, dtype=torch.long)
-               for k in ("content", "shape", "row", "col", "pair", "size", "glyph")}  # fmt: skip
-        v = self.vocab
-        for i, s in enumerate(samples):
-            sc = s.scene
-            m = sc.rows * sc.cols
-            owner = token_objects(sc)
-            content = [v[self.background]] * m
-            shape = [-100] * m
-            pair = [N_PAIRS] * m
-            for t in np.flatnonzero(owner >= 0):
-                o = sc.objects[owner[t]]
-                content[t], shape[t], pair[t] = v[o.color], v[o.shape], pair_class(o.color, o.shape)
-            glyph = [-100] * m
-            for r, c, ch in sc.text_tokens():
-                content[r * sc.cols + c], pair[r * sc.cols + c], glyph[r * sc.cols + c] = v[ch], N_PAIRS, v[ch]
-            out["glyph"][i, :m] = torch.tensor(glyph)
-            out["content"][i, :m] = torch.tensor(content)
-            out["shape"][i, :m] = torch.tensor(shape)
-            out["pair"][i, :m] = torch.tensor(pair)
-            out["row"][i, :m] = torch.tensor([v[f"r{t // sc.cols}"] for t in range(m)])
-            out["col"][i, :m] = torch.tensor([v[f"c{t % sc.cols}"] for t in range(m)])
-            for o in sc.objects:
-                out["size"][i, scenes.anchor_token(sc, o)] = v[f"s{o.size}"]
-        return out
+        no pair on background and text), glyph on text tokens and size word at anchors."""
+        v, m = self.vocab, sc.rows * sc.cols
+        content, pair = [v[self.background]] * m, [N_PAIRS] * m
+        shape, glyph, size = [-100] * m, [-100] * m, [-100] * m
+        owner = token_objects(sc)
+        for t in np.flatnonzero(owner >= 0):
+            o = sc.objects[owner[t]]
+            content[t], shape[t], pair[t] = v[o.color], v[o.shape], pair_class(o.color, o.shape)
+        for r, c, ch in sc.text_tokens():
+            content[r * sc.cols + c], pair[r * sc.cols + c], glyph[r * sc.cols + c] = v[ch], N_PAIRS, v[ch]
+        for o in sc.objects:
+            size[scenes.anchor_token(sc, o)] = v[f"s{o.size}"]
+        rows, cols = [v[f"r{t // sc.cols}"] for t in range(m)], [v[f"c{t % sc.cols}"] for t in range(m)]
+        return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair, "size": size, "glyph": glyph}
 
 
 def train_samples(rng: np.random.Generator, n: int) -> list[scenes.Sample]:

@@ -82,22 +82,17 @@ class Encoder(train_common.Encoder):
         cell_keys = [1 + r * task.GRID + c for r, c in cells]
         looks.append(Look(turn.row, turn.at, cell_keys, words, option))
 
-    def cell_targets(self, samples) -> dict[str, torch.Tensor]:
+    def token_targets(self, scene: task.Scene) -> dict[str, list[int]]:
         """Per visual token (raster order of cells): its content word, shape word, row word, column word and
         (colour, shape) pair class."""
-        g = task.GRID
-        content = torch.full((len(samples), g * g), self.vocab[task.BACKGROUND], dtype=torch.long)
-        shape = torch.full((len(samples), g * g), -100, dtype=torch.long)
-        pair = torch.full((len(samples), g * g), NO_PAIR, dtype=torch.long)
-        for i, s in enumerate(samples):
-            for o in s.scene.objects:
-                content[i, o.row * g + o.col] = self.vocab[o.color]
-                shape[i, o.row * g + o.col] = self.vocab[o.shape]
-                pair[i, o.row * g + o.col] = pair_class(o.color, o.shape)
-            for (r, c), ch in zip(s.scene.text_cells(), s.scene.text, strict=True):
-                content[i, r * g + c] = self.vocab[ch]
-        rows = torch.tensor([self.vocab[f"r{k // g}"] for k in range(g * g)]).expand(len(samples), -1)
-        cols = torch.tensor([self.vocab[f"c{k % g}"] for k in range(g * g)]).expand(len(samples), -1)
+        g, v = task.GRID, self.vocab
+        content, shape, pair = [v[task.BACKGROUND]] * g * g, [-100] * g * g, [NO_PAIR] * g * g
+        for o in scene.objects:
+            k = o.row * g + o.col
+            content[k], shape[k], pair[k] = v[o.color], v[o.shape], pair_class(o.color, o.shape)
+        for (r, c), ch in zip(scene.text_cells(), scene.text, strict=True):
+            content[r * g + c] = v[ch]
+        rows, cols = [v[f"r{k // g}"] for k in range(g * g)], [v[f"c{k % g}"] for k in range(g * g)]
         return {"content": content, "shape": shape, "row": rows, "col": cols, "pair": pair}
 
 
@@ -248,7 +243,8 @@ class AttentionTeacher:
             # SDPA's masks too: an attention name with no mask function gets no mask at all (transformers),
             # which right-padded training batches survive and left-padded generation (validation) does not
             AttentionMaskInterface.register(ROWS_ATTENTION, sdpa_mask)
-            _TRACKED.update({id(mod): Tracked(self, layer) for layer, mod in attn.items()})
+            for mod in attn.values():
+                mod.rows_teacher = self  # read by `_rows_attention`, which keys the weights by `mod.layer_idx`
             model.set_attn_implementation(ROWS_ATTENTION)
         else:
             model.set_attn_implementation("eager")
@@ -259,7 +255,8 @@ class AttentionTeacher:
         """The (row, position) queries the next forward's weights are wanted for (rows_only)."""
         self.query = (torch.tensor([look.row for look in looks]), torch.tensor([look.at for look in looks]))
 
-    def _weights_of(self, w: torch.Tensor, rows, pos, head: int) -> torch.Tensor:
+    def weights_of(self, w: torch.Tensor, rows, pos, head: int) -> torch.Tensor:
+        """Head `head`'s attention rows at (`rows`, `pos`) in a layer's recorded weights `w`."""
         return w[:, head - self.head] if self.rows_only else w[rows, head, pos]
 
     def _hook(self, layer: int):
@@ -294,7 +291,7 @@ class AttentionTeacher:
                 pairs.append((second[role], self.head + 1))
             for target, head in pairs:
                 if target.sum() > 0:
-                    ce = -(target * self._weights_of(w, rows, pos, head).clamp_min(1e-9).log()).sum(-1)
+                    ce = -(target * self.weights_of(w, rows, pos, head).clamp_min(1e-9).log()).sum(-1)
                     terms.append(ce.sum() / target.sum())
         return torch.stack(terms).mean()
 
@@ -302,26 +299,15 @@ class AttentionTeacher:
 ROWS_ATTENTION = "trimvlm_teacher_rows"
 
 
-class Tracked(NamedTuple):
-    """An attention module an `AttentionTeacher(rows_only=True)` reads: the teacher and the module's layer."""
-
-    teacher: AttentionTeacher
-    layer: int
-
-
-_TRACKED: dict[int, Tracked] = {}
-
-
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks, while grad is on, also the
-    softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the teacher)."""
+    """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks (`module.rows_teacher`), while grad
+    is on, also the softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the teacher)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
-    hit = _TRACKED.get(id(module))
-    if hit is None or not torch.is_grad_enabled() or hit.teacher.query is None:
+    teacher = getattr(module, "rows_teacher", None)
+    if teacher is None or not torch.is_grad_enabled() or teacher.query is None:
         return out, None
-    teacher, layer = hit.teacher, hit.layer
     rows, pos = teacher.query
     heads = [teacher.head, teacher.head + 1]
     group = query.shape[1] // key.shape[1]
@@ -338,7 +324,7 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
         else:
             scores = scores + m[:, None]
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
-    teacher.weights[layer] = scores.softmax(-1)
+    teacher.weights[module.layer_idx] = scores.softmax(-1)
     return out, None
 
 

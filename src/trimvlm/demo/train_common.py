@@ -62,7 +62,7 @@ class Ask(NamedTuple):
 class Encoder:
     """What both tasks' encoders share: samples -> model inputs with the tokenizer's ids (no string
     tokenization), the turns of a training sequence, and the batch padding. A task's encoder writes `n_visual`
-    (an image's visual tokens), `supervise` (one turn's teacher, probe and naming targets) and `cell_targets`."""
+    (an image's visual tokens), `supervise` (one turn's teacher, probe and naming targets) and `token_targets`."""
 
     def __init__(self, task, vocab: dict[str, int], processor, background: str):
         self.task, self.kinds, self.vocab, self.processor = task, task.KINDS, vocab, processor
@@ -120,6 +120,17 @@ class Encoder:
         batch = self._pad(seqs, None, left=True)
         batch["pixel_values"], batch["image_grid_thw"] = self.images([im for im, _ in items])
         return batch
+
+    def cell_targets(self, samples) -> dict[str, torch.Tensor]:
+        """The task's `token_targets` of each sample's scene as [samples, tokens] tensors, -100 past an image's
+        tokens."""
+        per = [self.token_targets(s.scene) for s in samples]
+        n = max(len(t["content"]) for t in per)
+        out = {k: torch.full((len(samples), n), -100, dtype=torch.long) for k in per[0]}
+        for i, targets in enumerate(per):
+            for k, v in targets.items():
+                out[k][i, : len(v)] = torch.tensor(v)
+        return out
 
     def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
         n = max(len(s) for s in seqs)
