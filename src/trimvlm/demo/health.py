@@ -26,8 +26,7 @@ def scaffold_health(run, enc, samples, aux_layer: int) -> dict[str, float | None
     model, teacher, probe = run.model, run.teacher, run.probe
     batch = enc.train_batch(samples, np.random.default_rng(0))
     looks = batch.pop("looks")
-    batch.pop("asks")
-    batch.pop("names", None)
+    del batch["asks"], batch["names"]
     was_training = model.training
     model.eval()
     if teacher is not None and teacher.rows_only:

@@ -163,28 +163,14 @@ def build_model(config: PretrainedConfig | None = None, seed: int = 0):
     config = config if config is not None else build_config()
     model_cls = next(f.model for f in FAMILIES.values() if isinstance(config, f.config))
     model = model_cls(config)
-    model.generation_config = generation_config(model.config)
+    tc = model.config.text_config
+    model.generation_config = GenerationConfig(eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
+                                               do_sample=False, max_new_tokens=16)  # fmt: skip
     return model
 
 
-def generation_config(config: PretrainedConfig) -> GenerationConfig:
-    tc = config.text_config
-    return GenerationConfig(
-        eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id, do_sample=False, max_new_tokens=16
-    )
-
-
-def trimvlm_meta(extra: dict | None = None) -> dict:
-    meta = {
-        "prompt_template": task.PROMPT_TEMPLATE,
-        "image_first": True,
-        "image_size": task.IMAGE_SIZE,
-        "visual_tokens": VISUAL_TOKENS,
-        "kinds": task.KINDS,
-        "task": "demo",
-    }
-    meta.update(extra or {})
-    return meta
+DEMO_META = {"prompt_template": task.PROMPT_TEMPLATE, "image_first": True, "image_size": task.IMAGE_SIZE,
+             "visual_tokens": VISUAL_TOKENS, "kinds": task.KINDS, "task": "demo"}  # fmt: skip
 
 
 def save_checkpoint(
@@ -199,7 +185,7 @@ def save_checkpoint(
         tok = tokenizer if tokenizer is not None else build_tokenizer()
         tok.save_pretrained(tmp)
         (image_processor if image_processor is not None else build_image_processor()).save_pretrained(tmp)
-        (tmp / "trimvlm.json").write_text(json.dumps(trimvlm_meta(meta), indent=2) + "\n")
+        (tmp / "trimvlm.json").write_text(json.dumps({**DEMO_META, **(meta or {})}, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped folder is readable by all
         for f in tmp.iterdir():
             os.chmod(f, 0o644)

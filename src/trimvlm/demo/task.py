@@ -182,19 +182,11 @@ def draw_glyphs(d: ImageDraw.ImageDraw, text: str, x: int, y: int, scale: int = 
         for gy, line in enumerate(_GLYPHS[ch]):
             for gx, px in enumerate(line):
                 if px == "#":
-                    d.rectangle([x0 + (3 + 2 * gx) * scale, y + (1 + 2 * gy) * scale,
-                                 x0 + (5 + 2 * gx) * scale - 1, y + (3 + 2 * gy) * scale - 1], fill=(0, 0, 0))  # fmt: skip
+                    ix, iy = x0 + (3 + 2 * gx) * scale, y + (1 + 2 * gy) * scale
+                    d.rectangle([ix, iy, ix + 2 * scale - 1, iy + 2 * scale - 1], fill=(0, 0, 0))
 
 
 # --------------------------------------------------------------------------------------------- answers
-
-
-def _row_items(scene: Scene, axis: str, index: int) -> list[str]:
-    if axis == "row":
-        objs = sorted((o for o in scene.objects if o.row == index), key=lambda o: o.col)
-    else:
-        objs = sorted((o for o in scene.objects if o.col == index), key=lambda o: o.row)
-    return [o.color for o in objs]
 
 
 def answer_for(scene: Scene, kind: str, params: dict) -> str:
@@ -212,9 +204,9 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
         return o.color if o is not None else BACKGROUND
     if kind == "count":
         return str(len(evidence_cells(scene, kind, params)))
-    if kind == "list":
-        items = _row_items(scene, params["axis"], params["index"])
-        return " ".join(items) if items else "none"
+    if kind == "list":  # the colours along the row or column, in order
+        cells = sorted(evidence_cells(scene, kind, params))
+        return " ".join(scene.object_at(r, c).color for r, c in cells) or "none"
     if kind == "read":
         return " ".join(scene.text)
     if kind == "describe":
@@ -416,8 +408,8 @@ def format_prompt(question: str) -> str:
 
 def vocabulary_words() -> list[str]:
     """Every word the task can produce, in a fixed order."""
-    words = "? <ans> is there a which present color at how many list row col read text describe yes no none".split()
-    words += [BACKGROUND]
+    words = "? <ans> is there a which present color at how many list row col read text describe".split()
+    words += ["yes", "no", "none", BACKGROUND]
     words += COLOR_NAMES + SHAPES
     words += [f"r{i}" for i in range(GRID)] + [f"c{i}" for i in range(GRID)]
     words += [str(i) for i in range(10)] + [ch for ch in GLYPH_CHARS if not ch.isdigit()]

@@ -300,8 +300,9 @@ ROWS_ATTENTION = "trimvlm_teacher_rows"
 
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks (`module.rows_teacher`), while grad
-    is on, also the softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the teacher)."""
+    """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks (`module.rows_teacher`), while
+    grad is on, also the softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the
+    teacher)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]

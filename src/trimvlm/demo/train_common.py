@@ -62,7 +62,7 @@ class Ask(NamedTuple):
 class Encoder:
     """What both tasks' encoders share: samples -> model inputs with the tokenizer's ids (no string
     tokenization), the turns of a training sequence, and the batch padding. A task's encoder writes `n_visual`
-    (an image's visual tokens), `supervise` (one turn's teacher, probe and naming targets) and `token_targets`."""
+    (an image's visual tokens), `supervise` (one turn's teacher, probe and naming targets), `token_targets`."""
 
     def __init__(self, task, vocab: dict[str, int], processor, background: str):
         self.task, self.kinds, self.vocab, self.processor = task, task.KINDS, vocab, processor
@@ -122,8 +122,7 @@ class Encoder:
         return batch
 
     def cell_targets(self, samples) -> dict[str, torch.Tensor]:
-        """The task's `token_targets` of each sample's scene as [samples, tokens] tensors, -100 past an image's
-        tokens."""
+        """Each sample's `token_targets` as [samples, tokens] tensors, -100 past an image's tokens."""
         per = [self.token_targets(s.scene) for s in samples]
         n = max(len(t["content"]) for t in per)
         out = {k: torch.full((len(samples), n), -100, dtype=torch.long) for k in per[0]}
