@@ -17,18 +17,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from transformers import (
+    AutoModelForImageTextToText,
     GenerationConfig,
     PretrainedConfig,
     Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
     Qwen3_5Config,
-    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -60,16 +57,7 @@ def qwen_image_processor(min_pixels: int, max_pixels: int) -> Qwen2VLImageProces
                                     min_pixels=min_pixels, max_pixels=max_pixels)  # fmt: skip
 
 
-class Family(NamedTuple):
-    """A demo architecture's transformers config and model classes."""
-
-    config: type
-    model: type
-
-
-FAMILIES = {"qwen3_vl": Family(Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-            "qwen3_5": Family(Qwen3_5Config, Qwen3_5ForConditionalGeneration),
-            "qwen2_5_vl": Family(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}  # fmt: skip
+FAMILIES = {"qwen3_vl": Qwen3VLConfig, "qwen3_5": Qwen3_5Config, "qwen2_5_vl": Qwen2_5_VLConfig}  # their configs
 # The hybrid alternates one Gated DeltaNet layer and one full-attention layer (the released Qwen3.5 models use
 # three to one); with 8 layers it keeps four full-attention layers for the visual search.
 HYBRID_FULL_ATTENTION_INTERVAL = 2
@@ -108,7 +96,7 @@ def build_config(
     vision = _vision_config(vision_hidden, vision_depth, hidden, num_position_embeddings=grid * grid)
     if not hybrid:  # Qwen3.5's vision tower has no deepstack mergers
         vision["deepstack_visual_indexes"] = list(range(min(2, vision_depth)))
-    return _vlm_config(FAMILIES[family].config, tok, text, vision)
+    return _vlm_config(FAMILIES[family], tok, text, vision)
 
 
 def build_scenes_config(
@@ -161,8 +149,7 @@ def _vlm_config(config_cls: type, tok, text: dict, vision: dict) -> PretrainedCo
 def build_model(config: PretrainedConfig | None = None, seed: int = 0):
     torch.manual_seed(seed)
     config = config if config is not None else build_config()
-    model_cls = next(f.model for f in FAMILIES.values() if isinstance(config, f.config))
-    model = model_cls(config)
+    model = AutoModelForImageTextToText.from_config(config)
     tc = model.config.text_config
     model.generation_config = GenerationConfig(eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
                                                do_sample=False, max_new_tokens=16)  # fmt: skip

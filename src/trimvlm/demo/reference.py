@@ -18,6 +18,7 @@ import torch
 import typer
 
 from trimvlm.evals.metrics import get_metric
+from trimvlm.evals.run import batches
 from trimvlm.evals.tasks import get_task
 
 
@@ -29,24 +30,19 @@ def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 5
     name = json.loads((Path(folder) / "trimvlm.json").read_text()).get("task", "demo")
     task = get_task(name, limit=items, seed=0, split="test")
     scores: dict[str, list[float]] = {}
-    groups: dict[tuple[str, str], list] = {}
-    for r in task.records:
-        groups.setdefault((r.probe, r.kind), []).append(r)
-    for (probe, kind), recs in groups.items():
-        n_new = task.new_tokens(probe, kind)
-        for i in range(0, len(recs), batch_size):
-            chunk = recs[i : i + batch_size]
-            prep = adapter.prepare([r.images for r in chunk], [r.prompt_text() for r in chunk])
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs,
-                    max_new_tokens=n_new, do_sample=False, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id,
-                )[:, prep.input_ids.shape[1] :]  # fmt: skip
-            for r, row in zip(chunk, out.tolist(), strict=True):
-                text = tok.decode([t for t in row if t not in (tok.eos_token_id, tok.pad_token_id)],
-                                  skip_special_tokens=True).strip()  # fmt: skip
-                scores.setdefault(kind, []).append(get_metric(r.metric).score(text, r.answers, r.options))
+    for idx in batches(task, batch_size):  # one (probe, kind) a batch
+        chunk = [task.records[i] for i in idx]
+        prep = adapter.prepare([r.images for r in chunk], [r.prompt_text() for r in chunk])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_inputs,
+                max_new_tokens=task.new_tokens(chunk[0].probe, chunk[0].kind), do_sample=False,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            )[:, prep.input_ids.shape[1] :]  # fmt: skip
+        for r, row in zip(chunk, out.tolist(), strict=True):
+            text = tok.decode([t for t in row if t not in (tok.eos_token_id, tok.pad_token_id)],
+                              skip_special_tokens=True).strip()  # fmt: skip
+            scores.setdefault(r.kind, []).append(get_metric(r.metric).score(text, r.answers, r.options))
     by_kind = {k: sum(v) / len(v) for k, v in scores.items()}
     overall = sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values())
     return {"task": name, "items": items, "seed": 0, "split": "test", "measured_with": "transformers generate (greedy)",

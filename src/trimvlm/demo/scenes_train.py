@@ -2,14 +2,8 @@
 (`train.train_demo`, seeded and resumable) and the scenes task's encoder and scaffolds.
 
 What differs from the grid task: every sequence has its own visual span (160 to 400 tokens), and an object
-covers many tokens, so the scaffolds name one token per object, its anchor (the token holding its centre). The
-attention teacher points the answer position at anchors (a count is the share of attention on the matching
-anchors; a relation gathers each object's two words and then looks at each object with a head of its own, names
-the relation that holds mid-way, and on the verdict layer looks at the asked relation word when that is what
-holds, else at the sink; "largest" looks at the largest option; each word of a reading looks at its glyph). Every
-visual token names what it shows through the LM head (glyph tokens with a term of their own), its row and column
-words at the teacher's key layer, and its object's (colour, shape) pair through the pair probe; anchors name
-their size (docs/demo.md, demo-scenes). None of this is in the saved model, a plain
+covers many tokens, so the scaffolds name one token per object, its anchor (the token holding its centre);
+docs/demo.md (demo-scenes) says what each scaffold names and where. None of this is in the saved model, a plain
 `Qwen2_5_VLForConditionalGeneration`.
 
     trimvlm train-demo --task scenes --out src/trimvlm/demo/checkpoints/scenes --steps 11000 --threads 2

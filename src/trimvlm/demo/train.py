@@ -1,9 +1,6 @@
 """Train a tiny demo VLM (Qwen3-VL, or the Qwen3.5 hybrid) on the demo task (seeded, resumable, CPU friendly).
 
-Each training sequence is one image followed by several question/answer turns (the image is encoded once and
-many answers are supervised; the loss is on answer tokens and their end token only). Turns are shuffled so
-that every kind also appears right after the image, as in evaluation; auxiliary "describe" turns come last,
-so no question can copy its answer from them. Some sequences are cut to one turn, the exact evaluation format.
+Each training sequence is one image followed by several question/answer turns (`Encoder.turns`).
 
 Training-only scaffolds, none of which is in the saved model (docs/demo.md says what each one bought):
 the per-cell auxiliary loss through the LM head (`aux_cell_loss`), the attention teacher that tells chosen
