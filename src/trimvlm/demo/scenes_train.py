@@ -95,13 +95,9 @@ class ScenesEncoder(Encoder):
             option = [letter, letter + 1, letter + 2]
         else:
             keys = [anchor[id(o)] for o in objs]
-        if q.kind == "exist":
-            pairs = [pair_class(q.params["color"], q.params["shape"])]
-        elif q.kind == "count":
+        if q.kind in ("exist", "count", "color"):  # every pair with the colour and shape named
             pairs = [pair_class(c, sh) for c in scenes.COLOR_NAMES for sh in scenes.SHAPES
                      if q.params.get("color") in (None, c) and q.params.get("shape") in (None, sh)]  # fmt: skip
-        elif q.kind == "color":
-            pairs = [pair_class(c, q.params["shape"]) for c in scenes.COLOR_NAMES]
         elif q.kind in ("relation", "largest"):
             pairs = [pair_class(o.color, o.shape) for o in objs]
         else:

@@ -94,10 +94,7 @@ class Scene:
         return [(self.text_row, self.text_col + i) for i in range(len(self.text))]
 
     def object_at(self, row: int, col: int) -> Obj | None:
-        for o in self.objects:
-            if o.row == row and o.col == col:
-                return o
-        return None
+        return next((o for o in self.objects if (o.row, o.col) == (row, col)), None)
 
 
 @dataclass
@@ -352,13 +349,10 @@ def _candidates(scene: Scene, kind: str, answer: str, rng: np.random.Generator) 
 def make_qa(scene: Scene, kind: str, rng: np.random.Generator) -> QA:
     params = _draw_params(scene, kind, rng)
     answer = answer_for(scene, kind, params)
-    options = None
-    if kind == "mc":
-        options = [f"{c} {s}" for c, s in params["options"]]
-    probe = KINDS.get(kind) or AUX_KINDS[kind]
+    options = [f"{c} {s}" for c, s in params["options"]] if kind == "mc" else None
     return QA(
         kind=kind,
-        probe=probe,
+        probe=KINDS.get(kind) or AUX_KINDS[kind],
         question=_question_text(kind, params),
         answer=answer,
         options=options,

@@ -31,11 +31,10 @@ def word_tokenizer(extra: list[str] | None = None):
     vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + list(extra or []))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
         additional_special_tokens=SPECIALS[3:],
     )  # fmt: skip
-    return fast
 
 
 def random_image(seed: int, size=(64, 64)) -> Image.Image:

@@ -38,12 +38,9 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int = 2) -> Path
     for name in dict.fromkeys(k for r in rows for k in r):
         values = [r.get(name) for r in rows]
         if name == "image":
-            values = [
-                None if v is None else {"bytes": png(v), "path": f"{k}.png"} for k, v in enumerate(values)
-            ]
-            columns[name] = pa.array(values, type=IMAGE)
-        else:
-            columns[name] = pa.array(values)
+            values = [None if v is None else {"bytes": png(v), "path": f"{k}.png"}
+                      for k, v in enumerate(values)]  # fmt: skip
+        columns[name] = pa.array(values, type=IMAGE if name == "image" else None)
     table = pa.table(columns)
     if "image" in columns:
         table = table.replace_schema_metadata(IMAGE_FEATURE)
