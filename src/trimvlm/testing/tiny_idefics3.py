@@ -8,25 +8,11 @@ TILE, PATCH, SCALE = 32, 4, 2
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smolvlm: bool = False):
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-    )
+    import transformers as tf
 
-    if smolvlm:
-        from transformers.models.smolvlm.image_processing_pil_smolvlm import (
-            SmolVLMImageProcessorPil as Processor,
-        )
-
-        config_cls, model_cls = SmolVLMConfig, SmolVLMForConditionalGeneration
-    else:
-        from transformers.models.idefics3.image_processing_pil_idefics3 import (
-            Idefics3ImageProcessorPil as Processor,
-        )
-
-        config_cls, model_cls = Idefics3Config, Idefics3ForConditionalGeneration
+    config_cls, model_cls, processor_cls = (
+        (tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration, tf.SmolVLMImageProcessorPil) if smolvlm
+        else (tf.Idefics3Config, tf.Idefics3ForConditionalGeneration, tf.Idefics3ImageProcessorPil))  # fmt: skip
 
     cfg = config_cls(
         text_config=dict(
@@ -44,7 +30,7 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smo
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = Processor(
+    proc = processor_cls(
         do_image_splitting=False, size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE}
     )
     return model_cls(cfg), proc
