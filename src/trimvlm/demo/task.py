@@ -132,10 +132,7 @@ def make_scene(rng: np.random.Generator) -> Scene:
     free = [(r, c) for r in range(GRID) for c in range(GRID) if (r, c) not in taken]
     n_obj = int(rng.integers(3, MAX_OBJECTS + 1))
     picks = rng.choice(len(free), size=n_obj, replace=False)
-    objects = []
-    for p in sorted(int(x) for x in picks):
-        r, c = free[p]
-        objects.append(Obj(r, c, pick(rng, COLOR_NAMES), pick(rng, SHAPES)))
+    objects = [Obj(*free[p], pick(rng, COLOR_NAMES), pick(rng, SHAPES)) for p in sorted(picks.tolist())]
     occupied = taken | {(o.row, o.col) for o in objects}
     stripes: list[tuple[int, int]] = []
     if rng.random() < 0.6:  # a rectangular patch of repeated stripe texture on empty background
@@ -281,11 +278,10 @@ def _draw_params(scene: Scene, kind: str, rng: np.random.Generator) -> dict:
         opts.insert(int(rng.integers(4)), right)
         return {"options": opts}
     if kind == "color":
-        text_cells = set(scene.text_cells())
         if rng.random() < 0.7:
             o = pick(rng, scene.objects)
             return {"row": o.row, "col": o.col}
-        occupied = text_cells | {(o.row, o.col) for o in scene.objects}
+        occupied = set(scene.text_cells()) | {(o.row, o.col) for o in scene.objects}
         empty = [(r, c) for r in range(GRID) for c in range(GRID) if (r, c) not in occupied]
         r, c = pick(rng, empty)
         return {"row": r, "col": c}
