@@ -185,19 +185,13 @@ def uniform_rows(columns: list[list[int]], n: int) -> torch.Tensor:
 
 
 class AttentionTeacher:
-    """Training-only supervision of where attention looks when the answer is predicted.
-
-    Existence, multiple choice and counting need a search over all 64 visual tokens; trained on answers
-    alone the tiny decoder stays at answer frequency on them. This loss tells head `head` of each decoder
-    layer in `layers`, at the position that predicts the first answer word, to spread its attention
-    evenly over the question's evidence cells (`task.evidence_cells`, from the scene description) plus the
-    <|vision_start|> token as a sink: with nothing matching it rests on the sink, and the share that reaches
-    the matches tells how many there are. The attention weights come from the stock eager attention
-    through forward hooks; the model stays a plain transformers model and is used without this at inference.
-    `verdict_layers`: where a yes/no is decided by a match, the head looks at the asked word when the
-    answer is yes and at the sink when it is no (an attention score is a query-key product, so the match
-    is one bilinear step instead of a comparison the MLPs must find from the answer's loss alone).
-    In a hybrid stack each layer index moves to the next full-attention layer.
+    """Training-only supervision of where attention looks when the answer is predicted (docs/demo.md says
+    why): head `head` of each decoder layer in `layers`, at the position that predicts the first answer word,
+    is told to spread its attention evenly over the question's evidence (`Look.keys`) plus the
+    <|vision_start|> token as a sink; the other roles' layers look at the question's words, the right option
+    or, on `verdict_layers`, the asked word when the answer is yes and the sink when it is no. The weights
+    come from eager attention through forward hooks; the model stays a plain transformers model. In a hybrid
+    stack each layer index moves to the next full-attention layer.
 
     `rows_only`: the model keeps SDPA and the teacher's own attention function (`_rows_attention`) computes
     the weights of the supervised query rows alone (two heads, from the query and key states the layer
