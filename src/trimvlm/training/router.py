@@ -39,17 +39,17 @@ which `router=PATH:budget=B` calibrates its keep and price.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
-from trimvlm.router.route import RouterTokens, _packed
+from trimvlm.router.route import _packed
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
-from trimvlm.runtime.plan import Handoff, Plan
+from trimvlm.runtime.plan import Plan
 from trimvlm.training.collect import Collect, Measured, check_sampling, prepare_work, stored
 from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.training.layout_trie import Layout, run_trie
@@ -92,47 +92,6 @@ def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int)
                    on_logits=lambda t, logits: logps.append(torch.log_softmax(logits.double(), -1)))  # fmt: skip
     fastv = probe.results[probe_layer][:, -1].float()
     return gen.tokens, torch.stack(logps, 1), fastv, got["seq"]
-
-
-@torch.no_grad()
-def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, token_keep: float,
-                 layer: int = 0) -> torch.Tensor:  # fmt: skip
-    """[M] cost of M layouts of ONE input (prepared1: batch of one): each row keeps the tokens with the top
-    `token_scores[m]` (a [M, S] column score) before layer `layer` and skips `plans[m]` ([M, L] bool),
-    teacher-forced on the answer."""
-
-    prep = _repeat(prepared1, plans.shape[0])
-    handoff = Handoff(router=token_scores)  # what the router's hook hands its token half
-    red = RouterTokens(keep=token_keep, layer=layer)
-
-    def hook(i, seq, run):
-        return red.reduce(seq, run, handoff) if i == layer and token_keep < 1 else seq
-
-    return forced_kl(runner, prep, Plan(hook=hook, skip_prefill=plans, skip_decode=plans), answer_tok, p_full)
-
-
-@torch.no_grad()
-def forced_kl(runner, prep, layout: Plan, answer_tok, p_full) -> torch.Tensor:
-    """[M] sum over the answer's positions of KL(p_full || p_layout) for the M rows of `prep` run under
-    `layout`, teacher-forced on the unpruned answer `answer_tok` [n] (p_full [n, V] its log-probs)."""
-    cost = torch.zeros(prep.input_ids.shape[0], dtype=torch.float64)
-
-    def kl(t: int, logits: torch.Tensor) -> None:
-        q, p = torch.log_softmax(logits.double(), -1), p_full[t][None]
-        cost.add_((p.exp() * (p - q)).sum(-1).cpu())
-
-    generate(runner, prep, layout, max_new_tokens=len(answer_tok), forced=answer_tok, on_logits=kl)
-    return cost
-
-
-def _repeat(prepared, m: int):
-    def rep(v):
-        return v.repeat(m, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) else v
-
-    inputs = {k: rep(v) for k, v in prepared.model_inputs.items()}
-    return replace(prepared, input_ids=rep(prepared.input_ids), attention_mask=rep(prepared.attention_mask),
-                   model_inputs=inputs, n_images=prepared.n_images * m, tiles=prepared.tiles * m,
-                   image_keys=prepared.image_keys * m)  # fmt: skip
 
 
 def token_sets(gen, fastv, vis_cols, sigmas, seeds) -> list[torch.Tensor]:
@@ -360,7 +319,9 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
     tune.predict: any reducer's kept counts at a layer equal the router's), with the tokens reduced at the
     router's layer (`cost`) and at every layer up to it (`cost_by_layer`, for a `select=` method acting at its
-    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`)."""
+    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`). A skipped layer's FLOPs
+    do not depend on the other layers skipped, so each keep is predicted skipping nothing and each layer alone,
+    and a subset's FLOPs are those less each of its layers' saving (the prediction of the subset, exactly)."""
     from trimvlm.evals.run import batches
     from trimvlm.evals.tasks.base import Task
     from trimvlm.tune.predict import predict, read_shapes
@@ -368,17 +329,20 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     task = Task(name="router", records=list(records))
     shapes = read_shapes(vlm, task, batches(task, batch))
     base = predict(vlm, {}, shapes).prefill_flops
+    layers = sorted({i for sub in subsets for i in sub})
+
+    def flops(k: float, at: int, skip: list[int]) -> int:
+        recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={at}"}
+        if skip:
+            recipe["depth"] = f"skip:layers={'+'.join(map(str, skip))}:scope=all"
+        return predict(vlm, recipe, shapes).prefill_flops
 
     def table(at: int) -> list[list[float]]:
         cost = []
         for k in keeps:
-            row = []
-            for sub in subsets:
-                recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={at}"}
-                if sub:
-                    recipe["depth"] = f"skip:layers={'+'.join(map(str, sub))}:scope=all"
-                row.append(predict(vlm, recipe, shapes).prefill_flops / base)
-            cost.append(row)
+            none = flops(k, at, [])
+            saved = {i: none - flops(k, at, [i]) for i in layers}
+            cost.append([(none - sum(saved[i] for i in sub)) / base for sub in subsets])
         return cost
 
     by_layer = {str(at): table(at) for at in range(layer + 1)}
