@@ -319,9 +319,10 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
     tune.predict: any reducer's kept counts at a layer equal the router's), with the tokens reduced at the
     router's layer (`cost`) and at every layer up to it (`cost_by_layer`, for a `select=` method acting at its
-    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`). A skipped layer's FLOPs
-    do not depend on the other layers skipped, so each keep is predicted skipping nothing and each layer alone,
-    and a subset's FLOPs are those less each of its layers' saving (the prediction of the subset, exactly)."""
+    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`). A skipped layer saves its
+    own FLOPs, which depend only on the keep and whether the tokens were reduced before it: so each keep is
+    predicted skipping nothing and skipping each layer alone, and a subset costs the first less its layers'
+    savings (exactly the subset's own prediction)."""
     from trimvlm.evals.run import batches
     from trimvlm.evals.tasks.base import Task
     from trimvlm.tune.predict import predict, read_shapes
@@ -337,12 +338,16 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
             recipe["depth"] = f"skip:layers={'+'.join(map(str, skip))}:scope=all"
         return predict(vlm, recipe, shapes).prefill_flops
 
+    saved: dict[tuple, int] = {}  # (keep, layer, reduced before it) -> the FLOPs skipping it saves
+
     def table(at: int) -> list[list[float]]:
         cost = []
         for k in keeps:
             none = flops(k, at, [])
-            saved = {i: none - flops(k, at, [i]) for i in layers}
-            cost.append([(none - sum(saved[i] for i in sub)) / base for sub in subsets])
+            for i in layers:
+                if (k, i, i >= at) not in saved:
+                    saved[k, i, i >= at] = none - flops(k, at, [i])
+            cost.append([(none - sum(saved[k, i, i >= at] for i in sub)) / base for sub in subsets])
         return cost
 
     by_layer = {str(at): table(at) for at in range(layer + 1)}
