@@ -88,7 +88,7 @@ def test_router_score_layouts_cost_what_they_cost_apart(tiny_adapter, one_thread
         for m, lay in enumerate(LAYOUTS):
             red = RouterTokens(keep=lay.keep, layer=1)
 
-            def hook(i, s, run, red=red):
+            def hook(i, s, run, red=red, alone=alone):
                 return red.reduce(s, run, Handoff(router=alone)) if i == 1 and red.keep < 1 else s
 
             want = _apart(runner, prep1, Plan(hook=hook, skip_prefill=lay.skip, skip_decode=lay.skip), answers[b],

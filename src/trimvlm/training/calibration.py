@@ -1,12 +1,9 @@
 """Held-out calibration of a v2 router (`trimvlm calibrate-router`): what `router=PATH:budget=B` calibrates on.
 
 A v2 checkpoint carries its training inputs' layer logits and layouts' KL, and `router/budget.py` chooses each
-budget's keep and layer policy on them. Two things make that choice wrong:
-- the router was fit to those inputs, so its per-input layer choices look better on them than on new inputs
-  (on demo-qwen35 the training inputs ranked "skip each input's two lowest-scoring layers" well ahead of the
-  static "skip blocks 6 and 7"; on validation it lost by 29 points);
-- their KL was measured with FastV-ranked tokens, not the tokens a recipe executes (`select=density@0` prunes
-  far more gently, so the balance between dropping tokens and skipping layers is another).
+budget's keep and layer policy on them; but the router was fit to those inputs (its per-input layer choices look
+better on them than on new inputs), and their KL was measured with FastV-ranked tokens, not the tokens a recipe
+executes (`select=density@0` prunes far more gently, which moves the balance between tokens and layers).
 This measures, on `n` inputs the router never trained on (the task's val split after its training inputs) and
 for each selector (`router`: its own token scores; or a token method NAME@LAYER, as `select=` takes it), the
 router's layer logits z and the KL to the unpruned model of every layout of the table (each keep x each skip

@@ -54,9 +54,8 @@ class TrieOutput:
     """What `run_trie` measured."""
 
     cost: torch.Tensor  # [B, M] float64: sum over the answer of KL(p_full || p_layout) (zeros without p_full)
-    logits: torch.Tensor | None  # [R, n, V] the leaves' logits along the answer (right-aligned), when asked
+    logits: torch.Tensor | None  # [R, n, V] the leaves' logits along the answers (input b's: the last n_b), when asked
     leaf: torch.Tensor  # [B, M] the leaf row of each input's layout
-    answer: list[int]  # per input, its answer length n_b (its logits are the last n_b of a leaf's n)
     node_layers: int  # decoder-layer runs of one row the trie made
     layout_layers: int  # those its layouts would make apart (each layout's own rows, every layer it keeps)
 
@@ -110,7 +109,7 @@ def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor
     hidden = torch.cat([g.seq.hidden[:, -max(len(a) for a in answers) :] for g in leaves])
     cost, logits = _score(runner, hidden, inputs, sets, answers, p_full, len(layouts), keep_logits, meter)
     apart = sum(runner.num_layers - len(m.skip) for m in layouts) * b
-    return TrieOutput(cost, logits, leaf, [len(a) for a in answers], executed, apart)
+    return TrieOutput(cost, logits, leaf, executed, apart)
 
 
 def _score(runner, hidden, inputs, sets, answers, p_full, m: int, keep_logits: bool, meter, chunk: int = 64):

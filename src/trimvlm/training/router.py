@@ -68,8 +68,7 @@ class Example:
 def answer_length(tokens: torch.Tensor, stop_ids) -> int:
     """Positions of a one-row greedy answer [n] up to and including its first stop token."""
     stop = set(stop_ids)
-    stops = [i for i, t in enumerate(tokens.tolist()) if t in stop]
-    return stops[0] + 1 if stops else len(tokens)
+    return next((i + 1 for i, t in enumerate(tokens.tolist()) if t in stop), len(tokens))
 
 
 @torch.no_grad()
@@ -189,7 +188,6 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     if not start:
         router = copy.deepcopy(ref).requires_grad_(True)
     router.train()
-    opt = torch.optim.Adam(router.parameters(), lr=lr)
     collect = Collect(cand, keeps, layer, seed, list(sigmas), seeds, answer_tokens, layers_skip,
                       all_subsets(cand, max_skip) if v2 else None, near, budgets if near is not None else None,
                       cells, flops["cost"] if v2 else None)  # fmt: skip
@@ -199,12 +197,8 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
                               on_step=on_step)  # fmt: skip
     log = {"epochs": [], "inputs": len(records),
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in data[0].pairs} if data else {}}  # fmt: skip
-    shuffle = torch.Generator().manual_seed(seed + 1)
-    for _ in range(start):  # a resumed run sees the same input order as an uninterrupted one
-        torch.randperm(len(data), generator=shuffle)
-    for epoch in range(start, epochs):
-        loss = _dpo_epoch(router, opt, data, torch.randperm(len(data), generator=shuffle).tolist(), beta)
-        log["epochs"].append({"epoch": epoch, "dpo_loss": loss})
+
+    def save(epoch: int) -> None:
         if out is not None:
             extra = {"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip, "layer": layer,
                      "seed": seed, "log": log}  # fmt: skip
@@ -213,6 +207,8 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
             save_router(router, out, fingerprint=model_fingerprint(vlm.adapter), hidden=hidden, extra=extra)
         if on_step is not None:
             on_step()
+
+    dpo_epochs(router, data, log, range(start, epochs), lr=lr, beta=beta, seed=seed + 1, on_epoch=save)
     return log
 
 
@@ -289,30 +285,39 @@ def measure_input(vlm, r, collect: Collect, order, index: int):
     out = run_trie(runner, prep, [tok[0, :n_ans]], scores[None], layouts, c.layer, [p_full[0, :n_ans]])
     cost = torch.full((len(grid),), float("nan"), dtype=torch.float64)
     cost[run] = out.cost[0]
-    plans = torch.zeros(len(toks) * len(sets), runner.num_layers, dtype=torch.bool)
-    for i in range(len(plans)):
-        plans[i, sets[i % len(sets)]] = True
+    layers = torch.tensor([[i not in s for i in c.cand] for s in sets] * len(toks), dtype=torch.bool)  # layers run
     rows = torch.stack([t for t in scores for _ in sets])
-    chosen = torch.cat([torch.cat([_kept(seq, rows, k, c.layer), ~plans[:, c.cand]], dim=1) for k in c.keeps])
+    chosen = torch.cat([torch.cat([_kept(seq, rows, k, c.layer), layers], dim=1) for k in c.keeps])
     return Measured(_features(seq), chosen, cost, len(c.keeps), len(toks), [len(x) for x in sets]), out
 
 
-def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) -> float:
-    """One Adam step per input in `order` on the mean DPO loss of each pair kind; the epoch's mean loss."""
-    total, steps = 0.0, 0
-    for j in order:
-        ex = data[j]
-        lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
-        terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta) for w, lo in ex.pairs.values() if len(w)]
-        if not terms:
+def dpo_epochs(router, data: list[Example], log: dict, epochs: range, *, lr: float, beta: float, seed: int,
+               on_epoch=None) -> None:  # fmt: skip
+    """Adam on the router's trainable parameters: per epoch one step per input (the inputs shuffled by `seed`,
+    epoch after epoch from 0, so a run resumed at `epochs.start` sees the same order) on the mean DPO loss of
+    each pair kind; each epoch's mean loss appended to `log["epochs"]`, then `on_epoch(epoch)`."""
+    opt = torch.optim.Adam([p for p in router.parameters() if p.requires_grad], lr=lr)
+    shuffle = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs.stop):
+        order = torch.randperm(len(data), generator=shuffle).tolist()
+        if epoch < epochs.start:
             continue
-        loss = sum(terms)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total += float(loss.detach()) / len(terms)
-        steps += 1
-    return total / max(1, steps)
+        total, steps = 0.0, 0
+        for j in order:
+            ex = data[j]
+            lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
+            terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta) for w, lo in ex.pairs.values() if len(w)]
+            if not terms:
+                continue
+            loss = sum(terms)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) / len(terms)
+            steps += 1
+        log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, steps)})
+        if on_epoch is not None:
+            on_epoch(epoch)
 
 
 def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
