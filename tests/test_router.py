@@ -8,7 +8,16 @@ import torch
 from trimvlm.kernels.flops import counting
 from trimvlm.router.model import MetaRouter
 from trimvlm.runtime.meter import Meter, flop_counter
-from trimvlm.training.dpo import dpo_loss, layout_logprob, layout_logprob_logits
+from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
+
+
+def layout_logprob(scores: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: [B] log pi(layout) from scores [B, E] in (0, 1), clamped to (1e-6, 1 - 1e-6)."""
+    s = scores.clamp(1e-6, 1 - 1e-6)
+    lp = torch.where(chosen, s.log(), (1 - s).log())
+    if mask is not None:
+        lp = lp.masked_fill(~mask, 0.0)
+    return lp.sum(-1)
 
 
 def test_dpo_loss_on_hand_made_log_probs_equals_the_closed_form():

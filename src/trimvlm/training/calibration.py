@@ -1,34 +1,23 @@
 """Held-out calibration of a v2 router (`trimvlm calibrate-router`): what `router=PATH:budget=B` calibrates on.
 
 A v2 checkpoint carries its training inputs' layer logits and layouts' KL, and `router/budget.py` chooses each
-budget's keep and layer policy on them. Two things make that choice wrong:
-- the router was fit to those inputs, so its per-input layer choices look better on them than on new inputs
-  (on demo-qwen35 the training inputs ranked "skip each input's two lowest-scoring layers" well ahead of the
-  static "skip blocks 6 and 7"; on validation it lost by 29 points);
-- their KL was measured with FastV-ranked tokens, not the tokens a recipe executes (`select=density@0` prunes
-  far more gently, so the balance between dropping tokens and skipping layers is another).
+budget's keep and layer policy on them; but the router was fit to those inputs (its per-input layer choices look
+better on them than on new inputs), and their KL was measured with FastV-ranked tokens, not the tokens a recipe
+executes (`select=density@0` prunes far more gently, which moves the balance between tokens and layers).
 This measures, on `n` inputs the router never trained on (the task's val split after its training inputs) and
 for each selector (`router`: its own token scores; or a token method NAME@LAYER, as `select=` takes it), the
 router's layer logits z and the KL to the unpruned model of every layout of the table (each keep x each skip
-subset), teacher-forced on the unpruned greedy answer, every subset of one keep as rows of one batch with per-row
-layer plans. `BudgetTable(select=...)` then calibrates on those (the anchors' deviations are still measured
-from the training inputs' mean logit, a constant of the checkpoint).
+subset), teacher-forced on the unpruned greedy answer, all layouts of one input as one layout trie
+(training/layout_trie.py). `BudgetTable(select=...)` then calibrates on those (the anchors' deviations are still
+measured from the training inputs' mean logit, a constant of the checkpoint).
 """
 
 from __future__ import annotations
 
 import torch
 
-from trimvlm.runtime.plan import Plan
-from trimvlm.training.router import (
-    _features,
-    _logits,
-    _repeat,
-    answer_length,
-    forced_kl,
-    layout_costs,
-    unpruned_pass,
-)
+from trimvlm.training.layout_trie import Layout, run_trie
+from trimvlm.training.router import _features, _logits, answer_length, unpruned_pass
 
 
 def trained_inputs(meta: dict) -> int:
@@ -50,16 +39,14 @@ def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=Non
     `features`: a list that receives each input's router inputs (training/layer_pairs.py trains on them)."""
     runner = vlm.runner
     table, cand, layer = router.meta["budget"], router.meta["candidate_layers"], router.layer
-    plans = torch.zeros(len(table["subsets"]), runner.num_layers, dtype=torch.bool)
-    for i, sub in enumerate(table["subsets"]):
-        plans[i, sub] = True
-    methods = {s: type(router)(path=router.path, budget=router.budget, select=s) for s in selectors}
-    zs, kl = [], {r.select_key: [] for s, r in methods.items()}
+    layouts = [Layout(k, 0, frozenset(sub)) for k in table["keeps"] for sub in table["subsets"]]
+    methods = [type(router)(path=router.path, budget=router.budget, select=s) for s in selectors]
+    zs, kl = [], {r.select_key: [] for r in methods}
     for rec in records:
         prep = vlm.prepare([list(rec.images)], [rec.prompt_text()])
         tok, p_full, _, seq = unpruned_pass(runner, prep, answer_tokens, max(layer, 2) - 1, layer)
         n = answer_length(tok[0], vlm.stop_ids())
-        ans, p = tok[0, :n], p_full[0, :n]
+        ans, p = [tok[0, :n]], [p_full[0, :n]]
         feats = _features(seq)
         if features is not None:
             features.append(feats)
@@ -67,21 +54,12 @@ def measure(vlm, router, records, selectors, answer_tokens: int = 8, on_step=Non
         zs.append(logits[0, -len(cand):].double().tolist())
         own = torch.full(seq.valid.shape, float("-inf"))
         own[0, torch.nonzero((seq.visual & seq.valid)[0]).flatten()] = logits[0, : int(feats[1].sum())].float()
-        own = own.expand(len(plans), -1)
-        full = layout_costs(runner, prep, ans, p, own, plans, 1.0, layer)  # nothing dropped: any selector's
-        for s, r in methods.items():
-            rows = [full if k >= 1 else _costs(runner, prep, ans, p, r, s, k, own, plans) for k in table["keeps"]]
-            kl[r.select_key].append([row.tolist() for row in rows])
+        for r in methods:
+            if r.select == "router":
+                out = run_trie(runner, prep, ans, own[:, None], layouts, layer, p)
+            else:
+                out = run_trie(runner, prep, ans, None, layouts, r.selector(0.5).layer, p, reducer=r.selector)
+            kl[r.select_key].append(out.cost[0].view(len(table["keeps"]), -1).tolist())
         if on_step is not None:
             on_step()
     return {"inputs": len(records), "z": zs, "kl": kl}
-
-
-def _costs(runner, prep, ans, p, router, select: str, keep: float, own, plans) -> torch.Tensor:
-    """[M] the KL of every skip subset at one keep, the tokens chosen by `select`."""
-    if select == "router":
-        return layout_costs(runner, prep, ans, p, own, plans, keep, router.layer)
-    plan = Plan()
-    router.selector(keep).apply(plan, runner)
-    plan.skip_prefill = plan.skip_decode = plans
-    return forced_kl(runner, _repeat(prep, len(plans)), plan, ans, p)

@@ -15,21 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-EPS = 1e-6
-
-
-def layout_logprob(scores: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] log pi(layout) from scores [B, E] in (0, 1), chosen [B, E] bool, mask [B, E] (real elements)."""
-    s = scores.clamp(EPS, 1 - EPS)
-    lp = torch.where(chosen, s.log(), (1 - s).log())
-    if mask is not None:
-        lp = lp.masked_fill(~mask, 0.0)
-    return lp.sum(-1)
-
 
 def layout_logprob_logits(logits: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor | None = None):
-    """The same log pi(layout) from the scores' logits z (s = sigmoid(z)): log s = logsigmoid(z) and
-    log(1 - s) = logsigmoid(-z), exact where `layout_logprob`'s clamp would cut the gradient off."""
+    """[B] log pi(layout) from the scores' logits z [B, E] (s = sigmoid(z); chosen [B, E] bool, mask [B, E] the
+    real elements, besides the finite logits): log s = logsigmoid(z) and log(1 - s) = logsigmoid(-z), exact
+    where computing it from clamped probabilities would cut the gradient off."""
     lp = F.logsigmoid(torch.where(chosen, logits, -logits))
     real = torch.isfinite(logits) if mask is None else mask & torch.isfinite(logits)
     return lp.masked_fill(~real, 0.0).sum(-1)

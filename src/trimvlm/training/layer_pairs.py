@@ -1,10 +1,8 @@
 """Refit a v2 router's layer scores on layouts run with the tokens a recipe executes (`trimvlm refit-router`).
 
-The router's layer half learns, in `train_router`, from layer pairs of FastV-ranked token sets on a few dozen
-inputs. On demo-qwen35 that did not carry over: on held-out inputs with the tuned recipe's tokens (density at
-layer 0) the best pair of blocks to skip depends on the question ("color at ..." loses least without blocks 4 and
-7, "which is ..." without 5 and 6, most others without 6 and 7), and the trained router's choices lost to the
-static "skip 6 and 7". This measures (training/calibration.py's `measure`), on `n` val inputs, every layout of the
+The router's layer half learns, in `train_router`, from layer pairs of FastV-ranked token sets, which need not
+carry over to the tokens a recipe executes (the best blocks to skip can depend on the question under them).
+This measures (training/calibration.py's `measure`), on `n` val inputs, every layout of the
 checkpoint's budget table (each keep x each skip subset) with the selector's own tokens, KL to the unpruned model
 along its greedy answer, and trains the layer scores further with PAR's DPO objective (beta, the frozen reference
 its training used: the initial router, rebuilt from its seed) on the pairs that grid gives (`preference_pairs`:
@@ -24,7 +22,7 @@ import torch
 
 from trimvlm.training.calibration import measure
 from trimvlm.training.dpo import layout_logprob_logits
-from trimvlm.training.router import Example, _dpo_epoch, _logits, initial_router, preference_pairs
+from trimvlm.training.router import Example, _logits, dpo_epochs, initial_router, preference_pairs
 
 
 def refit_layers(vlm, router, records, select: str, *, epochs: int = 40, beta: float = 0.1, lr: float = 1e-3,
@@ -55,13 +53,9 @@ def refit_layers(vlm, router, records, select: str, *, epochs: int = 40, beta: f
         data.append(Example(f, chosen, pairs, rp))
     if head_only:
         model.requires_grad_(False).head_l.requires_grad_(True)
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    shuffle = torch.Generator().manual_seed(seed)
     log = {"inputs": len(records), "select": sel.select_key,
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in ("layers", "iso")}, "epochs": []}  # fmt: skip
-    for epoch in range(epochs):
-        loss = _dpo_epoch(model, opt, data, torch.randperm(len(data), generator=shuffle).tolist(), beta)
-        log["epochs"].append({"epoch": epoch, "dpo_loss": loss})
+    dpo_epochs(model, data, log, range(epochs), lr=lr, beta=beta, seed=seed)
     model.eval().requires_grad_(False)
     with torch.no_grad():
         z = torch.cat([_logits(model, f)[:, -len(cand):] for f in feats]).double().tolist()

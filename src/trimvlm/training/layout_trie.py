@@ -29,8 +29,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import counting
 from trimvlm.router.route import RouterTokens
+from trimvlm.runtime.attention import AttentionContext
 from trimvlm.runtime.cache import KVCache
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.plan import Handoff, LayerPlan
@@ -52,9 +54,8 @@ class TrieOutput:
     """What `run_trie` measured."""
 
     cost: torch.Tensor  # [B, M] float64: sum over the answer of KL(p_full || p_layout) (zeros without p_full)
-    logits: torch.Tensor | None  # [R, n, V] the leaves' logits along the answer (right-aligned), when asked
+    logits: torch.Tensor | None  # [R, n, V] the leaves' logits along the answers (input b's: the last n_b), when asked
     leaf: torch.Tensor  # [B, M] the leaf row of each input's layout
-    answer: list[int]  # per input, its answer length n_b (its logits are the last n_b of a leaf's n)
     node_layers: int  # decoder-layer runs of one row the trie made
     layout_layers: int  # those its layouts would make apart (each layout's own rows, every layer it keeps)
 
@@ -84,16 +85,19 @@ def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor
     -inf off the visual tokens (None with `reducer`); `layer`: the router's layer K, where tokens are dropped;
     `reducer`: keep -> the token method that reduces there instead (the layouts' `tokens` then unused)."""
     meter = meter or Meter(device=runner.device)
-    seq = runner.encode(prepared, meter)
+    reads = _Reads.request(runner, reducer, layouts, layer)
+    seq = runner.encode(prepared, meter, reads.handoff.vision)
     by_source = None if reducer is not None else _by_source(seq, scores)
-    seq = _with_answer(runner, seq, [a[:-1] for a in answers])
     b = seq.batch
+    reads.record(runner, seq, layouts, layer, meter)
+    seq = _with_answer(runner, seq, [a[:-1] for a in answers])
     rows = _Rows(seq, list(range(b)), [list(range(len(layouts)))] * b, torch.zeros(b, dtype=torch.long))
     executed = 0
     if layer > 0:
         rows, executed = _segment(runner, rows, layouts, 0, layer, meter)
     leaves = []
-    for group in _token_fork(runner, rows, layouts, by_source, layer, meter, reducer):
+    tails = [len(a) - 1 for a in answers]
+    for group in _token_fork(runner, rows, layouts, by_source, layer, meter, reducer, reads, tails):
         group, runs = _segment(runner, group, layouts, layer, runner.num_layers, meter)
         leaves.append(group)
         executed += runs
@@ -105,7 +109,7 @@ def run_trie(runner, prepared, answers: list[torch.Tensor], scores: torch.Tensor
     hidden = torch.cat([g.seq.hidden[:, -max(len(a) for a in answers) :] for g in leaves])
     cost, logits = _score(runner, hidden, inputs, sets, answers, p_full, len(layouts), keep_logits, meter)
     apart = sum(runner.num_layers - len(m.skip) for m in layouts) * b
-    return TrieOutput(cost, logits, leaf, [len(a) for a in answers], executed, apart)
+    return TrieOutput(cost, logits, leaf, executed, apart)
 
 
 def _score(runner, hidden, inputs, sets, answers, p_full, m: int, keep_logits: bool, meter, chunk: int = 64):
@@ -131,14 +135,16 @@ def _score(runner, hidden, inputs, sets, answers, p_full, m: int, keep_logits: b
     return cost, torch.cat(kept) if keep_logits else None
 
 
-def _segment(runner, rows: _Rows, layouts, start: int, stop: int, meter) -> tuple[_Rows, int]:
+def _segment(runner, rows: _Rows, layouts, start: int, stop: int, meter, probe=None) -> tuple[_Rows, int]:
     """Run layers start..stop-1 over the trie's rows (one `Runner.run`, forking as the layouts diverge): (the
-    rows entering layer `stop`, final-normed when it is the end; the layer runs of one row it made)."""
+    rows entering layer `stop`, final-normed when it is the end; the layer runs of one row it made). `probe`:
+    an AttentionProbe recording as they run."""
     fork = _Fork(rows, layouts, stop)
     cache = KVCache(runner.num_layers)
     cache.keep_kv = False  # one chunk: each layer reads only its own keys
+    ctx = None if probe is None else AttentionContext(probe=probe)
     out = runner.run(
-        _bare(rows.seq), cache, phase="prefill", hook=fork, skip=fork.plan, meter=meter, start=start
+        _bare(rows.seq), cache, phase="prefill", hook=fork, skip=fork.plan, meter=meter, ctx=ctx, start=start
     )
     if stop == runner.num_layers:
         fork.rows.seq = fork.rows.seq.with_hidden(out.hidden)
@@ -214,7 +220,7 @@ class _Fork:
         return True
 
 
-def _token_fork(runner, rows: _Rows, layouts, by_source, layer: int, meter, reducer=None) -> list[_Rows]:
+def _token_fork(runner, rows: _Rows, layouts, by_source, layer: int, meter, reducer, reads, tails) -> list[_Rows]:
     """Fork the rows entering the router's layer by token selection: per keep, one group of rows (each a
     distinct (row, token score row); keep 1 drops nothing, whatever the row), its tokens dropped (by the top
     of its score row, or by `reducer(keep)`)."""
@@ -226,22 +232,78 @@ def _token_fork(runner, rows: _Rows, layouts, by_source, layer: int, meter, redu
             groups.setdefault(k, {}).setdefault(key, []).append(m)
     out = []
     for k, kids in sorted(groups.items()):
-        parents = [r for r, _ in kids]
-        child = rows.take(parents)
+        child = rows.take([r for r, _ in kids])
         child.sets = list(kids.values())
-        if k < 1 and reducer is not None:
+        if k < 1:
             with counting(meter, "prefill"):
-                child.seq = reducer(k).reduce(child.seq, runner, Handoff(), layer)
-        elif k < 1:
-            src = child.seq.source.clamp(min=0)
-            score = by_source[
-                torch.tensor([rows.inputs[r] for r in parents]), torch.tensor([t for _, t in kids])
-            ]
-            score = score.gather(1, src).masked_fill(child.seq.source < 0, float("-inf"))
-            with counting(meter, "prefill"):
-                child.seq = RouterTokens(keep=k, layer=layer).reduce(child.seq, runner, Handoff(router=score))
+                child.seq = _reduce_prompt(runner, child, [t for _, t in kids], k, by_source, layer, reducer,
+                                           reads, tails)  # fmt: skip
         out.append(child)
     return out
+
+
+def _reduce_prompt(runner, rows: _Rows, tokens, keep: float, by_source, layer: int, reducer, reads, tails):
+    """The rows' sequence with its prompt reduced as a prefill reduces it (the reducer sees the prompt alone,
+    the forced answer after it is kept whole): by the top of each row's score row `tokens[r]`, or by
+    `reducer(keep)`, reading what `reads` recorded."""
+    seq = rows.seq
+    n = max(tails[i] for i in rows.inputs)
+    cols = torch.arange(seq.length, device=seq.hidden.device)
+    answer = cols[None] >= seq.length - torch.tensor([tails[i] for i in rows.inputs], device=cols.device)[:, None]
+    prompt = seq.gather(~answer)
+    if reducer is None:
+        score = by_source[torch.tensor(rows.inputs), torch.tensor(tokens)]
+        score = score.gather(1, prompt.source.clamp(min=0)).masked_fill(prompt.source < 0, float("-inf"))
+        prompt = RouterTokens(keep=keep, layer=layer).reduce(prompt, runner, Handoff(router=score))
+    else:
+        prompt = reducer(keep).reduce(prompt, runner, reads.for_rows(rows.inputs), layer)
+    tail = cols[seq.length - n :].expand(seq.batch, n)
+    return _joined(prompt, seq.index_select(tail, answer[:, seq.length - n :]))
+
+
+@dataclass
+class _Reads:
+    """What a token method reads besides the sequence, recorded once for every input: the vision tower's
+    attention (while the images are encoded) and the prompt's own attention in the layer before the method's."""
+
+    handoff: Handoff
+
+    @classmethod
+    def request(cls, runner, reducer, layouts, layer: int) -> _Reads:
+        handoff = Handoff()
+        keeps = [m.keep for m in layouts if m.keep < 1]
+        if reducer is None or not keeps:
+            return cls(handoff)
+        method = reducer(min(keeps))
+        if len(method.stages(runner)) > 1:
+            raise TrimVLMError(f"tokens={method.name} reduces before several layers: the layout trie reduces once")
+        if method.probe(runner, handoff) is not None and any(min(m.skip, default=layer) < layer for m in layouts):
+            raise TrimVLMError(f"tokens={method.name} reads layer {layer - 1}'s attention: no layout may skip a "
+                               f"layer before {layer}")  # fmt: skip
+        method.vision_probe(runner, handoff)
+        return cls(handoff)
+
+    def record(self, runner, seq: LiveSeq, layouts, layer: int, meter) -> None:
+        """Run the prompt alone (`seq`, encoded) up to `layer`, recording the attention the method reads (the
+        rows of the prompt's last queries, as its prefill records them)."""
+        probe = self.handoff.probes.get("tokens")
+        if probe is not None:
+            rows = _Rows(seq, list(range(seq.batch)), [[0]] * seq.batch, torch.zeros(seq.batch, dtype=torch.long))
+            _segment(runner, rows, layouts[:1], 0, layer, meter, probe)
+
+    def for_rows(self, inputs: list[int]) -> Handoff:
+        """A handoff holding the rows' records (row r: input `inputs[r]`'s)."""
+        out = Handoff()
+        probe = self.handoff.probes.get("tokens")
+        if probe is not None:
+            idx = torch.tensor(inputs)
+            taken = {i: t.index_select(0, idx.to(t.device)) for i, t in probe.results.items()}
+            out.probes["tokens"] = replace(probe, results=taken, row_valid={})
+        v = self.handoff.vision
+        if v is not None:
+            out.vision = replace(v, results={(r, u): rec for r, i in enumerate(inputs)
+                                             for (b, u), rec in v.results.items() if b == i})  # fmt: skip
+        return out
 
 
 def _by_source(seq: LiveSeq, scores: torch.Tensor) -> torch.Tensor:
@@ -263,16 +325,27 @@ def _with_answer(runner, seq: LiveSeq, inputs: list[torch.Tensor]) -> LiveSeq:
     valid = torch.zeros(b, n, dtype=torch.bool, device=dev)
     for r, a in enumerate(inputs):
         ids[r, : len(a)], valid[r, : len(a)] = a.to(dev), True
-    none = torch.full((b, n), -1, dtype=torch.long, device=dev)
-    tail = {"hidden": runner.adapter.embed_tokens(ids).to(seq.hidden.dtype),
-            "positions": runner.adapter.text_positions(next_positions(seq.positions, seq.valid), n).to(seq.positions.dtype),
-            "valid": valid, "visual": torch.zeros_like(valid), "source": none, "image_id": none}  # fmt: skip
-    joined = {k: torch.cat([getattr(seq, k), v], dim=2 if k == "positions" else 1) for k, v in tail.items()}
-    joined["adds"] = {
-        k: [torch.cat([t, t.new_zeros(b, n, *t.shape[2:])], 1) for t in ts] for k, ts in seq.adds.items()
-    }
-    if seq.size is not None:
-        joined["size"] = torch.cat([seq.size, seq.size.new_ones(b, n)], 1)
+    positions = runner.adapter.text_positions(next_positions(seq.positions, seq.valid), n)
+    tail = LiveSeq.text(runner.adapter.embed_tokens(ids).to(seq.hidden.dtype), positions.to(seq.positions.dtype), valid)
+    return _joined(seq, tail)
+
+
+def _joined(seq: LiveSeq, tail: LiveSeq) -> LiveSeq:
+    """Each row of `seq` followed by its row of `tail` (what the family adds, and sizes: zeros and ones where
+    `tail` has none), left-padded again."""
+    b, n = tail.batch, tail.length
+
+    def cat(k):
+        return torch.cat([getattr(seq, k), getattr(tail, k)], dim=2 if k == "positions" else 1)
+
+    joined = {k: cat(k) for k in ("hidden", "positions", "valid", "visual", "source", "image_id")}
+    joined["adds"] = {}
+    for k, ts in seq.adds.items():
+        more = tail.adds.get(k) or [t.new_zeros(b, n, *t.shape[2:]) for t in ts]
+        joined["adds"][k] = [torch.cat([t, u], 1) for t, u in zip(ts, more, strict=True)]
+    if seq.size is not None or tail.size is not None:
+        joined["size"] = torch.cat([torch.ones_like(x.valid, dtype=torch.long) if x.size is None else x.size
+                                    for x in (seq, tail)], 1)  # fmt: skip
     full = replace(seq, **joined)
     return full.gather(full.valid)
 

@@ -39,17 +39,17 @@ which `router=PATH:budget=B` calibrates its keep and price.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trimvlm.errors import InputError
 from trimvlm.kernels.select import topk_mask
-from trimvlm.router.route import RouterTokens, _packed
+from trimvlm.router.route import _packed
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
-from trimvlm.runtime.plan import Handoff, Plan
+from trimvlm.runtime.plan import Plan
 from trimvlm.training.collect import Collect, Measured, check_sampling, prepare_work, stored
 from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.training.layout_trie import Layout, run_trie
@@ -68,8 +68,7 @@ class Example:
 def answer_length(tokens: torch.Tensor, stop_ids) -> int:
     """Positions of a one-row greedy answer [n] up to and including its first stop token."""
     stop = set(stop_ids)
-    stops = [i for i, t in enumerate(tokens.tolist()) if t in stop]
-    return stops[0] + 1 if stops else len(tokens)
+    return next((i + 1 for i, t in enumerate(tokens.tolist()) if t in stop), len(tokens))
 
 
 @torch.no_grad()
@@ -92,47 +91,6 @@ def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int)
                    on_logits=lambda t, logits: logps.append(torch.log_softmax(logits.double(), -1)))  # fmt: skip
     fastv = probe.results[probe_layer][:, -1].float()
     return gen.tokens, torch.stack(logps, 1), fastv, got["seq"]
-
-
-@torch.no_grad()
-def layout_costs(runner, prepared1, answer_tok, p_full, token_scores, plans, token_keep: float,
-                 layer: int = 0) -> torch.Tensor:  # fmt: skip
-    """[M] cost of M layouts of ONE input (prepared1: batch of one): each row keeps the tokens with the top
-    `token_scores[m]` (a [M, S] column score) before layer `layer` and skips `plans[m]` ([M, L] bool),
-    teacher-forced on the answer."""
-
-    prep = _repeat(prepared1, plans.shape[0])
-    handoff = Handoff(router=token_scores)  # what the router's hook hands its token half
-    red = RouterTokens(keep=token_keep, layer=layer)
-
-    def hook(i, seq, run):
-        return red.reduce(seq, run, handoff) if i == layer and token_keep < 1 else seq
-
-    return forced_kl(runner, prep, Plan(hook=hook, skip_prefill=plans, skip_decode=plans), answer_tok, p_full)
-
-
-@torch.no_grad()
-def forced_kl(runner, prep, layout: Plan, answer_tok, p_full) -> torch.Tensor:
-    """[M] sum over the answer's positions of KL(p_full || p_layout) for the M rows of `prep` run under
-    `layout`, teacher-forced on the unpruned answer `answer_tok` [n] (p_full [n, V] its log-probs)."""
-    cost = torch.zeros(prep.input_ids.shape[0], dtype=torch.float64)
-
-    def kl(t: int, logits: torch.Tensor) -> None:
-        q, p = torch.log_softmax(logits.double(), -1), p_full[t][None]
-        cost.add_((p.exp() * (p - q)).sum(-1).cpu())
-
-    generate(runner, prep, layout, max_new_tokens=len(answer_tok), forced=answer_tok, on_logits=kl)
-    return cost
-
-
-def _repeat(prepared, m: int):
-    def rep(v):
-        return v.repeat(m, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) else v
-
-    inputs = {k: rep(v) for k, v in prepared.model_inputs.items()}
-    return replace(prepared, input_ids=rep(prepared.input_ids), attention_mask=rep(prepared.attention_mask),
-                   model_inputs=inputs, n_images=prepared.n_images * m, tiles=prepared.tiles * m,
-                   image_keys=prepared.image_keys * m)  # fmt: skip
 
 
 def token_sets(gen, fastv, vis_cols, sigmas, seeds) -> list[torch.Tensor]:
@@ -230,7 +188,6 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     if not start:
         router = copy.deepcopy(ref).requires_grad_(True)
     router.train()
-    opt = torch.optim.Adam(router.parameters(), lr=lr)
     collect = Collect(cand, keeps, layer, seed, list(sigmas), seeds, answer_tokens, layers_skip,
                       all_subsets(cand, max_skip) if v2 else None, near, budgets if near is not None else None,
                       cells, flops["cost"] if v2 else None)  # fmt: skip
@@ -240,12 +197,8 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
                               on_step=on_step)  # fmt: skip
     log = {"epochs": [], "inputs": len(records),
            "pairs": {k: sum(len(e.pairs[k][0]) for e in data) for k in data[0].pairs} if data else {}}  # fmt: skip
-    shuffle = torch.Generator().manual_seed(seed + 1)
-    for _ in range(start):  # a resumed run sees the same input order as an uninterrupted one
-        torch.randperm(len(data), generator=shuffle)
-    for epoch in range(start, epochs):
-        loss = _dpo_epoch(router, opt, data, torch.randperm(len(data), generator=shuffle).tolist(), beta)
-        log["epochs"].append({"epoch": epoch, "dpo_loss": loss})
+
+    def save(epoch: int) -> None:
         if out is not None:
             extra = {"epochs_done": epoch + 1, "token_keep": token_keep, "layers_skip": layers_skip, "layer": layer,
                      "seed": seed, "log": log}  # fmt: skip
@@ -254,6 +207,8 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
             save_router(router, out, fingerprint=model_fingerprint(vlm.adapter), hidden=hidden, extra=extra)
         if on_step is not None:
             on_step()
+
+    dpo_epochs(router, data, log, range(start, epochs), lr=lr, beta=beta, seed=seed + 1, on_epoch=save)
     return log
 
 
@@ -330,37 +285,49 @@ def measure_input(vlm, r, collect: Collect, order, index: int):
     out = run_trie(runner, prep, [tok[0, :n_ans]], scores[None], layouts, c.layer, [p_full[0, :n_ans]])
     cost = torch.full((len(grid),), float("nan"), dtype=torch.float64)
     cost[run] = out.cost[0]
-    plans = torch.zeros(len(toks) * len(sets), runner.num_layers, dtype=torch.bool)
-    for i in range(len(plans)):
-        plans[i, sets[i % len(sets)]] = True
+    layers = torch.tensor([[i not in s for i in c.cand] for s in sets] * len(toks), dtype=torch.bool)  # layers run
     rows = torch.stack([t for t in scores for _ in sets])
-    chosen = torch.cat([torch.cat([_kept(seq, rows, k, c.layer), ~plans[:, c.cand]], dim=1) for k in c.keeps])
+    chosen = torch.cat([torch.cat([_kept(seq, rows, k, c.layer), layers], dim=1) for k in c.keeps])
     return Measured(_features(seq), chosen, cost, len(c.keeps), len(toks), [len(x) for x in sets]), out
 
 
-def _dpo_epoch(router, opt, data: list[Example], order: list[int], beta: float) -> float:
-    """One Adam step per input in `order` on the mean DPO loss of each pair kind; the epoch's mean loss."""
-    total, steps = 0.0, 0
-    for j in order:
-        ex = data[j]
-        lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
-        terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta) for w, lo in ex.pairs.values() if len(w)]
-        if not terms:
+def dpo_epochs(router, data: list[Example], log: dict, epochs: range, *, lr: float, beta: float, seed: int,
+               on_epoch=None) -> None:  # fmt: skip
+    """Adam on the router's trainable parameters: per epoch one step per input (the inputs shuffled by `seed`,
+    epoch after epoch from 0, so a run resumed at `epochs.start` sees the same order) on the mean DPO loss of
+    each pair kind; each epoch's mean loss appended to `log["epochs"]`, then `on_epoch(epoch)`."""
+    opt = torch.optim.Adam([p for p in router.parameters() if p.requires_grad], lr=lr)
+    shuffle = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs.stop):
+        order = torch.randperm(len(data), generator=shuffle).tolist()
+        if epoch < epochs.start:
             continue
-        loss = sum(terms)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total += float(loss.detach()) / len(terms)
-        steps += 1
-    return total / max(1, steps)
+        total, steps = 0.0, 0
+        for j in order:
+            ex = data[j]
+            lp = layout_logprob_logits(_logits(router, ex.feats).expand(ex.chosen.shape[0], -1), ex.chosen)
+            terms = [dpo_loss(lp[w], lp[lo], ex.ref[w], ex.ref[lo], beta) for w, lo in ex.pairs.values() if len(w)]
+            if not terms:
+                continue
+            loss = sum(terms)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) / len(terms)
+            steps += 1
+        log["epochs"].append({"epoch": epoch, "dpo_loss": total / max(1, steps)})
+        if on_epoch is not None:
+            on_epoch(epoch)
 
 
 def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     """Predicted total-FLOP ratios [keep][subset] of the layouts on the training inputs (prefill prediction,
     tune.predict: any reducer's kept counts at a layer equal the router's), with the tokens reduced at the
     router's layer (`cost`) and at every layer up to it (`cost_by_layer`, for a `select=` method acting at its
-    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`)."""
+    own layer); the router's own FLOPs are added as a ratio later (`_budget_section`). A skipped layer saves its
+    own FLOPs, which depend only on the keep and whether the tokens were reduced before it: so each keep is
+    predicted skipping nothing and skipping each layer alone, and a subset costs the first less its layers'
+    savings (exactly the subset's own prediction)."""
     from trimvlm.evals.run import batches
     from trimvlm.evals.tasks.base import Task
     from trimvlm.tune.predict import predict, read_shapes
@@ -368,17 +335,24 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     task = Task(name="router", records=list(records))
     shapes = read_shapes(vlm, task, batches(task, batch))
     base = predict(vlm, {}, shapes).prefill_flops
+    layers = sorted({i for sub in subsets for i in sub})
+
+    def flops(k: float, at: int, skip: list[int]) -> int:
+        recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={at}"}
+        if skip:
+            recipe["depth"] = f"skip:layers={'+'.join(map(str, skip))}:scope=all"
+        return predict(vlm, recipe, shapes).prefill_flops
+
+    saved: dict[tuple, int] = {}  # (keep, layer, reduced before it) -> the FLOPs skipping it saves
 
     def table(at: int) -> list[list[float]]:
         cost = []
         for k in keeps:
-            row = []
-            for sub in subsets:
-                recipe = {} if k >= 1 else {"tokens": f"random:keep={k}:layer={at}"}
-                if sub:
-                    recipe["depth"] = f"skip:layers={'+'.join(map(str, sub))}:scope=all"
-                row.append(predict(vlm, recipe, shapes).prefill_flops / base)
-            cost.append(row)
+            none = flops(k, at, [])
+            for i in layers:
+                if (k, i, i >= at) not in saved:
+                    saved[k, i, i >= at] = none - flops(k, at, [i])
+            cost.append([(none - sum(saved[k, i, i >= at] for i in sub)) / base for sub in subsets])
         return cost
 
     by_layer = {str(at): table(at) for at in range(layer + 1)}

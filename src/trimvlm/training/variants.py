@@ -16,17 +16,10 @@ from dataclasses import replace
 PRICES = ("auto", 0, "inf")
 
 
-def router_variants(router: str, budget: float, method: str | None) -> list[str]:
-    """The explicit candidate recipes at `budget` (each names select= and price=)."""
-    out = []
-    for sel in ["router"] + ([method] if method else []):
-        out += [f"router={router}:budget={budget}:select={sel}:price={p}" for p in PRICES]
-    return list(dict.fromkeys(out))
-
-
 def pick_variant(vlm, router: str, budget: float, method: str | None, task: str = "demo", n_val: int = 96,
                  batch_size: int = 48) -> dict:  # fmt: skip
-    """{"budget", "select", "price", "val_accuracy", "val_items", "recipe"}: the best candidate on validation."""
+    """{"budget", "select", "price", "val_accuracy", "val_items", "recipe"}: the best candidate on validation (each
+    selector at each price of PRICES)."""
     from trimvlm.errors import InputError, TrimVLMError
     from trimvlm.evals.run import run_eval
     from trimvlm.evals.tasks import get_task
@@ -36,7 +29,8 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
     from trimvlm.training.calibration import seen_inputs
 
     ok = []
-    for r in router_variants(router, budget, method):
+    for r in dict.fromkeys(f"router={router}:budget={budget}:select={sel}:price={p}"
+                           for sel in ["router"] + ([method] if method else []) for p in PRICES):  # fmt: skip
         try:
             make_plan(r, vlm.runner)
             ok.append(r)
