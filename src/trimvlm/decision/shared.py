@@ -146,5 +146,5 @@ def tail_skip(skip, forest):
         skip = skip.plan  # None: the plan's method skipped nothing (a router at price inf)
     if not isinstance(skip, torch.Tensor):
         return frozenset(skip or ())
-    owner = request_rows(forest, forest.paths, device=skip.device)
+    owner = request_rows(forest.paths, device=skip.device)
     return skip.index_select(0, owner)

@@ -10,7 +10,7 @@ import torch
 
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors import batched
-from trimvlm.scoring.executors.common import Work, run_rows
+from trimvlm.scoring.executors.common import Work, leaf_cache, run_rows
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, recurrent_rows
 from trimvlm.scoring.trie import rows_tensor
 
@@ -68,12 +68,11 @@ def run_pieces(work: Work, pieces: list[Piece], mix: LayerMix) -> torch.Tensor:
     """Run one layout: exactly `batched` when it is one plain row per candidate, else the tree schedule."""
     if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
         return batched.run(work)
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
+    out = work.new_states()
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long, device=work.device)
-    cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
-    cache.keep_kv = False
+    cache = leaf_cache(work, owner)
     cache.tree = schedule(pieces, order, device=work.device, mix=mix)
     run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out
