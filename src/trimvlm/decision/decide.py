@@ -20,7 +20,7 @@ from trimvlm.decision.forward import run_prompts
 from trimvlm.decision.limits import Limits
 from trimvlm.decision.prompts import PreparedRequest, prepare_request
 from trimvlm.decision.readout import answers, option_scores
-from trimvlm.decision.shared import prefix_cuts, prefix_inputs, run_shared
+from trimvlm.decision.shared import image_token, prefix_cuts, prefix_inputs, run_shared
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.plan import Plan
 
@@ -105,9 +105,8 @@ def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool 
 def image_tokens(vlm, groups: list[list], cuts: list[int] | None) -> list[int]:
     """Per request, the image tokens the vision tower encoded for it (once per request with a shared prefix,
     once per prompt without): the weights of its share of the batch's one vision encode."""
-    try:
-        image = int(vlm.adapter.image_token_id)
-    except (AttributeError, TypeError):
+    image = image_token(vlm)
+    if image is None:
         return [0] * len(groups)
     encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
         [[p.inputs for p in g] for g in groups]  # fmt: skip
