@@ -165,18 +165,14 @@ def extract(
     from trimvlm.scoring.engine import run_scoring
 
     task = progress.add_task(label, total=len(items)) if progress is not None else None
-    z_q, u, feats, sums = [], [], [], []
+    parts = []
     with torch.no_grad():
         for a in range(0, len(items), batch_size):
             chunk = items[a : a + batch_size]
-            _, _, f, _ = run_scoring(vlm, [it.request for it in chunk], executor="batched")
-            z_q += f.z_q
-            u += f.u
-            feats += f.feats
-            sums += f.sums
+            parts.append(run_scoring(vlm, [it.request for it in chunk], executor="batched")[2])
             if progress is not None:
                 progress.advance(task, len(chunk))
-    return pad(items, z_q, u, feats, sums)
+    return pad(items, *([x for f in parts for x in getattr(f, k)] for k in ("z_q", "u", "feats", "sums")))
 
 
 def pad(items: list[Item], z_q, u, feats, sums) -> Cached:

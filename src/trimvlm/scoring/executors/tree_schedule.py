@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -34,6 +35,7 @@ def schedule(
         anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
     ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
+    longs = functools.partial(torch.tensor, dtype=torch.long, device=device)
     rrows = recurrent_rows(pieces, mix)
     for level in range(1 + max(row.level for row in rrows)):
         leaves, inner = [], defaultdict(list)
@@ -47,16 +49,13 @@ def schedule(
             nodes = rows_tensor(
                 [[i for p in ids for i in flat(p)] for ids in group], left=False, device=device
             )
+            firsts = [pieces[ids[0]] for ids in group]
             calls.append(
                 RecurrentCall(
                     nodes=nodes,
-                    chain=torch.tensor([ids[-1] for ids in group], dtype=torch.long, device=device),
-                    parent=torch.tensor(
-                        [pieces[ids[0]].parent for ids in group], dtype=torch.long, device=device
-                    ),
-                    owner=torch.tensor(
-                        [pieces[ids[0]].request for ids in group], dtype=torch.long, device=device
-                    ),
+                    chain=longs([ids[-1] for ids in group]),
+                    parent=longs([p.parent for p in firsts]),
+                    owner=longs([p.request for p in firsts]),
                     keep=keep,
                 )
             )
