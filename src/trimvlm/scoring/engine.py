@@ -119,14 +119,13 @@ def score_requests(
     meter.stop_memory()
     if meter.costs.peak_memory_kind == "cpu_peak_rss_growth":  # the process' RSS growth: not this call's
         meter.costs.peak_memory_bytes, meter.costs.peak_memory_kind = 0, "not measured (track_memory=True)"
-    logical = work.forest.logical_tokens
     return ScoreBatch(
         results=results,
         costs=meter.costs,
         readout=readout,
         executor=ran,
         recipe=work.plan.label(),
-        tokens={"logical": logical, "unique": work.forest.num_nodes, "executed": work.executed},
+        tokens={"logical": work.forest.logical_tokens, "unique": work.forest.num_nodes, "executed": work.executed},
     )
 
 
