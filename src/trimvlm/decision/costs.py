@@ -16,6 +16,7 @@ FLOPs remain), an image found in the vision cache no vision FLOPs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import islice
 
 
 @dataclass
@@ -75,6 +76,12 @@ def split(total: int, weights: list[int]) -> list[int]:
     return base
 
 
+def grouped(items, sizes: list[int]) -> list[list]:
+    """`items` cut into consecutive groups of `sizes` (per request its prompts', questions' entries)."""
+    it = iter(items)
+    return [list(islice(it, n)) for n in sizes]
+
+
 def request_costs(
     prepared_requests, fwd, costs, vision: list[int], readout: list[int], vision_hits: list[int]
 ) -> list[RequestCosts]:
@@ -85,8 +92,7 @@ def request_costs(
     if fwd.kv_rows is not None:  # a shared-prefix forward: one prefix row per request holds all its images
         images = [n_images[r] * n for r, n in enumerate(rows)]
     else:
-        bounds = [sum(rows[:r]) for r in range(len(rows) + 1)]
-        images = [sum(n_images[bounds[r] : bounds[r + 1]]) for r in range(len(rows))]
+        images = [sum(g) for g in grouped(n_images, rows)]
     reuse = fwd.reuse
     if reuse is None:
         layers = split(fwd.layer_flops, rows)

@@ -10,17 +10,16 @@ requests with one forward and returns a `DecisionResult`: the answers, in the sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
-from trimvlm.decision.costs import RequestCosts, request_costs, split
+from trimvlm.decision.costs import RequestCosts, grouped, request_costs, split
 from trimvlm.decision.errors import DecisionError, RequestError
 from trimvlm.decision.forward import run_prompts
 from trimvlm.decision.limits import Limits
 from trimvlm.decision.prompts import PreparedRequest, prepare_request
 from trimvlm.decision.readout import answers, option_scores
-from trimvlm.decision.shared import prefix_cuts, prefix_inputs, run_shared
+from trimvlm.decision.shared import image_token, prefix_cuts, prefix_inputs, run_shared
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.plan import Plan
 
@@ -89,11 +88,8 @@ def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool 
     fwd = run_shared(vlm, groups, cuts, plan, meter) if cuts else run_prompts(vlm, prompts, plan, meter)
     before = meter.costs.flops.get("prefill", 0)
     with meter.timer("prefill"):
-        scores = option_scores(vlm, prompts, fwd.hidden, meter)
-        out, k = [], 0
-        for r in prepared:
-            out.append(answers(r.config, r.prompts, scores[k : k + len(r.prompts)]))
-            k += len(r.prompts)
+        scores = grouped(option_scores(vlm, prompts, fwd.hidden, meter), [len(r.prompts) for r in prepared])
+        out = [answers(r.config, r.prompts, s) for r, s in zip(prepared, scores, strict=True)]
     meter.stop_memory()
     readout = split(meter.costs.flops["prefill"] - before, [r.questions for r in prepared])
     weights, vision_hits = encoded_images(vlm, groups, cuts, fwd)
@@ -105,9 +101,8 @@ def run(vlm, prepared: list[PreparedRequest], plan: Plan, *, track_memory: bool 
 def image_tokens(vlm, groups: list[list], cuts: list[int] | None) -> list[int]:
     """Per request, the image tokens the vision tower encoded for it (once per request with a shared prefix,
     once per prompt without): the weights of its share of the batch's one vision encode."""
-    try:
-        image = int(vlm.adapter.image_token_id)
-    except (AttributeError, TypeError):
+    image = image_token(vlm)
+    if image is None:
         return [0] * len(groups)
     encoded = [[prefix_inputs(g, c)] for g, c in zip(groups, cuts, strict=True)] if cuts else \
         [[p.inputs for p in g] for g in groups]  # fmt: skip
@@ -125,8 +120,7 @@ def encoded_images(vlm, groups: list[list], cuts: list[int] | None, fwd) -> tupl
     cache = vlm.adapter.vision_cache if vlm.adapter.caches_vision else None
     per_row = fwd.n_images
     if cuts is None:  # one row per prompt: a request's images are those of its prompts
-        bounds = [0, *accumulate(len(g) for g in groups)]
-        per_row = [sum(per_row[bounds[r] : bounds[r + 1]]) for r in range(len(groups))]
+        per_row = [sum(g) for g in grouped(per_row, [len(g) for g in groups])]
     elif reuse is None:
         per_row = list(per_row)
     counts = [per_row[r] for r in ran]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from trimvlm.decision.costs import grouped
+
 
 def option_scores(vlm, prompts: list, hidden: torch.Tensor, meter) -> list[list[torch.Tensor]]:
     """Per prompt, per question, the raw option scores; the readout's FLOPs go on the meter's prefill line."""
@@ -28,17 +30,10 @@ def option_scores(vlm, prompts: list, hidden: torch.Tensor, meter) -> list[list[
         meter.add("prefill", 2 * hidden.shape[0] * hidden.shape[-1] * len(ids))
         logits = ad.lm_head_rows(hidden, ids)
         flat = []
-        j = 0
-        for p in prompts:
-            for qids in p.label_ids:
-                cols = torch.tensor([column[t] for t in qids], dtype=torch.long, device=logits.device)
-                flat.append(logits[j].index_select(0, cols))
-                j += 1
-    out, j = [], 0
-    for p in prompts:
-        out.append(flat[j : j + len(p.questions)])
-        j += len(p.questions)
-    return out
+        for j, qids in enumerate(qids for p in prompts for qids in p.label_ids):
+            cols = torch.tensor([column[t] for t in qids], dtype=torch.long, device=logits.device)
+            flat.append(logits[j].index_select(0, cols))
+    return grouped(flat, [len(p.questions) for p in prompts])
 
 
 def answers(config, prompts: list, scores: list[list[torch.Tensor]]) -> dict:

@@ -35,10 +35,7 @@ PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids
 def prefix_cuts(vlm, groups: list[list]) -> list[int] | None:
     """Per request (its `prompts.Prompt`s), the length of the prefix its prompts share; None when one has none
     (nothing before its first read position, or an image token after the common part)."""
-    try:
-        image = int(vlm.adapter.image_token_id)
-    except (AttributeError, TypeError):
-        image = None  # a text-only backbone
+    image = image_token(vlm)
     cuts = []
     for prompts in groups:
         cut = remembered(("cut", image), prompt_tensors(prompts), lambda p=prompts: request_cut(p, image))
@@ -46,6 +43,14 @@ def prefix_cuts(vlm, groups: list[list]) -> list[int] | None:
             return None
         cuts.append(cut)
     return cuts
+
+
+def image_token(vlm) -> int | None:
+    """The model's image token id; None for a text-only backbone."""
+    try:
+        return int(vlm.adapter.image_token_id)
+    except (AttributeError, TypeError):
+        return None
 
 
 def prompt_tensors(prompts: list) -> list:
@@ -146,5 +151,5 @@ def tail_skip(skip, forest):
         skip = skip.plan  # None: the plan's method skipped nothing (a router at price inf)
     if not isinstance(skip, torch.Tensor):
         return frozenset(skip or ())
-    owner = request_rows(forest, forest.paths, device=skip.device)
+    owner = request_rows(forest.paths, device=skip.device)
     return skip.index_select(0, owner)

@@ -1,7 +1,7 @@
 """Neutral numeric kernels that `tokens/`, `kv/`, `depth/` and `router/` share (methods never import each other):
 density and farthest-point selection, merges, top-k masks and budgets, and the method-FLOP counter."""
 
-from trimvlm.kernels.density import farthest_point, masked_minmax, normalize_density, spatial_density
+from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_density
 from trimvlm.kernels.flops import count, counting
 from trimvlm.kernels.merge import best_match, merge_groups, nearest_kept
 from trimvlm.kernels.select import keep_count, topk_mask
@@ -15,7 +15,6 @@ __all__ = [
     "masked_minmax",
     "merge_groups",
     "nearest_kept",
-    "normalize_density",
     "spatial_density",
     "topk_mask",
 ]

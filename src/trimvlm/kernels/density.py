@@ -15,8 +15,7 @@ from trimvlm.kernels.farthest import BLOCK, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
 from trimvlm.kernels.flops import count as count_flops
 
-__all__ = ["BLOCK", "farthest_point", "masked_minmax", "most_isolated",
-           "normalize_density", "spatial_density"]  # fmt: skip
+__all__ = ["BLOCK", "farthest_point", "masked_minmax", "most_isolated", "spatial_density"]
 
 
 def spatial_density(
@@ -48,7 +47,7 @@ def spatial_density(
     Returns:
         rho (float32; float64 for float64 input) with the input's leading shape minus the feature axis: `[h, w]`, `[B, h, w]`, `[N]` or
         `[B, N]`. A token without any neighbour (a 1x1 grid, or window = 1) gets rho = 1. Not normalised; use
-        `normalize_density` for the min-max normalised rho~ in [0, 1].
+        `masked_minmax` for the min-max normalised rho~ in [0, 1].
     """
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be an odd integer >= 1, got {window}")
@@ -111,13 +110,6 @@ def _box_sum(x: torch.Tensor, window: int) -> torch.Tensor:
     """Sum of each [h, w] plane of x [B, C, h, w] over the `window` x `window` box around every cell, clipped at
     the border (sum pooling with zero padding)."""
     return F.avg_pool2d(x, window, stride=1, padding=window // 2, divisor_override=1)
-
-
-def normalize_density(rho: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Min-max normalise rho to [0, 1] along `dim` (rho~). A constant rho maps to zeros."""
-    lo = rho.amin(dim=dim, keepdim=True)
-    hi = rho.amax(dim=dim, keepdim=True)
-    return (rho - lo) / (hi - lo).clamp(min=1e-12)
 
 
 def masked_minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

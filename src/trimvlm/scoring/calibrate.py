@@ -7,7 +7,7 @@ For every calibration input x (image, question, candidates; answer labels are ne
               [logit_1 .. logit_N, abstain] (a binary request: [logit, 0], the sigmoid's two-class form), with
               the loglik readout the N candidate log-likelihood sums
     z^(-l)(x) the same with block l skipped in the candidate branches; the prefix runs every block in both
-    ctr(v) = v - mean(v) 1,  rms(v) = ||v||_2 / sqrt(m)
+    ctr(v) = v - mean(v) 1,  rms(v) = ||v||_2 / sqrt(m)  (`_rms_ctr`: rms(ctr(v)))
     d_l(x) = rms(ctr(z^(-l)(x) - z(x))) / max(1e-8, rms(ctr(z(x))))
     J_l    = mean of d_l(x) over the calibration set;  order = layers by ascending J_l, ties by layer index
 
@@ -56,17 +56,13 @@ def decision_logits(result: ScoreResult, readout: str) -> np.ndarray:
     return np.asarray(z, dtype=np.float64)
 
 
-def ctr(v: np.ndarray) -> np.ndarray:
-    return v - v.mean()
-
-
-def rms(v: np.ndarray) -> float:
-    return float(np.linalg.norm(v) / math.sqrt(v.size))
+def _rms_ctr(v: np.ndarray) -> float:
+    return float(np.linalg.norm(v - v.mean()) / math.sqrt(v.size))
 
 
 def sensitivity(z: np.ndarray, z_skip: np.ndarray) -> float:
     """d_l(x) = rms(ctr(z^(-l) - z)) / max(eps, rms(ctr(z)))."""
-    return rms(ctr(z_skip - z)) / max(EPS, rms(ctr(z)))
+    return _rms_ctr(z_skip - z) / max(EPS, _rms_ctr(z))
 
 
 def rank_layers(J: list[float]) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from trimvlm.errors import InputError
 from trimvlm.runtime.meter import Meter
 from trimvlm.runtime.plan import Plan
-from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES
+from trimvlm.scoring.executors import EXECUTORS, MERGED, NAMES, choose
 from trimvlm.scoring.executors.common import Work
 from trimvlm.scoring.layout import Layout, check_length
 from trimvlm.scoring.readout import Features, features
@@ -75,16 +75,14 @@ def run_branches(vlm, prefilled: Prefilled, *, executor: str = "auto", skip_bran
     """The candidate branches off already encoded prefixes (never written). Returns (Work, node states,
     Features, the executor that ran). `skip_branch` overrides the recipe's candidate-branch skip set; `meter`
     defaults to the prefill's."""
-    runner, ad = vlm.runner, vlm.adapter
+    runner = vlm.runner
     check_executor(executor)
     meter = meter or prefilled.meter
     suffixes, starts = prefilled.suffixes, prefilled.starts
     forest = None
     if executor == "auto":
-        from trimvlm.scoring.executors.auto import choose
-
         merged = build_forest(suffixes, starts, merge=True)
-        executor = choose(merged, ad)
+        executor = choose(merged)
         forest = merged if executor in MERGED else None
     forest = forest or build_forest(suffixes, starts, merge=executor in MERGED)
     plan = prefilled.plan
@@ -121,14 +119,13 @@ def score_requests(
     meter.stop_memory()
     if meter.costs.peak_memory_kind == "cpu_peak_rss_growth":  # the process' RSS growth: not this call's
         meter.costs.peak_memory_bytes, meter.costs.peak_memory_kind = 0, "not measured (track_memory=True)"
-    logical = work.forest.logical_tokens
     return ScoreBatch(
         results=results,
         costs=meter.costs,
         readout=readout,
         executor=ran,
         recipe=work.plan.label(),
-        tokens={"logical": logical, "unique": work.forest.num_nodes, "executed": work.executed},
+        tokens={"logical": work.forest.logical_tokens, "unique": work.forest.num_nodes, "executed": work.executed},
     )
 
 

@@ -14,7 +14,7 @@ Everything is seeded by `seed`. The command itself is `trimvlm.cli_train.train_h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -83,12 +83,8 @@ class Cached:
     mask: torch.Tensor
     target: torch.Tensor
     sums: torch.Tensor
-    kinds: list[str] = field(default_factory=list)
-    binary: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.binary is None:
-            self.binary = torch.zeros(len(self.target), dtype=torch.bool, device=self.target.device)
+    kinds: list[str]
+    binary: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -169,18 +165,14 @@ def extract(
     from trimvlm.scoring.engine import run_scoring
 
     task = progress.add_task(label, total=len(items)) if progress is not None else None
-    z_q, u, feats, sums = [], [], [], []
+    parts = []
     with torch.no_grad():
         for a in range(0, len(items), batch_size):
             chunk = items[a : a + batch_size]
-            _, _, f, _ = run_scoring(vlm, [it.request for it in chunk], executor="batched")
-            z_q += f.z_q
-            u += f.u
-            feats += f.feats
-            sums += f.sums
+            parts.append(run_scoring(vlm, [it.request for it in chunk], executor="batched")[2])
             if progress is not None:
                 progress.advance(task, len(chunk))
-    return pad(items, z_q, u, feats, sums)
+    return pad(items, *([x for f in parts for x in getattr(f, k)] for k in ("z_q", "u", "feats", "sums")))
 
 
 def pad(items: list[Item], z_q, u, feats, sums) -> Cached:
@@ -248,12 +240,16 @@ def predictions(head: DecisionHead, c: Cached) -> torch.Tensor:
 def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> dict:
     """Accuracy per kind (and "all") of predictions against the targets (abstain items included)."""
     ok = (pred == c.target).tolist()
+    return {**_by_kind(ok, c.kinds, kinds or sorted(set(c.kinds))), "all": sum(ok) / max(1, len(ok))}
+
+
+def _by_kind(values: list, item_kinds: list[str], kinds) -> dict:
+    """Per kind of `kinds` that has items, the mean of `values` over its items."""
     out = {}
-    for kind in kinds or sorted(set(c.kinds)):
-        hits = [o for o, k in zip(ok, c.kinds, strict=True) if k == kind]
-        if hits:
-            out[kind] = sum(hits) / len(hits)
-    out["all"] = sum(ok) / max(1, len(ok))
+    for kind in kinds:
+        sel = [v for v, k in zip(values, item_kinds, strict=True) if k == kind]
+        if sel:
+            out[kind] = sum(sel) / len(sel)
     return out
 
 
@@ -381,12 +377,7 @@ def binary_report(head: DecisionHead, c: Cached, kinds=BINARY_KINDS) -> dict:
     return {
         "accuracy": accuracy(pred, c, [k for k in kinds if k in c.kinds]),
         "items": {k: c.kinds.count(k) for k in kinds if k in c.kinds},
-        "true_fraction": {
-            k: sum(int(t) for t, x in zip(c.target.tolist(), c.kinds, strict=True) if x == k)
-            / c.kinds.count(k)
-            for k in kinds
-            if k in c.kinds
-        },
+        "true_fraction": _by_kind(c.target.tolist(), c.kinds, kinds),
     }
 
 
@@ -402,32 +393,24 @@ def test_report(
     loglik_acc = accuracy(loglik, full, kinds)
     abst = (pred == n_full).tolist()
     abst_removed = (predictions(head, removed) == n_removed).tolist()
+    present = _by_kind(abst, full.kinds, kinds)
 
-    def rate(flags, ks, kind=None):
-        sel = [f for f, k in zip(flags, ks, strict=True) if kind is None or k == kind]
-        return sum(sel) / len(sel) if sel else None
+    def rate(flags):
+        return sum(flags) / len(flags) if flags else None
 
     return {
         "test_accuracy": head_acc,
         "test_accuracy_loglik": loglik_acc,
         "test_abstention": {
             "answer_present": {
-                "rate": rate(abst, full.kinds),
-                "by_kind": {k: rate(abst, full.kinds, k) for k in kinds},
+                "rate": rate(abst),
+                "by_kind": {k: present.get(k) for k in kinds},
             },
             "answer_removed": {
-                "rate": rate(abst_removed, removed.kinds),
+                "rate": rate(abst_removed),
                 "items": len(removed),
-                "by_kind": {k: rate(abst_removed, removed.kinds, k) for k in kinds if k in removed.kinds},
+                "by_kind": _by_kind(abst_removed, removed.kinds, kinds),
             },
         },
-        **({} if binary is None else _binary_meta("test", binary_report(head, binary))),
-    }
-
-
-def _binary_meta(split: str, rep: dict) -> dict:
-    return {
-        f"{split}_binary_accuracy": rep["accuracy"],
-        f"{split}_binary_items": rep["items"],
-        f"{split}_binary_true_fraction": rep["true_fraction"],
+        **({} if binary is None else {f"test_binary_{k}": v for k, v in binary_report(head, binary).items()}),
     }

@@ -52,13 +52,6 @@ class Forest:
     def logical_tokens(self) -> int:
         return sum(len(p) for req in self.paths for p in req)
 
-    def has_children(self) -> list[bool]:
-        out = [False] * self.num_nodes
-        for p in self.parent:
-            if p >= 0:
-                out[p] = True
-        return out
-
     def position(self, node: int) -> int:
         return self.starts[self.request[node]] + self.depth[node]
 

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from trimvlm.scoring.executors.common import Work, request_rows, run_rows
+from trimvlm.scoring.executors.common import Work, leaf_cache, run_paths
 
 
 def run(work: Work) -> torch.Tensor:
-    f = work.forest
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
-    rows = [path for paths in f.paths for path in paths]
-    owner = request_rows(f, f.paths, device=work.device)
-    cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
-    cache.keep_kv = False
-    run_rows(work, rows, cache, out)
-    return out
+    return run_paths(work, lambda owner: leaf_cache(work, owner))

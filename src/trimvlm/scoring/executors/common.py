@@ -29,29 +29,22 @@ class Work:
         """Where the prefix lives (the model's device): every tensor handed to the runner is made there."""
         return self.prefix.seq.hidden.device
 
-    def new_states(self, dim: int) -> torch.Tensor:
+    def new_states(self) -> torch.Tensor:
         """[num_nodes, D] final-normed hidden state of every node, filled by the executor."""
-        return torch.zeros(self.forest.num_nodes, dim, dtype=self.prefix.seq.hidden.dtype, device=self.device)
+        hidden = self.prefix.seq.hidden
+        return torch.zeros(self.forest.num_nodes, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
 
 
-def chain_inputs(work: Work, rows: list[list[int]]):
-    """tokens [R, T], positions [A, R, T], valid [R, T] and node ids [R, T] (-1 on padding) of node rows,
-    left-padded, each node at its original position (start + depth)."""
+def run_rows(work: Work, rows: list[list[int]], cache: KVCache, out: torch.Tensor, **kw) -> torch.Tensor:
+    """Run node rows as one batch against `cache` (left-padded, each node at its original position: start +
+    depth); write each node's final-normed state into `out`. Returns the node ids [R, T] (-1 on padding)."""
     f, dev = work.forest, work.device
     nodes = rows_tensor(rows, device=dev)
     valid = nodes >= 0
     safe = nodes.clamp(min=0)
     tokens = torch.tensor(f.token, dtype=torch.long, device=dev)[safe].masked_fill(~valid, 0)
-    pos = f.positions(device=dev)[safe]
-    pos = pos.masked_fill(~valid, 0)
+    pos = f.positions(device=dev)[safe].masked_fill(~valid, 0)
     positions = pos[None].expand(work.runner.adapter.rope_axes, -1, -1)
-    return tokens, positions, valid, nodes
-
-
-def run_rows(work: Work, rows: list[list[int]], cache: KVCache, out: torch.Tensor, **kw) -> torch.Tensor:
-    """Run node rows as one batch against `cache`; write each node's final-normed state into `out`.
-    Returns the node ids [R, T] of the batch layout."""
-    tokens, positions, valid, nodes = chain_inputs(work, rows)
     seq = work.runner.step_hidden(
         tokens, positions, cache, valid=valid, skip=work.skip, meter=work.meter, phase="branch", **kw
     )
@@ -60,7 +53,25 @@ def run_rows(work: Work, rows: list[list[int]], cache: KVCache, out: torch.Tenso
     return nodes
 
 
-def request_rows(forest: Forest, paths_per_request, device: torch.device | str = "cpu") -> torch.Tensor:
+def request_rows(paths_per_request, device: torch.device | str = "cpu") -> torch.Tensor:
     """[N] the request (prefix row) of every path, on `device`."""
     rows = [r for r, paths in enumerate(paths_per_request) for _ in paths]
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def leaf_cache(work: Work, owner: torch.Tensor) -> KVCache:
+    """Rows reading their prefix rows `owner` [R] as shared parts, never copied, as leaves: their final recurrent
+    states and their own KV are not stored."""
+    cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
+    cache.keep_kv = False
+    return cache
+
+
+def run_paths(work: Work, cache_for) -> torch.Tensor:
+    """Every candidate path as its own row, in one batch against `cache_for(owner)` (owner [N]: each path's
+    prefix row): node states [num_nodes, D]."""
+    f = work.forest
+    out = work.new_states()
+    rows = [path for paths in f.paths for path in paths]
+    run_rows(work, rows, cache_for(request_rows(f.paths, device=work.device)), out)
+    return out

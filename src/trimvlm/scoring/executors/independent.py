@@ -4,13 +4,8 @@ parts, no trie, nothing read that another candidate wrote."""
 
 from __future__ import annotations
 
-from trimvlm.scoring.executors.common import Work, request_rows, run_rows
+from trimvlm.scoring.executors.common import Work, run_paths
 
 
 def run(work: Work) -> object:
-    f = work.forest
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
-    rows = [path for paths in f.paths for path in paths]
-    cache = work.prefix.cache.copy_rows(request_rows(f, f.paths, device=work.device))
-    run_rows(work, rows, cache, out)
-    return out
+    return run_paths(work, work.prefix.cache.copy_rows)

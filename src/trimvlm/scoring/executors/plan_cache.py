@@ -19,16 +19,12 @@ SIZE = 64
 _CACHE = ByteLRU(SIZE, "plan cache")  # shape key -> pieces, each entry of size 1: at most SIZE shapes
 
 
-def shape_key(f: Forest, mix: LayerMix, planner) -> tuple:
-    chains = tuple((len(c.nodes), c.parent, c.request) for c in f.chains)
-    ends = tuple(tuple(p[-1] if p else -1 for p in req) for req in f.paths)
-    return planner, dataclasses.astuple(mix), chains, ends
-
-
 def planned(f: Forest, mix: LayerMix, planner) -> list[Piece]:
     """`planner(f, mix)`, from the cache when this shape and mix were planned before (a fresh copy: callers
     may hold it)."""
-    key = shape_key(f, mix, planner)
+    chains = tuple((len(c.nodes), c.parent, c.request) for c in f.chains)
+    ends = tuple(tuple(p[-1] if p else -1 for p in req) for req in f.paths)
+    key = planner, dataclasses.astuple(mix), chains, ends
     pieces = _CACHE.get(key)
     if pieces is None:
         pieces = planner(f, mix)

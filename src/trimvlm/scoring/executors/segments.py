@@ -17,7 +17,7 @@ from trimvlm.scoring.executors.common import Work, run_rows
 def run(work: Work) -> torch.Tensor:
     f = work.forest
     pre, dev = work.prefix.cache, work.device
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
+    out = work.new_states()
     path_kv: dict[int, dict[int, LayerKV]] = {}  # chain -> its whole path's KV (ancestors + own), per layer
     finals: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # chain -> final recurrent states per layer
     for level in range(f.levels()):

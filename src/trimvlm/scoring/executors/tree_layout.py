@@ -14,6 +14,7 @@ value per layer, far cheaper than running a token). So
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -160,14 +161,14 @@ def layout_price(pieces: list[Piece], f: Forest, mix: LayerMix) -> Price:
     links) level by level, the leaves in one call and rows with children one call per length, each row padded
     to its call's length rounded up to the kernel's chunk; plain rows (no parents) make one call per length,
     as the runner groups rows by their count of valid tokens."""
-    w = max_len(pieces)
+    w = max(len(p.nodes) for p in pieces)
     ancestors = [f.depth[p.nodes[0]] for p in pieces]
     tree = any(a > 0 for a in ancestors)
     att_slots, att_calls = len(pieces) * w + ALPHA * sum(ancestors), float(tree)
     calls: dict[tuple, list[int]] = {}
     if not mix.recurrent:  # attention only: no recurrent rows to price
         calls[()] = []
-    elif tree or max_len(pieces) <= mix.short:  # (short plain rows: one call, whatever their lengths)
+    elif tree or w <= mix.short:  # (short plain rows: one call, whatever their lengths)
         for row in recurrent_rows(pieces, mix):
             n = sum(len(pieces[p].nodes) for p in row.ids)
             calls.setdefault((row.level, n if pieces[row.ids[-1]].children else 0), []).append(n)
@@ -188,9 +189,7 @@ def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[Rec
     tokens pads to the chunk) than the call it saves, shared by the pieces of the child's level. A row ends at
     a fork or a leaf; its level counts the rows above it."""
     mix = mix or LayerMix()
-    per_level: dict[int, int] = {}
-    for piece in pieces:
-        per_level[piece.level] = per_level.get(piece.level, 0) + 1
+    per_level = Counter(piece.level for piece in pieces)
     out: list[RecurrentRow] = []
     todo = [(p, 0) for p, piece in enumerate(pieces) if piece.parent < 0]
     while todo:
@@ -209,10 +208,6 @@ def recurrent_rows(pieces: list[Piece], mix: LayerMix | None = None) -> list[Rec
             nxt += [(c, level + 1) for c in pieces[ids[-1]].children]
         todo = nxt
     return out
-
-
-def max_len(pieces: list[Piece]) -> int:
-    return max(len(p.nodes) for p in pieces)
 
 
 WIDTHS = 3  # widths whose layouts are costed over the executed layers (the best by padded slots)

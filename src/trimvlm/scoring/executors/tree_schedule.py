@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
 
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
 from trimvlm.scoring.executors import batched
-from trimvlm.scoring.executors.common import Work, run_rows
+from trimvlm.scoring.executors.common import Work, leaf_cache, run_rows
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, recurrent_rows
 from trimvlm.scoring.trie import rows_tensor
 
@@ -34,6 +35,7 @@ def schedule(
         anc[p] = [] if parent < 0 else anc[parent] + flat(parent)
     ancestors = rows_tensor([anc[p] for p in order], device=device)
     calls, tokens = [], 0
+    longs = functools.partial(torch.tensor, dtype=torch.long, device=device)
     rrows = recurrent_rows(pieces, mix)
     for level in range(1 + max(row.level for row in rrows)):
         leaves, inner = [], defaultdict(list)
@@ -47,16 +49,13 @@ def schedule(
             nodes = rows_tensor(
                 [[i for p in ids for i in flat(p)] for ids in group], left=False, device=device
             )
+            firsts = [pieces[ids[0]] for ids in group]
             calls.append(
                 RecurrentCall(
                     nodes=nodes,
-                    chain=torch.tensor([ids[-1] for ids in group], dtype=torch.long, device=device),
-                    parent=torch.tensor(
-                        [pieces[ids[0]].parent for ids in group], dtype=torch.long, device=device
-                    ),
-                    owner=torch.tensor(
-                        [pieces[ids[0]].request for ids in group], dtype=torch.long, device=device
-                    ),
+                    chain=longs([ids[-1] for ids in group]),
+                    parent=longs([p.parent for p in firsts]),
+                    owner=longs([p.request for p in firsts]),
                     keep=keep,
                 )
             )
@@ -68,12 +67,11 @@ def run_pieces(work: Work, pieces: list[Piece], mix: LayerMix) -> torch.Tensor:
     """Run one layout: exactly `batched` when it is one plain row per candidate, else the tree schedule."""
     if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
         return batched.run(work)
-    out = work.new_states(work.prefix.seq.hidden.shape[-1])
+    out = work.new_states()
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
     owner = torch.tensor([pieces[p].request for p in order], dtype=torch.long, device=work.device)
-    cache = work.prefix.cache.share_prefix(owner, keep_final_states=False)
-    cache.keep_kv = False
+    cache = leaf_cache(work, owner)
     cache.tree = schedule(pieces, order, device=work.device, mix=mix)
     run_rows(work, [pieces[p].nodes for p in order], cache, out)
     return out
