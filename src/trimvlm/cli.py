@@ -50,15 +50,17 @@ def _main(
 
 console = Terminal()
 err_console = Console(stderr=True)
-WIDE = typer.Option(False, "--wide", help="every column of the tables, each as wide as it needs (default: the "
-                    "columns that matter, fitting the terminal; --json holds every number)")  # fmt: skip
 
 
 def _wide(wide: bool) -> None:
-    """--wide: this run's tables show every column."""
+    """--wide: this run's tables show every column (set while the command's options are read)."""
     global console
     if wide:
         console = Terminal(wide=True)
+
+
+WIDE = typer.Option(False, "--wide", callback=_wide, help="every column of the tables, each as wide as it needs "
+                    "(default: the columns that matter, fitting the terminal; --json holds every number)")  # fmt: skip
 
 
 def _fail(e: TrimVLMError):
@@ -248,7 +250,6 @@ def demo(
     dtype: str = DTYPE,
 ):
     """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
-    _wide(wide)
     from trimvlm.cli_eval import demo_command
 
     demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
@@ -327,7 +328,6 @@ def eval_(
     """Evaluate recipes on a task: accuracy, mismatch / agreement and retention vs the uncompressed model, costs
     (FLOPs, KV after eviction and KV peak, latency). Benchmarks read a local copy with --data PATH [--split S]
     (docs/benchmarks.md)."""
-    _wide(wide)
     from trimvlm.cli_eval import eval_command
 
     load_kw = _load_kw(device or "cpu", dtype)
@@ -406,7 +406,6 @@ def score(
     dtype: str = DTYPE,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
-    _wide(wide)
     import trimvlm
     from trimvlm.cli_score import print_scores
 
@@ -475,7 +474,6 @@ def tune(
     """Find the best recipe for each cost budget on the task's validation split (resumable: run it again to
     continue), then report the frontier on the test split. Use a result with --recipe OUT/best-BUDGET.yaml or
     recipe tuned=OUT:budget=RATIO."""
-    _wide(wide)
     from trimvlm.cli_tune import tune_command
 
     tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
@@ -636,7 +634,6 @@ def decide(
     dtype: str = DTYPE,
 ):
     """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
-    _wide(wide)
     from trimvlm.cli_decide import decide_command
 
     out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,

@@ -173,18 +173,14 @@ class KVPolicy(Method):
                 "`probe=policy.probe(runner, handoff)` (or the plan's probe) to the prefill"
             )
         att = probe.results[layer]
-        if self.colsum:
-            if att.shape[-1] != entry.key.shape[2]:
-                raise TrimVLMError(
-                    f"recorded column sums of layer {layer} cover {att.shape[-1]} keys but the cache holds "
-                    f"{entry.key.shape[2]}: the probe is from another prefill"
-                )
-            return att, None  # [B, K] column sums: no rows
         if att.shape[-1] != entry.key.shape[2]:
+            what = "column sums" if self.colsum else "attention"
             raise TrimVLMError(
-                f"recorded attention of layer {layer} covers {att.shape[-1]} keys but the cache holds "
+                f"recorded {what} of layer {layer} covers {att.shape[-1]} keys but the cache holds "
                 f"{entry.key.shape[2]}: the probe is from another prefill"
             )
+        if self.colsum:
+            return att, None  # [B, K] column sums: no rows
         rv = probe.row_valid.get(layer)
         if rv is None:
             rv = torch.ones(att.shape[0], att.shape[-2], dtype=torch.bool, device=att.device)
