@@ -112,6 +112,16 @@ def TASK(what: str):  # noqa: N802 (an option, as MODEL and DEVICE)
     return typer.Option(None, help=f"{what}; default: the checkpoint's own task")
 
 
+def RAY(what: str):  # noqa: N802 (an option, as TASK)
+    """--ray: `what` over Ray, on a cluster given as auto, local or HOST:PORT."""
+    return typer.Option(None, "--ray", help=f"{what} over Ray: auto (the running cluster), local, or HOST:PORT")
+
+
+def WORKERS(scope: str):  # noqa: N802 (an option, as TASK)
+    return typer.Option(None, help=f"with --ray: workers, each loads the model once{scope} (default: one per GPU, "
+                        "else per CPU)")  # fmt: skip
+
+
 def _warn_unknown(vlm, text: str) -> None:
     """Most of a prompt's words unknown to the model: say so on one line (the answer is then a guess); the
     library's own UnknownWordsWarning is then left out."""
@@ -313,12 +323,8 @@ def eval_(
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
     readout: str = typer.Option("auto", help="candidate items (demo-candidates) only: auto | loglik | head"),
-    ray: str | None = typer.Option(
-        None, "--ray", help="shard the items over Ray: auto (the running cluster), local, or HOST:PORT"
-    ),
-    workers: int | None = typer.Option(
-        None, help="with --ray: workers, each loads the model once (default: one per GPU, else per CPU)"
-    ),
+    ray: str | None = RAY("shard the items"),
+    workers: int | None = WORKERS(""),
     device: str | None = typer.Option(
         None, "--device", help="cpu | cuda | cuda:N | mps (default cpu; with --ray: a GPU per worker if any)"
     ),
@@ -459,14 +465,8 @@ def tune(
     batch_size: int = typer.Option(48),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's)"),
     out: Path = typer.Option(Path("runs/tune"), help="folder: tune.json, best*.yaml, recipes/, frontier.md/png"),
-    ray: str | None = typer.Option(
-        None, "--ray", help="run the search's evaluations sharded over Ray: auto (the running cluster), local, or "
-        "HOST:PORT"
-    ),
-    workers: int | None = typer.Option(
-        None, help="with --ray: workers, each loads the model once for the whole search (default: one per GPU, "
-        "else per CPU)"
-    ),
+    ray: str | None = RAY("run the search's evaluations sharded"),
+    workers: int | None = WORKERS(" for the whole search"),
     device: str = DEVICE,
     wide: bool = WIDE,
     dtype: str = DTYPE,
@@ -515,20 +515,19 @@ def train_router(
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
     inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
     --work only measures the inputs' layouts."""
-    kept = spent = None
+    lists = {}
     for name, given in (("keeps", keeps), ("budgets", budgets)):
         try:
-            values = None if given is None else [float(x) for x in given.split(",")]
+            lists[name] = None if given is None else [float(x) for x in given.split(",")]
         except ValueError:
             raise InputError(f"--{name} must be comma-separated fractions, got {given!r}") from None
-        kept, spent = (values, spent) if name == "keeps" else (kept, values)
     from trimvlm.cli_train import train_router_command
 
     train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
                          epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                          load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                         overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width, work=work, near=near,
-                         budgets=spent, cells=cells)  # fmt: skip
+                         overwrite=overwrite, keeps=lists["keeps"], max_skip=max_skip, width=width, work=work, near=near,
+                         budgets=lists["budgets"], cells=cells)  # fmt: skip
 
 
 @command("refit-router", rich_help_panel=TRAIN)
