@@ -4,7 +4,8 @@ names explained."""
 import json
 from pathlib import Path
 
-from trimvlm.tune.report import SHORT_FORMS, _label_points, plot
+from trimvlm.evals.plot import label_points as _label_points
+from trimvlm.tune.report import SHORT_FORMS, plot
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 

@@ -50,15 +50,17 @@ def _main(
 
 console = Terminal()
 err_console = Console(stderr=True)
-WIDE = typer.Option(False, "--wide", help="every column of the tables, each as wide as it needs (default: the "
-                    "columns that matter, fitting the terminal; --json holds every number)")  # fmt: skip
 
 
 def _wide(wide: bool) -> None:
-    """--wide: this run's tables show every column."""
+    """--wide: this run's tables show every column (set while the command's options are read)."""
     global console
     if wide:
         console = Terminal(wide=True)
+
+
+WIDE = typer.Option(False, "--wide", callback=_wide, help="every column of the tables, each as wide as it needs "
+                    "(default: the columns that matter, fitting the terminal; --json holds every number)")  # fmt: skip
 
 
 def _fail(e: TrimVLMError):
@@ -108,6 +110,16 @@ ROUTER = typer.Argument(..., help="a v2 router folder, or a demo model's name (i
 def TASK(what: str):  # noqa: N802 (an option, as MODEL and DEVICE)
     """--task, defaulting to the checkpoint's own task (`_task`)."""
     return typer.Option(None, help=f"{what}; default: the checkpoint's own task")
+
+
+def RAY(what: str):  # noqa: N802 (an option, as TASK)
+    """--ray: `what` over Ray, on a cluster given as auto, local or HOST:PORT."""
+    return typer.Option(None, "--ray", help=f"{what} over Ray: auto (the running cluster), local, or HOST:PORT")
+
+
+def WORKERS(scope: str):  # noqa: N802 (an option, as TASK)
+    return typer.Option(None, help=f"with --ray: workers, each loads the model once{scope} (default: one per GPU, "
+                        "else per CPU)")  # fmt: skip
 
 
 def _warn_unknown(vlm, text: str) -> None:
@@ -248,7 +260,6 @@ def demo(
     dtype: str = DTYPE,
 ):
     """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
-    _wide(wide)
     from trimvlm.cli_eval import demo_command
 
     demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
@@ -312,12 +323,8 @@ def eval_(
     seed: int = typer.Option(0),
     markdown: Path | None = typer.Option(None, help="also write a Markdown summary table here"),
     readout: str = typer.Option("auto", help="candidate items (demo-candidates) only: auto | loglik | head"),
-    ray: str | None = typer.Option(
-        None, "--ray", help="shard the items over Ray: auto (the running cluster), local, or HOST:PORT"
-    ),
-    workers: int | None = typer.Option(
-        None, help="with --ray: workers, each loads the model once (default: one per GPU, else per CPU)"
-    ),
+    ray: str | None = RAY("shard the items"),
+    workers: int | None = WORKERS(""),
     device: str | None = typer.Option(
         None, "--device", help="cpu | cuda | cuda:N | mps (default cpu; with --ray: a GPU per worker if any)"
     ),
@@ -327,7 +334,6 @@ def eval_(
     """Evaluate recipes on a task: accuracy, mismatch / agreement and retention vs the uncompressed model, costs
     (FLOPs, KV after eviction and KV peak, latency). Benchmarks read a local copy with --data PATH [--split S]
     (docs/benchmarks.md)."""
-    _wide(wide)
     from trimvlm.cli_eval import eval_command
 
     load_kw = _load_kw(device or "cpu", dtype)
@@ -406,7 +412,6 @@ def score(
     dtype: str = DTYPE,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
-    _wide(wide)
     import trimvlm
     from trimvlm.cli_score import print_scores
 
@@ -460,14 +465,8 @@ def tune(
     batch_size: int = typer.Option(48),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's)"),
     out: Path = typer.Option(Path("runs/tune"), help="folder: tune.json, best*.yaml, recipes/, frontier.md/png"),
-    ray: str | None = typer.Option(
-        None, "--ray", help="run the search's evaluations sharded over Ray: auto (the running cluster), local, or "
-        "HOST:PORT"
-    ),
-    workers: int | None = typer.Option(
-        None, help="with --ray: workers, each loads the model once for the whole search (default: one per GPU, "
-        "else per CPU)"
-    ),
+    ray: str | None = RAY("run the search's evaluations sharded"),
+    workers: int | None = WORKERS(" for the whole search"),
     device: str = DEVICE,
     wide: bool = WIDE,
     dtype: str = DTYPE,
@@ -475,7 +474,6 @@ def tune(
     """Find the best recipe for each cost budget on the task's validation split (resumable: run it again to
     continue), then report the frontier on the test split. Use a result with --recipe OUT/best-BUDGET.yaml or
     recipe tuned=OUT:budget=RATIO."""
-    _wide(wide)
     from trimvlm.cli_tune import tune_command
 
     tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
@@ -517,20 +515,19 @@ def train_router(
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
     inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
     --work only measures the inputs' layouts."""
-    kept = spent = None
+    lists = {}
     for name, given in (("keeps", keeps), ("budgets", budgets)):
         try:
-            values = None if given is None else [float(x) for x in given.split(",")]
+            lists[name] = None if given is None else [float(x) for x in given.split(",")]
         except ValueError:
             raise InputError(f"--{name} must be comma-separated fractions, got {given!r}") from None
-        kept, spent = (values, spent) if name == "keeps" else (kept, values)
     from trimvlm.cli_train import train_router_command
 
     train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
                          epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                          load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                         overwrite=overwrite, keeps=kept, max_skip=max_skip, width=width, work=work, near=near,
-                         budgets=spent, cells=cells)  # fmt: skip
+                         overwrite=overwrite, keeps=lists["keeps"], max_skip=max_skip, width=width, work=work, near=near,
+                         budgets=lists["budgets"], cells=cells)  # fmt: skip
 
 
 @command("refit-router", rich_help_panel=TRAIN)
@@ -636,7 +633,6 @@ def decide(
     dtype: str = DTYPE,
 ):
     """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
-    _wide(wide)
     from trimvlm.cli_decide import decide_command
 
     out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,

@@ -22,6 +22,12 @@ def require_int(name: str, value, minimum: int | None = None, odd: bool = False,
         raise ValueError(f"{name} must be an {'odd ' if odd else ''}integer{bound}{hint}, got {value!r}")
 
 
+def require_choice(name: str, value, allowed) -> None:
+    """ValueError "<name> must be one of <allowed>, got <value>" unless `value` is one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def require_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")

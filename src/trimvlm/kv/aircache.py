@@ -40,12 +40,13 @@ Deviations, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from trimvlm.kernels.select import keep_count, topk_mask
-from trimvlm.kv.base import KVPolicy, LayerView, post_vision_rows
-from trimvlm.options import is_number, require_int
+from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
+from trimvlm.options import is_number, require_choice, require_int
 from trimvlm.protocol import register
 
 BUDGETS = ("adaptive", "uniform")
@@ -62,31 +63,20 @@ class AirCache(KVPolicy):
     elite: float = 0.5
     budgets: str = "adaptive"
 
+    rows_option: ClassVar[str] = "rows"
+
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)
         if not is_number(self.elite) or not 0 < self.elite <= 1:
             raise ValueError(f"elite must be a number in (0, 1], got {self.elite!r}")
-        if self.budgets not in BUDGETS:
-            raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-
-    @property
-    def rows_wanted(self) -> int:
-        return self.rows
-
-    @property
-    def predictable(self) -> bool:
-        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): only with the uniform budget;
-        the per-layer split follows the attention and is measured."""
-        return self.budgets == "uniform"
+        require_choice("budgets", self.budgets, BUDGETS)
 
     def elite_rows(self, view: LayerView) -> torch.Tensor:
         """[B, n] bool: the elite observation window among the recorded rows."""
         att = view.attention.float()  # [B, n, K]
         b, n, k = att.shape
-        post = post_vision_rows(view).to(att.device)
-        rv = view.row_valid.to(att.device) if view.row_valid is not None else torch.ones_like(post)
-        post = torch.where(post.any(1, keepdim=True), post, rv)
+        post = observed_rows(view).to(att.device)
         last = torch.where(post, torch.arange(n, device=att.device), -1).amax(1).clamp(min=0)  # [B]
         # the last post-vision query's attention to each recorded row's token [B, n]
         relevance = att[torch.arange(b, device=att.device), last, k - n :]

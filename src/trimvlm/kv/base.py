@@ -30,7 +30,7 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import is_number, require_choice, require_int
 from trimvlm.protocol import Method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
@@ -59,7 +59,7 @@ class KVPolicy(Method):
     seed: int = 0
 
     # what a policy declares it needs (a class value, or a property where it follows an option)
-    rows_wanted: ClassVar[int] = 0  # prefill attention rows (the last query tokens) it scores with; 0 = none
+    rows_option: ClassVar[str] = ""  # the option whose value is `rows_wanted` (unset or None: 0)
     per_head: ClassVar[bool] = False  # those rows per head ([B, H, n, K]) instead of heads averaged
     # score with the attention every key received from *all* prefill queries (summed over queries and heads,
     # `AttentionProbe(colsum=True)`) instead of the last `rows_wanted` rows
@@ -72,6 +72,17 @@ class KVPolicy(Method):
             )
         self.keep = float(self.keep)
         require_int("seed", self.seed)
+
+    @property
+    def rows_wanted(self) -> int:
+        """Prefill attention rows (the last query tokens) it scores with; 0 = none."""
+        return getattr(self, self.rows_option, None) or 0
+
+    @property
+    def predictable(self) -> bool:
+        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): not with a `budgets` split
+        over the layers other than `uniform` (it follows the attention and is measured)."""
+        return getattr(self, "budgets", "uniform") == "uniform"
 
     # ---- what a policy implements ----
     def scores(self, view: LayerView) -> torch.Tensor:
@@ -162,18 +173,14 @@ class KVPolicy(Method):
                 "`probe=policy.probe(runner, handoff)` (or the plan's probe) to the prefill"
             )
         att = probe.results[layer]
-        if self.colsum:
-            if att.shape[-1] != entry.key.shape[2]:
-                raise TrimVLMError(
-                    f"recorded column sums of layer {layer} cover {att.shape[-1]} keys but the cache holds "
-                    f"{entry.key.shape[2]}: the probe is from another prefill"
-                )
-            return att, None  # [B, K] column sums: no rows
         if att.shape[-1] != entry.key.shape[2]:
+            what = "column sums" if self.colsum else "attention"
             raise TrimVLMError(
-                f"recorded attention of layer {layer} covers {att.shape[-1]} keys but the cache holds "
+                f"recorded {what} of layer {layer} covers {att.shape[-1]} keys but the cache holds "
                 f"{entry.key.shape[2]}: the probe is from another prefill"
             )
+        if self.colsum:
+            return att, None  # [B, K] column sums: no rows
         rv = probe.row_valid.get(layer)
         if rv is None:
             rv = torch.ones(att.shape[0], att.shape[-2], dtype=torch.bool, device=att.device)
@@ -246,10 +253,16 @@ def post_vision_rows(view: LayerView) -> torch.Tensor:
     return rows
 
 
+def observed_rows(view: LayerView) -> torch.Tensor:
+    """[B, n] bool: the post-vision rows (`post_vision_rows`), every recorded row for a sample that has none."""
+    post = post_vision_rows(view)
+    rv = view.row_valid.to(post.device) if view.row_valid is not None else torch.ones_like(post)
+    return torch.where(post.any(1, keepdim=True), post, rv)
+
+
 def check_window(window, kernel, pool) -> None:
     """The observation-window options SnapKV-style policies share: `window` queries (>= 1), an odd pooling
     `kernel` (>= 1), `pool` avg or max."""
     require_int("window", window, minimum=1)
     require_int("kernel", kernel, minimum=1, odd=True)
-    if pool not in ("avg", "max"):
-        raise ValueError(f"pool must be 'avg' or 'max', got {pool!r}")
+    require_choice("pool", pool, ("avg", "max"))

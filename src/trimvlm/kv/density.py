@@ -27,7 +27,7 @@ import torch
 
 from trimvlm.kernels.density import spatial_density
 from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.options import require_bool, require_int
+from trimvlm.options import require_bool, require_choice, require_int
 from trimvlm.protocol import register
 
 
@@ -44,8 +44,7 @@ class DensityKV(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         require_int("window", self.window, minimum=1, odd=True)
-        if self.features not in ("values", "keys"):
-            raise ValueError(f"features must be 'values' or 'keys', got {self.features!r}")
+        require_choice("features", self.features, ("values", "keys"))
         require_bool("reuse", self.reuse)
 
     def scores(self, view: LayerView) -> torch.Tensor:

@@ -15,6 +15,7 @@ span only, so that all policies are compared on the same footing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
 from trimvlm.options import is_number, require_int
@@ -31,16 +32,14 @@ class H2OKV(KVPolicy):
     rows: int | None = None
     recent: float = 0.5
 
+    rows_option: ClassVar[str] = "rows"
+
     def __post_init__(self):
         super().__post_init__()
         if self.rows is not None:
             require_int("rows", self.rows, minimum=1, hint=" (or leave it unset: every prefill query)")
         if not is_number(self.recent) or not 0 <= self.recent <= 1:
             raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
-
-    @property
-    def rows_wanted(self) -> int:
-        return self.rows if self.rows is not None else 0
 
     @property
     def colsum(self) -> bool:

@@ -50,6 +50,7 @@ class PyramidKV(KVPolicy):
     padding to the longest row)."""
 
     predictable: ClassVar[bool] = False  # per-layer budgets capped per sample: the KV bytes are measured
+    rows_option: ClassVar[str] = "window"
 
     window: int = 32
     kernel: int = 5
@@ -63,10 +64,6 @@ class PyramidKV(KVPolicy):
             raise ValueError(
                 f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}"
             )
-
-    @property
-    def rows_wanted(self) -> int:
-        return self.window
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return window_scores(view.attention, view.row_valid, view.candidates, self.kernel, self.pool)

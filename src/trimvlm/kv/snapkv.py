@@ -16,6 +16,7 @@ evicted (visual tokens inside the window compete like the others, so keep = 0 st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,14 +37,12 @@ class SnapKV(KVPolicy):
     pool: str = "avg"
     per_head: bool = False
 
+    rows_option: ClassVar[str] = "window"
+
     def __post_init__(self):
         super().__post_init__()
         check_window(self.window, self.kernel, self.pool)
         require_bool("per_head", self.per_head)
-
-    @property
-    def rows_wanted(self) -> int:
-        return self.window
 
     def scores(self, view: LayerView):
         att, rv = view.attention.float(), view.row_valid

@@ -41,8 +41,8 @@ from typing import ClassVar
 
 import torch
 
-from trimvlm.kv.base import KVPolicy, LayerView, post_vision_rows
-from trimvlm.options import is_number, require_int
+from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
+from trimvlm.options import is_number, require_choice, require_int
 from trimvlm.protocol import register
 
 BUDGETS = ("sparsity", "uniform")
@@ -59,6 +59,7 @@ class VLCache(KVPolicy):
     threshold: float = 0.01
     budgets: str = "sparsity"
 
+    rows_option: ClassVar[str] = "rows"
     per_head: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -66,35 +67,18 @@ class VLCache(KVPolicy):
         require_int("rows", self.rows, minimum=1)
         if not is_number(self.threshold) or not 0 < self.threshold < 1:
             raise ValueError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
-        if self.budgets not in BUDGETS:
-            raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-
-    @property
-    def rows_wanted(self) -> int:
-        return self.rows
-
-    @property
-    def predictable(self) -> bool:
-        """Whether the boundary KV bytes follow from the shapes (`trimvlm tune`): only with the uniform budget;
-        the per-layer split follows the attention and is measured."""
-        return self.budgets == "uniform"
-
-    def _post(self, view: LayerView) -> torch.Tensor:
-        """[B, n] the post-vision rows (all recorded rows for a sample that has none)."""
-        post = post_vision_rows(view)
-        rv = view.row_valid.to(post.device) if view.row_valid is not None else torch.ones_like(post)
-        return torch.where(post.any(1, keepdim=True), post, rv)
+        require_choice("budgets", self.budgets, BUDGETS)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         att = view.attention.float()  # [B, H, n, K]
-        post = self._post(view).to(att.device)
+        post = observed_rows(view).to(att.device)
         return (att * post[:, None, :, None]).sum(dim=(1, 2))
 
     def sparsity(self, view: LayerView) -> torch.Tensor:
         """[B] gamma: the fraction of post-vision attention entries below threshold * their row's max."""
         att = view.attention.float()  # [B, H, n, K]
         b, h, n, k = att.shape
-        post = self._post(view).to(att.device)
+        post = observed_rows(view).to(att.device)
         col = torch.arange(k, device=att.device)
         row_col = torch.arange(k - n, k, device=att.device)
         causal = (col[None, :] <= row_col[:, None])[None]  # [1, n, K]: the keys each row can see

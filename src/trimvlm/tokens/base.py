@@ -159,6 +159,10 @@ class TokenReducer(Method):
                 raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
             if self.layer < self.min_layer:
                 raise ValueError(f"layer must be >= {self.min_layer}{self.layer_why()}, got {self.layer}")
+        if self.layer not in (None, 0) and (self.resizes or self.attention == "vision"):
+            why = ("the image is resized before the vision tower" if self.resizes else "it reduces the projector's "
+                   "tokens before the first decoder layer, from the vision tower's attention")  # fmt: skip
+            raise ValueError(f"layer must be 0 for {self.name}: {why}; got {self.layer!r}")
         for f in ("merge", "size_weighted"):
             require_bool(f, getattr(self, f))
 
@@ -341,6 +345,15 @@ def _number(name: str, v) -> None:
 def _finish(runner, seq: LiveSeq, view: VisualView, keep: torch.Tensor | None = None) -> torch.Tensor:
     """`VisualView.finish`: the logits of `seq` (reduced to `keep`) run from the view's layer on."""
     return runner.finish(seq if keep is None else seq.gather(kept_positions(seq, view, keep)), view.layer)
+
+
+def picked(picks: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[U, N] bool: the first k[u] of each row's `picks` [U, kmax] kept (a row's later columns are not its picks)."""
+    valid = torch.arange(picks.shape[1], device=picks.device)[None] < k[:, None]
+    rows = torch.arange(picks.shape[0], device=picks.device)[:, None].expand_as(picks)
+    keep = torch.zeros_like(mask)
+    keep[rows[valid], picks[valid]] = True
+    return keep & mask
 
 
 def kept_positions(seq: LiveSeq, view: VisualView, keep: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
 
 def relevance(xn: torch.Tensor, mask: torch.Tensor, tn: torch.Tensor, tmask: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,6 @@ class CDPruner(TokenReducer):
     the LLM); any L works on that layer's hidden states. Method FLOPs: the relevance products (2 N M D), one kernel
     row per pick (2 N D) and the Cholesky update (2 t N at pick t)."""
 
-    layer: int | None = None
     wants_text = True
 
     def choose(self, view: VisualView) -> Selection:
@@ -122,7 +121,4 @@ class CDPruner(TokenReducer):
         xn = F.normalize(view.features.to(dt), dim=-1, eps=1e-12).masked_fill(~view.mask[..., None], 0.0)
         tn = F.normalize(view.text.to(dt), dim=-1, eps=1e-12)
         q = relevance(xn, view.mask, tn, view.text_mask)
-        picks = dpp_greedy(xn, q, view.mask, view.k)
-        keep = torch.zeros_like(view.mask)
-        keep.scatter_(1, picks, True)
-        return Selection(keep=keep & view.mask)
+        return Selection(keep=picked(dpp_greedy(xn, q, view.mask, view.k), view.k, view.mask))

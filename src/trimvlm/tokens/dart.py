@@ -29,7 +29,6 @@ class DART(TokenReducer):
        those no earlier pivot kept: near-duplicates of a pivot are dropped.
     With K <= pivots only the top-norm pivots are kept. Time O(N * pivots * d)."""
 
-    layer: int | None = None
     pivots: int = 8
     pivot: str = "key"
 

@@ -15,7 +15,7 @@ from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_densi
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import is_number, require_int
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
 
 def view_density(view, window: int = 3, xn: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,13 +63,7 @@ def density_select(
     first = rt.argmax(1)
     tilt = (beta * rt.masked_fill(~view.mask, 0.0)).to(dt)
     picks, nearest = farthest_point(xn, view.mask, view.k, tilt, first, track_nearest=track_nearest)
-    # picks past a row's k are not its picks (a row with fewer tokens than another's k repeats index 0 there)
-    valid = torch.arange(picks.shape[1], device=picks.device)[None] < view.k[:, None]
-    rows = torch.arange(picks.shape[0], device=picks.device)[:, None].expand_as(picks)
-    keep = torch.zeros_like(view.mask)
-    keep[rows[valid], picks[valid]] = True
-    keep &= view.mask
-    return keep, nearest, rho
+    return picked(picks, view.k, view.mask), nearest, rho
 
 
 @register("tokens", "density")
@@ -87,7 +81,6 @@ class Density(TokenReducer):
     decode-phase policy that reuses it.
     """
 
-    layer: int | None = None
     merge: bool = True
     size_weighted: bool = False
     beta: float = 1.0

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.density import farthest_point, most_isolated
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
 
 @register("tokens", "divprune")
@@ -23,16 +23,10 @@ class DivPrune(TokenReducer):
     in the paper). Default layer 0 (DivPrune prunes right after the projector). The first pick costs one pass
     over all N x N distances, in row blocks (O(N^2 d) time, O(block * N) memory), as the paper's does."""
 
-    layer: int | None = None
-
     def choose(self, view: VisualView) -> Selection:
         dt = torch.promote_types(view.features.dtype, torch.float32)
         xn = F.normalize(view.features.to(dt), dim=-1, eps=1e-12)
         first = most_isolated(xn, view.mask)
         tilt = torch.zeros(view.mask.shape, dtype=dt, device=xn.device)
         picks, nearest = farthest_point(xn, view.mask, view.k, tilt, first, track_nearest=self.merge)
-        valid = torch.arange(picks.shape[1], device=picks.device)[None] < view.k[:, None]
-        rows = torch.arange(picks.shape[0], device=picks.device)[:, None].expand_as(picks)
-        keep = torch.zeros_like(view.mask)
-        keep[rows[valid], picks[valid]] = True
-        return Selection(keep=keep & view.mask, assign=nearest)
+        return Selection(keep=picked(picks, view.k, view.mask), assign=nearest)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trimvlm.options import is_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import TokenReducer
 
@@ -31,12 +30,4 @@ class Downsample(TokenReducer):
     processor pins every image to 8 x 8 (min = max pixels): the bounds are opened for the resized images only.
     `layer` can only be 0."""
 
-    layer: int | None = None
-
     resizes: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.layer is not None and (not is_int(self.layer) or self.layer != 0):
-            raise ValueError(f"layer must be 0 for downsample: the image is resized before the vision tower; got "
-                             f"{self.layer!r}")  # fmt: skip

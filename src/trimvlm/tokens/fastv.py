@@ -30,7 +30,6 @@ class FastV(TokenReducer):
     keeps its best trial (never worse than plain FastV on that criterion). The look-ahead runs cost (T + 1) x
     the layers L.. of a prefill and are counted as method FLOPs."""
 
-    layer: int | None = None
     noise: float = 0.0
     trials: int = 1
     seed: int = 0

@@ -66,7 +66,6 @@ class Pool(TokenReducer):
     position where pooling before the LLM would renumber a shorter grid. Default L = 0 (before the first layer, as
     the studies pool the projector's output); any L works (the pooled hidden states then)."""
 
-    layer: int | None = None
     merge: bool = True
 
     keep_grid: ClassVar[tuple[float, ...]] = tuple(1 / s for s in range(1, 65))

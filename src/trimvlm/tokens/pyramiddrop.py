@@ -48,7 +48,6 @@ class PyramidDrop(TokenReducer):
     predictable: ClassVar[bool] = False  # several reductions: the counts follow no single-layer rule
     attention: ClassVar[str] = "llm"
 
-    layer: int | None = None
     layers: str = ""
 
     min_layer = 1

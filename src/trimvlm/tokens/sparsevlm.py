@@ -94,7 +94,6 @@ class SparseVLM(TokenReducer):
     predictable: ClassVar[bool] = False  # its stages keep counts that follow the raters: measured, never predicted
     attention: ClassVar[str] = "llm"
 
-    layer: int | None = None
     layers: str = ""
     rows: int = 64
     merge: bool = True

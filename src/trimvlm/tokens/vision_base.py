@@ -22,11 +22,6 @@ class VisionAttentionReducer(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer is not None and (not is_int(self.layer) or self.layer != 0):
-            raise ValueError(
-                f"layer must be 0 for {self.name}: it reduces the projector's tokens before the first decoder "
-                f"layer, from the vision tower's attention; got {self.layer!r}"
-            )
         if not is_int(self.vision_layer):
             raise ValueError(
                 f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"

@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from trimvlm.evals.plot import label_points, save
-from trimvlm.evals.plot import label_points as _label_points  # noqa: F401 (its earlier name here)
 from trimvlm.evals.report import human
+from trimvlm.tune.budgets import RESULT_KEY
 from trimvlm.tune.search import FRONTIER_AXES
 
 TUNE_FILE = "tune.json"
@@ -101,7 +101,6 @@ def markdown(rep: dict) -> str:
 SHORT_FORMS = ("short names: METHOD_lL = a token reducer before layer L; +bi / +sens / +kl / +tail / +random = "
                "a depth ranker (block influence, sensitivity, greedy KL, the blocks before the last, random) with "
                "_bN = N blocks skipped; +METHOD_kK = a KV policy keeping K")
-BUDGET_AXIS = {"total_flops": "total_flops", "kv_bytes": "kv_bytes", "latency": "latency_s"}
 
 
 def plot(rep: dict, path: Path) -> Path:
@@ -130,7 +129,7 @@ def frontier_figure(rep: dict):
         label_points(ax, [(pts[s], by_spec[s]["family"]) for s in front])
         for b in rep["budgets"]:
             for key, ratio in b["budget"].items():
-                if BUDGET_AXIS.get(key) == axis:
+                if RESULT_KEY[key] == axis:
                     ax.axvline(ratio, ls="--", color="C3", lw=0.8, zorder=1)
                     ax.text(ratio, 0.98, f"budget {ratio:g}x ", transform=ax.get_xaxis_transform(), fontsize=7,
                             color="C3", va="top", ha="right", rotation=90)  # fmt: skip

@@ -29,7 +29,7 @@ from trimvlm.evals.tasks import TASKS, get_task
 from trimvlm.plan import build_methods, make_plan
 from trimvlm.progress import steps
 from trimvlm.tune.budgets import RESULT_KEY, budget_points, fits, label
-from trimvlm.tune.journal import Journal, local_evaluator, spec_of
+from trimvlm.tune.journal import Journal, spec_of
 from trimvlm.tune.predict import predict, read_shapes
 from trimvlm.tune.rankings import calibrate_rankings
 from trimvlm.tune.space import Family, Space, load_space
@@ -334,7 +334,6 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
     rankings = (out if out is not None else Path(tempfile.mkdtemp(prefix="trimvlm-tune-"))) / "rankings"
     space = load_space(space, rankings=rankings)
     val = get_task(task, limit=n_val, seed=seed, split=val_split, data=data, progress=False)
-    evaluate = evaluate if evaluate is not None else local_evaluator(vlm)
     journal = Journal(vlm, val, out, batch_size=settings.batch_size, fingerprint=fp, on_run=on_run,
                       evaluate=evaluate)  # fmt: skip
     rounds = round_items(len(val.records), settings.start, settings.eta, seed)
@@ -352,8 +351,8 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
         chosen = [s for s in chosen if s != "baseline"]
         test = get_task(task, limit=n_test, seed=seed, split=test_split, data=data, progress=False)
         bar.phase(f"test split: {len(chosen) + 1} recipes x {len(test.records)} items")
-        res = evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen], batch_size=settings.batch_size,
-                       progress=False)
+        res = journal.evaluate(test, [{**entries[s]["recipe"], "name": s} for s in chosen],
+                               batch_size=settings.batch_size, progress=False)
         bar.advance()
     _add_test(entries_l, [*chosen, "baseline"], res)
     _add_best(results, entries_l, min_retention)
