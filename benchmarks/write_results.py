@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 from trimvlm.evals import plot
 from trimvlm.evals.intervals import wilson
-from trimvlm.evals.run import compare
 from trimvlm.evals.report import SavedResult, ci_text, diff_text, markdown_table, summary_table
+from trimvlm.evals.run import compare
 from trimvlm.tune.report import frontier_figure
 
 ROOT = Path(__file__).resolve().parent.parent
