@@ -55,8 +55,9 @@ step 6 && $BIN/trimvlm tune --model demo-scenes --task scenes --budget total_flo
 #    Training runs 5 keeps x 22 layer sets (at most 2 of the 6 candidate layers) x 7 token sets per input, every
 #    layout for real, one layout trie per input (docs/depth.md, "Training data at scale"): about 8 s an input on
 #    one loaded CPU thread against about 210 s with the layouts run apart; the refit and the calibration run
-#    5 x 22 per input apart. For thousands of training inputs, in the background, resumable (run it again after
-#    an interruption; progress: one line per input in runs/router-scenes-data/log.jsonl):
+#    each input's 5 x 22 layouts as one trie per selector too. For thousands of training inputs, in the
+#    background, resumable (run it again after an interruption; progress: one line per input in
+#    runs/router-scenes-data/log.jsonl):
 #      OMP_NUM_THREADS=1 nohup $BIN/trimvlm train-router --model demo-scenes --task scenes --n 4000 --epochs 20 \
 #          --layer 2 --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --near 0.05 --budgets 0.75,0.6,0.45 \
 #          --work runs/router-scenes-data --out runs/router-scenes > runs/router-scenes.log 2>&1 &

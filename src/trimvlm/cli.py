@@ -544,8 +544,8 @@ def refit_router(
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
-    """Train a v2 router's layer scores (DPO) on layouts run with the tokens a recipe executes (--n 512 inputs:
-    about 8 minutes on one CPU thread with demo-qwen35)."""
+    """Train a v2 router's layer scores (DPO) on layouts run with the tokens a recipe executes (each input's
+    layouts as one layout trie)."""
     from trimvlm.cli_train import refit_router_command
 
     refit_router_command(router, model=model, task=_task(model, task), n=n, select=select, epochs=epochs, out=out,
@@ -565,8 +565,9 @@ def calibrate_router(
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
-    """Calibrate a v2 router's budgets on held-out inputs with the tokens each selector executes (--n 128
-    inputs: about 4 minutes on one CPU thread with demo-qwen35)."""
+    """Calibrate a v2 router's budgets on held-out inputs with the tokens each selector executes (one layout trie
+    per input and selector: --n 64 with 4 selectors took about 4 minutes on one loaded CPU thread with
+    demo-scenes)."""
     from trimvlm.cli_train import calibrate_router_command
 
     calibrate_router_command(router, model=model, task=_task(model, task), n=n, skip=skip,
