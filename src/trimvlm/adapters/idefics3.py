@@ -87,7 +87,7 @@ class Idefics3Adapter(Adapter):
         patches the connector's pixel shuffle concatenates (found by shuffling the patch indices)."""
         vc = self.vision_config
         p = (vc.image_size // vc.patch_size) ** 2
-        idx = torch.arange(p)[None, :, None]
+        idx = torch.arange(p, device="cpu")[None, :, None]
         groups = self.inner.connector.pixel_shuffle(idx, self.model.config.scale_factor)[0]
         return rec.batched(tiles, p, groups)
 

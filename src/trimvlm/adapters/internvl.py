@@ -79,6 +79,6 @@ class InternVLAdapter(Adapter):
         the pixel shuffle (`downsample_ratio`) concatenates, found by shuffling the patch indices."""
         ph, pw = _pair(self.vision_config.patch_size)
         h, w = pixel_values.shape[-2] // ph, pixel_values.shape[-1] // pw
-        idx = torch.arange(1, 1 + h * w).reshape(1, h, w, 1)
+        idx = torch.arange(1, 1 + h * w, device="cpu").reshape(1, h, w, 1)
         groups = self.inner.pixel_shuffle(idx, scale_factor=self.model.config.downsample_ratio)
         return rec.batched(pixel_values.shape[0], 1 + h * w, groups.reshape(-1, groups.shape[-1]))

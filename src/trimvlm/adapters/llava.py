@@ -95,4 +95,4 @@ class LlavaAdapter(Adapter):
         h, w = self._grid(pixel_values)
         s = h * w + int(self.vision_has_cls)
         n = self._image_tokens((h, w))
-        return rec.batched(pixel_values.shape[0], s, torch.arange(s - n, s)[:, None])
+        return rec.batched(pixel_values.shape[0], s, torch.arange(s - n, s, device="cpu")[:, None])

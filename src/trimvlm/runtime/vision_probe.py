@@ -116,7 +116,8 @@ class Recording:
     def batched(self, b: int, s: int, groups: torch.Tensor) -> list[VisionUnit]:
         """One `VisionUnit` per unit of a tower that runs all b units in one call per layer over s tokens: LLM
         token t of a unit is made of vision tokens groups[t] ([n, g], e.g. the 2x2 patches of a spatial merge
-        or a pixel shuffle): its attention (per query row) is their sum, its key their mean."""
+        or a pixel shuffle; index tensors made on the CPU, with an explicit device): its attention (per query
+        row) is their sum, its key their mean."""
         if len(self.calls) != 1 or tuple(self.calls[0].stat.shape) != (b, s):
             raise Incomplete(
                 f"expected one call over [{b}, {s}] tokens, got {[tuple(c.stat.shape) for c in self.calls]}"
