@@ -61,13 +61,14 @@ step 6 && $BIN/trimvlm tune --model demo-scenes --task scenes --budget total_flo
 #      OMP_NUM_THREADS=1 nohup $BIN/trimvlm train-router --model demo-scenes --task scenes --n 4000 --epochs 20 \
 #          --layer 2 --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --near 0.05 --budgets 0.75,0.6,0.45 \
 #          --work runs/router-scenes-data --out runs/router-scenes > runs/router-scenes.log 2>&1 &
-step 7 && $BIN/trimvlm train-router --model demo-scenes --task scenes --n 40 --epochs 20 --layer 2 \
-    --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --out $CKPT/router --overwrite
-step 7 && $BIN/trimvlm refit-router demo-scenes --model demo-scenes --task scenes --n 64 --select density@0 --overwrite
-step 7 && $BIN/trimvlm calibrate-router demo-scenes --model demo-scenes --task scenes --n 64 --select density@0 \
-    --overwrite
+step 7 && OMP_NUM_THREADS=1 $BIN/trimvlm train-router --model demo-scenes --task scenes --n 1500 --epochs 20 \
+    --layer 2 --keeps 0.2,0.4,0.6,0.8,1 --max-skip 2 --near 0.05 --budgets 0.75,0.6,0.45 \
+    --work runs/router-scenes-data --out $CKPT/router --overwrite
+step 7 && $BIN/trimvlm refit-router demo-scenes --model demo-scenes --task scenes --n 128 --select density@2 --overwrite
+step 7 && $BIN/trimvlm calibrate-router demo-scenes --model demo-scenes --task scenes --n 64 \
+    --select router,density@2,fastv@2,density@0 --overwrite
 step 7 && $BIN/trimvlm pick-router demo-scenes --model demo-scenes --task scenes --budgets 0.75,0.6,0.45 \
-    --select density@0 --overwrite
+    --select fastv@2,density@2,density@0 --n-val 192 --overwrite
 
 # 8. budget table: tuned, FastV alone, the naive FastV + ranker, the plain router v2
 step 8 && $BIN/python benchmarks/depth_budget.py --model demo-scenes --task scenes --budgets 0.75:1,0.6:2,0.45:3 \
