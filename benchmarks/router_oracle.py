@@ -2,8 +2,8 @@
 
 The layout space is what router v2 (`router=M:budget=B`) can choose: the token keeps of its checkpoint's cost
 table together with the keep it calibrated for each budget, times every skip subset of its candidate layers (at
-most its max_skip), the tokens chosen by its recorded `select=` method (e.g. density@0: that method's recipe at
-the keep, its merge included). Every layout runs on every test item in one layout trie per batch of items
+most its max_skip), the tokens chosen by the `select=` method recorded for that budget (e.g. density@0: that
+method's recipe at the keep, its merge included); budgets whose variants select alike share one space. Every layout runs on every test item in one layout trie per batch of items
 (training/layout_trie.py), teacher-forced on the reference answer and its end token, cut to the tokens the task
 generates for the item; a layout answers right when the argmax is the reference at every one of them
 (training/oracle.py), i.e. greedy decoding gives the reference text.
@@ -43,17 +43,21 @@ from trimvlm.training.oracle import answer_target, answers_right, cheapest_right
 from trimvlm.training.router import flop_table
 
 
-def layout_space(model: str, budgets: list[float]) -> dict:
-    """The router's layouts: {"routers": per budget its Router, "keeps", "subsets", "layer", "select"}."""
+def layout_spaces(model: str, budgets: list[float]) -> list[dict]:
+    """The router's layouts, one space per `select=` token method its budgets run (each budget's recorded
+    variant): {"select", "routers": per budget its Router, "keeps", "subsets", "layer", "share"}."""
     routers = {b: Router(path=model, budget=b) for b in budgets}
-    selects = {r.select for r in routers.values()}
-    if len(selects) != 1 or "router" in selects:
-        raise SystemExit(f"the router's budgets must share one select= token method, got {sorted(selects)}")
-    one = next(iter(routers.values()))
-    table = one.meta["budget"]
-    keeps = sorted({float(k) for k in table["keeps"]} | {round(r.layout()[0], 6) for r in routers.values()})
-    return {"routers": routers, "keeps": keeps, "subsets": [tuple(s) for s in table["subsets"]],
-            "layer": one.selector(0.5).layer, "select": one.select, "share": float(table.get("router_share", 0))}  # fmt: skip
+    if any(r.select == "router" for r in routers.values()):
+        raise SystemExit("the oracle runs a registered select= token method; a budget here runs the router's own scores")
+    out = []
+    for sel in dict.fromkeys(r.select for r in routers.values()):
+        mine = {b: r for b, r in routers.items() if r.select == sel}
+        one = next(iter(mine.values()))
+        table = one.meta["budget"]
+        keeps = sorted({float(k) for k in table["keeps"]} | {round(r.layout()[0], 6) for r in mine.values()})
+        out.append({"select": sel, "routers": mine, "keeps": keeps, "subsets": [tuple(s) for s in table["subsets"]],
+                    "layer": one.selector(0.5).layer, "share": float(table.get("router_share", 0))})  # fmt: skip
+    return out
 
 
 def measure(vlm, task, layouts: list[Layout], reducer, layer: int, batch: int) -> torch.Tensor:
@@ -135,18 +139,34 @@ def by_kind(right, task, full: int) -> dict:
 
 
 def _right(a, vlm, task, layouts, space) -> tuple[torch.Tensor, float]:
-    """Per item and layout, whether it answers right, and the seconds per item: read from `--right` when that
-    file exists, else measured (and written there)."""
-    if a.right is not None and a.right.exists():
-        got = torch.load(a.right)
+    """Per item and layout, whether it answers right, and the seconds per item: read from `--right`'s file for
+    this selector when it exists, else measured (and written there)."""
+    path = None if a.right is None else a.right.with_name(f"{a.right.stem}-{space['select']}{a.right.suffix}")
+    if path is not None and path.exists():
+        got = torch.load(path)
         return got["right"], got["seconds_per_item"]
     selector = next(iter(space["routers"].values())).selector
     start = time.perf_counter()
     right = measure(vlm, task, layouts, selector, space["layer"], a.batch)
     per_item = (time.perf_counter() - start) / len(task.records)
-    if a.right is not None:
-        torch.save({"right": right, "seconds_per_item": per_item}, a.right)
+    if path is not None:
+        torch.save({"right": right, "seconds_per_item": per_item}, path)
     return right, per_item
+
+
+def group(a, vlm, task, space: dict, table: dict | None) -> tuple[dict, list[dict]]:
+    """One selector's layout space measured: (its summary, its budgets' rows)."""
+    layouts = [Layout(k, 0, frozenset(s)) for k in space["keeps"] for s in space["subsets"]]
+    grid = flop_table(vlm, task.records, space["keeps"], space["subsets"], space["layer"], a.eval_batch)
+    by = grid["cost_by_layer"][str(space["layer"])]
+    cost = torch.tensor([c + space["share"] for row in by for c in row], dtype=torch.float64)  # keep-major
+    right, per_item = _right(a, vlm, task, layouts, space)
+    full = next(i for i, m in enumerate(layouts) if m.keep >= 1 and not m.skip)
+    summary = {"select": space["select"], "budgets": list(space["routers"]), "seconds_per_item": per_item,
+               "keeps": space["keeps"], "subsets": [list(s) for s in space["subsets"]], "layouts": len(layouts),
+               "cost": cost.tolist(), "unpruned_right": int(right[:, full].sum()),
+               "by_kind": by_kind(right, task, full), "cheapest_right": distribution(right, cost)}  # fmt: skip
+    return summary, [r | {"select": space["select"]} for r in rows(right, cost, space, layouts, table)]
 
 
 def main(argv=None) -> None:
@@ -163,8 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--eval-batch", type=int, default=100, help="the eval's batch size (its padding) for the costs"
     )
-    ap.add_argument("--right", type=Path, default=None, help="a .pt file of the items' right layouts: read when it "
-                    "exists (nothing measured), else written")  # fmt: skip
+    ap.add_argument("--right", type=Path, default=None, help="a .pt file of the items' right layouts, one per selector "
+                    "(NAME-SELECT.pt): read when it exists (nothing measured), else written")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 4 items, one budget")
@@ -173,31 +193,24 @@ def main(argv=None) -> None:
         a.limit, a.batch, a.eval_batch, a.budgets, a.right = 4, 4, 4, "0.6", None
     torch.set_num_threads(a.threads)
     vlm = trimvlm.load(a.model)
-    space = layout_space(a.model, [float(b) for b in a.budgets.split(",")])
+    spaces = layout_spaces(a.model, [float(b) for b in a.budgets.split(",")])
     task = get_task(a.task, limit=a.limit, seed=a.seed, split="test")
-    layouts = [Layout(k, 0, frozenset(s)) for k in space["keeps"] for s in space["subsets"]]
-    grid = flop_table(vlm, task.records, space["keeps"], space["subsets"], space["layer"], a.eval_batch)[
-        "cost_by_layer"
-    ]
-    by = grid[str(space["layer"])]
-    cost = torch.tensor([by[i][j] + space["share"] for i in range(len(space["keeps"])) for j in range(len(space["subsets"]))],
-                        dtype=torch.float64)  # fmt: skip
-    right, per_item = _right(a, vlm, task, layouts, space)
     table = json.loads(a.table.read_text()) if a.table else None
     if table is not None and (table.get("items") != a.limit or table.get("seed", 0) != a.seed):
         print(
             f"note: {a.table} holds {table.get('items')} items of seed {table.get('seed', 0)}, not {a.limit} of {a.seed}"
         )
-    full = next(i for i, m in enumerate(layouts) if m.keep >= 1 and not m.skip)
+    groups, out_rows = [], []
+    for space in spaces:
+        summary, got = group(a, vlm, task, space, table)
+        groups.append(summary)
+        out_rows += got
     out = {"model": a.model, "task": a.task, "seed": a.seed, "items": len(task.records), "threads": a.threads,
-           "seconds_per_item": per_item, "select": space["select"], "keeps": space["keeps"],
-           "subsets": [list(s) for s in space["subsets"]], "layouts": len(layouts), "cost": cost.tolist(),
-           "unpruned_right": int(right[:, full].sum()), "by_kind": by_kind(right, task, full),
-           "cheapest_right": distribution(right, cost), "rows": rows(right, cost, space, layouts, table)}  # fmt: skip
-    print(json.dumps(out["rows"], indent=1), f"\n{per_item:.2f} s per item")
+           "groups": groups, "rows": sorted(out_rows, key=lambda r: -r["budget"])}  # fmt: skip
+    print(json.dumps(out["rows"], indent=1), "\n" + ", ".join(f"{g['select']}: {g['seconds_per_item']:.2f} s per item"
+                                                             for g in groups))  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     main()

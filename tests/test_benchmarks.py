@@ -361,10 +361,11 @@ def test_router_oracle(tmp_path):
     """The oracle on 4 demo-scenes items: one row per budget; the oracle answers at least as many items right as
     the unpruned layout and as the oracle held to the router's keep, and stays within its budget."""
     data = run("router_oracle", tmp_path)
-    assert data["items"] == 4 and data["layouts"] == len(data["cost"])
+    (space,) = data["groups"]
+    assert data["items"] == 4 and space["layouts"] == len(space["cost"]) and space["budgets"] == [0.6]
     (row,) = data["rows"]
-    assert row["budget"] == 0.6
-    assert row["oracle"]["accuracy"] * 4 >= data["unpruned_right"]
+    assert row["budget"] == 0.6 and row["select"] == space["select"]
+    assert row["oracle"]["accuracy"] * 4 >= space["unpruned_right"]
     held = row["oracle_router_keep"]  # out of reach (None) where the router's keep alone costs over the budget
     assert held["accuracy"] is None or row["oracle"]["accuracy"] >= held["accuracy"]
     assert row["oracle"]["mean_cost"] <= 0.6 + 1e-9

@@ -243,6 +243,51 @@ def test_plain_recipe_runs_the_recorded_variant_and_the_nearest_elsewhere(traine
     assert Router(path=str(folder), budget=0.9, price="auto").select == "router"
 
 
+def test_recorded_aim_scales_with_the_budget_and_equals_it_given(trained, tmp_path):
+    """A variant's aim (the budget its keep is calibrated for) scales with the budget asked; the plain recipe
+    equals the same recipe with that aim given, and a larger aim keeps more tokens."""
+    import shutil
+
+    from trimvlm.router.route import Router
+    from trimvlm.training.variants import record_variants
+
+    vlm, records, out, _ = trained
+    folder = tmp_path / "router"
+    shutil.copytree(out, folder)
+    record_variants(folder, [{"budget": 0.8, "select": "router", "price": "inf", "aim": 0.84}])
+    r = Router(path=str(folder), budget=0.85)
+    assert r.aim == pytest.approx(0.85 * 0.84 / 0.8) and r.layout()[0] > Router(path=str(folder), budget=0.85,
+                                                                               price="inf").layout()[0]  # fmt: skip
+    assert Router(path=str(folder), budget=0.85, aim=0.9).aim == 0.9  # given: taken as it is
+    images, prompts = [list(r.images) for r in records[:4]], [r.prompt_text() for r in records[:4]]
+    plain = vlm.generate(images, prompts, recipe=f"router={folder}:budget=0.8", max_new_tokens=3)
+    given = vlm.generate(images, prompts, recipe=f"router={folder}:budget=0.8:select=router:price=inf:aim=0.84",
+                         max_new_tokens=3)  # fmt: skip
+    assert plain.tokens == given.tokens and plain.costs.total_flops == given.costs.total_flops
+    with pytest.raises(RecipeError, match="aim must be a total-FLOP ratio"):
+        Router(path=str(folder), budget=0.8, aim=1.5)
+    with pytest.raises(RecipeError, match="aim= applies with budget="):
+        Router(path=str(folder), aim=0.8)
+
+
+def test_aimed_moves_the_measured_spend_toward_the_budget(trained):
+    """pick-router's aim step: a candidate that spends under the budget (here: started at aim 0.78 for budget
+    0.85) runs again at aim x budget / its spend, which lands nearer the budget."""
+    from trimvlm.training.variants import aimed
+
+    vlm, records, out, _ = trained
+    task = Task(name="router-inputs", records=records[:6], max_new_tokens=3)
+    cand = f"router={out}:budget=0.85:select=router:price=inf"
+
+    def spend(rounds):
+        recipes, res = aimed(vlm, task, {cand: 0.78}, 0.85, batch_size=6, rounds=rounds)
+        return res.row(recipes[cand])["ratio"]["total_flops"], recipes[cand]
+
+    (first, at_start), (second, at_aim) = spend(1), spend(2)
+    assert at_start.endswith(":aim=0.78") and first < 0.8
+    assert at_aim != at_start and abs(second - 0.85) < 0.01 < abs(first - 0.85)
+
+
 def test_shipped_routers_record_their_variants():
     from trimvlm.router.model import load_router
 

@@ -213,9 +213,9 @@ def methods(json_out: Path | None = JSON_OUT):
     variants = _router_variants()
     if variants:
         table = Sheet(console, "router=M:budget=B (no other option) runs the variant recorded for the nearest budget",
-                      ["model", "budget", "select=", "price=", "val accuracy"])  # fmt: skip
+                      ["model", "budget", "select=", "price=", "aim=", "val accuracy"])  # fmt: skip
         for name, v in variants:
-            table.row(name, f"{v['budget']}", v["select"], str(v["price"]),
+            table.row(name, f"{v['budget']}", v["select"], str(v["price"]), f"{v.get('aim', v['budget']):.4g}",
                           f"{100 * v['val_accuracy']:.1f}% ({v['val_items']} items)")  # fmt: skip
         console.print(table)
     console.print(TUNED_AND_START)

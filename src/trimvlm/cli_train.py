@@ -118,7 +118,7 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     vlm, _ = _v2_router(model, folder, load_kw, "given variants")
     picked = []
     for b, method in zip(values, methods, strict=True):
-        v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val)
+        v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=str(router))
         picked.append(v)
         console.print(f"budget {b}: select={v['select']} price={v['price']} "
                       f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip

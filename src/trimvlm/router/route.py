@@ -70,15 +70,16 @@ class Router(Method):
     # v2: lambda, nats per unit of total-FLOP ratio (auto: calibrated; inf: no skip); None: the recorded
     # variant's, else auto
     price: float | str | None = None
+    # v2: the budget the keep and price are calibrated for (None: budget scaled by the recorded variant's aim, which
+    # pick-router sets so that the spend measured on validation items meets its budget; else budget itself)
+    aim: float | None = None
 
     excludes: ClassVar[tuple[str, ...]] = ("tokens", "depth")  # it picks the tokens and the layers itself
 
     def __post_init__(self):
-        self.variant = None  # the recorded variant the plain recipe took: {"budget", "select", "price"}
+        self.variant = None  # the recorded variant the plain recipe took: {"budget", "select", "price", "aim"}
         if self.budget is not None and self.select is None and self.price is None and is_number(self.budget):
-            self.variant = recorded_variant(load_router(self.path)[1], float(self.budget))
-            if self.variant is not None:
-                self.select, self.price = self.variant["select"], self.variant["price"]
+            self.take_variant()
         self.select = "router" if self.select is None else self.select
         self.price = "auto" if self.price is None else self.price
         if self.budget is not None:
@@ -87,6 +88,11 @@ class Router(Method):
                                   "token_keep or layers_skip with it")  # fmt: skip
             if not is_number(self.budget) or not 0 < self.budget <= 1:
                 raise RecipeError(f"router budget must be a total-FLOP ratio in (0, 1], got {self.budget!r}")
+            self.aim = self.budget if self.aim is None else self.aim
+            if not is_number(self.aim) or not 0 < self.aim <= 1:
+                raise RecipeError(f"router aim must be a total-FLOP ratio in (0, 1], got {self.aim!r}")
+        elif self.aim is not None:
+            raise RecipeError("router aim= applies with budget= (v2)")
         if self.price != "auto":
             if self.budget is None:
                 raise RecipeError("router price= applies with budget= (v2)")
@@ -124,9 +130,18 @@ class Router(Method):
                     raise RecipeError(f"router select={self.select}: {e} (a method acting by the router's layer "
                                       f"{self.layer})") from None  # fmt: skip
             low = self.table.lowest(self._price)
-            if self.budget < low - 1e-9:
+            if self.aim < low - 1e-9:
                 raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
                                   f"{low:.3f}x on its calibration inputs")  # fmt: skip
+
+    def take_variant(self) -> None:
+        """select=, price= and (unless given) aim= from the variant recorded for the budget nearest this one; its
+        aim scales with the budget (aim / its budget)."""
+        self.variant = recorded_variant(load_router(self.path)[1], float(self.budget))
+        if self.variant is not None:
+            self.select, self.price = self.variant["select"], self.variant["price"]
+            if self.aim is None and "aim" in self.variant:
+                self.aim = min(1.0, self.budget * float(self.variant["aim"]) / float(self.variant["budget"]))
 
     def check(self, runner) -> None:
         fp = model_fingerprint(runner.adapter)
@@ -185,7 +200,7 @@ class Router(Method):
             return float(self.token_keep), None
         if self.budget >= 1:
             return 1.0, None
-        return self.table.choice(float(self.budget), self._price)
+        return self.table.choice(float(self.aim), self._price)
 
     def bind(self, runner, handoff, keep: float, lam: float | None, inner=None):
         """(the token hook, the LayerPlan it fills) for the plan; `inner`: the `select=` method's hook."""

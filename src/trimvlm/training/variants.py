@@ -6,6 +6,12 @@ as `select=`, each at the calibrated price, price 0 and price inf (never skip a 
 items of the task's val split after those the router trained and was calibrated on (which would favour its
 own choices); the best validation accuracy wins (ties: lower mismatch). Candidates the router refuses (a
 budget it cannot reach with that selector) are left out. The test split is never read.
+
+The keep and price are calibrated on the checkpoint's calibration inputs against a predicted prefill cost; what an
+input really spends (decode, its own image and prompt lengths) can differ by a few percent. So each candidate
+runs once at its budget and once at an `aim` scaled by budget / the total-FLOP ratio it measured there, and the
+variant records the aim that was run and the ratio it measured (`val_total_flops`): `router=M:budget=B` then
+calibrates for B x aim / budget.
 """
 
 from __future__ import annotations
@@ -14,14 +20,15 @@ import json
 from dataclasses import replace
 
 PRICES = ("auto", 0, "inf")
+ROUNDS = 2  # validation runs per candidate: at the budget, then at the aim its measured spend asks for
 
 
 def pick_variant(vlm, router: str, budget: float, method: str | None, task: str = "demo", n_val: int = 96,
-                 batch_size: int = 48) -> dict:  # fmt: skip
-    """{"budget", "select", "price", "val_accuracy", "val_items", "recipe"}: the best candidate on validation (each
-    selector at each price of PRICES)."""
+                 batch_size: int = 48, name: str | None = None) -> dict:  # fmt: skip
+    """{"budget", "select", "price", "aim", "val_total_flops", "val_accuracy", "val_items", "recipe"}: the best
+    candidate on validation (each selector at each price of PRICES, at its aim); `recipe` is the recipe that ran
+    it, with the router named `name` (as the user gave it; default: `router`)."""
     from trimvlm.errors import InputError, TrimVLMError
-    from trimvlm.evals.run import run_eval
     from trimvlm.evals.tasks import get_task
     from trimvlm.plan import make_plan
     from trimvlm.recipe import parse_method
@@ -40,13 +47,29 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
         raise InputError(f"router {router} runs no variant at budget {budget}: every one was refused")
     seen = seen_inputs(load_router(router)[1])
     val = get_task(task, limit=seen + n_val, seed=0, split="val")
-    res = run_eval(vlm, replace(val, records=val.records[seen:]), ok, batch_size=batch_size, warmup=False,
-                   memory="off", progress=False)  # fmt: skip
-    best = max(ok, key=lambda r: (res.row(r)["accuracy"], -res.row(r)["mismatch_pct"]))
+    val = replace(val, records=val.records[seen:])
+    aims, res = aimed(vlm, val, {r: float(budget) for r in ok}, float(budget), batch_size)
+    best = max(ok, key=lambda r: (res.row(aims[r])["accuracy"], -res.row(aims[r])["mismatch_pct"]))
+    row = res.row(aims[best])
     opts = parse_method(best).options
     price = opts["price"]
+    aim = float(parse_method(aims[best]).options["aim"])
     return {"budget": float(budget), "select": str(opts["select"]), "price": price if price == "auto" else str(price),
-            "val_accuracy": res.row(best)["accuracy"], "val_items": len(val.records) - seen, "recipe": best}
+            "aim": aim, "val_total_flops": row["ratio"]["total_flops"], "val_accuracy": row["accuracy"],
+            "val_items": len(val.records), "recipe": aims[best].replace(f"router={router}:", f"router={name or router}:")}
+
+
+def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = ROUNDS):
+    """({candidate: its recipe at the aim found}, the last run): each candidate runs on the validation items at
+    aim=budget, then at an aim scaled by budget / the spend it measured (capped at 1), `rounds` runs in all."""
+    from trimvlm.evals.run import run_eval
+
+    for _ in range(rounds):
+        recipes = {r: f"{r}:aim={a:.6g}" for r, a in aims.items()}
+        res = run_eval(vlm, val, list(recipes.values()), batch_size=batch_size, warmup=False, memory="off",
+                       progress=False)  # fmt: skip
+        aims = {r: min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]) for r, a in aims.items()}
+    return recipes, res
 
 
 def record_variants(folder, variants: list[dict]) -> None:
