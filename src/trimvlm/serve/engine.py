@@ -312,7 +312,7 @@ class ChatEngine:
     def step(self) -> None:
         """One decode step of every running group."""
         for key, group in list(self.groups.items()):
-            self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled], cancelled=True)
+            self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled])
             if group.rows:
                 self._step(group)
             if not group.rows:
@@ -374,12 +374,11 @@ class ChatEngine:
         leaves as cancelled (nothing more is sent to it: it is not finished for nobody)."""
         last, lps = self._choose(logits, group.rows)
         group.last = last
-        done, gone = [], set()
+        done = []
         for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
             p = row.job.payload
             if row.job.cancelled:
                 done.append(i)
-                gone.add(i)
                 continue
             row.tokens.append(t)
             if row.counts is not None:
@@ -404,11 +403,10 @@ class ChatEngine:
             if len(row.tokens) >= p.max_tokens:
                 row.reason = "length"
                 done.append(i)
-        self._leave(group, done, cancelled=gone)
+        self._leave(group, done)
 
-    def _leave(self, group: Group, rows: list[int], cancelled: bool | set = False) -> None:
-        """Rows `rows` leave the group (their cache rows freed): finished, or cancelled (`cancelled`: all of them,
-        or the set of those that were)."""
+    def _leave(self, group: Group, rows: list[int]) -> None:
+        """Rows `rows` leave the group (their cache rows freed): finished, or cancelled (their client has gone)."""
         if not rows:
             return
         n = len(group.rows)
@@ -421,7 +419,7 @@ class ChatEngine:
             row = group.rows[i]
             u = row.job.payload.usage
             u["kv_bytes_peak"] = max(u["kv_bytes_peak"], held[id(row.job)])
-            if cancelled is True or (cancelled and i in cancelled):
+            if row.job.cancelled:
                 self.cancelled += 1
             else:
                 self._finish(row)
@@ -433,9 +431,7 @@ class ChatEngine:
         group.rows = [group.rows[i] for i in stay]
 
     def _finish(self, row: Row) -> None:
-        """Send the row's choice: its text (cut where a stop string begins), its tokens' count, why it ended, the
-        log-probabilities of the tokens whose text was returned; the request's result once all its rows are
-        done."""
+        """Send the row's choice (`ChoiceEnd`), and the request's result (`Done`) once all its rows are done."""
         p = row.job.payload
         tokens = [t for t in row.tokens if t not in self.stops]
         text, logprobs = self._text(tokens), row.logprobs
