@@ -253,22 +253,19 @@ class ChatEngine:
     def _group(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]):
         """(the decode group of prefilled `jobs`, its rows' first logits): each row's sampler; each request's
         share of the prefill (none for one whose prompt was found whole in the prompt cache)."""
-        runner, adapter = self.runner, self.runner.adapter
-        payloads = [j.payload for j in jobs]
+        runner, payloads = self.runner, [j.payload for j in jobs]
         rows, owner = [], []
         for b, (job, p) in enumerate(zip(jobs, payloads, strict=True)):
             p.open = p.n
             for i in range(p.n):  # choice i draws as the request alone with seed + i
-                sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
-                gen = None
-                if sampling.temperature > 0:
-                    gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
-                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if sampling.penalized else None
-                rows.append(Row(job=job, index=i, sampling=sampling, gen=gen, counts=counts))
+                s = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
+                gen = torch.Generator(device=runner.device).manual_seed(s.seed) if s.temperature > 0 else None
+                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if s.penalized else None
+                rows.append(Row(job=job, index=i, sampling=s, gen=gen, counts=counts))
                 owner.append(b)
         c, ones = meter.costs, [1] * len(jobs)
         ran = [0 if r == p.prompt_tokens else 1 for r, p in zip(reused, payloads, strict=True)]
-        image = adapter.image_token_id
+        image = runner.adapter.image_token_id
         kv, peak, states = c.kv_bytes, c.kv_bytes_peak, c.state_bytes
         if any(reused):  # KV this prefill did not write (read from the prefix cache): what the batch holds
             kv = peak = out.cache.attention_bytes()
