@@ -244,10 +244,6 @@ class RemoteScheduler:
     def arriving(self, delta: int) -> None:
         self.send(Arrive(delta))
 
-    def waiting(self) -> int:
-        """This process's requests sent and not yet started (the engine's queue holds others' too)."""
-        return sum(1 for j in list(self._jobs.values()) if not j.started)
-
     def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
         with arrival or contextlib.nullcontext():
             if self.closed or not self.alive:
