@@ -230,9 +230,8 @@ class ChatEngine:
     # ---- the rows of prefilled requests ----
     def _start(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]) -> None:
         """The prefilled requests' rows: their first tokens chosen and sent; those still going join the running
-        batch of their recipe (the n rows of a request of n > 1 choices read its prompt's KV as a shared,
-        uncopied prefix, in that batch too; where caches cannot be joined, recurrent prefix states, they decode
-        as a group of their own)."""
+        batch of their recipe (n > 1 choices too, off their shared prompt KV; where caches cannot be joined,
+        recurrent prefix states, they decode as a group of their own)."""
         group, logits = self._group(jobs, plan, out, meter, seconds, reused)
         self._advance(group, logits)
         if not group.rows:
