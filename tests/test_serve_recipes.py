@@ -154,7 +154,7 @@ def test_a_clients_recipe_never_reads_a_server_path(demo, tmp_path, reads, recip
         state = ServerState(demo, model_id="demo", recipes=RecipeOptions(recipe_dir=folder))
         reads.clear()
         with pytest.raises(ApiError) as e:
-            state.recipe("chat", recipe)
+            state.recipes.get("chat", recipe)
         assert e.value.status == 400 and "recipe" in str(e.value.body())
         assert not [p for p in reads if "etc" in p], reads
         assert "not found" not in json.dumps(e.value.body())  # nothing says whether a path exists
@@ -171,13 +171,13 @@ def test_recipe_dir_lets_clients_name_tuned_folders_inside_it(demo, tmp_path):
            "budgets": [{"label": "total_flops<=0.5", "budget": {"total_flops": 0.5}, "best": "pool"}]}  # fmt: skip
     (folder / "tune.json").write_text(json.dumps(rep))
     state = ServerState(demo, model_id="demo", recipes=RecipeOptions(recipe_dir=tmp_path))
-    got = state.recipe("chat", "tuned=fast:budget=0.5")
+    got = state.recipes.get("chat", "tuned=fast:budget=0.5")
     assert got.recipe.tokens.method == "pool" and got.label == "tuned-total_flops<=0.5"
     with pytest.raises(ApiError) as e:  # a name inside the folder that is not there: its name, not the path
-        state.recipe("chat", "tuned=slow:budget=0.5")
+        state.recipes.get("chat", "tuned=slow:budget=0.5")
     assert e.value.status == 400 and str(tmp_path) not in json.dumps(e.value.body())
     with pytest.raises(ApiError):
-        ServerState(demo, model_id="demo").recipe("chat", "tuned=fast:budget=0.5")  # no --recipe-dir: refused
+        ServerState(demo, model_id="demo").recipes.get("chat", "tuned=fast:budget=0.5")  # no --recipe-dir: refused
 
 
 @pytest.mark.parametrize("recipe", ["kv=snapkv:keep=0.5", "tokens=density:keep=0.25:layer=1", "depth=skip:layers=1",

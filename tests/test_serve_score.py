@@ -63,7 +63,7 @@ def test_requests_on_one_prefix_share_it_and_get_their_own_answers(demo, monkeyp
     another image: one prefill of two prefixes; each answer equals vlm.score of that request alone."""
     state = ServerState(demo, model_id="demo")
     q = "what is at r0 c5 ?"
-    plan = state.recipe("score", None).recipe
+    plan = state.recipes.get("score", None).recipe
     jobs = [ScoreJob([image(3)], q, CANDS[:3], plan, (data_url(3), q)),
             ScoreJob([image(4)], q, CANDS[1:], plan, (data_url(4), q)),
             ScoreJob([image(3)], q, ["yellow", "red circle"], plan, (data_url(3), q))]  # fmt: skip

@@ -151,7 +151,7 @@ def make_state(
     systemone.request_model()  # transformers' request schema, importable before the server listens
     kind = "chat" if vlm.adapter.decision_head is None else "decide"
     try:  # the server's recipe, checked before it listens
-        state.recipe(kind, None)
+        state.recipes.get(kind, None)
     except ApiError as e:
         raise InputError(f"--recipe: {e}") from e
     return state

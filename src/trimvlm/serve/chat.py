@@ -27,7 +27,7 @@ from trimvlm.runtime.generate import Sampling
 from trimvlm.runtime.limits import check_generation
 from trimvlm.runtime.lru import digest, nbytes
 from trimvlm.runtime.prefix_cache import prompt_key
-from trimvlm.serve.errors import ApiError, validated
+from trimvlm.serve.errors import ApiError, parse_json, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
@@ -224,14 +224,14 @@ def earlier_key(vlm, prompt, images: list, prepared, plan) -> bytes | None:
 
 async def handle(state, request, arrival):
     t0 = time.perf_counter()
-    body = await state.read_json(request)
+    body = parse_json(await state.read_body(request))
     parsed = parse(body, state.limits)
     req = parsed.req
     model = state.model_name(body)
     if req.recipe is None and state.load is not None:  # the ladder's rung that fits the load (serve/budgets.py)
         recipe = state.rung()
     else:
-        recipe = state.recipe("chat", req.recipe)
+        recipe = state.recipes.get("chat", req.recipe)
     state.need_lm_head()
     n = req.n or 1
     if n > 1 and recipe.plan.per_sample:

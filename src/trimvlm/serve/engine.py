@@ -230,9 +230,8 @@ class ChatEngine:
     # ---- the rows of prefilled requests ----
     def _start(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]) -> None:
         """The prefilled requests' rows: their first tokens chosen and sent; those still going join the running
-        batch of their recipe (the n rows of a request of n > 1 choices read its prompt's KV as a shared,
-        uncopied prefix, in that batch too; where caches cannot be joined, recurrent prefix states, they decode
-        as a group of their own)."""
+        batch of their recipe (n > 1 choices too, off their shared prompt KV; where caches cannot be joined,
+        recurrent prefix states, they decode as a group of their own)."""
         group, logits = self._group(jobs, plan, out, meter, seconds, reused)
         self._advance(group, logits)
         if not group.rows:
@@ -253,22 +252,19 @@ class ChatEngine:
     def _group(self, jobs: list, plan, out, meter: Meter, seconds: float, reused: list[int]):
         """(the decode group of prefilled `jobs`, its rows' first logits): each row's sampler; each request's
         share of the prefill (none for one whose prompt was found whole in the prompt cache)."""
-        runner, adapter = self.runner, self.runner.adapter
-        payloads = [j.payload for j in jobs]
+        runner, payloads = self.runner, [j.payload for j in jobs]
         rows, owner = [], []
         for b, (job, p) in enumerate(zip(jobs, payloads, strict=True)):
             p.open = p.n
             for i in range(p.n):  # choice i draws as the request alone with seed + i
-                sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
-                gen = None
-                if sampling.temperature > 0:
-                    gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
-                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if sampling.penalized else None
-                rows.append(Row(job=job, index=i, sampling=sampling, gen=gen, counts=counts))
+                s = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
+                gen = torch.Generator(device=runner.device).manual_seed(s.seed) if s.temperature > 0 else None
+                counts = torch.zeros(out.logits.shape[-1], device=out.logits.device) if s.penalized else None
+                rows.append(Row(job=job, index=i, sampling=s, gen=gen, counts=counts))
                 owner.append(b)
         c, ones = meter.costs, [1] * len(jobs)
         ran = [0 if r == p.prompt_tokens else 1 for r, p in zip(reused, payloads, strict=True)]
-        image = adapter.image_token_id
+        image = runner.adapter.image_token_id
         kv, peak, states = c.kv_bytes, c.kv_bytes_peak, c.state_bytes
         if any(reused):  # KV this prefill did not write (read from the prefix cache): what the batch holds
             kv = peak = out.cache.attention_bytes()
@@ -312,7 +308,7 @@ class ChatEngine:
     def step(self) -> None:
         """One decode step of every running group."""
         for key, group in list(self.groups.items()):
-            self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled], cancelled=True)
+            self._leave(group, [i for i, r in enumerate(group.rows) if r.job.cancelled])
             if group.rows:
                 self._step(group)
             if not group.rows:
@@ -374,12 +370,11 @@ class ChatEngine:
         leaves as cancelled (nothing more is sent to it: it is not finished for nobody)."""
         last, lps = self._choose(logits, group.rows)
         group.last = last
-        done, gone = [], set()
+        done = []
         for i, (row, t) in enumerate(zip(group.rows, last.tolist(), strict=True)):
             p = row.job.payload
             if row.job.cancelled:
                 done.append(i)
-                gone.add(i)
                 continue
             row.tokens.append(t)
             if row.counts is not None:
@@ -404,11 +399,10 @@ class ChatEngine:
             if len(row.tokens) >= p.max_tokens:
                 row.reason = "length"
                 done.append(i)
-        self._leave(group, done, cancelled=gone)
+        self._leave(group, done)
 
-    def _leave(self, group: Group, rows: list[int], cancelled: bool | set = False) -> None:
-        """Rows `rows` leave the group (their cache rows freed): finished, or cancelled (`cancelled`: all of them,
-        or the set of those that were)."""
+    def _leave(self, group: Group, rows: list[int]) -> None:
+        """Rows `rows` leave the group (their cache rows freed): finished, or cancelled (their client has gone)."""
         if not rows:
             return
         n = len(group.rows)
@@ -421,7 +415,7 @@ class ChatEngine:
             row = group.rows[i]
             u = row.job.payload.usage
             u["kv_bytes_peak"] = max(u["kv_bytes_peak"], held[id(row.job)])
-            if cancelled is True or (cancelled and i in cancelled):
+            if row.job.cancelled:
                 self.cancelled += 1
             else:
                 self._finish(row)
@@ -433,9 +427,7 @@ class ChatEngine:
         group.rows = [group.rows[i] for i in stay]
 
     def _finish(self, row: Row) -> None:
-        """Send the row's choice: its text (cut where a stop string begins), its tokens' count, why it ended, the
-        log-probabilities of the tokens whose text was returned; the request's result once all its rows are
-        done."""
+        """Send the row's choice (`ChoiceEnd`), and the request's result (`Done`) once all its rows are done."""
         p = row.job.payload
         tokens = [t for t in row.tokens if t not in self.stops]
         text, logprobs = self._text(tokens), row.logprobs

@@ -151,26 +151,22 @@ class _Bridge:
             error = as_api_error(e)
             self._post(Event(msg.rid, Failed(error) if msg.streamed else error))
             return
-        relay = self._events if msg.streamed else self._result
-        self.requests[msg.rid] = (job, asyncio.ensure_future(relay(msg.rid, job)))
+        self.requests[msg.rid] = (job, asyncio.ensure_future(self._relay(msg.rid, job, msg.streamed)))
 
-    async def _events(self, rid: int, job: Job) -> None:
-        """A chat completion's events, each as the model thread hands it over, up to its last."""
+    async def _relay(self, rid: int, job: Job, streamed: bool) -> None:
+        """What the model thread hands the request over, as it comes: a chat completion's events up to its last,
+        another request's result."""
         while True:
-            event = await job.payload.events.get()
+            try:
+                event = await (job.payload.events.get() if streamed else job.future)
+            except Exception as e:  # noqa: BLE001  (the batch's error is the request's answer)
+                event = as_api_error(e)
             if isinstance(event, Failed):
                 event = Failed(as_api_error(event.error))
             self._post(Event(rid, event))
-            if isinstance(event, Done | Failed):
+            if not streamed or isinstance(event, Done | Failed):
                 self.requests.pop(rid, None)
                 return
-
-    async def _result(self, rid: int, job: Job) -> None:
-        try:
-            self._post(Event(rid, await job.future))
-        except Exception as e:  # noqa: BLE001  (the batch's error is the request's answer)
-            self._post(Event(rid, as_api_error(e)))
-        self.requests.pop(rid, None)
 
     def _post(self, msg) -> None:
         if not self.out:
@@ -243,10 +239,6 @@ class RemoteScheduler:
 
     def arriving(self, delta: int) -> None:
         self.send(Arrive(delta))
-
-    def waiting(self) -> int:
-        """This process's requests sent and not yet started (the engine's queue holds others' too)."""
-        return sum(1 for j in list(self._jobs.values()) if not j.started)
 
     def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
         with arrival or contextlib.nullcontext():

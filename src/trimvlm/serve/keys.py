@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from trimvlm.errors import InputError
 
-ENV = "TRIMVLM_API_KEY"
 OPEN = ("/health",)
 
 
@@ -44,13 +43,9 @@ class ApiKey:
         return path not in OPEN and (self.metrics or path != "/metrics")
 
     def allowed(self, headers: list) -> bool:
-        given = b""
-        for name, value in headers:
-            if name.lower() == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    given = token.strip()
-        return hmac.compare_digest(given, self._key)
+        auth = {name.lower(): value for name, value in headers}.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return hmac.compare_digest(token.strip() if scheme.lower() == b"bearer" else b"", self._key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keyed(scope["path"]) or self.allowed(scope.get("headers", [])):

@@ -232,13 +232,12 @@ class ChatReply:
                     if piece or entries:
                         yield self.chunk(event.choice, {"content": piece}, logprobs=self._logprobs(entries))
                 elif isinstance(event, ChoiceEnd):
-                    i, e = event.choice, event
-                    ends[i] = e
-                    rest, entries = texts[i].end(e.text, e.logprobs)
+                    ends[event.choice] = event
+                    rest, entries = texts[event.choice].end(event.text, event.logprobs)
                     if rest or entries:
-                        yield self.chunk(i, {"content": rest}, logprobs=self._logprobs(entries))
+                        yield self.chunk(event.choice, {"content": rest}, logprobs=self._logprobs(entries))
                     if p.n > 1:
-                        yield self.chunk(i, {}, e.finish_reason)
+                        yield self.chunk(event.choice, {}, event.finish_reason)
                 elif isinstance(event, Done):
                     finished = True
                     usage = self._usage(event, ends)

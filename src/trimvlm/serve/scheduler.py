@@ -27,20 +27,17 @@ POLL_S = 0.002  # how often a waiting worker looks again whether more requests a
 
 
 class Arrival(contextlib.AbstractContextManager):
-    """A request on its way to the batcher (being read, checked, tokenized): the loop waits for it."""
+    """A request on its way to the batcher (being read, checked, tokenized): the loop waits for it until it is
+    queued or fails (the first exit)."""
 
     def __init__(self, batcher: Scheduler):
         self._batcher = batcher
-        self._open = True
         batcher.arriving(1)
 
-    def done(self) -> None:
-        if self._open:
-            self._open = False
-            self._batcher.arriving(-1)
-
     def __exit__(self, *exc) -> None:
-        self.done()
+        if self._batcher is not None:
+            self._batcher.arriving(-1)
+            self._batcher = None
 
 
 class Scheduler:
@@ -53,10 +50,6 @@ class Scheduler:
         max_wait_s: float = 0.01,
         max_prefill_tokens: int = 4096,
     ):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.engine = engine  # the step-level engine (serve/engine.py) of the keys whose endpoint is in its kinds
         self.max_prefill_tokens = max_prefill_tokens
         self.run = run

@@ -18,7 +18,7 @@ from trimvlm.decision.costs import split
 from trimvlm.scoring.executors import NAMES
 from trimvlm.scoring.request import READOUTS, CandidateScore, ScoreRequest, ScoreResult
 from trimvlm.serve.chat import _Strict, decode_image
-from trimvlm.serve.errors import ApiError, validated
+from trimvlm.serve.errors import ApiError, parse_json, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import answered, served
 
@@ -72,10 +72,10 @@ def parse(body: dict, limits) -> ScoreBody:
 
 async def handle(state, request, arrival) -> dict:
     t0 = time.perf_counter()
-    body = await state.read_json(request)
+    body = parse_json(await state.read_body(request))
     req = parse(body, state.limits)
     model = state.model_name(body)
-    recipe = state.recipe("score", req.recipe)
+    recipe = state.recipes.get("score", req.recipe)
     state.need_lm_head()
     if req.readout == "head" and state.vlm.head is None:
         raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")

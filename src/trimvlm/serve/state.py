@@ -18,7 +18,7 @@ from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve import score, systemone
 from trimvlm.serve.engine import ChatEngine
-from trimvlm.serve.errors import ApiError, parse_json, schema_error
+from trimvlm.serve.errors import ApiError, schema_error
 from trimvlm.serve.ipc import RemoteScheduler
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access
@@ -112,7 +112,7 @@ class ServerState:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
         ladder's rung for the queue now."""
         figures = self.load_arrived()
-        return self.recipe("chat", self.load.choose(figures["waiting"], figures["rate"]).text, own=True)
+        return self.recipes.get("chat", self.load.choose(figures["waiting"], figures["rate"]).text, own=True)
 
     def load_arrived(self) -> dict:
         """A load-following request has come (counted): what its rung's choice reads, the measurements, the queue
@@ -123,10 +123,6 @@ class ServerState:
             return figures
         self.load.arrived()
         return self.load.figures() | {"waiting": self.batcher.waiting(), "rate": self.load.rate()}
-
-    def recipe(self, kind: str, value, *, own: bool = False) -> Recipe:
-        """The recipe of a request (`Recipes.get`)."""
-        return self.recipes.get(kind, value, own=own)
 
     def need_lm_head(self) -> None:
         """400 for a chat or score request to a server holding a decision model."""
@@ -144,10 +140,6 @@ class ServerState:
         if name not in {self.model_id, Path(self.model_id).name}:
             raise ApiError(400, f"this server answers for {self.model_id!r}; the request asks for {name!r}")
         return name
-
-    async def read_json(self, request) -> dict:
-        """The request body as a JSON object: 413 past `max_body_bytes`, 422 for text that is not a JSON object."""
-        return parse_json(await self.read_body(request))
 
     async def read_body(self, request) -> bytes:
         """The request body's bytes: 413 past `max_body_bytes` (by its Content-Length or as it is read)."""

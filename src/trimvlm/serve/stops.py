@@ -24,13 +24,8 @@ class StopText:
         at = self.find(text)
         if at is not None:
             return at
-        held = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:k]):
-                    held = k
-                    break
-        return len(text) - held
+        tails = (k for s in self.stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k]))
+        return len(text) - max(tails, default=0)
 
 
 def token_start(before: str, now: str) -> int:

@@ -57,14 +57,14 @@ async def handle(state, request, arrival):
     raw = await state.read_body(request)
     tag, seen, prepared = state.seen_bodies.recall(raw)
     if prepared is not None:  # a body seen before, found prepared: its checks passed then and pass again
-        model, recipe = seen.model, state.recipe("decide", seen.recipe)
+        model, recipe = seen.model, state.recipes.get("decide", seen.recipe)
         ready = Ready(found_request(prepared, t0), True, seen.key)
     else:
         body = parse_json(raw)
         extension = body.pop("recipe", None)
         check_schema(state, body)
         model = state.model_name(body)
-        recipe = state.recipe("decide", extension)
+        recipe = state.recipes.get("decide", extension)
         body.pop("model", None)
         ready = await state.prepare(prepare_cached, state, body)
         if tag is not None:
