@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from trimvlm.errors import InputError, TrimVLMError
-from trimvlm.terminal import Sheet, Terminal
+from trimvlm.terminal import Col, Sheet, Terminal
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True,
@@ -413,7 +413,6 @@ def score(
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
     import trimvlm
-    from trimvlm.cli_score import print_scores
 
     vlm = trimvlm.load(model, **_load_kw(device, dtype))
     _warn_unknown(vlm, question)
@@ -421,8 +420,39 @@ def score(
         [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
         recipe=recipe or None, binary=binary,
     )  # fmt: skip
-    print_scores(res, console)
+    _print_scores(res)
     _write_json(json_out, res.as_dict())
+
+
+SCORE_COLUMNS = ["", "candidate", Col("logit", right=True, wide=True), Col("prob", right=True),
+                 Col("loglik sum", right=True), Col("mean", right=True, wide=True), Col("tokens", right=True),
+                 "matches greedy"]  # fmt: skip
+
+
+def _print_scores(batch) -> None:
+    for res in batch.results:
+        table = Sheet(console, res.question, SCORE_COLUMNS)
+        for k, c in enumerate(res.candidates):
+            mark = "*" if k == res.chosen else ""
+            table.row(
+                mark, c.text, f"{c.logit:.4f}", f"{c.prob:.4f}", f"{c.loglik_sum:.4f}",
+                f"{c.loglik_mean:.4f}", str(c.n_tokens), "yes" if c.is_greedy else "",
+            )  # fmt: skip
+        if res.abstain_logit is not None:
+            table.row("*" if res.chosen < 0 else "", "(abstain)", f"{res.abstain_logit:.4f}",
+                      f"{res.abstain_prob:.4f}", "", "", "", "")  # fmt: skip
+        console.print(table)
+        if res.binary_prob is not None:
+            console.print(f"P(true) = {res.binary_prob:.4f}")
+        console.print(f"chosen: {res.chosen_text if res.chosen >= 0 else '(abstain)'}")
+        console.print("[dim]matches greedy: greedy decoding would produce this candidate (each of its tokens is the model's top choice)[/]")
+    c = batch.costs
+    console.print(
+        f"[dim]{batch.executor} executor, {batch.tokens['executed']} of {batch.tokens['logical']} candidate "
+        f"tokens executed; prefill {c.prefill_flops / 1e9:.4f} GFLOP, candidates "
+        f"{c.flops.get('branch', 0) / 1e9:.4f} GFLOP, method {c.flops.get('method', 0) / 1e9:.6f} GFLOP, "
+        f"{sum(c.seconds.values()) * 1e3:.0f} ms[/]"
+    )
 
 
 @command("train-head", rich_help_panel=TRAIN)

@@ -21,22 +21,15 @@ from rich.console import Console
 
 import trimvlm
 from trimvlm.depth.base import model_fingerprint
-from trimvlm.depth.calibration import prepare_batches, rank, ranking_data, write_ranking
+from trimvlm.depth.calibration import RANKERS, prepare_batches, rank, ranking_data, write_ranking
 from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.options import is_int
-from trimvlm.progress import progress
+from trimvlm.progress import steps
 from trimvlm.scoring.calibrate import calibrate, check_readout_name, resolve_readout
 from trimvlm.terminal import Col, Sheet
 
 CANDIDATES = "candidates"
-
-
-def _rankers() -> dict:
-    import trimvlm.depth  # noqa: F401  (registers the rankers)
-    from trimvlm.depth.calibration import RANKERS
-
-    return RANKERS
 
 
 def _token_statistics() -> dict:
@@ -49,8 +42,8 @@ def _token_statistics() -> dict:
 
 
 def check_method(method: str) -> None:
-    if method != CANDIDATES and method not in _rankers() and method not in _token_statistics():
-        allowed = [CANDIDATES, *sorted(_rankers()), *sorted(_token_statistics())]
+    if method != CANDIDATES and method not in RANKERS and method not in _token_statistics():
+        allowed = [CANDIDATES, *sorted(RANKERS), *sorted(_token_statistics())]
         raise InputError(f"unknown calibration method {method!r}; allowed: {', '.join(allowed)}")
 
 
@@ -88,8 +81,7 @@ def calibrate_command(
     console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     about = {"task": str(task), "split": "val", "seed": seed}
-    with progress(console) as bar:
-        data = _measure(bar, vlm, method, items, batch_size, about, readout, str(model))
+    data = _measure(console, vlm, method, items, batch_size, about, readout, str(model))
     if method in _token_statistics():
         if json_out is not None:
             path = Path(json_out)
@@ -107,26 +99,26 @@ def calibrate_command(
     return data
 
 
-def _measure(bar, vlm, method: str, items, batch_size: int, about: dict, readout: str, model: str) -> dict:
+def _measure(console, vlm, method: str, items, batch_size: int, about: dict, readout: str, model: str) -> dict:
     """The file's content of `method` on `items`, a progress step per batch or pass."""
     batches = math.ceil(len(items) / batch_size)
+    detail = f"{len(items)} inputs in {batches} batches"
     if method in _token_statistics():
-        job = bar.add_task(method, total=batches, unit="batch", detail=f"{len(items)} inputs in {batches} batches")
-        return token_statistics(vlm, method, items, batch_size, about, model, on_step=lambda: bar.advance(job))
+        with steps(method, batches, console, phase=detail, unit="batch") as bar:
+            return token_statistics(vlm, method, items, batch_size, about, model, on_step=bar.advance)
     if method == CANDIDATES:
-        job = bar.add_task(method, total=batches * (vlm.runner.num_layers + 1), unit="pass",
-                           detail=f"{len(items)} inputs, a pass per layer and batch")  # fmt: skip
-        res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
-                        batch_size=batch_size, on_step=lambda: bar.advance(job))  # fmt: skip
+        with steps(method, batches * (vlm.runner.num_layers + 1), console, unit="pass",
+                   phase=f"{len(items)} inputs, a pass per layer and batch") as bar:  # fmt: skip
+            res = calibrate(vlm, [it.request() for it in items], resolve_readout(vlm, readout),
+                            batch_size=batch_size, on_step=bar.advance)  # fmt: skip
         return ranking_data(vlm, method, res["J"], res["order"], about | {"n": res["n"], "readout": res["readout"]},
                             model)  # fmt: skip
-    job = bar.add_task(method, total=_rankers()[method].steps(batches, vlm.runner.num_layers),
-                       detail=f"{len(items)} inputs in {batches} batches")  # fmt: skip
-    return rank(vlm, method, items, batch_size, on_step=lambda: bar.advance(job), calibration=about, model=model)
+    with steps(method, RANKERS[method].steps(batches, vlm.runner.num_layers), console, phase=detail) as bar:
+        return rank(vlm, method, items, batch_size, on_step=bar.advance, calibration=about, model=model)
 
 
 def print_ranking(data: dict, layer_types: list[str], console) -> None:
-    what = "J_l" if data["method"] == CANDIDATES else _rankers()[data["method"]].what
+    what = "J_l" if data["method"] == CANDIDATES else RANKERS[data["method"]].what
     cal = data["calibration"]
     readout = f", {cal['readout']} readout" if "readout" in cal else ""
     t = Sheet(console, f"{data['method']}: {what} ({data['model']}{readout}, {cal['n']} inputs)",

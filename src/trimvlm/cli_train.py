@@ -19,6 +19,7 @@ from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items as calibration_records
 from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
 from trimvlm.progress import progress as progress_bar
+from trimvlm.progress import steps as step_bar
 from trimvlm.router.model import CONFIG, router_folder, save_router
 from trimvlm.router.route import Router
 from trimvlm.scoring.train_head import (
@@ -53,11 +54,10 @@ def train_router_command(model="demo", task="demo", n: int = 32, token_keep: flo
     console = console or Console()
     vlm = trimvlm.load(model, **(load_kw or {}))
     records = calibration_records(task, n, seed)
-    with progress_bar(console) as bar:
-        job = bar.add_task("train-router", total=len(records) + epochs,
-                           detail=f"layouts of {len(records)} inputs, then {epochs} DPO epochs")  # fmt: skip
+    with step_bar("train-router", len(records) + epochs, console,
+                  phase=f"layouts of {len(records)} inputs, then {epochs} DPO epochs") as bar:  # fmt: skip
         log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
-                           out=out, resume=resume, on_step=lambda: bar.advance(job), **train_kw)  # fmt: skip
+                           out=out, resume=resume, on_step=bar.advance, **train_kw)  # fmt: skip
     for e in log["epochs"]:
         console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
     if not epochs:
@@ -75,19 +75,16 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     """`trimvlm calibrate-router`: measure a v2 router's held-out calibration (training/calibration.py) on `n`
     val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
     checkpoint (a shipped demo router only with `overwrite`)."""
-    folder = router_folder(router)
-    refuse_shipped(folder, overwrite)
     console = console or Console()
-    vlm, r = _v2_router(model, folder, load_kw, "calibrated")
+    folder, vlm, r = _v2_router(router, model, load_kw, "calibrated", overwrite)
     skip = trained_inputs(r.meta) if skip is None else skip
     if not isinstance(n, int) or n < 1 or skip < 0:
         raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
     seed = int(r.meta.get("seed", 0))
     records = calibration_records(task, skip + n, seed)[skip:]
-    with progress_bar(console) as bar:
-        job = bar.add_task("calibrate-router", total=len(records), unit="input",
-                           detail=f"held-out layouts, selectors {', '.join(select)}")  # fmt: skip
-        held = measure(vlm, r, records, list(select), on_step=lambda: bar.advance(job))
+    with step_bar("calibrate-router", len(records), console, unit="input",
+                  phase=f"held-out layouts, selectors {', '.join(select)}") as bar:  # fmt: skip
+        held = measure(vlm, r, records, list(select), on_step=bar.advance)
     meta = json.loads((folder / CONFIG).read_text())
     meta["budget"]["held_out"] = held | {"task": task, "skip": skip, "seed": seed}
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
@@ -100,8 +97,6 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
                         n_val: int = 96, console=None, load_kw: dict | None = None, overwrite: bool = False) -> dict:  # fmt: skip
     """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
     (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
-    folder = router_folder(router)
-    refuse_shipped(folder, overwrite)
     console = console or Console()
     try:
         values = [float(b) for b in str(budgets).split(",") if b.strip()]
@@ -115,7 +110,7 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     if len(methods) not in (1, len(values)):
         raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
     methods = methods * len(values) if len(methods) == 1 else methods
-    vlm, _ = _v2_router(model, folder, load_kw, "given variants")
+    folder, vlm, _ = _v2_router(router, model, load_kw, "given variants", overwrite)
     picked = []
     for b, method in zip(values, methods, strict=True):
         v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=str(router))
@@ -127,14 +122,17 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     return {"out": str(folder), "variants": picked}
 
 
-def _v2_router(model, folder: Path, load_kw, verb: str):
-    """(the loaded model, the v2 router in `folder` checked against it as a `Router` at budget 1)."""
+def _v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
+    """(the router's folder, the loaded model, the v2 router checked against it as a `Router` at budget 1). Writing
+    into `out` (default: the router's folder) is refused first for a shipped demo router without `overwrite`."""
+    folder = router_folder(router)
+    refuse_shipped(folder if out is None else out, overwrite)
     vlm = trimvlm.load(model, **(load_kw or {}))
     r = Router(path=str(folder), budget=1.0)
     if "budget" not in r.meta:
         raise InputError(f"router {folder} is a v1 router: only a v2 one (train-router --keeps) is {verb}")
     r.check(vlm.runner)
-    return vlm, r
+    return folder, vlm, r
 
 
 def refit_router_command(router, model="demo", task="demo", n: int = 512, select: str = "router", epochs: int = 40,
@@ -143,19 +141,15 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     """`trimvlm refit-router`: train a v2 router's layer scores on layouts run with `select`'s tokens
     (training/layer_pairs.py) on the task's first `n` val inputs; write it to `out` (default: in place; a
     shipped demo router only with `overwrite`)."""
-    folder = router_folder(router)
-    out = folder if out is None else Path(out)
-    refuse_shipped(out, overwrite)
     if not isinstance(n, int) or n < 1 or not isinstance(epochs, int) or epochs < 1:
         raise InputError(f"--n and --epochs must be positive integers, got n={n!r}, epochs={epochs!r}")
     console = console or Console()
-    vlm, r = _v2_router(model, folder, load_kw, "refit")
+    folder, vlm, r = _v2_router(router, model, load_kw, "refit", overwrite, out)
+    out = folder if out is None else Path(out)
     records = calibration_records(task, n, int(r.meta.get("seed", 0)))
-    with progress_bar(console) as bar:
-        job = bar.add_task("refit-router", total=len(records), unit="input",
-                           detail=f"layouts with {select}'s tokens, then {epochs} DPO epochs")  # fmt: skip
-        fit, budget, log = refit_layers(vlm, r, records, select, epochs=epochs, on_step=lambda: bar.advance(job),
-                                        **fit_kw)  # fmt: skip
+    with step_bar("refit-router", len(records), console, unit="input",
+                  phase=f"layouts with {select}'s tokens, then {epochs} DPO epochs") as bar:  # fmt: skip
+        fit, budget, log = refit_layers(vlm, r, records, select, epochs=epochs, on_step=bar.advance, **fit_kw)
     own = ("hidden", "candidate_layers", "width", "heads", "ff", "fingerprint")
     extra = {k: v for k, v in r.meta.items() if k not in own} | {"budget": budget, "refit": log}
     save_router(fit, out, fingerprint=model_fingerprint(vlm.adapter), hidden=r.meta["hidden"], extra=extra)

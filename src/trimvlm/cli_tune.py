@@ -3,7 +3,20 @@ the folder (`trimvlm.tune.report`)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+
+import torch
+from rich.console import Console
+
+import trimvlm
+from trimvlm.errors import InputError
+from trimvlm.integrations.ray_eval import RayEvaluator
+from trimvlm.terminal import Col, Sheet
+from trimvlm.tune.budgets import budget_points
+from trimvlm.tune.report import best_entries, candidates_run, write_report
+from trimvlm.tune.search import Settings, check_splits, tune
+from trimvlm.tune.space import load_space
 
 
 def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None, out="runs/tune",
@@ -13,55 +26,35 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
     """`trimvlm tune`. `ray` ("auto", "local" or HOST:PORT): every evaluation of the search sharded over
     `workers` Ray workers that load the model once for the whole search (integrations/ray_eval.RayEvaluator);
     the model is also loaded here, for the cost predictions and the rankings' calibration."""
-    import contextlib
-
-    from rich.console import Console
-
-    import trimvlm
-    from trimvlm.tune.budgets import budget_points
-    from trimvlm.tune.report import write_report
-    from trimvlm.tune.search import Settings, check_splits, tune
-    from trimvlm.tune.space import load_space
-
     budget_points(budgets)  # bad budgets, splits and space files fail before the model loads
     check_splits(task, "val", "test", data)
     load_space(space)
     if threads is not None:
-        import torch
-
         torch.set_num_threads(threads)
     console = console or Console()
     if workers is not None and ray is None:
-        from trimvlm.errors import InputError
-
         raise InputError("--workers applies to a search sharded over Ray: give --ray auto, local or HOST:PORT too")
     vlm = trimvlm.load(model, **(load_kw or {}))
     pool = contextlib.nullcontext()
     if ray is not None:
-        from trimvlm.integrations.ray_eval import RayEvaluator
-
         pool = RayEvaluator(model, workers=workers, ray_address=ray, load_kw=load_kw, progress=False)
     with pool as evaluate:
         rep = tune(vlm, task, list(budgets), space=space, out=out, n_val=n_val, n_test=n_test, seed=seed,
                    data=data, min_retention=min_retention, settings=Settings(batch_size=batch_size), console=console,
                    evaluate=evaluate)  # fmt: skip
-    by_spec = {e["spec"]: e for e in rep["entries"]}
+    best = best_entries(rep)
     table = _best_table(console, f"tune {model} on {task}: best recipe per budget (test split, {rep['n_test']} "
-                        "items)", [b["label"] for b in rep["budgets"]])  # fmt: skip
-    for b in rep["budgets"]:
-        e = by_spec.get(b["best"]) if b["best"] else None
+                        "items)", [name for name, _ in best])  # fmt: skip
+    for name, e in best:
         if e is None:
-            table.row(b["label"], "none fits", *["-"] * 5)
+            table.row(name, "none fits", *["-"] * 5)
             continue
         t, r = e["test"], e["test"]["ratio"]
-        table.row(b["label"], e["spec"], f"{100 * t['accuracy']:.1f}%", f"{t['retention'] or 0:.3f}",
+        table.row(name, e["spec"], f"{100 * t['accuracy']:.1f}%", f"{t['retention'] or 0:.3f}",
                       f"{r['total_flops']:.3f}x", f"{r['kv_bytes']:.3f}x", f"{r['latency_s']:.3f}x")  # fmt: skip
     console.print(table)
-    base = by_spec["baseline"]["test"]
-    console.print(f"baseline test accuracy {100 * base['accuracy']:.1f}%; candidates run {rep['ran']} of "
-                  f"{rep['considered']} considered ({len(rep['skipped'])} skipped before running, "
-                  f"{rep.get('left_out_by_beam', 0)} joint families not formed by the beam, "
-                  f"{rep['evaluated_recipes']} recipes evaluated with the keep corrections)")  # fmt: skip
+    base = next(e for e in rep["entries"] if e["spec"] == "baseline")["test"]
+    console.print(f"baseline test accuracy {100 * base['accuracy']:.1f}%; candidates run {candidates_run(rep)}")
     for path in write_report(rep, Path(out)):
         console.print(f"[dim]wrote {path}[/]")
     return rep
@@ -69,8 +62,6 @@ def tune_command(model="demo", task="demo", budgets=(), *, data=None, space=None
 
 def _best_table(console, title: str, labels: list[str]):
     """The budgets' best recipes: KV bytes and latency are default columns where a budget names them."""
-    from trimvlm.terminal import Col, Sheet
-
     named = " ".join(labels)
     costs = (("flops", "total FLOPs"), ("kv_bytes", "KV bytes"), ("latency", "latency"))
     return Sheet(console, title, ["budget", "best recipe", Col("test accuracy", right=True), Col("retention", right=True),

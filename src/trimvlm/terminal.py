@@ -27,10 +27,9 @@ class Terminal(Console):
     """A rich Console that knows whether its tables show their `wide` columns (`wide`) and keep their natural
     width (`whole`: with --wide)."""
 
-    def __init__(self, *, wide: bool = False, stderr: bool = False, **kw):
-        stream = sys.stderr if stderr else sys.stdout
-        sized = "width" in kw or stream.isatty() or (os.environ.get("COLUMNS") or "").isdigit()
-        super().__init__(stderr=stderr, width=kw.pop("width", None if sized else PIPED_WIDTH), **kw)
+    def __init__(self, *, wide: bool = False, **kw):
+        sized = "width" in kw or sys.stdout.isatty() or (os.environ.get("COLUMNS") or "").isdigit()
+        super().__init__(width=kw.pop("width", None if sized else PIPED_WIDTH), **kw)
         self.wide = wide
         self.whole = wide  # tables at their natural width
 

@@ -11,8 +11,7 @@ import itertools
 from trimvlm.errors import InputError
 
 AXES = ("total_flops", "prefill_flops", "kv_bytes", "latency")
-RESULT_KEY = {"total_flops": "total_flops", "prefill_flops": "prefill_flops", "kv_bytes": "kv_bytes",
-              "latency": "latency_s"}  # fmt: skip
+RESULT_KEY = {a: a for a in AXES} | {"latency": "latency_s"}  # axis -> its key in a result row's ratios
 
 
 def parse_budget(text: str) -> tuple[str, float]:

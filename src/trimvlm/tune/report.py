@@ -72,21 +72,29 @@ def _ratios(e: dict) -> str:
     return " | ".join(f"{e['test']['ratio'][k]:.3f}x" for k in ("total_flops", "kv_bytes", "latency_s"))
 
 
+def candidates_run(rep: dict) -> str:
+    """How many candidates ran of those considered, and how many recipes were evaluated."""
+    return (f"{rep['ran']} of {rep['considered']} considered ({len(rep['skipped'])} skipped before running, "
+            f"{rep.get('left_out_by_beam', 0)} joint families not formed by the beam; {rep['evaluated_recipes']} "
+            "recipes evaluated, keep corrections included)")  # fmt: skip
+
+
+def best_entries(rep: dict) -> list[tuple[str, dict | None]]:
+    """Each budget point's label and the entry of its best recipe (None: no recipe fits it)."""
+    by_spec = {e["spec"]: e for e in rep["entries"]}
+    return [(b["label"], by_spec.get(b["best"]) if b["best"] else None) for b in rep["budgets"]]
+
+
 def markdown(rep: dict) -> str:
     by_spec = {e["spec"]: e for e in rep["entries"]}
     lines = [f"# trimvlm tune: {rep['model'].get('family', '')} on {rep['task']}", "",
              f"Searched on {rep['n_val']} {rep['splits']['val']} items, reported on {rep['n_test']} "
-             f"{rep['splits']['test']} items. Candidates run: {rep['ran']} of {rep['considered']} considered "
-             f"({len(rep['skipped'])} skipped before running, {rep.get('left_out_by_beam', 0)} joint families "
-             f"not formed by the beam; {rep['evaluated_recipes']} recipes evaluated, keep corrections included).", "",
+             f"{rep['splits']['test']} items. Candidates run: {candidates_run(rep)}.", "",
              "| budget | best recipe | test accuracy (mismatch % prefill / full) | total FLOPs | KV bytes | latency |",
              "|---|---|---|---|---|---|"]  # fmt: skip
-    for b in rep["budgets"]:
-        e = by_spec.get(b["best"]) if b["best"] else None
-        if e is None:
-            lines.append(f"| {b['label']} | none fits | - | - | - | - |")
-            continue
-        lines.append(f"| {b['label']} | `{e['spec']}` | {_cell(e)} | {_ratios(e)} |")
+    for name, e in best_entries(rep):
+        lines.append(f"| {name} | none fits | - | - | - | - |" if e is None else
+                     f"| {name} | `{e['spec']}` | {_cell(e)} | {_ratios(e)} |")  # fmt: skip
     base = by_spec["baseline"]
     lines += ["", f"Baseline: {_cell(base)}, {human(base['test'].get('n', 0))} items.", "", "## Frontier (test figures)",
               "", "| recipe | on the frontier of | test accuracy | total FLOPs | KV bytes | latency |",

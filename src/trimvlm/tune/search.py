@@ -88,20 +88,21 @@ class Search:
         shapes = self.shapes(idx)
         if shapes is None:
             return None
-        key = (spec_of(recipe), self.journal.items_key(idx))
-        if key not in self._pred:
-            p = predict(self.vlm, recipe, shapes)
-            self._pred[key] = p if p is not None else predict(self.vlm, self.proxy(recipe), shapes)
-        p = self._pred[key]
-        if ("baseline", key[1]) not in self._pred:  # once per item set, not on every call
-            self._pred["baseline", key[1]] = predict(self.vlm, {}, shapes)
-        base = self._pred["baseline", key[1]]
+        ik = self.journal.items_key(idx)
+        p, base = self._predict(recipe, ik, shapes), self._predict({}, ik, shapes)  # each once per item set
         if p is None:
             return None
         bsum = self.journal.run([], idx)["baseline"]["sum"]
         extra = bsum["total_flops"] - bsum["prefill_flops"]
         return {"prefill_flops": p.prefill_flops / base.prefill_flops, "kv_bytes": p.kv_bytes / base.kv_bytes,
                 "total_flops": (p.prefill_flops + extra) / bsum["total_flops"]}  # fmt: skip
+
+    def _predict(self, recipe: dict, ik: str, shapes):
+        """`predict` of the recipe (else of its `proxy`) on the item set `ik`, remembered."""
+        key = (spec_of(recipe), ik)
+        if key not in self._pred:
+            self._pred[key] = predict(self.vlm, recipe, shapes) or predict(self.vlm, self.proxy(recipe), shapes)
+        return self._pred[key]
 
     def proxy(self, recipe: dict) -> dict:
         """An estimate's stand-in for what the shapes cannot tell: a token reducer whose counts follow the data
@@ -125,23 +126,23 @@ class Search:
         the validation items (`idx` where they are not known)."""
         fam, lo, hi = cand.family, self.space.keep_low, self.space.keep_high
         idx = self.budget_items(idx)
-        if self.over(self.predicted(fam.recipe(lo), idx), point, cand.offset):
+
+        def over(keep: float) -> bool:
+            return self.over(self.predicted(fam.recipe(keep), idx), point, cand.offset)
+
+        if over(lo):
             return None
         if self.predicted(fam.recipe(hi), idx) is None:  # a router, candidate items: measured only
             return cand.keep if cand.keep is not None else 0.5 * (lo + hi)
-        if not self.over(self.predicted(fam.recipe(hi), idx), point, cand.offset):
+        if not over(hi):
             return hi
-        grid = self.keep_grid(fam)
+        grid = getattr(build_methods(fam.recipe(1.0)).get("tokens"), "keep_grid", None)
         if grid is not None:  # a method with discrete keeps (pooling: 1 / window area): the largest that fits
-            fit = [k for k in grid if lo <= k <= hi and not self.over(self.predicted(fam.recipe(k), idx), point, cand.offset)]
-            return max(fit) if fit else None
+            return max((k for k in grid if lo <= k <= hi and not over(k)), default=None)
         for _ in range(self.s.steps):
             mid = round((lo + hi) / 2, 4)
-            lo, hi = (mid, hi) if not self.over(self.predicted(fam.recipe(mid), idx), point, cand.offset) else (lo, mid)
+            lo, hi = (lo, mid) if over(mid) else (mid, hi)
         return lo
-
-    def keep_grid(self, fam: Family):
-        return getattr(build_methods(fam.recipe(1.0)).get("tokens"), "keep_grid", None)
 
     def start(self, point: dict, idx, families: list[Family]) -> list[Candidate]:
         out = []
