@@ -23,7 +23,6 @@ from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError
 from trimvlm.scoring.head import DecisionHead
-from trimvlm.scoring.readout import N_FEATURES
 from trimvlm.scoring.request import ScoreRequest
 
 TEST_IMAGES = 100  # the demo task's standard test items: 100 images, one question per kind
