@@ -78,7 +78,8 @@ def build_forest(suffixes: list[list[list[int]]], starts: list[int], *, merge: b
         prev_path: list[int] = []
         for i in order:
             toks = [int(t) for t in cands[i]]
-            shared = sum(1 for _ in takewhile(lambda ab: ab[0] == ab[1], zip(prev, toks))) if merge else 0
+            same = takewhile(lambda ab: ab[0] == ab[1], zip(prev, toks, strict=False)) if merge else ()
+            shared = sum(1 for _ in same)  # the tokens it shares with the candidate before it
             base, k = len(f.token), len(toks) - shared
             if k:
                 f.request.extend([r] * k)
