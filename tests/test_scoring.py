@@ -111,7 +111,7 @@ def test_trie_keys_include_history_and_position():
     assert f.paths[0][0] == f.paths[0][2]
     assert f.paths[0][0][1] != f.paths[0][1][1]  # token 2 after 1 vs after 3
     assert f.num_nodes == 8 and f.logical_tokens == 15
-    assert [f.position(n) for n in f.paths[0][4]] == [10, 11, 12, 13]
+    assert f.positions()[f.paths[0][4]].tolist() == [10, 11, 12, 13]
     ends = {f.chain_of[p[-1]] for p in f.paths[0]}
     for path in f.paths[0]:
         last = path[-1]

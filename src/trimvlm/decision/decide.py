@@ -121,8 +121,6 @@ def encoded_images(vlm, groups: list[list], cuts: list[int] | None, fwd) -> tupl
     per_row = fwd.n_images
     if cuts is None:  # one row per prompt: a request's images are those of its prompts
         per_row = [sum(g) for g in grouped(per_row, [len(g) for g in groups])]
-    elif reuse is None:
-        per_row = list(per_row)
     counts = [per_row[r] for r in ran]
     seen = cache.last_hits if cache is not None else None
     if seen is None or len(seen) != sum(counts):  # nothing cached: each image ran

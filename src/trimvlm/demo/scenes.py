@@ -16,7 +16,7 @@ pixels; the pixel maps (`label_map`) serve only the training scaffolds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -91,7 +91,6 @@ class Scene:
     text_row: int  # first token of the text box
     text_col: int
     glyph_scale: int  # tokens per glyph side (1 or 2)
-    stripes: list = field(default_factory=list)  # unused; kept for the shared Sample shape
 
     @property
     def width(self) -> int:
@@ -259,11 +258,16 @@ def label_map(scene: Scene) -> np.ndarray:
     return np.asarray(img, dtype=np.int32)
 
 
-def object_tokens(scene: Scene, min_pixels: int = 32) -> list[list[int]]:
-    """Per object, the visual tokens (raster order) where at least `min_pixels` of it are seen."""
+def object_pixels(scene: Scene) -> np.ndarray:
+    """[tokens, objects] int: per visual token (raster order), the pixels of each object seen in it."""
     lab = label_map(scene).reshape(scene.rows, TOKEN_PX, scene.cols, TOKEN_PX).transpose(0, 2, 1, 3)
     lab = lab.reshape(scene.rows * scene.cols, TOKEN_PX * TOKEN_PX)
-    return [np.flatnonzero((lab == k + 1).sum(1) >= min_pixels).tolist() for k in range(len(scene.objects))]
+    return np.stack([(lab == k + 1).sum(1) for k in range(len(scene.objects))], 1)
+
+
+def object_tokens(scene: Scene, min_pixels: int = 32) -> list[list[int]]:
+    """Per object, the visual tokens (raster order) where at least `min_pixels` of it are seen."""
+    return [np.flatnonzero(seen >= min_pixels).tolist() for seen in object_pixels(scene).T]
 
 
 def anchor_token(scene: Scene, o: Obj) -> int:

@@ -41,11 +41,8 @@ def pair_class(color: str, shape: str) -> int:
 
 def token_objects(scene: scenes.Scene) -> np.ndarray:
     """Per visual token (raster order), the index of the object it shows, or -1."""
-    lab = scenes.label_map(scene).reshape(scene.rows, scenes.TOKEN_PX, scene.cols, scenes.TOKEN_PX)
-    lab = lab.transpose(0, 2, 1, 3).reshape(scene.rows * scene.cols, -1)
-    counts = np.stack([(lab == k + 1).sum(1) for k in range(len(scene.objects))], 1)
-    best = counts.argmax(1)
-    return np.where(counts.max(1) >= SEEN_PIXELS, best, -1)
+    counts = scenes.object_pixels(scene)
+    return np.where(counts.max(1) >= SEEN_PIXELS, counts.argmax(1), -1)
 
 
 def glyph_keys(scene: scenes.Scene) -> list[list[int]]:

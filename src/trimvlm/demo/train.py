@@ -24,7 +24,6 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -221,10 +220,8 @@ class AttentionTeacher:
             ls = [x for x in ls if x < depth]
             return set(ls) if full is None else {next((i for i in full if i >= x), full[-1]) for x in ls}
 
-        self.roles = {layer: "cells" for layer in place(layers)}  # where two roles meet, the later one wins
-        self.roles.update({layer: "words" for layer in place(word_layers)})
-        self.roles.update({layer: "option" for layer in place(option_layers)})
-        self.roles.update({layer: "verdict" for layer in place(verdict_layers)})
+        roles = {"cells": layers, "words": word_layers, "option": option_layers, "verdict": verdict_layers}
+        self.roles = {layer: role for role, ls in roles.items() for layer in place(ls)}  # the later role wins
         attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
         if rows_only:
             from transformers import AttentionInterface
@@ -527,41 +524,33 @@ def _train_step(
     return loss.item(), att_loss
 
 
-class _HeldOut(NamedTuple):
-    """The validation samples, their majority-answer accuracy per kind, and the test samples."""
-
-    val: list
-    val_base: dict[str, float]
-    test: list
-
-
-def _held_out(spec: Spec, enc: Encoder) -> _HeldOut:
+def _held_out(spec: Spec) -> tuple[list, list]:
+    """The validation and the test samples."""
     val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    test = spec.task.generate_split("test", TEST_IMAGES, seed=0)
-    return _HeldOut(val, majority_baseline(val, enc.kinds), test)
+    return val, spec.task.generate_split("test", TEST_IMAGES, seed=0)
 
 
 def _validate(
-    run: _Run, enc: Encoder, held: _HeldOut, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
+    run: _Run, enc: Encoder, val: list, test: list, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
     log_path: Path,
 ) -> str:  # fmt: skip
     """Validation accuracy and selection score at `run.step`; when the score beats the best so far, the test
     accuracy too, and the checkpoint is written to `out_dir`. Logs the record; returns the console line."""
-    acc = evaluate(run.model, enc, held.val)
-    score = selection_score(acc, held.val_base)
+    acc = evaluate(run.model, enc, val)
+    score = selection_score(acc, majority_baseline(val, enc.kinds))
     rec = {"step": run.step, "val": acc, "val_score": score}
     if run.teacher is not None or run.probe is not None:
-        rec["scaffolds"] = scaffold_health(run, enc, held.val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
+        rec["scaffolds"] = scaffold_health(run, enc, val[:HEALTH_IMAGES], AUX_POSITION_LAYER)
     improved = score > run.best
     if improved:
         run.best = score
-        test_acc = evaluate(run.model, enc, held.test)
+        test_acc = evaluate(run.model, enc, test)
         rec["test"] = test_acc
         meta = {
             "step": run.step,
             "val_accuracy": acc,
             "test_accuracy": test_acc,
-            "test_items": split_info("test", 0, held.test),
+            "test_items": split_info("test", 0, test),
             "train": dict(train_meta),
             **spec.meta,
         }
@@ -610,7 +599,7 @@ def train_demo(
         _resume(run, state_path, out_dir)
 
     enc = spec.encoder()
-    held = _held_out(spec, enc)
+    val, test = _held_out(spec)
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
@@ -625,7 +614,7 @@ def train_demo(
                 bar.phase(f"training, loss {window.log(run)['loss']:.3f}")
             if run.step % eval_every == 0 or run.step == steps:
                 bar.phase(f"validating at step {run.step}")
-                bar.note(_validate(run, enc, held, out_dir, tokenizer, train_meta, spec, log_path))
+                bar.note(_validate(run, enc, val, test, out_dir, tokenizer, train_meta, spec, log_path))
                 bar.phase("training")
                 window.t_last = time.time()
             if run.step % save_every == 0 or run.step == steps:

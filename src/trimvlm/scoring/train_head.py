@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError
 from trimvlm.scoring.head import DecisionHead
-from trimvlm.scoring.readout import N_FEATURES
 from trimvlm.scoring.request import ScoreRequest
 
 TEST_IMAGES = 100  # the demo task's standard test items: 100 images, one question per kind
@@ -112,16 +112,8 @@ def make_items(
         for qa in s.qas:
             if qa.answer not in qa.candidates:
                 raise InputError(f"demo item {qa.question!r}: its answer {qa.answer!r} is not a candidate")
-            items.append(
-                Item(
-                    s.image,
-                    qa.question,
-                    list(qa.candidates),
-                    qa.answer,
-                    qa.kind,
-                    qa.candidates.index(qa.answer),
-                )
-            )
+            target = qa.candidates.index(qa.answer)
+            items.append(Item(s.image, qa.question, list(qa.candidates), qa.answer, qa.kind, target))
     items = items[:limit] if limit is not None else items
     eligible = [i for i, it in enumerate(items) if len(it.candidates) >= 3]
     n_abstain = min(len(eligible), round(abstain_fraction * len(items)))
@@ -177,28 +169,21 @@ def extract(
 
 def pad(items: list[Item], z_q, u, feats, sums) -> Cached:
     """The items' features (on the model's device) padded into host tensors: the head trains on the CPU."""
-    m = len(items)
     n = max(len(it.candidates) for it in items)
-    d = z_q[0].shape[-1]
-    cpu = torch.device("cpu")
-    out = Cached(
-        z_q=torch.stack([z.float().to(cpu) for z in z_q]),
-        u=torch.zeros(m, n, d, device=cpu),
-        feats=torch.zeros(m, n, N_FEATURES, device=cpu),
-        mask=torch.zeros(m, n, dtype=torch.bool, device=cpu),
-        target=torch.empty(m, dtype=torch.long, device=cpu),
-        sums=torch.full((m, n), -math.inf, device=cpu),
+
+    def padded(rows, value=0.0):
+        return pad_sequence([x.float().cpu() for x in rows], batch_first=True, padding_value=value)
+
+    return Cached(
+        z_q=torch.stack([z.float().cpu() for z in z_q]),
+        u=padded(u),
+        feats=padded(feats),
+        mask=torch.arange(n)[None] < torch.tensor([len(it.candidates) for it in items])[:, None],
+        target=torch.tensor([n if it.target is None else it.target for it in items]),
+        sums=padded(sums, -math.inf),
         kinds=[it.kind for it in items],
-        binary=torch.tensor([it.binary for it in items], dtype=torch.bool, device=cpu),
+        binary=torch.tensor([it.binary for it in items], dtype=torch.bool),
     )
-    for r, it in enumerate(items):
-        k = len(it.candidates)
-        out.u[r, :k] = u[r].float().to(cpu)
-        out.feats[r, :k] = feats[r].float().to(cpu)
-        out.mask[r, :k] = True
-        out.sums[r, :k] = sums[r].float().to(cpu)
-        out.target[r] = n if it.target is None else it.target
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- head

@@ -14,6 +14,7 @@ A chain's level is the number of chains above it; chains of one level depend onl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import numpy as np
 import torch
@@ -52,9 +53,6 @@ class Forest:
     def logical_tokens(self) -> int:
         return sum(len(p) for req in self.paths for p in req)
 
-    def position(self, node: int) -> int:
-        return self.starts[self.request[node]] + self.depth[node]
-
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[num_nodes] position of every node (its request's start + its depth), on `device`."""
         starts = torch.tensor(self.starts, dtype=torch.long, device=device)
@@ -80,11 +78,8 @@ def build_forest(suffixes: list[list[list[int]]], starts: list[int], *, merge: b
         prev_path: list[int] = []
         for i in order:
             toks = [int(t) for t in cands[i]]
-            shared = 0
-            if merge:
-                m = min(len(prev), len(toks))
-                while shared < m and prev[shared] == toks[shared]:
-                    shared += 1
+            same = takewhile(lambda ab: ab[0] == ab[1], zip(prev, toks, strict=False)) if merge else ()
+            shared = sum(1 for _ in same)  # the tokens it shares with the candidate before it
             base, k = len(f.token), len(toks) - shared
             if k:
                 f.request.extend([r] * k)

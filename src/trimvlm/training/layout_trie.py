@@ -194,11 +194,9 @@ class _Fork:
             hidden = runner.adapter.after_layer(
                 rows.ran[run], rows.seq if every else rows.seq.take_rows(run), hidden
             )
-        rows.seq = rows.seq.with_hidden(
-            hidden
-            if every
-            else rows.seq.hidden.index_copy(0, torch.tensor(run, device=hidden.device), hidden)
-        )
+        if not every:
+            hidden = rows.seq.hidden.index_copy(0, torch.tensor(run, device=hidden.device), hidden)
+        rows.seq = rows.seq.with_hidden(hidden)
         rows.ran[run] += 1
         self.running = None
 
@@ -206,10 +204,7 @@ class _Fork:
         """Fork every row whose layouts differ on skipping layer i into its runs-it and skips-it rows."""
         parents, sets = [], []
         for r, s in enumerate(self.rows.sets):
-            for part in (
-                [m for m in s if i not in self.layouts[m].skip],
-                [m for m in s if i in self.layouts[m].skip],
-            ):
+            for part in ([m for m in s if (i in self.layouts[m].skip) == skips] for skips in (False, True)):
                 if part:
                     parents.append(r)
                     sets.append(part)

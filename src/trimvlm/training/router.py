@@ -96,15 +96,9 @@ def unpruned_pass(runner, prepared, n: int, probe_layer: int, router_layer: int)
 def token_sets(gen, fastv, vis_cols, sigmas, seeds) -> list[torch.Tensor]:
     """Noise-perturbed FastV score rows [S]: sigma 0 once, then `seeds` draws for every other sigma."""
     spread = float(fastv[vis_cols].std()) if len(vis_cols) > 1 else 1.0
-    rows = [fastv.clone()]
-    for sigma in sigmas:
-        if sigma == 0:
-            continue
-        for _ in range(seeds):
-            s = fastv.clone()
-            s[vis_cols] += torch.randn(len(vis_cols), generator=gen) * sigma * spread
-            rows.append(s)
-    return rows
+    noisy = [fastv.index_add(0, vis_cols, torch.randn(len(vis_cols), generator=gen) * sigma * spread)
+             for sigma in sigmas if sigma != 0 for _ in range(seeds)]  # fmt: skip
+    return [fastv.clone(), *noisy]
 
 
 def layer_sets(gen, cand, layers_skip, order, max_sets: int = 8) -> list[list[int]]:
