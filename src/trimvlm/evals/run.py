@@ -335,13 +335,10 @@ def depth_info(recipe: Recipe, vlm) -> dict | None:
 
 def _groups(task: Task) -> list[tuple[str, str, list[int]]]:
     """(name, type, item indices): every kind, every probe present, then all."""
-    records = task.records
-    out = [(k, "kind", [i for i, r in enumerate(records) if r.kind == k]) for k in task.kinds()]
-    for p in GROUP_PROBES:
-        idx = [i for i, r in enumerate(records) if r.probe == p]
-        if idx:
-            out.append((p, "probe", idx))
-    return out + [("all", "all", list(range(len(records))))]
+    probes = grouped(task.records, lambda r: r.probe)
+    kinds = [(k, "kind", idx) for k, idx in grouped(task.records, lambda r: r.kind).items()]
+    return [*kinds, *((p, "probe", probes[p]) for p in GROUP_PROBES if p in probes),
+            ("all", "all", list(range(len(task.records))))]  # fmt: skip
 
 
 def result_rows(task: Task, recipes, preds, scores, accs) -> list[dict]:

@@ -274,7 +274,7 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
     settings = dict(results[0]["settings"])
     memories = {results[s]["settings"]["memory"] for s in results}
     settings["memory"] = memories.pop() if len(memories) == 1 else "first (each Ray worker)"
-    settings["warmup"] = settings["warmup"] or any(results[s]["settings"]["warmup"] for s in results)
+    settings["warmup"] = any(results[s]["settings"]["warmup"] for s in results)
     settings["ray"] = {
         "address": where,
         "workers": workers,
