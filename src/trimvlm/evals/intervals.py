@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
 import numpy as np
@@ -39,8 +39,7 @@ class Interval:
     method: str = "wilson"
 
     def as_dict(self) -> dict:
-        return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
-                "method": self.method}  # fmt: skip
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,7 @@ class PairedDifference:
         return self.diff.low > 0
 
     def as_dict(self) -> dict:
-        return {"diff": self.diff.as_dict(), "p_value": self.p_value, "n": self.n, "test": self.test,
-                "a_only": self.a_only, "b_only": self.b_only, "beats": self.beats}  # fmt: skip
+        return {**asdict(self), "beats": self.beats}
 
 
 def normal_quantile(level: float) -> float:

@@ -7,16 +7,14 @@ punctuation and the articles a/an/the removed, whitespace collapsed); `exact_str
 for answers the usual normalisation destroys (a read-out "7 A 3": the glyph "A" is an article). `option`,
 `yesno`, `anls`, `vqa` (`trimvlm.evals.vqa_accuracy`), `relaxed` (`trimvlm.evals.relaxed_accuracy`) and
 `open_match` (`trimvlm.evals.open_match`: a local containment check, NOT MM-Vet's GPT-4 grader) follow the rules
-there.
-
-`mismatch_pct(preds, base_preds, metric)`: the share (in %) of items whose prediction differs, in the metric's
-canonical form, from the uncompressed model's prediction on the same item.
+there. `mismatch_pct` compares predictions with the uncompressed model's in the metric's canonical form.
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,9 +158,8 @@ def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[s
     A prediction that is neither yes nor no counts as wrong and as not-yes."""
     if len(predictions) != len(golds):
         raise InputError(f"{len(predictions)} predictions for {len(golds)} references")
-    tp = sum(p == "yes" and g == "yes" for p, g in zip(predictions, golds, strict=True))
-    fp = sum(p == "yes" and g != "yes" for p, g in zip(predictions, golds, strict=True))
-    fn = sum(p != "yes" and g == "yes" for p, g in zip(predictions, golds, strict=True))
+    counts = Counter((p == "yes", g == "yes") for p, g in zip(predictions, golds, strict=True))
+    tp, fp, fn = counts[True, True], counts[True, False], counts[False, True]
     correct = sum(p == g for p, g in zip(predictions, golds, strict=True))
     n = len(golds)
     precision = tp / (tp + fp) if tp + fp else 0.0
@@ -173,7 +170,7 @@ def yes_no_f1(predictions: Sequence[str | None], golds: Sequence[str]) -> dict[s
         "precision": precision,
         "recall": recall,
         "f1": f1,
-        "predicted_yes_ratio": sum(p == "yes" for p in predictions) / n if n else 0.0,
+        "predicted_yes_ratio": (tp + fp) / n if n else 0.0,
     }
 
 

@@ -29,8 +29,7 @@ from typing import NamedTuple
 from trimvlm.errors import InputError, RecipeError
 from trimvlm.evals.intervals import accuracy_interval, paired_difference
 from trimvlm.evals.items import ItemsRun, RunOptions
-from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, get_task
-from trimvlm.options import is_int
+from trimvlm.evals.tasks import GROUP_PROBES, PROBES, Task, check_limit, check_positive, get_task
 from trimvlm.plan import build_methods, make_plan
 from trimvlm.progress import steps
 from trimvlm.recipe import Recipe, parse_recipe
@@ -219,9 +218,8 @@ def run_eval(
     local copy a benchmark task named by a string is read from (see `get_task`). `order_offset`: the recipe
     order of batch b is the one of batch b + order_offset (a shard of a sharded run,
     trimvlm.integrations.ray_eval)."""
-    check_run_args(memory, batch_size, max_new_tokens)
     task = prepare_task(task, limit=limit, seed=seed, max_new_tokens=max_new_tokens, data=data, split=split,
-                        progress=progress)  # fmt: skip
+                        progress=progress, memory=memory, batch_size=batch_size)  # fmt: skip
     recipes = normalize_recipes(recipes)
     opts = RunOptions(seed=seed, readout=readout, executor=executor)
     for cls in dict.fromkeys(type(r) for r in task.records):  # checks of every item kind, before any item runs
@@ -286,18 +284,14 @@ def finish(task, recipes, preds, accs, settings, depths) -> EvalResult:
                       costs=accs, depths=depths)  # fmt: skip
 
 
-def check_run_args(memory: str, batch_size, max_new_tokens) -> None:
+def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, data=None, split=None,
+                 progress=True, memory="first", batch_size=16) -> Task:  # fmt: skip
+    """run_eval's argument checks, then the task it runs: built by name (or cut to `limit`), with
+    `max_new_tokens` as its one cap."""
     if memory not in ("first", "all", "off"):
         raise InputError(f"memory must be one of first, all, off; got {memory!r}")
-    if not is_int(batch_size) or batch_size <= 0:
-        raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens <= 0):
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-
-
-def prepare_task(task: Task | str, *, limit=None, seed=0, max_new_tokens=None, data=None, split=None,
-                 progress=True) -> Task:  # fmt: skip
-    """The task run_eval runs: built by name (or cut to `limit`), with `max_new_tokens` as its one cap."""
+    check_positive("batch_size", batch_size)
+    check_positive("max_new_tokens", max_new_tokens, optional=True)
     if not isinstance(task, str) and (data is not None or split is not None):
         raise InputError("data and split apply to a task given by name; this task is already built")
     if isinstance(task, str):
@@ -341,13 +335,10 @@ def depth_info(recipe: Recipe, vlm) -> dict | None:
 
 def _groups(task: Task) -> list[tuple[str, str, list[int]]]:
     """(name, type, item indices): every kind, every probe present, then all."""
-    records = task.records
-    out = [(k, "kind", [i for i, r in enumerate(records) if r.kind == k]) for k in task.kinds()]
-    for p in GROUP_PROBES:
-        idx = [i for i, r in enumerate(records) if r.probe == p]
-        if idx:
-            out.append((p, "probe", idx))
-    return out + [("all", "all", list(range(len(records))))]
+    probes = grouped(task.records, lambda r: r.probe)
+    kinds = [(k, "kind", idx) for k, idx in grouped(task.records, lambda r: r.kind).items()]
+    return [*kinds, *((p, "probe", probes[p]) for p in GROUP_PROBES if p in probes),
+            ("all", "all", list(range(len(task.records))))]  # fmt: skip
 
 
 def result_rows(task: Task, recipes, preds, scores, accs) -> list[dict]:

@@ -136,7 +136,7 @@ class TrimVLM(_LmmsBase):
     def generate_until(self, requests) -> list[str]:
         out: list[str | None] = [None] * len(requests)
         groups = grouped(requests, lambda req: self._generation_settings(req.args[1]))
-        with self._bar(len(requests), "trimvlm generate") as bar:
+        with steps("trimvlm generate", len(requests), enabled=self.rank == 0, unit="request") as bar:
             for (max_new, temperature, top_p, until), idx in groups.items():
                 for b in range(0, len(idx), self.batch_size):
                     chunk = idx[b : b + self.batch_size]
@@ -159,7 +159,7 @@ class TrimVLM(_LmmsBase):
         # one ScoreRequest per (doc, context): the options of a multiple-choice question share their prefix
         groups = list(grouped(requests, self._loglik_key).values())
         out: list[tuple[float, bool] | None] = [None] * len(requests)
-        with self._bar(len(requests), "trimvlm loglikelihood") as bar:
+        with steps("trimvlm loglikelihood", len(requests), enabled=self.rank == 0, unit="request") as bar:
             for b in range(0, len(groups), self.batch_size):
                 chunk = groups[b : b + self.batch_size]
                 score_reqs = [ScoreRequest(images=self._visuals(requests[g[0]]), question=self._context(requests[g[0]]),
@@ -277,9 +277,6 @@ class TrimVLM(_LmmsBase):
         logger.info(
             f"trimvlm {kind}: {n} requests, recipe {self.recipe.label()}: {json.dumps(self.costs[kind])}"
         )
-
-    def _bar(self, total: int, desc: str):
-        return steps(desc, total, enabled=self.rank == 0, unit="request")
 
 
 def _pair(pair: tuple[float, bool]):

@@ -18,19 +18,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from trimvlm.cluster import RayError, connect
-from trimvlm.errors import InputError, TrimVLMError
+from trimvlm.errors import TrimVLMError
 from trimvlm.evals.run import (
     CostAcc,
     EvalResult,
     batches,
-    check_run_args,
     finish,
     normalize_recipes,
     prepare_task,
     run_eval,
 )
-from trimvlm.evals.tasks import Task
-from trimvlm.options import is_int
+from trimvlm.evals.tasks import Task, check_positive
 from trimvlm.progress import progress as progress_bar
 
 SHARDS_PER_WORKER = 4  # shards are pulled as workers free up: a few per worker balance uneven batches
@@ -38,11 +36,7 @@ IN_FLIGHT = 2  # shards queued per worker, so none waits on the driver between t
 
 
 def check_workers(workers) -> int | None:
-    if workers is None:
-        return None
-    if not is_int(workers) or workers <= 0:
-        raise InputError(f"workers must be a positive number of Ray workers, got {workers!r}")
-    return int(workers)
+    return check_positive("workers", workers, "a positive number of Ray workers", optional=True)
 
 
 def _worker_class(ray):
@@ -138,8 +132,7 @@ class RayEvaluator:
                  load_kw: dict | None = None, shards_per_worker: int = SHARDS_PER_WORKER, progress: bool = True,
                  console=None):  # fmt: skip
         self.workers = check_workers(workers)
-        if not is_int(shards_per_worker) or shards_per_worker <= 0:
-            raise InputError(f"shards_per_worker must be a positive integer, got {shards_per_worker!r}")
+        check_positive("shards_per_worker", shards_per_worker)
         self.model, self.ray_address, self.load_kw = model, ray_address, dict(load_kw or {})
         self.shards_per_worker, self.progress, self.console = shards_per_worker, progress, console
         self.ray, self.started, self.where, self.actors, self.infos = None, False, None, [], []
@@ -209,9 +202,9 @@ def _checked(task: Task | str, kw: dict, progress: bool) -> tuple[Task, dict]:
     """run_eval's checks and its task (built by name, cut to `limit`, capped), before any Ray work; the rest of
     run_eval's keyword arguments."""
     kw = {"batch_size": 16, "memory": "first", **kw}
-    check_run_args(kw["memory"], kw["batch_size"], kw.get("max_new_tokens"))
     built = {k: kw.pop(k, None) for k in ("limit", "max_new_tokens", "data", "split")}
-    return prepare_task(task, seed=kw.get("seed", 0), progress=progress, **built), kw
+    return prepare_task(task, seed=kw.get("seed", 0), progress=progress, memory=kw["memory"],
+                        batch_size=kw["batch_size"], **built), kw  # fmt: skip
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
@@ -281,7 +274,7 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
     settings = dict(results[0]["settings"])
     memories = {results[s]["settings"]["memory"] for s in results}
     settings["memory"] = memories.pop() if len(memories) == 1 else "first (each Ray worker)"
-    settings["warmup"] = settings["warmup"] or any(results[s]["settings"]["warmup"] for s in results)
+    settings["warmup"] = any(results[s]["settings"]["warmup"] for s in results)
     settings["ray"] = {
         "address": where,
         "workers": workers,

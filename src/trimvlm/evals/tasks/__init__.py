@@ -17,6 +17,7 @@ from trimvlm.evals.tasks.base import (
     Task,
     TaskEntry,
     check_limit,
+    check_positive,
     check_prefill_answers,
     register_task,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "benchmarks",
     "calibration_items",
     "check_limit",
+    "check_positive",
     "check_prefill_answers",
     "demo_candidate_task",
     "demo_task",

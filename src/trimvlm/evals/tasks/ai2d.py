@@ -1,11 +1,5 @@
-"""AI2D (Kembhavi et al. 2016): multiple-choice questions about science diagrams.
-
-- columns (lmms-lab/ai2d): question, options (list), answer (0-based index of the right option, often a
-  digit string), image. Split: test.
-- prompt (lmms-eval's "mcq" format): "<question>\\nA. <option>\\nB. <option>...\\nAnswer with the option's
-  letter from the given choices directly."
-- probe: prefill (the letter is the first generated token).
-- metric: `option`: accuracy of the option the answer names (letter extraction, trimvlm.evals.metrics).
+"""AI2D (Kembhavi et al. 2016): multiple-choice questions about science diagrams, the answer a 0-based option
+index. Columns, prompt (lmms-eval's "mcq" format), probe and metric: docs/benchmarks.md#tasks.
 """
 
 from __future__ import annotations

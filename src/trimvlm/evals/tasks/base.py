@@ -94,10 +94,8 @@ class Record:
 
     @classmethod
     def summary(cls, items, outputs) -> dict:
-        metrics = {r.metric for r in items}
-        if len(metrics) != 1:
-            return {}
-        return get_metric(metrics.pop()).summary(outputs, [r.answers for r in items], [r.options for r in items])
+        """The metric's summary (the harness asks it of groups of one metric only)."""
+        return get_metric(items[0].metric).summary(outputs, [r.answers for r in items], [r.options for r in items])
 
     def as_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "probe": self.probe, "metric": self.metric,
@@ -197,9 +195,13 @@ def register_task(name: str, about: str, **kw):
     return deco
 
 
+def check_positive(name: str, value, what: str = "a positive integer", optional: bool = False):
+    """`value`, unless it is not a positive integer (None is let through where `optional`): then InputError
+    "<name> must be <what>, got <value>"."""
+    if (value is not None or not optional) and (not is_int(value) or value <= 0):
+        raise InputError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
 def check_limit(limit) -> int | None:
-    if limit is None:
-        return None
-    if not is_int(limit) or limit <= 0:
-        raise InputError(f"limit must be a positive number of items (or omitted for all), got {limit!r}")
-    return limit
+    return check_positive("limit", limit, "a positive number of items (or omitted for all)", optional=True)

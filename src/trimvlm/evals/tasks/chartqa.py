@@ -1,11 +1,6 @@
-"""ChartQA (Masry et al. 2022): questions on charts, many answered with a number.
-
-- columns (lmms-lab/ChartQA): question, answer, image; type (human_test / augmented_test, reported as the
-  kind) when present. Split: test.
-- prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
-- probe: full (the whole answer, up to 16 new tokens, lmms-eval's cap).
-- metric: `relaxed`: relaxed accuracy, a number within 5% of the reference, otherwise an exact match
-  ignoring case (trimvlm.evals.relaxed_accuracy).
+"""ChartQA (Masry et al. 2022): questions on charts, many answered with a number; the row's `type`
+(human_test / augmented_test) is its kind. Columns, prompt (lmms-eval's), probe and metric:
+docs/benchmarks.md#tasks.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from trimvlm.demo import task as grid
 from trimvlm.evals.items import CandidateItem, DecisionItem
 from trimvlm.evals.tasks.base import Record, Task, register_task
 
@@ -31,17 +32,13 @@ class DemoQuestion(NamedTuple):
     qa: Any
 
 
-def demo_questions(limit: int | None, seed: int, split: str, generator=None, default: int = DEMO_DEFAULT_ITEMS):
+def demo_questions(limit: int | None, seed: int, split: str, generator=grid, default: int = DEMO_DEFAULT_ITEMS):
     """(the samples drawn, the first `limit` (default `default`) of their questions (`DemoQuestion`)): one
-    of every kind per image, image-major, from `generator` (a task module: the grid task's unless given).
-    The demo and scenes tasks and their candidate tasks all read these."""
-    from trimvlm.demo import task as grid
-
-    demo = generator if generator is not None else grid
+    of every kind per image, image-major, from `generator` (a task module: the grid task's unless given)."""
     n = limit if limit is not None else default
-    samples = demo.generate_split(split, math.ceil(n / len(demo.KINDS)), seed=seed)
+    samples = generator.generate_split(split, math.ceil(n / len(generator.KINDS)), seed=seed)
     questions = [DemoQuestion(f"{split}-{seed}-{i}-{qa.kind}", s, qa)
-                 for i, s in enumerate(samples) for qa in s.qas if qa.kind in demo.KINDS]  # fmt: skip
+                 for i, s in enumerate(samples) for qa in s.qas if qa.kind in generator.KINDS]  # fmt: skip
     return samples, questions[:n]
 
 
@@ -66,37 +63,41 @@ def split_info(split: str, seed: int, samples) -> dict:
 SPLITS = ("train", "val", "test")
 
 
-@register_task("demo", "the synthetic demo task: generated answers (300 test questions)", splits=SPLITS,
-               candidates="demo-candidates")
-def demo_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
-    """The synthetic demo task: `limit` questions (default 300), one of every kind per image, image-major."""
-    from trimvlm.demo import task as demo
+def register_generated(name: str, about: str, generator, metrics: dict[str, str], default: int, caps):
+    """Register the synthetic task `name` (generated answers; `caps(records)`: its full-pipeline kinds'
+    generation caps) and `name-candidates` (the same questions, each scored over its fixed candidates): `limit`
+    questions (default `default`) of `generator`'s `split`, one of every kind per image, image-major. Returns
+    the two builders `(limit, seed, split) -> Task`."""
+    candidates = f"{name}-candidates"
 
-    samples, questions = demo_questions(limit, seed, split)
-    records = question_records(questions, DEMO_METRICS)
-    # Caps for the full-pipeline kinds: the longest possible answer plus its end token (a list names at most
-    # MAX_OBJECTS colours; a drawn string has 3-4 glyphs), never below the longest reference here + 1, so a
-    # truncated answer can never equal a reference. A model that answers right always stops before the cap.
-    longest = {
-        k: max((len(r.answers[0].split()) for r in records if r.kind == k), default=0) for k in demo.KINDS
-    }
-    caps = {"list": max(demo.MAX_OBJECTS, longest["list"]) + 1, "read": max(4, longest["read"]) + 1}
-    return Task(
-        name="demo",
-        records=records,
-        max_new_tokens=max(caps.values()),
-        prefill_tokens=1,
-        info=split_info(split, seed, samples),
-        kind_max_new_tokens=caps,
-    )
+    @register_task(name, about, splits=SPLITS, candidates=candidates)
+    def build(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
+        samples, questions = demo_questions(limit, seed, split, generator, default)
+        records = question_records(questions, metrics)
+        kind_caps = caps(records)
+        return Task(name=name, records=records, max_new_tokens=max(kind_caps.values()), prefill_tokens=1,
+                    info=split_info(split, seed, samples), kind_max_new_tokens=kind_caps)  # fmt: skip
+
+    @register_task(candidates, f"the {name} task's questions, each scored over its fixed candidates", splits=SPLITS)
+    def build_candidates(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
+        samples, questions = demo_questions(limit, seed, split, generator, default)
+        return Task(name=candidates, records=candidate_items(questions), max_new_tokens=1,
+                    info=split_info(split, seed, samples))  # fmt: skip
+
+    return build, build_candidates
 
 
-@register_task("demo-candidates", "the demo task's questions, each scored over its fixed candidates", splits=SPLITS)
-def demo_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
-    """`limit` candidate questions (default 300) of the demo task's `split`, one of every kind per image."""
-    samples, questions = demo_questions(limit, seed, split)
-    return Task(name="demo-candidates", records=candidate_items(questions), max_new_tokens=1,
-                info=split_info(split, seed, samples))  # fmt: skip
+def _demo_caps(records: list[Record]) -> dict[str, int]:
+    """The longest possible answer plus its end token (a list names at most MAX_OBJECTS colours; a drawn string
+    has 3-4 glyphs), never below the longest reference here + 1, so a truncated answer can never equal a
+    reference. A model that answers right always stops before the cap."""
+    longest = {k: max((len(r.answers[0].split()) for r in records if r.kind == k), default=0) for k in grid.KINDS}
+    return {"list": max(grid.MAX_OBJECTS, longest["list"]) + 1, "read": max(4, longest["read"]) + 1}
+
+
+demo_task, demo_candidate_task = register_generated(
+    "demo", "the synthetic demo task: generated answers (300 test questions)", grid, DEMO_METRICS,
+    DEMO_DEFAULT_ITEMS, _demo_caps)  # fmt: skip
 
 
 DECISION_KINDS = ("exist", "mc", "count")
@@ -117,11 +118,9 @@ def _decision_question(qa) -> tuple[dict, str]:
                splits=SPLITS)  # fmt: skip
 def demo_decision_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
     """`limit` requests (default 100), one per image of the demo task's `split`, with three questions each."""
-    from trimvlm.demo import task as demo
-
     n = limit if limit is not None else DEMO_DEFAULT_ITEMS // 3
     items = []
-    for i, s in enumerate(demo.generate_split(split, n, seed=seed)):
+    for i, s in enumerate(grid.generate_split(split, n, seed=seed)):
         asked = {qa.kind: _decision_question(qa) for qa in s.qas if qa.kind in DECISION_KINDS}
         request = {"state": "<img>", "questions": {k: q for k, (q, _) in asked.items()}, "assets": {"<img>": s.image}}
         items.append(DecisionItem(id=f"{split}-{seed}-{i}", request=request, answers={k: a for k, (_, a) in asked.items()}))

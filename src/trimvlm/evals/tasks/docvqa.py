@@ -1,14 +1,7 @@
 """DocVQA (Mathew et al. 2021) and InfographicVQA (Mathew et al. 2022): questions on scanned documents and
-on infographics, answered with text read from the image.
-
-- columns (lmms-lab/DocVQA, configurations DocVQA and InfographicVQA): question, answers (list), image;
-  questionId (the record id) when present. Split: validation (the test splits withhold their answers).
-  A copy that holds both configurations is read at the one the task names; --data may also point at the
-  configuration's folder.
-- prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
-- probe: full (the whole answer, up to 128 new tokens, lmms-eval's cap).
-- metric: `anls`: Average Normalized Levenshtein Similarity, threshold 0.5 (an answer further than that
-  from every reference scores 0).
+on infographics, answered with text read from the image; their test splits withhold the answers. A copy that
+holds both configurations is read at the one the task names; --data may also point at the configuration's
+folder. Columns, prompt (lmms-eval's), probe and metric: docs/benchmarks.md#tasks.
 """
 
 from __future__ import annotations

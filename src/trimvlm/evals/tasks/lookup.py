@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trimvlm.errors import InputError, did_you_mean
-from trimvlm.evals.tasks.base import TASKS, Task, check_limit
+from trimvlm.evals.tasks.base import TASKS, Task, check_limit, check_positive
 from trimvlm.evals.tasks.jsonl import load_jsonl
-from trimvlm.options import is_int
 
 
 def get_task(
@@ -68,8 +67,7 @@ def calibration_items(task: str, n: int, seed: int, candidates: bool = False) ->
     if entry is None or entry.reads_data:
         raise InputError(f"unknown calibration task {task!r}; allowed: {', '.join(generated)} (a generated "
                          "task: its unlabeled val inputs)")  # fmt: skip
-    if not is_int(n) or n < 1:
-        raise InputError(f"n must be a positive number of calibration inputs, got {n!r}")
+    check_positive("n", n, "a positive number of calibration inputs")
     split = "val" if "val" in entry.splits else None
     items = get_task(entry.name, limit=n, seed=seed, split=split).records[:n]
     if candidates and not all(hasattr(it, "candidates") for it in items):

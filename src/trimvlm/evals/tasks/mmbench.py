@@ -1,14 +1,8 @@
-"""MMBench (Liu et al. 2023), English: single-choice questions over 20 abilities, 2 to 4 options A-D.
-
-- columns (lmms-lab/MMBench, configuration en): question, A, B (C, D when the item has them), answer (the
-  right letter), image; hint, index (the record id) and L2-category (reported as the kind) when present.
-  Split: dev (the test split withholds its answers).
-- prompt (lmms-eval's): "<hint> <question> There are several options:\\nA. <A>\\nB. <B>...\\n\\nAnswer with
-  the option's letter from the given choices directly." (the hint and its space only when there is one).
-- probe: prefill (the letter is the first generated token).
-- metric: `option`: accuracy of the option the answer names. Each row is scored on its own: MMBench's
-  CircularEval (an item counts only if every rotation of its options is answered right) and the GPT
-  matching of answers that name no letter are not applied.
+"""MMBench (Liu et al. 2023), English: single-choice questions over 20 abilities, 2 to 4 options A-D; the
+row's `L2-category` is its kind and its dev split the one with answers. Columns, prompt (lmms-eval's), probe and
+metric: docs/benchmarks.md#tasks. Each row is scored on its own: MMBench's CircularEval (an item counts only if
+every rotation of its options is answered right) and the GPT matching of answers that name no letter are not
+applied.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """MM-Vet (Yu et al. 2023)-style open answers: questions that combine recognition, OCR, knowledge, language
-generation, spatial awareness and maths; references may join parts with <AND> / <OR>.
-
-- columns (lmms-lab/MMVet): question, answer, image; question_id (the record id) when present. Split: test.
-- prompt (lmms-eval's): "First please perform reasoning, and think step by step to provide best answer to
-  the following question: \\n\\n<question>"
-- probe: full (the whole answer, up to 1024 new tokens, lmms-eval's cap; --max-new-tokens lowers it).
-- metric: `open_match`, a LOCAL CONTAINMENT CHECK, NOT MM-Vet's GPT-4 grader: the share of the reference's
-  <AND> parts (or any <OR> part) whose words occur in the answer (trimvlm.evals.open_match). Its numbers
-  are not comparable with published MM-Vet scores; they compare recipes with the baseline on the same items.
+generation, spatial awareness and maths; references may join parts with <AND> / <OR>. Columns, prompt
+(lmms-eval's), probe and metric: docs/benchmarks.md#tasks. Its metric, `open_match`, is a LOCAL CONTAINMENT
+CHECK, NOT MM-Vet's GPT-4 grader (trimvlm.evals.open_match): its numbers are not comparable with published
+MM-Vet scores; they compare recipes with the baseline on the same items.
 """
 
 from __future__ import annotations

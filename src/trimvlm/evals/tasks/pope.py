@@ -1,12 +1,7 @@
 """POPE (Li et al. 2023, "Evaluating Object Hallucination in Large Vision-Language Models"): "Is there a
-<object> in the image?" over COCO images, answered yes or no; adversarial / popular / random subsets.
-
-- columns (lmms-lab/POPE): question, answer ("yes"/"no"), image; category (the subset, reported as the kind)
-  and question_id when present. Split: test.
-- prompt (lmms-eval's): "<question>\\nAnswer the question using a single word or phrase."
-- probe: prefill (the answer is the first generated token).
-- metric: `yesno`: accuracy, with F1, precision, recall ("yes" the positive class) and the share of answers
-  that are "yes" (`predicted_yes_ratio`; not lmms-eval's `pope_yes_ratio`, the share of gold "yes").
+<object> in the image?" over COCO images, answered yes or no; the row's `category` (adversarial / popular /
+random) is its kind. Columns, prompt (lmms-eval's), probe and metric (accuracy, F1 and the share of "yes"
+answers): docs/benchmarks.md#tasks.
 """
 
 from __future__ import annotations

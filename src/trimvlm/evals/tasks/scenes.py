@@ -5,8 +5,8 @@ the five colours, largest: its option letters, read: the string and three near m
 
 from __future__ import annotations
 
-from trimvlm.evals.tasks.base import Task, register_task
-from trimvlm.evals.tasks.demo import SPLITS, candidate_items, demo_questions, question_records, split_info
+from trimvlm.demo import scenes
+from trimvlm.evals.tasks.demo import register_generated
 
 SCENES_DEFAULT_ITEMS = 600
 SCENES_METRICS = {
@@ -20,25 +20,6 @@ SCENES_METRICS = {
 READ_CAP = 5  # the longest string (4 glyphs) and its end token
 
 
-def _questions(limit, seed, split):
-    from trimvlm.demo import scenes
-
-    return demo_questions(limit, seed, split, generator=scenes, default=SCENES_DEFAULT_ITEMS)
-
-
-@register_task("scenes", "the scenes task (160-400 visual tokens, objects spanning many): generated answers "
-               "(600 test questions)", splits=SPLITS, candidates="scenes-candidates")  # fmt: skip
-def scenes_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
-    """`limit` questions (default 600) of the scenes task's `split`, one of every kind per image."""
-    samples, questions = _questions(limit, seed, split)
-    return Task(name="scenes", records=question_records(questions, SCENES_METRICS), max_new_tokens=READ_CAP,
-                prefill_tokens=1, info=split_info(split, seed, samples), kind_max_new_tokens={"read": READ_CAP})  # fmt: skip
-
-
-@register_task("scenes-candidates", "the scenes task's questions, each scored over its fixed candidates",
-               splits=SPLITS)  # fmt: skip
-def scenes_candidate_task(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
-    """`limit` candidate questions (default 600) of the scenes task's `split`, one of every kind per image."""
-    samples, questions = _questions(limit, seed, split)
-    return Task(name="scenes-candidates", records=candidate_items(questions), max_new_tokens=1,
-                info=split_info(split, seed, samples))  # fmt: skip
+scenes_task, scenes_candidate_task = register_generated(
+    "scenes", "the scenes task (160-400 visual tokens, objects spanning many): generated answers (600 test "
+    "questions)", scenes, SCENES_METRICS, SCENES_DEFAULT_ITEMS, lambda records: {"read": READ_CAP})  # fmt: skip

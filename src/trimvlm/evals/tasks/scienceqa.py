@@ -1,12 +1,7 @@
-"""ScienceQA-IMG (Lu et al. 2022): the ScienceQA questions that come with an image; multiple choice.
-
-- columns (lmms-lab/ScienceQA, configuration ScienceQA-IMG): question, choices (list), answer (0-based index
-  of the right choice), image; hint (the context) and subject (reported as the kind) when present. Split:
-  test. Rows without an image are skipped, so the full ScienceQA configuration reads as ScienceQA-IMG too.
-- prompt (lmms-eval's): "Context: <hint>\\n" (only with a hint) "<question>\\nA. <choice>\\nB. <choice>...\\n
-  Answer with the option's letter from the given choices directly."
-- probe: prefill (the letter is the first generated token).
-- metric: `option`: accuracy of the option the answer names (letter extraction, trimvlm.evals.metrics).
+"""ScienceQA-IMG (Lu et al. 2022): the ScienceQA questions that come with an image; multiple choice, the
+row's `hint` its context and its `subject` its kind. Rows without an image are skipped, so the full ScienceQA
+configuration reads as ScienceQA-IMG too. Columns, prompt (lmms-eval's), probe and metric:
+docs/benchmarks.md#tasks.
 """
 
 from __future__ import annotations

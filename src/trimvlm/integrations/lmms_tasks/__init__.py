@@ -8,11 +8,8 @@ the folder lmms-eval runs in (a link to your copy will do):
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model trimvlm --model_args pretrained=demo \\
         --tasks pope_local --include_path "$(python -m trimvlm.integrations.lmms_tasks)" --batch_size 8
 
-`python -m trimvlm.integrations.lmms_tasks` prints this folder. The tasks: pope_local (lmms_data/pope),
-scienceqa_img_local (lmms_data/scienceqa_img), ai2d_local (lmms_data/ai2d), textvqa_val_local
-(lmms_data/textvqa), docvqa_val_local (lmms_data/docvqa), infovqa_val_local (lmms_data/infovqa), chartqa_local
-(lmms_data/chartqa). MMBench and MM-Vet are left out: lmms-eval scores them with a GPT judge, which a local
-run cannot reach.
+`python -m trimvlm.integrations.lmms_tasks` prints this folder; `TASKS` names the tasks and the folder each
+reads. MMBench and MM-Vet are left out: lmms-eval scores them with a GPT judge, which a local run cannot reach.
 """
 
 from pathlib import Path
