@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.kernels.flops import count
+from trimvlm.runtime.cache import padded_cat
 from trimvlm.runtime.layers import ATTENTION, LINEAR
 from trimvlm.runtime.sequence import LiveSeq, next_positions
 
@@ -554,23 +555,18 @@ class Adapter:
         if len(parts) == 1:
             return parts[0]
         pad = self.tokenizer.pad_token_id
-        width = max(p.input_ids.shape[1] for p in parts)
-
-        def left(t: torch.Tensor, value) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
-
         inputs = {}
         for k in parts[0].model_inputs:
             vals = [p.model_inputs[k] for p in parts]
             if k in self.PER_TOKEN:
-                inputs[k] = torch.cat([left(v, 0) for v in vals])
+                inputs[k] = padded_cat(vals, 0, 1)
             elif isinstance(vals[0], torch.Tensor):
                 inputs[k] = _cat_padded(vals)
             else:
                 inputs[k] = vals[0]
         return Prepared(
-            torch.cat([left(p.input_ids, 0 if pad is None else pad) for p in parts]),
-            torch.cat([left(p.attention_mask, 0) for p in parts]),
+            padded_cat([p.input_ids for p in parts], 0 if pad is None else pad, 1),
+            padded_cat([p.attention_mask for p in parts], 0, 1),
             inputs,
             n_images=[n for p in parts for n in p.n_images],
             tiles=[t for p in parts for t in p.tiles],

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim, state_rows
+from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim, padded_cat, state_rows
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -154,30 +154,18 @@ def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[s
     return views, stacked
 
 
-def _padded_batch(parts: list[torch.Tensor], fill, batch: int, dim: int) -> torch.Tensor:
-    """Parts of one row each (axis `batch`) as one batch, each left-padded with `fill` to the widest along axis
-    `dim`: one copy per part."""
-    width = max(t.shape[dim] for t in parts)
-    shape = list(parts[0].shape)
-    shape[batch], shape[dim] = len(parts), width
-    out = torch.full(shape, fill, dtype=parts[0].dtype, device=parts[0].device)
-    for b, t in enumerate(parts):
-        out.narrow(batch, b, 1).narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
-    return out
-
-
 def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
     """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read).
     Stacked entries (`PrefixEntry.stacked`, the same layers) are copied once per field for all layers."""
     cache = KVCache(num_layers)
     if all(r.stacked is not None and r.layers.keys() == rows[0].layers.keys() for r in rows):
         parts = {n: [r.stacked[n] for r in rows] for n in FILL}  # [L, 1, ...] each
-        out = {n: _padded_batch(p, FILL[n], 1, column_dim(p[0][0]) + 1) for n, p in parts.items()}
+        out = {n: padded_cat(p, FILL[n], column_dim(p[0][0]) + 1, batch=1) for n, p in parts.items()}
         cache.layers = {i: LayerKV(**{n: out[n][j] for n in FILL}) for j, i in enumerate(rows[0].layers)}
     else:
         for i in rows[0].layers:
             parts = {n: [getattr(r.layers[i], n) for r in rows] for n in FILL}
-            padded = {n: _padded_batch(p, FILL[n], 0, column_dim(p[0])) for n, p in parts.items()}
+            padded = {n: padded_cat(p, FILL[n], column_dim(p[0])) for n, p in parts.items()}
             cache.layers[i] = LayerKV(**padded)
     cache.states = {
         i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
