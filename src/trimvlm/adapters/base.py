@@ -152,9 +152,7 @@ def resolution(target):
         _RESOLUTION.reset(token)
 
 
-def current_resolution():
-    """The `resolution` target of the enclosing context, or None."""
-    return _RESOLUTION.get()
+current_resolution = _RESOLUTION.get  # the `resolution` target of the enclosing context, or None
 
 
 def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
@@ -350,21 +348,19 @@ class Adapter:
         raise NotImplementedError
 
     def image_features(self, prepared: Prepared, probe, grids):
-        """The vision tower's output for the batch's images (`pooler_output`), with the probe's records when one
-        is given; this default fits LLaVA and InternVL (feature layer and strategy from the config)."""
+        """The vision tower's output for the batch's images (`pooler_output`: `get_image_features` on
+        `vision_inputs`), with the probe's records (`_vision_units(rec, prepared, grids)`) when one is given."""
+        call = lambda: self.inner.get_image_features(**self.vision_inputs(prepared), return_dict=True)  # noqa: E731
+        return self.encode_vision(probe, call, lambda rec: self._vision_units(rec, prepared, grids), grids)
+
+    def vision_inputs(self, prepared: Prepared) -> dict:
+        """`get_image_features`' inputs; this default fits LLaVA and InternVL (feature layer and strategy from
+        the config)."""
         cfg = self.model.config
-        pixel_values = prepared.model_inputs["pixel_values"]
-        return self.encode_vision(
-            probe,
-            lambda: self.inner.get_image_features(
-                pixel_values=pixel_values,
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            ),
-            lambda rec: self._vision_units(rec, pixel_values),
-            grids,
-        )
+        return {
+            "pixel_values": prepared.model_inputs["pixel_values"], "vision_feature_layer": cfg.vision_feature_layer,
+            "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
+        }  # fmt: skip
 
     def vision_adds(self, out, embeds, visual) -> dict:
         """Per-position tensors the family adds after given layers (`LiveSeq.adds`; Qwen3-VL deepstack)."""

@@ -131,9 +131,11 @@ class KVCache:
         entry = self.layers.get(layer_idx)
         return None if entry is None else entry.valid
 
-    def length(self, layer_idx: int) -> int:
+    def length(self, layer_idx: int = 0) -> int:
         entry = self.layers.get(layer_idx)
         return 0 if entry is None else entry.key.shape[2]
+
+    get_seq_length = length  # transformers' name
 
     # ---- transformers' attention modules call this ----
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -222,9 +224,6 @@ class KVCache:
         if self.prefix is None or self.states.get(layer_idx):
             return None
         return self.prefix.state_owner if layer_idx in self.prefix.states else None
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length(layer_idx)
 
     # ---- cache operations ----
     def gather(self, layer_idx: int, keep: torch.Tensor) -> None:

@@ -127,20 +127,6 @@ class PrefixCache(ByteLRU):
         return assemble([r.entry for r in filled.rows], runner.num_layers), reuse
 
 
-def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:
-    """Row b of a prefill as an entry of its own: per layer its valid columns (copies), its recurrent states."""
-    layers = {}
-    for i, e in out.cache.layers.items():
-        cols = torch.nonzero(e.valid[b]).flatten()
-        layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
-    states = state_rows(out.cache.states, out.next_pos.new_tensor([b]))
-    layers, stacked = stack_layers(layers)
-    return PrefixEntry(
-        layers=layers, states=states, next_pos=out.next_pos[b : b + 1].clone(),
-        hidden=out.seq.hidden[b : b + 1, -1:].clone(), n_images=n_images, tokens=tokens, stacked=stacked,
-    )  # fmt: skip
-
-
 def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[str, torch.Tensor] | None]:
     """(the layers as views of one tensor per field, those tensors), when every layer has the same shapes
     (a reducer that drops tokens at some layer leaves layers of different lengths: kept as they are, None)."""
@@ -211,9 +197,18 @@ def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) 
 
 
 def store(cache: PrefixCache, key: bytes, out: PrefillOutput, b: int, n_images: int, tokens: int) -> Stored:
-    """Row b of a prefill stored under `key`: its entry and, when the prefill ran the LM head, the logits of its
-    last token."""
-    entry = take_row(out, b, n_images, tokens)
+    """Row b of a prefill stored under `key`: its entry (per layer its valid columns, copies; its recurrent
+    states) and, when the prefill ran the LM head, the logits of its last token."""
+    layers = {}
+    for i, e in out.cache.layers.items():
+        cols = torch.nonzero(e.valid[b]).flatten()
+        layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
+    layers, stacked = stack_layers(layers)
+    entry = PrefixEntry(
+        layers=layers, states=state_rows(out.cache.states, out.next_pos.new_tensor([b])),
+        next_pos=out.next_pos[b : b + 1].clone(), hidden=out.seq.hidden[b : b + 1, -1:].clone(),
+        n_images=n_images, tokens=tokens, stacked=stacked,
+    )  # fmt: skip
     item = Stored(entry, None if out.logits is None else out.logits[b : b + 1].clone())
     cache.put(key, item, entry.nbytes + nbytes(item.logits))
     return item
