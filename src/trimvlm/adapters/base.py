@@ -106,14 +106,6 @@ class Conversation:
         return [t.text for t in self.turns]
 
 
-def _one_resolution(parts: list[Prepared]):
-    """The resolution the parts of one batch were prepared at (they must agree: one plan prepares them)."""
-    found = {p.resolution for p in parts}
-    if len(found) > 1:
-        raise InputError(f"a batch's parts were prepared at different resolutions ({sorted(map(repr, found))})")
-    return found.pop()
-
-
 def _cat_padded(vals: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along axis 0, zero-padding the other axes up to the largest part's."""
     shape = [max(v.shape[d] for v in vals) for d in range(1, vals[0].dim())]
@@ -550,6 +542,9 @@ class Adapter:
         its other axes zero-padded where the parts differ (images per sample: a zero image is padding)."""
         if len(parts) == 1:
             return parts[0]
+        found = {p.resolution for p in parts}  # they must agree: one plan prepares them
+        if len(found) > 1:
+            raise InputError(f"a batch's parts were prepared at different resolutions ({sorted(map(repr, found))})")
         pad = self.tokenizer.pad_token_id
         inputs = {}
         for k in parts[0].model_inputs:
@@ -567,7 +562,7 @@ class Adapter:
             n_images=[n for p in parts for n in p.n_images],
             tiles=[t for p in parts for t in p.tiles],
             image_keys=[k for p in parts for k in p.image_keys],
-            resolution=_one_resolution(parts),
+            resolution=found.pop(),
         )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
