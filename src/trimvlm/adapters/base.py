@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError, UnsupportedModelError
 from trimvlm.kernels.flops import count
+from trimvlm.runtime.cache import padded_cat
 from trimvlm.runtime.layers import ATTENTION, LINEAR
 from trimvlm.runtime.sequence import LiveSeq, next_positions
 
@@ -105,14 +106,6 @@ class Conversation:
         return [t.text for t in self.turns]
 
 
-def _one_resolution(parts: list[Prepared]):
-    """The resolution the parts of one batch were prepared at (they must agree: one plan prepares them)."""
-    found = {p.resolution for p in parts}
-    if len(found) > 1:
-        raise InputError(f"a batch's parts were prepared at different resolutions ({sorted(map(repr, found))})")
-    return found.pop()
-
-
 def _cat_padded(vals: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along axis 0, zero-padding the other axes up to the largest part's."""
     shape = [max(v.shape[d] for v in vals) for d in range(1, vals[0].dim())]
@@ -151,9 +144,7 @@ def resolution(target):
         _RESOLUTION.reset(token)
 
 
-def current_resolution():
-    """The `resolution` target of the enclosing context, or None."""
-    return _RESOLUTION.get()
+current_resolution = _RESOLUTION.get  # the `resolution` target of the enclosing context, or None
 
 
 def load_images(images, n_prompts: int | None = None) -> list[list[Image.Image]]:
@@ -349,21 +340,19 @@ class Adapter:
         raise NotImplementedError
 
     def image_features(self, prepared: Prepared, probe, grids):
-        """The vision tower's output for the batch's images (`pooler_output`), with the probe's records when one
-        is given; this default fits LLaVA and InternVL (feature layer and strategy from the config)."""
+        """The vision tower's output for the batch's images (`pooler_output`: `get_image_features` on
+        `vision_inputs`), with the probe's records (`_vision_units(rec, prepared, grids)`) when one is given."""
+        call = lambda: self.inner.get_image_features(**self.vision_inputs(prepared), return_dict=True)  # noqa: E731
+        return self.encode_vision(probe, call, lambda rec: self._vision_units(rec, prepared, grids), grids)
+
+    def vision_inputs(self, prepared: Prepared) -> dict:
+        """`get_image_features`' inputs; this default fits LLaVA and InternVL (feature layer and strategy from
+        the config)."""
         cfg = self.model.config
-        pixel_values = prepared.model_inputs["pixel_values"]
-        return self.encode_vision(
-            probe,
-            lambda: self.inner.get_image_features(
-                pixel_values=pixel_values,
-                vision_feature_layer=cfg.vision_feature_layer,
-                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                return_dict=True,
-            ),
-            lambda rec: self._vision_units(rec, pixel_values),
-            grids,
-        )
+        return {
+            "pixel_values": prepared.model_inputs["pixel_values"], "vision_feature_layer": cfg.vision_feature_layer,
+            "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
+        }  # fmt: skip
 
     def vision_adds(self, out, embeds, visual) -> dict:
         """Per-position tensors the family adds after given layers (`LiveSeq.adds`; Qwen3-VL deepstack)."""
@@ -553,29 +542,27 @@ class Adapter:
         its other axes zero-padded where the parts differ (images per sample: a zero image is padding)."""
         if len(parts) == 1:
             return parts[0]
+        found = {p.resolution for p in parts}  # they must agree: one plan prepares them
+        if len(found) > 1:
+            raise InputError(f"a batch's parts were prepared at different resolutions ({sorted(map(repr, found))})")
         pad = self.tokenizer.pad_token_id
-        width = max(p.input_ids.shape[1] for p in parts)
-
-        def left(t: torch.Tensor, value) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
-
         inputs = {}
         for k in parts[0].model_inputs:
             vals = [p.model_inputs[k] for p in parts]
             if k in self.PER_TOKEN:
-                inputs[k] = torch.cat([left(v, 0) for v in vals])
+                inputs[k] = padded_cat(vals, 0, 1)
             elif isinstance(vals[0], torch.Tensor):
                 inputs[k] = _cat_padded(vals)
             else:
                 inputs[k] = vals[0]
         return Prepared(
-            torch.cat([left(p.input_ids, 0 if pad is None else pad) for p in parts]),
-            torch.cat([left(p.attention_mask, 0) for p in parts]),
+            padded_cat([p.input_ids for p in parts], 0 if pad is None else pad, 1),
+            padded_cat([p.attention_mask for p in parts], 0, 1),
             inputs,
             n_images=[n for p in parts for n in p.n_images],
             tiles=[t for p in parts for t in p.tiles],
             image_keys=[k for p in parts for k in p.image_keys],
-            resolution=_one_resolution(parts),
+            resolution=found.pop(),
         )
 
     def pad_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

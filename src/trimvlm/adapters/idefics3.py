@@ -66,30 +66,21 @@ class Idefics3Adapter(Adapter):
         visual = prepared.input_ids == self.image_token_id
         return self.tile_layout(visual, (self.tile_side, self.tile_side), IMAGE)
 
-    def image_features(self, prepared: Prepared, probe, grids):
-        return self.encode_vision(
-            probe,
-            lambda: self.inner.get_image_features(
-                prepared.model_inputs["pixel_values"],
-                prepared.model_inputs.get("pixel_attention_mask"),
-                return_dict=True,
-            ),
-            lambda rec: self._vision_units(rec, sum(len(g) for g in grids)),
-            grids,
-        )
+    def vision_inputs(self, prepared: Prepared) -> dict:
+        return {k: prepared.model_inputs.get(k) for k in ("pixel_values", "pixel_attention_mask")}
 
     # ---- vision-tower probe ----
     def vision_attention_modules(self) -> list:
         return [layer.self_attn for layer in self.inner.vision_model.encoder.layers]
 
-    def _vision_units(self, rec, tiles: int) -> list:
+    def _vision_units(self, rec, prepared, grids) -> list:
         """One attention call for all (real) tiles, padded patches masked; a tile's LLM tokens are the groups of
         patches the connector's pixel shuffle concatenates (found by shuffling the patch indices)."""
         vc = self.vision_config
         p = (vc.image_size // vc.patch_size) ** 2
         idx = torch.arange(p, device="cpu")[None, :, None]
         groups = self.inner.connector.pixel_shuffle(idx, self.model.config.scale_factor)[0]
-        return rec.batched(tiles, p, groups)
+        return rec.batched(sum(len(g) for g in grids), p, groups)
 
 
 class SmolVLMAdapter(Idefics3Adapter):

@@ -74,10 +74,11 @@ class InternVLAdapter(Adapter):
     def vision_attention_modules(self) -> list:
         return [layer.attention for layer in self.inner.vision_tower.encoder.layer]
 
-    def _vision_units(self, rec, pixel_values) -> list:
+    def _vision_units(self, rec, prepared, grids) -> list:
         """One attention call for all tiles ([CLS] + patches each); a tile's LLM tokens are the groups of patches
         the pixel shuffle (`downsample_ratio`) concatenates, found by shuffling the patch indices."""
         ph, pw = _pair(self.vision_config.patch_size)
+        pixel_values = prepared.model_inputs["pixel_values"]
         h, w = pixel_values.shape[-2] // ph, pixel_values.shape[-1] // pw
         idx = torch.arange(1, 1 + h * w, device="cpu").reshape(1, h, w, 1)
         groups = self.inner.pixel_shuffle(idx, scale_factor=self.model.config.downsample_ratio)

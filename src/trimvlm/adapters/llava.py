@@ -89,9 +89,10 @@ class LlavaAdapter(Adapter):
         tower = self.inner.vision_tower
         return [layer.self_attn for layer in getattr(tower, "vision_model", tower).encoder.layers]
 
-    def _vision_units(self, rec, pixel_values) -> list:
+    def _vision_units(self, rec, prepared, grids) -> list:
         """One attention call for all images; the LLM tokens of an image are its vision tokens after the ones the
         feature strategy drops (the [CLS] token, or patch 0 on a tower without one), one to one."""
+        pixel_values = prepared.model_inputs["pixel_values"]
         h, w = self._grid(pixel_values)
         s = h * w + int(self.vision_has_cls)
         n = self._image_tokens((h, w))

@@ -94,9 +94,8 @@ class QwenVLAdapterMixin:
 
     def positions(self, prepared: Prepared) -> torch.Tensor:
         ids, att = prepared.input_ids, prepared.attention_mask
-        if "image_grid_thw" not in prepared.model_inputs:
-            pos = (att.cumsum(-1) - 1).clamp(min=0)
-            return pos[None].expand(3, -1, -1).clone()
+        if "image_grid_thw" not in prepared.model_inputs:  # text only: the 1-D positions on every axis
+            return super().positions(prepared).expand(3, -1, -1).clone()
         pos, _ = self.inner.get_rope_index(
             ids,
             mm_token_type_ids=prepared.model_inputs["mm_token_type_ids"],

@@ -116,12 +116,6 @@ def _expand_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(b, one, groups, q, k).reshape(b, one, groups * q, k)
 
 
-def _scores(query, key, scaling):
-    """The probe's extra score rows: a method's own work, counted as method FLOPs."""
-    n_kv = key.shape[1]
-    return matmul(_grouped(query, n_kv), key.transpose(-1, -2)) * scaling
-
-
 def _row_mask(mask, q: int, k: int, start: int, end: int, device) -> torch.Tensor:
     """The bool mask rows [start, end) of a chunk of q queries over k keys ([B or 1, 1, end - start, k])."""
     if mask is None:  # a plain causal chunk over no past: query i sees keys <= i + (k - q)
@@ -131,9 +125,9 @@ def _row_mask(mask, q: int, k: int, start: int, end: int, device) -> torch.Tenso
 
 
 def _probs(query, key, mask_rows, scaling) -> torch.Tensor:
-    """[B, H, n, K] float softmax of the given query rows."""
+    """[B, H, n, K] float softmax of the given query rows (extra score rows: method FLOPs)."""
     b, h, n, _ = query.shape
-    s = _scores(query, key, scaling).float()
+    s = (matmul(_grouped(query, key.shape[1]), key.transpose(-1, -2)) * scaling).float()
     s = s.masked_fill(~_expand_mask(mask_rows, h // key.shape[1]), float("-inf"))
     return torch.softmax(s, dim=-1).reshape(b, h, n, -1)
 

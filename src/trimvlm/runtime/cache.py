@@ -8,6 +8,7 @@ prefix from here and merges the two parts by log-sum-exp).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,13 +25,18 @@ def column_dim(t: torch.Tensor) -> int:
     return 2 if t.dim() == 4 else 1
 
 
-def left_pad(t: torch.Tensor, width: int, fill, dim: int) -> torch.Tensor:
-    """`t` left-padded with `fill` to `width` entries along `dim`."""
-    if t.shape[dim] == width:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width - t.shape[dim]
-    return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), t], dim=dim)
+def padded_cat(parts: list[torch.Tensor], fill, dim: int, batch: int = 0) -> torch.Tensor:
+    """`parts` concatenated along axis `batch`, each left-padded with `fill` to the widest along axis `dim`: one
+    copy per part."""
+    width = max(t.shape[dim] for t in parts)
+    shape = list(parts[0].shape)
+    shape[batch], shape[dim] = sum(t.shape[batch] for t in parts), width
+    out = torch.full(shape, fill, dtype=parts[0].dtype, device=parts[0].device)
+    at = 0
+    for t in parts:
+        out.narrow(batch, at, t.shape[batch]).narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
+        at += t.shape[batch]
+    return out
 
 
 @dataclass
@@ -88,13 +94,9 @@ class RowRun(NamedTuple):
 
 def owner_runs(owner: torch.Tensor) -> list[RowRun]:
     """Each maximal run of equal entries of `owner` [B]."""
-    vals = owner.tolist()
-    runs, a = [], 0
-    for b in range(1, len(vals) + 1):
-        if b == len(vals) or vals[b] != vals[a]:
-            runs.append(RowRun(a, b, vals[a]))
-            a = b
-    return runs
+    vals, counts = (t.tolist() for t in torch.unique_consecutive(owner, return_counts=True))
+    ends = list(itertools.accumulate(counts))
+    return [RowRun(e - n, e, v) for v, n, e in zip(vals, counts, ends, strict=True)]
 
 
 def shared_rows(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -129,9 +131,11 @@ class KVCache:
         entry = self.layers.get(layer_idx)
         return None if entry is None else entry.valid
 
-    def length(self, layer_idx: int) -> int:
+    def length(self, layer_idx: int = 0) -> int:
         entry = self.layers.get(layer_idx)
         return 0 if entry is None else entry.key.shape[2]
+
+    get_seq_length = length  # transformers' name
 
     # ---- transformers' attention modules call this ----
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -220,9 +224,6 @@ class KVCache:
         if self.prefix is None or self.states.get(layer_idx):
             return None
         return self.prefix.state_owner if layer_idx in self.prefix.states else None
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length(layer_idx)
 
     # ---- cache operations ----
     def gather(self, layer_idx: int, keep: torch.Tensor) -> None:
@@ -350,9 +351,7 @@ class KVCache:
             if key not in memo:  # a layer one side never ran is padding there: no columns of its own
                 x = _no_columns(y, a_rows) if x is None else x
                 y = _no_columns(x, b_rows) if y is None else y
-                d = column_dim(x)
-                k = max(x.shape[d], y.shape[d])
-                memo[key] = torch.cat([left_pad(x, k, FILL[name], d), left_pad(y, k, FILL[name], d)], dim=0)
+                memo[key] = padded_cat([x, y], FILL[name], column_dim(x))
             return memo[key]
 
         for i in sorted(set(self.layers) | set(other.layers)):

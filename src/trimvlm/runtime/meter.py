@@ -169,8 +169,7 @@ def flop_counter():
     def cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs):
         return sdpa_flop(query, key, value)
 
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    mapping = {op: cpu_sdpa} if op is not None else {}
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim, state_rows
+from trimvlm.runtime.cache import FILL, KVCache, LayerKV, PrefillOutput, column_dim, padded_cat, state_rows
 from trimvlm.runtime.lru import ByteLRU, digest, nbytes
 from trimvlm.runtime.sequence import LiveSeq
 
@@ -127,20 +127,6 @@ class PrefixCache(ByteLRU):
         return assemble([r.entry for r in filled.rows], runner.num_layers), reuse
 
 
-def take_row(out: PrefillOutput, b: int, n_images: int, tokens: int) -> PrefixEntry:
-    """Row b of a prefill as an entry of its own: per layer its valid columns (copies), its recurrent states."""
-    layers = {}
-    for i, e in out.cache.layers.items():
-        cols = torch.nonzero(e.valid[b]).flatten()
-        layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
-    states = state_rows(out.cache.states, out.next_pos.new_tensor([b]))
-    layers, stacked = stack_layers(layers)
-    return PrefixEntry(
-        layers=layers, states=states, next_pos=out.next_pos[b : b + 1].clone(),
-        hidden=out.seq.hidden[b : b + 1, -1:].clone(), n_images=n_images, tokens=tokens, stacked=stacked,
-    )  # fmt: skip
-
-
 def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[str, torch.Tensor] | None]:
     """(the layers as views of one tensor per field, those tensors), when every layer has the same shapes
     (a reducer that drops tokens at some layer leaves layers of different lengths: kept as they are, None)."""
@@ -154,30 +140,18 @@ def stack_layers(layers: dict[int, LayerKV]) -> tuple[dict[int, LayerKV], dict[s
     return views, stacked
 
 
-def _padded_batch(parts: list[torch.Tensor], fill, batch: int, dim: int) -> torch.Tensor:
-    """Parts of one row each (axis `batch`) as one batch, each left-padded with `fill` to the widest along axis
-    `dim`: one copy per part."""
-    width = max(t.shape[dim] for t in parts)
-    shape = list(parts[0].shape)
-    shape[batch], shape[dim] = len(parts), width
-    out = torch.full(shape, fill, dtype=parts[0].dtype, device=parts[0].device)
-    for b, t in enumerate(parts):
-        out.narrow(batch, b, 1).narrow(dim, width - t.shape[dim], t.shape[dim]).copy_(t)
-    return out
-
-
 def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
     """Entries as one left-padded batch (a prefill's output with no logits: what the branch executors read).
     Stacked entries (`PrefixEntry.stacked`, the same layers) are copied once per field for all layers."""
     cache = KVCache(num_layers)
     if all(r.stacked is not None and r.layers.keys() == rows[0].layers.keys() for r in rows):
         parts = {n: [r.stacked[n] for r in rows] for n in FILL}  # [L, 1, ...] each
-        out = {n: _padded_batch(p, FILL[n], 1, column_dim(p[0][0]) + 1) for n, p in parts.items()}
+        out = {n: padded_cat(p, FILL[n], column_dim(p[0][0]) + 1, batch=1) for n, p in parts.items()}
         cache.layers = {i: LayerKV(**{n: out[n][j] for n in FILL}) for j, i in enumerate(rows[0].layers)}
     else:
         for i in rows[0].layers:
             parts = {n: [getattr(r.layers[i], n) for r in rows] for n in FILL}
-            padded = {n: _padded_batch(p, FILL[n], 0, column_dim(p[0])) for n, p in parts.items()}
+            padded = {n: padded_cat(p, FILL[n], column_dim(p[0])) for n, p in parts.items()}
             cache.layers[i] = LayerKV(**padded)
     cache.states = {
         i: {k: torch.cat([r.states[i][k] for r in rows]) for k in st} for i, st in rows[0].states.items()
@@ -223,9 +197,18 @@ def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) 
 
 
 def store(cache: PrefixCache, key: bytes, out: PrefillOutput, b: int, n_images: int, tokens: int) -> Stored:
-    """Row b of a prefill stored under `key`: its entry and, when the prefill ran the LM head, the logits of its
-    last token."""
-    entry = take_row(out, b, n_images, tokens)
+    """Row b of a prefill stored under `key`: its entry (per layer its valid columns, copies; its recurrent
+    states) and, when the prefill ran the LM head, the logits of its last token."""
+    layers = {}
+    for i, e in out.cache.layers.items():
+        cols = torch.nonzero(e.valid[b]).flatten()
+        layers[i] = e.map(lambda _, t, cols=cols: t[b : b + 1].index_select(column_dim(t), cols))
+    layers, stacked = stack_layers(layers)
+    entry = PrefixEntry(
+        layers=layers, states=state_rows(out.cache.states, out.next_pos.new_tensor([b])),
+        next_pos=out.next_pos[b : b + 1].clone(), hidden=out.seq.hidden[b : b + 1, -1:].clone(),
+        n_images=n_images, tokens=tokens, stacked=stacked,
+    )  # fmt: skip
     item = Stored(entry, None if out.logits is None else out.logits[b : b + 1].clone())
     cache.put(key, item, entry.nbytes + nbytes(item.logits))
     return item

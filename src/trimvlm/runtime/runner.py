@@ -299,7 +299,8 @@ class Runner:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
         `within` [B, Q, Q] replaces the causal mask inside the chunk, `skip` the plan's layers for the phase);
         the final-normed live sequence."""
-        skip = _phase_skip(plan, phase, skip)
+        if skip is None:  # the plan's layers for the phase ("branch": candidate rows)
+            skip = frozenset() if plan is None else plan.skip_branch if phase == "branch" else plan.skip_decode
         valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
         seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
         return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
@@ -365,15 +366,6 @@ def _readers(part, rows: torch.Tensor | None, memo: dict[int, int]) -> int:
     if id(part) not in memo:
         memo[id(part)] = int((part.owner >= 0).sum())
     return memo[id(part)]
-
-
-def _phase_skip(plan: Plan | None, phase: str, skip):
-    """The layers a step skips: `skip` when given, else the plan's for the phase ("branch": candidate rows)."""
-    if skip is not None:
-        return skip
-    if plan is None:
-        return frozenset()
-    return plan.skip_branch if phase == "branch" else plan.skip_decode
 
 
 class Prefill:

@@ -67,9 +67,6 @@ class LiveSeq:
     def length(self) -> int:
         return self.hidden.shape[1]
 
-    def counts(self) -> torch.Tensor:
-        return self.valid.sum(1)
-
     def gather(self, keep: torch.Tensor) -> LiveSeq:
         """Keep positions where `keep` [B, S] is True, compacted to the right (left padding), order kept."""
         if keep.shape != self.valid.shape:

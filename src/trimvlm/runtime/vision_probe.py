@@ -94,15 +94,12 @@ class Recording:
     heads: int = 0
     flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
 
-    def _scores(self, q, kt, scaling):
-        """Scaled scores in float32, the queries scaled before the product (a pass over [q, d], not [q, S])."""
-        self.flops += matmul_flops(q.shape, kt.shape)
-        return torch.matmul(q * scaling, kt).float()
-
     def _column_sums(self, q, kt, add, rows, scaling):
-        """[..., S]: the softmax of the scaled scores (plus the additive mask `add`) summed over the query rows,
-        the rows not in `rows` (bool [..., q]) left out."""
-        sc = self._scores(q, kt, scaling)
+        """[..., S]: the softmax of the scaled scores in float32 (the queries scaled before the product, a pass
+        over [q, d], not [q, S]; plus the additive mask `add`) summed over the query rows, the rows not in `rows`
+        (bool [..., q]) left out."""
+        self.flops += matmul_flops(q.shape, kt.shape)
+        sc = torch.matmul(q * scaling, kt).float()
         if add is not None:
             sc = sc + add
         p = torch.softmax(sc, dim=-1)
