@@ -46,7 +46,7 @@ import torch
 
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 BUDGETS = ("adaptive", "uniform")
@@ -68,8 +68,7 @@ class AirCache(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)
-        if not is_number(self.elite) or not 0 < self.elite <= 1:
-            raise ValueError(f"elite must be a number in (0, 1], got {self.elite!r}")
+        require_number("elite", self.elite, 0, 1, above=True)
         require_choice("budgets", self.budgets, BUDGETS)
 
     def elite_rows(self, view: LayerView) -> torch.Tensor:
@@ -83,19 +82,16 @@ class AirCache(KVPolicy):
         count = keep_count(post.sum(1), self.elite, minimum=1)
         return topk_mask(relevance, count, post)
 
-    def importance(self, view: LayerView) -> torch.Tensor:
-        """[B, K] I[v]: the elite window's mean attention to each entry."""
+    def scores(self, view: LayerView) -> torch.Tensor:
+        """[B, K] the importance I[v]: the elite window's mean attention to each entry."""
         att = view.attention.float()
         elite = self.elite_rows(view).float()
         return (att * elite[..., None]).sum(1) / elite.sum(1, keepdim=True).clamp(min=1)
 
-    def scores(self, view: LayerView) -> torch.Tensor:
-        return self.importance(view)
-
     def strength_skew(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] strength S (the elite window's attention mass on the visual entries) and skewness K of the
         importance over them."""
-        imp = self.importance(view).double()
+        imp = self.scores(view).double()
         cand = view.candidates.to(imp.device)
         n = cand.sum(1).clamp(min=1).double()
         x = imp * cand

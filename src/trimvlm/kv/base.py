@@ -30,7 +30,7 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import require_choice, require_int, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
@@ -66,10 +66,7 @@ class KVPolicy(Method):
     colsum: ClassVar[bool] = False
 
     def __post_init__(self):
-        if not is_number(self.keep) or not 0 <= self.keep <= 1:
-            raise ValueError(
-                f"keep must be a number in [0, 1] (0 drops every visual entry), got {self.keep!r}"
-            )
+        require_number("keep", self.keep, 0, 1, hint=" (0 drops every visual entry)")
         self.keep = float(self.keep)
         require_int("seed", self.seed)
 

@@ -48,7 +48,7 @@ import torch
 
 from trimvlm.kernels.merge import merge_groups, nearest_kept
 from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
-from trimvlm.options import is_number, require_choice
+from trimvlm.options import require_choice, require_number
 from trimvlm.protocol import register
 
 MERGES = ("pivotal", "averaged", "weighted", "none")
@@ -69,8 +69,7 @@ class LookM(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         require_choice("merge", self.merge, MERGES)
-        if not is_number(self.recent) or not 0 <= self.recent <= 1:
-            raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
+        require_number("recent", self.recent, 0, 1)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return heavy_and_recent(view.attention.float(), view, self.recent)

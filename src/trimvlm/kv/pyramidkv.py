@@ -3,7 +3,6 @@ with depth in an arithmetic pyramid, at the same total as a uniform budget."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -11,7 +10,7 @@ import torch
 
 from trimvlm.kernels.select import window_scores
 from trimvlm.kv.base import KVPolicy, LayerView, check_window
-from trimvlm.options import is_number
+from trimvlm.options import require_number
 from trimvlm.protocol import register
 
 
@@ -60,10 +59,7 @@ class PyramidKV(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         check_window(self.window, self.kernel, self.pool)
-        if not is_number(self.beta) or not math.isfinite(self.beta) or self.beta < 1:
-            raise ValueError(
-                f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}"
-            )
+        require_number("beta", self.beta, 1, hint=" (top layer budget = mean / beta)")
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return window_scores(view.attention, view.row_valid, view.candidates, self.kernel, self.pool)

@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 BUDGETS = ("sparsity", "uniform")
@@ -65,8 +65,7 @@ class VLCache(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         require_int("rows", self.rows, minimum=1)
-        if not is_number(self.threshold) or not 0 < self.threshold < 1:
-            raise ValueError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
+        require_number("threshold", self.threshold, 0, 1, above=True, below=True)
         require_choice("budgets", self.budgets, BUDGETS)
 
     def scores(self, view: LayerView) -> torch.Tensor:

@@ -34,7 +34,7 @@ from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
-from trimvlm.options import is_int, is_number, require_bool
+from trimvlm.options import is_int, require_bool, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime import vision_probe
 from trimvlm.runtime.attention import AttentionProbe
@@ -147,13 +147,9 @@ class TokenReducer(Method):
         if (self.keep is None) == (self.prune is None):
             raise ValueError("give exactly one of keep (in (0, 1]) or prune (in [0, 1), prune = 1 - keep)")
         if self.keep is not None:
-            _number("keep", self.keep)
-            if not 0 < self.keep <= 1:
-                raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+            require_number("keep", self.keep, 0, 1, above=True)
         else:
-            _number("prune", self.prune)
-            if not 0 <= self.prune < 1:
-                raise ValueError(f"prune must be in [0, 1), got {self.prune}")
+            require_number("prune", self.prune, 0, 1, below=True)
         if self.layer is not None:
             if not is_int(self.layer):
                 raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
@@ -335,11 +331,6 @@ class TokenReducer(Method):
         view.row_text = instruction(seq)[:, seq.length - r :][view.sample]
         if not self.per_head:
             view.attention = res[:, -1, :][view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
-
-
-def _number(name: str, v) -> None:
-    if not is_number(v) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a number, got {v!r}")
 
 
 def _finish(runner, seq: LiveSeq, view: VisualView, keep: torch.Tensor | None = None) -> torch.Tensor:

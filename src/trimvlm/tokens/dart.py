@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import require_choice, require_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -37,8 +37,7 @@ class DART(TokenReducer):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_int("pivots", self.pivots, minimum=1)
-        if self.pivot not in ("key", "hidden"):
-            raise ValueError(f"pivot must be 'key' or 'hidden', got {self.pivot!r}")
+        require_choice("pivot", self.pivot, ("key", "hidden"))
 
     @property
     def wants_keys(self) -> bool:

@@ -5,7 +5,6 @@ Spec: docs/references.md#twinprune (the paper's section 4).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_density
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import require_choice, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
@@ -91,13 +90,9 @@ class Density(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_number(self.beta) or not math.isfinite(self.beta):
-            raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        require_number("beta", self.beta, 0)
         require_int("window", self.window, minimum=1, odd=True, hint=" (3, 5, ...)")
-        if self.select not in ("fps", "topk"):
-            raise ValueError(f"select must be one of fps, topk; got {self.select!r}")
+        require_choice("select", self.select, ("fps", "topk"))
 
     def choose(self, view: VisualView) -> Selection:
         keep, nearest, rho = density_select(

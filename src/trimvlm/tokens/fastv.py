@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -40,8 +40,7 @@ class FastV(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_number(self.noise) or not math.isfinite(self.noise) or self.noise < 0:
-            raise ValueError(f"noise must be a finite number >= 0 (in units of the scores' std), got {self.noise!r}")
+        require_number("noise", self.noise, 0, hint=" (in units of the scores' std)")
         require_int("trials", self.trials, minimum=1)
         require_int("seed", self.seed)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -62,10 +62,8 @@ class GPrune(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_number(self.threshold) or not -1 <= self.threshold <= 1:
-            raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
-        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature <= 0:
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+        require_number("threshold", self.threshold, -1, 1, hint=" (a cosine similarity)")
+        require_number("temperature", self.temperature, 0, above=True)
         require_int("steps", self.steps, minimum=1)
 
     def choose(self, view: VisualView) -> Selection:

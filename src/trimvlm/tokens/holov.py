@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.kernels.flops import bmm
-from trimvlm.options import is_number, require_int
+from trimvlm.options import require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -97,9 +97,7 @@ class HoloV(VisionAttentionReducer):
         super().__post_init__()
         require_int("crops", self.crops, 1)
         for f in ("alpha", "beta", "power"):
-            v = getattr(self, f)
-            if not is_number(v) or v < 0 or (f == "power" and v == 0):
-                raise ValueError(f"{f} must be a number >= 0{' and > 0' if f == 'power' else ''}, got {v!r}")
+            require_number(f, getattr(self, f), 0, above=f == "power")
 
     def choose(self, view: VisualView) -> Selection:
         att = view.attention.masked_fill(~view.mask, 0.0).double()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trimvlm.options import is_int
+from trimvlm.options import require_int
 from trimvlm.tokens.base import TokenReducer
 
 
@@ -22,7 +22,4 @@ class VisionAttentionReducer(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_int(self.vision_layer):
-            raise ValueError(
-                f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
-            )
+        require_int("vision_layer", self.vision_layer, hint=" (negative counts from the end)")
