@@ -25,9 +25,9 @@ def require_int(name: str, value, minimum: int | None = None, odd: bool = False,
 
 
 def require_number(name: str, value, low, high=None, *, above=False, below=False, hint: str = "") -> None:
-    """ValueError "<name> must be a number in [low, high]<hint>, got <value>" (without `high`: "a finite number >=
-    low") unless `value` is a finite number within the bounds (`above` / `below`: strictly above `low` / below
-    `high`; the brackets and the sign say which)."""
+    """ValueError "<name> must be a number in [low, high]<hint>, got <value>" (without `high`: "a finite
+    number >= low") unless `value` is a finite number within the bounds (`above` / `below`: strictly above
+    `low` / below `high`; the brackets and the sign say which)."""
     ok = is_number(value) and math.isfinite(value) and (value > low if above else value >= low)
     if not (ok and (high is None or (value < high if below else value <= high))):
         if high is None:

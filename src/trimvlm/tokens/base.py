@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import jit
@@ -402,15 +403,11 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
             rows.append(UnitRow(b, j, h, w, cols[order], cells[order]))
     if not rows:
         return None
-    u, nmax = len(rows), max(r.cols.numel() for r in rows)
-    dev = seq.hidden.device
-    cols = torch.zeros(u, nmax, dtype=torch.long, device=dev)
-    cells = torch.full((u, nmax), -1, dtype=torch.long, device=dev)
-    mask = torch.zeros(u, nmax, dtype=torch.bool, device=dev)
-    for i, r in enumerate(rows):
-        cols[i, : r.cols.numel()] = r.cols
-        cells[i, : r.cols.numel()] = r.cells
-        mask[i, : r.cols.numel()] = True
+    u, dev = len(rows), seq.hidden.device
+    cols = pad_sequence([r.cols for r in rows], batch_first=True)
+    cells = pad_sequence([r.cells for r in rows], batch_first=True, padding_value=-1)
+    nmax = cols.shape[1]
+    mask = torch.arange(nmax, device=dev) < torch.tensor([r.cols.numel() for r in rows], device=dev)[:, None]
     sample = torch.tensor([r.sample for r in rows], dtype=torch.long, device=dev)
     n = mask.sum(1)
     owner = [_image_of(seq, r.sample, r.image) for r in rows]

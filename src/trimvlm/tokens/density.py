@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_density
+from trimvlm.kernels.density import farthest_point, grid_density, masked_minmax, spatial_density
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import require_choice, require_int, require_number
 from trimvlm.protocol import register
@@ -32,21 +32,7 @@ def view_density(view, window: int = 3, xn: torch.Tensor | None = None) -> torch
     ):
         # every unit is a complete grid of the same size, in grid order: no scatter needed
         return spatial_density(feats.reshape(u, hmax, wmax, d), window, normalized=normed).reshape(u, n)
-    w = view.grid[:, 1:2]
-    cells = view.cells.clamp(min=0)
-    flat = (cells // w) * wmax + cells % w  # position in the padded [Hmax, Wmax] grid
-    flat = torch.where(view.mask, flat, hmax * wmax)  # pads go to a spare slot
-    dt = torch.promote_types(feats.dtype, torch.float32)
-    grid = feats.new_zeros(u, hmax * wmax + 1, d, dtype=dt)
-    rows = torch.arange(u, device=flat.device)[:, None].expand(u, n)
-    grid[rows[view.mask], flat[view.mask]] = feats[view.mask].to(dt)
-    gmask = torch.zeros(u, hmax * wmax + 1, dtype=torch.bool, device=view.mask.device)
-    gmask[rows[view.mask], flat[view.mask]] = True
-    rho = spatial_density(
-        grid[:, :-1].reshape(u, hmax, wmax, d), window, mask=gmask[:, :-1].reshape(u, hmax, wmax),
-        normalized=normed,
-    )
-    return rho.reshape(u, hmax * wmax).gather(1, flat.clamp(max=hmax * wmax - 1)).masked_fill(~view.mask, 0.0)
+    return grid_density(feats, view.cells, view.grid, view.mask, window, normalized=normed)
 
 
 def density_select(

@@ -88,8 +88,7 @@ class Pool(TokenReducer):
         first = big.scatter_reduce(1, win.clamp(min=0), torch.where(view.mask, ar, big), "amin", include_self=True)
         assign = first.gather(1, win.clamp(min=0))  # the first token of each token's window
         keep = view.mask & (assign == ar)
-        weight = view.size.float() if self.size_weighted else torch.ones_like(view.size).float()
-        return Selection(keep=keep, assign=torch.where(view.mask, assign, ar), weight=weight)
+        return Selection(keep=keep, assign=torch.where(view.mask, assign, ar))  # the base's (size-)weighted mean
 
 
 def _window_counts(win: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,4 @@ class VisionZip(VisionAttentionReducer):
         into = torch.where(targets.any(1, keepdim=True), targets, keep)
         u, n, d = view.keys.shape
         keys = view.keys.view(u, n, view.key_heads, d // view.key_heads).mean(2)  # its metric: heads averaged
-        assign = nearest_kept(keys, view.mask, into)
-        weight = view.size.float() if self.size_weighted else torch.ones_like(scores)
-        return Selection(keep=keep, assign=assign, weight=weight)
+        return Selection(keep=keep, assign=nearest_kept(keys, view.mask, into))
