@@ -5,7 +5,22 @@ A bool is an int in Python; an option meant as a count or a number never accepts
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+
+
+def option(default, check, **how):
+    """A method option declared with its check: a dataclass field of this default whose value `check_options`
+    (run by the axis' base when the method is made) passes to `check(name, value, **how)`, a `require_*` here."""
+    return dataclasses.field(default=default, metadata={"check": functools.partial(check, **how)})
+
+
+def check_options(method) -> None:
+    """Run the checks of the method's `option` fields, in field order (ValueError on the first that fails)."""
+    for f in dataclasses.fields(method):
+        if "check" in f.metadata:
+            f.metadata["check"](f.name, getattr(method, f.name))
 
 
 def is_int(value) -> bool:

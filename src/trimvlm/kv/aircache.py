@@ -46,7 +46,7 @@ import torch
 
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
-from trimvlm.options import require_choice, require_int, require_number
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 BUDGETS = ("adaptive", "uniform")
@@ -59,17 +59,11 @@ class AirCache(KVPolicy):
     post-vision text queries kept as the elite window, in (0, 1], default 0.5), `budgets` (`adaptive`:
     strength/skewness split over the layers, or `uniform`), `keep`."""
 
-    rows: int = 64
-    elite: float = 0.5
-    budgets: str = "adaptive"
+    rows: int = option(64, require_int, minimum=1)
+    elite: float = option(0.5, require_number, low=0, high=1, above=True)
+    budgets: str = option("adaptive", require_choice, allowed=BUDGETS)
 
     rows_option: ClassVar[str] = "rows"
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("rows", self.rows, minimum=1)
-        require_number("elite", self.elite, 0, 1, above=True)
-        require_choice("budgets", self.budgets, BUDGETS)
 
     def elite_rows(self, view: LayerView) -> torch.Tensor:
         """[B, n] bool: the elite observation window among the recorded rows."""

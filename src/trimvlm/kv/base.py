@@ -30,7 +30,7 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
-from trimvlm.options import require_choice, require_int, require_number
+from trimvlm.options import check_options, option, require_int, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
@@ -56,7 +56,7 @@ class KVPolicy(Method):
     0 = drop all visual KV, 1 = exact no-op) and `seed` (for policies with a random choice)."""
 
     keep: float = 0.25
-    seed: int = 0
+    seed: int = option(0, require_int)
 
     # what a policy declares it needs (a class value, or a property where it follows an option)
     rows_option: ClassVar[str] = ""  # the option whose value is `rows_wanted` (unset or None: 0)
@@ -68,7 +68,7 @@ class KVPolicy(Method):
     def __post_init__(self):
         require_number("keep", self.keep, 0, 1, hint=" (0 drops every visual entry)")
         self.keep = float(self.keep)
-        require_int("seed", self.seed)
+        check_options(self)
 
     @property
     def rows_wanted(self) -> int:
@@ -256,10 +256,3 @@ def observed_rows(view: LayerView) -> torch.Tensor:
     rv = view.row_valid.to(post.device) if view.row_valid is not None else torch.ones_like(post)
     return torch.where(post.any(1, keepdim=True), post, rv)
 
-
-def check_window(window, kernel, pool) -> None:
-    """The observation-window options SnapKV-style policies share: `window` queries (>= 1), an odd pooling
-    `kernel` (>= 1), `pool` avg or max."""
-    require_int("window", window, minimum=1)
-    require_int("kernel", kernel, minimum=1, odd=True)
-    require_choice("pool", pool, ("avg", "max"))

@@ -28,7 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.kernels.density import grid_density
 from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.options import require_bool, require_choice, require_int
+from trimvlm.options import option, require_bool, require_choice, require_int
 from trimvlm.protocol import register
 
 
@@ -38,15 +38,9 @@ class DensityKV(KVPolicy):
     """Options: `keep`, `window` (odd density window, default 3), `features` (`values` or `keys`, used when
     rho is not reused), `reuse` (take the prefill reducer's rho when it left one, default true)."""
 
-    window: int = 3
-    features: str = "values"
-    reuse: bool = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("window", self.window, minimum=1, odd=True)
-        require_choice("features", self.features, ("values", "keys"))
-        require_bool("reuse", self.reuse)
+    window: int = option(3, require_int, minimum=1, odd=True)
+    features: str = option("values", require_choice, allowed=("values", "keys"))
+    reuse: bool = option(True, require_bool)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         reused = self.reused_rho(view)

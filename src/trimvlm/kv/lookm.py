@@ -48,7 +48,7 @@ import torch
 
 from trimvlm.kernels.merge import merge_groups, nearest_kept
 from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
-from trimvlm.options import require_choice, require_number
+from trimvlm.options import option, require_choice, require_number
 from trimvlm.protocol import register
 
 MERGES = ("pivotal", "averaged", "weighted", "none")
@@ -61,15 +61,10 @@ class LookM(KVPolicy):
     into the kept), `recent` (fraction of the visual budget for the most recent visual entries, default 0),
     `keep`."""
 
-    merge: str = "pivotal"
-    recent: float = 0.0
+    merge: str = option("pivotal", require_choice, allowed=MERGES)
+    recent: float = option(0.0, require_number, low=0, high=1)
 
     colsum: ClassVar[bool] = True  # H2O's column sums: the attention from every prefill query
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_choice("merge", self.merge, MERGES)
-        require_number("recent", self.recent, 0, 1)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return heavy_and_recent(view.attention.float(), view, self.recent)

@@ -35,7 +35,7 @@ from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
-from trimvlm.options import is_int, require_bool, require_number
+from trimvlm.options import check_options, is_int, require_bool, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime import vision_probe
 from trimvlm.runtime.attention import AttentionProbe
@@ -160,8 +160,9 @@ class TokenReducer(Method):
             why = ("the image is resized before the vision tower" if self.resizes else "it reduces the projector's "
                    "tokens before the first decoder layer, from the vision tower's attention")  # fmt: skip
             raise ValueError(f"layer must be 0 for {self.name}: {why}; got {self.layer!r}")
-        for f in ("merge", "size_weighted"):
+        for f in ("merge", "size_weighted"):  # subclasses change their defaults: checked here
             require_bool(f, getattr(self, f))
+        check_options(self)
 
     @property
     def ratio(self) -> float:
@@ -403,7 +404,7 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
             rows.append(UnitRow(b, j, h, w, cols[order], cells[order]))
     if not rows:
         return None
-    u, dev = len(rows), seq.hidden.device
+    dev = seq.hidden.device
     cols = pad_sequence([r.cols for r in rows], batch_first=True)
     cells = pad_sequence([r.cells for r in rows], batch_first=True, padding_value=-1)
     nmax = cols.shape[1]

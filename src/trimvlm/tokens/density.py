@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.density import farthest_point, grid_density, masked_minmax, spatial_density
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_choice, require_int, require_number
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
@@ -68,17 +68,11 @@ class Density(TokenReducer):
 
     merge: bool = True
     size_weighted: bool = False
-    beta: float = 1.0
-    window: int = 3
-    select: str = "fps"
+    beta: float = option(1.0, require_number, low=0)
+    window: int = option(3, require_int, minimum=1, odd=True, hint=" (3, 5, ...)")
+    select: str = option("fps", require_choice, allowed=("fps", "topk"))
 
     default_layer = 3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_number("beta", self.beta, 0)
-        require_int("window", self.window, minimum=1, odd=True, hint=" (3, 5, ...)")
-        require_choice("select", self.select, ("fps", "topk"))
 
     def choose(self, view: VisualView) -> Selection:
         keep, nearest, rho = density_select(

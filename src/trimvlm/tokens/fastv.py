@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
-from trimvlm.options import require_int, require_number
+from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -30,19 +30,13 @@ class FastV(TokenReducer):
     keeps its best trial (never worse than plain FastV on that criterion). The look-ahead runs cost (T + 1) x
     the layers L.. of a prefill and are counted as method FLOPs."""
 
-    noise: float = 0.0
-    trials: int = 1
-    seed: int = 0
+    noise: float = option(0.0, require_number, low=0, hint=" (in units of the scores' std)")
+    trials: int = option(1, require_int, minimum=1)
+    seed: int = option(0, require_int)
 
     attention: ClassVar[str] = "llm"
     default_layer = 2
     min_layer = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_number("noise", self.noise, 0, hint=" (in units of the scores' std)")
-        require_int("trials", self.trials, minimum=1)
-        require_int("seed", self.seed)
 
     def choose(self, view: VisualView) -> Selection:
         sel = Selection(keep=topk_mask(view.attention, view.k, view.mask))

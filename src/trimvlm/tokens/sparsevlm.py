@@ -12,7 +12,7 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import matmul
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int, stage_layers
+from trimvlm.options import option, require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
@@ -95,7 +95,7 @@ class SparseVLM(TokenReducer):
     attention: ClassVar[str] = "llm"
 
     layers: str = ""
-    rows: int = 64
+    rows: int = option(64, require_int, minimum=1)
     merge: bool = True
     # per call, set before the first layer (`start`) and read by the stages: each sample's raters' original positions
     raters: list | None = field(default=None, init=False, repr=False, compare=False)
@@ -105,7 +105,6 @@ class SparseVLM(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int("rows", self.rows, 1)
         if self.merge is not True:
             raise ValueError("sparsevlm recycles pruned tokens by merging them (merge=true)")
         if self.layers:

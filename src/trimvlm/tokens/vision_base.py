@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.tokens.base import TokenReducer
 
 
@@ -16,10 +16,6 @@ class VisionAttentionReducer(TokenReducer):
     """Options shared by the vision-attention reducers: `vision_layer` (the vision layer read, default -2, the
     penultimate; negative counts from the end); `layer` can only be 0 (the projector's tokens)."""
 
-    vision_layer: int = -2
+    vision_layer: int = option(-2, require_int, hint=" (negative counts from the end)")
 
     attention: ClassVar[str] = "vision"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int("vision_layer", self.vision_layer, hint=" (negative counts from the end)")

@@ -9,7 +9,7 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -61,13 +61,11 @@ class VisionZip(VisionAttentionReducer):
     never an LLM token here (VisionZip keeps it in the dominant set on CLIP)."""
 
     merge: bool = True
-    dominant: int = 54
-    contextual: int = 10
+    dominant: int = option(54, require_int, minimum=0)
+    contextual: int = option(10, require_int, minimum=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int("dominant", self.dominant, 0)
-        require_int("contextual", self.contextual, 0)
         if self.dominant + self.contextual == 0:
             raise ValueError("dominant + contextual must be > 0 (the split of the budget, default 54 + 10)")
 
