@@ -190,19 +190,14 @@ class KVPolicy(Method):
         for i, keep in masks.items():
             cache.gather(i, keep)
         shared: list[LayerKV] = []
-        for i in masks:
-            e = cache.layers[i]
-            for s in shared:
-                if (
-                    s.valid.shape == e.valid.shape
-                    and torch.equal(s.valid, e.valid)
-                    and torch.equal(s.source, e.source)
-                    and torch.equal(s.visual, e.visual)
-                ):
-                    e.valid, e.visual, e.source = s.valid, s.visual, s.source
-                    break
-            else:
+        for e in (cache.layers[i] for i in masks):
+            same = (s for s in shared if s.valid.shape == e.valid.shape
+                    and all(torch.equal(getattr(s, f), getattr(e, f)) for f in ("valid", "source", "visual")))  # fmt: skip
+            s = next(same, None)
+            if s is None:
                 shared.append(e)
+            else:
+                e.valid, e.visual, e.source = s.valid, s.visual, s.source
 
 
 def _noop(out) -> None:

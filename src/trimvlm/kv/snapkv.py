@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from trimvlm.kernels.select import pool_keys, window_scores
+from trimvlm.kernels.select import window_scores
 from trimvlm.kv.base import KVPolicy, LayerView
 from trimvlm.options import option, require_bool, require_choice, require_int
 from trimvlm.protocol import register
@@ -44,9 +44,7 @@ class SnapKV(KVPolicy):
         cand = view.candidates
         if att.dim() == 3:  # [B, n, K], heads averaged
             return window_scores(att, rv, cand, self.kernel, self.pool)
-        # per head: [B, H, n, K]
-        s = (att * rv[:, None, :, None]).sum(2).masked_fill(~cand[:, None], 0.0)
-        s = pool_keys(s, self.kernel, self.pool)  # [B, H, K]
+        s = window_scores(att, rv[:, None], cand[:, None], self.kernel, self.pool)  # per head: [B, H, K]
         k = s.shape[-1]
         ranked = s.masked_fill(~cand[:, None], -float("inf"))
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices

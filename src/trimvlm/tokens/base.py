@@ -470,13 +470,8 @@ def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> li
         exact = [kk * n[u] / total for u in units]
         base = [max(1, min(n[u], math.floor(e))) for u, e in zip(units, exact, strict=True)]
         order = sorted(range(len(units)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
-        left = kk - sum(base)
-        for i in order:
-            if left <= 0:
-                break
-            if base[i] < n[units[i]]:
-                base[i] += 1
-                left -= 1
+        for i in [i for i in order if base[i] < n[units[i]]][: max(0, kk - sum(base))]:  # room left, in order
+            base[i] += 1
         for u, k in zip(units, base, strict=True):
             out[u] = k
     return out

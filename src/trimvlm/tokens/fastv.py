@@ -51,21 +51,17 @@ class FastV(TokenReducer):
         mean = (att * m).sum(1, keepdim=True) / n
         std = (((att - mean) * m).pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # real tokens only
         index = view.cells.clamp(min=0) + view.tile[:, None] * TILE_STRIDE
-        best_keep, best_kl = sel.keep, None
-        for t in range(self.trials):
-            if t == 0:
-                keep = sel.keep
-            else:
-                u1 = hashed_uniform(self.seed * 1009 + 2 * t, view.image_key[:, None], index).clamp(min=1e-12)
-                u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
-                gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
-                keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
-            logits = view.finish(keep)
-            q = torch.log_softmax(logits.double(), -1)
-            kl = (target.exp() * (target - q)).sum(-1)  # [B]
-            if best_kl is None:
-                best_kl = kl
-                continue
+
+        def kl_of(keep: torch.Tensor) -> torch.Tensor:  # [B]
+            return (target.exp() * (target - torch.log_softmax(view.finish(keep).double(), -1))).sum(-1)
+
+        best_keep, best_kl = sel.keep, kl_of(sel.keep)
+        for t in range(1, self.trials):
+            u1 = hashed_uniform(self.seed * 1009 + 2 * t, view.image_key[:, None], index).clamp(min=1e-12)
+            u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
+            gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
+            keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
+            kl = kl_of(keep)
             better = kl < best_kl  # per sample
             best_kl = torch.where(better, kl, best_kl)
             best_keep = torch.where(better[view.sample][:, None], keep, best_keep)
