@@ -23,11 +23,10 @@ keep, sum_l ceil(N_post^l * keep) visual entries per sample, split by `kernels.b
 each layer's N_post^l, integer shares summing exactly to the total): equal KV entries.
 
 Sources and what is this implementation's reading: the elite window and the use of strength and skewness are
-the paper's (abstract, sec. 3); the reference store held the abstract and third-party reviews of the paper,
-not its equations, so r read off the last instruction token, the default `elite` = 0.5 and the combination
-w = S (1 + max(K, 0)) are this implementation's choices, stated here so that they can be checked against the
-paper. (The other reading tried, r[t] = the mean attention t receives from the instruction queries after it,
-favours sink-like template tokens: on 40 full-answer demo items at keep 0.25 it scored 55 % against 95 %.) `budgets=uniform` (the elite scoring alone) is an ablation.
+the paper's (abstract, sec. 3); r read off the last instruction token (r[t] = the mean attention t receives from
+the later instruction queries favours sink-like template tokens), the default `elite` = 0.5 and the combination
+w = S (1 + max(K, 0)) are this implementation's choices, to be checked against the paper's equations.
+`budgets=uniform` (the elite scoring alone) is an ablation.
 
 Deviations, and why:
 - One shot at the prefill/decode boundary, one kept set per layer for all heads (the cache's layout).

@@ -23,7 +23,6 @@ layer, inside the deepstack layers or not, stays consistent.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -212,7 +211,7 @@ class TokenReducer(Method):
         if not self.min_layer <= lay < n:
             raise RecipeError(f"tokens={self.name}: layer {lay} out of range; allowed {self.min_layer}..{n - 1} "
                               f"(this model has {n} decoder layers){self.layer_why()}")  # fmt: skip
-        ok = after_attention_layers(runner)
+        ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]  # the L whose layer L - 1 has attention
         for s in self.stages(runner) if self.attention == "llm" else ():
             if s not in ok:
                 raise RecipeError(f"tokens={self.name}: layer {s} reads the attention of layer {s - 1}, which must be "
@@ -286,7 +285,9 @@ class TokenReducer(Method):
         if self.wants_keys:
             view.keys = runner.layer_keys(lay, view.features)
         view.k = self.counts(view).to(view.k)
-        view.finish = functools.partial(_finish, runner, seq, view)
+        view.finish = lambda keep=None: runner.finish(  # the logits of `seq` reduced to `keep`, from `lay` on
+            seq if keep is None else seq.gather(kept_positions(seq, view, keep)), lay
+        )
         sel = self.choose(view)
         if sel.rho is not None:
             handoff.rho = by_source(view, sel.rho.float(), float("nan"))
@@ -333,11 +334,6 @@ class TokenReducer(Method):
         view.row_text = instruction(seq)[:, seq.length - r :][view.sample]
         if not self.per_head:
             view.attention = res[:, -1, :][view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
-
-
-def _finish(runner, seq: LiveSeq, view: VisualView, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`VisualView.finish`: the logits of `seq` (reduced to `keep`) run from the view's layer on."""
-    return runner.finish(seq if keep is None else seq.gather(kept_positions(seq, view, keep)), view.layer)
 
 
 def picked(picks: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -478,9 +474,8 @@ def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> li
 
 
 def _unit_features(hidden: torch.Tensor, rows: list[UnitRow], nmax: int) -> torch.Tensor:
-    """[U, nmax, D] features of each unit, zero on pads. An image's tokens are one contiguous run of columns
-    in practice: then slices are copied (one unit per sample, all at the same columns, is returned as a view);
-    otherwise advanced indexing."""
+    """[U, nmax, D] features of each unit, zero on pads: a view of `hidden` where every unit is one contiguous
+    run of columns, one unit per sample at the same columns (or a lone unit); else copied."""
     spans = [(r.sample, int(r.cols[0]), r.cols.numel()) for r in rows]
     if all(int(r.cols[-1]) - int(r.cols[0]) + 1 == r.cols.numel() for r in rows):
         if len(rows) == 1 and spans[0][2] == nmax:
@@ -489,10 +484,6 @@ def _unit_features(hidden: torch.Tensor, rows: list[UnitRow], nmax: int) -> torc
         if [b for b, _, _ in spans] == list(range(hidden.shape[0])) and len({(c, n) for _, c, n in spans}) == 1:
             c0 = spans[0][1]  # one full-length image per sample, all at the same columns: a view, no copy
             return hidden[:, c0 : c0 + nmax]
-        out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
-        for i, (b, c0, n) in enumerate(spans):
-            out[i, :n] = hidden[b, c0 : c0 + n]
-        return out
     out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
     for i, r in enumerate(rows):
         out[i, : r.cols.numel()] = hidden[r.sample, r.cols]
@@ -603,8 +594,3 @@ def scaled_stages(first: int, depth: int, paper_layers, paper_depth: int) -> lis
     out = [first + round((p - paper_layers[0]) * depth / paper_depth) for p in paper_layers]
     return sorted({x for x in out if x < depth})
 
-
-def after_attention_layers(runner) -> list[int]:
-    """The layers L (1 <= L < depth) whose layer L - 1 has attention weights: where a stage ranked by the
-    attention of the layer before it can run."""
-    return [i + 1 for i in range(runner.num_layers - 1) if runner.is_attention(i)]
