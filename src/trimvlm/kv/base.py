@@ -138,10 +138,8 @@ class KVPolicy(Method):
             entry = out.cache.layers[i]
             cand = entry.visual & entry.valid
             budget = keep_count(cand.sum(1), self.keep)
-            if self.is_noop:
-                masks[i] = entry.valid & (~entry.visual | cand)
-            elif self.keep == 0:
-                masks[i] = entry.valid & ~entry.visual
+            if self.is_noop or self.keep == 0:  # every visual entry kept, or none
+                masks[i] = entry.valid & (~entry.visual | (cand & self.is_noop))
             else:
                 view = LayerView(i, entry, cand, budget, out, handoff=handoff)
                 if self.rows_wanted > 0 or self.colsum:
