@@ -189,7 +189,7 @@ def test_aircache_elite_importance_and_layer_weight_match_loops():
     att = _causal_attention(entry, n, 1, 7)[:, 0]  # heads averaged
     view = _view(entry, att)
     policy = build_method("kv", "aircache", {"keep": 0.5, "elite": 0.5})
-    elite, imp = policy.elite_rows(view), policy.importance(view)
+    elite, imp = policy.elite_rows(view), policy.scores(view)
     weight = policy.layer_weights({0: view})[0]
     post = _post_rows(entry, n)
     k = 24

@@ -5,6 +5,23 @@ A bool is an int in Python; an option meant as a count or a number never accepts
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
+
+def option(default, check, **how):
+    """A method option declared with its check: a dataclass field of this default whose value `check_options`
+    (run by the axis' base when the method is made) passes to `check(name, value, **how)`, a `require_*` here."""
+    return dataclasses.field(default=default, metadata={"check": functools.partial(check, **how)})
+
+
+def check_options(method) -> None:
+    """Run the checks of the method's `option` fields, in field order (ValueError on the first that fails)."""
+    for f in dataclasses.fields(method):
+        if "check" in f.metadata:
+            f.metadata["check"](f.name, getattr(method, f.name))
+
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -20,6 +37,19 @@ def require_int(name: str, value, minimum: int | None = None, odd: bool = False,
     if not ok:
         bound = f" >= {minimum}" if minimum is not None else ""
         raise ValueError(f"{name} must be an {'odd ' if odd else ''}integer{bound}{hint}, got {value!r}")
+
+
+def require_number(name: str, value, low, high=None, *, above=False, below=False, hint: str = "") -> None:
+    """ValueError "<name> must be a number in [low, high]<hint>, got <value>" (without `high`: "a finite
+    number >= low") unless `value` is a finite number within the bounds (`above` / `below`: strictly above
+    `low` / below `high`; the brackets and the sign say which)."""
+    ok = is_number(value) and math.isfinite(value) and (value > low if above else value >= low)
+    if not (ok and (high is None or (value < high if below else value <= high))):
+        if high is None:
+            bound = f"finite number {'>' if above else '>='} {low}"
+        else:
+            bound = f"number in {'(' if above else '['}{low}, {high}{')' if below else ']'}"
+        raise ValueError(f"{name} must be a {bound}{hint}, got {value!r}")
 
 
 def require_choice(name: str, value, allowed) -> None:

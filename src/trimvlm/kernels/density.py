@@ -15,7 +15,7 @@ from trimvlm.kernels.farthest import BLOCK, farthest_point
 from trimvlm.kernels.flops import bmm, rowdot
 from trimvlm.kernels.flops import count as count_flops
 
-__all__ = ["BLOCK", "farthest_point", "masked_minmax", "most_isolated", "spatial_density"]
+__all__ = ["BLOCK", "farthest_point", "grid_density", "masked_minmax", "most_isolated", "spatial_density"]
 
 
 def spatial_density(
@@ -68,6 +68,30 @@ def spatial_density(
     if m is not None:
         rho = rho * m
     return _shaped(rho, squeeze, flat)
+
+
+def grid_density(
+    feats: torch.Tensor, cells: torch.Tensor, grid: torch.Tensor, mask: torch.Tensor, window: int = 3,
+    normalized: bool = False,
+) -> torch.Tensor:
+    """rho [U, N] of units each on its own grid: unit u's real tokens (`mask` [U, N]) feats [U, N, d] sit at
+    the row-major cells `cells` [U, N] of its (h, w) = grid[u]. Grids of different sizes are padded into one
+    [U, Hmax, Wmax, d] tensor with a presence mask: one `spatial_density` call. 0 on pads."""
+    u, n, d = feats.shape
+    hmax, wmax = (int(v) for v in grid.amax(0).tolist())
+    w, c = grid[:, 1:2], cells.clamp(min=0)
+    flat = torch.where(mask, (c // w) * wmax + c % w, hmax * wmax)  # cell in the padded grid (pads: a spare)
+    dt = torch.promote_types(feats.dtype, torch.float32)
+    padded = feats.new_zeros(u, hmax * wmax + 1, d, dtype=dt)
+    rows = torch.arange(u, device=flat.device)[:, None].expand(u, n)
+    padded[rows[mask], flat[mask]] = feats[mask].to(dt)
+    present = torch.zeros(u, hmax * wmax + 1, dtype=torch.bool, device=mask.device)
+    present[rows[mask], flat[mask]] = True
+    rho = spatial_density(
+        padded[:, :-1].reshape(u, hmax, wmax, d), window, mask=present[:, :-1].reshape(u, hmax, wmax),
+        normalized=normalized,
+    )
+    return rho.reshape(u, hmax * wmax).gather(1, flat.clamp(max=hmax * wmax - 1)).masked_fill(~mask, 0.0)
 
 
 def _box_dots(xn: torch.Tensor, m: torch.Tensor | None, window: int) -> tuple[torch.Tensor, torch.Tensor]:

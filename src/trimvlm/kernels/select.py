@@ -78,6 +78,7 @@ def pool_keys(s: torch.Tensor, kernel: int, pool: str = "avg") -> torch.Tensor:
 def window_scores(att: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
     """[B, K] SnapKV's score of every cache entry: the attention it receives from the observation window's
     real query rows (att [B, n, K], heads averaged; rows [B, n] bool), summed over them, with every entry
-    outside `cand` zeroed, then pooled along K (`pool_keys`)."""
-    s = (att.float() * rows[..., None]).sum(1).masked_fill(~cand, 0.0)
+    outside `cand` zeroed, then pooled along K (`pool_keys`). Per head: att [B, H, n, K], rows [B, 1, n] and
+    cand [B, 1, K] give [B, H, K]."""
+    s = (att.float() * rows[..., None]).sum(-2).masked_fill(~cand, 0.0)
     return pool_keys(s, kernel, pool)

@@ -20,10 +20,6 @@ _pool: ThreadPoolExecutor | None = None
 _size = 0
 
 
-def workers() -> int:
-    return max(1, torch.get_num_threads())
-
-
 def _executor(n: int) -> ThreadPoolExecutor:
     global _pool, _size
     with _lock:
@@ -37,7 +33,7 @@ def _executor(n: int) -> ThreadPoolExecutor:
 def for_units(fn, units: np.ndarray, work: int) -> None:
     """fn(chunk) for chunks of `units` (int64 [U']) covering them all, in parallel when there are threads to
     spare and each unit has `work` >= MIN_WORK; returns when every chunk is done (re-raising a chunk's error)."""
-    n = min(workers(), len(units))
+    n = min(max(1, torch.get_num_threads()), len(units))
     if n <= 1 or work < MIN_WORK:
         fn(units)
         return

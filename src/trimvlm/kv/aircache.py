@@ -23,11 +23,10 @@ keep, sum_l ceil(N_post^l * keep) visual entries per sample, split by `kernels.b
 each layer's N_post^l, integer shares summing exactly to the total): equal KV entries.
 
 Sources and what is this implementation's reading: the elite window and the use of strength and skewness are
-the paper's (abstract, sec. 3); the reference store held the abstract and third-party reviews of the paper,
-not its equations, so r read off the last instruction token, the default `elite` = 0.5 and the combination
-w = S (1 + max(K, 0)) are this implementation's choices, stated here so that they can be checked against the
-paper. (The other reading tried, r[t] = the mean attention t receives from the instruction queries after it,
-favours sink-like template tokens: on 40 full-answer demo items at keep 0.25 it scored 55 % against 95 %.) `budgets=uniform` (the elite scoring alone) is an ablation.
+the paper's (abstract, sec. 3); r read off the last instruction token (r[t] = the mean attention t receives from
+the later instruction queries favours sink-like template tokens), the default `elite` = 0.5 and the combination
+w = S (1 + max(K, 0)) are this implementation's choices, to be checked against the paper's equations.
+`budgets=uniform` (the elite scoring alone) is an ablation.
 
 Deviations, and why:
 - One shot at the prefill/decode boundary, one kept set per layer for all heads (the cache's layout).
@@ -46,7 +45,7 @@ import torch
 
 from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 BUDGETS = ("adaptive", "uniform")
@@ -59,18 +58,11 @@ class AirCache(KVPolicy):
     post-vision text queries kept as the elite window, in (0, 1], default 0.5), `budgets` (`adaptive`:
     strength/skewness split over the layers, or `uniform`), `keep`."""
 
-    rows: int = 64
-    elite: float = 0.5
-    budgets: str = "adaptive"
+    rows: int = option(64, require_int, minimum=1)
+    elite: float = option(0.5, require_number, low=0, high=1, above=True)
+    budgets: str = option("adaptive", require_choice, allowed=BUDGETS)
 
     rows_option: ClassVar[str] = "rows"
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("rows", self.rows, minimum=1)
-        if not is_number(self.elite) or not 0 < self.elite <= 1:
-            raise ValueError(f"elite must be a number in (0, 1], got {self.elite!r}")
-        require_choice("budgets", self.budgets, BUDGETS)
 
     def elite_rows(self, view: LayerView) -> torch.Tensor:
         """[B, n] bool: the elite observation window among the recorded rows."""
@@ -83,19 +75,16 @@ class AirCache(KVPolicy):
         count = keep_count(post.sum(1), self.elite, minimum=1)
         return topk_mask(relevance, count, post)
 
-    def importance(self, view: LayerView) -> torch.Tensor:
-        """[B, K] I[v]: the elite window's mean attention to each entry."""
+    def scores(self, view: LayerView) -> torch.Tensor:
+        """[B, K] the importance I[v]: the elite window's mean attention to each entry."""
         att = view.attention.float()
         elite = self.elite_rows(view).float()
         return (att * elite[..., None]).sum(1) / elite.sum(1, keepdim=True).clamp(min=1)
 
-    def scores(self, view: LayerView) -> torch.Tensor:
-        return self.importance(view)
-
     def strength_skew(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] strength S (the elite window's attention mass on the visual entries) and skewness K of the
         importance over them."""
-        imp = self.importance(view).double()
+        imp = self.scores(view).double()
         cand = view.candidates.to(imp.device)
         n = cand.sum(1).clamp(min=1).double()
         x = imp * cand

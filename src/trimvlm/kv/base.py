@@ -30,7 +30,7 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.budget import split_budget
 from trimvlm.kernels.select import keep_count, topk_mask
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import check_options, option, require_int, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.cache import KVCache, LayerKV
@@ -56,7 +56,7 @@ class KVPolicy(Method):
     0 = drop all visual KV, 1 = exact no-op) and `seed` (for policies with a random choice)."""
 
     keep: float = 0.25
-    seed: int = 0
+    seed: int = option(0, require_int)
 
     # what a policy declares it needs (a class value, or a property where it follows an option)
     rows_option: ClassVar[str] = ""  # the option whose value is `rows_wanted` (unset or None: 0)
@@ -66,12 +66,9 @@ class KVPolicy(Method):
     colsum: ClassVar[bool] = False
 
     def __post_init__(self):
-        if not is_number(self.keep) or not 0 <= self.keep <= 1:
-            raise ValueError(
-                f"keep must be a number in [0, 1] (0 drops every visual entry), got {self.keep!r}"
-            )
+        require_number("keep", self.keep, 0, 1, hint=" (0 drops every visual entry)")
         self.keep = float(self.keep)
-        require_int("seed", self.seed)
+        check_options(self)
 
     @property
     def rows_wanted(self) -> int:
@@ -141,10 +138,8 @@ class KVPolicy(Method):
             entry = out.cache.layers[i]
             cand = entry.visual & entry.valid
             budget = keep_count(cand.sum(1), self.keep)
-            if self.is_noop:
-                masks[i] = entry.valid & (~entry.visual | cand)
-            elif self.keep == 0:
-                masks[i] = entry.valid & ~entry.visual
+            if self.is_noop or self.keep == 0:  # every visual entry kept, or none
+                masks[i] = entry.valid & (~entry.visual | (cand & self.is_noop))
             else:
                 view = LayerView(i, entry, cand, budget, out, handoff=handoff)
                 if self.rows_wanted > 0 or self.colsum:
@@ -193,19 +188,14 @@ class KVPolicy(Method):
         for i, keep in masks.items():
             cache.gather(i, keep)
         shared: list[LayerKV] = []
-        for i in masks:
-            e = cache.layers[i]
-            for s in shared:
-                if (
-                    s.valid.shape == e.valid.shape
-                    and torch.equal(s.valid, e.valid)
-                    and torch.equal(s.source, e.source)
-                    and torch.equal(s.visual, e.visual)
-                ):
-                    e.valid, e.visual, e.source = s.valid, s.visual, s.source
-                    break
-            else:
+        for e in (cache.layers[i] for i in masks):
+            same = (s for s in shared if s.valid.shape == e.valid.shape
+                    and all(torch.equal(getattr(s, f), getattr(e, f)) for f in ("valid", "source", "visual")))  # fmt: skip
+            s = next(same, None)
+            if s is None:
                 shared.append(e)
+            else:
+                e.valid, e.visual, e.source = s.valid, s.visual, s.source
 
 
 def _noop(out) -> None:
@@ -259,10 +249,3 @@ def observed_rows(view: LayerView) -> torch.Tensor:
     rv = view.row_valid.to(post.device) if view.row_valid is not None else torch.ones_like(post)
     return torch.where(post.any(1, keepdim=True), post, rv)
 
-
-def check_window(window, kernel, pool) -> None:
-    """The observation-window options SnapKV-style policies share: `window` queries (>= 1), an odd pooling
-    `kernel` (>= 1), `pool` avg or max."""
-    require_int("window", window, minimum=1)
-    require_int("kernel", kernel, minimum=1, odd=True)
-    require_choice("pool", pool, ("avg", "max"))

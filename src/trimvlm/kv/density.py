@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from trimvlm.kernels.density import spatial_density
+from trimvlm.kernels.density import grid_density
 from trimvlm.kv.base import KVPolicy, LayerView
-from trimvlm.options import require_bool, require_choice, require_int
+from trimvlm.options import option, require_bool, require_choice, require_int
 from trimvlm.protocol import register
 
 
@@ -37,15 +38,9 @@ class DensityKV(KVPolicy):
     """Options: `keep`, `window` (odd density window, default 3), `features` (`values` or `keys`, used when
     rho is not reused), `reuse` (take the prefill reducer's rho when it left one, default true)."""
 
-    window: int = 3
-    features: str = "values"
-    reuse: bool = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("window", self.window, minimum=1, odd=True)
-        require_choice("features", self.features, ("values", "keys"))
-        require_bool("reuse", self.reuse)
+    window: int = option(3, require_int, minimum=1, odd=True)
+    features: str = option("values", require_choice, allowed=("values", "keys"))
+    reuse: bool = option(True, require_bool)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         reused = self.reused_rho(view)
@@ -69,37 +64,28 @@ class DensityKV(KVPolicy):
         return out
 
     def layer_rho(self, view: LayerView) -> torch.Tensor:
-        """rho per entry computed from this layer's cached values (or keys), each image on its own grid: all
-        images of the batch padded into one [U, Hmax, Wmax, d] grid with a presence mask, one density call."""
+        """rho per entry computed from this layer's cached values (or keys), each image on its own grid (all
+        of them in one `grid_density` call)."""
         e = view.entry
         t = e.value if self.features == "values" else e.key
         b, hk, k, hd = t.shape
         feats = t.permute(0, 2, 1, 3).reshape(b, k, hk * hd).float()
         rho = torch.ones(b, k, device=feats.device)
         seq = view.prefill.seq
-        units = []  # (sample, entry columns, grid cells, w) of every image with surviving visual entries
+        units = []  # (sample, entry columns, grid cells, grid) of every image with surviving visual entries
         for bi in range(b):
             cand, src = view.candidates[bi], e.source[bi]
             for (h, w), st in zip(seq.grids[bi], seq.image_start[bi], strict=True):
                 pos = src - int(st)
                 cols = (cand & (pos >= 0) & (pos < h * w)).nonzero().squeeze(1)
                 if cols.numel():
-                    units.append((bi, cols, pos[cols], h, w))
+                    units.append((bi, cols, pos[cols], (h, w)))
         if not units:
             return rho
-        hmax = max(u[3] for u in units)
-        wmax = max(u[4] for u in units)
-        grid = feats.new_zeros(len(units), hmax * wmax, hk * hd)
-        present = torch.zeros(len(units), hmax * wmax, dtype=torch.bool, device=feats.device)
-        flats = []
-        for ui, (bi, cols, cells, _, w) in enumerate(units):
-            flat = (cells // w) * wmax + cells % w  # the cell in the padded Hmax x Wmax grid
-            grid[ui, flat] = feats[bi, cols]
-            present[ui, flat] = True
-            flats.append(flat)
-        out = spatial_density(
-            grid.view(len(units), hmax, wmax, -1), self.window, mask=present.view(len(units), hmax, wmax)
-        ).reshape(len(units), -1)
-        for ui, (bi, cols, _, _, _) in enumerate(units):
-            rho[bi, cols] = out[ui, flats[ui]]
+        cells = pad_sequence([c for _, _, c, _ in units], batch_first=True, padding_value=-1)
+        x = pad_sequence([feats[bi, cols] for bi, cols, _, _ in units], batch_first=True)
+        grid = torch.tensor([g for _, _, _, g in units], device=cells.device)
+        out = grid_density(x, cells, grid, cells >= 0, self.window)
+        for ui, (bi, cols, _, _) in enumerate(units):
+            rho[bi, cols] = out[ui, : cols.numel()]
         return rho

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
-from trimvlm.options import is_number, require_int
+from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
 
 
@@ -30,7 +30,7 @@ class H2OKV(KVPolicy):
     ones, in [0, 1], default 0.5), `keep`."""
 
     rows: int | None = None
-    recent: float = 0.5
+    recent: float = option(0.5, require_number, low=0, high=1)
 
     rows_option: ClassVar[str] = "rows"
 
@@ -38,8 +38,6 @@ class H2OKV(KVPolicy):
         super().__post_init__()
         if self.rows is not None:
             require_int("rows", self.rows, minimum=1, hint=" (or leave it unset: every prefill query)")
-        if not is_number(self.recent) or not 0 <= self.recent <= 1:
-            raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
 
     @property
     def colsum(self) -> bool:

@@ -48,7 +48,7 @@ import torch
 
 from trimvlm.kernels.merge import merge_groups, nearest_kept
 from trimvlm.kv.base import KVPolicy, LayerView, heavy_and_recent
-from trimvlm.options import is_number, require_choice
+from trimvlm.options import option, require_choice, require_number
 from trimvlm.protocol import register
 
 MERGES = ("pivotal", "averaged", "weighted", "none")
@@ -61,16 +61,10 @@ class LookM(KVPolicy):
     into the kept), `recent` (fraction of the visual budget for the most recent visual entries, default 0),
     `keep`."""
 
-    merge: str = "pivotal"
-    recent: float = 0.0
+    merge: str = option("pivotal", require_choice, allowed=MERGES)
+    recent: float = option(0.0, require_number, low=0, high=1)
 
     colsum: ClassVar[bool] = True  # H2O's column sums: the attention from every prefill query
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_choice("merge", self.merge, MERGES)
-        if not is_number(self.recent) or not 0 <= self.recent <= 1:
-            raise ValueError(f"recent must be a number in [0, 1], got {self.recent!r}")
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return heavy_and_recent(view.attention.float(), view, self.recent)

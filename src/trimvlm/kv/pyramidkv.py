@@ -3,15 +3,14 @@ with depth in an arithmetic pyramid, at the same total as a uniform budget."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from trimvlm.kernels.select import window_scores
-from trimvlm.kv.base import KVPolicy, LayerView, check_window
-from trimvlm.options import is_number
+from trimvlm.kv.base import KVPolicy, LayerView
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 
@@ -52,18 +51,10 @@ class PyramidKV(KVPolicy):
     predictable: ClassVar[bool] = False  # per-layer budgets capped per sample: the KV bytes are measured
     rows_option: ClassVar[str] = "window"
 
-    window: int = 32
-    kernel: int = 5
-    pool: str = "avg"
-    beta: float = 20.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_window(self.window, self.kernel, self.pool)
-        if not is_number(self.beta) or not math.isfinite(self.beta) or self.beta < 1:
-            raise ValueError(
-                f"beta must be a number >= 1 (top layer budget = mean / beta), got {self.beta!r}"
-            )
+    window: int = option(32, require_int, minimum=1)
+    kernel: int = option(5, require_int, minimum=1, odd=True)
+    pool: str = option("avg", require_choice, allowed=("avg", "max"))
+    beta: float = option(20.0, require_number, low=1, hint=" (top layer budget = mean / beta)")
 
     def scores(self, view: LayerView) -> torch.Tensor:
         return window_scores(view.attention, view.row_valid, view.candidates, self.kernel, self.pool)

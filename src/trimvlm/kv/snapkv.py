@@ -20,9 +20,9 @@ from typing import ClassVar
 
 import torch
 
-from trimvlm.kernels.select import pool_keys, window_scores
-from trimvlm.kv.base import KVPolicy, LayerView, check_window
-from trimvlm.options import require_bool
+from trimvlm.kernels.select import window_scores
+from trimvlm.kv.base import KVPolicy, LayerView
+from trimvlm.options import option, require_bool, require_choice, require_int
 from trimvlm.protocol import register
 
 
@@ -32,26 +32,19 @@ class SnapKV(KVPolicy):
     """Options: `window` (observation queries, default 32), `kernel` (odd pooling width, default 5; 1 = none),
     `pool` (`avg` or `max`), `per_head` (bool), `keep`."""
 
-    window: int = 32
-    kernel: int = 5
-    pool: str = "avg"
-    per_head: bool = False
+    window: int = option(32, require_int, minimum=1)
+    kernel: int = option(5, require_int, minimum=1, odd=True)
+    pool: str = option("avg", require_choice, allowed=("avg", "max"))
+    per_head: bool = option(False, require_bool)
 
     rows_option: ClassVar[str] = "window"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_window(self.window, self.kernel, self.pool)
-        require_bool("per_head", self.per_head)
 
     def scores(self, view: LayerView):
         att, rv = view.attention.float(), view.row_valid
         cand = view.candidates
         if att.dim() == 3:  # [B, n, K], heads averaged
             return window_scores(att, rv, cand, self.kernel, self.pool)
-        # per head: [B, H, n, K]
-        s = (att * rv[:, None, :, None]).sum(2).masked_fill(~cand[:, None], 0.0)
-        s = pool_keys(s, self.kernel, self.pool)  # [B, H, K]
+        s = window_scores(att, rv[:, None], cand[:, None], self.kernel, self.pool)  # per head: [B, H, K]
         k = s.shape[-1]
         ranked = s.masked_fill(~cand[:, None], -float("inf"))
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trimvlm.kv.base import KVPolicy, LayerView, order_in_span
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 
 
@@ -15,11 +15,7 @@ from trimvlm.protocol import register
 class StreamingLLMKV(KVPolicy):
     """Options: `sinks` (first visual entries always kept first, default 4), `keep`."""
 
-    sinks: int = 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("sinks", self.sinks, minimum=0)
+    sinks: int = option(4, require_int, minimum=0)
 
     def scores(self, view: LayerView):
         from_start, _ = order_in_span(view.candidates)

@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kv.base import KVPolicy, LayerView, observed_rows
-from trimvlm.options import is_number, require_choice, require_int
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 
 BUDGETS = ("sparsity", "uniform")
@@ -55,19 +55,12 @@ class VLCache(KVPolicy):
     relative to each row's maximum, default 0.01), `budgets` (`sparsity`: VL-Cache's per-layer split, or
     `uniform`), `keep`."""
 
-    rows: int = 64
-    threshold: float = 0.01
-    budgets: str = "sparsity"
+    rows: int = option(64, require_int, minimum=1)
+    threshold: float = option(0.01, require_number, low=0, high=1, above=True, below=True)
+    budgets: str = option("sparsity", require_choice, allowed=BUDGETS)
 
     rows_option: ClassVar[str] = "rows"
     per_head: ClassVar[bool] = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("rows", self.rows, minimum=1)
-        if not is_number(self.threshold) or not 0 < self.threshold < 1:
-            raise ValueError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
-        require_choice("budgets", self.budgets, BUDGETS)
 
     def scores(self, view: LayerView) -> torch.Tensor:
         att = view.attention.float()  # [B, H, n, K]

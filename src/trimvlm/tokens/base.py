@@ -23,18 +23,18 @@ layer, inside the deepstack layers or not, stays consistent.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
-from trimvlm.options import is_int, is_number, require_bool
+from trimvlm.options import check_options, is_int, require_bool, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime import vision_probe
 from trimvlm.runtime.attention import AttentionProbe
@@ -147,13 +147,9 @@ class TokenReducer(Method):
         if (self.keep is None) == (self.prune is None):
             raise ValueError("give exactly one of keep (in (0, 1]) or prune (in [0, 1), prune = 1 - keep)")
         if self.keep is not None:
-            _number("keep", self.keep)
-            if not 0 < self.keep <= 1:
-                raise ValueError(f"keep must be in (0, 1], got {self.keep}")
+            require_number("keep", self.keep, 0, 1, above=True)
         else:
-            _number("prune", self.prune)
-            if not 0 <= self.prune < 1:
-                raise ValueError(f"prune must be in [0, 1), got {self.prune}")
+            require_number("prune", self.prune, 0, 1, below=True)
         if self.layer is not None:
             if not is_int(self.layer):
                 raise ValueError(f"layer must be an integer >= {self.min_layer}, got {self.layer!r}")
@@ -163,8 +159,9 @@ class TokenReducer(Method):
             why = ("the image is resized before the vision tower" if self.resizes else "it reduces the projector's "
                    "tokens before the first decoder layer, from the vision tower's attention")  # fmt: skip
             raise ValueError(f"layer must be 0 for {self.name}: {why}; got {self.layer!r}")
-        for f in ("merge", "size_weighted"):
+        for f in ("merge", "size_weighted"):  # subclasses change their defaults: checked here
             require_bool(f, getattr(self, f))
+        check_options(self)
 
     @property
     def ratio(self) -> float:
@@ -214,7 +211,7 @@ class TokenReducer(Method):
         if not self.min_layer <= lay < n:
             raise RecipeError(f"tokens={self.name}: layer {lay} out of range; allowed {self.min_layer}..{n - 1} "
                               f"(this model has {n} decoder layers){self.layer_why()}")  # fmt: skip
-        ok = after_attention_layers(runner)
+        ok = [i + 1 for i in range(n - 1) if runner.is_attention(i)]  # the L whose layer L - 1 has attention
         for s in self.stages(runner) if self.attention == "llm" else ():
             if s not in ok:
                 raise RecipeError(f"tokens={self.name}: layer {s} reads the attention of layer {s - 1}, which must be "
@@ -288,7 +285,9 @@ class TokenReducer(Method):
         if self.wants_keys:
             view.keys = runner.layer_keys(lay, view.features)
         view.k = self.counts(view).to(view.k)
-        view.finish = functools.partial(_finish, runner, seq, view)
+        view.finish = lambda keep=None: runner.finish(  # the logits of `seq` reduced to `keep`, from `lay` on
+            seq if keep is None else seq.gather(kept_positions(seq, view, keep)), lay
+        )
         sel = self.choose(view)
         if sel.rho is not None:
             handoff.rho = by_source(view, sel.rho.float(), float("nan"))
@@ -335,16 +334,6 @@ class TokenReducer(Method):
         view.row_text = instruction(seq)[:, seq.length - r :][view.sample]
         if not self.per_head:
             view.attention = res[:, -1, :][view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
-
-
-def _number(name: str, v) -> None:
-    if not is_number(v) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a number, got {v!r}")
-
-
-def _finish(runner, seq: LiveSeq, view: VisualView, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`VisualView.finish`: the logits of `seq` (reduced to `keep`) run from the view's layer on."""
-    return runner.finish(seq if keep is None else seq.gather(kept_positions(seq, view, keep)), view.layer)
 
 
 def picked(picks: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -411,15 +400,11 @@ def make_view(seq: LiveSeq, keep: float, layer: int) -> VisualView | None:
             rows.append(UnitRow(b, j, h, w, cols[order], cells[order]))
     if not rows:
         return None
-    u, nmax = len(rows), max(r.cols.numel() for r in rows)
     dev = seq.hidden.device
-    cols = torch.zeros(u, nmax, dtype=torch.long, device=dev)
-    cells = torch.full((u, nmax), -1, dtype=torch.long, device=dev)
-    mask = torch.zeros(u, nmax, dtype=torch.bool, device=dev)
-    for i, r in enumerate(rows):
-        cols[i, : r.cols.numel()] = r.cols
-        cells[i, : r.cols.numel()] = r.cells
-        mask[i, : r.cols.numel()] = True
+    cols = pad_sequence([r.cols for r in rows], batch_first=True)
+    cells = pad_sequence([r.cells for r in rows], batch_first=True, padding_value=-1)
+    nmax = cols.shape[1]
+    mask = torch.arange(nmax, device=dev) < torch.tensor([r.cols.numel() for r in rows], device=dev)[:, None]
     sample = torch.tensor([r.sample for r in rows], dtype=torch.long, device=dev)
     n = mask.sum(1)
     owner = [_image_of(seq, r.sample, r.image) for r in rows]
@@ -481,22 +466,16 @@ def image_budgets(n: list[int], owner: list[tuple[int, int]], keep: float) -> li
         exact = [kk * n[u] / total for u in units]
         base = [max(1, min(n[u], math.floor(e))) for u, e in zip(units, exact, strict=True)]
         order = sorted(range(len(units)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
-        left = kk - sum(base)
-        for i in order:
-            if left <= 0:
-                break
-            if base[i] < n[units[i]]:
-                base[i] += 1
-                left -= 1
+        for i in [i for i in order if base[i] < n[units[i]]][: max(0, kk - sum(base))]:  # room left, in order
+            base[i] += 1
         for u, k in zip(units, base, strict=True):
             out[u] = k
     return out
 
 
 def _unit_features(hidden: torch.Tensor, rows: list[UnitRow], nmax: int) -> torch.Tensor:
-    """[U, nmax, D] features of each unit, zero on pads. An image's tokens are one contiguous run of columns
-    in practice: then slices are copied (one unit per sample, all at the same columns, is returned as a view);
-    otherwise advanced indexing."""
+    """[U, nmax, D] features of each unit, zero on pads: a view of `hidden` where every unit is one contiguous
+    run of columns, one unit per sample at the same columns (or a lone unit); else copied."""
     spans = [(r.sample, int(r.cols[0]), r.cols.numel()) for r in rows]
     if all(int(r.cols[-1]) - int(r.cols[0]) + 1 == r.cols.numel() for r in rows):
         if len(rows) == 1 and spans[0][2] == nmax:
@@ -505,10 +484,6 @@ def _unit_features(hidden: torch.Tensor, rows: list[UnitRow], nmax: int) -> torc
         if [b for b, _, _ in spans] == list(range(hidden.shape[0])) and len({(c, n) for _, c, n in spans}) == 1:
             c0 = spans[0][1]  # one full-length image per sample, all at the same columns: a view, no copy
             return hidden[:, c0 : c0 + nmax]
-        out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
-        for i, (b, c0, n) in enumerate(spans):
-            out[i, :n] = hidden[b, c0 : c0 + n]
-        return out
     out = hidden.new_zeros(len(rows), nmax, hidden.shape[-1])
     for i, r in enumerate(rows):
         out[i, : r.cols.numel()] = hidden[r.sample, r.cols]
@@ -619,8 +594,3 @@ def scaled_stages(first: int, depth: int, paper_layers, paper_depth: int) -> lis
     out = [first + round((p - paper_layers[0]) * depth / paper_depth) for p in paper_layers]
     return sorted({x for x in out if x < depth})
 
-
-def after_attention_layers(runner) -> list[int]:
-    """The layers L (1 <= L < depth) whose layer L - 1 has attention weights: where a stage ranked by the
-    attention of the layer before it can run."""
-    return [i + 1 for i in range(runner.num_layers - 1) if runner.is_attention(i)]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import option, require_choice, require_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -29,16 +29,10 @@ class DART(TokenReducer):
        those no earlier pivot kept: near-duplicates of a pivot are dropped.
     With K <= pivots only the top-norm pivots are kept. Time O(N * pivots * d)."""
 
-    pivots: int = 8
-    pivot: str = "key"
+    pivots: int = option(8, require_int, minimum=1)
+    pivot: str = option("key", require_choice, allowed=("key", "hidden"))
 
     default_layer = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int("pivots", self.pivots, minimum=1)
-        if self.pivot not in ("key", "hidden"):
-            raise ValueError(f"pivot must be 'key' or 'hidden', got {self.pivot!r}")
 
     @property
     def wants_keys(self) -> bool:

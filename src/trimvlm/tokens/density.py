@@ -5,15 +5,14 @@ Spec: docs/references.md#twinprune (the paper's section 4).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from trimvlm.kernels.density import farthest_point, masked_minmax, spatial_density
+from trimvlm.kernels.density import farthest_point, grid_density, masked_minmax, spatial_density
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import option, require_choice, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
 
@@ -33,21 +32,7 @@ def view_density(view, window: int = 3, xn: torch.Tensor | None = None) -> torch
     ):
         # every unit is a complete grid of the same size, in grid order: no scatter needed
         return spatial_density(feats.reshape(u, hmax, wmax, d), window, normalized=normed).reshape(u, n)
-    w = view.grid[:, 1:2]
-    cells = view.cells.clamp(min=0)
-    flat = (cells // w) * wmax + cells % w  # position in the padded [Hmax, Wmax] grid
-    flat = torch.where(view.mask, flat, hmax * wmax)  # pads go to a spare slot
-    dt = torch.promote_types(feats.dtype, torch.float32)
-    grid = feats.new_zeros(u, hmax * wmax + 1, d, dtype=dt)
-    rows = torch.arange(u, device=flat.device)[:, None].expand(u, n)
-    grid[rows[view.mask], flat[view.mask]] = feats[view.mask].to(dt)
-    gmask = torch.zeros(u, hmax * wmax + 1, dtype=torch.bool, device=view.mask.device)
-    gmask[rows[view.mask], flat[view.mask]] = True
-    rho = spatial_density(
-        grid[:, :-1].reshape(u, hmax, wmax, d), window, mask=gmask[:, :-1].reshape(u, hmax, wmax),
-        normalized=normed,
-    )
-    return rho.reshape(u, hmax * wmax).gather(1, flat.clamp(max=hmax * wmax - 1)).masked_fill(~view.mask, 0.0)
+    return grid_density(feats, view.cells, view.grid, view.mask, window, normalized=normed)
 
 
 def density_select(
@@ -83,21 +68,11 @@ class Density(TokenReducer):
 
     merge: bool = True
     size_weighted: bool = False
-    beta: float = 1.0
-    window: int = 3
-    select: str = "fps"
+    beta: float = option(1.0, require_number, low=0)
+    window: int = option(3, require_int, minimum=1, odd=True, hint=" (3, 5, ...)")
+    select: str = option("fps", require_choice, allowed=("fps", "topk"))
 
     default_layer = 3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_number(self.beta) or not math.isfinite(self.beta):
-            raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        require_int("window", self.window, minimum=1, odd=True, hint=" (3, 5, ...)")
-        if self.select not in ("fps", "topk"):
-            raise ValueError(f"select must be one of fps, topk; got {self.select!r}")
 
     def choose(self, view: VisualView) -> Selection:
         keep, nearest, rho = density_select(

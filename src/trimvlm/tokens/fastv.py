@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -30,20 +30,13 @@ class FastV(TokenReducer):
     keeps its best trial (never worse than plain FastV on that criterion). The look-ahead runs cost (T + 1) x
     the layers L.. of a prefill and are counted as method FLOPs."""
 
-    noise: float = 0.0
-    trials: int = 1
-    seed: int = 0
+    noise: float = option(0.0, require_number, low=0, hint=" (in units of the scores' std)")
+    trials: int = option(1, require_int, minimum=1)
+    seed: int = option(0, require_int)
 
     attention: ClassVar[str] = "llm"
     default_layer = 2
     min_layer = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_number(self.noise) or not math.isfinite(self.noise) or self.noise < 0:
-            raise ValueError(f"noise must be a finite number >= 0 (in units of the scores' std), got {self.noise!r}")
-        require_int("trials", self.trials, minimum=1)
-        require_int("seed", self.seed)
 
     def choose(self, view: VisualView) -> Selection:
         sel = Selection(keep=topk_mask(view.attention, view.k, view.mask))
@@ -58,21 +51,17 @@ class FastV(TokenReducer):
         mean = (att * m).sum(1, keepdim=True) / n
         std = (((att - mean) * m).pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # real tokens only
         index = view.cells.clamp(min=0) + view.tile[:, None] * TILE_STRIDE
-        best_keep, best_kl = sel.keep, None
-        for t in range(self.trials):
-            if t == 0:
-                keep = sel.keep
-            else:
-                u1 = hashed_uniform(self.seed * 1009 + 2 * t, view.image_key[:, None], index).clamp(min=1e-12)
-                u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
-                gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
-                keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
-            logits = view.finish(keep)
-            q = torch.log_softmax(logits.double(), -1)
-            kl = (target.exp() * (target - q)).sum(-1)  # [B]
-            if best_kl is None:
-                best_kl = kl
-                continue
+
+        def kl_of(keep: torch.Tensor) -> torch.Tensor:  # [B]
+            return (target.exp() * (target - torch.log_softmax(view.finish(keep).double(), -1))).sum(-1)
+
+        best_keep, best_kl = sel.keep, kl_of(sel.keep)
+        for t in range(1, self.trials):
+            u1 = hashed_uniform(self.seed * 1009 + 2 * t, view.image_key[:, None], index).clamp(min=1e-12)
+            u2 = hashed_uniform(self.seed * 1009 + 2 * t + 1, view.image_key[:, None], index)
+            gauss = (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()  # Box-Muller
+            keep = topk_mask(att + self.noise * std * gauss, view.k, view.mask)
+            kl = kl_of(keep)
             better = kl < best_kl  # per sample
             best_kl = torch.where(better, kl, best_kl)
             best_keep = torch.where(better[view.sample][:, None], keep, best_keep)

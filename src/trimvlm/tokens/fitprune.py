@@ -64,13 +64,10 @@ def statistics(runner, prepared) -> list[Stats]:
         cross, self_ = [], []
         for i in range(runner.num_layers):
             att = probe.results.get(i)
-            if att is None or not bool(vis.any()):
-                cross.append(None)
-                self_.append(None)
-                continue
-            c, s = received(att[b], torch.nonzero(vis).flatten(), text)
-            cross.append([float(x) for x in c])
-            self_.append([float(x) for x in s])
+            got = att is not None and bool(vis.any())
+            c, s = received(att[b], torch.nonzero(vis).flatten(), text) if got else (None, None)
+            cross.append(c.tolist() if got else None)
+            self_.append(s.tolist() if got else None)
         stats.append(Stats(cross, self_))
     return stats
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_number, require_int
+from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -56,17 +56,9 @@ class GPrune(TokenReducer):
     on VQAv2 and 2.34 % on TextVQA. Method FLOPs: the N x N similarity product and the `steps` products
     s P (N^2 each; the paper's P^T matrix power gives the same scores at more FLOPs)."""
 
-    threshold: float = 0.5
-    temperature: float = 0.03
-    steps: int = 5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_number(self.threshold) or not -1 <= self.threshold <= 1:
-            raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
-        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature <= 0:
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
-        require_int("steps", self.steps, minimum=1)
+    threshold: float = option(0.5, require_number, low=-1, high=1, hint=" (a cosine similarity)")
+    temperature: float = option(0.03, require_number, low=0, above=True)
+    steps: int = option(5, require_int, minimum=1)
 
     def choose(self, view: VisualView) -> Selection:
         score = propagate(

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trimvlm.kernels.flops import bmm
-from trimvlm.options import is_number, require_int
+from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -88,18 +88,10 @@ class HoloV(VisionAttentionReducer):
     one token scores its attention. Tiled families: crops inside each tile, the image's budget split over tiles
     as every method."""
 
-    crops: int = 16
-    alpha: float = 1.0
-    beta: float = 0.09
-    power: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int("crops", self.crops, 1)
-        for f in ("alpha", "beta", "power"):
-            v = getattr(self, f)
-            if not is_number(v) or v < 0 or (f == "power" and v == 0):
-                raise ValueError(f"{f} must be a number >= 0{' and > 0' if f == 'power' else ''}, got {v!r}")
+    crops: int = option(16, require_int, minimum=1)
+    alpha: float = option(1.0, require_number, low=0)
+    beta: float = option(0.09, require_number, low=0)
+    power: float = option(1.0, require_number, low=0, above=True)
 
     def choose(self, view: VisualView) -> Selection:
         att = view.attention.masked_fill(~view.mask, 0.0).double()

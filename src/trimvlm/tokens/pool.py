@@ -77,8 +77,11 @@ class Pool(TokenReducer):
         strides(self.ratio)
 
     def counts(self, view: VisualView) -> torch.Tensor:
-        """The number of windows of each unit's grid (see the class docstring), not the shared ceil(N * keep)."""
-        return _window_counts(windows(view, *strides(self.ratio)), view.mask)
+        """The number of windows of each unit's grid holding a real token (see the class docstring), not the
+        shared ceil(N * keep)."""
+        win = windows(view, *strides(self.ratio))
+        hit = torch.zeros(win.shape[0], win.shape[1] + 1, dtype=torch.bool, device=win.device)
+        return hit.scatter_(1, torch.where(view.mask, win, win.shape[1]), True)[:, :-1].sum(1)
 
     def choose(self, view: VisualView) -> Selection:
         win = windows(view, *strides(self.ratio))
@@ -88,13 +91,4 @@ class Pool(TokenReducer):
         first = big.scatter_reduce(1, win.clamp(min=0), torch.where(view.mask, ar, big), "amin", include_self=True)
         assign = first.gather(1, win.clamp(min=0))  # the first token of each token's window
         keep = view.mask & (assign == ar)
-        weight = view.size.float() if self.size_weighted else torch.ones_like(view.size).float()
-        return Selection(keep=keep, assign=torch.where(view.mask, assign, ar), weight=weight)
-
-
-def _window_counts(win: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[U] number of distinct windows holding at least one real token."""
-    u, n = win.shape
-    hit = torch.zeros(u, n + 1, dtype=torch.bool, device=win.device)
-    hit.scatter_(1, torch.where(mask, win, n), True)
-    return hit[:, :n].sum(1)
+        return Selection(keep=keep, assign=torch.where(view.mask, assign, ar))  # the base's (size-)weighted mean

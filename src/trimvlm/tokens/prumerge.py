@@ -9,6 +9,7 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
+from trimvlm.options import option, require_bool
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -60,12 +61,7 @@ class PruMerge(VisionAttentionReducer):
     last layer, index 23)."""
 
     merge: bool = True
-    plus: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.plus, bool):
-            raise ValueError(f"plus must be true or false, got {self.plus!r}")
+    plus: bool = option(False, require_bool)
 
     def choose(self, view: VisualView) -> Selection:
         scores = view.attention.masked_fill(~view.mask, 0.0)

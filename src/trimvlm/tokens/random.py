@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trimvlm.kernels.select import TILE_STRIDE, hashed_uniform, topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
@@ -20,11 +20,7 @@ class Random(TokenReducer):
     alone, in any batch, at any index. kv=random draws the same way, so `tokens=random` and `kv=random` with
     one seed rank an image's tokens alike."""
 
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int("seed", self.seed)
+    seed: int = option(0, require_int)
 
     def choose(self, view: VisualView) -> Selection:
         index = view.cells.clamp(min=0) + view.tile[:, None] * TILE_STRIDE

@@ -12,10 +12,10 @@ import torch
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import matmul
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int, stage_layers
+from trimvlm.options import option, require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, scaled_stages
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView, instruction, scaled_stages
 
 PAPER_LAYERS = (3, 7, 16)  # before these decoder layers: after the paper's layers 2, 6 and 15 of LLaVA's 32
 PAPER_DEPTH = 32
@@ -27,13 +27,12 @@ def raters(seq: LiveSeq) -> list[torch.Tensor]:
     mean_i softmax_m(<v_i, t_m>) over the sample's visual tokens i (the softmax over the instruction's tokens),
     on the hidden states entering the first layer. A sample without images has none."""
     out = []
-    for b in range(seq.batch):
+    for b, instr in enumerate(instruction(seq)):
         vis = torch.nonzero(seq.visual[b] & seq.valid[b]).flatten()
         if vis.numel() == 0:
             out.append(torch.zeros(0, dtype=torch.long, device=seq.source.device))
             continue
-        text = torch.nonzero(seq.valid[b] & ~seq.visual[b]).flatten()
-        text = text[text > vis[-1]] if bool((text > vis[-1]).any()) else text
+        text = torch.nonzero(instr).flatten()
         v, t = seq.hidden[b, vis].float(), seq.hidden[b, text].float()
         rel = torch.softmax(matmul(v, t.T), dim=-1).mean(0)  # [M]
         out.append(seq.source[b, text[rel > rel.mean()]] if rel.numel() > 1 else seq.source[b, text])
@@ -95,7 +94,7 @@ class SparseVLM(TokenReducer):
     attention: ClassVar[str] = "llm"
 
     layers: str = ""
-    rows: int = 64
+    rows: int = option(64, require_int, minimum=1)
     merge: bool = True
     # per call, set before the first layer (`start`) and read by the stages: each sample's raters' original positions
     raters: list | None = field(default=None, init=False, repr=False, compare=False)
@@ -105,7 +104,6 @@ class SparseVLM(TokenReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int("rows", self.rows, 1)
         if self.merge is not True:
             raise ValueError("sparsevlm recycles pruned tokens by merging them (merge=true)")
         if self.layers:

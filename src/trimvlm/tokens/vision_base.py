@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trimvlm.options import is_int
+from trimvlm.options import option, require_int
 from trimvlm.tokens.base import TokenReducer
 
 
@@ -16,13 +16,6 @@ class VisionAttentionReducer(TokenReducer):
     """Options shared by the vision-attention reducers: `vision_layer` (the vision layer read, default -2, the
     penultimate; negative counts from the end); `layer` can only be 0 (the projector's tokens)."""
 
-    vision_layer: int = -2
+    vision_layer: int = option(-2, require_int, hint=" (negative counts from the end)")
 
     attention: ClassVar[str] = "vision"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_int(self.vision_layer):
-            raise ValueError(
-                f"vision_layer must be an integer (negative counts from the end), got {self.vision_layer!r}"
-            )

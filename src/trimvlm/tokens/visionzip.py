@@ -9,7 +9,7 @@ import torch
 
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -61,13 +61,11 @@ class VisionZip(VisionAttentionReducer):
     never an LLM token here (VisionZip keeps it in the dominant set on CLIP)."""
 
     merge: bool = True
-    dominant: int = 54
-    contextual: int = 10
+    dominant: int = option(54, require_int, minimum=0)
+    contextual: int = option(10, require_int, minimum=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int("dominant", self.dominant, 0)
-        require_int("contextual", self.contextual, 0)
         if self.dominant + self.contextual == 0:
             raise ValueError("dominant + contextual must be > 0 (the split of the budget, default 54 + 10)")
 
@@ -82,6 +80,4 @@ class VisionZip(VisionAttentionReducer):
         into = torch.where(targets.any(1, keepdim=True), targets, keep)
         u, n, d = view.keys.shape
         keys = view.keys.view(u, n, view.key_heads, d // view.key_heads).mean(2)  # its metric: heads averaged
-        assign = nearest_kept(keys, view.mask, into)
-        weight = view.size.float() if self.size_weighted else torch.ones_like(scores)
-        return Selection(keep=keep, assign=assign, weight=weight)
+        return Selection(keep=keep, assign=nearest_kept(keys, view.mask, into))

@@ -3,7 +3,6 @@ duplicates among the rest by similarity."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
-from trimvlm.options import is_number
+from trimvlm.options import option, require_number
 from trimvlm.protocol import register
 from trimvlm.tokens.base import Selection, VisualView
 from trimvlm.tokens.vision_base import VisionAttentionReducer
@@ -62,13 +61,9 @@ class VisPruner(VisionAttentionReducer):
     removed per round, min(|A|, remaining - K_div), is this implementation's reading of the paper's iterative
     removal. Method FLOPs: the A x B similarity products of every round."""
 
-    important: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_number(self.important) or not math.isfinite(self.important) or not 0 <= self.important <= 1:
-            raise ValueError(f"important must be a number in [0, 1] (the share of the budget kept by attention), "
-                             f"got {self.important!r}")  # fmt: skip
+    important: float = option(
+        0.5, require_number, low=0, high=1, hint=" (the share of the budget kept by attention)"
+    )
 
     def choose(self, view: VisualView) -> Selection:
         n_imp = torch.round(view.k.double() * self.important).long().minimum(view.k)
