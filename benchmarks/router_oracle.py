@@ -3,9 +3,10 @@
 The layout space is what router v2 (`router=M:budget=B`) can choose: the token keeps of its checkpoint's cost
 table together with the keep it calibrated for each budget, times every skip subset of its candidate layers (at
 most its max_skip), the tokens chosen by the `select=` method recorded for that budget (e.g. density@0: that
-method's recipe at the keep, its merge included); budgets whose variants select alike share one space. Every layout runs on every test item in one layout trie per batch of items
-(training/layout_trie.py), teacher-forced on the reference answer and its end token, cut to the tokens the task
-generates for the item; a layout answers right when the argmax is the reference at every one of them
+method's recipe at the keep, its merge included); budgets whose variants select alike share one space. Every
+layout runs on every test item in one layout trie per batch of items (training/layout_trie.py), teacher-forced
+on the reference answer and its end token, cut to the tokens the task generates for the item; a layout answers
+right when the argmax is the reference at every one of them
 (training/oracle.py), i.e. greedy decoding gives the reference text.
 
 Costs: per layout its total-FLOP ratio to the unpruned model as the router's own cost table computes it
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
                                                              for g in groups))  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")
+
 
 if __name__ == "__main__":
     main()

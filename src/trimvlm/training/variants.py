@@ -61,7 +61,8 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
 
 def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = ROUNDS):
     """({candidate: its recipe at the aim found}, the last run): each candidate runs on the validation items at
-    aim=budget, then at an aim scaled by budget / the spend it measured (capped at 1), `rounds` runs in all."""
+    its aim in `aims` (pick_variant starts them at the budget), then at that aim scaled by budget / the spend it
+    measured (capped at 1), `rounds` runs in all."""
     from trimvlm.evals.run import run_eval
 
     for _ in range(rounds):
