@@ -288,6 +288,31 @@ def test_aimed_moves_the_measured_spend_toward_the_budget(trained):
     assert at_aim != at_start and abs(second - 0.85) < 0.01 < abs(first - 0.85)
 
 
+def test_aimed_keeps_an_aim_the_router_refuses(trained):
+    """An aim scaled below what the router's cheapest layouts cost is refused by the router: the candidate runs
+    again at the aim it ran at, and the pick goes on."""
+    from trimvlm.training.variants import aimed
+
+    vlm, records, out, _ = trained
+    task = Task(name="router-inputs", records=records[:3], max_new_tokens=2)
+    cand = f"router={out}:budget=0.85:select=router:price=inf"
+    recipes, res = aimed(vlm, task, {cand: 0.78}, 0.05, batch_size=3, rounds=2)
+    assert recipes[cand].endswith(":aim=0.78") and res.row(recipes[cand])["ratio"]["total_flops"] > 0.5
+
+
+def test_a_selector_that_never_skips_is_priced_without_the_router():
+    """With a `select=` method the router runs only to plan layers: the policy that skips none (lambda inf) costs
+    the method's own layout, and every other policy adds the router's share."""
+    data = {"keeps": [0.5, 1.0], "subsets": [[], [3]], "max_skip": 1, "router_share": 0.02,
+            "cost": [[0.8, 0.7], [1.0, 0.9]], "cost_by_layer": {"0": [[0.6, 0.5], [1.0, 0.9]]}}  # fmt: skip
+    z = torch.tensor([[-5.0], [5.0]])
+    own, method = BudgetTable(data), BudgetTable(data, layer=0)
+    assert own.mean_cost(z, [3], 0.5, float("inf")) == pytest.approx(0.8)  # the router's own scores: it runs
+    assert method.mean_cost(z, [3], 0.5, float("inf")) == pytest.approx(0.6)
+    assert method.mean_cost(z, [3], 0.5, float("-inf")) == pytest.approx(0.5 + 0.02)
+    assert method.mean_cost(z, [3], 0.5, 0.0) == pytest.approx((0.52 + 0.62) / 2)
+
+
 def test_shipped_routers_record_their_variants():
     from trimvlm.router.model import load_router
 

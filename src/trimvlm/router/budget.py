@@ -56,22 +56,23 @@ def interp(grid: list[float], values: list[float], x: float) -> float:
 class BudgetTable:
     """The checkpoint's `budget` section: the cost table over keeps x skip subsets and the calibrated choices."""
 
-    def __init__(self, data: dict, layer: int | None = None, router_runs: bool = True, select: str = "router"):
-        """`layer`: the tokens are reduced before that layer (a `select=` method's; None: the router's own);
-        `router_runs`: the router's FLOPs count (False where it does not run: a price that never skips);
+    def __init__(self, data: dict, layer: int | None = None, select: str = "router"):
+        """`layer`: the tokens are reduced before that layer (a `select=` method's; None: the router's own). With
+        a `select=` method the router runs only where its layer plan is needed, so a policy that never skips
+        (lambda inf) is priced without the router's own FLOPs;
         `select`: the selector whose held-out KL calibrates, when the checkpoint has it (training/calibration.py:
         `router` or NAME@LAYER); else the training inputs' plain-ranking KL."""
         self.keeps = [float(k) for k in data["keeps"]]
         self.subsets = [tuple(s) for s in data["subsets"]]  # candidate-layer subsets, () first
         self.cost = data["cost"]  # [keep][subset] total-FLOP ratio (router FLOPs included)
         share = float(data.get("router_share", 0.0))
+        self.idle_share = 0.0  # what a policy that never skips does not spend (the router does not run)
         if layer is not None:
+            self.idle_share = share
             by_layer = data.get("cost_by_layer", {})
             if str(layer) not in by_layer:
                 raise ValueError(f"no cost table for tokens reduced before layer {layer} (have {sorted(by_layer)})")
             self.cost = [[c + share for c in row] for row in by_layer[str(layer)]]
-        if not router_runs:
-            self.cost = [[c - share for c in row] for row in self.cost]
         self.max_skip = int(data["max_skip"])
         self.choices = {float(b): (float(k), _policy(lam)) for b, k, lam in data.get("choices", [])}
         if data.get("z") is not None:  # calibrated on demand, keyed (budget, price)
@@ -146,7 +147,8 @@ class BudgetTable:
 
     def mean_cost(self, z: torch.Tensor, cand, keep: float, lam: float) -> float:
         subsets = self.skip(z, cand, keep, lam)
-        return sum(self.cost_of(keep, s) for s in subsets) / len(subsets)
+        idle = self.idle_share if lam == math.inf else 0.0
+        return sum(self.cost_of(keep, s) for s in subsets) / len(subsets) - idle
 
 
 # prices (nats per unit of total-FLOP ratio); negative: skip even layers the router would keep, down to

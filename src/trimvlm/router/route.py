@@ -124,8 +124,7 @@ class Router(Method):
             if self.select != "router":  # the method at its own layer; the router's FLOPs only where it runs
                 at = self.selector(0.5).layer
                 try:
-                    self.table = BudgetTable(self.meta["budget"], layer=at, router_runs=self._price != math.inf,
-                                             select=self.select_key)  # fmt: skip
+                    self.table = BudgetTable(self.meta["budget"], layer=at, select=self.select_key)
                 except ValueError as e:
                     raise RecipeError(f"router select={self.select}: {e} (a method acting by the router's layer "
                                       f"{self.layer})") from None  # fmt: skip

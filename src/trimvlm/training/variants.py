@@ -62,14 +62,24 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
 def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = ROUNDS):
     """({candidate: its recipe at the aim found}, the last run): each candidate runs on the validation items at
     its aim in `aims` (pick_variant starts them at the budget), then at that aim scaled by budget / the spend it
-    measured (capped at 1), `rounds` runs in all."""
+    measured (capped at 1; kept where the router refuses that aim), `rounds` runs in all."""
+    from trimvlm.errors import TrimVLMError
     from trimvlm.evals.run import run_eval
+    from trimvlm.plan import make_plan
+
+    def reachable(r: str, aim: float, before: float) -> float:  # an aim the router refuses keeps the one that ran
+        try:
+            make_plan(f"{r}:aim={aim:.6g}", vlm.runner)
+            return aim
+        except TrimVLMError:
+            return before
 
     for _ in range(rounds):
         recipes = {r: f"{r}:aim={a:.6g}" for r, a in aims.items()}
         res = run_eval(vlm, val, list(recipes.values()), batch_size=batch_size, warmup=False, memory="off",
                        progress=False)  # fmt: skip
-        aims = {r: min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]) for r, a in aims.items()}
+        aims = {r: reachable(r, min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]), a)
+                for r, a in aims.items()}  # fmt: skip
     return recipes, res
 
 
