@@ -98,12 +98,7 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
     (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
     console = console or Console()
-    try:
-        values = [float(b) for b in str(budgets).split(",") if b.strip()]
-    except ValueError:
-        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}") from None
-    if not values or not all(0 < b < 1 for b in values):
-        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}")
+    values = numbers("--budgets", budgets, "total-FLOP ratios in (0, 1), comma-separated;", within=(0, 1))
     if not isinstance(n_val, int) or n_val < 1:
         raise InputError(f"--n-val must be a positive number of items, got {n_val!r}")
     methods = [m.strip() or None for m in str(select).split(",")] if select else [None]
@@ -120,6 +115,18 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     record_variants(folder, picked)
     console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
     return {"out": str(folder), "variants": picked}
+
+
+def numbers(option: str, text, what: str = "comma-separated fractions,", within=None) -> list[float]:
+    """The comma-separated numbers of `option`'s `text`, each strictly `within` (low, high) where given, else
+    InputError "<option> must be <what> got <text>"."""
+    try:
+        values = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or (within is not None and not all(within[0] < v < within[1] for v in values)):
+        raise InputError(f"{option} must be {what} got {text!r}")
+    return values
 
 
 def _v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
