@@ -17,6 +17,7 @@ import trimvlm
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items as calibration_records
+from trimvlm.evals.tasks import check_positive
 from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
 from trimvlm.progress import progress as progress_bar
 from trimvlm.progress import steps as step_bar
@@ -99,8 +100,7 @@ def pick_router_command(router, model="demo", budgets: str = "0.85", select: str
     (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
     console = console or Console()
     values = numbers("--budgets", budgets, "total-FLOP ratios in (0, 1), comma-separated;", within=(0, 1))
-    if not isinstance(n_val, int) or n_val < 1:
-        raise InputError(f"--n-val must be a positive number of items, got {n_val!r}")
+    check_positive("--n-val", n_val, "a positive number of items")
     methods = [m.strip() or None for m in str(select).split(",")] if select else [None]
     if len(methods) not in (1, len(values)):
         raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
@@ -171,8 +171,7 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
 
 
 def _check(steps: int, items: int, out) -> None:
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"--steps must be a positive integer, got {steps!r}")
+    check_positive("--steps", steps)
     if not isinstance(items, int) or items < 12:
         raise InputError(f"--items must be an integer >= 12 (two images' questions), got {items!r}")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
@@ -202,9 +201,7 @@ def train_head_command(
     demo checkpoint is written to only with `overwrite`."""
     _check(steps, items, out)
     refuse_shipped(out if out is not None else resolve(model), overwrite)
-    if not isinstance(threads, int) or threads < 1:
-        raise InputError(f"threads must be a positive integer, got {threads!r}")
-    torch.set_num_threads(threads)
+    torch.set_num_threads(check_positive("threads", threads))
     vlm = trimvlm.load(model, **(load_kw or {}))
     task = task if task is not None else checkpoint_task(vlm.adapter.folder)
     mod = demo_task_module(task)
