@@ -7,14 +7,10 @@ tokens per image on a 4x4 grid. `deepstack` is ignored (Idefics3 has none).
 TILE, PATCH, SCALE = 32, 4, 2
 
 
-def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smolvlm: bool = False):
-    import transformers as tf
+def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
 
-    config_cls, model_cls, processor_cls = (
-        (tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration, tf.SmolVLMImageProcessorPil) if smolvlm
-        else (tf.Idefics3Config, tf.Idefics3ForConditionalGeneration, tf.Idefics3ImageProcessorPil))  # fmt: skip
-
-    cfg = config_cls(
+    cfg = Idefics3Config(
         text_config=dict(
             model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -30,7 +26,7 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smo
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = processor_cls(
+    proc = Idefics3ImageProcessorPil(
         do_image_splitting=False, size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE}
     )
-    return model_cls(cfg), proc
+    return Idefics3ForConditionalGeneration(cfg), proc
