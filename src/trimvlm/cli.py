@@ -649,11 +649,17 @@ def decide(
     wide: bool = WIDE,
 ):
     """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
-    from trimvlm.cli_decide import decide_command
+    import trimvlm
+    from trimvlm.cli_decide import print_decisions, read_requests
 
-    out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,
-                         load_kw=load_kw, console=console)  # fmt: skip
-    _write_json(json_out, out)
+    requests = read_requests(request)
+    result = trimvlm.load(model, **load_kw).decide(requests, recipe=recipe or None, decision_config=decision_config,
+                                                   return_costs=True)  # fmt: skip
+    print_decisions(result, console, requests)
+    one = not isinstance(requests, list)
+    _write_json(json_out, {"answers": result.answers[0] if one else result.answers,
+                           "usage": result.usage[0].usage() if one else [u.usage() for u in result.usage],
+                           "recipe": result.recipe, "costs": result.costs.as_dict()})  # fmt: skip
 
 
 @command(rich_help_panel=USE)
