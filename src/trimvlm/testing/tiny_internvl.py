@@ -6,6 +6,8 @@ the CLS token dropped), pixel shuffle by 0.5: 16 LLM tokens per image on a 4x4 g
 InternVL's `<img>`, `</img>` and `<IMG_CONTEXT>` tokens. `deepstack` is ignored (InternVL has none).
 """
 
+from trimvlm.testing import text_config
+
 TILE, PATCH = 32, 4
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 
@@ -18,13 +20,9 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     if missing:
         tok.add_tokens(missing, special_tokens=True)
     cfg = InternVLConfig(
-        text_config=dict(
-            model_type="qwen2", vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=hidden // heads, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-            bos_token_id=None, eos_token_id=tok.eos_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        ),
+        text_config=text_config(tok, hidden, layers, heads, kv_heads, {}, model_type="qwen2", head_dim=hidden // heads,
+                                pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                                tie_word_embeddings=False),
         vision_config=dict(
             hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=2,
             num_attention_heads=2, image_size=TILE, patch_size=PATCH,
