@@ -156,6 +156,18 @@ def _load_kw(device: str, dtype: str) -> dict:
     return {"device": str(parse_device(device)), "dtype": parse_dtype(dtype)}
 
 
+def _numbers(option: str, text, what: str = "comma-separated fractions,", within=None) -> list[float]:
+    """The comma-separated numbers of `option`'s `text`, each strictly `within` (low, high) where given, else
+    InputError "<option> must be <what> got <text>"."""
+    try:
+        values = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or (within is not None and not all(within[0] < v < within[1] for v in values)):
+        raise InputError(f"{option} must be {what} got {text!r}")
+    return values
+
+
 @command(rich_help_panel=USE)
 def generate(
     model: str = MODEL,
@@ -542,9 +554,9 @@ def train_router(
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
     inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
     --work only measures the inputs' layouts."""
-    from trimvlm.cli_train import numbers, train_router_command
+    from trimvlm.cli_train import train_router_command
 
-    keeps, budgets = (None if v is None else numbers(f"--{k}", v) for k, v in (("keeps", keeps), ("budgets", budgets)))
+    keeps, budgets = (None if v is None else _numbers(f"--{k}", v) for k, v in (("keeps", keeps), ("budgets", budgets)))
     train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
                          epochs=epochs, seed=seed, out=out, resume=resume, console=console,
                          load_kw=load_kw, layer=layer, lr=lr, beta=beta,
@@ -609,10 +621,24 @@ def pick_router(
 ):
     """Choose router v2's variant (select, price) per budget on validation items and record it, so that the
     plain `router=M:budget=B` runs it. About 1 minute per budget on the demo models (7 variants x 96 items)."""
-    from trimvlm.cli_train import pick_router_command
+    from trimvlm.cli_train import v2_router
+    from trimvlm.evals.tasks import check_positive
+    from trimvlm.training.variants import pick_variant, record_variants
 
-    pick_router_command(router, model=model, budgets=budgets, select=select or None, task=_task(model, task), n_val=n_val,
-                        console=console, load_kw=load_kw, overwrite=overwrite)  # fmt: skip
+    values = _numbers("--budgets", budgets, "total-FLOP ratios in (0, 1), comma-separated;", within=(0, 1))
+    check_positive("--n-val", n_val, "a positive number of items")
+    methods = [m.strip() or None for m in select.split(",")] if select else [None]
+    if len(methods) not in (1, len(values)):
+        raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
+    task = _task(model, task)
+    folder, vlm, _ = v2_router(router, model, load_kw, "given variants", overwrite)
+    picked = []
+    for b, method in zip(values, methods * len(values) if len(methods) == 1 else methods, strict=True):
+        picked.append(v := pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=router))
+        console.print(f"budget {b}: select={v['select']} price={v['price']} "
+                      f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
+    record_variants(folder, picked)
+    console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
 
 
 @command(rich_help_panel=TRAIN)

@@ -43,7 +43,6 @@ from trimvlm.terminal import Col, Sheet
 from trimvlm.training.calibration import measure, trained_inputs
 from trimvlm.training.layer_pairs import refit_layers
 from trimvlm.training.router import train_router
-from trimvlm.training.variants import pick_variant, record_variants
 
 
 def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
@@ -77,7 +76,7 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
     checkpoint (a shipped demo router only with `overwrite`)."""
     console = console or Console()
-    folder, vlm, r = _v2_router(router, model, load_kw, "calibrated", overwrite)
+    folder, vlm, r = v2_router(router, model, load_kw, "calibrated", overwrite)
     skip = trained_inputs(r.meta) if skip is None else skip
     if not isinstance(n, int) or n < 1 or skip < 0:
         raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
@@ -94,42 +93,7 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
-def pick_router_command(router, model="demo", budgets: str = "0.85", select: str | None = None, task="demo",
-                        n_val: int = 96, console=None, load_kw: dict | None = None, overwrite: bool = False) -> dict:  # fmt: skip
-    """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
-    (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
-    console = console or Console()
-    values = numbers("--budgets", budgets, "total-FLOP ratios in (0, 1), comma-separated;", within=(0, 1))
-    check_positive("--n-val", n_val, "a positive number of items")
-    methods = [m.strip() or None for m in str(select).split(",")] if select else [None]
-    if len(methods) not in (1, len(values)):
-        raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
-    methods = methods * len(values) if len(methods) == 1 else methods
-    folder, vlm, _ = _v2_router(router, model, load_kw, "given variants", overwrite)
-    picked = []
-    for b, method in zip(values, methods, strict=True):
-        v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=str(router))
-        picked.append(v)
-        console.print(f"budget {b}: select={v['select']} price={v['price']} "
-                      f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
-    record_variants(folder, picked)
-    console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
-    return {"out": str(folder), "variants": picked}
-
-
-def numbers(option: str, text, what: str = "comma-separated fractions,", within=None) -> list[float]:
-    """The comma-separated numbers of `option`'s `text`, each strictly `within` (low, high) where given, else
-    InputError "<option> must be <what> got <text>"."""
-    try:
-        values = [float(x) for x in str(text).split(",")]
-    except ValueError:
-        values = []
-    if not values or (within is not None and not all(within[0] < v < within[1] for v in values)):
-        raise InputError(f"{option} must be {what} got {text!r}")
-    return values
-
-
-def _v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
+def v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
     """(the router's folder, the loaded model, the v2 router checked against it as a `Router` at budget 1). Writing
     into `out` (default: the router's folder) is refused first for a shipped demo router without `overwrite`."""
     folder = router_folder(router)
@@ -151,7 +115,7 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     if not isinstance(n, int) or n < 1 or not isinstance(epochs, int) or epochs < 1:
         raise InputError(f"--n and --epochs must be positive integers, got n={n!r}, epochs={epochs!r}")
     console = console or Console()
-    folder, vlm, r = _v2_router(router, model, load_kw, "refit", overwrite, out)
+    folder, vlm, r = v2_router(router, model, load_kw, "refit", overwrite, out)
     out = folder if out is None else Path(out)
     records = calibration_records(task, n, int(r.meta.get("seed", 0)))
     with step_bar("refit-router", len(records), console, unit="input",
