@@ -554,14 +554,29 @@ def train_router(
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
     inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
     --work only measures the inputs' layouts."""
-    from trimvlm.cli_train import train_router_command
+    import trimvlm
+    from trimvlm.evals.tasks import calibration_items
+    from trimvlm.loading import refuse_shipped
+    from trimvlm.progress import steps
+    from trimvlm.training.router import train_router as train
 
     keeps, budgets = (None if v is None else _numbers(f"--{k}", v) for k, v in (("keeps", keeps), ("budgets", budgets)))
-    train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
-                         epochs=epochs, seed=seed, out=out, resume=resume, console=console,
-                         load_kw=load_kw, layer=layer, lr=lr, beta=beta,
-                         overwrite=overwrite, keeps=keeps, max_skip=max_skip, width=width, work=work, near=near,
-                         budgets=budgets, cells=cells)  # fmt: skip
+    refuse_shipped(out, overwrite)
+    vlm = trimvlm.load(model, **load_kw)
+    records = calibration_items(_task(model, task), n, seed)
+    with steps("train-router", len(records) + epochs, console,
+               phase=f"layouts of {len(records)} inputs, then {epochs} DPO epochs") as bar:  # fmt: skip
+        log = train(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed, out=out,
+                    resume=resume, on_step=bar.advance, layer=layer, lr=lr, beta=beta, keeps=keeps, max_skip=max_skip,
+                    width=width, work=work, near=near, budgets=budgets, cells=cells)  # fmt: skip
+    for e in log["epochs"]:
+        console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
+    if not epochs:
+        console.print(f"measured the layouts of {len(records)} inputs into {work}; no epoch trained")
+        return
+    use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if keeps
+           else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
+    console.print(f"wrote {out}; use it as the recipe {use}")
 
 
 @command("refit-router", rich_help_panel=TRAIN)

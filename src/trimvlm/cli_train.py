@@ -1,5 +1,5 @@
-"""The training commands' CLI glue (`trimvlm train-router`, `trimvlm train-head`): load, pick the inputs, show
-progress, write; the training itself is the method packages' (`trimvlm.training.router`,
+"""The training commands' CLI glue (`trimvlm calibrate-router`, `refit-router`, `train-head`): load, pick the
+inputs, show progress, write; the training itself is the method packages' (`trimvlm.training`,
 `trimvlm.scoring.train_head`)."""
 
 from __future__ import annotations
@@ -42,31 +42,6 @@ from trimvlm.scoring.train_head import (
 from trimvlm.terminal import Col, Sheet
 from trimvlm.training.calibration import measure, trained_inputs
 from trimvlm.training.layer_pairs import refit_layers
-from trimvlm.training.router import train_router
-
-
-def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
-                         epochs: int = 3, seed: int = 0, out="runs/router", resume: bool = True, console=None,
-                         load_kw: dict | None = None, overwrite: bool = False, **train_kw) -> dict:  # fmt: skip
-    """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
-    a shipped demo checkpoint only with `overwrite`)."""
-    refuse_shipped(out, overwrite)
-    console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    records = calibration_records(task, n, seed)
-    with step_bar("train-router", len(records) + epochs, console,
-                  phase=f"layouts of {len(records)} inputs, then {epochs} DPO epochs") as bar:  # fmt: skip
-        log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
-                           out=out, resume=resume, on_step=bar.advance, **train_kw)  # fmt: skip
-    for e in log["epochs"]:
-        console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
-    if not epochs:
-        console.print(f"measured the layouts of {len(records)} inputs into {train_kw.get('work')}; no epoch trained")
-        return {"out": None, **log}
-    use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if train_kw.get("keeps")
-           else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
-    console.print(f"wrote {out}; use it as the recipe {use}")
-    return {"out": str(out), **log}
 
 
 def calibrate_router_command(router, model="demo", task="demo", n: int = 64, skip: int | None = None,
