@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import json
 from pathlib import Path
 
@@ -70,16 +71,24 @@ def _fail(e: TrimVLMError):
 
 
 def command(*args, **kw):
-    """`app.command`, its bad input (a TrimVLMError) reported by `_fail`."""
+    """`app.command`, its bad input (a TrimVLMError) reported by `_fail`. A parameter `load_kw` (`LOAD_KW`)
+    stands for the options --device and --dtype (`DEVICE`, `DTYPE`): the command gets them checked, as
+    trimvlm.load's keywords (`_load_kw`)."""
 
     def register(fn):
+        sig = inspect.signature(fn, eval_str=True)
+
         @functools.wraps(fn)
         def run(*a, **k):
             try:
+                if "load_kw" in sig.parameters:
+                    k["load_kw"] = _load_kw(k.pop("device"), k.pop("dtype"))
                 return fn(*a, **k)
             except TrimVLMError as e:
                 _fail(e)
 
+        params = [q for p in sig.parameters.values() for q in (LOAD_OPTIONS if p.name == "load_kw" else [p])]
+        run.__signature__ = sig.replace(parameters=params)
         return app.command(*args, **kw)(run)
 
     return register
@@ -98,6 +107,9 @@ def _write_json(path: Path | None, data) -> None:
 JSON_OUT = typer.Option(None, "--json", help="also write the results as JSON to this file")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16")
+LOAD_KW = None  # a command's `load_kw: dict = LOAD_KW`: its --device and --dtype (`command`)
+LOAD_OPTIONS = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=option, annotation=str)
+                for name, option in (("device", DEVICE), ("dtype", DTYPE))]  # fmt: skip
 MODEL = typer.Option(
     "demo", "--model",
     help="a supported checkpoint folder (decide and serve: also a JevForDecision) or a shipped demo model: demo, "
@@ -123,20 +135,18 @@ def WORKERS(scope: str):  # noqa: N802 (an option, as TASK)
 
 
 def _warn_unknown(vlm, text: str) -> None:
-    """Most of a prompt's words unknown to the model: say so on one line (the answer is then a guess); the
-    library's own UnknownWordsWarning is then left out."""
+    """Most of a prompt's words unknown to the model: the library's UnknownWordsWarning as one line on stderr
+    (the answer is then a guess); the library's own warning is then left out."""
     import warnings
 
-    from trimvlm.vlm import UnknownWordsWarning, unknown_words
+    from trimvlm.vlm import UnknownWordsWarning, warn_unknown_words
 
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", UnknownWordsWarning)
+        warn_unknown_words(vlm.tokenizer, text)
     warnings.filterwarnings("ignore", category=UnknownWordsWarning)
-    words, unknown = text.split(), unknown_words(vlm.tokenizer, text)
-    if words and len(unknown) * 2 > len(words):
-        err_console.print(
-            f"[yellow]warning:[/] {len(unknown)} of the prompt's {len(words)} words are unknown to this model's "
-            f"tokenizer ({escape(' '.join(unknown[:6]))}{' ...' if len(unknown) > 6 else ''}); its answer will be "
-            "a guess. The demo models read the questions `trimvlm demo-image` prints.", soft_wrap=True,
-        )  # fmt: skip
+    for w in (w for w in seen if issubclass(w.category, UnknownWordsWarning)):
+        err_console.print(f"[yellow]warning:[/] {escape(str(w.message))}", soft_wrap=True)
 
 
 def _load_kw(device: str, dtype: str) -> dict:
@@ -144,6 +154,18 @@ def _load_kw(device: str, dtype: str) -> dict:
     from trimvlm.loading import parse_device, parse_dtype
 
     return {"device": str(parse_device(device)), "dtype": parse_dtype(dtype)}
+
+
+def _numbers(option: str, text, what: str = "comma-separated fractions,", within=None) -> list[float]:
+    """The comma-separated numbers of `option`'s `text`, each strictly `within` (low, high) where given, else
+    InputError "<option> must be <what> got <text>"."""
+    try:
+        values = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or (within is not None and not all(within[0] < v < within[1] for v in values)):
+        raise InputError(f"{option} must be {what} got {text!r}")
+    return values
 
 
 @command(rich_help_panel=USE)
@@ -157,14 +179,12 @@ def generate(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
     json_out: Path | None = JSON_OUT,
-
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Generate an answer for one image + prompt."""
     import trimvlm
 
-    vlm = trimvlm.load(model, **_load_kw(device, dtype))
+    vlm = trimvlm.load(model, **load_kw)
     _warn_unknown(vlm, prompt)
     res = vlm.generate(
         [str(p) for p in image], prompt, recipe=recipe or None, max_new_tokens=max_new_tokens,
@@ -183,13 +203,12 @@ def generate(
 @command(rich_help_panel=USE)
 def info(
     model: str = MODEL, json_out: Path | None = JSON_OUT,
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Family, layers and their types, visual tokens per image."""
     import trimvlm
 
-    vlm = trimvlm.load(model, **_load_kw(device, dtype))
+    vlm = trimvlm.load(model, **load_kw)
     data = vlm.info()
     table = Sheet(console, f"{model}", ["field", "value"])
     for k, v in data.items():
@@ -254,15 +273,13 @@ def demo(
     limit: int = typer.Option(300, help="test items"),
     json_out: Path = typer.Option(Path("trimvlm-demo.json"), "--json"),
     plot: Path = typer.Option(Path("trimvlm-demo.png")),
-
-    device: str = DEVICE,
+    load_kw: dict = LOAD_KW,
     wide: bool = WIDE,
-    dtype: str = DTYPE,
 ):
     """The main job: the shipped demo model on the demo task, baseline and a few recipes side by side."""
     from trimvlm.cli_eval import demo_command
 
-    demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=_load_kw(device, dtype),
+    demo_command(limit=limit, json_out=str(json_out), png_out=str(plot), load_kw=load_kw,
                  console=console)
 
 
@@ -340,11 +357,9 @@ def eval_(
     if ray is not None and device is None:  # each Ray worker: its own GPU when the cluster has GPUs
         load_kw.pop("device")
     eval_command(
-        model, _task(model, task), str(recipes) if recipes else None, limit,
-        str(json_out) if json_out else None, str(plot) if plot else None, batch_size, seed,
-        max_new_tokens=max_new_tokens, markdown_out=str(markdown) if markdown else None, readout=readout,
-        recipes=list(recipe), load_kw=load_kw, data=data, split=split, ray=ray,
-        workers=workers, console=console, threads=threads,
+        model, _task(model, task), recipes, limit, json_out, plot, batch_size, seed, max_new_tokens=max_new_tokens,
+        markdown_out=markdown, readout=readout, recipes=list(recipe), load_kw=load_kw, data=data, split=split,
+        ray=ray, workers=workers, console=console, threads=threads,
     )  # fmt: skip
 
 
@@ -406,15 +421,13 @@ def score(
     recipe: str = typer.Option("", help="e.g. depth=ranking:file=rank.json:budget=2:scope=candidates"),
     binary: bool = typer.Option(False, help="one candidate statement, answered as P(true) (head readout)"),
     json_out: Path | None = JSON_OUT,
-
-    device: str = DEVICE,
+    load_kw: dict = LOAD_KW,
     wide: bool = WIDE,
-    dtype: str = DTYPE,
 ):
     """Score candidate answers for one image + question (the prefix is encoded once)."""
     import trimvlm
 
-    vlm = trimvlm.load(model, **_load_kw(device, dtype))
+    vlm = trimvlm.load(model, **load_kw)
     _warn_unknown(vlm, question)
     res = vlm.score(
         [str(p) for p in image], question, list(candidate), readout=readout, executor=executor,
@@ -465,16 +478,14 @@ def train_head(
     task: str | None = typer.Option(None, help="demo or scenes (default: the checkpoint's own task)"),
     seed: int = typer.Option(0),
     threads: int = typer.Option(1, help="torch threads (the same seed and threads give the same weights)"),
-
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Train the decision head on a demo task's candidate questions (backbone frozen, seeded)."""
     from trimvlm.cli_train import train_head_command
 
     train_head_command(
         model=model, out=out, steps=steps, items=items, seed=seed, console=console, threads=threads,
-        load_kw=_load_kw(device, dtype), overwrite=overwrite, task=task,
+        load_kw=load_kw, overwrite=overwrite, task=task,
     )
 
 
@@ -497,9 +508,8 @@ def tune(
     out: Path = typer.Option(Path("runs/tune"), help="folder: tune.json, best*.yaml, recipes/, frontier.md/png"),
     ray: str | None = RAY("run the search's evaluations sharded"),
     workers: int | None = WORKERS(" for the whole search"),
-    device: str = DEVICE,
+    load_kw: dict = LOAD_KW,
     wide: bool = WIDE,
-    dtype: str = DTYPE,
 ):
     """Find the best recipe for each cost budget on the task's validation split (resumable: run it again to
     continue), then report the frontier on the test split. Use a result with --recipe OUT/best-BUDGET.yaml or
@@ -508,7 +518,7 @@ def tune(
 
     tune_command(model, _task(model, task), budget, data=data, space=space, out=out, min_retention=min_retention,
                  n_val=n_val, n_test=n_test, seed=seed, batch_size=batch_size, threads=threads,
-                 console=console, load_kw=_load_kw(device, dtype), ray=ray, workers=workers)  # fmt: skip
+                 console=console, load_kw=load_kw, ray=ray, workers=workers)  # fmt: skip
 
 
 @command("train-router", rich_help_panel=TRAIN)
@@ -539,25 +549,34 @@ def train_router(
     ),
     budgets: str | None = typer.Option(None, help="router v2: total-FLOP budgets, e.g. 0.75,0.6,0.45 (with --near)"),
     cells: int | None = typer.Option(None, help="with --near: at most this many (keep, layer set) cells per input"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Train the PAR meta-router self-supervised with DPO (layouts ranked by KL to the unpruned model): --n
     inputs x --epochs (384 x 30 take about 4 minutes on one CPU thread with the demo model). --epochs 0 with
     --work only measures the inputs' layouts."""
-    lists = {}
-    for name, given in (("keeps", keeps), ("budgets", budgets)):
-        try:
-            lists[name] = None if given is None else [float(x) for x in given.split(",")]
-        except ValueError:
-            raise InputError(f"--{name} must be comma-separated fractions, got {given!r}") from None
-    from trimvlm.cli_train import train_router_command
+    import trimvlm
+    from trimvlm.evals.tasks import calibration_items
+    from trimvlm.loading import refuse_shipped
+    from trimvlm.progress import steps
+    from trimvlm.training.router import train_router as train
 
-    train_router_command(model=model, task=_task(model, task), n=n, token_keep=token_keep, layers_skip=layers_skip,
-                         epochs=epochs, seed=seed, out=out, resume=resume, console=console,
-                         load_kw=_load_kw(device, dtype), layer=layer, lr=lr, beta=beta,
-                         overwrite=overwrite, keeps=lists["keeps"], max_skip=max_skip, width=width, work=work, near=near,
-                         budgets=lists["budgets"], cells=cells)  # fmt: skip
+    keeps, budgets = (None if v is None else _numbers(f"--{k}", v) for k, v in (("keeps", keeps), ("budgets", budgets)))
+    refuse_shipped(out, overwrite)
+    vlm = trimvlm.load(model, **load_kw)
+    records = calibration_items(_task(model, task), n, seed)
+    with steps("train-router", len(records) + epochs, console,
+               phase=f"layouts of {len(records)} inputs, then {epochs} DPO epochs") as bar:  # fmt: skip
+        log = train(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed, out=out,
+                    resume=resume, on_step=bar.advance, layer=layer, lr=lr, beta=beta, keeps=keeps, max_skip=max_skip,
+                    width=width, work=work, near=near, budgets=budgets, cells=cells)  # fmt: skip
+    for e in log["epochs"]:
+        console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
+    if not epochs:
+        console.print(f"measured the layouts of {len(records)} inputs into {work}; no epoch trained")
+        return
+    use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if keeps
+           else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
+    console.print(f"wrote {out}; use it as the recipe {use}")
 
 
 @command("refit-router", rich_help_panel=TRAIN)
@@ -571,15 +590,14 @@ def refit_router(
     select: str = typer.Option("router", help="whose tokens the layouts keep: router or a token method NAME@LAYER"),
     epochs: int = typer.Option(40),
     head_only: bool = typer.Option(True, help="train the layer head alone (the token scores stay as they are)"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Train a v2 router's layer scores (DPO) on layouts run with the tokens a recipe executes (each input's
     layouts as one layout trie)."""
     from trimvlm.cli_train import refit_router_command
 
     refit_router_command(router, model=model, task=_task(model, task), n=n, select=select, epochs=epochs, out=out,
-                         console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite,
+                         console=console, load_kw=load_kw, overwrite=overwrite,
                          head_only=head_only)  # fmt: skip
 
 
@@ -592,8 +610,7 @@ def calibrate_router(
     n: int = typer.Option(64, help="held-out calibration inputs"),
     skip: int | None = typer.Option(None, help="val inputs to skip (default: the router's training inputs)"),
     select: str = typer.Option("router", help="selectors, comma-separated: router and/or token methods NAME@LAYER"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Calibrate a v2 router's budgets on held-out inputs with the tokens each selector executes (one layout trie
     per input and selector: --n 64 with 4 selectors took about 4 minutes on one loaded CPU thread with
@@ -602,7 +619,7 @@ def calibrate_router(
 
     calibrate_router_command(router, model=model, task=_task(model, task), n=n, skip=skip,
                              select=tuple(x.strip() for x in select.split(",") if x.strip()), console=console,
-                             load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+                             load_kw=load_kw, overwrite=overwrite)  # fmt: skip
 
 
 @command("pick-router", rich_help_panel=TRAIN)
@@ -615,15 +632,28 @@ def pick_router(
                                "scores (the tuned recipe's, e.g. dart@2), or one per budget, comma-separated"),
     task: str | None = TASK("validation items: the task's val split after the router's inputs"),
     n_val: int = typer.Option(96, help="validation items per variant"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Choose router v2's variant (select, price) per budget on validation items and record it, so that the
     plain `router=M:budget=B` runs it. About 1 minute per budget on the demo models (7 variants x 96 items)."""
-    from trimvlm.cli_train import pick_router_command
+    from trimvlm.cli_train import v2_router
+    from trimvlm.evals.tasks import check_positive
+    from trimvlm.training.variants import pick_variant, record_variants
 
-    pick_router_command(router, model=model, budgets=budgets, select=select or None, task=_task(model, task), n_val=n_val,
-                        console=console, load_kw=_load_kw(device, dtype), overwrite=overwrite)  # fmt: skip
+    values = _numbers("--budgets", budgets, "total-FLOP ratios in (0, 1), comma-separated;", within=(0, 1))
+    check_positive("--n-val", n_val, "a positive number of items")
+    methods = [m.strip() or None for m in select.split(",")] if select else [None]
+    if len(methods) not in (1, len(values)):
+        raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
+    task = _task(model, task)
+    folder, vlm, _ = v2_router(router, model, load_kw, "given variants", overwrite)
+    picked = []
+    for b, method in zip(values, methods * len(values) if len(methods) == 1 else methods, strict=True):
+        picked.append(v := pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=router))
+        console.print(f"budget {b}: select={v['select']} price={v['price']} "
+                      f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
+    record_variants(folder, picked)
+    console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
 
 
 @command(rich_help_panel=TRAIN)
@@ -639,16 +669,14 @@ def calibrate(
         help="candidates (FastJEV's J_l, candidate branches) | block-influence (ShortGPT BI_l) | sensitivity "
         "(J_l on next-token logits) | greedy-kl | fitprune (attention statistics for tokens=fitprune:file=...)",
     ),
-
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """Decision-guided layer ranking (FastJEV's J_l) for `depth=ranking:file=...:scope=candidates`, or a depth
     ranker's order for `depth=ranking:file=...`: --n inputs, one pass per layer and batch of them."""
     from trimvlm.cli_calibrate import calibrate_command
 
     calibrate_command(method, model=model, task=_task(model, task), n=n, readout=readout, seed=seed, json_out=json_out,
-                      console=console, load_kw=_load_kw(device, dtype))  # fmt: skip
+                      console=console, load_kw=load_kw)  # fmt: skip
 
 
 @command(rich_help_panel=USE)
@@ -658,17 +686,21 @@ def decide(
     recipe: str = typer.Option("", help="e.g. tokens=density:keep=0.25:layer=1 (kv= does not apply)"),
     decision_config: Path | None = typer.Option(None, help="decision.json (or its folder); default: the model's"),
     json_out: Path | None = JSON_OUT,
-
-    device: str = DEVICE,
+    load_kw: dict = LOAD_KW,
     wide: bool = WIDE,
-    dtype: str = DTYPE,
 ):
     """Answer System One decision requests (noul / choice / score questions about a state and its images)."""
-    from trimvlm.cli_decide import decide_command
+    import trimvlm
+    from trimvlm.cli_decide import print_decisions, read_requests
 
-    out = decide_command(model=model, request=request, recipe=recipe, decision_config=decision_config,
-                         load_kw=_load_kw(device, dtype), console=console)  # fmt: skip
-    _write_json(json_out, out)
+    requests = read_requests(request)
+    result = trimvlm.load(model, **load_kw).decide(requests, recipe=recipe or None, decision_config=decision_config,
+                                                   return_costs=True)  # fmt: skip
+    print_decisions(result, console, requests)
+    one = not isinstance(requests, list)
+    _write_json(json_out, {"answers": result.answers[0] if one else result.answers,
+                           "usage": result.usage[0].usage() if one else [u.usage() for u in result.usage],
+                           "recipe": result.recipe, "costs": result.costs.as_dict()})  # fmt: skip
 
 
 @command(rich_help_panel=USE)
@@ -712,8 +744,7 @@ def serve(
         0, help="API processes (HTTP, JSON, images, tokenizing) beside the engine process (0: one process)"
     ),
     ray: str | None = typer.Option(None, "--ray", help="run the replicas on Ray: local, auto or HOST:PORT"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
+    load_kw: dict = LOAD_KW,
 ):
     """HTTP server: System One decisions (/v1/systemone) and OpenAI-style chat completions (continuous batching,
     streaming), GET /metrics."""
@@ -729,7 +760,7 @@ def serve(
     run_server(model, recipe=recipe, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                limits=limits, decision_config=decision_config, threads=threads,
                vision_cache_mb=vision_cache_mb, prefix_cache_mb=prefix_cache_mb, request_cache_mb=request_cache_mb,
-               load_kw=_load_kw(device, dtype), log_level=log_level, access_log=access_log,
+               load_kw=load_kw, log_level=log_level, access_log=access_log,
                replicas=replicas, ray=ray, recipe_dir=recipe_dir, api_key=api_key,
                key_metrics=key_metrics, tuned=tuned, slo_ttft_ms=slo_ttft_ms, api_workers=api_workers)  # fmt: skip
 

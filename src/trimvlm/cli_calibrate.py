@@ -23,6 +23,7 @@ import trimvlm
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.depth.calibration import RANKERS, prepare_batches, rank, ranking_data, write_ranking
 from trimvlm.errors import InputError
+from trimvlm.evals.report import write_text
 from trimvlm.evals.tasks import calibration_items
 from trimvlm.options import is_int
 from trimvlm.progress import steps
@@ -84,9 +85,7 @@ def calibrate_command(
     data = _measure(console, vlm, method, items, batch_size, about, readout, str(model))
     if method in _token_statistics():
         if json_out is not None:
-            path = Path(json_out)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(data) + "\n")
+            path = write_text(json.dumps(data) + "\n", json_out)
             console.print(f"wrote {path} ({len(data['inputs'])} inputs); use it as the recipe "
                           f"tokens={method}:file={path}:keep=K (K: the budget)")  # fmt: skip
         return data

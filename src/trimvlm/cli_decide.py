@@ -1,4 +1,4 @@
-"""`trimvlm decide`: System One requests from a JSON file, answered by `vlm.decide`, printed as tables."""
+"""`trimvlm decide`'s System One requests read from a JSON file, and `vlm.decide`'s answers printed as tables."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import binascii
 import json
 from pathlib import Path
 
-import trimvlm
 from trimvlm.errors import InputError
 from trimvlm.terminal import Sheet
 
@@ -98,17 +97,3 @@ def print_decisions(result, console, requests=None) -> None:
             f"[dim]batch: {len(result.answers)} requests, {c.model_flops / 1e9:.4f} GFLOP model, "
             f"{sum(c.seconds.values()) * 1e3:.0f} ms forward, recipe {result.recipe}[/]"
         )
-
-
-def decide_command(*, model, request, recipe, decision_config, load_kw, console):
-    requests = read_requests(request)
-    vlm = trimvlm.load(model, **load_kw)
-    result = vlm.decide(requests, recipe=recipe or None, decision_config=decision_config, return_costs=True)
-    print_decisions(result, console, requests)
-    single = not isinstance(requests, list)
-    return {
-        "answers": result.answers[0] if single else result.answers,
-        "usage": result.usage[0].usage() if single else [u.usage() for u in result.usage],
-        "recipe": result.recipe,
-        "costs": result.costs.as_dict(),
-    }

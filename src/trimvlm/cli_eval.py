@@ -23,10 +23,9 @@ from trimvlm.evals.report import (
     write_outputs,
 )
 from trimvlm.evals.run import normalize_recipes, prepare_task, run_eval
-from trimvlm.evals.tasks import TASKS, check_limit
+from trimvlm.evals.tasks import TASKS, check_limit, check_positive
 from trimvlm.integrations.ray_eval import check_workers, run_eval_ray
 from trimvlm.loading import resolve
-from trimvlm.options import is_int
 from trimvlm.recipe import load_recipes, parse_recipe
 from trimvlm.scoring.calibrate import check_readout_name
 
@@ -121,9 +120,7 @@ def eval_command(
     workers = check_workers(workers)
     check_readout_name(readout)
     if threads is not None:
-        if not is_int(threads) or threads < 1:
-            raise InputError(f"threads must be a positive number of torch threads, got {threads!r}")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_positive("threads", threads, "a positive number of torch threads"))
     if workers is not None and ray is None:
         raise InputError("--workers applies to a run sharded over Ray: give --ray auto, local or HOST:PORT too")
     check_writable(json_out, plot_out, markdown_out)

@@ -1,5 +1,5 @@
-"""The training commands' CLI glue (`trimvlm train-router`, `trimvlm train-head`): load, pick the inputs, show
-progress, write; the training itself is the method packages' (`trimvlm.training.router`,
+"""The training commands' CLI glue (`trimvlm calibrate-router`, `refit-router`, `train-head`): load, pick the
+inputs, show progress, write; the training itself is the method packages' (`trimvlm.training`,
 `trimvlm.scoring.train_head`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import trimvlm
 from trimvlm.depth.base import model_fingerprint
 from trimvlm.errors import InputError
 from trimvlm.evals.tasks import calibration_items as calibration_records
+from trimvlm.evals.tasks import check_positive
 from trimvlm.loading import checkpoint_task, refuse_shipped, resolve
 from trimvlm.progress import progress as progress_bar
 from trimvlm.progress import steps as step_bar
@@ -41,32 +42,6 @@ from trimvlm.scoring.train_head import (
 from trimvlm.terminal import Col, Sheet
 from trimvlm.training.calibration import measure, trained_inputs
 from trimvlm.training.layer_pairs import refit_layers
-from trimvlm.training.router import train_router
-from trimvlm.training.variants import pick_variant, record_variants
-
-
-def train_router_command(model="demo", task="demo", n: int = 32, token_keep: float = 0.25, layers_skip: int = 2,
-                         epochs: int = 3, seed: int = 0, out="runs/router", resume: bool = True, console=None,
-                         load_kw: dict | None = None, overwrite: bool = False, **train_kw) -> dict:  # fmt: skip
-    """`trimvlm train-router`: train on `n` unlabeled val inputs of the demo task, write the checkpoint (into
-    a shipped demo checkpoint only with `overwrite`)."""
-    refuse_shipped(out, overwrite)
-    console = console or Console()
-    vlm = trimvlm.load(model, **(load_kw or {}))
-    records = calibration_records(task, n, seed)
-    with step_bar("train-router", len(records) + epochs, console,
-                  phase=f"layouts of {len(records)} inputs, then {epochs} DPO epochs") as bar:  # fmt: skip
-        log = train_router(vlm, records, token_keep=token_keep, layers_skip=layers_skip, epochs=epochs, seed=seed,
-                           out=out, resume=resume, on_step=bar.advance, **train_kw)  # fmt: skip
-    for e in log["epochs"]:
-        console.print(f"epoch {e['epoch']}: DPO loss {e['dpo_loss']:.4f}")
-    if not epochs:
-        console.print(f"measured the layouts of {len(records)} inputs into {train_kw.get('work')}; no epoch trained")
-        return {"out": None, **log}
-    use = (f"router={out}:budget=0.75 (after `trimvlm calibrate-router {out} --model {model}`)" if train_kw.get("keeps")
-           else f"router={out}:token_keep={token_keep}:layers_skip={layers_skip}")  # fmt: skip
-    console.print(f"wrote {out}; use it as the recipe {use}")
-    return {"out": str(out), **log}
 
 
 def calibrate_router_command(router, model="demo", task="demo", n: int = 64, skip: int | None = None,
@@ -76,7 +51,7 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     val inputs after the `skip` it trained on (default: its training count, same seed) and write it into the
     checkpoint (a shipped demo router only with `overwrite`)."""
     console = console or Console()
-    folder, vlm, r = _v2_router(router, model, load_kw, "calibrated", overwrite)
+    folder, vlm, r = v2_router(router, model, load_kw, "calibrated", overwrite)
     skip = trained_inputs(r.meta) if skip is None else skip
     if not isinstance(n, int) or n < 1 or skip < 0:
         raise InputError(f"--n must be a positive number of inputs and --skip >= 0, got n={n!r}, skip={skip!r}")
@@ -93,36 +68,7 @@ def calibrate_router_command(router, model="demo", task="demo", n: int = 64, ski
     return {"out": str(folder), "inputs": len(records), "selectors": list(held["kl"])}
 
 
-def pick_router_command(router, model="demo", budgets: str = "0.85", select: str | None = None, task="demo",
-                        n_val: int = 96, console=None, load_kw: dict | None = None, overwrite: bool = False) -> dict:  # fmt: skip
-    """`trimvlm pick-router`: per budget, the variant (select, price) with the best validation accuracy
-    (training/variants.py), recorded in the router checkpoint (a shipped demo router only with `overwrite`)."""
-    console = console or Console()
-    try:
-        values = [float(b) for b in str(budgets).split(",") if b.strip()]
-    except ValueError:
-        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}") from None
-    if not values or not all(0 < b < 1 for b in values):
-        raise InputError(f"--budgets must be total-FLOP ratios in (0, 1), comma-separated; got {budgets!r}")
-    if not isinstance(n_val, int) or n_val < 1:
-        raise InputError(f"--n-val must be a positive number of items, got {n_val!r}")
-    methods = [m.strip() or None for m in str(select).split(",")] if select else [None]
-    if len(methods) not in (1, len(values)):
-        raise InputError(f"--select names one token method or one per budget ({len(values)}), got {select!r}")
-    methods = methods * len(values) if len(methods) == 1 else methods
-    folder, vlm, _ = _v2_router(router, model, load_kw, "given variants", overwrite)
-    picked = []
-    for b, method in zip(values, methods, strict=True):
-        v = pick_variant(vlm, str(folder), b, method, task=task, n_val=n_val, name=str(router))
-        picked.append(v)
-        console.print(f"budget {b}: select={v['select']} price={v['price']} "
-                      f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
-    record_variants(folder, picked)
-    console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
-    return {"out": str(folder), "variants": picked}
-
-
-def _v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
+def v2_router(router, model, load_kw, verb: str, overwrite: bool, out=None):
     """(the router's folder, the loaded model, the v2 router checked against it as a `Router` at budget 1). Writing
     into `out` (default: the router's folder) is refused first for a shipped demo router without `overwrite`."""
     folder = router_folder(router)
@@ -144,7 +90,7 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
     if not isinstance(n, int) or n < 1 or not isinstance(epochs, int) or epochs < 1:
         raise InputError(f"--n and --epochs must be positive integers, got n={n!r}, epochs={epochs!r}")
     console = console or Console()
-    folder, vlm, r = _v2_router(router, model, load_kw, "refit", overwrite, out)
+    folder, vlm, r = v2_router(router, model, load_kw, "refit", overwrite, out)
     out = folder if out is None else Path(out)
     records = calibration_records(task, n, int(r.meta.get("seed", 0)))
     with step_bar("refit-router", len(records), console, unit="input",
@@ -164,8 +110,7 @@ def refit_router_command(router, model="demo", task="demo", n: int = 512, select
 
 
 def _check(steps: int, items: int, out) -> None:
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"--steps must be a positive integer, got {steps!r}")
+    check_positive("--steps", steps)
     if not isinstance(items, int) or items < 12:
         raise InputError(f"--items must be an integer >= 12 (two images' questions), got {items!r}")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
@@ -195,9 +140,7 @@ def train_head_command(
     demo checkpoint is written to only with `overwrite`."""
     _check(steps, items, out)
     refuse_shipped(out if out is not None else resolve(model), overwrite)
-    if not isinstance(threads, int) or threads < 1:
-        raise InputError(f"threads must be a positive integer, got {threads!r}")
-    torch.set_num_threads(threads)
+    torch.set_num_threads(check_positive("threads", threads))
     vlm = trimvlm.load(model, **(load_kw or {}))
     task = task if task is not None else checkpoint_task(vlm.adapter.folder)
     mod = demo_task_module(task)

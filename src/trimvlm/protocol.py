@@ -39,10 +39,6 @@ class Method:
     excludes: ClassVar[tuple[str, ...]] = ()
     predictable: ClassVar[bool] = True
 
-    def options(self) -> dict:
-        """The recipe options and their values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
     def check(self, runner) -> None:
         """Raise RecipeError when the options do not fit this model (nothing to check by default)."""
 

@@ -16,10 +16,7 @@ from dataclasses import MISSING
 
 from trimvlm.protocol import BY_PATH, REGISTRIES, build, load_methods, register  # noqa: F401  (re-exported)
 
-
-def build_method(axis: str, method: str, options: dict):
-    """The method `axis=method:options` (every method loaded first: `protocol.load_methods`)."""
-    return build(axis, method, options)
+build_method = build  # the method `axis=method:options` (every method loaded first: `protocol.load_methods`)
 
 
 def _summary(cls) -> str:

@@ -92,12 +92,9 @@ class VLM:
         return self.adapter.tokenizer
 
     def stop_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
+        """The tokenizer's end-of-sequence token and the generation config's (one id or a list of them)."""
         gen_eos = getattr(self.adapter.model.generation_config, "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif gen_eos:
-            ids.update(gen_eos)
+        ids = {self.tokenizer.eos_token_id, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or ())}
         return sorted(i for i in ids if i is not None)
 
     def prepare(self, images, prompts, plan=None):
@@ -155,18 +152,17 @@ class VLM:
         elif images is not None or prompts is not None:
             raise InputError("give images and prompts, or a prepared batch (then images=None, prompts=None)")
         check_generation(self.adapter, prepared, max_new_tokens)  # before any model work
-        pad = self.tokenizer.pad_token_id
+        pad, stops = self.tokenizer.pad_token_id, self.stop_ids()
         out = generate(
             self.runner,
             prepared,
             plan,
             max_new_tokens=max_new_tokens,
-            stop_ids=self.stop_ids(),
+            stop_ids=stops,
             pad_id=0 if pad is None else pad,
             sampling=sampling,
             meter=Meter(device=self.runner.device, track_tensors=track_memory),
         )
-        stops = set(self.stop_ids())
         rows = [out.tokens[b, : int(out.lengths[b])].tolist() for b in range(prepared.batch)]
         toks = [[t for t in row if t not in stops] for row in rows]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]

@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import re
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,12 +250,8 @@ def iter_images(src: Source, column: str, rows: Sequence[int]) -> Iterator[tuple
         for i in rows:
             yield i, src._jsonl[i].get(column), src.base_dir(src._jsonl[i]["__file__"])
         return
-    wanted, k = list(rows), 0
     for pf, f, g, start, n in _row_groups(src):
-        local = []
-        while k < len(wanted) and wanted[k] < start + n:
-            local.append(wanted[k] - start)
-            k += 1
+        local = [i - start for i in rows[bisect_left(rows, start) : bisect_left(rows, start + n)]]
         if local:
             values = pf.read_row_group(g, columns=[column]).column(column).take(local).to_pylist()
             for j, v in zip(local, values, strict=True):

@@ -49,6 +49,15 @@ def random_image(seed: int, size=(64, 64)) -> Image.Image:
 REAL_WIDTHS = {"3b": dict(hidden=2048, heads=16, kv_heads=2)}  # Qwen2.5-VL-3B's text model
 
 
+def text_config(tok, hidden, layers, heads, kv_heads, rope: dict | None = None, **extra) -> dict:
+    """A tiny text model's config over `tok`'s vocabulary: MLP width 2 x hidden, 4096 positions; with `rope`:
+    default RoPE (theta 10000) with those parameters added."""
+    rope_kw = {} if rope is None else {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **rope}}
+    return dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, **rope_kw,
+                **extra)  # fmt: skip
+
+
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava", "idefics3", "qwen3_5", "internvl")
 
 

@@ -4,23 +4,17 @@ Each image is one global tile (no splitting) of 32x32 pixels, 4x4-pixel patches,
 tokens per image on a 4x4 grid. `deepstack` is ignored (Idefics3 has none).
 """
 
+from trimvlm.testing import text_config
+
 TILE, PATCH, SCALE = 32, 4, 2
 
 
-def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smolvlm: bool = False):
-    import transformers as tf
+def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
 
-    config_cls, model_cls, processor_cls = (
-        (tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration, tf.SmolVLMImageProcessorPil) if smolvlm
-        else (tf.Idefics3Config, tf.Idefics3ForConditionalGeneration, tf.Idefics3ImageProcessorPil))  # fmt: skip
-
-    cfg = config_cls(
-        text_config=dict(
-            model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=hidden // heads, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        ),
+    cfg = Idefics3Config(
+        text_config=text_config(tok, hidden, layers, heads, kv_heads, {}, model_type="llama", head_dim=hidden // heads,
+                                pad_token_id=tok.pad_token_id, tie_word_embeddings=False),
         vision_config=dict(
             hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=2,
             num_attention_heads=2, image_size=TILE, patch_size=PATCH,
@@ -30,7 +24,7 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, *, smo
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )  # fmt: skip
-    proc = processor_cls(
+    proc = Idefics3ImageProcessorPil(
         do_image_splitting=False, size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE}
     )
-    return model_cls(cfg), proc
+    return Idefics3ForConditionalGeneration(cfg), proc

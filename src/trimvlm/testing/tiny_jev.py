@@ -19,9 +19,9 @@ TEMPERATURES = {"noul": 0.7, "choice": 1.3, "score": 2.0}
 
 
 def tiny_jev(folder: str | Path, *, vision: bool = False, softcap: float | None = 5.0, seed: int = 0,
-             layers: int = 4, hidden: int = 64, template: str | None = None) -> Path:  # fmt: skip
+             layers: int = 4, hidden: int = 64) -> Path:  # fmt: skip
     """Write a `JevForDecision` over a tiny Qwen3.5 (with its vision tower when `vision`) to `folder`. Its
-    template: JEV's own (text only) or, with `vision`, the demo's (images first); `template` replaces it."""
+    template: JEV's own (text only) or, with `vision`, the demo's (images first)."""
     from transformers import JevConfig, JevForDecision
     from transformers.decision import DecisionConfig
     from transformers.models.jev.configuration_jev import JEV_TEMPLATE
@@ -41,7 +41,7 @@ def tiny_jev(folder: str | Path, *, vision: bool = False, softcap: float | None 
         torch.nn.init.normal_(model.proj.bias, std=0.5)
     model.decision_config = DecisionConfig(
         temperature=dict(TEMPERATURES),
-        chat_template=template or (DEMO_TEMPLATE if vision else JEV_TEMPLATE),
+        chat_template=DEMO_TEMPLATE if vision else JEV_TEMPLATE,
         noul_options=["false", "true"],
     )
     model.save_pretrained(folder)

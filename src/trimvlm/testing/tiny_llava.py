@@ -1,5 +1,7 @@
 """Tiny random LLaVA: a CLIP (default) or SigLIP vision tower, a two-layer projector, a Llama text model."""
 
+from trimvlm.testing import text_config
+
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, vision="clip"):
     """`deepstack` is ignored (LLaVA has none). `vision` is "clip" (CLS dropped by the "default" feature
@@ -29,12 +31,8 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack, vision
         raise ValueError(f"vision must be 'clip' or 'siglip', got {vision!r}")
     cfg = LlavaConfig(
         vision_config=tower,
-        text_config=dict(
-            model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=4096, pad_token_id=tok.pad_token_id, bos_token_id=None,
-            eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
-        ),
+        text_config=text_config(tok, hidden, layers, heads, kv_heads, model_type="llama", pad_token_id=tok.pad_token_id,
+                                bos_token_id=None, eos_token_id=tok.eos_token_id, tie_word_embeddings=False),
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         image_seq_length=(image_size // patch) ** 2,
         vision_feature_select_strategy=strategy,

@@ -2,6 +2,7 @@
 vision block with full attention. `deepstack` is ignored (Qwen2.5-VL has none)."""
 
 from trimvlm.demo.model import qwen_image_processor, vision_ids
+from trimvlm.testing import text_config
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -10,13 +11,9 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     patch, merge = 8, 2
     half = hidden // heads // 2  # rotary frequencies per head, split over (t, h, w)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-            bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]},
-        ),
+        text_config=text_config(tok, hidden, layers, heads, kv_heads,
+                                {"mrope_section": [half - 2 * (half // 4), half // 4, half // 4]},
+                                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
         vision_config=dict(
             depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2,
             patch_size=patch, spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=hidden,

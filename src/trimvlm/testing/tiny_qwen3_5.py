@@ -3,6 +3,7 @@ full-attention layer, repeated (`full_attention_interval` = 4, as the real check
 tower has no deepstack features, so `deepstack` is accepted for a uniform signature and ignored."""
 
 from trimvlm.demo.model import qwen_image_processor, vision_ids
+from trimvlm.testing import text_config
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -13,15 +14,11 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
     n_freq = int(head_dim * rotary) // 2
     linear_heads = max(1, heads // 2)
     cfg = Qwen3_5Config(
-        text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            max_position_embeddings=4096, full_attention_interval=4,
-            linear_conv_kernel_dim=4, linear_num_key_heads=linear_heads, linear_num_value_heads=2 * linear_heads,
-            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary,
-                             "mrope_section": [n_freq - 2 * (n_freq // 4), n_freq // 4, n_freq // 4],
-                             "mrope_interleaved": True},
+        text_config=text_config(
+            tok, hidden, layers, heads, kv_heads, {"partial_rotary_factor": rotary, "mrope_interleaved": True,
+                                                   "mrope_section": [n_freq - 2 * (n_freq // 4), n_freq // 4, n_freq // 4]},
+            head_dim=head_dim, full_attention_interval=4, linear_conv_kernel_dim=4, linear_num_key_heads=linear_heads,
+            linear_num_value_heads=2 * linear_heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
         ),
         vision_config=dict(
             depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2, patch_size=8,

@@ -1,6 +1,7 @@
 """Tiny random Qwen3-VL (deepstack in the first `deepstack` layers)."""
 
 from trimvlm.demo.model import qwen_image_processor, vision_ids
+from trimvlm.testing import text_config
 
 
 def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
@@ -8,14 +9,9 @@ def build(tok, hidden, layers, heads, kv_heads, vision_hidden, deepstack):
 
     head_dim = hidden // heads
     cfg = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [head_dim // 4 - 2 * (head_dim // 16), head_dim // 16, head_dim // 16],
-                             "mrope_interleaved": True},
-        ),
+        text_config=text_config(tok, hidden, layers, heads, kv_heads, {
+            "mrope_section": [head_dim // 4 - 2 * (head_dim // 16), head_dim // 16, head_dim // 16],
+            "mrope_interleaved": True}, head_dim=head_dim),
         vision_config=dict(
             depth=2, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=2, patch_size=8,
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
