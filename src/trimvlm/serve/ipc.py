@@ -28,7 +28,7 @@ import torch
 from trimvlm.serve.engine import Outbox
 from trimvlm.serve.errors import as_api_error
 from trimvlm.serve.jobs import Done, Failed, Job, ShuttingDown, settle
-from trimvlm.serve.scheduler import Arrival, Scheduler
+from trimvlm.serve.scheduler import Scheduler
 
 ASK_TIMEOUT_S = 10.0
 
@@ -240,7 +240,7 @@ class RemoteScheduler:
     def arriving(self, delta: int) -> None:
         self.send(Arrive(delta))
 
-    def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
+    def enqueue(self, key, payload, arrival: contextlib.ExitStack | None = None) -> Job:
         with arrival or contextlib.nullcontext():
             if self.closed or not self.alive:
                 raise ShuttingDown("the server is shutting down")

@@ -6,6 +6,7 @@ are prometheus_client's multiprocess ones, the gauges that read a function writt
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -70,11 +71,8 @@ class ServeMetrics:
 
         return getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
 
-    def counter(self, name: str, doc: str, labels=()):
-        return self._metric("Counter", name, doc, labels)
-
-    def histogram(self, name: str, doc: str, labels=(), buckets=TIME_BUCKETS):
-        return self._metric("Histogram", name, doc, labels, buckets=buckets)
+    counter = functools.partialmethod(_metric, "Counter")  # (name, doc, labels=())
+    histogram = functools.partialmethod(_metric, "Histogram", buckets=TIME_BUCKETS)  # (..., buckets=)
 
     def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
         """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape (summed over the live processes
