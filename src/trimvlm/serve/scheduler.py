@@ -144,19 +144,19 @@ class Scheduler:
         weight = weight or (lambda job: 0)
         batch, used = [first], weight(first)
 
-        def fits(job) -> bool:
-            return used + weight(job) <= budget
-
-        for job in list(self._pending):
-            if len(batch) >= room:
-                break
-            if job.key != first.key:  # (a job of another endpoint may have no weight)
-                continue
-            if not fits(job):
-                break
-            self._pending.remove(job)
+        def take(job) -> bool:
+            """Whether `job` joins the batch: of `first`'s key (another endpoint's may have no weight), in budget."""
+            nonlocal used
+            if job.key != first.key or used + weight(job) > budget:
+                return False
             batch.append(job)
             used += weight(job)
+            return True
+
+        for job in [j for j in self._pending if j.key == first.key]:
+            if len(batch) >= room or not take(job):
+                break
+            self._pending.remove(job)
         deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
         while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
@@ -171,10 +171,7 @@ class Scheduler:
                 continue
             if job is None:
                 self._closing = True
-            elif job.key == first.key and fits(job):
-                batch.append(job)
-                used += weight(job)
-            else:
+            elif not take(job):
                 self._pending.append(job)
                 if job.key == first.key:
                     break  # the budget is spent
