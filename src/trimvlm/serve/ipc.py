@@ -54,7 +54,7 @@ class Arrive:
 @dataclasses.dataclass
 class Ask:
     qid: int
-    what: str  # "stats" | "refresh" (write the engine's gauges for /metrics) | "load"
+    what: str  # "stats" | "refresh" (write the engine's gauges for /metrics) | "load" (a load-following rung)
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def _answer(state, what: str):
     """The engine's answer to an API process's `Ask`."""
     if what == "load" and state.load is None:
         return None
-    return {"stats": state.batcher.stats, "refresh": state.metrics.refresh, "load": state.load_arrived}[what]()
+    return {"stats": state.batcher.stats, "refresh": state.metrics.refresh, "load": state.load_rung}[what]()
 
 
 # ---- the engine's side ----
