@@ -22,7 +22,6 @@ from trimvlm.errors import InputError
 EWMA = 0.2  # the weight of each new measurement
 WINDOW_S = 2.0  # the arrival rate: requests that followed the load in the last WINDOW_S seconds
 QUANTILE = 0.99  # the sustained check bounds this percentile of the time to first token
-MEASURED = ("tokens", "s_per_token", "step_s", "decode_s")  # what an API process takes from the engine's
 SERVICE_CV2 = 0.0  # the squared coefficient of variation of a request's engine time (0: fixed, M/D/1)
 
 
@@ -112,17 +111,6 @@ class LoadBudget:
             if not self._arrivals:
                 return 0.0
             return len(self._arrivals) / max(now - self._arrivals[0], WINDOW_S / 4)
-
-    def figures(self) -> dict:
-        """What the prediction reads (for an API process: `adopt`)."""
-        with self._lock:
-            return {name: getattr(self, name) for name in MEASURED}
-
-    def adopt(self, figures: dict) -> None:
-        """Take the engine process's measurements (an API process predicts with them)."""
-        with self._lock:
-            for name in MEASURED:
-                setattr(self, name, figures[name])
 
     # ---- what the engine measured ----
     def prefilled(self, label: str, requests: int, tokens: int, seconds: float) -> None:

@@ -119,7 +119,7 @@ class ChatEngine:
         }  # fmt: skip
 
     # ---- admission ----
-    def admit(self, jobs: list, chunk: int | None = None) -> None:
+    def admit(self, jobs: list, chunk: int) -> None:
         """Prefill `jobs` (one recipe) and let their rows join the running batch. If the prefill raises, each
         request is tried alone, so one that breaks the model fails only itself. A request whose earlier turns
         are in the prefix cache prefills only its new tokens on top of them. `chunk`: a lone request whose
@@ -137,7 +137,7 @@ class ChatEngine:
                 rest.append(job)
             elif part := self._chunked(job, plan, prefix=stored.entry):
                 self._advance_chunked(part, part.work.left)
-        long = chunk is not None and len(rest) == 1 and self.prefill_tokens(rest[0]) > chunk
+        long = len(rest) == 1 and self.prefill_tokens(rest[0]) > chunk
         if long and not self.partial and plan.chunkable and not self._stored(rest[0]):
             self.partial = self._chunked(rest[0], plan)
             self.prefill_chunk(chunk)
@@ -396,8 +396,7 @@ class ChatEngine:
                     row.reason = "stop"
                     done.append(i)
                     continue
-            if len(row.tokens) >= p.max_tokens:
-                row.reason = "length"
+            if len(row.tokens) >= p.max_tokens:  # (its reason stays "length")
                 done.append(i)
         self._leave(group, done)
 

@@ -28,7 +28,7 @@ import torch
 from trimvlm.serve.engine import Outbox
 from trimvlm.serve.errors import as_api_error
 from trimvlm.serve.jobs import Done, Failed, Job, ShuttingDown, settle
-from trimvlm.serve.scheduler import Arrival, Scheduler
+from trimvlm.serve.scheduler import Scheduler
 
 ASK_TIMEOUT_S = 10.0
 
@@ -54,7 +54,7 @@ class Arrive:
 @dataclasses.dataclass
 class Ask:
     qid: int
-    what: str  # "stats" | "refresh" (write the engine's gauges for /metrics) | "load"
+    what: str  # "stats" | "refresh" (write the engine's gauges for /metrics) | "load" (a load-following rung)
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def _answer(state, what: str):
     """The engine's answer to an API process's `Ask`."""
     if what == "load" and state.load is None:
         return None
-    return {"stats": state.batcher.stats, "refresh": state.metrics.refresh, "load": state.load_arrived}[what]()
+    return {"stats": state.batcher.stats, "refresh": state.metrics.refresh, "load": state.load_rung}[what]()
 
 
 # ---- the engine's side ----
@@ -240,7 +240,7 @@ class RemoteScheduler:
     def arriving(self, delta: int) -> None:
         self.send(Arrive(delta))
 
-    def enqueue(self, key, payload, arrival: Arrival | None = None) -> Job:
+    def enqueue(self, key, payload, arrival: contextlib.ExitStack | None = None) -> Job:
         with arrival or contextlib.nullcontext():
             if self.closed or not self.alive:
                 raise ShuttingDown("the server is shutting down")

@@ -7,7 +7,6 @@ too: an unknown one answers 401 before 404.)"""
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass
 
 from trimvlm.errors import InputError
@@ -50,10 +49,8 @@ class ApiKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keyed(scope["path"]) or self.allowed(scope.get("headers", [])):
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": {"message": "a valid API key is required: send it as 'Authorization: Bearer "
-                                                "KEY'", "type": "invalid_request_error", "code": "invalid_api_key"}}).encode()  # fmt: skip
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        from starlette.responses import JSONResponse
+
+        error = {"message": "a valid API key is required: send it as 'Authorization: Bearer KEY'",
+                 "type": "invalid_request_error", "code": "invalid_api_key"}  # fmt: skip
+        await JSONResponse({"error": error}, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -1,11 +1,12 @@
 """`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client), one registry per server
 (docs/serving.md, "Operations"). Other parts of the server add their own with `counter`, `gauge` and
 `histogram`. Across processes (`--api-workers`: PROMETHEUS_MULTIPROC_DIR set by serve/workers.py) the figures
-are prometheus_client's multiprocess ones, the gauges that read a function written at each scrape (`refresh`).
+are prometheus_client's multiprocess ones. The gauges that read a function are written at each scrape (`refresh`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ class ServeMetrics:
 
         self.registry = CollectorRegistry()
         self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # prometheus_client's multiprocess mode
-        self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape (shared)
+        self._live: list[tuple[object, Callable[[], float]]] = []  # (gauge, fn) written at each scrape
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW_S
         self._lock = threading.Lock()
         c, h = self.counter, self.histogram
@@ -70,20 +71,15 @@ class ServeMetrics:
 
         return getattr(prometheus_client, kind)(name, doc, list(labels), registry=self.registry, **kw)
 
-    def counter(self, name: str, doc: str, labels=()):
-        return self._metric("Counter", name, doc, labels)
-
-    def histogram(self, name: str, doc: str, labels=(), buckets=TIME_BUCKETS):
-        return self._metric("Histogram", name, doc, labels, buckets=buckets)
+    counter = functools.partialmethod(_metric, "Counter")  # (name, doc, labels=())
+    histogram = functools.partialmethod(_metric, "Histogram", buckets=TIME_BUCKETS)  # (..., buckets=)
 
     def gauge(self, name: str, doc: str, labels=(), fn: Callable[[], float] | None = None):
         """A gauge; with `fn` (and no labels) its value is `fn()` at each scrape (summed over the live processes
         in multiprocess mode)."""
         made = self._metric("Gauge", name, doc, labels, multiprocess_mode="livesum")
-        if fn is not None and self.shared:
+        if fn is not None:
             self._live.append((made, fn))
-        elif fn is not None:
-            made.set_function(fn)
         return made
 
     # ---- what the server records ----
@@ -120,7 +116,7 @@ class ServeMetrics:
             return sum(n for _, n in self._recent) / RATE_WINDOW_S
 
     def refresh(self) -> None:
-        """Write the gauges that read a function (multiprocess mode: the folder holds their values)."""
+        """Write the gauges that read a function (in multiprocess mode the folder holds their values)."""
         for made, fn in self._live:
             made.set(fn())
 
@@ -129,9 +125,9 @@ class ServeMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
 
+        self.refresh()
         if not self.shared:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
-        self.refresh()
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         return generate_latest(registry), CONTENT_TYPE_LATEST

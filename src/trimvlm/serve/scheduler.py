@@ -26,20 +26,6 @@ from trimvlm.serve.jobs import Job, ShuttingDown, call_soon, settle
 POLL_S = 0.002  # how often a waiting worker looks again whether more requests are on their way
 
 
-class Arrival(contextlib.AbstractContextManager):
-    """A request on its way to the batcher (being read, checked, tokenized): the loop waits for it until it is
-    queued or fails (the first exit)."""
-
-    def __init__(self, batcher: Scheduler):
-        self._batcher = batcher
-        batcher.arriving(1)
-
-    def __exit__(self, *exc) -> None:
-        if self._batcher is not None:
-            self._batcher.arriving(-1)
-            self._batcher = None
-
-
 class Scheduler:
     def __init__(
         self,
@@ -61,7 +47,7 @@ class Scheduler:
         self.closed = False  # close() was called: nothing more is queued
         self._abort = False  # the drain took too long: the worker answers what is left "shutting down" and stops
         self._thread = threading.Thread(target=self._loop, name="trimvlm-serve-model", daemon=True)
-        self._arriving = 0  # requests on their way (Arrival); written by the event loop, read by the worker
+        self._arriving = 0  # requests on their way (`arrival()`); written by the event loop, read by the worker
         self.sizes: Counter[int] = Counter()  # batch size -> batches run
         self.failed_batches = 0
         self.dropped = 0  # requests whose client left before they ran: never computed
@@ -91,12 +77,8 @@ class Scheduler:
             settle(job, ShuttingDown("the server is shutting down"))
 
     def _drained(self) -> list:
-        """What is in the queue now (None: its end), taken out."""
-        out = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                out.append(self._queue.get_nowait())
-        return out
+        """What is in the queue now (None: its end), taken out (by its one reader: the worker, or `close` after it)."""
+        return [self._queue.get_nowait() for _ in range(self._queue.qsize())]
 
     @property
     def alive(self) -> bool:
@@ -105,11 +87,15 @@ class Scheduler:
     def waiting(self) -> int:
         return self._queue.qsize() + len(self._pending)
 
-    def arrival(self) -> Arrival:
-        """Say a request is coming (use as a context manager around its reading and preparation)."""
-        return Arrival(self)
+    def arrival(self) -> contextlib.ExitStack:
+        """Say a request is coming (being read, checked, tokenized; use as a context manager around it): the loop
+        waits for it until it is queued or fails (the first exit: an exit stack calls its callback once)."""
+        self.arriving(1)
+        arrival = contextlib.ExitStack()
+        arrival.callback(self.arriving, -1)
+        return arrival
 
-    def enqueue(self, key: Hashable, payload, arrival: Arrival | None = None) -> Job:
+    def enqueue(self, key: Hashable, payload, arrival: contextlib.ExitStack | None = None) -> Job:
         """Queue one request (from the event loop); its job, whose future holds its result. `ShuttingDown` once
         the server is closing."""
         with arrival or contextlib.nullcontext():
@@ -124,7 +110,7 @@ class Scheduler:
         """Requests on their way from elsewhere (an API process's `arrival()`): +1 when one begins, -1 after."""
         self._arriving += delta
 
-    async def submit(self, key: Hashable, payload, arrival: Arrival | None = None) -> tuple[Any, Job]:
+    async def submit(self, key: Hashable, payload, arrival: contextlib.ExitStack | None = None) -> tuple[Any, Job]:
         """Queue one request; (its result as `result` gives it, its job: times and batch size)."""
         job = self.enqueue(key, payload, arrival)
         return await self.result(job), job
@@ -158,19 +144,19 @@ class Scheduler:
         weight = weight or (lambda job: 0)
         batch, used = [first], weight(first)
 
-        def fits(job) -> bool:
-            return used + weight(job) <= budget
-
-        for job in list(self._pending):
-            if len(batch) >= room:
-                break
-            if job.key != first.key:  # (a job of another endpoint may have no weight)
-                continue
-            if not fits(job):
-                break
-            self._pending.remove(job)
+        def take(job) -> bool:
+            """Whether `job` joins the batch: of `first`'s key (another endpoint's may have no weight), in budget."""
+            nonlocal used
+            if job.key != first.key or used + weight(job) > budget:
+                return False
             batch.append(job)
             used += weight(job)
+            return True
+
+        for job in [j for j in self._pending if j.key == first.key]:
+            if len(batch) >= room or not take(job):
+                break
+            self._pending.remove(job)
         deadline = first.enqueued + (self.max_wait_s if wait else 0.0)
         while len(batch) < room and not self._closing:
             left = deadline - time.perf_counter()
@@ -185,10 +171,7 @@ class Scheduler:
                 continue
             if job is None:
                 self._closing = True
-            elif job.key == first.key and fits(job):
-                batch.append(job)
-                used += weight(job)
-            else:
+            elif not take(job):
                 self._pending.append(job)
                 if job.key == first.key:
                     break  # the budget is spent

@@ -110,19 +110,14 @@ class ServerState:
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
-        ladder's rung for the queue now."""
-        figures = self.load_arrived()
-        return self.recipes.get("chat", self.load.choose(figures["waiting"], figures["rate"]).text, own=True)
+        ladder's rung for the queue now (an API process asks the engine, which counts the request and chooses)."""
+        return self.recipes.get("chat", self.batcher.ask("load") if self.remote else self.load_rung(), own=True)
 
-    def load_arrived(self) -> dict:
-        """A load-following request has come (counted): what its rung's choice reads, the measurements, the queue
-        and the arrival rate (an API process asks the engine, which counts it, and adopts its measurements)."""
-        if self.remote:
-            figures = self.batcher.ask("load")
-            self.load.adopt(figures)
-            return figures
+    def load_rung(self) -> str:
+        """A load-following request has come (counted): the text of the ladder's rung that fits the queue and the
+        arrival rate now."""
         self.load.arrived()
-        return self.load.figures() | {"waiting": self.batcher.waiting(), "rate": self.load.rate()}
+        return self.load.choose(self.batcher.waiting(), self.load.rate()).text
 
     def need_lm_head(self) -> None:
         """400 for a chat or score request to a server holding a decision model."""

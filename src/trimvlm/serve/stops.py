@@ -31,7 +31,5 @@ class StopText:
 def token_start(before: str, now: str) -> int:
     """Where the text of the newest token begins in `now` (the text with it), `before` the text without it: after
     `before` and the whitespace the decoding put between them."""
-    at = len(before)
-    while at < len(now) and now[at].isspace():
-        at += 1
-    return at
+    rest = now[len(before) :]
+    return len(before) + len(rest) - len(rest.lstrip())  # (lstrip: what `str.isspace` calls whitespace)

@@ -180,13 +180,8 @@ def run(state, key, jobs: list[DecideJob]) -> list:
     costs of what ran for them: no FLOPs and no KV bytes of their own (`request_coalesced`). With the request
     cache off, nothing is coalesced."""
     first: dict[object, int] = {}  # body key -> index of its first job among the jobs run
-    runs, which = [], []
-    for j in jobs:
-        k = object() if j.body is None else j.body
-        if k not in first:
-            first[k] = len(runs)
-            runs.append(j)
-        which.append(first[k])
+    which = [first.setdefault(object() if j.body is None else j.body, len(first)) for j in jobs]
+    runs = [jobs[which.index(i)] for i in range(len(first))]
     plan = decision_plan(jobs[0].recipe, state.vlm.runner)
     result = decision.run(state.vlm, [j.prepared for j in runs], plan)
     out = []

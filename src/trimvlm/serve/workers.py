@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import secrets
-import shutil
 import socket
 import sys
 import tempfile
@@ -33,13 +32,12 @@ def serve_workers(model: str, *, workers: int, host: str, port: int, log_level: 
     """Load `model` here, start `workers` API processes on host:port, serve until interrupted."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise InputError("--api-workers needs SO_REUSEPORT (Linux, macOS)")
-    folder = tempfile.mkdtemp(prefix="trimvlm-metrics-")
-    os.environ[MULTIPROC] = folder  # this process's metrics and the API processes' (they inherit it)
-    try:
-        _run(model, workers, (host, port, log_level, access_log), options)
-    finally:
-        os.environ.pop(MULTIPROC, None)
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="trimvlm-metrics-", ignore_cleanup_errors=True) as folder:
+        os.environ[MULTIPROC] = folder  # this process's metrics and the API processes' (they inherit it)
+        try:
+            _run(model, workers, (host, port, log_level, access_log), options)
+        finally:
+            os.environ.pop(MULTIPROC, None)
 
 
 def _run(model: str, workers: int, http: tuple, options: dict) -> None:
