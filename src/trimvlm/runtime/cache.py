@@ -93,8 +93,9 @@ class RowRun(NamedTuple):
 
 
 def owner_runs(owner: torch.Tensor) -> list[RowRun]:
-    """Each maximal run of equal entries of `owner` [B]."""
-    vals, counts = (t.tolist() for t in torch.unique_consecutive(owner, return_counts=True))
+    """Each maximal run of equal entries of `owner` [B] (of equal rows of `owner` [B, N]: `row` is a list)."""
+    dim = 0 if owner.dim() > 1 else None
+    vals, counts = (t.tolist() for t in torch.unique_consecutive(owner, return_counts=True, dim=dim))
     ends = list(itertools.accumulate(counts))
     return [RowRun(e - n, e, v) for v, n, e in zip(vals, counts, ends, strict=True)]
 

@@ -164,7 +164,6 @@ class Runner:
         skip=frozenset(),
         meter: Meter | None = None,
         ctx: AttentionContext | None = None,
-        within: torch.Tensor | None = None,
         start: int = 0,
     ) -> LiveSeq:
         """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`; the final-normed seq."""
@@ -194,8 +193,8 @@ class Runner:
                 key = id(past)
                 if key not in masks:
                     # a fresh, unpadded, causal chunk needs no mask: SDPA's causal kernel, as transformers does
-                    plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
-                    masks[key] = None if plain else chunk_mask(past, seq.valid, within)
+                    plain = past is None and cache.prefix is None and bool(seq.valid.all())
+                    masks[key] = None if plain else chunk_mask(past, seq.valid)
                 k_len, partial = self._keys(i, seq, rows, past, ctx, cache, read)
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
@@ -289,38 +288,30 @@ class Runner:
         cache: KVCache,
         *,
         valid: torch.Tensor | None = None,
-        within: torch.Tensor | None = None,
         skip=None,
         meter: Meter | None = None,
         phase: str = "decode",
-        ctx: AttentionContext | None = None,
         plan: Plan | None = None,
     ) -> LiveSeq:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
-        `within` [B, Q, Q] replaces the causal mask inside the chunk, `skip` the plan's layers for the phase);
-        the final-normed live sequence."""
+        `skip` the plan's layers for the phase); the final-normed live sequence."""
         if skip is None:  # the plan's layers for the phase ("branch": candidate rows)
             skip = frozenset() if plan is None else plan.skip_branch if phase == "branch" else plan.skip_decode
         valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
         seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
-        return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
+        return self.run(seq, cache, phase=phase, skip=skip, meter=meter)
 
 
 SKIPPED = object()  # `_layer_rows`: no row runs the layer
 
 
-def chunk_mask(
-    past_valid: torch.Tensor | None,
-    new_valid: torch.Tensor,
-    within: torch.Tensor | None = None,
-) -> torch.Tensor:
+def chunk_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> torch.Tensor:
     """[B, 1, Q, Kp + Q] bool (True: may attend): every query sees the valid past entries and, inside the
-    chunk, `within` ([B, Q, Q] bool, default causal) restricted to valid keys. A query always sees itself, so
-    padded rows stay finite (their outputs are never read)."""
+    chunk, the valid keys up to itself (causal). A query always sees itself, so padded rows stay finite (their
+    outputs are never read)."""
     b, q = new_valid.shape
     dev = new_valid.device
-    if within is None:
-        within = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(b, q, q)
+    within = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(b, q, q)
     eye = torch.eye(q, dtype=torch.bool, device=dev)[None]
     own = (within & new_valid[:, None, :]) | eye
     if past_valid is None or past_valid.shape[1] == 0:
@@ -421,34 +412,12 @@ class Prefill:
 
 @torch.no_grad()
 def branch(
-    runner: Runner,
-    prefix: PrefillOutput,
-    owner: torch.Tensor,
-    tokens: torch.Tensor,
-    *,
-    valid: torch.Tensor | None = None,
-    within: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    skip=None,
-    meter: Meter | None = None,
+    runner: Runner, prefix: PrefillOutput, owner: torch.Tensor, tokens: torch.Tensor, *, meter: Meter | None = None,
     plan: Plan | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Run N continuations `tokens` [N, Q] as one batch, branch n reading prefix row owner[n] of the shared,
-    uncopied prefix cache (the plan's candidate-branch layers, unless `skip` is given). Returns logits
-    [N, Q, V]. The prefix cache is left unchanged."""
+    uncopied prefix cache (the plan's candidate-branch layers). Returns logits [N, Q, V]. The prefix cache is
+    left unchanged."""
     cache = prefix.cache.share_prefix(owner)
-    if positions is None:
-        start = prefix.next_pos.index_select(0, owner)
-        positions = runner.adapter.text_positions(start, tokens.shape[1])
-    return runner.step(
-        tokens,
-        positions,
-        cache,
-        plan,
-        valid=valid,
-        within=within,
-        skip=skip,
-        meter=meter,
-        phase="branch",
-        all_logits=True,
-    )
+    positions = runner.adapter.text_positions(prefix.next_pos.index_select(0, owner), tokens.shape[1])
+    return runner.step(tokens, positions, cache, plan, meter=meter, phase="branch", all_logits=True)
