@@ -133,9 +133,9 @@ def _expand_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _probs(query, key, mask, start: int, end: int, scaling) -> torch.Tensor:
-    """[B, H, end - start, K] float softmax of the query rows [start, end) of a chunk (extra score rows: method
-    FLOPs); `mask` is the chunk's bool mask, None for a plain causal chunk over no past (query i sees the keys
-    <= i + K - Q)."""
+    """[B, H, end - start, K] float softmax of the query rows [start, end) of a chunk (extra score rows:
+    method FLOPs); `mask` is the chunk's bool mask, None for a plain causal chunk over no past (query i sees
+    the keys <= i + K - Q)."""
     b, h, q, _ = query.shape
     k = key.shape[2]
     if mask is None:
@@ -194,7 +194,7 @@ def _shared_attention(ctx: AttentionContext, layer_idx, query, key, value, atten
     if runs is not None:
         return _tree_attention(query, key, value, attention_mask, parts[0].layers[layer_idx], runs, scaling)
     outs = [_shared_part(query, part.layers[layer_idx], part.owner, scaling) for part in parts]
-    anc = None if tree is None else tree.ancestor_valid
+    anc = None if tree is None else tree.ancestors >= 0  # [C, A] each chain's real ancestors
     if anc is not None and anc.shape[1]:  # each chain's ancestors, whose keys this same call computed
         ka, va = _ancestor_kv(key, tree.ancestors), _ancestor_kv(value, tree.ancestors)
         o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)

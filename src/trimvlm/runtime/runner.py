@@ -114,16 +114,6 @@ class Runner:
                     f"{what} index {i} out of range: this model has layers 0..{self.num_layers - 1}"
                 )
 
-    def check_prepared(self, prepared, plan: Plan) -> None:
-        """A batch fits `plan`: prepared at the plan's resolution and its layer plan valid for the batch."""
-        if getattr(prepared, "resolution", None) != plan.resolution:
-            raise TrimVLMError(
-                f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
-                "resizes the images when they are prepared): prepare it with vlm.prepare(images, prompts, "
-                "plan=plan) (vlm.generate and vlm.score do)"
-            )
-        self.check_skip(plan.skip_prefill, prepared.batch)
-
     @torch.no_grad()
     def prefill(
         self,
@@ -367,7 +357,13 @@ class Prefill:
 
     def __init__(self, runner: Runner, prepared, plan: Plan, meter: Meter, all_logits=False, lm_head=True, *,
                  prefix=None):  # fmt: skip
-        runner.check_prepared(prepared, plan)
+        if getattr(prepared, "resolution", None) != plan.resolution:  # the batch fits the plan
+            raise TrimVLMError(
+                f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
+                "resizes the images when they are prepared): prepare it with vlm.prepare(images, prompts, "
+                "plan=plan) (vlm.generate and vlm.score do)"
+            )
+        runner.check_skip(plan.skip_prefill, prepared.batch)
         self.runner, self.plan, self.meter = runner, plan, meter
         self.all_logits, self.lm_head = all_logits, lm_head
         self.ctx = plan.attention_context()
@@ -412,8 +408,8 @@ class Prefill:
 
 @torch.no_grad()
 def branch(
-    runner: Runner, prefix: PrefillOutput, owner: torch.Tensor, tokens: torch.Tensor, *, meter: Meter | None = None,
-    plan: Plan | None = None,
+    runner: Runner, prefix: PrefillOutput, owner: torch.Tensor, tokens: torch.Tensor, *,
+    meter: Meter | None = None, plan: Plan | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run N continuations `tokens` [N, Q] as one batch, branch n reading prefix row owner[n] of the shared,
     uncopied prefix cache (the plan's candidate-branch layers). Returns logits [N, Q, V]. The prefix cache is

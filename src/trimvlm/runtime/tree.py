@@ -52,10 +52,6 @@ class TreeSchedule:
     _owner: torch.Tensor | None = field(default=None, repr=False)
     _runs: list[ContextRun] | None = field(default=None, repr=False)
 
-    @property
-    def ancestor_valid(self) -> torch.Tensor:
-        return self.ancestors >= 0
-
     def context_runs(self, owner: torch.Tensor) -> list[ContextRun] | None:
         """Each maximal run of rows that read the same prefix row and have the same ancestors; None past
         MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows per run. Computed once per schedule (every
