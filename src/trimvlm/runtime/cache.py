@@ -89,7 +89,7 @@ class RowRun(NamedTuple):
 
     start: int
     end: int
-    row: int
+    row: int | list[int]
 
 
 def owner_runs(owner: torch.Tensor) -> list[RowRun]:

@@ -300,10 +300,8 @@ def chunk_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> torc
     chunk, the valid keys up to itself (causal). A query always sees itself, so padded rows stay finite (their
     outputs are never read)."""
     b, q = new_valid.shape
-    dev = new_valid.device
-    within = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(b, q, q)
-    eye = torch.eye(q, dtype=torch.bool, device=dev)[None]
-    own = (within & new_valid[:, None, :]) | eye
+    causal = torch.ones(q, q, dtype=torch.bool, device=new_valid.device).tril()
+    own = (causal & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=new_valid.device)
     if past_valid is None or past_valid.shape[1] == 0:
         return own[:, None]
     past = past_valid[:, None, :].expand(b, q, past_valid.shape[1])
