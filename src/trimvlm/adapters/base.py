@@ -109,10 +109,8 @@ class Conversation:
 def _cat_padded(vals: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along axis 0, zero-padding the other axes up to the largest part's."""
     shape = [max(v.shape[d] for v in vals) for d in range(1, vals[0].dim())]
-    padded = []
-    for v in vals:
-        widths = [w for d in reversed(range(1, v.dim())) for w in (0, shape[d - 1] - v.shape[d])]
-        padded.append(torch.nn.functional.pad(v, widths) if any(widths) else v)
+    widths = [[w for d in reversed(range(1, v.dim())) for w in (0, shape[d - 1] - v.shape[d])] for v in vals]
+    padded = [torch.nn.functional.pad(v, w) if any(w) else v for v, w in zip(vals, widths, strict=True)]
     return torch.cat(padded)
 
 
@@ -669,7 +667,7 @@ class Adapter:
         with recording(probe, self.vision_attention_modules(), cls=self.vision_has_cls) as rec:
             out = encode()
         units = to_units(rec)
-        rec.commit()
+        count(rec.flops)  # the records are complete
         flat = [(b, j) for b in range(len(grids)) for j in range(len(grids[b]))]
         if len(flat) != len(units):
             raise InputError(f"the vision tower encoded {len(units)} units, the prompts have {len(flat)}")

@@ -43,12 +43,8 @@ class Idefics3Adapter(Adapter):
         glob = FAKE + GLOBAL + tile + FAKE
         if rows == 0 and cols == 0:
             return glob
-        text = ""
-        for i in range(rows):
-            for j in range(cols):
-                text += f"{FAKE}<row_{i + 1}_col_{j + 1}>{tile}"
-            text += "\n"
-        return text + "\n" + glob
+        grid = ["".join(f"{FAKE}<row_{i + 1}_col_{j + 1}>{tile}" for j in range(cols)) for i in range(rows)]
+        return "".join(line + "\n" for line in grid) + "\n" + glob
 
     # ---- inputs ----
     def process_images(self, per_sample) -> Images:

@@ -32,14 +32,12 @@ class InternVLAdapter(Adapter):
 
     # ---- image layout ----
     @property
-    def chat_image_marker(self) -> str:
-        return self.context_token
-
-    @property
     def context_token(self) -> str:
         return getattr(self.tokenizer, "context_image_token", None) or self.tokenizer.convert_ids_to_tokens(
             self.image_token_id
         )
+
+    chat_image_marker = context_token  # the chat template marks each image with one context token
 
     def tile_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h, w) LLM tokens of one tile of height x width pixels: patches per side times `downsample_ratio`."""

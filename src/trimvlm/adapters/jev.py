@@ -111,11 +111,7 @@ class JevHead:
         logits = self.proj(hidden.to(self.proj.weight.dtype))
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
-        out = []
-        for j, q in enumerate(questions):
-            start = self.offsets[q.type]
-            out.append(logits[j, start : start + len(q.options)])
-        return out
+        return [logits[j, self.offsets[q.type] :][: len(q.options)] for j, q in enumerate(questions)]
 
 
 def load_decision_adapter(folder: Path, dtype: torch.dtype, device: torch.device):

@@ -158,12 +158,9 @@ class QwenVLAdapterMixin:
             back = torch.argsort(order.to(stat.device))
             stat, keys = stat[back], keys[back]
         received, keys = stat.sum(-1), keys.mean(1)  # per LLM token: sum over its patches, mean key
-        units, t0 = [], 0
-        for n in patches:
-            t1 = t0 + n // m2
-            units.append(VisionUnit(received=received[t0:t1] / n, keys=keys[t0:t1]))
-            t0 = t1
-        return units
+        tokens = [n // m2 for n in patches]  # per image its LLM tokens
+        parts = zip(received.split(tokens), keys.split(tokens), patches, strict=True)
+        return [VisionUnit(received=r / n, keys=k) for r, k, n in parts]
 
 
 class Qwen3VLAdapter(QwenVLAdapterMixin, Adapter):

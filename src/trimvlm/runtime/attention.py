@@ -59,7 +59,23 @@ class AttentionProbe:
         return self if other is None else ProbeSet([self]).merge(other)
 
     def record(self, layer_idx, query, key, mask, scaling) -> None:
-        (_record_colsum if self.colsum else _record_rows)(self, layer_idx, query, key, mask, scaling)
+        b, _, q, _ = query.shape
+        if not self.colsum:
+            n = min(self.last, q)
+            p = _probs(query, key, mask, q - n, q, scaling)
+            self.results[layer_idx] = p if self.per_head else p.mean(1)
+            if self.chunk_valid is not None:
+                self.row_valid[layer_idx] = self.chunk_valid[:, q - n :]
+            return
+        acc = torch.zeros(b, key.shape[2], dtype=torch.float32, device=query.device)
+        for s in range(0, q, self.block):
+            e = min(q, s + self.block)
+            # a padding row that sees no key: 0
+            p = torch.nan_to_num(_probs(query, key, mask, s, e, scaling), nan=0.0)
+            if self.chunk_valid is not None:
+                p = p * self.chunk_valid[:, None, s:e, None].to(p.dtype)
+            acc += p.sum(dim=(1, 2))
+        self.results[layer_idx] = acc
 
 
 @dataclass
@@ -116,43 +132,20 @@ def _expand_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(b, one, groups, q, k).reshape(b, one, groups * q, k)
 
 
-def _row_mask(mask, q: int, k: int, start: int, end: int, device) -> torch.Tensor:
-    """The bool mask rows [start, end) of a chunk of q queries over k keys ([B or 1, 1, end - start, k])."""
-    if mask is None:  # a plain causal chunk over no past: query i sees keys <= i + (k - q)
-        rows = torch.arange(start, end, device=device)[:, None] + (k - q)
-        return (torch.arange(k, device=device)[None] <= rows)[None, None]
-    return mask[:, :, start:end, :]
-
-
-def _probs(query, key, mask_rows, scaling) -> torch.Tensor:
-    """[B, H, n, K] float softmax of the given query rows (extra score rows: method FLOPs)."""
-    b, h, n, _ = query.shape
-    s = (matmul(_grouped(query, key.shape[1]), key.transpose(-1, -2)) * scaling).float()
-    s = s.masked_fill(~_expand_mask(mask_rows, h // key.shape[1]), float("-inf"))
-    return torch.softmax(s, dim=-1).reshape(b, h, n, -1)
-
-
-def _record_rows(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
-    q = query.shape[2]
-    n = min(probe.last, q)
-    p = _probs(query[:, :, q - n :], key, _row_mask(mask, q, key.shape[2], q - n, q, query.device), scaling)
-    probe.results[layer_idx] = p if probe.per_head else p.mean(1)
-    if probe.chunk_valid is not None:
-        probe.row_valid[layer_idx] = probe.chunk_valid[:, q - n :]
-
-
-def _record_colsum(probe: AttentionProbe, layer_idx, query, key, mask, scaling):
+def _probs(query, key, mask, start: int, end: int, scaling) -> torch.Tensor:
+    """[B, H, end - start, K] float softmax of the query rows [start, end) of a chunk (extra score rows:
+    method FLOPs); `mask` is the chunk's bool mask, None for a plain causal chunk over no past (query i sees
+    the keys <= i + K - Q)."""
     b, h, q, _ = query.shape
-    valid = probe.chunk_valid
-    acc = torch.zeros(b, key.shape[2], dtype=torch.float32, device=query.device)
-    for s in range(0, q, probe.block):
-        e = min(q, s + probe.block)
-        p = _probs(query[:, :, s:e], key, _row_mask(mask, q, key.shape[2], s, e, query.device), scaling)
-        p = torch.nan_to_num(p, nan=0.0)  # a padding row that sees no key
-        if valid is not None:
-            p = p * valid[:, None, s:e, None].to(p.dtype)
-        acc += p.sum(dim=(1, 2))
-    probe.results[layer_idx] = acc
+    k = key.shape[2]
+    if mask is None:
+        rows = torch.arange(start, end, device=query.device)[:, None] + (k - q)
+        mask = (torch.arange(k, device=query.device)[None] <= rows)[None, None]
+    else:
+        mask = mask[:, :, start:end, :]
+    s = (matmul(_grouped(query[:, :, start:end], key.shape[1]), key.transpose(-1, -2)) * scaling).float()
+    s = s.masked_fill(~_expand_mask(mask, h // key.shape[1]), float("-inf"))
+    return torch.softmax(s, dim=-1).reshape(b, h, end - start, -1)
 
 
 def trimvlm_attention(
@@ -201,7 +194,7 @@ def _shared_attention(ctx: AttentionContext, layer_idx, query, key, value, atten
     if runs is not None:
         return _tree_attention(query, key, value, attention_mask, parts[0].layers[layer_idx], runs, scaling)
     outs = [_shared_part(query, part.layers[layer_idx], part.owner, scaling) for part in parts]
-    anc = None if tree is None else tree.ancestor_valid
+    anc = None if tree is None else tree.ancestors >= 0  # [C, A] each chain's real ancestors
     if anc is not None and anc.shape[1]:  # each chain's ancestors, whose keys this same call computed
         ka, va = _ancestor_kv(key, tree.ancestors), _ancestor_kv(value, tree.ancestors)
         o, lse = _attend(_grouped(query, n_kv), ka, va, anc[:, None, None, :], scaling)
@@ -222,13 +215,9 @@ def _merge(outs: list[Attended]) -> torch.Tensor:
     lse_all = outs[0].lse
     for part in outs[1:]:
         lse_all = torch.logaddexp(lse_all, part.lse)
-    acc = None
-    for part in outs:
-        w = torch.exp(part.lse - lse_all).unsqueeze(-1)
-        if acc is None:
-            acc = part.out.float() * w
-        else:
-            acc.addcmul_(part.out.float(), w)
+    acc = outs[0].out.float() * torch.exp(outs[0].lse - lse_all).unsqueeze(-1)
+    for part in outs[1:]:
+        acc.addcmul_(part.out.float(), torch.exp(part.lse - lse_all).unsqueeze(-1))
     return acc
 
 

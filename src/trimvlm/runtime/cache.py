@@ -89,12 +89,13 @@ class RowRun(NamedTuple):
 
     start: int
     end: int
-    row: int
+    row: int | list[int]
 
 
 def owner_runs(owner: torch.Tensor) -> list[RowRun]:
-    """Each maximal run of equal entries of `owner` [B]."""
-    vals, counts = (t.tolist() for t in torch.unique_consecutive(owner, return_counts=True))
+    """Each maximal run of equal entries of `owner` [B] (of equal rows of `owner` [B, N]: `row` is a list)."""
+    dim = 0 if owner.dim() > 1 else None
+    vals, counts = (t.tolist() for t in torch.unique_consecutive(owner, return_counts=True, dim=dim))
     ends = list(itertools.accumulate(counts))
     return [RowRun(e - n, e, v) for v, n, e in zip(vals, counts, ends, strict=True)]
 
@@ -314,13 +315,9 @@ class KVCache:
             self.layers[i] = e.rows(rows)
             self.gather(i, self.layers[i].valid)
             new = self.layers[i]
-            key = (id(e.valid), id(e.visual), id(e.source))
-            if key in metas:
-                m = metas[key]
-                if torch.equal(m.valid, new.valid) and torch.equal(m.source, new.source):
-                    new.valid, new.visual, new.source = m.valid, m.visual, m.source
-            else:
-                metas[key] = new
+            m = metas.setdefault((id(e.valid), id(e.visual), id(e.source)), new)
+            if m is not new and torch.equal(m.valid, new.valid) and torch.equal(m.source, new.source):
+                new.valid, new.visual, new.source = m.valid, m.visual, m.source
         self.states = state_rows(self.states, rows)
         if self.prefix is not None:  # branches off a shared prefix: the rows that stay keep their owners
             p = self.prefix.rows(rows)
@@ -337,10 +334,9 @@ class KVCache:
                 raise ValueError("caches reading shared recurrent states cannot be joined")
         a_rows, b_rows = self.rows(), other.rows()
         parts = []
-        for c, before, after in ((self, 0, b_rows), (other, a_rows, 0)):
+        for c, pad in ((self, (0, b_rows)), (other, (a_rows, 0))):  # rows before and after c's own
             for q in [] if c.prefix is None else c.prefix.parts:
-                pad = [q.owner.new_full((n,), -1) for n in (before, after)]
-                parts.append(SharedPart(q.layers, torch.cat([pad[0], q.owner, pad[1]])))
+                parts.append(SharedPart(q.layers, torch.nn.functional.pad(q.owner, pad, value=-1)))
         if parts:
             owner = parts[0].owner.new_full((a_rows + b_rows,), -1)
             self.prefix = SharedPrefix(parts, {}, owner)

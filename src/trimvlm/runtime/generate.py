@@ -10,14 +10,13 @@ training reads them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from trimvlm.errors import InputError
-from trimvlm.options import is_int, is_number
+from trimvlm.options import is_int, require_number
 from trimvlm.runtime.meter import Costs, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.runner import Runner
@@ -41,17 +40,15 @@ class Sampling:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_number(v) or not -2 <= v <= 2:  # NaN fails the comparison
-                raise InputError(f"{name} must be a number in [-2, 2], got {v!r}")
-        t, p, s = self.temperature, self.top_p, self.seed
-        if not is_number(t) or not math.isfinite(t) or t < 0:
-            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not is_number(p) or not 0 < p <= 1:  # NaN fails the comparison
-            raise InputError(f"top_p must be a number in (0, 1], got {p!r}")
-        if not is_int(s) or not -(2**63) <= s < 2**64:
-            raise InputError(f"seed must be an integer (64-bit; not a bool or a float), got {s!r}")
+        try:  # the options' own checks (trimvlm.options), refused as the caller's input
+            for name in ("presence_penalty", "frequency_penalty"):
+                require_number(name, getattr(self, name), -2, 2)
+            require_number("temperature", self.temperature, 0, hint=" (0 = greedy)")
+            require_number("top_p", self.top_p, 0, 1, above=True)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
+            raise InputError(f"seed must be an integer (64-bit; not a bool or a float), got {self.seed!r}")
 
 
 @dataclass

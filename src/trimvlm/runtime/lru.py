@@ -14,9 +14,6 @@ from torch.utils._pytree import tree_flatten
 from trimvlm.errors import InputError
 from trimvlm.runtime.tensor_memo import remembered
 
-MiB = 1024 * 1024
-
-
 MEMO_BYTES = 1 << 16  # a tensor this large is hashed once while it lives unchanged (`tensor_memo.remembered`)
 
 

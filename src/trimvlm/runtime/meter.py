@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
 
 from trimvlm.runtime.lru import ByteLRU
 from trimvlm.runtime.memory import TensorMemory
@@ -164,8 +165,6 @@ class Meter:
 def flop_counter():
     """torch's FlopCounterMode, also counting the CPU fused SDPA kernel (which torch's table lacks): 4·B·H·Q·K·d,
     the same rule torch uses for the CUDA SDPA kernels. Local to this counter; nothing global changes."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
-
     def cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs):
         return sdpa_flop(query, key, value)
 

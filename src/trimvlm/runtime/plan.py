@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trimvlm.runtime.attention import AttentionContext
+
 
 @dataclass
 class Handoff:
@@ -33,12 +35,12 @@ class Handoff:
     router: object | None = None
 
 
+@dataclass(eq=False)
 class LayerPlan:
     """A per-sample layer plan decided during the prefill (by the meta-router, before the first layer runs):
     `plan` [B, num_layers] bool (True: that sample skips that layer) once set; nothing is skipped before."""
 
-    def __init__(self, plan: torch.Tensor | None = None):
-        self.plan = plan
+    plan: torch.Tensor | None = None
 
     def rows(self, stay: torch.Tensor) -> None:
         """Keep the plan of batch rows `stay` only (rows that stopped decoding left the batch)."""
@@ -85,6 +87,4 @@ class Plan:
         """The AttentionContext a prefill needs to record what the methods asked for (None: nothing)."""
         if self.probe is None and self.vision_probe is None:
             return None
-        from trimvlm.runtime.attention import AttentionContext
-
         return AttentionContext(probe=self.probe, vision=self.vision_probe)

@@ -163,14 +163,10 @@ def assemble(rows: list[PrefixEntry], num_layers: int) -> PrefillOutput:
     return PrefillOutput(logits=None, seq=seq, cache=cache, next_pos=torch.cat([r.next_pos for r in rows]))
 
 
-def prompt_key(label: str, prepared, tokens: int | None = None) -> bytes:
-    """A request's prompt (a batch of one, unpadded) by what its prefill reads, or its first `tokens` tokens (an
-    earlier turn of a conversation: the same images, a prefix of the ids), and the recipe it runs with."""
-    inputs, ids = prepared.model_inputs, prepared.input_ids
-    if tokens is not None:  # the inputs with one entry per token (shaped as the ids) cut as the ids are
-        inputs = {k: v[:, :tokens] if getattr(v, "shape", None) == ids.shape else v for k, v in inputs.items()}
-        ids = ids[:, :tokens]
-    return digest("chat", label, ids, *(x for k in sorted(inputs) for x in (k, inputs[k])))
+def prompt_key(label: str, prepared) -> bytes:
+    """A request's prompt (a batch of one, unpadded) by what its prefill reads, and the recipe it runs."""
+    inputs = prepared.model_inputs
+    return digest("chat", label, prepared.input_ids, *(x for k in sorted(inputs) for x in (k, inputs[k])))
 
 
 def prefill_prompts(runner, parts: list, plan, meter, keys: list | None = None) -> tuple[PrefillOutput, list[bool]]:

@@ -114,16 +114,6 @@ class Runner:
                     f"{what} index {i} out of range: this model has layers 0..{self.num_layers - 1}"
                 )
 
-    def check_prepared(self, prepared, plan: Plan) -> None:
-        """A batch fits `plan`: prepared at the plan's resolution and its layer plan valid for the batch."""
-        if getattr(prepared, "resolution", None) != plan.resolution:
-            raise TrimVLMError(
-                f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
-                "resizes the images when they are prepared): prepare it with vlm.prepare(images, prompts, "
-                "plan=plan) (vlm.generate and vlm.score do)"
-            )
-        self.check_skip(plan.skip_prefill, prepared.batch)
-
     @torch.no_grad()
     def prefill(
         self,
@@ -164,7 +154,6 @@ class Runner:
         skip=frozenset(),
         meter: Meter | None = None,
         ctx: AttentionContext | None = None,
-        within: torch.Tensor | None = None,
         start: int = 0,
     ) -> LiveSeq:
         """Run the decoder layers `start`.. over the chunk `seq`, appending to `cache`; the final-normed seq."""
@@ -194,8 +183,8 @@ class Runner:
                 key = id(past)
                 if key not in masks:
                     # a fresh, unpadded, causal chunk needs no mask: SDPA's causal kernel, as transformers does
-                    plain = past is None and within is None and cache.prefix is None and bool(seq.valid.all())
-                    masks[key] = None if plain else chunk_mask(past, seq.valid, within)
+                    plain = past is None and cache.prefix is None and bool(seq.valid.all())
+                    masks[key] = None if plain else chunk_mask(past, seq.valid)
                 k_len, partial = self._keys(i, seq, rows, past, ctx, cache, read)
                 if ctx is not None and ctx.probe is not None:
                     ctx.probe.chunk_valid = seq.valid
@@ -289,40 +278,30 @@ class Runner:
         cache: KVCache,
         *,
         valid: torch.Tensor | None = None,
-        within: torch.Tensor | None = None,
         skip=None,
         meter: Meter | None = None,
         phase: str = "decode",
-        ctx: AttentionContext | None = None,
         plan: Plan | None = None,
     ) -> LiveSeq:
         """Run new text tokens [B, Q] at `positions` [A, B, Q] against the cache (`valid` marks real tokens,
-        `within` [B, Q, Q] replaces the causal mask inside the chunk, `skip` the plan's layers for the phase);
-        the final-normed live sequence."""
+        `skip` the plan's layers for the phase); the final-normed live sequence."""
         if skip is None:  # the plan's layers for the phase ("branch": candidate rows)
             skip = frozenset() if plan is None else plan.skip_branch if phase == "branch" else plan.skip_decode
         valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
         seq = LiveSeq.text(self.adapter.embed_tokens(tokens), positions, valid)
-        return self.run(seq, cache, phase=phase, skip=skip, meter=meter, within=within, ctx=ctx)
+        return self.run(seq, cache, phase=phase, skip=skip, meter=meter)
 
 
 SKIPPED = object()  # `_layer_rows`: no row runs the layer
 
 
-def chunk_mask(
-    past_valid: torch.Tensor | None,
-    new_valid: torch.Tensor,
-    within: torch.Tensor | None = None,
-) -> torch.Tensor:
+def chunk_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> torch.Tensor:
     """[B, 1, Q, Kp + Q] bool (True: may attend): every query sees the valid past entries and, inside the
-    chunk, `within` ([B, Q, Q] bool, default causal) restricted to valid keys. A query always sees itself, so
-    padded rows stay finite (their outputs are never read)."""
+    chunk, the valid keys up to itself (causal). A query always sees itself, so padded rows stay finite (their
+    outputs are never read)."""
     b, q = new_valid.shape
-    dev = new_valid.device
-    if within is None:
-        within = torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(b, q, q)
-    eye = torch.eye(q, dtype=torch.bool, device=dev)[None]
-    own = (within & new_valid[:, None, :]) | eye
+    causal = torch.ones(q, q, dtype=torch.bool, device=new_valid.device).tril()
+    own = (causal & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=new_valid.device)
     if past_valid is None or past_valid.shape[1] == 0:
         return own[:, None]
     past = past_valid[:, None, :].expand(b, q, past_valid.shape[1])
@@ -376,7 +355,13 @@ class Prefill:
 
     def __init__(self, runner: Runner, prepared, plan: Plan, meter: Meter, all_logits=False, lm_head=True, *,
                  prefix=None):  # fmt: skip
-        runner.check_prepared(prepared, plan)
+        if getattr(prepared, "resolution", None) != plan.resolution:  # the batch fits the plan
+            raise TrimVLMError(
+                f"{plan.label()}: the batch was prepared at another resolution than the plan's (tokens=downsample "
+                "resizes the images when they are prepared): prepare it with vlm.prepare(images, prompts, "
+                "plan=plan) (vlm.generate and vlm.score do)"
+            )
+        runner.check_skip(plan.skip_prefill, prepared.batch)
         self.runner, self.plan, self.meter = runner, plan, meter
         self.all_logits, self.lm_head = all_logits, lm_head
         self.ctx = plan.attention_context()
@@ -421,34 +406,12 @@ class Prefill:
 
 @torch.no_grad()
 def branch(
-    runner: Runner,
-    prefix: PrefillOutput,
-    owner: torch.Tensor,
-    tokens: torch.Tensor,
-    *,
-    valid: torch.Tensor | None = None,
-    within: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    skip=None,
-    meter: Meter | None = None,
-    plan: Plan | None = None,
-) -> torch.Tensor:
+    runner: Runner, prefix: PrefillOutput, owner: torch.Tensor, tokens: torch.Tensor, *,
+    meter: Meter | None = None, plan: Plan | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Run N continuations `tokens` [N, Q] as one batch, branch n reading prefix row owner[n] of the shared,
-    uncopied prefix cache (the plan's candidate-branch layers, unless `skip` is given). Returns logits
-    [N, Q, V]. The prefix cache is left unchanged."""
+    uncopied prefix cache (the plan's candidate-branch layers). Returns logits [N, Q, V]. The prefix cache is
+    left unchanged."""
     cache = prefix.cache.share_prefix(owner)
-    if positions is None:
-        start = prefix.next_pos.index_select(0, owner)
-        positions = runner.adapter.text_positions(start, tokens.shape[1])
-    return runner.step(
-        tokens,
-        positions,
-        cache,
-        plan,
-        valid=valid,
-        within=within,
-        skip=skip,
-        meter=meter,
-        phase="branch",
-        all_logits=True,
-    )
+    positions = runner.adapter.text_positions(prefix.next_pos.index_select(0, owner), tokens.shape[1])
+    return runner.step(tokens, positions, cache, plan, meter=meter, phase="branch", all_logits=True)

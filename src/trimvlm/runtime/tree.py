@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from trimvlm.runtime.cache import owner_runs
+
 # Rows with the same prefix row and the same ancestors (the leaves of one fork) read one context: the prefix's
 # keys and their ancestors' keys, in one attention call with their queries folded together (no per-row copy of
 # the ancestors). That is one call per run of such rows; past MAX_CONTEXT_RUNS runs, or fewer than
@@ -50,10 +52,6 @@ class TreeSchedule:
     _owner: torch.Tensor | None = field(default=None, repr=False)
     _runs: list[ContextRun] | None = field(default=None, repr=False)
 
-    @property
-    def ancestor_valid(self) -> torch.Tensor:
-        return self.ancestors >= 0
-
     def context_runs(self, owner: torch.Tensor) -> list[ContextRun] | None:
         """Each maximal run of rows that read the same prefix row and have the same ancestors; None past
         MAX_CONTEXT_RUNS runs or under MIN_ROWS_PER_RUN rows per run. Computed once per schedule (every
@@ -64,15 +62,7 @@ class TreeSchedule:
 
 
 def _runs(ancestors: torch.Tensor, owner: torch.Tensor) -> list[ContextRun] | None:
-    c = ancestors.shape[0]
-    same = (ancestors[1:] == ancestors[:-1]).all(1) & (owner[1:] == owner[:-1])
-    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist()]
-    if len(starts) > min(MAX_CONTEXT_RUNS, c / MIN_ROWS_PER_RUN):
+    runs = owner_runs(torch.cat([owner[:, None], ancestors], dim=1))  # rows: (prefix row, ancestors)
+    if len(runs) > min(MAX_CONTEXT_RUNS, ancestors.shape[0] / MIN_ROWS_PER_RUN):
         return None
-    ends = [*starts[1:], c]
-    rows = owner.tolist()
-    out = []
-    for a, e in zip(starts, ends, strict=True):
-        idx = ancestors[a]
-        out.append(ContextRun(a, e, rows[a], idx[idx >= 0]))
-    return out
+    return [ContextRun(a, e, row[0], ancestors[a][ancestors[a] >= 0]) for a, e, row in runs]

@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trimvlm.errors import RecipeError, TrimVLMError
-from trimvlm.kernels.flops import count, matmul_flops
+from trimvlm.kernels.flops import matmul_flops
 from trimvlm.runtime.held import Held
 
 NAME = "trimvlm_vision_sdpa"
@@ -72,7 +72,6 @@ class VisionProbe:
     mode: str = ""
 
 
-
 class Call(NamedTuple):
     """The raw record of one attention call: stat [B, S] the [CLS] row (queries 1) or the column sums over the
     valid query rows (queries = their count), keys [B, S, Hk * d], queries [B]."""
@@ -92,7 +91,7 @@ class Recording:
     cls: bool
     calls: list[Call] = field(default_factory=list)
     heads: int = 0
-    flops: int = 0  # the extra score products, counted (`commit`) once the records are known complete
+    flops: int = 0  # the extra score products, counted by `Adapter.encode_vision` once the records are in
 
     def _column_sums(self, q, kt, add, rows, scaling):
         """[..., S]: the softmax of the scaled scores in float32 (the queries scaled before the product, a pass
@@ -106,9 +105,6 @@ class Recording:
         if rows is not None:
             p = torch.where(rows[..., None], p, 0.0)
         return p.sum(-2)
-
-    def commit(self) -> None:
-        count(self.flops)
 
     def batched(self, b: int, s: int, groups: torch.Tensor) -> list[VisionUnit]:
         """One `VisionUnit` per unit of a tower that runs all b units in one call per layer over s tokens: LLM
