@@ -16,6 +16,7 @@ import time
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from trimvlm.cluster import RayError, connect
 from trimvlm.errors import TrimVLMError
@@ -29,7 +30,7 @@ from trimvlm.evals.run import (
     run_eval,
 )
 from trimvlm.evals.tasks import Task, check_positive
-from trimvlm.progress import progress as progress_bar
+from trimvlm.progress import steps
 
 SHARDS_PER_WORKER = 4  # shards are pulled as workers free up: a few per worker balance uneven batches
 IN_FLIGHT = 2  # shards queued per worker, so none waits on the driver between two
@@ -105,9 +106,16 @@ def _unwrap(ray, e: Exception) -> TrimVLMError:
     return RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}")
 
 
-def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int], int, int]]:
-    """(item indices, index of its first batch, number of batches) per shard: at most `n_shards` runs of
-    consecutive batches of `batches`. A shard's items regroup into exactly its batches (checked): within a
+class Shard(NamedTuple):
+    """A run of consecutive batches of the task: its item indices, the index of its first batch, how many."""
+
+    items: list[int]
+    first_batch: int
+    batches: int
+
+
+def shards_of(task: Task, batch_size: int, n_shards: int) -> list[Shard]:
+    """At most `n_shards` runs of consecutive batches of `batches`. A shard's items regroup into exactly its batches (checked): within a
     (probe, kind) group only the group's last batch is short, and it is the last of that group in a shard."""
     whole = batches(task, batch_size)
     per = max(1, math.ceil(len(whole) / max(1, n_shards)))
@@ -118,7 +126,7 @@ def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int
         again = batches(replace(task, records=[task.records[i] for i in idx]), batch_size)
         if [[idx[j] for j in b] for b in again] != part:  # pragma: no cover - invariant
             raise TrimVLMError(f"shard {len(out)} does not regroup into its batches; please report this")
-        out.append((idx, s, len(part)))
+        out.append(Shard(idx, s, len(part)))
     return out
 
 
@@ -164,12 +172,11 @@ class RayEvaluator:
         task, kw = _checked(task, kw, progress)
         recipes = normalize_recipes(recipes)
         shards = shards_of(task, kw["batch_size"], len(self.actors) * self.shards_per_worker)
-        with progress_bar(self.console, progress) as bar:
-            job = bar.add_task(f"eval {task.name} on {len(self.actors)} Ray workers",
-                               total=sum(n for _, _, n in shards) * len(recipes))  # fmt: skip
+        total = sum(s.batches for s in shards) * len(recipes)
+        with steps(f"eval {task.name} on {len(self.actors)} Ray workers", total, self.console, progress,
+                   unit="batch") as bar:  # fmt: skip
             t_start = time.perf_counter()
-            results = _pull(self.ray, self.actors, shards, task, recipes, kw, lambda s: bar.update(
-                job, advance=shards[s][2] * len(recipes), detail=f"shard {s + 1}/{len(shards)}"))  # fmt: skip
+            results = _pull(self.ray, self.actors, shards, task, recipes, kw, bar)
         return _merge(task, recipes, shards, results, self.where, len(self.actors), self.infos,
                       time.perf_counter() - t_start)  # fmt: skip
 
@@ -233,16 +240,16 @@ def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
         raise _unwrap(ray, e) from None
 
 
-def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, dict]:
-    """Every shard run, `IN_FLIGHT` queued per worker, the next pulled by whichever worker finishes."""
+def _pull(ray, actors, shards, task, recipes, kw: dict, bar) -> dict[int, dict]:
+    """Every shard run, `IN_FLIGHT` queued per worker, the next pulled by whichever worker finishes; `bar` (a
+    `Steps`) advanced by each shard's batches x recipes as it ends."""
     results: dict[int, dict] = {}
     pending, queue = {}, list(range(len(shards)))
 
     def submit(a: int) -> None:
         s = queue.pop(0)
-        idx, offset, _ = shards[s]
-        part = replace(task, records=[task.records[i] for i in idx])
-        pending[actors[a].run.remote(s, part, recipes, offset, kw)] = (s, a)
+        part = replace(task, records=[task.records[i] for i in shards[s].items])
+        pending[actors[a].run.remote(s, part, recipes, shards[s].first_batch, kw)] = (s, a)
 
     for a in range(len(actors)):
         for _ in range(IN_FLIGHT):
@@ -255,7 +262,8 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, d
             results[s] = ray.get(done[0])
         except Exception as e:
             raise _unwrap(ray, e) from None
-        done_one(s)
+        bar.phase(f"shard {s + 1}/{len(shards)}")
+        bar.advance(shards[s].batches * len(recipes))
         if queue:
             submit(a)
     return results
@@ -264,10 +272,10 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, d
 def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> EvalResult:
     preds: list[list] = [[None] * len(task.records) for _ in recipes]
     accs: list[dict] = [{} for _ in recipes]
-    for s, (idx, _, _) in enumerate(shards):
+    for s, shard in enumerate(shards):
         part = results[s]
         for r in range(len(recipes)):
-            for local, i in enumerate(idx):
+            for local, i in enumerate(shard.items):
                 preds[r][i] = part["predictions"][r][local]
             for key, acc in part["costs"][r].items():
                 accs[r].setdefault(key, CostAcc()).merge(acc)
@@ -279,9 +287,9 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
         "address": where,
         "workers": workers,
         "worker_info": infos,
-        "shards": [{"items": len(idx), "first_batch": offset, "batches": n,
+        "shards": [{**shard._asdict(), "items": len(shard.items),
                     **{k: results[s][k] for k in ("worker", "seconds", "latency_ratio")}}
-                   for s, (idx, offset, n) in enumerate(shards)],  # fmt: skip
+                   for s, shard in enumerate(shards)],  # fmt: skip
         "seconds": seconds,
         "timing": "sums over shards; each shard's recipes interleaved on its own worker",
     }

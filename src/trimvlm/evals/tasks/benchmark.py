@@ -22,7 +22,7 @@ from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_im
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
 from trimvlm.evals.tasks.base import PROBES, SHORT_INSTRUCTION, TASKS, Record, Task, TaskEntry, check_limit
-from trimvlm.progress import progress as progress_bar
+from trimvlm.progress import steps
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,7 @@ def load_benchmark(
     chosen = rows if limit is None or limit >= len(rows) else sorted(random.Random(seed).sample(rows, limit))
     opener = ImageOpener()
     records: list[Record] = []
-    with progress_bar(enabled=progress) as bar:
-        job = bar.add_task(f"load {bench.name} ({src.split})", total=len(chosen))
+    with steps(f"load {bench.name} ({src.split})", len(chosen), enabled=progress, unit="row") as bar:
         for i, raw, base in iter_images(src, bench.image_column, chosen):
             row = {c: values[i] for c, values in meta.items()}
             ident = row.get(bench.id_column) if bench.id_column else None
@@ -178,7 +177,7 @@ def load_benchmark(
             fields = bench.make(row, where)
             fields.setdefault("kind", bench.name)
             records.append(Record(id=rid, images=[image], probe=bench.probe, metric=bench.metric, **fields))
-            bar.advance(job)
+            bar.advance()
     selection = (
         "all rows"
         if len(chosen) == len(rows)

@@ -26,8 +26,8 @@ from pathlib import Path
 from PIL import Image
 
 from trimvlm.errors import InputError
-from trimvlm.evals.metrics import get_metric, option_gold
-from trimvlm.evals.tasks.base import PROBES, Record, Task, check_limit
+from trimvlm.evals.metrics import option_gold
+from trimvlm.evals.tasks.base import Record, Task, check_limit
 
 
 def _strings(value, what: str, where: str) -> list[str]:
@@ -74,20 +74,15 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     raw = obj.get("answers", obj.get("answer"))
     if raw is None:
         raise InputError(f"{where}: a reference is required: 'answer' (string) or 'answers' (list)")
-    answers = _strings(raw, "answers", where)
-    if not answers:
-        raise InputError(f"{where}: 'answers' is empty")
+    answers = _strings(raw, "answers", where)  # Record refuses an empty list
     options = _strings(obj["options"], "options", where) if obj.get("options") is not None else None
     if "image" in obj and "images" in obj:
         raise InputError(f"{where}: give 'image' or 'images', not both")
     images = _images(obj.get("images", obj.get("image")) or [], folder, obj.get("id", default_id), where)
-    metric = str(obj.get("metric", "option" if options else "exact"))
-    get_metric(metric)  # an unknown one fails here (load_jsonl names the line)
+    metric = str(obj.get("metric", "option" if options else "exact"))  # Record refuses an unknown one
     if metric == "option" and not options:
         raise InputError(f"{where}: metric 'option' needs 'options'")
-    probe = str(obj.get("probe", "prefill" if metric in ("option", "yesno") else "full"))
-    if probe not in PROBES:
-        raise InputError(f"{where}: unknown probe kind {probe!r}; allowed: {', '.join(PROBES)}")
+    probe = str(obj.get("probe", "prefill" if metric in ("option", "yesno") else "full"))  # Record checks it
     if metric == "option":
         option_gold(answers, options)  # the reference must name one of the options
     prompt = obj.get("prompt")
@@ -106,9 +101,7 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     )
 
 
-def load_jsonl(
-    path: str | Path, limit: int | None = None, max_new_tokens: int = 32, name: str | None = None
-) -> Task:
+def load_jsonl(path: str | Path, limit: int | None = None, max_new_tokens: int = 32) -> Task:
     """A task from a local JSONL file (schema in this module's docstring); the first `limit` records."""
     limit = check_limit(limit)
     path = Path(path).expanduser()
@@ -135,6 +128,4 @@ def load_jsonl(
                 raise InputError(f"{where}: {e}") from None
     if not records:
         raise InputError(f"task file {path} holds no records")
-    return Task(
-        name=name or path.stem, records=records, max_new_tokens=max_new_tokens, info={"source": str(path)}
-    )
+    return Task(name=path.stem, records=records, max_new_tokens=max_new_tokens, info={"source": str(path)})
