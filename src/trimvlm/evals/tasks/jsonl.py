@@ -19,12 +19,12 @@ see `trimvlm.data.layout`.)
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 
 from PIL import Image
 
+from trimvlm.data.layout import jsonl_objects
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import option_gold
 from trimvlm.evals.tasks.base import Record, Task, check_limit
@@ -61,8 +61,6 @@ def _images(paths, folder: Path, rid, where: str) -> list[Path]:
 
 def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Record:
     known = {f.name for f in fields(Record)} | {"image", "answer"}
-    if not isinstance(obj, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - known)
     if unknown:
         raise InputError(f"{where}: unknown field(s) {unknown}; allowed: {', '.join(sorted(known))}")
@@ -108,24 +106,16 @@ def load_jsonl(path: str | Path, limit: int | None = None, max_new_tokens: int =
     if not path.is_file():
         raise InputError(f"task file not found: {path}")
     records: list[Record] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            try:
-                records.append(record_from_json(obj, path.parent, f"{path.stem}-{lineno}", where))
-            except InputError as e:
-                if str(e).startswith(where):
-                    raise
-                raise InputError(f"{where}: {e}") from None
+    for lineno, obj in jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        try:
+            records.append(record_from_json(obj, path.parent, f"{path.stem}-{lineno}", where))
+        except InputError as e:
+            if str(e).startswith(where):
+                raise
+            raise InputError(f"{where}: {e}") from None
+        if len(records) == limit:  # the lines after the last record used are never read
+            break
     if not records:
         raise InputError(f"task file {path} holds no records")
     return Task(name=path.stem, records=records, max_new_tokens=max_new_tokens, info={"source": str(path)})
