@@ -97,13 +97,17 @@ def _worker_class(ray):
     return EvalWorker
 
 
-def _unwrap(ray, e: Exception) -> TrimVLMError:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, TrimVLMError):
-        return cause
-    if isinstance(e, ray.exceptions.RayTaskError) and cause is not None:
-        return RayError(f"a Ray worker failed: {type(cause).__name__}: {cause}")
-    return RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}")
+def _get(ray, refs):
+    """`ray.get(refs)`; a worker's failure raised as the TrimVLMError it raised, else as a RayError."""
+    try:
+        return ray.get(refs)
+    except Exception as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, TrimVLMError):
+            raise cause from None
+        if isinstance(e, ray.exceptions.RayTaskError) and cause is not None:
+            raise RayError(f"a Ray worker failed: {type(cause).__name__}: {cause}") from None
+        raise RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}") from None
 
 
 class Shard(NamedTuple):
@@ -148,7 +152,8 @@ class RayEvaluator:
     def __enter__(self) -> RayEvaluator:
         self.ray, self.started, self.where = connect(self.ray_address)
         try:
-            self.actors, self.infos = _start_workers(self.ray, self.where, self.workers, self.model, self.load_kw)
+            self.actors = _start_workers(self.ray, self.where, self.workers, self.model, self.load_kw)
+            self.infos = _get(self.ray, [a.info.remote() for a in self.actors])
         except BaseException:
             self.close()
             raise
@@ -215,7 +220,7 @@ def _checked(task: Task | str, kw: dict, progress: bool) -> tuple[Task, dict]:
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
-    """The actors (one model each, on a GPU of its own when the cluster has GPUs) and what each reports."""
+    """The actors (one model each, on a GPU of its own when the cluster has GPUs)."""
     res = ray.cluster_resources()
     gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
     device = str(load_kw.get("device", "cuda" if gpus else "cpu"))
@@ -231,13 +236,7 @@ def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
                        f"{have}; give --workers {have} or fewer, or add nodes")  # fmt: skip
     opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
     Worker = _worker_class(ray)
-    actors = [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
-    try:
-        return actors, ray.get([a.info.remote() for a in actors])
-    except Exception as e:
-        for a in actors:
-            ray.kill(a)
-        raise _unwrap(ray, e) from None
+    return [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
 
 
 def _pull(ray, actors, shards, task, recipes, kw: dict, bar) -> dict[int, dict]:
@@ -258,10 +257,7 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, bar) -> dict[int, dict]:
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         s, a = pending.pop(done[0])
-        try:
-            results[s] = ray.get(done[0])
-        except Exception as e:
-            raise _unwrap(ray, e) from None
+        results[s] = _get(ray, done[0])
         bar.phase(f"shard {s + 1}/{len(shards)}")
         bar.advance(shards[s].batches * len(recipes))
         if queue:
