@@ -86,17 +86,14 @@ class CostAcc:
     executors: set = field(default_factory=set)
 
     def add(self, costs, n_items: int, wall_s: float, executor: str = "") -> None:
-        self.n += n_items
-        self.batches += 1
+        """One call's `Costs` on `n_items` items, `wall_s` its whole call."""
         seconds = costs.seconds
         values = {"prefill_flops": costs.prefill_flops, "decode_flops": costs.decode_flops,
                   "branch_flops": costs.flops.get("branch", 0), "method_prefill_flops": costs.method_prefill_flops,
                   "method_decode_flops": costs.method_decode_flops, "method_flops": costs.method_total_flops,
                   "total_flops": costs.total_flops, "kv_bytes": costs.kv_bytes, "kv_bytes_peak": costs.kv_bytes_peak,
                   "latency_s": sum(seconds.values()), "branch_s": seconds.get("branch", 0.0), "wall_s": wall_s}  # fmt: skip
-        for k, v in values.items():
-            self.sums[k] += v
-        self.executors |= {executor} - {""}
+        self.merge(CostAcc(n_items, 1, values, executors={executor} - {""}))
         self.memory(costs)
 
     def memory(self, costs) -> None:

@@ -71,7 +71,7 @@ def _worker_class(ray):
                 "gpus": [str(g) for g in ray.get_gpu_ids()],
             }
 
-        def run(self, shard: int, task: Task, recipes, offset: int, kw: dict) -> dict:
+        def run(self, task: Task, recipes, offset: int, kw: dict) -> dict:
             """run_eval on one shard, its recipe order that of its batches in the whole task."""
             kw = dict(kw)
             probes = {r.probe for r in task.records}
@@ -83,16 +83,8 @@ def _worker_class(ray):
             res = run_eval(self.vlm, task, recipes, progress=False, order_offset=offset, **kw)
             self.warm = True
             latency = {r["recipe"]: r["ratio"]["latency_s"] for r in res.rows if r["group"] == "all"}
-            return {
-                "shard": shard,
-                "predictions": res.predictions,
-                "costs": res.costs,
-                "depths": res.depths,
-                "settings": res.settings,
-                "latency_ratio": latency,
-                "seconds": time.perf_counter() - t0,
-                "worker": self.info(),
-            }
+            return {**{k: getattr(res, k) for k in ("predictions", "costs", "depths", "settings")},
+                    "latency_ratio": latency, "seconds": time.perf_counter() - t0, "worker": self.info()}  # fmt: skip
 
     return EvalWorker
 
@@ -248,7 +240,7 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, bar) -> dict[int, dict]:
     def submit(a: int) -> None:
         s = queue.pop(0)
         part = replace(task, records=[task.records[i] for i in shards[s].items])
-        pending[actors[a].run.remote(s, part, recipes, shards[s].first_batch, kw)] = (s, a)
+        pending[actors[a].run.remote(part, recipes, shards[s].first_batch, kw)] = (s, a)
 
     for a in range(len(actors)):
         for _ in range(IN_FLIGHT):
