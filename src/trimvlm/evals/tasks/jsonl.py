@@ -22,9 +22,7 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from PIL import Image
-
-from trimvlm.data.layout import jsonl_objects
+from trimvlm.data.layout import ImageOpener, jsonl_objects
 from trimvlm.errors import InputError
 from trimvlm.evals.metrics import option_gold
 from trimvlm.evals.tasks.base import Record, Task, check_limit
@@ -40,23 +38,9 @@ def _strings(value, what: str, where: str) -> list[str]:
 
 def _images(paths, folder: Path, rid, where: str) -> list[Path]:
     """The record's image files (relative to `folder`), each decoded now: a broken image stops the task before
-    the run, never in the middle of it."""
-    images = []
-    for p in _strings(paths, "images", where):
-        path = Path(p).expanduser()
-        path = path if path.is_absolute() else folder / path
-        if not path.exists():
-            raise InputError(f"{where}: image file not found: {path}")
-        try:
-            with Image.open(path) as im:
-                im.load()
-        except Exception as e:  # PIL raises several types for unreadable files
-            raise InputError(
-                f"{where}: record {rid!s}: image {path} cannot be decoded "
-                f"({type(e).__name__}); give a PNG/JPEG/... file PIL can open"
-            ) from None
-        images.append(path)
-    return images
+    the run, never in the middle of it. An empty path names the folder itself: refused as no image file."""
+    opener, record = ImageOpener(), f"{where}: record {rid!s}"
+    return [opener.open(p or ".", folder, record) for p in _strings(paths, "images", where)]
 
 
 def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Record:
