@@ -20,8 +20,8 @@ from pathlib import Path
 
 from trimvlm.data.layout import ImageOpener, find_source, image_present, iter_images, read_columns
 from trimvlm.errors import InputError
-from trimvlm.evals.metrics import OPTION_LETTERS, get_metric
-from trimvlm.evals.tasks.base import PROBES, SHORT_INSTRUCTION, TASKS, Record, Task, TaskEntry, check_limit
+from trimvlm.evals.metrics import OPTION_LETTERS
+from trimvlm.evals.tasks.base import SHORT_INSTRUCTION, TASKS, Record, Task, TaskEntry, check_limit
 from trimvlm.progress import steps
 
 
@@ -31,7 +31,7 @@ class Benchmark:
     title: str
     columns: tuple[str, ...]  # every record needs these (the image column included)
     make: Callable[[dict, str], dict]  # (row, where) -> question, answers, prompt, [options, kind]
-    probe: str
+    probe: str  # of every record (Record checks it and the metric)
     metric: str
     prompt: str  # the prompt format, in words (docs, errors)
     default_split: str
@@ -41,11 +41,6 @@ class Benchmark:
     configs: tuple[str, ...] = ()  # configuration folders that hold it in a multi-config copy
     max_new_tokens: int = 32  # full-pipeline answers (lmms-eval's generation cap where it sets one)
     only_with_image: bool = False  # skip rows without an image (ScienceQA-IMG) instead of refusing them
-
-    def __post_init__(self):
-        if self.probe not in PROBES:
-            raise InputError(f"benchmark {self.name}: probe {self.probe!r}; allowed: {', '.join(PROBES)}")
-        get_metric(self.metric)
 
 
 def register_benchmark(bench: Benchmark) -> Benchmark:
