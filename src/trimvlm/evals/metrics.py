@@ -107,8 +107,8 @@ _NAMED = (
 
 
 def _letter_in_text(raw: str, norms: Sequence[str]) -> int | None:
-    """A letter named in free text, or the one option whose text (`norms`: each normalised) the answer contains;
-    else None."""
+    """A letter named in free text, or the one option whose text (`norms`: each normalised) the answer
+    contains; else None."""
     n = len(norms)
     letters = set(OPTION_LETTERS[:n])
     m = _NAMED.search(raw)

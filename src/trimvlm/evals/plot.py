@@ -20,7 +20,7 @@ OTHER = {"s": 12, "color": "#c0c0c0", "zorder": 1, "linewidths": 0}
 FRONT_COLOUR = "#404040"
 PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items",
                 "candidates": "candidate items"}  # fmt: skip
-FLOPS_AXES = {"candidates": ("branch_flops", "branch FLOPs")}  # a probe's FLOPs axis (default: model + method)
+FLOPS_AXES = {"candidates": ("branch_flops", "branch FLOPs")}  # a probe's FLOPs axis (else model + method)
 
 
 class Point(NamedTuple):

@@ -216,7 +216,7 @@ def run_eval(
         opts = cls.prepare(vlm, task.records, task, opts)
     depths = [depth_info(r, vlm) for r in recipes]  # bad budgets / ranking files fail before any run
     device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
-    on_cpu = device is not None and device.type != "cuda"  # CUDA reads the allocator's peak in every timed call
+    on_cpu = device is not None and device.type != "cuda"  # CUDA: the allocator's peak of every timed call
     preds, accs = run_batches(vlm, task, recipes, batches(task, batch_size), opts, warmup=warmup,
                               memory=memory if on_cpu else "off", progress=progress, console=console,
                               order_offset=order_offset)  # fmt: skip
@@ -229,9 +229,9 @@ def run_eval(
 
 
 def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progress, console, order_offset):
-    """The interleaved loop: per batch its untimed work, then every recipe (the first rotating), and the untimed
-    memory calls `memory` asks for; returns the outputs [recipe][item] and per recipe the cost accumulators by
-    (probe, kind)."""
+    """The interleaved loop: per batch its untimed work, then every recipe (the first rotating), and the
+    untimed memory calls `memory` asks for; returns the outputs [recipe][item] and per recipe the cost
+    accumulators by (probe, kind)."""
     records = task.records
     n_rec = len(recipes)
     preds: list[list] = [[None] * len(records) for _ in recipes]

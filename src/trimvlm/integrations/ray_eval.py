@@ -83,8 +83,8 @@ def _worker_class(ray):
             res = run_eval(self.vlm, task, recipes, progress=False, order_offset=offset, **kw)
             self.warm = True
             latency = {r["recipe"]: r["ratio"]["latency_s"] for r in res.rows if r["group"] == "all"}
-            return {**{k: getattr(res, k) for k in ("predictions", "costs", "depths", "settings")},
-                    "latency_ratio": latency, "seconds": time.perf_counter() - t0, "worker": self.info()}  # fmt: skip
+            fields = {k: getattr(res, k) for k in ("predictions", "costs", "depths", "settings")}
+            return {**fields, "latency_ratio": latency, "seconds": time.perf_counter() - t0, "worker": self.info()}
 
     return EvalWorker
 
@@ -111,8 +111,9 @@ class Shard(NamedTuple):
 
 
 def shards_of(task: Task, batch_size: int, n_shards: int) -> list[Shard]:
-    """At most `n_shards` runs of consecutive batches of `batches`. A shard's items regroup into exactly its batches (checked): within a
-    (probe, kind) group only the group's last batch is short, and it is the last of that group in a shard."""
+    """At most `n_shards` runs of consecutive batches of `batches`. A shard's items regroup into exactly
+    its batches (checked): within a (probe, kind) group only the group's last batch is short, and it is the
+    last of that group in a shard."""
     whole = batches(task, batch_size)
     per = max(1, math.ceil(len(whole) / max(1, n_shards)))
     out = []
