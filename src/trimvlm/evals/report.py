@@ -158,8 +158,7 @@ def diff_text(paired: dict | None) -> str:
 def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
     """Many recipes: accuracy % per probe (per kind: with --wide), then mismatch % per probe, one row per
     recipe."""
-    summaries = [g for g in groups if g["group_type"] != "kind"]
-    probes = [g for g in summaries if g["group"] != "all"]
+    probes = [g for g in groups if g["group_type"] == "probe"]
     cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
     cols += [Col("all 95% CI", right=True), Col("vs baseline (pts)", right=True, wide=True)]
     cols += [Col(f"{g['group']} mismatch", right=True) for g in probes]
