@@ -137,9 +137,7 @@ def _letter_in_text(raw: str, norms: Sequence[str]) -> int | None:
 def yes_no(prediction: str) -> str | None:
     """'yes' / 'no' from a prediction: its first word, else any yes / no / not in it (POPE's rule), else None."""
     words = normalize_answer(prediction).split()
-    if not words:
-        return None
-    if words[0] in ("yes", "no"):
+    if words and words[0] in ("yes", "no"):
         return words[0]
     if "yes" in words:
         return "yes"
