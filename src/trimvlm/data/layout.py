@@ -166,22 +166,25 @@ def find_source(
 
 
 def _read_jsonl(files: list[Path]) -> list[dict]:
-    rows = []
-    for f in files:
-        with f.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{f}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-                obj["__file__"] = f
-                rows.append(obj)
-    return rows
+    return [{**obj, "__file__": f} for f in files for _, obj in jsonl_objects(f)]
+
+
+def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per line of a JSONL file, blank lines and lines starting with `#` skipped; a line
+    that is not a JSON object stops it with InputError "<path>:<line>: ...". Lines are read as they are asked
+    for (a caller that stops early never reads the rest)."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
 
 
 def read_columns(src: Source, names: Sequence[str]) -> dict[str, list]:

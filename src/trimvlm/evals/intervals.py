@@ -124,8 +124,6 @@ def accuracy_interval(scores: Sequence[float], level: float = LEVEL, seed: int =
 def mcnemar_exact(a_only: int, b_only: int) -> float:
     """Two-sided exact McNemar p-value: the binomial test of min(a_only, b_only) of their sum at p = 1/2."""
     m, k = a_only + b_only, min(a_only, b_only)
-    if m == 0:
-        return 1.0
     tail = sum(math.comb(m, i) for i in range(k + 1)) / 2.0**m
     return min(1.0, 2 * tail)
 

@@ -92,11 +92,10 @@ def option_index(prediction: str, options: Sequence[str]) -> int | None:
         bare = collapse(raw.strip(string.punctuation + " ")) == letter
         if 0 <= k < n and (letter.isupper() or bare):
             return k
-    norm = normalize_answer(raw)
-    for k, opt in enumerate(options):
-        if norm and norm == normalize_answer(opt):
-            return k
-    return _letter_in_text(raw, options) if n else None
+    norm, norms = normalize_answer(raw), [normalize_answer(o) for o in options]
+    if norm and norm in norms:
+        return norms.index(norm)
+    return _letter_in_text(raw, norms) if n else None
 
 
 _NAMED = (
@@ -107,9 +106,10 @@ _NAMED = (
 )
 
 
-def _letter_in_text(raw: str, options: Sequence[str]) -> int | None:
-    """A letter named in free text, or the one option whose text the answer contains; else None."""
-    n = len(options)
+def _letter_in_text(raw: str, norms: Sequence[str]) -> int | None:
+    """A letter named in free text, or the one option whose text (`norms`: each normalised) the answer
+    contains; else None."""
+    n = len(norms)
     letters = set(OPTION_LETTERS[:n])
     m = _NAMED.search(raw)
     if m:
@@ -126,12 +126,10 @@ def _letter_in_text(raw: str, options: Sequence[str]) -> int | None:
         if not (letter == "A" and len(words) > 3):  # "A" inside a sentence: the article
             return OPTION_LETTERS.find(letter)
     text = f" {normalize_answer(raw)} "
-    found = [k for k, o in enumerate(options) if normalize_answer(o) and f" {normalize_answer(o)} " in text]
-    longest = max(found, key=lambda k: len(normalize_answer(options[k])), default=None)
+    found = [k for k, o in enumerate(norms) if o and f" {o} " in text]
+    longest = max(found, key=lambda k: len(norms[k]), default=None)
     # one option named, or one whose text holds every other one found ("red" inside "dark red")
-    if longest is not None and all(
-        normalize_answer(options[k]) in normalize_answer(options[longest]) for k in found
-    ):
+    if longest is not None and all(norms[k] in norms[longest] for k in found):
         return longest
     return None
 
@@ -139,9 +137,7 @@ def _letter_in_text(raw: str, options: Sequence[str]) -> int | None:
 def yes_no(prediction: str) -> str | None:
     """'yes' / 'no' from a prediction: its first word, else any yes / no / not in it (POPE's rule), else None."""
     words = normalize_answer(prediction).split()
-    if not words:
-        return None
-    if words[0] in ("yes", "no"):
+    if words and words[0] in ("yes", "no"):
         return words[0]
     if "yes" in words:
         return "yes"

@@ -20,6 +20,7 @@ OTHER = {"s": 12, "color": "#c0c0c0", "zorder": 1, "linewidths": 0}
 FRONT_COLOUR = "#404040"
 PROBE_TITLES = {"prefill": "prefill-probe items", "full": "full-pipeline-probe items",
                 "candidates": "candidate items"}  # fmt: skip
+FLOPS_AXES = {"candidates": ("branch_flops", "branch FLOPs")}  # a probe's FLOPs axis (else model + method)
 
 
 class Point(NamedTuple):
@@ -201,11 +202,7 @@ def eval_panels(result) -> list[list[Panel]]:
     probes = [r["group"] for r in result.rows if r["recipe"] == base and r["group_type"] == "probe"]
     rows = []
     for probe in probes:
-        flops = (
-            ("branch_flops", "branch FLOPs")
-            if probe == "candidates"
-            else ("total_flops", "FLOPs (model + method)")
-        )
+        flops = FLOPS_AXES.get(probe, ("total_flops", "FLOPs (model + method)"))
         title = f"{PROBE_TITLES.get(probe, probe)} ({result.row(base, probe)['n']})"
         rows.append([Panel(title, f"{name} / baseline", _points(result, probe, key))
                      for key, name in (flops, ("kv_bytes", "KV bytes (hollow: KV peak)"),

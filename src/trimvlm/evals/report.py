@@ -69,10 +69,7 @@ COST_COLUMNS = (  # (key, heading): per item, and as a ratio to the baseline
 
 
 DEFAULT_COSTS = ("total_flops", "kv_bytes", "latency_s", "peak_memory_bytes")  # the others: with --wide
-
-
-def _cost_cols() -> list[Col]:
-    return [Col(h, right=True, wide=k not in DEFAULT_COSTS) for k, h in COST_COLUMNS]
+COST_COLS = tuple(Col(h, right=True, wide=k not in DEFAULT_COSTS) for k, h in COST_COLUMNS)  # the tables' columns
 
 
 def _pct(x: float | None) -> str:
@@ -158,8 +155,7 @@ def diff_text(paired: dict | None) -> str:
 def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
     """Many recipes: accuracy % per probe (per kind: with --wide), then mismatch % per probe, one row per
     recipe."""
-    summaries = [g for g in groups if g["group_type"] != "kind"]
-    probes = [g for g in summaries if g["group"] != "all"]
+    probes = [g for g in groups if g["group_type"] == "probe"]
     cols = [Col(f"{g['group']} acc", right=True, wide=g["group_type"] == "kind") for g in groups]
     cols += [Col("all 95% CI", right=True), Col("vs baseline (pts)", right=True, wide=True)]
     cols += [Col(f"{g['group']} mismatch", right=True) for g in probes]
@@ -176,10 +172,10 @@ def _accuracy_rows(result: EvalResult, groups: list[dict], console) -> Sheet:
 def _cost_tables(result: EvalResult, summaries: list[dict], console) -> None:
     labels = result.labels
     cost = Sheet(console, "costs per item (latency in ms)",
-                 ["recipe", "probe", *_cost_cols(), Col("method FLOPs", right=True, wide=True)])  # fmt: skip
+                 ["recipe", "probe", *COST_COLS, Col("method FLOPs", right=True, wide=True)])  # fmt: skip
     ratio = Sheet(console, "cost / baseline (same items, interleaved; FLOPs = model + method)",
                   ["recipe", "probe", Col("skipped", right=True, wide=not any(result.depths)),
-                   Col("retention %", right=True), *_cost_cols(), Col("method share", right=True, wide=True)])  # fmt: skip
+                   Col("retention %", right=True), *COST_COLS, Col("method share", right=True, wide=True)])  # fmt: skip
     for label, depth in zip(labels, result.depths, strict=True):
         for g in summaries:
             row = result.row(label, g["group"])

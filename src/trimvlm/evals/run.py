@@ -74,13 +74,6 @@ class CostKey(NamedTuple):
     kind: str
 
 
-class Timed(NamedTuple):
-    """One timed run of a batch: what it gave and its wall seconds."""
-
-    run: ItemsRun
-    seconds: float
-
-
 @dataclass
 class CostAcc:
     """The one cost accumulator: sums of one recipe's calls over a set of items."""
@@ -93,17 +86,14 @@ class CostAcc:
     executors: set = field(default_factory=set)
 
     def add(self, costs, n_items: int, wall_s: float, executor: str = "") -> None:
-        self.n += n_items
-        self.batches += 1
+        """One call's `Costs` on `n_items` items, `wall_s` its whole call."""
         seconds = costs.seconds
         values = {"prefill_flops": costs.prefill_flops, "decode_flops": costs.decode_flops,
                   "branch_flops": costs.flops.get("branch", 0), "method_prefill_flops": costs.method_prefill_flops,
                   "method_decode_flops": costs.method_decode_flops, "method_flops": costs.method_total_flops,
                   "total_flops": costs.total_flops, "kv_bytes": costs.kv_bytes, "kv_bytes_peak": costs.kv_bytes_peak,
                   "latency_s": sum(seconds.values()), "branch_s": seconds.get("branch", 0.0), "wall_s": wall_s}  # fmt: skip
-        for k, v in values.items():
-            self.sums[k] += v
-        self.executors |= {executor} - {""}
+        self.merge(CostAcc(n_items, 1, values, executors={executor} - {""}))
         self.memory(costs)
 
     def memory(self, costs) -> None:
@@ -225,9 +215,11 @@ def run_eval(
     for cls in dict.fromkeys(type(r) for r in task.records):  # checks of every item kind, before any item runs
         opts = cls.prepare(vlm, task.records, task, opts)
     depths = [depth_info(r, vlm) for r in recipes]  # bad budgets / ranking files fail before any run
-    preds, accs = run_batches(vlm, task, recipes, batches(task, batch_size), opts, warmup=warmup, memory=memory,
-                              progress=progress, console=console, order_offset=order_offset)  # fmt: skip
-    device = getattr(getattr(vlm, "runner", None), "device", None)
+    device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
+    on_cpu = device is not None and device.type != "cuda"  # CUDA: the allocator's peak of every timed call
+    preds, accs = run_batches(vlm, task, recipes, batches(task, batch_size), opts, warmup=warmup,
+                              memory=memory if on_cpu else "off", progress=progress, console=console,
+                              order_offset=order_offset)  # fmt: skip
     settings = {"seed": seed, "batch_size": batch_size, "max_new_tokens": task.max_new_tokens,
                 "prefill_tokens": task.prefill_tokens, "kind_max_new_tokens": task.kind_max_new_tokens,
                 "readout": opts.readout, "executor": opts.executor, "warmup": warmup, "order": ORDER,
@@ -237,21 +229,18 @@ def run_eval(
 
 
 def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progress, console, order_offset):
-    """The interleaved loop: per batch its untimed work, then every recipe (the first rotating); returns the
-    outputs [recipe][item] and per recipe the cost accumulators by (probe, kind)."""
+    """The interleaved loop: per batch its untimed work, then every recipe (the first rotating), and the
+    untimed memory calls `memory` asks for; returns the outputs [recipe][item] and per recipe the cost
+    accumulators by (probe, kind)."""
     records = task.records
     n_rec = len(recipes)
     preds: list[list] = [[None] * len(records) for _ in recipes]
     accs: list[dict[CostKey, CostAcc]] = [{} for _ in recipes]
-    device = getattr(getattr(vlm, "runner", None), "device", None)  # None: a stand-in without a runner
-    on_cpu = device is not None and device.type != "cuda"
     measured: set[tuple] = set()
 
-    def call(r: int, idx: list[int], track: bool = False):
+    def call(r: int, idx: list[int], track: bool = False) -> ItemsRun:
         items = [records[i] for i in idx]
-        t0 = time.perf_counter()
-        out = type(items[0]).run(vlm, items, recipes[r], task, opts, track_memory=track)
-        return Timed(out, time.perf_counter() - t0)
+        return type(items[0]).run(vlm, items, recipes[r], task, opts, track_memory=track)
 
     with steps(f"eval {task.name}", len(batch_list) * n_rec, console, progress, unit="batch") as bar:
         for r in range(n_rec) if warmup else ():  # untimed: one-time costs (lazy init, allocator growth) fall here
@@ -264,13 +253,15 @@ def run_batches(vlm, task, recipes, batch_list, opts, *, warmup, memory, progres
             for j in range(n_rec):
                 r = (b + order_offset + j) % n_rec  # rotate which recipe goes first
                 bar.phase(f"{recipes[r].label()} · {first.kind} ({first.probe})")
-                timed = call(r, idx)
-                for i, out in zip(idx, timed.run.outputs, strict=True):
+                t0 = time.perf_counter()
+                run = call(r, idx)
+                seconds = time.perf_counter() - t0
+                for i, out in zip(idx, run.outputs, strict=True):
                     preds[r][i] = out
                 acc = accs[r].setdefault(key, CostAcc())
-                acc.add(timed.run.costs, len(idx), timed.seconds, timed.run.executor)
-                if on_cpu and (memory == "all" or (memory == "first" and (r, key.probe) not in measured)):
-                    acc.memory(call(r, idx, track=True).run.costs)  # untimed
+                acc.add(run.costs, len(idx), seconds, run.executor)
+                if memory == "all" or (memory == "first" and (r, key.probe) not in measured):
+                    acc.memory(call(r, idx, track=True).costs)  # untimed
                     measured.add((r, key.probe))
                 bar.advance()
     return preds, accs

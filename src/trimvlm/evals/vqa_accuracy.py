@@ -51,11 +51,8 @@ def normalize_vqa_answer(text: str) -> str:
     """The official VQA normalisation of one answer: punctuation, lowercase, number words, articles, contractions."""
     text = str(text).replace("\n", " ").replace("\t", " ").strip()
     delete_all = _DIGIT_COMMA.search(text) is not None
-    for p in _PUNCT:
-        if delete_all or (p + " ") in text or (" " + p) in text:
-            text = text.replace(p, "")
-        else:
-            text = text.replace(p, " ")
+    for p in _PUNCT:  # deleted beside a space (or in a number with a comma), else made a space
+        text = text.replace(p, "" if delete_all or (p + " ") in text or (" " + p) in text else " ")
     text = _PERIOD.sub("", text)
     words = []
     for w in text.lower().split():

@@ -16,6 +16,7 @@ import time
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from trimvlm.cluster import RayError, connect
 from trimvlm.errors import TrimVLMError
@@ -29,7 +30,7 @@ from trimvlm.evals.run import (
     run_eval,
 )
 from trimvlm.evals.tasks import Task, check_positive
-from trimvlm.progress import progress as progress_bar
+from trimvlm.progress import steps
 
 SHARDS_PER_WORKER = 4  # shards are pulled as workers free up: a few per worker balance uneven batches
 IN_FLIGHT = 2  # shards queued per worker, so none waits on the driver between two
@@ -70,7 +71,7 @@ def _worker_class(ray):
                 "gpus": [str(g) for g in ray.get_gpu_ids()],
             }
 
-        def run(self, shard: int, task: Task, recipes, offset: int, kw: dict) -> dict:
+        def run(self, task: Task, recipes, offset: int, kw: dict) -> dict:
             """run_eval on one shard, its recipe order that of its batches in the whole task."""
             kw = dict(kw)
             probes = {r.probe for r in task.records}
@@ -82,33 +83,37 @@ def _worker_class(ray):
             res = run_eval(self.vlm, task, recipes, progress=False, order_offset=offset, **kw)
             self.warm = True
             latency = {r["recipe"]: r["ratio"]["latency_s"] for r in res.rows if r["group"] == "all"}
-            return {
-                "shard": shard,
-                "predictions": res.predictions,
-                "costs": res.costs,
-                "depths": res.depths,
-                "settings": res.settings,
-                "latency_ratio": latency,
-                "seconds": time.perf_counter() - t0,
-                "worker": self.info(),
-            }
+            fields = {k: getattr(res, k) for k in ("predictions", "costs", "depths", "settings")}
+            return {**fields, "latency_ratio": latency, "seconds": time.perf_counter() - t0, "worker": self.info()}
 
     return EvalWorker
 
 
-def _unwrap(ray, e: Exception) -> TrimVLMError:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, TrimVLMError):
-        return cause
-    if isinstance(e, ray.exceptions.RayTaskError) and cause is not None:
-        return RayError(f"a Ray worker failed: {type(cause).__name__}: {cause}")
-    return RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}")
+def _get(ray, refs):
+    """`ray.get(refs)`; a worker's failure raised as the TrimVLMError it raised, else as a RayError."""
+    try:
+        return ray.get(refs)
+    except Exception as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, TrimVLMError):
+            raise cause from None
+        if isinstance(e, ray.exceptions.RayTaskError) and cause is not None:
+            raise RayError(f"a Ray worker failed: {type(cause).__name__}: {cause}") from None
+        raise RayError(f"a Ray worker failed: {' '.join(str(e).split())[:500]}") from None
 
 
-def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int], int, int]]:
-    """(item indices, index of its first batch, number of batches) per shard: at most `n_shards` runs of
-    consecutive batches of `batches`. A shard's items regroup into exactly its batches (checked): within a
-    (probe, kind) group only the group's last batch is short, and it is the last of that group in a shard."""
+class Shard(NamedTuple):
+    """A run of consecutive batches of the task: its item indices, the index of its first batch, how many."""
+
+    items: list[int]
+    first_batch: int
+    batches: int
+
+
+def shards_of(task: Task, batch_size: int, n_shards: int) -> list[Shard]:
+    """At most `n_shards` runs of consecutive batches of `batches`. A shard's items regroup into exactly
+    its batches (checked): within a (probe, kind) group only the group's last batch is short, and it is the
+    last of that group in a shard."""
     whole = batches(task, batch_size)
     per = max(1, math.ceil(len(whole) / max(1, n_shards)))
     out = []
@@ -118,7 +123,7 @@ def shards_of(task: Task, batch_size: int, n_shards: int) -> list[tuple[list[int
         again = batches(replace(task, records=[task.records[i] for i in idx]), batch_size)
         if [[idx[j] for j in b] for b in again] != part:  # pragma: no cover - invariant
             raise TrimVLMError(f"shard {len(out)} does not regroup into its batches; please report this")
-        out.append((idx, s, len(part)))
+        out.append(Shard(idx, s, len(part)))
     return out
 
 
@@ -140,7 +145,8 @@ class RayEvaluator:
     def __enter__(self) -> RayEvaluator:
         self.ray, self.started, self.where = connect(self.ray_address)
         try:
-            self.actors, self.infos = _start_workers(self.ray, self.where, self.workers, self.model, self.load_kw)
+            self.actors = _start_workers(self.ray, self.where, self.workers, self.model, self.load_kw)
+            self.infos = _get(self.ray, [a.info.remote() for a in self.actors])
         except BaseException:
             self.close()
             raise
@@ -164,12 +170,11 @@ class RayEvaluator:
         task, kw = _checked(task, kw, progress)
         recipes = normalize_recipes(recipes)
         shards = shards_of(task, kw["batch_size"], len(self.actors) * self.shards_per_worker)
-        with progress_bar(self.console, progress) as bar:
-            job = bar.add_task(f"eval {task.name} on {len(self.actors)} Ray workers",
-                               total=sum(n for _, _, n in shards) * len(recipes))  # fmt: skip
+        total = sum(s.batches for s in shards) * len(recipes)
+        with steps(f"eval {task.name} on {len(self.actors)} Ray workers", total, self.console, progress,
+                   unit="batch") as bar:  # fmt: skip
             t_start = time.perf_counter()
-            results = _pull(self.ray, self.actors, shards, task, recipes, kw, lambda s: bar.update(
-                job, advance=shards[s][2] * len(recipes), detail=f"shard {s + 1}/{len(shards)}"))  # fmt: skip
+            results = _pull(self.ray, self.actors, shards, task, recipes, kw, bar)
         return _merge(task, recipes, shards, results, self.where, len(self.actors), self.infos,
                       time.perf_counter() - t_start)  # fmt: skip
 
@@ -208,7 +213,7 @@ def _checked(task: Task | str, kw: dict, progress: bool) -> tuple[Task, dict]:
 
 
 def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
-    """The actors (one model each, on a GPU of its own when the cluster has GPUs) and what each reports."""
+    """The actors (one model each, on a GPU of its own when the cluster has GPUs)."""
     res = ray.cluster_resources()
     gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
     device = str(load_kw.get("device", "cuda" if gpus else "cpu"))
@@ -224,25 +229,19 @@ def _start_workers(ray, where: str, workers: int | None, model, load_kw: dict):
                        f"{have}; give --workers {have} or fewer, or add nodes")  # fmt: skip
     opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": 1}
     Worker = _worker_class(ray)
-    actors = [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
-    try:
-        return actors, ray.get([a.info.remote() for a in actors])
-    except Exception as e:
-        for a in actors:
-            ray.kill(a)
-        raise _unwrap(ray, e) from None
+    return [Worker.options(**opts).remote(str(model), load_kw) for _ in range(workers)]
 
 
-def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, dict]:
-    """Every shard run, `IN_FLIGHT` queued per worker, the next pulled by whichever worker finishes."""
+def _pull(ray, actors, shards, task, recipes, kw: dict, bar) -> dict[int, dict]:
+    """Every shard run, `IN_FLIGHT` queued per worker, the next pulled by whichever worker finishes; `bar` (a
+    `Steps`) advanced by each shard's batches x recipes as it ends."""
     results: dict[int, dict] = {}
     pending, queue = {}, list(range(len(shards)))
 
     def submit(a: int) -> None:
         s = queue.pop(0)
-        idx, offset, _ = shards[s]
-        part = replace(task, records=[task.records[i] for i in idx])
-        pending[actors[a].run.remote(s, part, recipes, offset, kw)] = (s, a)
+        part = replace(task, records=[task.records[i] for i in shards[s].items])
+        pending[actors[a].run.remote(part, recipes, shards[s].first_batch, kw)] = (s, a)
 
     for a in range(len(actors)):
         for _ in range(IN_FLIGHT):
@@ -251,11 +250,9 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, d
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         s, a = pending.pop(done[0])
-        try:
-            results[s] = ray.get(done[0])
-        except Exception as e:
-            raise _unwrap(ray, e) from None
-        done_one(s)
+        results[s] = _get(ray, done[0])
+        bar.phase(f"shard {s + 1}/{len(shards)}")
+        bar.advance(shards[s].batches * len(recipes))
         if queue:
             submit(a)
     return results
@@ -264,10 +261,10 @@ def _pull(ray, actors, shards, task, recipes, kw: dict, done_one) -> dict[int, d
 def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> EvalResult:
     preds: list[list] = [[None] * len(task.records) for _ in recipes]
     accs: list[dict] = [{} for _ in recipes]
-    for s, (idx, _, _) in enumerate(shards):
+    for s, shard in enumerate(shards):
         part = results[s]
         for r in range(len(recipes)):
-            for local, i in enumerate(idx):
+            for local, i in enumerate(shard.items):
                 preds[r][i] = part["predictions"][r][local]
             for key, acc in part["costs"][r].items():
                 accs[r].setdefault(key, CostAcc()).merge(acc)
@@ -279,9 +276,9 @@ def _merge(task, recipes, shards, results, where, workers, infos, seconds) -> Ev
         "address": where,
         "workers": workers,
         "worker_info": infos,
-        "shards": [{"items": len(idx), "first_batch": offset, "batches": n,
+        "shards": [{**shard._asdict(), "items": len(shard.items),
                     **{k: results[s][k] for k in ("worker", "seconds", "latency_ratio")}}
-                   for s, (idx, offset, n) in enumerate(shards)],  # fmt: skip
+                   for s, shard in enumerate(shards)],  # fmt: skip
         "seconds": seconds,
         "timing": "sums over shards; each shard's recipes interleaved on its own worker",
     }

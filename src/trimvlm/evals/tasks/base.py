@@ -138,10 +138,9 @@ class Task:
         for r in self.records:
             k = out.setdefault(r.kind, {"probe": r.probe, "metric": r.metric, "n": 0})
             k["n"] += 1
-            if k["probe"] != r.probe:
-                k["probe"] = "mixed"
-            if k["metric"] != r.metric:
-                k["metric"] = "mixed"
+            for name in ("probe", "metric"):
+                if k[name] != getattr(r, name):
+                    k[name] = "mixed"
         return out
 
 

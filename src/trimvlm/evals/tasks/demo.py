@@ -42,20 +42,6 @@ def demo_questions(limit: int | None, seed: int, split: str, generator=grid, def
     return samples, questions[:n]
 
 
-def question_records(questions: list[DemoQuestion], metrics: dict[str, str]) -> list[Record]:
-    """The generation records of drawn questions, scored by `metrics[kind]` (the options are already part of
-    each question's text)."""
-    return [Record(id=qid, images=[s.image], question=qa.question, answers=[qa.answer], options=qa.options,
-                   probe=qa.probe, metric=metrics[qa.kind], kind=qa.kind, prompt=qa.question)
-            for qid, s, qa in questions]  # fmt: skip
-
-
-def candidate_items(questions: list[DemoQuestion]) -> list[CandidateItem]:
-    """The drawn questions, each scored over its fixed candidates."""
-    return [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
-                          answer=qa.candidates.index(qa.answer), kind=qa.kind) for qid, s, qa in questions]  # fmt: skip
-
-
 def split_info(split: str, seed: int, samples) -> dict:
     return {"split": split, "seed": seed, "n_images": len(samples), "questions_per_kind": 1}
 
@@ -73,7 +59,10 @@ def register_generated(name: str, about: str, generator, metrics: dict[str, str]
     @register_task(name, about, splits=SPLITS, candidates=candidates)
     def build(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
         samples, questions = demo_questions(limit, seed, split, generator, default)
-        records = question_records(questions, metrics)
+        # scored by `metrics[kind]`; the options are already part of each question's text
+        records = [Record(id=qid, images=[s.image], question=qa.question, answers=[qa.answer],
+                          options=qa.options, probe=qa.probe, metric=metrics[qa.kind], kind=qa.kind,
+                          prompt=qa.question) for qid, s, qa in questions]  # fmt: skip
         kind_caps = caps(records)
         return Task(name=name, records=records, max_new_tokens=max(kind_caps.values()), prefill_tokens=1,
                     info=split_info(split, seed, samples), kind_max_new_tokens=kind_caps)  # fmt: skip
@@ -81,8 +70,10 @@ def register_generated(name: str, about: str, generator, metrics: dict[str, str]
     @register_task(candidates, f"the {name} task's questions, each scored over its fixed candidates", splits=SPLITS)
     def build_candidates(limit: int | None = None, seed: int = 0, split: str = "test") -> Task:
         samples, questions = demo_questions(limit, seed, split, generator, default)
-        return Task(name=candidates, records=candidate_items(questions), max_new_tokens=1,
-                    info=split_info(split, seed, samples))  # fmt: skip
+        items = [CandidateItem(id=qid, image=s.image, question=qa.question, candidates=list(qa.candidates),
+                               answer=qa.candidates.index(qa.answer), kind=qa.kind)
+                 for qid, s, qa in questions]  # fmt: skip
+        return Task(name=candidates, records=items, max_new_tokens=1, info=split_info(split, seed, samples))
 
     return build, build_candidates
 

@@ -19,15 +19,13 @@ see `trimvlm.data.layout`.)
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 
-from PIL import Image
-
+from trimvlm.data.layout import ImageOpener, jsonl_objects
 from trimvlm.errors import InputError
-from trimvlm.evals.metrics import get_metric, option_gold
-from trimvlm.evals.tasks.base import PROBES, Record, Task, check_limit
+from trimvlm.evals.metrics import option_gold
+from trimvlm.evals.tasks.base import Record, Task, check_limit
 
 
 def _strings(value, what: str, where: str) -> list[str]:
@@ -40,29 +38,13 @@ def _strings(value, what: str, where: str) -> list[str]:
 
 def _images(paths, folder: Path, rid, where: str) -> list[Path]:
     """The record's image files (relative to `folder`), each decoded now: a broken image stops the task before
-    the run, never in the middle of it."""
-    images = []
-    for p in _strings(paths, "images", where):
-        path = Path(p).expanduser()
-        path = path if path.is_absolute() else folder / path
-        if not path.exists():
-            raise InputError(f"{where}: image file not found: {path}")
-        try:
-            with Image.open(path) as im:
-                im.load()
-        except Exception as e:  # PIL raises several types for unreadable files
-            raise InputError(
-                f"{where}: record {rid!s}: image {path} cannot be decoded "
-                f"({type(e).__name__}); give a PNG/JPEG/... file PIL can open"
-            ) from None
-        images.append(path)
-    return images
+    the run, never in the middle of it. An empty path names the folder itself: refused as no image file."""
+    opener, record = ImageOpener(), f"{where}: record {rid!s}"
+    return [opener.open(p or ".", folder, record) for p in _strings(paths, "images", where)]
 
 
 def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Record:
     known = {f.name for f in fields(Record)} | {"image", "answer"}
-    if not isinstance(obj, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - known)
     if unknown:
         raise InputError(f"{where}: unknown field(s) {unknown}; allowed: {', '.join(sorted(known))}")
@@ -74,20 +56,15 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     raw = obj.get("answers", obj.get("answer"))
     if raw is None:
         raise InputError(f"{where}: a reference is required: 'answer' (string) or 'answers' (list)")
-    answers = _strings(raw, "answers", where)
-    if not answers:
-        raise InputError(f"{where}: 'answers' is empty")
+    answers = _strings(raw, "answers", where)  # Record refuses an empty list
     options = _strings(obj["options"], "options", where) if obj.get("options") is not None else None
     if "image" in obj and "images" in obj:
         raise InputError(f"{where}: give 'image' or 'images', not both")
     images = _images(obj.get("images", obj.get("image")) or [], folder, obj.get("id", default_id), where)
-    metric = str(obj.get("metric", "option" if options else "exact"))
-    get_metric(metric)  # an unknown one fails here (load_jsonl names the line)
+    metric = str(obj.get("metric", "option" if options else "exact"))  # Record refuses an unknown one
     if metric == "option" and not options:
         raise InputError(f"{where}: metric 'option' needs 'options'")
-    probe = str(obj.get("probe", "prefill" if metric in ("option", "yesno") else "full"))
-    if probe not in PROBES:
-        raise InputError(f"{where}: unknown probe kind {probe!r}; allowed: {', '.join(PROBES)}")
+    probe = str(obj.get("probe", "prefill" if metric in ("option", "yesno") else "full"))  # Record checks it
     if metric == "option":
         option_gold(answers, options)  # the reference must name one of the options
     prompt = obj.get("prompt")
@@ -106,35 +83,23 @@ def record_from_json(obj: dict, folder: Path, default_id: str, where: str) -> Re
     )
 
 
-def load_jsonl(
-    path: str | Path, limit: int | None = None, max_new_tokens: int = 32, name: str | None = None
-) -> Task:
+def load_jsonl(path: str | Path, limit: int | None = None, max_new_tokens: int = 32) -> Task:
     """A task from a local JSONL file (schema in this module's docstring); the first `limit` records."""
     limit = check_limit(limit)
     path = Path(path).expanduser()
     if not path.is_file():
         raise InputError(f"task file not found: {path}")
     records: list[Record] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            try:
-                records.append(record_from_json(obj, path.parent, f"{path.stem}-{lineno}", where))
-            except InputError as e:
-                if str(e).startswith(where):
-                    raise
-                raise InputError(f"{where}: {e}") from None
+    for lineno, obj in jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        try:
+            records.append(record_from_json(obj, path.parent, f"{path.stem}-{lineno}", where))
+        except InputError as e:
+            if str(e).startswith(where):
+                raise
+            raise InputError(f"{where}: {e}") from None
+        if len(records) == limit:  # the lines after the last record used are never read
+            break
     if not records:
         raise InputError(f"task file {path} holds no records")
-    return Task(
-        name=name or path.stem, records=records, max_new_tokens=max_new_tokens, info={"source": str(path)}
-    )
+    return Task(name=path.stem, records=records, max_new_tokens=max_new_tokens, info={"source": str(path)})
