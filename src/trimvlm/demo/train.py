@@ -524,12 +524,6 @@ def _train_step(
     return loss.item(), att_loss
 
 
-def _held_out(spec: Spec) -> tuple[list, list]:
-    """The validation and the test samples."""
-    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    return val, spec.task.generate_split("test", TEST_IMAGES, seed=0)
-
-
 def _validate(
     run: _Run, enc: Encoder, val: list, test: list, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
     log_path: Path,
@@ -599,7 +593,7 @@ def train_demo(
         _resume(run, state_path, out_dir)
 
     enc = spec.encoder()
-    val, test = _held_out(spec)
+    val, test = (spec.task.generate_split(s, n, seed=0) for s, n in (("val", VAL_IMAGES), ("test", TEST_IMAGES)))
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}

@@ -125,8 +125,7 @@ def make_items(
 
 def without_answer(item: Item) -> Item:
     """The same question with its right answer removed: the head should abstain."""
-    cands = [c for c in item.candidates if c != item.answer]
-    return Item(item.image, item.question, cands, item.answer, item.kind, None)
+    return replace(item, candidates=[c for c in item.candidates if c != item.answer], target=None)
 
 
 def make_binary_items(samples, rng: np.random.Generator, kinds=BINARY_KINDS) -> list[Item]:
