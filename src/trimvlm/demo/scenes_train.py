@@ -47,11 +47,8 @@ def token_objects(scene: scenes.Scene) -> np.ndarray:
 
 def glyph_keys(scene: scenes.Scene) -> list[list[int]]:
     """Per glyph of the text, in reading order, the sequence positions of its visual tokens (1 + raster index)."""
-    g = scene.glyph_scale
-    return [
-        [1 + (scene.text_row + dr) * scene.cols + scene.text_col + i * g + dc for dr in range(g) for dc in range(g)]
-        for i in range(len(scene.text))
-    ]
+    n, tokens = scene.glyph_scale**2, scene.text_tokens()  # a glyph's tokens in a row
+    return [[1 + r * scene.cols + c for r, c, _ in tokens[a : a + n]] for a in range(0, len(tokens), n)]
 
 
 def relation_truth(scene: scenes.Scene, params: dict) -> str:
