@@ -229,12 +229,8 @@ def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> d
 
 def _by_kind(values: list, item_kinds: list[str], kinds) -> dict:
     """Per kind of `kinds` that has items, the mean of `values` over its items."""
-    out = {}
-    for kind in kinds:
-        sel = [v for v, k in zip(values, item_kinds, strict=True) if k == kind]
-        if sel:
-            out[kind] = sum(sel) / len(sel)
-    return out
+    sel = {kind: [v for v, k in zip(values, item_kinds, strict=True) if k == kind] for kind in kinds}
+    return {kind: sum(v) / len(v) for kind, v in sel.items() if v}
 
 
 def train(
