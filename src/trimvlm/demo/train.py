@@ -623,9 +623,8 @@ class _Window:
         self.log_path, self.losses, self.att_losses, self.t_last = log_path, [], [], time.time()
 
     def add(self, loss: float, att: float | None) -> None:
-        if att is not None:
-            self.att_losses.append(att)
         self.losses.append(loss)
+        self.att_losses += [] if att is None else [att]
 
     def log(self, run: _Run) -> dict:
         """Log the mean losses of the last steps (and the attention loss when it was trained); start anew."""

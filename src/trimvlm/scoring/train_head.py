@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError
+from trimvlm.scoring.engine import run_scoring
 from trimvlm.scoring.head import DecisionHead
 from trimvlm.scoring.request import ScoreRequest
 
@@ -153,8 +154,6 @@ def extract(
     vlm, items: list[Item], *, batch_size: int = EXTRACT_BATCH, progress=None, label="features"
 ) -> Cached:
     """Run the frozen backbone once over the items (batched executor, no gradients) and pad their features."""
-    from trimvlm.scoring.engine import run_scoring
-
     task = progress.add_task(label, total=len(items)) if progress is not None else None
     parts = []
     with torch.no_grad():
