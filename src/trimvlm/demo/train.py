@@ -27,6 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trimvlm.demo import task, train_common
 from trimvlm.demo.health import HEALTH_IMAGES, scaffold_health
@@ -224,9 +228,6 @@ class AttentionTeacher:
         self.roles = {layer: role for role, ls in roles.items() for layer in place(ls)}  # the later role wins
         attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
         if rows_only:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
             AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
             # SDPA's masks too: an attention name with no mask function gets no mask at all (transformers),
             # which right-padded training batches survive and left-padded generation (validation) does not
@@ -291,8 +292,6 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks (`module.rows_teacher`), while
     grad is on, also the softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the
     teacher)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
     teacher = getattr(module, "rows_teacher", None)
     if teacher is None or not torch.is_grad_enabled() or teacher.query is None:
@@ -380,8 +379,6 @@ def warm_start(model, folder: str | Path) -> int:
     Qwen3.5's RMSNorm scales by (1 + w) and starts at w = 0 where Qwen3-VL's scales by w: such a fresh
     all-zero norm weight takes the source weight minus one.
     """
-    from safetensors.torch import load_file
-
     src = load_file(str(Path(folder) / "model.safetensors"))
     own = model.state_dict()
     hits = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START
+from trimvlm.scoring.trie import rows_tensor
 
 AUX_POSITION_LAYER = 2
 P_SINGLE_TURN = 0.2  # sequences cut to one turn: the exact evaluation format
@@ -125,20 +126,16 @@ class Encoder:
         """Each sample's `token_targets` as [samples, tokens] tensors, -100 past an image's tokens."""
         per = [self.token_targets(s.scene) for s in samples]
         n = max(len(t["content"]) for t in per)
-        return {k: torch.tensor([t[k] + [-100] * (n - len(t[k])) for t in per]) for k in per[0]}
+        return {k: rows_tensor([t[k] for t in per], -100, left=False, width=n) for k in per[0]}
 
     def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
         n = max(len(s) for s in seqs)
         n = -(-n // multiple) * multiple  # few distinct shapes: CPU kernels are planned once per shape
-
-        def padded(rows, value) -> torch.Tensor:  # [len(rows), n] long
-            return torch.tensor([[value] * (n - len(r)) + r if left else r + [value] * (n - len(r)) for r in rows])
-
-        ids = padded(seqs, self.pad)
-        out = {"input_ids": ids, "attention_mask": padded([[1] * len(s) for s in seqs], 0),
+        ids = rows_tensor(seqs, self.pad, left, width=n)
+        out = {"input_ids": ids, "attention_mask": rows_tensor([[1] * len(s) for s in seqs], 0, left, width=n),
                "mm_token_type_ids": (ids == self.image_pad).long()}  # fmt: skip
         if labs is not None:
-            out["labels"] = padded(labs, -100)
+            out["labels"] = rows_tensor(labs, -100, left, width=n)
         return out
 
 
