@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trimvlm.decision.demo_template import demo_decision_config
 from trimvlm.decision.errors import DecisionError
 
 
@@ -57,8 +58,6 @@ def model_config(adapter):
     if folder is not None and any((folder / f).exists() for f in ships):
         return DecisionConfig.from_pretrained(folder)
     if folder is not None and _is_demo(folder):
-        from trimvlm.decision.demo_template import demo_decision_config
-
         return demo_decision_config()
     return DecisionConfig()
 

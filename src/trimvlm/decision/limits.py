@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trimvlm.errors import InputError
+from trimvlm.options import is_int
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,5 @@ class Limits:
     def __post_init__(self):
         for name in ("max_questions", "max_assets", "max_asset_bytes", "max_prompt_tokens"):
             v = getattr(self, name)
-            if v is None and name == "max_prompt_tokens":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not (v is None and name == "max_prompt_tokens") and not (is_int(v) and v >= 1):
                 raise InputError(f"limit {name} must be a positive integer, got {v!r}")

@@ -9,7 +9,6 @@ as it arrives, then answers a batch of them with `decide.run`.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +88,6 @@ def prepare_request(vlm, request, *, decision_config=None, limits: Limits | None
             raise AssetError(f"the images do not fit the prompt: {message}") from e
         raise DecisionError(f"the prompts could not be built from the decision config: {message}") from e
     tokenizer = getattr(proc, "tokenizer", proc)
-    labels = functools.partial(_label_ids, label_token_ids, tokenizer)
     out = []
     for inputs, group in prompts:
         inputs = dict(inputs)
@@ -107,7 +105,11 @@ def prepare_request(vlm, request, *, decision_config=None, limits: Limits | None
         if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
             raise DecisionError(f"a prompt has {n} tokens, at most {limits.max_prompt_tokens}")
         check_context(vlm.adapter, inputs, group)
-        ids = None if head is not None else [labels(tuple(q.labels)) for q in group]
+        try:
+            ids = None if head is not None else [label_token_ids(tokenizer, tuple(q.labels)) for q in group]
+        except ValueError as e:
+            raise DecisionError(f"{e} Give labels that are single tokens of this model in the decision config "
+                                "(`labels`)") from e
         out.append(Prompt(inputs=inputs, marks=marks, questions=list(group), label_ids=ids))
     names = [q.name for p in out for q in p.questions]
     return PreparedRequest(prompts=out, config=config, seconds=time.perf_counter() - t0, names=names)
@@ -126,12 +128,3 @@ def check_context(adapter, inputs: dict, group) -> None:
             f"the prompt of question {names} takes {used:,} positions ({tokens:,} tokens), past this model's "
             f"{limit:,}; shorten its instructions or the state"
         )
-
-
-def _label_ids(label_token_ids, tokenizer, labels: tuple[str, ...]) -> list[int]:
-    try:
-        return label_token_ids(tokenizer, labels)
-    except ValueError as e:
-        raise DecisionError(
-            f"{e} Give labels that are single tokens of this model in the decision config (`labels`)"
-        ) from e

@@ -29,10 +29,7 @@ def option_scores(vlm, prompts: list, hidden: torch.Tensor, meter) -> list[list[
         column = {t: c for c, t in enumerate(ids)}
         meter.add("prefill", 2 * hidden.shape[0] * hidden.shape[-1] * len(ids))
         logits = ad.lm_head_rows(hidden, ids)
-        flat = []
-        for j, qids in enumerate(qids for p in prompts for qids in p.label_ids):
-            cols = torch.tensor([column[t] for t in qids], dtype=torch.long, device=logits.device)
-            flat.append(logits[j].index_select(0, cols))
+        flat = [logits[j, [column[t] for t in qids]] for j, qids in enumerate(q for p in prompts for q in p.label_ids)]
     return grouped(flat, [len(p.questions) for p in prompts])
 
 

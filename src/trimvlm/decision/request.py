@@ -76,9 +76,7 @@ def _strings(value):
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings(k)
-            yield from _strings(v)
+        yield from _strings(list(value.items()))  # each key, then its value
     elif isinstance(value, list | tuple):
         for v in value:
             yield from _strings(v)

@@ -25,8 +25,7 @@ from trimvlm.decision.forward import Forward
 from trimvlm.runtime.plan import LayerPlan
 from trimvlm.runtime.prefix_cache import PrefixCache
 from trimvlm.runtime.tensor_memo import remembered
-from trimvlm.scoring.executors import batched
-from trimvlm.scoring.executors.common import Work, request_rows
+from trimvlm.scoring.executors.common import Work, request_rows, run_batched
 from trimvlm.scoring.trie import build_forest
 
 PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # cut with the tokens
@@ -116,7 +115,7 @@ def run_shared(vlm, groups: list[list], cuts: list[int], plan, meter) -> Forward
     forest = build_forest(tails, prefix.next_pos.tolist(), merge=False)
     skip = tail_skip(plan.skip_prefill, forest)
     with meter.timer("branch"):  # the tails' FLOPs are on the branch line: their time is too
-        states = batched.run(Work(runner, prefix, forest, skip, meter, plan))
+        states = run_batched(Work(runner, prefix, forest, skip, meter, plan))
     rows = [forest.paths[a][u][int(m) - 1 - c]
             for g, c, at in zip(groups, cuts, where, strict=True)
             for p, (a, u) in zip(g, at, strict=True) for m in p.marks]  # fmt: skip

@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from trimvlm.demo import task
+from trimvlm.demo import scenes, task
 from trimvlm.demo.vocab import EOS, PAD, build_tokenizer, vision_ids
 from trimvlm.errors import InputError
 
@@ -43,8 +43,6 @@ def build_image_processor(task_name: str = "demo") -> Qwen2VLImageProcessorPil:
     """The grid task's fixed 128 x 128 images, or the scenes task's dynamic resolution: any image of 160 to 400
     visual tokens (16 x 16 pixels each) passes unchanged; others are resized into that range."""
     if task_name == "scenes":
-        from trimvlm.demo import scenes
-
         lo, hi = scenes.MIN_TOKENS * scenes.TOKEN_PX**2, scenes.MAX_TOKENS * scenes.TOKEN_PX**2
     else:
         lo = hi = task.IMAGE_SIZE * task.IMAGE_SIZE
@@ -111,8 +109,6 @@ def build_scenes_config(
 ) -> PretrainedConfig:
     """demo-scenes: Qwen2.5-VL with `layers` decoder layers; the vision tower attends within windows of
     4 x 4 merged tokens (64 pixels) and across the whole image in its last two blocks."""
-    from trimvlm.demo import scenes
-
     tok = tokenizer if tokenizer is not None else build_tokenizer(scenes.vocabulary_words())
     half = head_dim // 2
     hw = (half * 3) // 8  # Qwen2.5-VL's [16, 24, 24] for head_dim 128

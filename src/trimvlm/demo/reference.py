@@ -20,11 +20,10 @@ import typer
 from trimvlm.evals.metrics import get_metric
 from trimvlm.evals.run import batches
 from trimvlm.evals.tasks import get_task
+from trimvlm.loading import load_adapter, resolve
 
 
 def reference_accuracy(folder: str | Path, items: int = 200, batch_size: int = 50) -> dict:
-    from trimvlm.loading import load_adapter
-
     adapter = load_adapter(folder)
     model, tok = adapter.model, adapter.tokenizer
     name = json.loads((Path(folder) / "trimvlm.json").read_text()).get("task", "demo")
@@ -65,8 +64,6 @@ def main(
     items: int = typer.Option(200),
 ) -> None:
     """Record the checkpoint's reference accuracy (transformers' own greedy generate) in its trimvlm.json."""
-    from trimvlm.loading import resolve
-
     print(json.dumps(record_reference(folder or resolve(model), items), indent=2))
 
 

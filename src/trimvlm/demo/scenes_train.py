@@ -39,19 +39,10 @@ def pair_class(color: str, shape: str) -> int:
     return scenes.COLOR_NAMES.index(color) * len(scenes.SHAPES) + scenes.SHAPES.index(shape)
 
 
-def token_objects(scene: scenes.Scene) -> np.ndarray:
-    """Per visual token (raster order), the index of the object it shows, or -1."""
-    counts = scenes.object_pixels(scene)
-    return np.where(counts.max(1) >= SEEN_PIXELS, counts.argmax(1), -1)
-
-
 def glyph_keys(scene: scenes.Scene) -> list[list[int]]:
     """Per glyph of the text, in reading order, the sequence positions of its visual tokens (1 + raster index)."""
-    g = scene.glyph_scale
-    return [
-        [1 + (scene.text_row + dr) * scene.cols + scene.text_col + i * g + dc for dr in range(g) for dc in range(g)]
-        for i in range(len(scene.text))
-    ]
+    n, tokens = scene.glyph_scale**2, scene.text_tokens()  # a glyph's tokens in a row
+    return [[1 + r * scene.cols + c for r, c, _ in tokens[a : a + n]] for a in range(0, len(tokens), n)]
 
 
 def relation_truth(scene: scenes.Scene, params: dict) -> str:
@@ -127,7 +118,8 @@ class ScenesEncoder(Encoder):
         v, m = self.vocab, sc.rows * sc.cols
         content, pair = [v[self.background]] * m, [N_PAIRS] * m
         shape, glyph, size = [-100] * m, [-100] * m, [-100] * m
-        owner = token_objects(sc)
+        counts = scenes.object_pixels(sc)
+        owner = np.where(counts.max(1) >= SEEN_PIXELS, counts.argmax(1), -1)  # per token the object it shows, or -1
         for t in np.flatnonzero(owner >= 0):
             o = sc.objects[owner[t]]
             content[t], shape[t], pair[t] = v[o.color], v[o.shape], pair_class(o.color, o.shape)

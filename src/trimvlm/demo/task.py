@@ -96,6 +96,9 @@ class Scene:
     def object_at(self, row: int, col: int) -> Obj | None:
         return next((o for o in self.objects if (o.row, o.col) == (row, col)), None)
 
+    def find(self, color: str | None = None, shape: str | None = None) -> list[Obj]:
+        return [o for o in self.objects if color in (None, o.color) and shape in (None, o.shape)]
+
 
 @dataclass
 class QA:
@@ -214,27 +217,21 @@ def answer_for(scene: Scene, kind: str, params: dict) -> str:
 def evidence_cells(scene: Scene, kind: str, params: dict) -> list[tuple[int, int]]:
     """The cells a reader must look at to answer, from the scene description (empty: nothing matches)."""
     if kind == "exist":
-        return [
-            (o.row, o.col) for o in scene.objects if (o.color, o.shape) == (params["color"], params["shape"])
-        ]
+        return [(o.row, o.col) for o in scene.find(params["color"], params["shape"])]
     if kind == "mc":
         wanted = {tuple(p) for p in params["options"]}
         return [(o.row, o.col) for o in scene.objects if (o.color, o.shape) in wanted]
     if kind == "color":
         return [(params["row"], params["col"])]
     if kind == "count":
-        return [(o.row, o.col) for o in scene.objects if o.color == params["color"]]
+        return [(o.row, o.col) for o in scene.find(params["color"])]
     if kind == "list":
         on_line = (lambda o: o.row) if params["axis"] == "row" else (lambda o: o.col)
         return [(o.row, o.col) for o in scene.objects if on_line(o) == params["index"]]
     if kind == "read":
         return scene.text_cells()
     if kind == "where":
-        return [
-            (o.row, o.col)
-            for o in scene.objects
-            if o.color == params["color"] and params.get("shape") in (None, o.shape)
-        ]
+        return [(o.row, o.col) for o in scene.find(params["color"], params.get("shape"))]
     if kind == "describe":
         return [(o.row, o.col) for o in scene.objects]
     raise InputError(f"unknown question kind {kind!r}; allowed: {sorted(KINDS) + sorted(AUX_KINDS)}")

@@ -27,6 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trimvlm.demo import task, train_common
 from trimvlm.demo.health import HEALTH_IMAGES, scaffold_health
@@ -224,9 +228,6 @@ class AttentionTeacher:
         self.roles = {layer: role for role, ls in roles.items() for layer in place(ls)}  # the later role wins
         attn = {layer: model.model.language_model.layers[layer].self_attn for layer in self.roles}
         if rows_only:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
             AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
             # SDPA's masks too: an attention name with no mask function gets no mask at all (transformers),
             # which right-padded training batches survive and left-padded generation (validation) does not
@@ -291,8 +292,6 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA's output; for a layer an `AttentionTeacher(rows_only=True)` tracks (`module.rows_teacher`), while
     grad is on, also the softmax weights of its expected query rows for its two heads ([n, 2, L], kept on the
     teacher)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
     teacher = getattr(module, "rows_teacher", None)
     if teacher is None or not torch.is_grad_enabled() or teacher.query is None:
@@ -380,8 +379,6 @@ def warm_start(model, folder: str | Path) -> int:
     Qwen3.5's RMSNorm scales by (1 + w) and starts at w = 0 where Qwen3-VL's scales by w: such a fresh
     all-zero norm weight takes the source weight minus one.
     """
-    from safetensors.torch import load_file
-
     src = load_file(str(Path(folder) / "model.safetensors"))
     own = model.state_dict()
     hits = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
@@ -524,12 +521,6 @@ def _train_step(
     return loss.item(), att_loss
 
 
-def _held_out(spec: Spec) -> tuple[list, list]:
-    """The validation and the test samples."""
-    val = spec.task.generate_split("val", VAL_IMAGES, seed=0)
-    return val, spec.task.generate_split("test", TEST_IMAGES, seed=0)
-
-
 def _validate(
     run: _Run, enc: Encoder, val: list, test: list, out_dir: Path, tokenizer, train_meta: dict, spec: Spec,
     log_path: Path,
@@ -599,7 +590,7 @@ def train_demo(
         _resume(run, state_path, out_dir)
 
     enc = spec.encoder()
-    val, test = _held_out(spec)
+    val, test = (spec.task.generate_split(s, n, seed=0) for s, n in (("val", VAL_IMAGES), ("test", TEST_IMAGES)))
     n_params = sum(p.numel() for p in run.model.parameters())
     print(f"model: {n_params:,} parameters; training steps {run.step}..{steps}", flush=True)
     train_meta = {"seed": seed, "batch_size": batch_size, "lr": lr, "steps_planned": steps}
@@ -629,9 +620,8 @@ class _Window:
         self.log_path, self.losses, self.att_losses, self.t_last = log_path, [], [], time.time()
 
     def add(self, loss: float, att: float | None) -> None:
-        if att is not None:
-            self.att_losses.append(att)
         self.losses.append(loss)
+        self.att_losses += [] if att is None else [att]
 
     def log(self, run: _Run) -> dict:
         """Log the mean losses of the last steps (and the attention loss when it was trained); start anew."""

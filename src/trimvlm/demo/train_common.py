@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trimvlm.demo.vocab import EOS, IMAGE_PAD, PAD, VISION_END, VISION_START
+from trimvlm.scoring.trie import rows_tensor
 
 AUX_POSITION_LAYER = 2
 P_SINGLE_TURN = 0.2  # sequences cut to one turn: the exact evaluation format
@@ -125,31 +126,16 @@ class Encoder:
         """Each sample's `token_targets` as [samples, tokens] tensors, -100 past an image's tokens."""
         per = [self.token_targets(s.scene) for s in samples]
         n = max(len(t["content"]) for t in per)
-        out = {k: torch.full((len(samples), n), -100, dtype=torch.long) for k in per[0]}
-        for i, targets in enumerate(per):
-            for k, v in targets.items():
-                out[k][i, : len(v)] = torch.tensor(v)
-        return out
+        return {k: rows_tensor([t[k] for t in per], -100, left=False, width=n) for k in per[0]}
 
     def _pad(self, seqs, labs, left: bool, multiple: int = 1) -> dict:
         n = max(len(s) for s in seqs)
         n = -(-n // multiple) * multiple  # few distinct shapes: CPU kernels are planned once per shape
-        ids = torch.full((len(seqs), n), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(seqs), n), dtype=torch.long)
-        labels = torch.full((len(seqs), n), -100, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            sl = slice(n - len(s), n) if left else slice(0, len(s))
-            ids[i, sl] = torch.tensor(s)
-            mask[i, sl] = 1
-            if labs is not None:
-                labels[i, sl] = torch.tensor(labs[i])
-        out = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "mm_token_type_ids": (ids == self.image_pad).long(),
-        }
+        ids = rows_tensor(seqs, self.pad, left, width=n)
+        out = {"input_ids": ids, "attention_mask": rows_tensor([[1] * len(s) for s in seqs], 0, left, width=n),
+               "mm_token_type_ids": (ids == self.image_pad).long()}  # fmt: skip
         if labs is not None:
-            out["labels"] = labels
+            out["labels"] = rows_tensor(labs, -100, left, width=n)
         return out
 
 

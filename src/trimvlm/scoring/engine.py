@@ -129,20 +129,15 @@ def score_requests(
     )
 
 
-def head_logits(head, feats: Features, r: int):
-    # LM features are accumulated in double on the model's device; the head has its own dtype and device
-    p = next(head.parameters())
-    logits, abstain = head(*(t[r][None].to(p.device, p.dtype) for t in (feats.z_q, feats.u, feats.feats)))
-    return logits[0], abstain[0]
-
-
 def read(requests, feats: Features, readout: str, head, meter) -> list[ScoreResult]:
     results = []
     for r, req in enumerate(requests):
         abstain = abstain_p = binary_p = None
         if readout == "head":
             meter.add("method", head.flops(len(req.candidates)))
-            logits, ab = head_logits(head, feats, r)
+            # LM features are accumulated in double on the model's device; the head has its own dtype and device
+            p = next(head.parameters())
+            logits, ab = (x[0] for x in head(*(t[r][None].to(p.device, p.dtype) for t in (feats.z_q, feats.u, feats.feats))))
             if req.binary:
                 binary_p = float(torch.sigmoid(logits[0]))
                 probs = torch.tensor([binary_p], device=logits.device)

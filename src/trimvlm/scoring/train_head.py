@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from trimvlm.errors import InputError
+from trimvlm.scoring.engine import run_scoring
 from trimvlm.scoring.head import DecisionHead
 from trimvlm.scoring.request import ScoreRequest
 
@@ -125,8 +126,7 @@ def make_items(
 
 def without_answer(item: Item) -> Item:
     """The same question with its right answer removed: the head should abstain."""
-    cands = [c for c in item.candidates if c != item.answer]
-    return Item(item.image, item.question, cands, item.answer, item.kind, None)
+    return replace(item, candidates=[c for c in item.candidates if c != item.answer], target=None)
 
 
 def make_binary_items(samples, rng: np.random.Generator, kinds=BINARY_KINDS) -> list[Item]:
@@ -154,8 +154,6 @@ def extract(
     vlm, items: list[Item], *, batch_size: int = EXTRACT_BATCH, progress=None, label="features"
 ) -> Cached:
     """Run the frozen backbone once over the items (batched executor, no gradients) and pad their features."""
-    from trimvlm.scoring.engine import run_scoring
-
     task = progress.add_task(label, total=len(items)) if progress is not None else None
     parts = []
     with torch.no_grad():
@@ -230,12 +228,8 @@ def accuracy(pred: torch.Tensor, c: Cached, kinds: list[str] | None = None) -> d
 
 def _by_kind(values: list, item_kinds: list[str], kinds) -> dict:
     """Per kind of `kinds` that has items, the mean of `values` over its items."""
-    out = {}
-    for kind in kinds:
-        sel = [v for v, k in zip(values, item_kinds, strict=True) if k == kind]
-        if sel:
-            out[kind] = sum(sel) / len(sel)
-    return out
+    sel = {kind: [v for v, k in zip(values, item_kinds, strict=True) if k == kind] for kind in kinds}
+    return {kind: sum(v) / len(v) for kind, v in sel.items() if v}
 
 
 def train(

@@ -124,11 +124,12 @@ def _cut_chains(f: Forest) -> None:
 
 
 def rows_tensor(
-    rows: list[list[int]], pad: int = -1, left: bool = True, device: torch.device | str = "cpu"
+    rows: list[list[int]], pad: int = -1, left: bool = True, device: torch.device | str = "cpu",
+    width: int | None = None,
 ) -> torch.Tensor:
     """A padded [R, T] long tensor of ragged rows (left padding by default, the runner's convention), on
-    `device`."""
-    t = max((len(r) for r in rows), default=0)
+    `device`; T is `width` when given, else the longest row's length."""
+    t = max((len(r) for r in rows), default=0) if width is None else width
     if left:
         padded = [[pad] * (t - len(r)) + list(r) for r in rows]
     else:

@@ -38,21 +38,31 @@ which `router=PATH:budget=B` calibrates its keep and price.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from trimvlm.depth.base import model_fingerprint
+from trimvlm.depth.block_influence import block_influence
 from trimvlm.errors import InputError
+from trimvlm.evals.run import batches
+from trimvlm.evals.tasks.base import Task
 from trimvlm.kernels.select import topk_mask
+from trimvlm.router.budget import BudgetTable, calibrate
+from trimvlm.router.model import MetaRouter, load_router, save_router
 from trimvlm.router.route import _packed
 from trimvlm.runtime.attention import AttentionProbe
 from trimvlm.runtime.generate import generate
+from trimvlm.runtime.meter import flop_counter
 from trimvlm.runtime.plan import Plan
+from trimvlm.tokens.base import make_view
 from trimvlm.training.collect import Collect, Measured, check_sampling, prepare_work, stored
 from trimvlm.training.dpo import dpo_loss, layout_logprob_logits
 from trimvlm.training.layout_trie import Layout, run_trie
+from trimvlm.tune.predict import predict, read_shapes
 
 
 @dataclass
@@ -160,11 +170,6 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
     and `max_skip`): layouts at every keep x every subset of at most `max_skip` candidate layers (skipping none
     included), with iso-cost pairs besides the token and layer pairs; the checkpoint then carries the budget
     table and its calibration at `budgets` (router/budget.py), for `router=PATH:budget=B`."""
-    import copy
-
-    from trimvlm.depth.base import model_fingerprint
-    from trimvlm.router.model import load_router, save_router
-
     runner = vlm.runner
     cand = list(range(runner.num_layers // 2, runner.num_layers))
     v2 = keeps is not None
@@ -208,8 +213,6 @@ def train_router(vlm, records, *, token_keep: float = 0.25, layers_skip: int = 2
 
 def initial_router(hidden: int, cand: list[int], width: int, heads: int, seed: int):
     """The router before training, from its seed: DPO's frozen reference (in training and in refits)."""
-    from trimvlm.router.model import MetaRouter
-
     torch.manual_seed(seed)
     return MetaRouter(hidden, cand, width=width, heads=heads).eval().requires_grad_(False)
 
@@ -240,8 +243,6 @@ def _examples(vlm, records, ref, flops, collect: Collect, *, margin, floor, work
     that was not interrupted."""
     order = None
     if collect.lays is None:  # v1 ranks layer sets by block influence, on the first input
-        from trimvlm.depth.block_influence import block_influence
-
         bi = block_influence(vlm.runner, [vlm.prepare([list(records[0].images)], [records[0].prompt_text()])])
         order = sorted(range(vlm.runner.num_layers), key=lambda i: (bi[i], i))
     data, kls = [], []
@@ -322,10 +323,6 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
     own FLOPs, which depend only on the keep and whether the tokens were reduced before it: so each keep is
     predicted skipping nothing and skipping each layer alone, and a subset costs the first less its layers'
     savings (exactly the subset's own prediction)."""
-    from trimvlm.evals.run import batches
-    from trimvlm.evals.tasks.base import Task
-    from trimvlm.tune.predict import predict, read_shapes
-
     task = Task(name="router", records=list(records))
     shapes = read_shapes(vlm, task, batches(task, batch))
     base = predict(vlm, {}, shapes).prefill_flops
@@ -357,9 +354,6 @@ def flop_table(vlm, records, keeps, subsets, layer, batch: int = 16) -> dict:
 def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
     """The checkpoint's `budget` section: the cost table (router FLOPs included) and the calibrated
     (budget, keep, lambda) grid (router/budget.py)."""
-    from trimvlm.router.budget import BudgetTable, calibrate
-    from trimvlm.runtime.meter import flop_counter
-
     with torch.no_grad(), flop_counter() as fc:
         z = torch.cat([_logits(router, ex.feats)[:, -len(cand):] for ex in data])
     share = fc.get_total_flops() / (flops["base_prefill"] * len(data) / flops["inputs"]) if data else 0.0
@@ -375,8 +369,6 @@ def _budget_section(router, data, kls, flops, cand, max_skip, budgets) -> dict:
 
 def _kept(seq, scores, token_keep, layer):
     """[M, Nv] which packed visual tokens each layout keeps (the same per-image top-K the run used)."""
-    from trimvlm.tokens.base import make_view
-
     m = scores.shape[0]
     vis = (seq.visual & seq.valid)[0]
     cols = torch.nonzero(vis).flatten()

@@ -18,6 +18,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
+
+from trimvlm.errors import InputError, TrimVLMError
+from trimvlm.evals.run import run_eval
+from trimvlm.evals.tasks import get_task
+from trimvlm.plan import make_plan
+from trimvlm.recipe import parse_method
+from trimvlm.router.model import CONFIG, load_router
+from trimvlm.training.calibration import seen_inputs
 
 PRICES = ("auto", 0, "inf")
 ROUNDS = 2  # validation runs per candidate: at the budget, then at the aim its measured spend asks for
@@ -28,13 +37,6 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
     """{"budget", "select", "price", "aim", "val_total_flops", "val_accuracy", "val_items", "recipe"}: the best
     candidate on validation (each selector at each price of PRICES, at its aim); `recipe` is the recipe that ran
     it, with the router named `name` (as the user gave it; default: `router`)."""
-    from trimvlm.errors import InputError, TrimVLMError
-    from trimvlm.evals.tasks import get_task
-    from trimvlm.plan import make_plan
-    from trimvlm.recipe import parse_method
-    from trimvlm.router.model import load_router
-    from trimvlm.training.calibration import seen_inputs
-
     ok = []
     for r in dict.fromkeys(f"router={router}:budget={budget}:select={sel}:price={p}"
                            for sel in ["router"] + ([method] if method else []) for p in PRICES):  # fmt: skip
@@ -63,10 +65,6 @@ def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = RO
     """({candidate: its recipe at the aim found}, the last run): each candidate runs on the validation items at
     its aim in `aims` (pick_variant starts them at the budget), then at that aim scaled by budget / the spend it
     measured (capped at 1; kept where the router refuses that aim), `rounds` runs in all."""
-    from trimvlm.errors import TrimVLMError
-    from trimvlm.evals.run import run_eval
-    from trimvlm.plan import make_plan
-
     def reachable(r: str, aim: float, before: float) -> float:  # an aim the router refuses keeps the one that ran
         try:
             make_plan(f"{r}:aim={aim:.6g}", vlm.runner)
@@ -86,10 +84,6 @@ def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = RO
 def record_variants(folder, variants: list[dict]) -> None:
     """Write `variants` into the router checkpoint in `folder` (`budget.variants`, replacing earlier ones at
     the same budgets)."""
-    from pathlib import Path
-
-    from trimvlm.router.model import CONFIG
-
     path = Path(folder) / CONFIG
     meta = json.loads(path.read_text())
     kept = [v for v in meta["budget"].get("variants", []) if v["budget"] not in {w["budget"] for w in variants}]

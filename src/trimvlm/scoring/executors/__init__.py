@@ -7,12 +7,13 @@ else `batched`, whose single call has the least overhead.
 
 from __future__ import annotations
 
-from trimvlm.scoring.executors import batched, independent, segments, tree
+from trimvlm.scoring.executors import segments, tree
+from trimvlm.scoring.executors.common import run_batched, run_independent
 from trimvlm.scoring.trie import Forest
 
 EXECUTORS = {
-    "independent": independent.run,
-    "batched": batched.run,
+    "independent": run_independent,
+    "batched": run_batched,
     "segments": segments.run,
     "tree": tree.run,
 }

@@ -75,3 +75,20 @@ def run_paths(work: Work, cache_for) -> torch.Tensor:
     rows = [path for paths in f.paths for path in paths]
     run_rows(work, rows, cache_for(request_rows(f.paths, device=work.device)), out)
     return out
+
+
+def run_independent(work: Work) -> torch.Tensor:
+    """`independent`: the reference (FastJEV's C). Every candidate runs from its own copy of its request's prefix
+    cache (KV and recurrent states copied per candidate), as one batch through the plain cache path: no shared
+    parts, no trie, nothing read that another candidate wrote."""
+    return run_paths(work, work.prefix.cache.copy_rows)
+
+
+def run_batched(work: Work) -> torch.Tensor:
+    """`batched` (FastJEV's S, shared context anchoring): every candidate of every request in one batch.
+
+    Each row reads its request's prefix cache as a shared part, never copied: attention combines [prefix KV | own
+    KV] in one softmax with the prefix rows broadcast over their branches, recurrent layers start from the
+    prefix's states as read-only views (rows of different requests run in separate calls), and the branches are
+    leaves: their final recurrent/conv states and their own KV are never stored."""
+    return run_paths(work, lambda owner: leaf_cache(work, owner))

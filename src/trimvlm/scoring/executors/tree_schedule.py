@@ -10,8 +10,7 @@ from collections import defaultdict
 import torch
 
 from trimvlm.runtime.tree import RecurrentCall, TreeSchedule
-from trimvlm.scoring.executors import batched
-from trimvlm.scoring.executors.common import Work, leaf_cache, run_rows
+from trimvlm.scoring.executors.common import Work, leaf_cache, run_batched, run_rows
 from trimvlm.scoring.executors.tree_layout import LayerMix, Piece, recurrent_rows
 from trimvlm.scoring.trie import rows_tensor
 
@@ -66,7 +65,7 @@ def schedule(
 def run_pieces(work: Work, pieces: list[Piece], mix: LayerMix) -> torch.Tensor:
     """Run one layout: exactly `batched` when it is one plain row per candidate, else the tree schedule."""
     if all(p.parent < 0 and not p.children for p in pieces) and len(pieces) == work.forest.logical_paths:
-        return batched.run(work)
+        return run_batched(work)
     out = work.new_states()
     # rows grouped by request (prefix rows are contiguous runs), levels in order inside a request
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].request, pieces[p].level, p))
