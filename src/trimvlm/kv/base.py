@@ -145,7 +145,8 @@ class KVPolicy(Method):
                 if self.rows_wanted > 0 or self.colsum:
                     view.attention, view.row_valid = self._attention_rows(i, entry, handoff)
                 views[i] = view
-        weights = self.layer_weights(views) if views else None
+        uniform = getattr(self, "budgets", None) == "uniform"  # a `budgets` option's ablation: no split
+        weights = self.layer_weights(views) if views and not uniform else None
         if weights is not None:
             order = sorted(views)
             split = split_budget(

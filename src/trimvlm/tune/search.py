@@ -242,7 +242,7 @@ class Search:
         c.keep = round(new, 4)
         return True
 
-    def point(self, point: dict, rounds: list[list[int]], bar=None) -> list[Candidate]:
+    def point(self, point: dict, rounds: list[list[int]], bar) -> list[Candidate]:
         """The candidates of the last round, best first. With a beam, round 0 runs the one-axis families first
         and the joint families are formed with the `beam` best token families only."""
         fams, beam = self.space.families(), self.space.beam
@@ -250,8 +250,7 @@ class Search:
         first = [f for f in fams if len(f.parts) == 1] if beam else fams
         cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
-            if bar is not None:
-                bar.phase(f"{label(point)} · round {r + 1}/{len(rounds)}: {len(cands)} recipes x {len(idx)} items")
+            bar.phase(f"{label(point)} · round {r + 1}/{len(rounds)}: {len(cands)} recipes x {len(idx)} items")
             cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
             if r == 0 and beam:
                 top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
@@ -262,8 +261,7 @@ class Search:
                 cands = sorted(cands + self.measure(self.recheck(more, point, idx), point, idx), key=_rank)
             if r + 1 < len(rounds):
                 cands = cands[: max(1, math.ceil(len(cands) / self.s.eta))]
-            if bar is not None:
-                bar.advance()
+            bar.advance()
         return cands
 
 
