@@ -16,10 +16,6 @@ from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 
 
-def random_order(num_layers: int, seed: int) -> list[int]:
-    return [int(i) for i in np.random.default_rng([int(seed), 7411]).permutation(num_layers)]
-
-
 @dataclass
 class RandomDepth(DepthMethod):
     budget: int = option(0, require_int, minimum=0)
@@ -29,7 +25,7 @@ class RandomDepth(DepthMethod):
     def skipped(self, runner) -> frozenset[int]:
         n = runner.num_layers
         check_budget(self.budget, n)
-        return frozenset(random_order(n, self.seed)[: self.budget])
+        return frozenset(int(i) for i in np.random.default_rng([int(self.seed), 7411]).permutation(n)[: self.budget])
 
 
 register("depth", "random")(RandomDepth)

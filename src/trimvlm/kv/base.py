@@ -121,7 +121,7 @@ class KVPolicy(Method):
     def bind(self, runner, handoff):
         """The after-prefill step: decide and evict, in place on `PrefillOutput.cache`."""
         if self.is_noop:
-            return _noop
+            return lambda out: None  # keep = 1: nothing to evict
 
         def after_prefill(out) -> None:
             masks = self.select(out, handoff)
@@ -197,10 +197,6 @@ class KVPolicy(Method):
                 shared.append(e)
             else:
                 e.valid, e.visual, e.source = s.valid, s.visual, s.source
-
-
-def _noop(out) -> None:
-    return None
 
 
 def mask_out(cache: KVCache, masks: dict[int, torch.Tensor]) -> None:
