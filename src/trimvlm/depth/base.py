@@ -61,10 +61,14 @@ def model_fingerprint(adapter) -> str:
     float64 sum of layer 0 is not repeated on every plan): a loaded model's weights are not trained in place."""
     model = adapter.model
     if model not in _FINGERPRINTS:
-        h = hashlib.blake2b(digest_size=8)
-        h.update(adapter.family.encode())
-        h.update(adapter.text_config.to_json_string(use_diff=False).encode())
-        first = sum(float(p.detach().double().sum()) for p in adapter.layers[0].parameters())
-        h.update(f"{first:.6e}".encode())
-        _FINGERPRINTS[model] = h.hexdigest()
+        _FINGERPRINTS[model] = _fingerprint(adapter)
     return _FINGERPRINTS[model]
+
+
+def _fingerprint(adapter) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(adapter.family.encode())
+    h.update(adapter.text_config.to_json_string(use_diff=False).encode())
+    first = sum(float(p.detach().double().sum()) for p in adapter.layers[0].parameters())
+    h.update(f"{first:.6e}".encode())
+    return h.hexdigest()

@@ -88,7 +88,7 @@ class KVPolicy(Method):
 
     def layer_weights(self, views: dict[int, LayerView]) -> dict[int, torch.Tensor] | None:
         """[B] weight per attention layer for splitting each sample's total visual budget over the layers
-        (`split_budget`); None (the default) keeps ceil(N_post * keep) in every layer."""
+        (`split_budget`); None (the default, and a `budgets=uniform` option) keeps ceil(N_post * keep) in each."""
         return None
 
     def compensate(self, cache: KVCache, masks: dict[int, torch.Tensor]) -> None:

@@ -265,18 +265,6 @@ class Search:
         return cands
 
 
-def search_points(search: Search, points: list[dict], rounds: list[list[int]], bar) -> tuple[list[dict], dict]:
-    """Per budget point its candidates' ranking, and every final candidate's entry (by spec)."""
-    results, entries = [], {}
-    for p in points:
-        final = search.point(p, rounds, bar)
-        results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
-        for c in final:
-            entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
-                                        "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
-    return results, entries
-
-
 def _rank(c: Candidate):
     return (-c.row["accuracy"], c.row["mismatch_pct"], c.row["ratio"]["total_flops"], c.spec)
 
@@ -340,7 +328,13 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
                unit="round") as bar:  # fmt: skip
         calibrate_rankings(vlm, space, val, rankings)
         search = Search(vlm, val, space, journal, settings)
-        results, entries = search_points(search, points, rounds, bar)
+        results, entries = [], {}  # per budget point its candidates' ranking; every final candidate's entry
+        for p in points:
+            final = search.point(p, rounds, bar)
+            results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
+            for c in final:
+                entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
+                                            "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
         bar.phase(f"baseline x {len(rounds[-1])} validation items")
         base_row = journal.run([], rounds[-1])["baseline"]
         entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
