@@ -41,14 +41,20 @@ class Unit(NamedTuple):
     grid: tuple[int, int]
 
 
+class Inputs(NamedTuple):
+    """A batch's inputs: the images of each row and the prompts."""
+
+    images: list
+    prompts: list
+
+
 @dataclass
 class BatchShape:
     rows: list[int]  # real prefill tokens per row
     visual: list[int]  # visual tokens per row
     units: list[list[Unit]]  # per row: its units
     vision_flops: int
-    images: list  # the batch's inputs (the images of each row, the prompts): to read it again at another resolution
-    prompts: list
+    inputs: Inputs  # to read the batch again at another resolution
     resized: dict = field(default_factory=dict, repr=False)  # plan.resolution -> this batch read at it
 
     @property
@@ -87,7 +93,7 @@ def _shape(vlm, images: list, prompts: list, plan=None) -> BatchShape:
             grid = (int(view.grid[u, 0]), int(view.grid[u, 1]))
             units[b].append(Unit(int(view.n[u]), _image_of(seq, b, int(view.image[u])), grid))
     return BatchShape(rows=[int(x) for x in seq.valid.sum(1)], visual=[int(x) for x in (seq.visual & seq.valid).sum(1)],
-                      units=units, vision_flops=runner.vision_flops(prepared), images=images, prompts=prompts)  # fmt: skip
+                      units=units, vision_flops=runner.vision_flops(prepared), inputs=Inputs(images, prompts))  # fmt: skip
 
 
 def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
@@ -108,7 +114,7 @@ def predict(vlm, recipe, shapes: list[BatchShape]) -> Predicted | None:
     if plan.resolution is not None:  # smaller images (downsampling): every batch read again at their size
         for s in shapes:
             if plan.resolution not in s.resized:
-                s.resized[plan.resolution] = _shape(vlm, s.images, s.prompts, plan=plan)
+                s.resized[plan.resolution] = _shape(vlm, s.inputs.images, s.inputs.prompts, plan=plan)
         shapes = [s.resized[plan.resolution] for s in shapes]
         tokens = None  # nothing is reduced inside the model
     lay = tokens.at(runner) if tokens is not None and tokens.ratio < 1 else None
