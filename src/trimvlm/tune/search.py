@@ -117,9 +117,7 @@ class Search:
         return out
 
     def over(self, pred: dict | None, point: dict, offset: dict) -> bool:
-        if pred is None:
-            return False
-        return any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
+        return pred is not None and any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
 
     def bisect(self, cand: Candidate, point: dict, idx) -> float | None:
         """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point, on all
