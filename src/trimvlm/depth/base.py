@@ -9,6 +9,7 @@ import weakref
 from dataclasses import dataclass
 
 from trimvlm.errors import RecipeError
+from trimvlm.options import check_options
 from trimvlm.protocol import Method
 
 SCOPES = {
@@ -26,6 +27,7 @@ class DepthMethod(Method):
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise RecipeError(f"depth scope {self.scope!r} unknown; allowed: {', '.join(SCOPES)}")
+        check_options(self)
 
     def skipped(self, runner) -> frozenset[int]:  # pragma: no cover - every method overrides it
         """The one hook: the layers skipped on this model."""

@@ -12,11 +12,6 @@ import torch
 from trimvlm.depth.calibration import Ranker, answer_logits, register_ranker
 
 
-def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """[B] KL(p || q) from log-probabilities."""
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 def greedy_kl(runner, batches, on_step=None) -> tuple[list[float], list[int]]:
     n = runner.num_layers
     full = []
@@ -32,7 +27,7 @@ def greedy_kl(runner, batches, on_step=None) -> tuple[list[float], list[int]]:
             total, count = 0.0, 0
             for prepared, p in zip(batches, full, strict=True):
                 q = torch.log_softmax(answer_logits(runner, prepared, {*removed, layer}), -1)
-                total += float(_kl(p, q).sum())
+                total += float((p.exp() * (p - q)).sum(-1).sum())  # KL(p || q) of each input, summed
                 count += p.shape[0]
                 if on_step is not None:
                     on_step()

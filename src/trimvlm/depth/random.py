@@ -12,29 +12,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from trimvlm.depth.base import DepthMethod, check_budget
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
-
-
-def random_order(num_layers: int, seed: int) -> list[int]:
-    return [int(i) for i in np.random.default_rng([int(seed), 7411]).permutation(num_layers)]
 
 
 @dataclass
 class RandomDepth(DepthMethod):
-    budget: int = 0
-    seed: int = 0
+    budget: int = option(0, require_int, minimum=0)
+    seed: int = option(0, require_int, minimum=0)
     scope: str = "candidates"
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("budget", self.budget, minimum=0)
-        require_int("seed", self.seed, minimum=0)
 
     def skipped(self, runner) -> frozenset[int]:
         n = runner.num_layers
         check_budget(self.budget, n)
-        return frozenset(random_order(n, self.seed)[: self.budget])
+        return frozenset(int(i) for i in np.random.default_rng([int(self.seed), 7411]).permutation(n)[: self.budget])
 
 
 register("depth", "random")(RandomDepth)

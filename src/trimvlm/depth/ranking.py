@@ -9,27 +9,23 @@ from pathlib import Path
 
 from trimvlm.depth.base import DepthMethod, check_budget, model_fingerprint
 from trimvlm.errors import RecipeError
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 
 
 @dataclass
 class Ranking(DepthMethod):
     file: str = ""
-    budget: int = 0
+    budget: int = option(0, require_int, minimum=0)
     scope: str = "candidates"
 
     def __post_init__(self):
         super().__post_init__()
-        require_int("budget", self.budget, minimum=0)
         if not self.file:
             raise RecipeError("depth=ranking needs file=PATH (a ranking written by `trimvlm calibrate`)")
 
-    def load(self) -> dict:
-        return read_ranking(self.file)
-
     def skipped(self, runner) -> frozenset[int]:
-        data = self.load()
+        data = read_ranking(self.file)
         n = runner.num_layers
         if data["num_layers"] != n:
             raise RecipeError(

@@ -46,8 +46,7 @@ class Skip(DepthMethod):
         super().__post_init__()
         self.chosen = parse_layers(self.layers)
 
-    def skipped(self, runner) -> frozenset[int]:
-        runner.check_layers(self.chosen, "skipped layer")
+    def skipped(self, runner) -> frozenset[int]:  # each layer's range: checked by `DepthMethod.skips`
         if len(self.chosen) >= runner.num_layers:
             raise RecipeError(
                 f"depth=skip names all {runner.num_layers} layers; at least one block must run"

@@ -10,18 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trimvlm.depth.base import DepthMethod, check_budget
-from trimvlm.options import require_int
+from trimvlm.options import option, require_int
 from trimvlm.protocol import register
 
 
 @dataclass
 class Tail(DepthMethod):
-    budget: int = 0
+    budget: int = option(0, require_int, minimum=0)
     scope: str = "candidates"
-
-    def __post_init__(self):
-        super().__post_init__()
-        require_int("budget", self.budget, minimum=0)
 
     def skipped(self, runner) -> frozenset[int]:
         n = runner.num_layers

@@ -51,7 +51,7 @@ def spatial_density(
     """
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be an odd integer >= 1, got {window}")
-    x, squeeze, flat = _grids(features, grid)
+    x = _grids(features, grid)
     b, h, w, _ = x.shape
     dt = torch.promote_types(x.dtype, torch.float32)
     xn = x.to(dt) if normalized else F.normalize(x.to(dt), dim=-1, eps=1e-12)
@@ -67,7 +67,7 @@ def spatial_density(
     rho = 1.0 - sim / count.clamp(min=1.0)
     if m is not None:
         rho = rho * m
-    return _shaped(rho, squeeze, flat)
+    return rho.reshape(features.shape[:-1])  # the caller's shape: one grid, or flat tokens
 
 
 def grid_density(
@@ -108,26 +108,16 @@ def _box_dots(xn: torch.Tensor, m: torch.Tensor | None, window: int) -> tuple[to
     return rowdot(xn, acc), count  # the dots counted as method FLOPs: 2 * N * d
 
 
-def _grids(x: torch.Tensor, grid: tuple[int, int] | None) -> tuple[torch.Tensor, bool, bool]:
-    """The features as [B, h, w, d], and whether they came as one grid and flat (`_shaped` undoes both)."""
-    flat = grid is not None
-    if flat:
+def _grids(x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+    """The features as [B, h, w, d] (one grid gets B = 1; flat tokens are laid on `grid`)."""
+    if grid is not None:
         h, w = grid
         if x.shape[-2] != h * w:
             raise ValueError(f"{x.shape[-2]} tokens do not fill a {h}x{w} grid")
         x = x.reshape(*x.shape[:-2], h, w, x.shape[-1])
     if x.dim() not in (3, 4):
         raise ValueError(f"features must be [h, w, d] or [B, h, w, d] (or flat with grid), got {tuple(x.shape)}")
-    return (x[None], True, flat) if x.dim() == 3 else (x, False, flat)
-
-
-def _shaped(rho: torch.Tensor, squeeze: bool, flat: bool) -> torch.Tensor:
-    """rho [B, h, w] in the caller's shape: [h, w] for one grid, flat [.., h * w] for flat features."""
-    if squeeze:
-        rho = rho[0]
-    if flat:
-        rho = rho.reshape(*rho.shape[:-2], rho.shape[-2] * rho.shape[-1])
-    return rho
+    return x[None] if x.dim() == 3 else x
 
 
 def _box_sum(x: torch.Tensor, window: int) -> torch.Tensor:

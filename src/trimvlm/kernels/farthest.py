@@ -36,7 +36,6 @@ def farthest_point(
     *,
     track_nearest: bool = False,
     block: int | None = None,
-    pool: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Density-tilted farthest-point selection, vectorised over the rows (units) of a padded batch.
 
@@ -47,8 +46,8 @@ def farthest_point(
 
     Each pick needs one distance row D[s_t, :] per unit (K x N x d multiply-adds in all, the method's compute
     floor). The rows are computed up to `block` (default BLOCK, at most N) at a time as one [q, d] x [d, N]
-    product, for the picks the rule is certain to make next: the rule run ahead on the `pool` best current
-    candidates (default N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
+    product, for the picks the rule is certain to make next: the rule run ahead on the pool of the best current
+    candidates (N / 4 within POOL_MIN..2 x block; 2 x block with an explicit block) with their
     [pool, pool] distances, while its picks score above every token outside the pool (`_predict`; the first
     refill guesses, in stages). A unit whose pick has no cached row refills alone, from its last pool when the
     run is long enough (`_reuse`), else from a new pool. The prediction only chooses which rows to compute: every
@@ -73,7 +72,7 @@ def farthest_point(
         near=np.zeros((u, n) if track_nearest else (1, 1), dtype=np.int64),  # pick step of the nearest pick
         cache=(rows, host), rows_np=rows.numpy() if host is None else host,  # on the CPU: the same memory
         slot=np.full((u, n), -1, dtype=np.int64),  # per unit, token -> its row in rows_np (-1: not cached)
-        pool=pool or (min(2 * m, max(POOL_MIN, n // 4)) if block is None else 2 * m),
+        pool=min(2 * m, max(POOL_MIN, n // 4)) if block is None else 2 * m,
         s=np.asarray(first.tolist(), dtype=np.int64),
         pools={},  # per unit, its last look-ahead pool: candidates [P] and their products [P, P]
         guess=None,  # the first refill's guess: [U, q] picks, [U] the next stage's start (-1: none), its last rows

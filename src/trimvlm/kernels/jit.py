@@ -24,8 +24,7 @@ def compiled(*tensors, cpu: bool = False) -> bool:
     """Whether the compiled loops run (numba present and not switched off) on these torch tensors: float32 or
     float64 ones (numba's float16 is partial), and with `cpu` only on the CPU (loops that read the tensors'
     memory)."""
-    ok = ENABLED and AVAILABLE
-    return ok and all(t.dtype in _FLOATS and (not cpu or t.device.type == "cpu") for t in tensors)
+    return ENABLED and AVAILABLE and all(t.dtype in _FLOATS and (not cpu or t.device.type == "cpu") for t in tensors)
 
 
 @contextlib.contextmanager

@@ -96,8 +96,6 @@ class AirCache(KVPolicy):
         return strength, torch.where(sigma > 1e-12, skew, torch.zeros_like(skew))
 
     def layer_weights(self, views: dict[int, LayerView]):
-        if self.budgets == "uniform":
-            return None
         out = {}
         for i, v in views.items():
             strength, skew = self.strength_skew(v)

@@ -88,7 +88,7 @@ class KVPolicy(Method):
 
     def layer_weights(self, views: dict[int, LayerView]) -> dict[int, torch.Tensor] | None:
         """[B] weight per attention layer for splitting each sample's total visual budget over the layers
-        (`split_budget`); None (the default) keeps ceil(N_post * keep) in every layer."""
+        (`split_budget`); None (the default, and a `budgets=uniform` option) keeps ceil(N_post * keep) in each."""
         return None
 
     def compensate(self, cache: KVCache, masks: dict[int, torch.Tensor]) -> None:
@@ -121,7 +121,7 @@ class KVPolicy(Method):
     def bind(self, runner, handoff):
         """The after-prefill step: decide and evict, in place on `PrefillOutput.cache`."""
         if self.is_noop:
-            return _noop
+            return lambda out: None  # keep = 1: nothing to evict
 
         def after_prefill(out) -> None:
             masks = self.select(out, handoff)
@@ -145,7 +145,8 @@ class KVPolicy(Method):
                 if self.rows_wanted > 0 or self.colsum:
                     view.attention, view.row_valid = self._attention_rows(i, entry, handoff)
                 views[i] = view
-        weights = self.layer_weights(views) if views else None
+        uniform = getattr(self, "budgets", None) == "uniform"  # a `budgets` option's ablation: no split
+        weights = self.layer_weights(views) if views and not uniform else None
         if weights is not None:
             order = sorted(views)
             split = split_budget(
@@ -196,10 +197,6 @@ class KVPolicy(Method):
                 shared.append(e)
             else:
                 e.valid, e.visual, e.source = s.valid, s.visual, s.source
-
-
-def _noop(out) -> None:
-    return None
 
 
 def mask_out(cache: KVCache, masks: dict[int, torch.Tensor]) -> None:

@@ -82,6 +82,4 @@ class VLCache(KVPolicy):
         return below / total.clamp(min=1)
 
     def layer_weights(self, views: dict[int, LayerView]):
-        if self.budgets == "uniform":
-            return None
         return {i: 1 - self.sparsity(v) for i, v in views.items()}

@@ -37,9 +37,7 @@ def recorded_variant(meta: dict, budget: float) -> dict | None:
     calibrated budget: {"budget", "select", "price"}), the one whose budget is nearest B (a tie: the lower
     budget, which spends less); None when none is recorded."""
     variants = meta.get("budget", {}).get("variants") or []
-    if not variants:
-        return None
-    return min(variants, key=lambda v: (abs(float(v["budget"]) - budget), float(v["budget"])))
+    return min(variants, key=lambda v: (abs(float(v["budget"]) - budget), float(v["budget"])), default=None)
 
 
 def interp(grid: list[float], values: list[float], x: float) -> float:

@@ -34,7 +34,7 @@ from trimvlm.errors import RecipeError, TrimVLMError
 from trimvlm.kernels import jit
 from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import keep_count
-from trimvlm.options import check_options, is_int, require_bool, require_number
+from trimvlm.options import check_options, is_int, option, require_bool, require_int, require_number
 from trimvlm.protocol import Method
 from trimvlm.runtime import vision_probe
 from trimvlm.runtime.attention import AttentionProbe
@@ -334,6 +334,19 @@ class TokenReducer(Method):
         view.row_text = instruction(seq)[:, seq.length - r :][view.sample]
         if not self.per_head:
             view.attention = res[:, -1, :][view.sample[:, None], view.cols].float().masked_fill(~view.mask, 0.0)
+
+
+@dataclass
+class VisionAttentionReducer(TokenReducer):
+    """The shared options of the reducers that read the vision tower's attention (PruMerge, VisionZip, HoloV,
+    FasterVLM, VisPruner): `vision_layer` (the vision layer read, default -2, the penultimate; negative counts
+    from the end); `layer` can only be 0 (the projector's tokens). They declare `attention = "vision"`, so the base
+    asks for a `VisionProbe` of their `vision_layer` and hands them its records (attention received, keys) per
+    unit."""
+
+    vision_layer: int = option(-2, require_int, hint=" (negative counts from the end)")
+
+    attention: ClassVar[str] = "vision"
 
 
 def picked(picks: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

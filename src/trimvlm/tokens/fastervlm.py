@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from trimvlm.kernels.select import topk_mask
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, VisualView
-from trimvlm.tokens.vision_base import VisionAttentionReducer
+from trimvlm.tokens.base import Selection, VisionAttentionReducer, VisualView
 
 
 @register("tokens", "fastervlm")

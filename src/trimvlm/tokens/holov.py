@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from trimvlm.kernels.flops import bmm
 from trimvlm.options import option, require_int, require_number
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, VisualView
-from trimvlm.tokens.vision_base import VisionAttentionReducer
+from trimvlm.tokens.base import Selection, VisionAttentionReducer, VisualView
 
 
 def crops_of(view: VisualView, crops: int) -> torch.Tensor:

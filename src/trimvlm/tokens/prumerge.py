@@ -11,8 +11,7 @@ from trimvlm.kernels.merge import nearest_kept
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import option, require_bool
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, VisualView
-from trimvlm.tokens.vision_base import VisionAttentionReducer
+from trimvlm.tokens.base import Selection, VisionAttentionReducer, VisualView
 
 
 def iqr_outliers(scores: torch.Tensor, mask: torch.Tensor, whisker: float = 1.5) -> torch.Tensor:

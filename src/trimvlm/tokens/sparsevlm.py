@@ -11,7 +11,7 @@ import torch
 
 from trimvlm.errors import TrimVLMError
 from trimvlm.kernels.flops import matmul
-from trimvlm.kernels.select import topk_mask
+from trimvlm.kernels.select import keep_count, topk_mask
 from trimvlm.options import option, require_int, stage_layers
 from trimvlm.protocol import register
 from trimvlm.runtime.sequence import LiveSeq
@@ -126,9 +126,8 @@ class SparseVLM(TokenReducer):
         """(K_j selected, recycled clusters) per unit at this stage."""
         j, s = view.stage + 1, view.stages
         n0 = view.grid[:, 0] * view.grid[:, 1]
-        final = torch.ceil(n0.double() * self.ratio - 1e-9).long().clamp(min=1)
         kj = torch.round(n0.double() * self.ratio ** (j / s)).long()
-        kj = final if j == s else kj
+        kj = keep_count(n0, self.ratio, minimum=1) if j == s else kj  # the last stage: the shared K
         kj = torch.minimum(kj.clamp(min=1), view.n)
         deleted = view.n - kj
         cand = torch.where(deleted > 0, (0.3 * deleted).long() + 1, 0).minimum(deleted)

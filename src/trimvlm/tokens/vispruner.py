@@ -12,8 +12,7 @@ from trimvlm.kernels.flops import bmm
 from trimvlm.kernels.select import topk_mask
 from trimvlm.options import option, require_number
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, VisualView
-from trimvlm.tokens.vision_base import VisionAttentionReducer
+from trimvlm.tokens.base import Selection, VisionAttentionReducer, VisualView
 
 
 def remove_duplicates(x: torch.Tensor, rest: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -28,30 +28,27 @@ def _recipe(entry: dict, fingerprint: str, name: str) -> dict:
     return {**entry["recipe"], "name": name, "tuned_for": fingerprint}
 
 
+def _write(path: Path, data) -> Path:
+    """`data` written to `path` (a str as it is, anything else as YAML); the path."""
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False, width=200))
+    return path
+
+
 def write_report(rep: dict, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     by_spec = {e["spec"]: e for e in rep["entries"]}
-    written = [out / TUNE_FILE]
-    written[0].write_text(json.dumps(rep, indent=2, default=str) + "\n")
-    best = []
-    for b in rep["budgets"]:
-        if b["best"] is None:
-            continue
-        r = _recipe(by_spec[b["best"]], rep["fingerprint"], f"tuned-{b['label']}")
-        best.append(r)
-        path = out / best_file(b["label"])
-        path.write_text(yaml.safe_dump(r, sort_keys=False, width=200))
-        written.append(path)
-    (out / "best.yaml").write_text(yaml.safe_dump({"recipes": best}, sort_keys=False, width=200))
+    written = [_write(out / TUNE_FILE, json.dumps(rep, indent=2, default=str) + "\n")]
+    best = {b["label"]: _recipe(by_spec[b["best"]], rep["fingerprint"], f"tuned-{b['label']}")
+            for b in rep["budgets"] if b["best"] is not None}  # fmt: skip
+    written += [_write(out / best_file(label), r) for label, r in best.items()]
     folder = out / "recipes"
     folder.mkdir(exist_ok=True)
-    for i, spec in enumerate(dict.fromkeys(s for f in rep["frontier"].values() for s in f if s != "baseline")):
-        path = folder / f"{i:02d}.yaml"
-        path.write_text(yaml.safe_dump(_recipe(by_spec[spec], rep["fingerprint"], spec), sort_keys=False, width=200))
-        written.append(path)
-    (out / "frontier.md").write_text(markdown(rep))
-    written += [out / "best.yaml", out / "frontier.md", plot(rep, out / "frontier.png")]
+    frontier = dict.fromkeys(s for f in rep["frontier"].values() for s in f if s != "baseline")
+    written += [_write(folder / f"{i:02d}.yaml", _recipe(by_spec[s], rep["fingerprint"], s))
+                for i, s in enumerate(frontier)]  # fmt: skip
+    written += [_write(out / "best.yaml", {"recipes": list(best.values())}), _write(out / "frontier.md", markdown(rep)),
+                plot(rep, out / "frontier.png")]  # fmt: skip
     for stale in [*out.glob(best_file("*")), *folder.glob("[0-9][0-9].yaml")]:  # an earlier search's, in this folder
         if stale not in written:
             stale.unlink()

@@ -117,9 +117,7 @@ class Search:
         return out
 
     def over(self, pred: dict | None, point: dict, offset: dict) -> bool:
-        if pred is None:
-            return False
-        return any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
+        return pred is not None and any(a in pred and pred[a] + offset.get(a, 0.0) > v for a, v in point.items() if a != "latency")
 
     def bisect(self, cand: Candidate, point: dict, idx) -> float | None:
         """The largest keep whose predicted ratios (with the candidate's measured offsets) meet the point, on all
@@ -242,7 +240,7 @@ class Search:
         c.keep = round(new, 4)
         return True
 
-    def point(self, point: dict, rounds: list[list[int]], bar=None) -> list[Candidate]:
+    def point(self, point: dict, rounds: list[list[int]], bar) -> list[Candidate]:
         """The candidates of the last round, best first. With a beam, round 0 runs the one-axis families first
         and the joint families are formed with the `beam` best token families only."""
         fams, beam = self.space.families(), self.space.beam
@@ -250,8 +248,7 @@ class Search:
         first = [f for f in fams if len(f.parts) == 1] if beam else fams
         cands = self.start(point, rounds[0], first)
         for r, idx in enumerate(rounds):
-            if bar is not None:
-                bar.phase(f"{label(point)} · round {r + 1}/{len(rounds)}: {len(cands)} recipes x {len(idx)} items")
+            bar.phase(f"{label(point)} · round {r + 1}/{len(rounds)}: {len(cands)} recipes x {len(idx)} items")
             cands = sorted(self.measure(self.recheck(cands, point, idx), point, idx), key=_rank)
             if r == 0 and beam:
                 top = [c.family.parts["tokens"] for c in cands if set(c.family.parts) == {"tokens"}][:beam]
@@ -262,21 +259,8 @@ class Search:
                 cands = sorted(cands + self.measure(self.recheck(more, point, idx), point, idx), key=_rank)
             if r + 1 < len(rounds):
                 cands = cands[: max(1, math.ceil(len(cands) / self.s.eta))]
-            if bar is not None:
-                bar.advance()
+            bar.advance()
         return cands
-
-
-def search_points(search: Search, points: list[dict], rounds: list[list[int]], bar) -> tuple[list[dict], dict]:
-    """Per budget point its candidates' ranking, and every final candidate's entry (by spec)."""
-    results, entries = [], {}
-    for p in points:
-        final = search.point(p, rounds, bar)
-        results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
-        for c in final:
-            entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
-                                        "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
-    return results, entries
 
 
 def _rank(c: Candidate):
@@ -342,7 +326,13 @@ def tune(vlm, task: str, budgets, *, space=None, out=None, n_val: int = 192, n_t
                unit="round") as bar:  # fmt: skip
         calibrate_rankings(vlm, space, val, rankings)
         search = Search(vlm, val, space, journal, settings)
-        results, entries = search_points(search, points, rounds, bar)
+        results, entries = [], {}  # per budget point its candidates' ranking; every final candidate's entry
+        for p in points:
+            final = search.point(p, rounds, bar)
+            results.append({"budget": p, "label": label(p), "ranking": [c.spec for c in final]})
+            for c in final:
+                entries.setdefault(c.spec, {"spec": c.spec, "family": c.family.name, "keep": c.keep,
+                                            "recipe": c.family.recipe(c.keep), "val": c.row})  # fmt: skip
         bar.phase(f"baseline x {len(rounds[-1])} validation items")
         base_row = journal.run([], rounds[-1])["baseline"]
         entries_l = [{"spec": "baseline", "family": "baseline", "keep": None, "recipe": {"name": "baseline"},
