@@ -49,6 +49,12 @@ def validated(schema, body: dict, **kw):
         raise ApiError(422, detail) from e
 
 
+def check(ok, message: str, status: int = 400) -> None:
+    """An ApiError(`status`, `message`) unless `ok`: a request this server cannot answer as it is (400)."""
+    if not ok:
+        raise ApiError(status, message)
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body as a JSON object (422 for text that is not one)."""
     try:
