@@ -72,7 +72,7 @@ def build_app(state: ServerState):
 
     @asynccontextmanager
     async def lifespan(app):
-        state.start()
+        state.batcher.start()
         yield
         state.close()
 
