@@ -13,7 +13,7 @@ from trimvlm.errors import InputError, RecipeError, TrimVLMError
 from trimvlm.plan import decision_plan, make_plan
 from trimvlm.recipe import AXES, parse_recipe
 from trimvlm.serve.budgets import LoadBudget, ladder
-from trimvlm.serve.errors import ApiError, check, from_trimvlm, schema_error
+from trimvlm.serve.errors import ApiError, as_api_error, check, schema_error
 
 MEMO = 256  # distinct recipe texts remembered checked (the least recently asked forgotten first)
 
@@ -116,5 +116,5 @@ class Recipes:
                 msg = msg.replace(str(self.folder.resolve()), "<--recipe-dir>")
             raise ApiError(400, f"recipe {value!r}: {' '.join(msg.split())}") from e
         except TrimVLMError as e:
-            raise from_trimvlm(e) from e
+            raise as_api_error(e) from e
         return Recipe(label=parsed.label(), recipe=parsed, plan=plan)
