@@ -281,7 +281,7 @@ class ChatEngine:
             p.usage.update({k: v[i] for k, v in shares.items()})
             p.usage["forward_s"] += seconds
         if self.metrics is not None:
-            self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads), seconds)
+            self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads))
         if self.load is not None:
             self.load.prefilled(jobs[0].key.recipe, sum(ran), sum(p.prompt_tokens - r for p, r in zip(payloads, reused,
                                                                                           strict=True)), seconds)  # fmt: skip
