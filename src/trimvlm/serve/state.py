@@ -98,12 +98,12 @@ class ServerState:
             self.batcher.ask("refresh")
         return self.metrics.exposition()
 
-    async def prepare(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the preparation thread (503 once the server is shutting down; a trimvlm error
+    async def prepare(self, fn, *args):
+        """`fn(*args)` on the preparation thread (503 once the server is shutting down; a trimvlm error
         it raises is answered as its HTTP error: app.py)."""
         if self.batcher.closed:
             raise ShuttingDown("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
