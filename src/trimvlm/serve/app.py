@@ -72,7 +72,7 @@ def build_app(state: ServerState):
 
     @asynccontextmanager
     async def lifespan(app):
-        state.batcher.start()
+        state.start()
         yield
         state.close()
 

@@ -81,6 +81,9 @@ class ServerState:
         """The vision, prefix and request caches' figures (None: off)."""
         return self.vlm.cache_stats() | {"request": None if self.request_cache is None else self.request_cache.stats()}
 
+    def start(self) -> None:
+        self.batcher.start()
+
     def _run_batch(self, key, payloads: list) -> list:
         """On the model thread: one batch of System One or score requests with the same key (chat completions
         are the scheduler's engine's, step by step)."""

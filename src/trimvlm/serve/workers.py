@@ -45,7 +45,7 @@ def _run(model: str, workers: int, http: tuple, options: dict) -> None:
     from prometheus_client.multiprocess import mark_process_dead
 
     state = make_state(model, **options | {"request_cache_mb": 0})  # (the API processes prepare the requests)
-    state.batcher.start()
+    state.start()
     key = secrets.token_bytes(32)
     # a Unix socket where there is one (no delayed ACKs on small messages, as TCP on loopback has)
     listener = Listener(family="AF_UNIX" if hasattr(socket, "AF_UNIX") else "AF_INET", authkey=key)
