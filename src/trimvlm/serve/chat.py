@@ -27,7 +27,7 @@ from trimvlm.runtime.generate import Sampling
 from trimvlm.runtime.limits import check_generation
 from trimvlm.runtime.lru import digest, nbytes
 from trimvlm.runtime.prefix_cache import prompt_key
-from trimvlm.serve.errors import ApiError, parse_json, validated
+from trimvlm.serve.errors import ApiError, check, parse_json, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import ChatReply
 from trimvlm.serve.stops import StopText
@@ -131,24 +131,21 @@ DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 def parse(body: dict, limits) -> Parsed:
     """The checked request, or a 422 (not of the schema) / 400 (what this server cannot honour, named)."""
     req = validated(ChatBody, body)
-    if req.n is not None and req.n > MAX_N:
-        raise ApiError(400, f"n={req.n}: at most {MAX_N} choices per request")
+    check(req.n is None or req.n <= MAX_N, f"n={req.n}: at most {MAX_N} choices per request")
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-    if len(stops) > MAX_STOPS or not all(stops):
-        raise ApiError(400, f"stop: up to {MAX_STOPS} non-empty strings, got {stops!r:.200}")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs: set logprobs to true to ask for them")
+    check(len(stops) <= MAX_STOPS and all(stops),
+          f"stop: up to {MAX_STOPS} non-empty strings, got {stops!r:.200}")
+    check(req.top_logprobs is None or req.logprobs, "top_logprobs: set logprobs to true to ask for them")
     urls, turns = [], []
     for i, m in enumerate(req.messages):
-        if m.role == "tool":
-            raise ApiError(400, f"messages[{i}]: role 'tool': this server runs no tools")
+        check(m.role != "tool", f"messages[{i}]: role 'tool': this server runs no tools")
         parts = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
         texts = [p.text for p in parts if isinstance(p, TextPart)]
         images = [getattr(p.image_url, "url", p.image_url) for p in parts if isinstance(p, ImagePart)]
         urls += images
         turns.append(Turn("system" if m.role == "developer" else m.role, "\n".join(texts), len(images)))
-    if len(urls) > limits.max_images:
-        raise ApiError(400, f"too many images: {len(urls)}, at most {limits.max_images} per request")
+    check(len(urls) <= limits.max_images,
+          f"too many images: {len(urls)}, at most {limits.max_images} per request")
     if [t.role for t in turns] == ["user"]:
         prompt = turns[0].text  # one user message: the prompt `vlm.generate` takes
     else:
@@ -157,8 +154,8 @@ def parse(body: dict, limits) -> Parsed:
         except TrimVLMError as e:
             raise ApiError(400, f"messages: {e}") from e
     max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
-    if max_tokens > limits.max_tokens:
-        raise ApiError(400, f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
+    check(max_tokens <= limits.max_tokens,
+          f"max_tokens is {max_tokens}, at most {limits.max_tokens} on this server")
     return Parsed(req, prompt, urls, max_tokens, StopText(tuple(stops)) if stops else None)
 
 
@@ -172,8 +169,8 @@ def decode_image(i: int, url: str, limits):
             f"image {i}: {shown!r} is not a base64 data URL (data:image/png;base64,...); trimvlm never fetches URLs",
         )
     data = m.group(1)
-    if len(data) > limits.max_image_bytes:
-        raise ApiError(400, f"image {i} is {len(data)} bytes of base64, at most {limits.max_image_bytes}")
+    check(len(data) <= limits.max_image_bytes,
+          f"image {i} is {len(data)} bytes of base64, at most {limits.max_image_bytes}")
     try:
         im = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
         im.load()
@@ -234,8 +231,8 @@ async def handle(state, request, arrival):
         recipe = state.recipes.get("chat", req.recipe)
     state.need_lm_head()
     n = req.n or 1
-    if n > 1 and recipe.plan.per_sample:
-        raise ApiError(400, f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
+    check(n == 1 or not recipe.plan.per_sample,
+          f"n={n}: recipe {recipe.label!r} plans layers per request (router=); ask for n=1")
     sampling = Sampling(  # checks them
         temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed or 0,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

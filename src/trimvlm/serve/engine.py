@@ -275,14 +275,13 @@ class ChatEngine:
             "prefill_flops": split(c.flops.get("prefill", 0), ran),
             "method_flops": split(c.method_prefill_flops, ran),
             "kv_bytes": split(kv, ones), "kv_bytes_peak": split(peak, ones), "state_bytes": split(states, ones),
+            "prefix_reused": [int(r > 0) for r in reused], "prefix_tokens_reused": reused,
         }  # fmt: skip
         for i, p in enumerate(payloads):
             p.usage.update({k: v[i] for k, v in shares.items()})
             p.usage["forward_s"] += seconds
-            p.usage["prefix_reused"] = int(reused[i] > 0)
-            p.usage["prefix_tokens_reused"] = reused[i]
         if self.metrics is not None:
-            self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads), seconds)
+            self.metrics.prefill(len(jobs), sum(p.prompt_tokens for p in payloads))
         if self.load is not None:
             self.load.prefilled(jobs[0].key.recipe, sum(ran), sum(p.prompt_tokens - r for p, r in zip(payloads, reused,
                                                                                           strict=True)), seconds)  # fmt: skip

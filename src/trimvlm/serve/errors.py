@@ -49,6 +49,12 @@ def validated(schema, body: dict, **kw):
         raise ApiError(422, detail) from e
 
 
+def check(ok, message: str, status: int = 400) -> None:
+    """An ApiError(`status`, `message`) unless `ok`: a request this server cannot answer as it is (400)."""
+    if not ok:
+        raise ApiError(status, message)
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body as a JSON object (422 for text that is not one)."""
     try:
@@ -60,8 +66,17 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def from_trimvlm(e: TrimVLMError) -> ApiError:
-    """The status code of a trimvlm error raised while reading a request (docs/serving.md, "Errors")."""
+def as_api_error(e: BaseException) -> ApiError:
+    """What a request raised, as its answer: itself (an ApiError), 503 once the server is shutting down, 422 / 400
+    for a trimvlm error (raised reading it: docs/serving.md, "Errors"), else 500 (the model failed on its batch;
+    the server goes on serving)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e))
+    if not isinstance(e, TrimVLMError):
+        return ApiError(500, f"the model failed on this request ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]})")
     msg = " ".join(str(e).split())
     if isinstance(e, RequestError):
         return schema_error(msg)
@@ -69,15 +84,3 @@ def from_trimvlm(e: TrimVLMError) -> ApiError:
         return schema_error(msg, "questions")
     # AssetError, other DecisionErrors, RecipeError, InputError, UnsupportedModelError: well-formed, unanswerable
     return ApiError(400, msg)
-
-
-def as_api_error(e: BaseException) -> ApiError:
-    """What a request raised, as its answer: itself (an ApiError), 503 once the server is shutting down, 400 for
-    a trimvlm error, else 500 (the model failed on its batch; the server goes on serving)."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ShuttingDown):
-        return ApiError(503, str(e))
-    if isinstance(e, TrimVLMError):
-        return from_trimvlm(e)
-    return ApiError(500, f"the model failed on this request ({type(e).__name__}: {' '.join(str(e).split())[:300]})")

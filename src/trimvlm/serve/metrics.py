@@ -88,7 +88,7 @@ class ServeMetrics:
         self.requests.labels(path=path, status=str(status)).inc()
         self.latency.labels(path=path).observe(seconds)
 
-    def prefill(self, rows: int, prompt_tokens: int, seconds: float) -> None:
+    def prefill(self, rows: int, prompt_tokens: int) -> None:
         self.prefill_batch.observe(rows)
         self.prompt.inc(prompt_tokens)
         self._generated(rows)  # each row's first token

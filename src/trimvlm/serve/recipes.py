@@ -13,7 +13,7 @@ from trimvlm.errors import InputError, RecipeError, TrimVLMError
 from trimvlm.plan import decision_plan, make_plan
 from trimvlm.recipe import AXES, parse_recipe
 from trimvlm.serve.budgets import LoadBudget, ladder
-from trimvlm.serve.errors import ApiError, from_trimvlm, schema_error
+from trimvlm.serve.errors import ApiError, as_api_error, check, schema_error
 
 MEMO = 256  # distinct recipe texts remembered checked (the least recently asked forgotten first)
 
@@ -60,17 +60,16 @@ def client_recipe(text: str, recipe_dir: Path | None):
     stripped = text.strip()
     if stripped.startswith("tuned="):
         name, sep, options = stripped.removeprefix("tuned=").partition(":")
-        if recipe_dir is None:
-            raise ApiError(400, "recipe: tuned= names a folder on the server; this server takes no client tuned "
-                                "recipes (its operator may allow some with --recipe-dir)")  # fmt: skip
+        check(recipe_dir is not None, "recipe: tuned= names a folder on the server; this server takes no "
+              "client tuned recipes (its operator may allow some with --recipe-dir)")
         parts = Path(name).parts
-        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
-            raise ApiError(400, f"recipe: tuned={name!r} is not a folder name inside the server's recipe folder "
-                                "(a relative name, no '..')")  # fmt: skip
+        check(name and not Path(name).is_absolute() and ".." not in parts and "\\" not in name,
+              f"recipe: tuned={name!r} is not a folder name inside the server's recipe folder "
+              "(a relative name, no '..')")
         root = recipe_dir.resolve()
         folder = (root / name).resolve()
-        if not folder.is_relative_to(root) or folder == root:
-            raise ApiError(400, f"recipe: tuned={name!r} is not a folder inside the server's recipe folder")
+        check(folder.is_relative_to(root) and folder != root,
+              f"recipe: tuned={name!r} is not a folder inside the server's recipe folder")
         return f"tuned={folder}{sep}{options}", True
     if stripped.endswith((".yaml", ".yml", ".json")) and not any(stripped.startswith(f"{a}=") for a in AXES):
         raise ApiError(400, "recipe: a recipe file names a path on the server; send the recipe itself "
@@ -108,12 +107,8 @@ class Recipes:
         text, operators = (value, True) if own else client_recipe(value, self.folder)
         try:
             parsed = parse_recipe(text)
-            if not operators and reads_files(parsed):
-                raise ApiError(
-                    400,
-                    f"recipe {value!r} reads files on the server (router=, file=): only the server's own "
-                    "--recipe may; start the server with it",
-                )
+            check(operators or not reads_files(parsed), f"recipe {value!r} reads files on the server "
+                  "(router=, file=): only the server's own --recipe may; start the server with it")
             plan = (decision_plan if kind == "decide" else make_plan)(parsed, self.runner)
         except RecipeError as e:
             msg = str(e)
@@ -121,5 +116,5 @@ class Recipes:
                 msg = msg.replace(str(self.folder.resolve()), "<--recipe-dir>")
             raise ApiError(400, f"recipe {value!r}: {' '.join(msg.split())}") from e
         except TrimVLMError as e:
-            raise from_trimvlm(e) from e
+            raise as_api_error(e) from e
         return Recipe(label=parsed.label(), recipe=parsed, plan=plan)

@@ -18,7 +18,7 @@ from trimvlm.decision.costs import split
 from trimvlm.scoring.executors import NAMES
 from trimvlm.scoring.request import READOUTS, CandidateScore, ScoreRequest, ScoreResult
 from trimvlm.serve.chat import _Strict, decode_image
-from trimvlm.serve.errors import ApiError, parse_json, validated
+from trimvlm.serve.errors import check, parse_json, validated
 from trimvlm.serve.jobs import JobKey
 from trimvlm.serve.reply import answered, served
 
@@ -51,21 +51,17 @@ class Scored(NamedTuple):
 
 def parse(body: dict, limits) -> ScoreBody:
     req = validated(ScoreBody, body)
-    if not isinstance(req.text_1, str):
-        raise ApiError(400, "text_1: one question per request (a string)")
-    if not req.text_1.strip():
-        raise ApiError(400, "text_1: an empty question")
+    check(isinstance(req.text_1, str), "text_1: one question per request (a string)")
+    check(req.text_1.strip(), "text_1: an empty question")
     cands = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-    if not cands or not all(isinstance(c, str) and c.strip() for c in cands):
-        raise ApiError(400, "text_2: one or more non-empty candidate strings")
-    if len(cands) > limits.max_candidates:
-        raise ApiError(400, f"text_2: {len(cands)} candidates, at most {limits.max_candidates} per request")
-    if len(req.images) > limits.max_images:
-        raise ApiError(400, f"too many images: {len(req.images)}, at most {limits.max_images} per request")
-    if req.readout not in READOUTS:
-        raise ApiError(400, f"readout {req.readout!r}: one of {', '.join(READOUTS)}")
-    if req.executor not in NAMES:
-        raise ApiError(400, f"executor {req.executor!r}: one of {', '.join(NAMES)}")
+    check(cands and all(isinstance(c, str) and c.strip() for c in cands),
+          "text_2: one or more non-empty candidate strings")
+    check(len(cands) <= limits.max_candidates,
+          f"text_2: {len(cands)} candidates, at most {limits.max_candidates} per request")
+    check(len(req.images) <= limits.max_images,
+          f"too many images: {len(req.images)}, at most {limits.max_images} per request")
+    check(req.readout in READOUTS, f"readout {req.readout!r}: one of {', '.join(READOUTS)}")
+    check(req.executor in NAMES, f"executor {req.executor!r}: one of {', '.join(NAMES)}")
     req.text_2 = cands
     return req
 
@@ -77,8 +73,8 @@ async def handle(state, request, arrival) -> dict:
     model = state.model_name(body)
     recipe = state.recipes.get("score", req.recipe)
     state.need_lm_head()
-    if req.readout == "head" and state.vlm.head is None:
-        raise ApiError(400, "readout 'head': this model has no trained decision head; use readout 'loglik'")
+    check(req.readout != "head" or state.vlm.head is not None,
+          "readout 'head': this model has no trained decision head; use readout 'loglik'")
     images = await state.prepare(lambda: [decode_image(i + 1, u, state.limits) for i, u in enumerate(req.images)])
     job = ScoreJob(images, req.text_1, req.text_2, recipe.recipe, (*req.images, req.text_1))
     queued = state.batcher.enqueue(JobKey("score", recipe.label, req.readout, req.executor), job, arrival)

@@ -18,7 +18,7 @@ from trimvlm.runtime.lru import ByteLRU
 from trimvlm.scoring.executors import plan_cache
 from trimvlm.serve import score, systemone
 from trimvlm.serve.engine import ChatEngine
-from trimvlm.serve.errors import ApiError, schema_error
+from trimvlm.serve.errors import ApiError, check, schema_error
 from trimvlm.serve.ipc import RemoteScheduler
 from trimvlm.serve.jobs import ShuttingDown
 from trimvlm.serve.keys import Access
@@ -101,12 +101,12 @@ class ServerState:
             self.batcher.ask("refresh")
         return self.metrics.exposition()
 
-    async def prepare(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the preparation thread (503 once the server is shutting down; a trimvlm error
+    async def prepare(self, fn, *args):
+        """`fn(*args)` on the preparation thread (503 once the server is shutting down; a trimvlm error
         it raises is answered as its HTTP error: app.py)."""
         if self.batcher.closed:
             raise ShuttingDown("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self._prep, lambda: fn(*args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
     def rung(self) -> Recipe:
         """The recipe of a chat request that names none on a load-following server (serve/budgets.py): the
@@ -121,9 +121,8 @@ class ServerState:
 
     def need_lm_head(self) -> None:
         """400 for a chat or score request to a server holding a decision model."""
-        if self.vlm.adapter.decision_head is not None:
-            raise ApiError(400, "this server holds a decision model (no LM head): ask it System One requests at "
-                                "/v1/systemone")  # fmt: skip
+        check(self.vlm.adapter.decision_head is None,
+              "this server holds a decision model (no LM head): ask it System One requests at /v1/systemone")
 
     def model_name(self, body: dict) -> str:
         """The `model` a request names (it may name none): this server answers for its model only (400 else)."""
@@ -132,8 +131,8 @@ class ServerState:
             return self.model_id
         if not isinstance(name, str):
             raise schema_error(f"`model` is a string, got {type(name).__name__}", "model", kind="string_type")
-        if name not in {self.model_id, Path(self.model_id).name}:
-            raise ApiError(400, f"this server answers for {self.model_id!r}; the request asks for {name!r}")
+        check(name in {self.model_id, Path(self.model_id).name},
+              f"this server answers for {self.model_id!r}; the request asks for {name!r}")
         return name
 
     async def read_body(self, request) -> bytes:
@@ -144,7 +143,6 @@ class ServerState:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over {limit} bytes")
+            check(size <= limit, f"the request body is over {limit} bytes", 413)
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)

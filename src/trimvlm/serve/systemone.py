@@ -68,7 +68,7 @@ async def handle(state, request, arrival):
         body.pop("model", None)
         ready = await state.prepare(prepare_cached, state, body)
         if tag is not None:
-            state.seen_bodies.remember(tag, Seen(model, extension, ready.key))
+            state.seen_bodies.bodies.put(tag, Seen(model, extension, ready.key), 1)
     job = state.batcher.enqueue(JobKey("decide", recipe.label), DecideJob(ready.request, recipe.recipe, ready.key),
                                 arrival)  # fmt: skip
     done = await answered(state, request, job)  # (a batch that has started runs to its end)
@@ -122,9 +122,6 @@ class SeenBodies:
         if prepared is not None:
             self.hits.inc()
         return tag, seen, prepared
-
-    def remember(self, tag: bytes, seen: Seen) -> None:
-        self.bodies.put(tag, seen, 1)
 
 
 def found_request(found, t0: float):
