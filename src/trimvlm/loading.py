@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from trimvlm.adapters import ADAPTERS, adapter_for
+from trimvlm.adapters.base import checkpoint_meta
 from trimvlm.errors import CheckpointError, InputError, did_you_mean
 
 DEMO_DIR = Path(__file__).parent / "demo" / "checkpoints"
@@ -52,12 +53,10 @@ def checkpoint_task(path_or_id: str | Path | None) -> str:
     """The demo task a checkpoint was trained on (its trimvlm.json `task`: `demo` or `scenes`); `demo` for a
     checkpoint that names none or cannot be found (loading it reports that)."""
     try:
-        meta = resolve(path_or_id) / "trimvlm.json" if path_or_id is not None else None
+        meta = checkpoint_meta(resolve(path_or_id)) if path_or_id is not None else None
     except CheckpointError:
         return "demo"
-    if meta is not None and meta.is_file():
-        return str(json.loads(meta.read_text()).get("task", "demo"))
-    return "demo"
+    return str((meta or {}).get("task", "demo"))
 
 
 def refuse_shipped(folder: str | Path, overwrite: bool) -> None:

@@ -55,16 +55,11 @@ def warn_unknown_words(tokenizer, prompts) -> None:
 class GenerationResult:
     texts: list[str]
     tokens: list[list[int]]
-    costs: Costs
     recipe: str
+    costs: Costs
 
     def as_dict(self) -> dict:
-        return {
-            "texts": self.texts,
-            "tokens": self.tokens,
-            "recipe": self.recipe,
-            "costs": self.costs.as_dict(),
-        }
+        return {**vars(self), "costs": self.costs.as_dict()}
 
 
 class VLM:

@@ -193,6 +193,12 @@ def images_only_processor(name: str) -> type:
     return type(f"{name}ImagesOnly", (base,), relaxed)
 
 
+def checkpoint_meta(folder) -> dict | None:
+    """A checkpoint folder's trimvlm.json (a demo model's prompt format, task, candidate marks); None: none."""
+    path = None if folder is None else Path(folder) / "trimvlm.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
 def _open(x) -> Image.Image:
     if isinstance(x, Image.Image):
         return x.convert("RGB")
@@ -229,12 +235,10 @@ class Adapter:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.folder = folder
-        self.prompt_template = "{prompt}"
-        self.use_chat_template = getattr(tokenizer, "chat_template", None) is not None
-        if folder is not None and (folder / "trimvlm.json").exists():
-            meta = json.loads((folder / "trimvlm.json").read_text())
-            self.prompt_template = meta.get("prompt_template", self.prompt_template)
-            self.use_chat_template = False
+        meta = checkpoint_meta(folder)
+        self.meta = meta or {}  # the checkpoint's trimvlm.json ({}: none)
+        self.prompt_template = self.meta.get("prompt_template", "{prompt}")
+        self.use_chat_template = meta is None and getattr(tokenizer, "chat_template", None) is not None
         linear = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in self.layers]
         self._linear_macs = [sum(m.in_features * m.out_features for m in ms) for ms in linear]
 

@@ -35,7 +35,7 @@ class Idefics3Adapter(Adapter):
     @property
     def tile_side(self) -> int:
         """LLM tokens along each side of one tile: patches per side divided by the pixel-shuffle factor."""
-        vc = self.model.config.vision_config
+        vc = self.vision_config
         return vc.image_size // vc.patch_size // self.model.config.scale_factor
 
     def image_block(self, rows: int, cols: int) -> str:

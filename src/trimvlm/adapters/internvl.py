@@ -41,7 +41,7 @@ class InternVLAdapter(Adapter):
 
     def tile_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h, w) LLM tokens of one tile of height x width pixels: patches per side times `downsample_ratio`."""
-        ph, pw = _pair(self.model.config.vision_config.patch_size)
+        ph, pw = _pair(self.vision_config.patch_size)
         ratio = self.model.config.downsample_ratio
         return int(height // ph * ratio), int(width // pw * ratio)
 

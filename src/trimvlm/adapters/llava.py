@@ -21,7 +21,7 @@ class LlavaAdapter(Adapter):
 
     @property
     def patch_size(self) -> int:
-        return self.model.config.vision_config.patch_size
+        return self.vision_config.patch_size
 
     @property
     def vision_has_cls(self) -> bool:

@@ -24,7 +24,7 @@ class QwenVLAdapterMixin:
 
     @property
     def merge(self) -> int:
-        return self.model.config.vision_config.spatial_merge_size
+        return self.vision_config.spatial_merge_size
 
     resizes = True  # dynamic resolution: the token grid follows the image's size
 

@@ -9,7 +9,6 @@ which is what the demo models were trained to produce after `<ans>`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from trimvlm.errors import InputError
@@ -25,11 +24,8 @@ class Layout:
     @classmethod
     def for_adapter(cls, adapter) -> Layout:
         tok = adapter.tokenizer
-        meta = {}
-        if adapter.folder is not None and (adapter.folder / "trimvlm.json").exists():
-            meta = json.loads((adapter.folder / "trimvlm.json").read_text())
-        open_text = meta.get("candidate_open", "")
-        close_text = meta.get("candidate_close")
+        open_text = adapter.meta.get("candidate_open", "")
+        close_text = adapter.meta.get("candidate_close")
         close = _ids(tok, close_text) if close_text is not None else [tok.eos_token_id]
         return cls(
             open_ids=_ids(tok, open_text),
