@@ -37,14 +37,9 @@ def pick_variant(vlm, router: str, budget: float, method: str | None, task: str 
     """{"budget", "select", "price", "aim", "val_total_flops", "val_accuracy", "val_items", "recipe"}: the best
     candidate on validation (each selector at each price of PRICES, at its aim); `recipe` is the recipe that ran
     it, with the router named `name` (as the user gave it; default: `router`)."""
-    ok = []
-    for r in dict.fromkeys(f"router={router}:budget={budget}:select={sel}:price={p}"
-                           for sel in ["router"] + ([method] if method else []) for p in PRICES):  # fmt: skip
-        try:
-            make_plan(r, vlm.runner)
-            ok.append(r)
-        except TrimVLMError:
-            continue
+    ok = [r for r in dict.fromkeys(f"router={router}:budget={budget}:select={sel}:price={p}"
+                                   for sel in ["router"] + ([method] if method else []) for p in PRICES)
+          if _accepted(r, vlm.runner)]  # fmt: skip
     if not ok:
         raise InputError(f"router {router} runs no variant at budget {budget}: every one was refused")
     seen = seen_inputs(load_router(router)[1])
@@ -65,20 +60,24 @@ def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = RO
     """({candidate: its recipe at the aim found}, the last run): each candidate runs on the validation items at
     its aim in `aims` (pick_variant starts them at the budget), then at that aim scaled by budget / the spend it
     measured (capped at 1; kept where the router refuses that aim), `rounds` runs in all."""
-    def reachable(r: str, aim: float, before: float) -> float:  # an aim the router refuses keeps the one that ran
-        try:
-            make_plan(f"{r}:aim={aim:.6g}", vlm.runner)
-            return aim
-        except TrimVLMError:
-            return before
-
+    recipes, res = {}, None
     for _ in range(rounds):
+        if res is not None:  # the aim the last run's spend asks for; one the router refuses keeps the one that ran
+            scaled = {r: min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]) for r, a in aims.items()}
+            aims = {r: a if _accepted(f"{r}:aim={a:.6g}", vlm.runner) else aims[r] for r, a in scaled.items()}
         recipes = {r: f"{r}:aim={a:.6g}" for r, a in aims.items()}
         res = run_eval(vlm, val, list(recipes.values()), batch_size=batch_size, warmup=False, memory="off",
                        progress=False)  # fmt: skip
-        aims = {r: reachable(r, min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]), a)
-                for r, a in aims.items()}  # fmt: skip
     return recipes, res
+
+
+def _accepted(recipe: str, runner) -> bool:
+    """Whether the router takes `recipe` on this model (a budget or aim it cannot reach is refused)."""
+    try:
+        make_plan(recipe, runner)
+        return True
+    except TrimVLMError:
+        return False
 
 
 def record_variants(folder, variants: list[dict]) -> None:
