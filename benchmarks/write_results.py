@@ -194,22 +194,27 @@ def tune_table(data: dict, args: dict) -> str:
 
 def paired_table(data: dict, args: dict) -> str:
     """Paired comparisons on the same items: `pairs` ("A vs B; C vs D"), `group` (all, a kind or a probe; default
-    all). Each row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact
-    p-value, and the verdict: "A ahead" or "B ahead" only where the interval excludes zero and p < 0.05."""
-    result, group = SavedResult(data), args.get("group", "all")
-    rows, n = [], 0
-    for pair in (x for x in args["pairs"].split(";") if x.strip()):
-        a, b = (x.strip() for x in pair.split(" vs "))
-        paired = compare(result, a, b, group)
-        n = paired.n
-        d = paired.diff
-        shown = paired.p_value < 0.05  # and the interval excludes zero: both tests agree
-        verdict = f"{a} ahead" if shown and d.low > 0 else f"{b} ahead" if shown and d.high < 0 else "no difference shown"
-        acc = [100 * result.row(x, group)["accuracy"] for x in (a, b)]
-        rows.append([a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
-                     f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
-                     verdict])  # fmt: skip
-    return markdown_table(["A", "B", "A acc", "B acc", f"A - B, points (95% CI, {n} items)", "p", "verdict"], rows)
+    all), or `groups` ("all; count; relation": a row per group and pair, the group named in a first column). Each
+    row: both accuracies, A - B in points with its 95% paired-bootstrap interval, McNemar's exact p-value, and the
+    verdict: "A ahead" or "B ahead" only where the interval excludes zero and p < 0.05."""
+    result = SavedResult(data)
+    groups = [g.strip() for g in args.get("groups", args.get("group", "all")).split(";") if g.strip()]
+    rows, ns = [], set()  # ns: the items compared (one group: one count)
+    for group in groups:
+        for pair in (x for x in args["pairs"].split(";") if x.strip()):
+            a, b = (x.strip() for x in pair.split(" vs "))
+            paired = compare(result, a, b, group)
+            ns.add(paired.n)
+            d = paired.diff
+            shown = paired.p_value < 0.05  # and the interval excludes zero: both tests agree
+            verdict = f"{a} ahead" if shown and d.low > 0 else f"{b} ahead" if shown and d.high < 0 else "no difference shown"
+            acc = [100 * result.row(x, group)["accuracy"] for x in (a, b)]
+            rows.append([*([f"{group} ({paired.n})"] if "groups" in args else []), a, b, f"{acc[0]:.1f}", f"{acc[1]:.1f}",
+                         f"{100 * d.estimate:+.1f} ({100 * d.low:+.1f}, {100 * d.high:+.1f})", f"{paired.p_value:.3g}",
+                         verdict])  # fmt: skip
+    items = "" if "groups" in args else f", {ns.pop() if ns else 0} items"
+    head = ["A", "B", "A acc", "B acc", f"A - B, points (95% CI{items})", "p", "verdict"]
+    return markdown_table([*(["group (items)"] if "groups" in args else []), *head], rows)
 
 
 def scoring_table(data: dict, args: dict) -> str:

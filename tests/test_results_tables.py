@@ -119,3 +119,19 @@ def test_an_unknown_figure_kind_is_refused(tmp_path):
     page.write_text(page.read_text().replace("figure=pareto", "figure=paretto", 1))
     with pytest.raises(SystemExit, match="figure='paretto'; figure is one of pareto, scoring, tune"):
         _writer().main(["--check", "--root", str(root)])
+
+
+def test_a_paired_table_over_groups_repeats_each_groups_own_table():
+    """`groups=` gives, per group and pair, the row the single-group table gives, the group and its items first."""
+    w = _writer()
+    data = json.loads((ROOT / "docs" / "results" / "router-room-scenes.json").read_text())
+    pairs = "router v2 vs density L2; router v2 vs tuned"
+    grid = w.paired_table(data, {"pairs": pairs, "groups": "count; relation"}).splitlines()
+    assert grid[0].startswith("| group (items) | A | B |")
+    body = grid[2:]
+    assert len(body) == 4
+    for i, group in enumerate(["count", "relation"]):
+        alone = w.paired_table(data, {"pairs": pairs, "group": group}).splitlines()[2:]
+        n = sum(item["kind"] == group for item in data["items"])
+        for j, row in enumerate(alone):
+            assert body[2 * i + j] == f"| {group} ({n}) " + row
