@@ -121,6 +121,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="seconds: a tiny tune and depth_budget --quick, 16 items")
+    ap.add_argument("--only", default=None, help="budget tags to run, comma-separated (e.g. B45): their rows replace "
+                    "those of --json's file (the same model, items and seed); the other rows are kept")  # fmt: skip
     a = ap.parse_args(argv)
     a.limit = a.limit or (600 if a.full else 200)
     torch.set_num_threads(a.threads)
@@ -128,6 +130,10 @@ def main(argv=None) -> None:
     if a.quick:
         a.tuned, a.matched, a.limit, a.batch_size = _quick(vlm, Path(tempfile.mkdtemp(prefix="budget-table-")))
     recipes, cells = recipes_for(a.tuned, a.matched, a.router2 or _shipped_v2(a.model))
+    if a.only:
+        only = {t.strip() for t in a.only.split(",")}
+        cells = {t: c for t, c in cells.items() if t in only}
+        recipes = [r for r in recipes if (r["name"] if isinstance(r, dict) else r.name).split("_")[0] in only]
     res = run_eval(vlm, get_task(a.task, limit=a.limit, seed=a.seed, split="test"), recipes, batch_size=a.batch_size,
                    progress=not a.quick)  # fmt: skip
     rows, md = table(res, cells)
@@ -135,7 +141,19 @@ def main(argv=None) -> None:
     if a.markdown:
         a.markdown.write_text(md)
     if a.json:
-        a.json.write_text(json.dumps({"model": a.model, "items": a.limit, "seed": a.seed, "rows": rows}, indent=2) + "\n")
+        out = {"model": a.model, "items": a.limit, "seed": a.seed, "rows": rows}
+        if a.only:
+            out = _merged(a.json, out)
+        a.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _merged(path: Path, new: dict) -> dict:
+    """`path`'s table with the rows of `new` in place of its rows of the same budgets (same model, items, seed)."""
+    old = json.loads(path.read_text())
+    if [old.get(k) for k in ("model", "items", "seed")] != [new[k] for k in ("model", "items", "seed")]:
+        raise SystemExit(f"{path} holds another table (model, items, seed): --only replaces rows of the same draw")
+    fresh = {r["budget"]: r for r in new["rows"]}
+    return {**old, "rows": [fresh.get(r["budget"], r) for r in old["rows"]]}
 
 
 def _shipped_v2(model: str) -> str | None:

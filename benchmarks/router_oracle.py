@@ -103,18 +103,28 @@ def rows(right, cost, space: dict, layouts: list[Layout], table: dict | None) ->
         ok = oracle_at(right[:, at], cost[at], b)
         row = {"budget": b, "oracle": _acc(o), "oracle_router_keep": _acc(ok) | {"keep": router.layout()[0]}}
         ref = cells.get(f"B{round(100 * b)}")
-        if ref is not None:
-            tuned, r2 = ref["tuned"], ref["router v2"]
-            row["tuned"] = {
-                "accuracy": tuned["accuracy"],
-                "total_flops": tuned["total_flops"],
-                "spec": tuned["spec"],
-            }
-            row["router"] = {"accuracy": r2["accuracy"], "total_flops": r2["total_flops"]}
-            gain = None if o.accuracy is None else o.accuracy - tuned["accuracy"]
-            row["share"] = (r2["accuracy"] - tuned["accuracy"]) / gain if gain and gain > 0 else None
-        out.append(row)
+        out.append(row if ref is None else row | from_table(ref, o.accuracy))
     return out
+
+
+def from_table(ref: dict, oracle: float | None) -> dict:
+    """A row's fields read from the budget table's cell `ref`: the tuned recipe, router v2 and the router's
+    share of the oracle's gain over the tuned recipe."""
+    tuned, r2 = ref["tuned"], ref["router v2"]
+    gain = None if oracle is None else oracle - tuned["accuracy"]
+    return {"tuned": {"accuracy": tuned["accuracy"], "total_flops": tuned["total_flops"], "spec": tuned["spec"]},
+            "router": {"accuracy": r2["accuracy"], "total_flops": r2["total_flops"]},
+            "share": (r2["accuracy"] - tuned["accuracy"]) / gain if gain and gain > 0 else None}  # fmt: skip
+
+
+def refresh(path: Path, table: dict) -> None:
+    """Rewrite the table's fields of the oracle file `path` (measured before) from a newer budget table of the
+    same draw: nothing is measured again."""
+    out = json.loads(path.read_text())
+    cells = {r["budget"]: r for r in table["rows"]}
+    for row in out["rows"]:
+        row.update(from_table(cells[f"B{round(100 * row['budget'])}"], row["oracle"]["accuracy"]))
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def distribution(right, cost) -> dict:
@@ -189,7 +199,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test in seconds: 4 items, one budget")
+    ap.add_argument("--refresh", action="store_true", help="only rewrite --json's tuned, router v2 and share "
+                    "from --table (a newer budget table of the same draw); nothing is measured")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.refresh:
+        return refresh(a.json, json.loads(a.table.read_text()))
     if a.quick:
         a.limit, a.batch, a.eval_batch, a.budgets, a.right = 4, 4, 4, "0.6", None
     torch.set_num_threads(a.threads)

@@ -69,6 +69,8 @@ step 7 && $BIN/trimvlm calibrate-router demo-scenes --model demo-scenes --task s
     --select router,density@2,fastv@2,density@0 --overwrite
 step 7 && $BIN/trimvlm pick-router demo-scenes --model demo-scenes --task scenes --budgets 0.75,0.6,0.45 \
     --select fastv@2,density@2,density@0 --n-val 600 --overwrite
+step 7 && $BIN/trimvlm pick-routes demo-scenes --model demo-scenes --task scenes --budget 0.45 \
+    --routes density@0,density@2 --n-val 600 --overwrite
 
 # 8. budget table: tuned, FastV alone, the naive FastV + ranker, the plain router v2
 step 8 && $BIN/python benchmarks/depth_budget.py --model demo-scenes --task scenes --budgets 0.75:1,0.6:2,0.45:3 \

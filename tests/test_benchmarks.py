@@ -322,6 +322,17 @@ def test_budget_table(tmp_path):
     assert row["fastv"]["spec"].startswith("tokens=fastv:") and "depth=" in row["naive"]["spec"]  # what ran
 
 
+def test_budget_table_only_replaces_its_rows_of_the_same_draw(tmp_path):
+    path = tmp_path / "table.json"
+    old = {"model": "m", "items": 600, "seed": 0, "rows": [{"budget": "B75", "v": 1}, {"budget": "B45", "v": 2}]}
+    path.write_text(json.dumps(old))
+    merged = bench("budget_table")._merged(path, {"model": "m", "items": 600, "seed": 0,
+                                                  "rows": [{"budget": "B45", "v": 3}]})  # fmt: skip
+    assert merged["rows"] == [{"budget": "B75", "v": 1}, {"budget": "B45", "v": 3}]
+    with pytest.raises(SystemExit, match="another table"):
+        bench("budget_table")._merged(path, {"model": "m", "items": 600, "seed": 23, "rows": []})
+
+
 def test_recurrent_branch(tmp_path):
     """Both paths (chunked kernel, recurrent form) x both executors, the same scores (<= 1e-4) and the
     same greedy tokens; the candidate phase really holds less memory in the recurrent form."""

@@ -234,8 +234,10 @@ def methods(json_out: Path | None = JSON_OUT):
         table = Sheet(console, "router=M:budget=B (no other option) runs the variant recorded for the nearest budget",
                       ["model", "budget", "select=", "price=", "aim=", "val accuracy"])  # fmt: skip
         for name, v in variants:
-            table.row(name, f"{v['budget']}", v["select"], str(v["price"]), f"{v.get('aim', v['budget']):.4g}",
-                          f"{100 * v['val_accuracy']:.1f}% ({v['val_items']} items)")  # fmt: skip
+            runs = v.get("routes", [v])  # a routed variant: each input on one of its routes
+            table.row(name, f"{v['budget']}", " | ".join(r["select"] for r in runs),
+                      " | ".join(str(r["price"]) for r in runs), " | ".join(f"{r.get('aim', v['budget']):.4g}" for r in runs),
+                      f"{100 * v['val_accuracy']:.1f}% ({v['val_items']} items)")  # fmt: skip
         console.print(table)
     console.print(TUNED_AND_START)
     _write_json(json_out, data)
@@ -654,6 +656,34 @@ def pick_router(
                       f"({100 * v['val_accuracy']:.1f}% on {v['val_items']} val items)")  # fmt: skip
     record_variants(folder, picked)
     console.print(f"recorded in {folder}; `router={router}:budget=B` now runs the variant of the nearest budget")
+
+
+@command("pick-routes", rich_help_panel=TRAIN)
+def pick_routes(
+    router: str = ROUTER,
+    model: str = MODEL,
+    overwrite: bool = OVERWRITE,
+    budget: float = typer.Option(..., help="the budget of a variant pick-router recorded"),
+    routes: str = typer.Option(..., help="two or more token methods NAME@LAYER, comma-separated, e.g. "
+                               "density@0,density@2: each input runs one of them"),
+    task: str | None = TASK("validation items: the task's val split after the router's inputs"),
+    n_val: int = typer.Option(600, help="validation items to fit the switch on, and as many again to check it"),
+    load_kw: dict = LOAD_KW,
+):
+    """Fit router v2's switch among routes at one budget (training/routes.py) and record the routed variant
+    where it answers more validation items than the recorded one, so that the plain `router=M:budget=B` runs
+    it."""
+    from trimvlm.cli_train import v2_router
+    from trimvlm.evals.tasks import check_positive
+    from trimvlm.training.routes import pick_routes as fit_routes
+
+    check_positive("--n-val", n_val, "a positive number of items")
+    selects = [x.strip() for x in routes.split(",") if x.strip()]
+    folder, vlm, _ = v2_router(router, model, load_kw, "given routes", overwrite)
+    got = fit_routes(vlm, str(folder), float(budget), selects, _task(model, task), n_val)
+    verdict = "recorded" if got["recorded"] else "not recorded (the recorded variant stays)"
+    console.print(f"budget {budget}: routes {', '.join(selects)}: {100 * got['routed_accuracy']:.1f}% against "
+                  f"{100 * got['single_accuracy']:.1f}% on {got['items']} val items: {verdict}")  # fmt: skip
 
 
 @command(rich_help_panel=TRAIN)

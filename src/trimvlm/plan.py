@@ -33,7 +33,9 @@ def decision_plan(recipe, runner) -> Plan:
             f"kv={recipe.kv} evicts the decode cache, and a decision decodes nothing: drop kv= from the recipe "
             "(tokens=, depth= and router= apply)"
         )
-    return make_plan(recipe, runner)
+    plan = make_plan(recipe, runner)
+    plan.refuse_routes("a decision")
+    return plan
 
 
 def make_plan(recipe, runner) -> Plan:

@@ -86,15 +86,21 @@ class BudgetTable:
             self.kl = held["kl"][select]
 
     def cost_of(self, keep: float, subset) -> float:
+        """The predicted cost of `keep` with `subset` skipped: interpolated in keep; below the lowest keep of the
+        table, extrapolated along its two lowest keeps (a budget the table's keeps cannot reach)."""
         j = self.subsets.index(tuple(sorted(subset)))
-        return interp(self.keeps, [row[j] for row in self.cost], keep)
+        col = [row[j] for row in self.cost]
+        if keep < self.keeps[0] and len(self.keeps) > 1:
+            slope = (col[1] - col[0]) / (self.keeps[1] - self.keeps[0])
+            return col[0] - slope * (self.keeps[0] - keep)
+        return interp(self.keeps, col, keep)
 
     def lowest(self, price: float | None = None) -> float:
         """The smallest mean cost the calibration inputs can reach (the cheapest keep, every layer it may skip,
         or the layers it skips at `price`)."""
         if self.z is None:
             return min(self.choices, default=math.inf)
-        return self.mean_cost(self.z, self.cand, self.keeps[0], -math.inf if price is None else price)
+        return self.mean_cost(self.z, self.cand, min(FLOOR, self.keeps[0]), -math.inf if price is None else price)
 
     def choice(self, budget: float, price: float | None = None) -> tuple[float, float]:
         """(keep, lambda) for a budget: calibrated on the stored training inputs for exactly this budget (or,
@@ -155,6 +161,8 @@ LAMBDAS = (-math.inf, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0, 4
 # a policy whose mean cost stays more than this fraction under the budget even at full keep (it skips more than
 # the budget asks) is taken only where no policy can spend the budget: "meets the budget" is within 2%
 REACH = 0.02
+# the lowest keep a budget below the table's keeps is calibrated to (fractions of each image's tokens)
+FLOOR = 0.02
 # anchor deviations (logit units away from the training mean); inf: the static layout
 TAUS = (math.inf, 4.0, 2.0, 1.0, 0.5)
 
@@ -171,22 +179,32 @@ def policies(table: BudgetTable) -> list:
 
 def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=None) -> list[tuple[float, float, float]]:
     """(budget, keep, lambda) for each budget from the training inputs' layer logits z [X, N] and measured KL
-    `kl(x, keep, subset)` (interpolated in keep). Budgets no keep can meet are left out."""
+    `kl(x, keep, subset)` (interpolated in keep). A budget no policy meets within the table's keeps is met below
+    them (its costs extrapolated, down to keep FLOOR); budgets not even met there are left out."""
     out = []
     for b in budgets:
         best = None
-        for lam in lambdas or policies(table):
-            lo, hi = table.keeps[0], 1.0
-            if table.mean_cost(z, cand, lo, lam) > b:
-                continue
-            for _ in range(16):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if table.mean_cost(z, cand, mid, lam) <= b else (lo, mid)
-            subsets = table.skip(z, cand, lo, lam)
-            loss = sum(kl(x, lo, s) for x, s in enumerate(subsets)) / len(subsets)
-            short = table.mean_cost(z, cand, lo, lam) < (1 - REACH) * b  # cannot spend the budget, even at keep 1
-            if best is None or (short, loss) < (best[0], best[1] - 1e-12):
-                best = (short, loss, lo, lam)
-        if best is not None:
-            out.append((float(b), best[2], best[3]))
+        for low in (table.keeps[0], min(FLOOR, table.keeps[0])):  # below the table only where nothing meets b
+            for lam in lambdas or policies(table):
+                got = _calibrated(table, z, cand, kl, b, lam, low)
+                if got is not None and (best is None or (got[0], got[1]) < (best[0], best[1] - 1e-12)):
+                    best = got
+            if best is not None:
+                out.append((float(b), best[2], best[3]))
+                break
     return out
+
+
+def _calibrated(table: BudgetTable, z, cand, kl, b: float, lam, low: float):
+    """(short, mean KL, keep, lambda): the keep in [low, 1] whose mean cost under policy `lam` meets budget b, or
+    None when even `low` costs more."""
+    lo, hi = low, 1.0
+    if table.mean_cost(z, cand, lo, lam) > b:
+        return None
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if table.mean_cost(z, cand, mid, lam) <= b else (lo, mid)
+    subsets = table.skip(z, cand, lo, lam)
+    loss = sum(kl(x, lo, s) for x, s in enumerate(subsets)) / len(subsets)
+    short = table.mean_cost(z, cand, lo, lam) < (1 - REACH) * b  # cannot spend the budget, even at keep 1
+    return short, loss, lo, lam

@@ -27,7 +27,7 @@ from trimvlm.options import is_int, is_number
 from trimvlm.protocol import Method, build, register
 from trimvlm.router.budget import BudgetTable, recorded_variant
 from trimvlm.router.model import load_router
-from trimvlm.runtime.plan import LayerPlan
+from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
@@ -39,6 +39,14 @@ class RouterTokens(TokenReducer):
 
     def choose(self, view: VisualView) -> Selection:
         return Selection(keep=topk_mask(view.attention, view.k, view.mask))
+
+
+def prompt_features(seq) -> torch.Tensor:
+    """[B, D] float32: the mean of each row's text-token embeddings (what a routed variant's switch reads, before
+    the first layer runs)."""
+    text = (seq.valid & ~seq.visual).to(torch.float32)
+    total = (seq.hidden.float() * text[..., None]).sum(1)
+    return total / text.sum(1, keepdim=True).clamp_min(1.0)
 
 
 def _packed(hidden: torch.Tensor, mask: torch.Tensor):
@@ -132,6 +140,7 @@ class Router(Method):
             if self.aim < low - 1e-9:
                 raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
                                   f"{low:.3f}x on its calibration inputs")  # fmt: skip
+        self.routes = self.routed() if self.variant is not None and "routes" in self.variant else None
 
     def take_variant(self) -> None:
         """select=, price= and (unless given) aim= from the variant recorded for the budget nearest this one; its
@@ -141,6 +150,27 @@ class Router(Method):
             self.select, self.price = self.variant["select"], self.variant["price"]
             if self.aim is None and "aim" in self.variant:
                 self.aim = min(1.0, self.budget * float(self.variant["aim"]) / float(self.variant["budget"]))
+
+    def routed(self) -> list:
+        """A routed variant's routes: one `Router` per recorded route (its select=, price= and aim), and the
+        switch that sends each input to one of them (`switch`)."""
+        scale = float(self.budget) / float(self.variant["budget"])
+        routes = [Router(self.path, budget=self.budget, select=r["select"], price=r["price"],
+                         aim=min(1.0, float(r["aim"]) * scale)) for r in self.variant["routes"]]  # fmt: skip
+        sw = self.variant["switch"]
+        self.switch = (torch.tensor(sw["weight"], dtype=torch.float32), torch.tensor(sw["bias"], dtype=torch.float32))
+        return routes
+
+    def route(self, seq, runner) -> list:
+        """[(rows, Plan)]: the rows the switch sends to each route, and the route's plan for them."""
+        w, b = self.switch
+        choice = (prompt_features(seq) @ w.T.to(seq.hidden.device) + b.to(seq.hidden.device)).argmax(1)
+        out = []
+        for j, method in enumerate(self.routes):
+            plan = Plan()
+            method.apply(plan, runner)
+            out.append((torch.nonzero(choice == j).flatten().cpu(), plan))
+        return out
 
     def check(self, runner) -> None:
         fp = model_fingerprint(runner.adapter)
@@ -185,6 +215,13 @@ class Router(Method):
         With `select=METHOD` that token method applies to the plan first (its probes, its hook) and the
         router's hook wraps it: the router decides the layers, the method the tokens."""
         self.check(runner)
+        if self.routes is not None:
+            if plan.after_prefill is not None or plan.probe is not None:
+                raise RecipeError(f"router={self.path}:budget={self.budget} runs each input on one of its routes "
+                                  "(a routed variant): kv= cannot be combined with it; give select= and price= to "
+                                  "run one variant")  # fmt: skip
+            plan.routes = self.route
+            return
         keep, lam = self.layout()
         inner = None
         if self.select != "router" and keep < 1:

@@ -18,7 +18,7 @@ import torch
 from trimvlm.errors import InputError
 from trimvlm.options import is_int, require_number
 from trimvlm.runtime.meter import Costs, Meter
-from trimvlm.runtime.plan import LayerPlan, Plan
+from trimvlm.runtime.plan import LayerPlan, Plan, fixed_skip, skip_rows
 from trimvlm.runtime.runner import Runner
 
 
@@ -112,29 +112,14 @@ class Decoding:
             self.skip.rows(rows)
 
     def join(self, other: Decoding) -> None:
-        a, b = _fixed(self.skip), _fixed(other.skip)
+        a, b = fixed_skip(self.skip), fixed_skip(other.skip)
         if not (isinstance(a, frozenset | set) and isinstance(b, frozenset | set) and set(a) == set(b)):
             layers = self.runner.num_layers
             dev = self.pos.device
-            a = torch.cat([_per_row(a, len(self), layers).to(dev), _per_row(b, len(other), layers).to(dev)])
+            a = torch.cat([skip_rows(a, len(self), layers).to(dev), skip_rows(b, len(other), layers).to(dev)])
         self.cache.join(other.cache)
         self.pos = torch.cat([self.pos, other.pos])
         self.skip = a
-
-
-def _fixed(skip):
-    """A `LayerPlan` as what it holds (its [B, L] plan, or nothing skipped before one was set)."""
-    if isinstance(skip, LayerPlan):
-        return frozenset() if skip.plan is None else skip.plan
-    return skip
-
-
-def _per_row(skip, rows: int, layers: int) -> torch.Tensor:
-    if isinstance(skip, torch.Tensor):
-        return skip
-    out = torch.zeros(rows, layers, dtype=torch.bool)
-    out[:, sorted(int(i) for i in skip)] = True
-    return out
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trimvlm.errors import RecipeError
 from trimvlm.runtime.attention import AttentionContext
 
 
@@ -48,6 +49,22 @@ class LayerPlan:
             self.plan = self.plan.index_select(0, stay)
 
 
+def fixed_skip(skip):
+    """A `LayerPlan` as what it holds (its [B, L] plan, or nothing skipped before one was set); else `skip`."""
+    if isinstance(skip, LayerPlan):
+        return frozenset() if skip.plan is None else skip.plan
+    return skip
+
+
+def skip_rows(skip, rows: int, layers: int) -> torch.Tensor:
+    """[rows, layers] bool: a set of skipped layers (or a [rows, L] plan, returned as it is) for every row."""
+    if isinstance(skip, torch.Tensor):
+        return skip
+    out = torch.zeros(rows, layers, dtype=torch.bool)
+    out[:, sorted(int(i) for i in skip)] = True
+    return out
+
+
 @dataclass
 class Plan:
     recipe: object = None  # the trimvlm.recipe.Recipe it was built from (None: a plan made by hand)
@@ -62,11 +79,14 @@ class Plan:
     # `vlm.prepare(..., plan=)` through `adapters.base.resolution`, checked by the runner
     resolution: object | None = None
     handoff: Handoff = field(default_factory=Handoff)
+    # (seq, runner) -> [(rows, Plan)]: each group of the batch's rows runs under its own plan, as a batch of its
+    # own (runtime/routes.py); the router's routed variants
+    routes: object | None = None
 
     @property
     def per_sample(self) -> bool:
-        """Whether the prefill's layer plan differs per sample (the router's)."""
-        return isinstance(self.skip_prefill, LayerPlan | torch.Tensor)
+        """Whether the prefill's layer plan, or the plan itself (routes), differs per sample (the router's)."""
+        return self.routes is not None or isinstance(self.skip_prefill, LayerPlan | torch.Tensor)
 
     @property
     def chunkable(self) -> bool:
@@ -79,6 +99,13 @@ class Plan:
         """Whether a prompt's prefill under this plan may be stored and reused (runtime/prefix_cache.py): its KV
         is not changed at the boundary by a policy that keeps state for the decode, and no per-sample plan."""
         return self.after_prefill is None and not self.per_sample
+
+    def refuse_routes(self, what: str) -> None:
+        """A clear error where `what` reads one prefill of the whole batch, which a routed plan does not make."""
+        if self.routes is not None:
+            raise RecipeError(f"{self.label()} runs each input on one of its routes (a routed router variant), in "
+                              f"generation only: {what} reads one prefill of the whole batch; give the router "
+                              "select= and price= to run one variant")  # fmt: skip
 
     def label(self) -> str:
         return "baseline" if self.recipe is None else self.recipe.label()

@@ -31,6 +31,7 @@ from trimvlm.runtime.layers import ATTENTION
 from trimvlm.runtime.meter import FlopsMemo, Meter
 from trimvlm.runtime.plan import LayerPlan, Plan
 from trimvlm.runtime.prefix_cache import assemble, prefill_prompts
+from trimvlm.runtime.routes import prefill_routes
 from trimvlm.runtime.sequence import LiveSeq, next_positions
 
 # hook(layer_idx, seq, runner) -> seq ; called before layer `layer_idx` runs (and with num_layers at the end)
@@ -382,6 +383,8 @@ class Prefill:
     @torch.no_grad()
     def advance(self, tokens: int) -> PrefillOutput | None:
         """Run the next `tokens` positions (at least one); the prefill's output once the prompt is done."""
+        if self.plan.routes is not None:  # each group of rows under its own plan (never chunked: per_sample)
+            return prefill_routes(self)
         n = max(1, min(tokens, self.left))
         part = self.seq
         if n < self.seq.length:

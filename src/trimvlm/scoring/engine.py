@@ -59,6 +59,7 @@ def prefill_requests(vlm, requests: list[ScoreRequest], *, plan: Plan | None = N
     layout = Layout.for_adapter(ad)
     suffixes = [[layout.encode(ad.tokenizer, c, k) for k, c in enumerate(r.candidates)] for r in requests]
     plan = plan or Plan()
+    plan.refuse_routes("candidate scoring")
     meter = meter or Meter(device=runner.device)
     prepared = vlm.prepare([r.images for r in requests], [r.question for r in requests], plan=plan)
     starts = ad.next_positions(prepared).tolist()  # checked before any model work
