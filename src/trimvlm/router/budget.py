@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -187,17 +188,26 @@ def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=No
         for low in (table.keeps[0], min(FLOOR, table.keeps[0])):  # below the table only where nothing meets b
             for lam in lambdas or policies(table):
                 got = _calibrated(table, z, cand, kl, b, lam, low)
-                if got is not None and (best is None or (got[0], got[1]) < (best[0], best[1] - 1e-12)):
+                if got is not None and (best is None or (got.short, got.loss) < (best.short, best.loss - 1e-12)):
                     best = got
             if best is not None:
-                out.append((float(b), best[2], best[3]))
+                out.append((float(b), best.keep, best.lam))
                 break
     return out
 
 
-def _calibrated(table: BudgetTable, z, cand, kl, b: float, lam, low: float):
-    """(short, mean KL, keep, lambda): the keep in [low, 1] whose mean cost under policy `lam` meets budget b, or
-    None when even `low` costs more."""
+class Calibrated(NamedTuple):
+    """One policy's calibration at a budget: whether it cannot spend it, its mean KL, its keep and the policy."""
+
+    short: bool
+    loss: float
+    keep: float
+    lam: object
+
+
+def _calibrated(table: BudgetTable, z, cand, kl, b: float, lam, low: float) -> Calibrated | None:
+    """The keep in [low, 1] whose mean cost under policy `lam` meets budget b, or None when even `low` costs
+    more."""
     lo, hi = low, 1.0
     if table.mean_cost(z, cand, lo, lam) > b:
         return None
@@ -207,4 +217,4 @@ def _calibrated(table: BudgetTable, z, cand, kl, b: float, lam, low: float):
     subsets = table.skip(z, cand, lo, lam)
     loss = sum(kl(x, lo, s) for x, s in enumerate(subsets)) / len(subsets)
     short = table.mean_cost(z, cand, lo, lam) < (1 - REACH) * b  # cannot spend the budget, even at keep 1
-    return short, loss, lo, lam
+    return Calibrated(short, loss, lo, lam)

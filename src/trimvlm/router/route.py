@@ -140,7 +140,9 @@ class Router(Method):
             if self.aim < low - 1e-9:
                 raise RecipeError(f"router {self.path} cannot meet budget {self.budget}: its cheapest layouts cost "
                                   f"{low:.3f}x on its calibration inputs")  # fmt: skip
-        self.routes = self.routed() if self.variant is not None and "routes" in self.variant else None
+        self.routes = self.switch = None
+        if self.variant is not None and "routes" in self.variant:
+            self.take_routes()
 
     def take_variant(self) -> None:
         """select=, price= and (unless given) aim= from the variant recorded for the budget nearest this one; its
@@ -151,25 +153,26 @@ class Router(Method):
             if self.aim is None and "aim" in self.variant:
                 self.aim = min(1.0, self.budget * float(self.variant["aim"]) / float(self.variant["budget"]))
 
-    def routed(self) -> list:
-        """A routed variant's routes: one `Router` per recorded route (its select=, price= and aim), and the
-        switch that sends each input to one of them (`switch`)."""
+    def take_routes(self) -> None:
+        """A routed variant's routes (one `Router` per recorded route: its select=, price= and aim, scaled with
+        the budget as the aim of a variant is) and the switch that sends each input to one of them."""
         scale = float(self.budget) / float(self.variant["budget"])
-        routes = [Router(self.path, budget=self.budget, select=r["select"], price=r["price"],
-                         aim=min(1.0, float(r["aim"]) * scale)) for r in self.variant["routes"]]  # fmt: skip
+        self.routes = [Router(self.path, budget=self.budget, select=r["select"], price=r["price"],
+                              aim=min(1.0, float(r["aim"]) * scale)) for r in self.variant["routes"]]  # fmt: skip
         sw = self.variant["switch"]
         self.switch = (torch.tensor(sw["weight"], dtype=torch.float32), torch.tensor(sw["bias"], dtype=torch.float32))
-        return routes
 
     def route(self, seq, runner) -> list:
-        """[(rows, Plan)]: the rows the switch sends to each route, and the route's plan for them."""
+        """[(rows, Plan)]: the rows the switch sends to each route that takes any, and the route's plan for them."""
         w, b = self.switch
-        choice = (prompt_features(seq) @ w.T.to(seq.hidden.device) + b.to(seq.hidden.device)).argmax(1)
+        choice = (prompt_features(seq) @ w.T.to(seq.hidden.device) + b.to(seq.hidden.device)).argmax(1).cpu()
         out = []
         for j, method in enumerate(self.routes):
-            plan = Plan()
-            method.apply(plan, runner)
-            out.append((torch.nonzero(choice == j).flatten().cpu(), plan))
+            rows = torch.nonzero(choice == j).flatten()
+            if rows.numel():
+                plan = Plan()
+                method.apply(plan, runner)
+                out.append((rows, plan))
         return out
 
     def check(self, runner) -> None:

@@ -395,11 +395,18 @@ class Prefill:
             out = runner.run(part, self.cache, phase="prefill", hook=plan.hook, skip=plan.skip_prefill, meter=meter,
                              ctx=self.ctx)  # fmt: skip
             self.done += n
-            if self.left:
-                return None
-            logits = runner.logits(out, meter, "prefill", self.all_logits) if self.lm_head else None
-        meter.kv(self.cache)
-        result = PrefillOutput(logits=logits, seq=out, cache=self.cache, next_pos=self.next_pos)
+        if self.left:
+            return None
+        return self.finish(out, self.cache, self.next_pos, plan)
+
+    def finish(self, out: LiveSeq, cache: KVCache, next_pos: torch.Tensor, plan: Plan) -> PrefillOutput:
+        """The output of rows whose last layer gave `out` on `cache`: their logits, the KV at the prefill/decode
+        boundary, then `plan`'s KV step there (a routed prefill finishes each group of rows with its own plan)."""
+        meter = self.meter
+        with meter.timer("prefill"):
+            logits = self.runner.logits(out, meter, "prefill", self.all_logits) if self.lm_head else None
+        meter.kv(cache)
+        result = PrefillOutput(logits=logits, seq=out, cache=cache, next_pos=next_pos)
         if plan.after_prefill is not None:
             with meter.timer("prefill"), counting(meter, "prefill"):
                 plan.after_prefill(result)
