@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from trimvlm.kernels import jit
 from trimvlm.kernels.flops import bmm
 from trimvlm.protocol import register
-from trimvlm.tokens.base import Selection, TokenReducer, VisualView, picked
+from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
 def relevance(xn: torch.Tensor, mask: torch.Tensor, tn: torch.Tensor, tmask: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,18 @@ class CDPruner(TokenReducer):
     wants_text = True
 
     def choose(self, view: VisualView) -> Selection:
+        """Each unit alone, on its own real tokens and instruction tokens (a [1, n, D] problem whatever the batch):
+        batched products round differently with the batch's size and padding, and a greedy DPP turns a last-bit
+        difference in a near-tie into another pick, so a unit's picks would depend on the rest of its batch."""
         dt = torch.promote_types(view.features.dtype, torch.float32)
-        xn = F.normalize(view.features.to(dt), dim=-1, eps=1e-12).masked_fill(~view.mask[..., None], 0.0)
-        tn = F.normalize(view.text.to(dt), dim=-1, eps=1e-12)
-        q = relevance(xn, view.mask, tn, view.text_mask)
-        return Selection(keep=picked(dpp_greedy(xn, q, view.mask, view.k), view.k, view.mask))
+        keep = torch.zeros_like(view.mask)
+        for u in range(view.mask.shape[0]):
+            cols = view.mask[u].nonzero()[:, 0]
+            xn = F.normalize(view.features[u, cols].to(dt), dim=-1, eps=1e-12)[None]
+            tn = F.normalize(view.text[u][view.text_mask[u]].to(dt), dim=-1, eps=1e-12)[None]
+            real = xn.new_ones(xn.shape[:2], dtype=torch.bool)
+            said = tn.new_ones(tn.shape[:2], dtype=torch.bool)
+            k = view.k[u : u + 1]
+            picks = dpp_greedy(xn, relevance(xn, real, tn, said), real, k)
+            keep[u, cols[picks[0, : int(k)]]] = True
+        return Selection(keep=keep)
