@@ -85,24 +85,32 @@ def _cell(res, best: str, tuned: str | None, probes: list[str]) -> dict:
     return cell
 
 
-def table(res, cells) -> tuple[list[dict], str]:
-    rows, lines = [], ["| budget | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+def table(res, cells) -> list[dict]:
+    """A row per budget: each column's best cell against the budget's tuned recipe."""
+    rows = []
     probes = [p for p in ("prefill", "full") if any(r["group"] == p for r in res.rows)]
     for tag, cols in cells.items():
-        row, out = {"budget": tag}, [f"{int(tag[1:]) / 100:.2f}x"]
+        row = {"budget": tag}
         tuned = _best(res, cols["tuned"]) if cols.get("tuned") else None
         for col in COLUMNS:
-            if not cols.get(col):
-                out.append("-")
-                continue
-            e = row[col] = _cell(res, _best(res, cols[col]), tuned, probes)
-            iv = e["interval"]
-            out.append(f"{100 * e['accuracy']:.1f}% [{100 * iv['low']:.1f}, {100 * iv['high']:.1f}] "
-                       f"({' / '.join(f'{x:.1f}' for x in e['mismatch_pct'].values())}; "
-                       f"{e['total_flops']:.3f}x) `{e['spec']}`")  # fmt: skip
+            if cols.get(col):
+                row[col] = _cell(res, _best(res, cols[col]), tuned, probes)
         rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table's rows as Markdown, each cell naming the exact recipe that produced it."""
+    lines = ["| budget | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for row in rows:
+        out = [f"{int(row['budget'][1:]) / 100:.2f}x"]
+        for e in (row.get(col) for col in COLUMNS):
+            iv = e and e["interval"]
+            out.append("-" if e is None else f"{100 * e['accuracy']:.1f}% [{100 * iv['low']:.1f}, "
+                       f"{100 * iv['high']:.1f}] ({' / '.join(f'{x:.1f}' for x in e['mismatch_pct'].values())}; "
+                       f"{e['total_flops']:.3f}x) `{e['spec']}`")  # fmt: skip
         lines.append("| " + " | ".join(out) + " |")
-    return rows, "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
@@ -136,14 +144,14 @@ def main(argv=None) -> None:
         recipes = [r for r in recipes if (r["name"] if isinstance(r, dict) else r.name).split("_")[0] in only]
     res = run_eval(vlm, get_task(a.task, limit=a.limit, seed=a.seed, split="test"), recipes, batch_size=a.batch_size,
                    progress=not a.quick)  # fmt: skip
-    rows, md = table(res, cells)
+    out = {"model": a.model, "items": a.limit, "seed": a.seed, "rows": table(res, cells)}
+    if a.only and a.json:
+        out = _merged(a.json, out)
+    md = markdown(out["rows"])
     print(md)
     if a.markdown:
         a.markdown.write_text(md)
     if a.json:
-        out = {"model": a.model, "items": a.limit, "seed": a.seed, "rows": rows}
-        if a.only:
-            out = _merged(a.json, out)
         a.json.write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -10,8 +10,9 @@ teaches the switch where some routes agree with the unpruned model's output and 
 the routes against the agreeing ones, features standardised, an L2 penalty). The routed variant is then run on
 the next `n_val` validation items beside the variant recorded for the budget, and recorded only where it answers
 more of them; else the recorded variant stays. Before that check its routes' aims are scaled by the budget over
-what the routed variant spent on the fitting items: each route's rows are padded to their own longest row, not
-the whole batch's, so the routed variant spends less than its routes did alone.
+what the routed variant spent on the fitting and check items together (2 x `n_val` inputs: spend alone, no answer
+read): each route's rows are padded to their own longest row, not the whole batch's, so the routed variant spends
+less than its routes did alone, and one draw of `n_val` inputs spends about 1% more or less than another.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def pick_routes(vlm, router: str, budget: float, selects: list[str], task: str, 
     folder = router_folder(router)
     record_variants(folder, [routed])
     # each route's rows are padded to their own longest row, not the batch's: the routed variant spends less than
-    # its routes alone did; its aims scale by the budget over what it spends on the fitting items
+    # its routes alone did; its aims scale by the budget over what it spends on the fitting and check items
+    # together (spend only: no answer of a check item is read before the check)
     plain = f"router={router}:budget={budget}"
-    ran = run_eval(vlm, fit, [plain], batch_size=batch_size, warmup=False, memory="off", progress=False)
+    both = replace(val, records=fit.records + check.records)
+    ran = run_eval(vlm, both, [plain], batch_size=batch_size, warmup=False, memory="off", progress=False)
     spent = ran.row(ran.labels[1])["ratio"]["total_flops"]
     for r in routes:
         r["aim"] = float(f"{min(1.0, r['aim'] * budget / spent):.6g}")
