@@ -150,3 +150,37 @@ def _data_url(image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_pick_routes_records_the_routed_variant_only_where_it_wins(scenes, tmp_path):
+    """pick-routes on a copy of demo-scenes' router: the switch fitted on one set of validation items, checked on
+    the next; the router records the routed variant exactly when it answered more of the check items, else the
+    single variant it had; whichever it records, the plain recipe runs (no aim the router refuses)."""
+    from trimvlm.router.budget import recorded_variant
+    from trimvlm.router.model import load_router
+    from trimvlm.training.routes import pick_routes
+
+    folder = tmp_path / "router"
+    shutil.copytree(router_folder("demo-scenes"), folder)
+    single = recorded_variant(load_router("demo-scenes")[1], 0.45)
+    n = 24
+    got = pick_routes(scenes, str(folder), 0.45, ["density@0", "density@2"], "scenes", n, batch_size=n)
+    assert got["items"] == n and got["recorded"] == (got["routed_accuracy"] > got["single_accuracy"])
+    assert [r["select"] for r in got["variant"]["routes"]] == ["density@0", "density@2"]
+    variant = recorded_variant(load_router(str(folder))[1], 0.45)
+    assert ("routes" in variant) == got["recorded"]
+    if not got["recorded"]:
+        assert variant["recipe"] == single["recipe"] and variant["aim"] == single["aim"]
+    plan = make_plan(f"router={folder}:budget=0.45", scenes.runner)
+    assert (plan.routes is not None) == got["recorded"]
+
+
+def test_an_aim_is_scaled_where_the_router_takes_it_and_kept_where_it_refuses(scenes):
+    from trimvlm.training.variants import reaimed
+
+    route = "router=demo-scenes:budget=0.45:select=density@0:price=inf"
+    assert reaimed(scenes.runner, route, 0.47, 0.9) == pytest.approx(0.423)
+    assert reaimed(scenes.runner, route, 0.8, 2.0) == 1.0  # capped
+    with pytest.raises(RecipeError, match="cannot meet"):
+        make_plan(f"{route}:aim=0.1", scenes.runner)
+    assert reaimed(scenes.runner, route, 0.47, 0.1 / 0.47) == 0.47  # 0.1 refused: the aim stays

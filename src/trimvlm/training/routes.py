@@ -30,7 +30,7 @@ from trimvlm.router.model import load_router, router_folder
 from trimvlm.router.route import prompt_features
 from trimvlm.runtime.meter import Meter
 from trimvlm.training.calibration import seen_inputs
-from trimvlm.training.variants import _accepted, aimed, record_variants
+from trimvlm.training.variants import _accepted, aimed, reaimed, record_variants
 
 L2 = 1e-2  # the switch's penalty on its (standardised) weights
 
@@ -67,8 +67,8 @@ def pick_routes(vlm, router: str, budget: float, selects: list[str], task: str, 
     both = replace(val, records=fit.records + check.records)
     ran = run_eval(vlm, both, [plain], batch_size=batch_size, warmup=False, memory="off", progress=False)
     spent = ran.row(ran.labels[1])["ratio"]["total_flops"]
-    for r in routes:
-        r["aim"] = float(f"{min(1.0, r['aim'] * budget / spent):.6g}")
+    for r, recipe in zip(routes, ok.values(), strict=True):
+        r["aim"] = float(f"{reaimed(vlm.runner, recipe, r['aim'], budget / spent):.6g}")  # a refused one stays
     record_variants(folder, [routed])
     got = run_eval(vlm, check, [plain, single["recipe"]], batch_size=batch_size,
                    warmup=False, memory="off", progress=False)  # fmt: skip

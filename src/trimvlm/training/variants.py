@@ -63,12 +63,19 @@ def aimed(vlm, val, aims: dict, budget: float, batch_size: int, rounds: int = RO
     recipes, res = {}, None
     for _ in range(rounds):
         if res is not None:  # the aim the last run's spend asks for; one the router refuses keeps the one that ran
-            scaled = {r: min(1.0, a * budget / res.row(recipes[r])["ratio"]["total_flops"]) for r, a in aims.items()}
-            aims = {r: a if _accepted(f"{r}:aim={a:.6g}", vlm.runner) else aims[r] for r, a in scaled.items()}
+            aims = {r: reaimed(vlm.runner, r, a, budget / res.row(recipes[r])["ratio"]["total_flops"])
+                    for r, a in aims.items()}  # fmt: skip
         recipes = {r: f"{r}:aim={a:.6g}" for r, a in aims.items()}
         res = run_eval(vlm, val, list(recipes.values()), batch_size=batch_size, warmup=False, memory="off",
                        progress=False)  # fmt: skip
     return recipes, res
+
+
+def reaimed(runner, recipe: str, aim: float, scale: float) -> float:
+    """`recipe`'s aim scaled by `scale` (capped at 1), or `aim` as it was where the router refuses the scaled one
+    (below what its cheapest layouts cost)."""
+    scaled = min(1.0, aim * scale)
+    return scaled if _accepted(f"{recipe}:aim={scaled:.6g}", runner) else aim
 
 
 def _accepted(recipe: str, runner) -> bool:
