@@ -112,7 +112,7 @@ class CDPruner(TokenReducer):
     where the code normalises over the whole batch (the result would change with the batch); (c) the optional
     `theta` reweighting of the code (commented out there) is not offered. Default L = 0 (the paper prunes before
     the LLM); any L works on that layer's hidden states. Method FLOPs: the relevance products (2 N M D), one kernel
-    row per pick (2 N D) and the Cholesky update (2 t N at pick t)."""
+    row per pick (2 N D) and the Cholesky update (2 t N at pick t), on each image's own N and M (`choose`)."""
 
     wants_text = True
 
