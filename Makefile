@@ -19,8 +19,9 @@ venv: $(BIN)/trimvlm
 demo: venv
 	$(BIN)/trimvlm demo
 
+# `make test PYTEST_ARGS=...` passes options to this run alone (CI: --reverse-files), never to a pytest a test starts
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Optional extras, installed into the same venv with the installed torch pinned ($(PIN), written from
 # `torch.__version__`), so the CPU torch stays (each target checks that torch's version did not change).

@@ -1,5 +1,5 @@
 """The suite's own guarantees: each test runs in a scratch directory of its own, and `--reverse-files` runs the
-test files last first, each file's tests in their own order (CI runs the suite so, then in the usual order)."""
+test files last first, each file's tests in their own order (CI runs the suite so: `make test PYTEST_ARGS=--reverse-files`)."""
 
 import os
 import subprocess
