@@ -50,7 +50,7 @@ def test_a_routed_batch_equals_each_route_run_as_a_batch_of_its_own(scenes, tmp_
     out = scenes.generate(images, prompts, recipe=recipe, max_new_tokens=6)
     plan = make_plan(recipe, scenes.runner)
     seq = scenes.runner.encode(scenes.prepare(images, prompts), Meter(), None)
-    groups = [rows.tolist() for rows, _ in plan.routes(seq, scenes.runner)]
+    groups = [group.rows.tolist() for group in plan.routes(seq, scenes.runner)]
     assert all(groups) and sorted(sum(groups, [])) == list(range(len(prompts)))  # both routes take rows
     prefill = method = 0
     for rows, r in zip(groups, ROUTES, strict=True):

@@ -185,7 +185,8 @@ def calibrate(table: BudgetTable, z: torch.Tensor, cand, kl, budgets, lambdas=No
     out = []
     for b in budgets:
         best = None
-        for low in (table.keeps[0], min(FLOOR, table.keeps[0])):  # below the table only where nothing meets b
+        # below the table only where nothing meets b within it (once: a table starting at FLOOR has no below)
+        for low in dict.fromkeys((table.keeps[0], min(FLOOR, table.keeps[0]))):
             for lam in lambdas or policies(table):
                 got = _calibrated(table, z, cand, kl, b, lam, low)
                 if got is not None and (best is None or (got.short, got.loss) < (best.short, best.loss - 1e-12)):

@@ -27,7 +27,7 @@ from trimvlm.options import is_int, is_number
 from trimvlm.protocol import Method, build, register
 from trimvlm.router.budget import BudgetTable, recorded_variant
 from trimvlm.router.model import load_router
-from trimvlm.runtime.plan import LayerPlan, Plan
+from trimvlm.runtime.plan import LayerPlan, Plan, RouteGroup
 from trimvlm.tokens.base import Selection, TokenReducer, VisualView
 
 
@@ -162,8 +162,8 @@ class Router(Method):
         sw = self.variant["switch"]
         self.switch = (torch.tensor(sw["weight"], dtype=torch.float32), torch.tensor(sw["bias"], dtype=torch.float32))
 
-    def route(self, seq, runner) -> list:
-        """[(rows, Plan)]: the rows the switch sends to each route that takes any, and the route's plan for them."""
+    def route(self, seq, runner) -> list[RouteGroup]:
+        """The rows the switch sends to each route that takes any, and the route's plan for them."""
         w, b = self.switch
         choice = (prompt_features(seq) @ w.T.to(seq.hidden.device) + b.to(seq.hidden.device)).argmax(1).cpu()
         out = []
@@ -172,7 +172,7 @@ class Router(Method):
             if rows.numel():
                 plan = Plan()
                 method.apply(plan, runner)
-                out.append((rows, plan))
+                out.append(RouteGroup(rows, plan))
         return out
 
     def check(self, runner) -> None:

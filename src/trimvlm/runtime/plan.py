@@ -8,6 +8,7 @@ step at the prefill/decode boundary. `Handoff` carries what one phase hands the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -65,6 +66,13 @@ def skip_rows(skip, rows: int, layers: int) -> torch.Tensor:
     return out
 
 
+class RouteGroup(NamedTuple):
+    """The rows of a batch a routed plan sends to one route, and the route's plan for them."""
+
+    rows: torch.Tensor  # [n] long: the rows, in batch order
+    plan: Plan
+
+
 @dataclass
 class Plan:
     recipe: object = None  # the trimvlm.recipe.Recipe it was built from (None: a plan made by hand)
@@ -79,7 +87,7 @@ class Plan:
     # `vlm.prepare(..., plan=)` through `adapters.base.resolution`, checked by the runner
     resolution: object | None = None
     handoff: Handoff = field(default_factory=Handoff)
-    # (seq, runner) -> [(rows, Plan)]: each group of the batch's rows runs under its own plan, as a batch of its
+    # (seq, runner) -> [RouteGroup]: each group of the batch's rows runs under its own plan, as a batch of its
     # own (runtime/routes.py); the router's routed variants
     routes: object | None = None
 

@@ -26,7 +26,8 @@ def prefill_routes(work) -> PrefillOutput:
         raise TrimVLMError("a routed prefill gives each row's last logits only: its groups' lengths differ")
     runner, meter, seq = work.runner, work.meter, work.seq
     parts, plans, order = [], [], []
-    for rows, plan in work.plan.routes(seq, runner):
+    for group in work.plan.routes(seq, runner):
+        rows, plan = group.rows, group.plan
         if plan.vision_probe is not None:
             raise TrimVLMError(f"{plan.label()}: a routed group cannot read the vision tower's attention")
         sub = seq.take_rows(rows)
